@@ -1,0 +1,160 @@
+"""The exception tree shared by server and client.
+
+::
+
+    ShardserveError
+    ├── ProtocolError              the wire contract was broken; fatal for that stream
+    │   ├── VersionMismatch        the peers speak no common protocol version
+    │   ├── MalformedFrame         a frame could not be decoded (truncated, bad sizes, bad JSON)
+    │   └── UnknownMessage         a message kind this side does not know
+    ├── TransportError             the other side is not there (transient: retry may help)
+    │   ├── ServerUnavailable      the server did not answer within the deadline
+    │   └── DataStallError         a stream produced no batch within the deadline
+    ├── DataError                  the data itself is the problem (fatal)
+    │   ├── DatasetNotFound
+    │   ├── DatasetCorruptError    checksum mismatch, truncated or missing shard
+    │   └── InvalidDataError       input to ingest that cannot become a dataset
+    ├── JobError                   the job cannot go on (fatal)
+    │   ├── JobNotFound
+    │   └── JobFailed              the server marked the job failed; the reason is in the message
+    ├── BadRequest                 a request with fields that cannot be served
+    └── AuthError                  missing or wrong token
+
+Every error that crosses the wire carries an :class:`ErrorCode`; :func:`error_for_code`
+turns it back into the same class on the other side, so a trainer catches
+``DatasetCorruptError`` whether the corruption was found in its process or in the server's.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Stable names for errors on the wire and in HTTP bodies."""
+
+    VERSION_MISMATCH = "version_mismatch"
+    MALFORMED = "malformed"
+    UNKNOWN_MESSAGE = "unknown_message"
+    UNAUTHORIZED = "unauthorized"
+    BAD_REQUEST = "bad_request"
+    DATASET_NOT_FOUND = "dataset_not_found"
+    DATASET_CORRUPT = "dataset_corrupt"
+    JOB_NOT_FOUND = "job_not_found"
+    JOB_FAILED = "job_failed"
+    UNKNOWN_STREAM = "unknown_stream"
+    SERVER_SHUTDOWN = "server_shutdown"
+    INTERNAL = "internal"
+
+
+class ShardserveError(Exception):
+    """Base of every error shardserve raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+    #: A transient error may go away on retry; a fatal one will not.
+    transient: bool = False
+
+
+class ProtocolError(ShardserveError):
+    code = ErrorCode.MALFORMED
+
+
+class VersionMismatch(ProtocolError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class MalformedFrame(ProtocolError):
+    code = ErrorCode.MALFORMED
+
+
+class UnknownMessage(ProtocolError):
+    code = ErrorCode.UNKNOWN_MESSAGE
+
+
+class TransportError(ShardserveError):
+    transient = True
+
+
+class ServerUnavailable(TransportError):
+    code = ErrorCode.SERVER_SHUTDOWN
+
+
+class DataStallError(TransportError, TimeoutError):
+    pass
+
+
+class DataError(ShardserveError):
+    pass
+
+
+class DatasetNotFound(DataError, LookupError):
+    code = ErrorCode.DATASET_NOT_FOUND
+
+
+class DatasetCorruptError(DataError):
+    code = ErrorCode.DATASET_CORRUPT
+
+
+class InvalidDataError(DataError, ValueError):
+    code = ErrorCode.BAD_REQUEST
+
+
+class JobError(ShardserveError):
+    code = ErrorCode.JOB_FAILED
+
+
+class JobNotFound(JobError, LookupError):
+    code = ErrorCode.JOB_NOT_FOUND
+
+
+class JobFailed(JobError):
+    code = ErrorCode.JOB_FAILED
+
+
+class UnknownStream(JobError):
+    """The server has no stream for this peer (reclaimed, or the server restarted)."""
+
+    code = ErrorCode.UNKNOWN_STREAM
+    transient = True
+
+
+class BadRequest(ShardserveError, ValueError):
+    code = ErrorCode.BAD_REQUEST
+
+
+class AuthError(ShardserveError, PermissionError):
+    code = ErrorCode.UNAUTHORIZED
+
+
+_BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
+    ErrorCode.VERSION_MISMATCH: VersionMismatch,
+    ErrorCode.MALFORMED: MalformedFrame,
+    ErrorCode.UNKNOWN_MESSAGE: UnknownMessage,
+    ErrorCode.UNAUTHORIZED: AuthError,
+    ErrorCode.BAD_REQUEST: BadRequest,
+    ErrorCode.DATASET_NOT_FOUND: DatasetNotFound,
+    ErrorCode.DATASET_CORRUPT: DatasetCorruptError,
+    ErrorCode.JOB_NOT_FOUND: JobNotFound,
+    ErrorCode.JOB_FAILED: JobFailed,
+    ErrorCode.UNKNOWN_STREAM: UnknownStream,
+    ErrorCode.SERVER_SHUTDOWN: ServerUnavailable,
+    ErrorCode.INTERNAL: ShardserveError,
+}
+
+
+def error_for_code(code: ErrorCode | str, message: str) -> ShardserveError:
+    """The exception a peer's error code stands for, carrying the peer's message.
+
+    >>> type(error_for_code("dataset_corrupt", "shard-00001.arrow: checksum mismatch")).__name__
+    'DatasetCorruptError'
+    """
+    try:
+        cls = _BY_CODE[ErrorCode(code)]
+    except ValueError:
+        cls = ShardserveError
+    return cls(message)
+
+
+def code_for_error(exc: BaseException) -> ErrorCode:
+    """The wire code for an exception; anything not ours is INTERNAL."""
+    return exc.code if isinstance(exc, ShardserveError) else ErrorCode.INTERNAL

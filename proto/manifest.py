@@ -1,0 +1,205 @@
+"""The store's contract: the schema of a dataset's ``manifest.json``.
+
+A dataset is a folder ``<store>/<name>/`` holding ``manifest.json`` and ``shards/*.arrow``
+(Arrow IPC *file* format, uncompressed). The manifest is written last, so a folder without
+one is never a dataset.
+
+How a field maps to Arrow columns (the writer and reader both follow this table):
+
+============  ==========================  ===========================================
+field kind    FieldSpec                   Arrow column(s)
+============  ==========================  ===========================================
+scalar        dtype numeric, shape ()     primitive column ``name``
+fixed tensor  dtype numeric, shape (3,32)  ``fixed_size_list<dtype>[prod(shape)]``
+variable      a dim of -1, e.g. (-1, 64)  ``list<dtype>`` of the flattened values, plus
+                                           ``fixed_size_list<int64>[ndim]`` column
+                                           ``__shape__.<name>`` with each sample's shape
+bytes         dtype "binary", shape ()    ``binary`` column ``name``
+============  ==========================  ===========================================
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import InvalidDataError, VersionMismatch
+
+#: The manifest format this code writes and reads.
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+
+#: numpy dtype names a tensor field may have, plus "binary" for raw bytes.
+NUMERIC_DTYPES = (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64",
+)  # fmt: skip
+BINARY = "binary"
+SHAPE_COLUMN_PREFIX = "__shape__."
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+FieldKind = Literal["scalar", "tensor", "variable", "binary"]
+
+
+def validate_dataset_name(name: str) -> str:
+    """Return ``name`` if it is a safe dataset name, else raise ``InvalidDataError``.
+
+    A name is one path component of letters, digits, ``.``, ``_`` and ``-`` (starting with a
+    letter or digit, no ``..``), so it can never reach outside the store.
+
+    >>> validate_dataset_name("cifar10-v2")
+    'cifar10-v2'
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise InvalidDataError(
+            f"dataset name {name!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..' or '/'"
+        )
+    return name
+
+
+class FieldSpec(BaseModel):
+    """One named field of every sample."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    dtype: str
+    #: Per-sample shape; ``()`` for a scalar, ``-1`` marks a variable dimension.
+    shape: tuple[int, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _FIELD.match(v):
+            raise ValueError(f"field name {v!r} must be an identifier (letters, digits, '_')")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, v: str) -> str:
+        if v not in NUMERIC_DTYPES and v != BINARY:
+            raise ValueError(f"dtype {v!r} is not one of {', '.join((*NUMERIC_DTYPES, BINARY))}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> FieldSpec:
+        if any(d < -1 for d in self.shape):
+            raise ValueError(f"field {self.name!r}: shape {self.shape} has a dimension below -1")
+        if self.dtype == BINARY and self.shape != ():
+            raise ValueError(f"field {self.name!r}: binary fields have shape (), not {self.shape}")
+        if len(self.shape) > 8:
+            raise ValueError(f"field {self.name!r}: at most 8 dimensions, got {len(self.shape)}")
+        return self
+
+    @property
+    def kind(self) -> FieldKind:
+        if self.dtype == BINARY:
+            return "binary"
+        if -1 in self.shape:
+            return "variable"
+        return "scalar" if self.shape == () else "tensor"
+
+    @property
+    def numel(self) -> int:
+        """Elements per sample of a fixed-shape field."""
+        if self.kind in ("variable", "binary"):
+            raise ValueError(f"field {self.name!r} has no fixed size ({self.kind})")
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ShardInfo(BaseModel):
+    """One shard file, relative to the dataset folder."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    rows: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    #: ``xxh3_64:<16 hex digits>`` of the whole file.
+    checksum: str
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, v: str) -> str:
+        parts = v.split("/")
+        if v.startswith("/") or "\\" in v or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"shard path {v!r} must be relative and stay inside the dataset")
+        return v
+
+
+class Manifest(BaseModel):
+    """The contents of ``manifest.json``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    name: str
+    num_samples: int = Field(ge=0)
+    fields: tuple[FieldSpec, ...]
+    shards: tuple[ShardInfo, ...]
+    created_at: str = ""
+    #: Free-form provenance (source path, format, tool version).
+    source: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        try:
+            return validate_dataset_name(v)
+        except InvalidDataError as e:
+            raise ValueError(str(e)) from None
+
+    @model_validator(mode="after")
+    def _check_counts(self) -> Manifest:
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate field names in {names}")
+        total = sum(s.rows for s in self.shards)
+        if total != self.num_samples:
+            raise ValueError(f"num_samples is {self.num_samples} but the shards hold {total} rows")
+        return self
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def field(self, name: str) -> FieldSpec:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"no field {name!r}; fields are {[f.name for f in self.fields]}")
+
+
+def parse_manifest(text: str | bytes, *, where: str = "manifest.json") -> Manifest:
+    """Parse and validate manifest JSON; a format this code does not read is refused by name.
+
+    Raises ``VersionMismatch`` for an unknown ``format_version`` and ``InvalidDataError`` for
+    anything else that is wrong, both naming ``where``.
+    """
+    import json
+
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise InvalidDataError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InvalidDataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    version = raw.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise VersionMismatch(
+            f"{where}: manifest format_version {version!r} is not supported; this shardserve "
+            f"reads format version(s) {list(SUPPORTED_FORMAT_VERSIONS)} — upgrade shardserve or "
+            "re-ingest the dataset"
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise InvalidDataError(f"{where}: invalid manifest: {e}") from None
