@@ -1,0 +1,42 @@
+"""Run the benchmark suite: ``python -m bench [--quick]``.
+
+Each ``bench/bench_*.py`` script generates its own data, measures shardserve next to its
+baselines in the same run, prints a table and writes JSON under ``bench/results/``. This
+runner executes them one after another (never in parallel: they would measure each other)
+and prints where the JSON went. Not run by CI: timings on a shared 2-core machine are noisy,
+so targets are ratios within one run, not absolute numbers in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ORDER = ["bench_plan", "bench_store", "bench_server", "bench_e2e"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, under ~2 minutes")
+    parser.add_argument("--only", nargs="*", default=None, help=f"subset of {ORDER}")
+    args = parser.parse_args(argv)
+    names = [n for n in ORDER if (HERE / f"{n}.py").exists() and (args.only is None or n in args.only)]
+    failed = []
+    for name in names:
+        print(f"\n=== {name} {'(quick)' if args.quick else ''}", flush=True)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if args.quick else [])]
+        rc = subprocess.run(cmd, cwd=HERE.parent).returncode
+        print(f"--- {name}: exit {rc} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if rc:
+            failed.append(name)
+    print(f"\nresults: {HERE / 'results'}" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The epoch's global sample order, shared by every rank: validation plus the shuffle table."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import numpy as np
+
+from .rng import epoch_rng, order_dtype
+from .shuffle_block import block_order
+from .shuffle_global import global_order
+from .shuffle_none import none_order
+
+ShuffleName = Literal["global", "block", "none"]
+
+# With no shard sizes, "block" treats the store as shards of this many rows.
+DEFAULT_SHARD_ROWS = 2**16
+
+
+class ShuffleFn(Protocol):
+    """An epoch-order algorithm: ids ``0 .. n_samples-1`` in the epoch's order."""
+
+    def __call__(
+        self,
+        n_samples: int,
+        rng: np.random.Generator,
+        *,
+        dtype: np.dtype,
+        shard_rows: np.ndarray,
+        block_window: int,
+    ) -> np.ndarray: ...
+
+
+SHUFFLES: dict[str, ShuffleFn] = {
+    "global": global_order,
+    "block": block_order,
+    "none": none_order,
+}
+
+
+def shard_sizes(n_samples: int, shard_rows: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    """Return ``shard_rows`` as int64 after checking it, or fixed-size shards when it is None.
+
+    >>> shard_sizes(5, None).tolist(), shard_sizes(5, [2, 3]).tolist()
+    ([5], [2, 3])
+    """
+    if shard_rows is None:
+        full, rest = divmod(n_samples, DEFAULT_SHARD_ROWS)
+        return np.array([DEFAULT_SHARD_ROWS] * full + ([rest] if rest else []), dtype=np.int64)
+    rows = np.asarray(shard_rows)
+    if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+        raise ValueError(
+            f"shard_rows must be a 1-D sequence of ints, got shape {rows.shape} dtype {rows.dtype}"
+        )
+    rows = rows.astype(np.int64)
+    if rows.size and int(rows.min()) < 0:
+        k = int(np.argmin(rows))
+        raise ValueError(f"shard_rows[{k}] = {int(rows[k])} must be >= 0")
+    total = int(rows.sum())
+    if total != n_samples:
+        raise ValueError(
+            f"shard_rows sum to {total} over {rows.size} shards, but n_samples is {n_samples}"
+        )
+    return rows
+
+
+def epoch_order(
+    n_samples: int,
+    seed: int,
+    epoch: int,
+    shuffle: ShuffleName = "global",
+    shard_rows: Sequence[int] | np.ndarray | None = None,
+    block_window: int = 4,
+) -> np.ndarray:
+    """Return the epoch's global sample order, the same for every rank of a job.
+
+    uint32 while ``n_samples < 2**32`` (4 bytes a sample), else int64. The same
+    ``(seed, epoch)`` gives the same order in any process; another epoch, another order.
+    ``"block"`` uses ``shard_rows`` (rows per shard, in store order; default: shards of
+    65,536 rows) and shuffles within windows of ``block_window`` shards.
+
+    >>> epoch_order(5, seed=0, epoch=0, shuffle="none").tolist()
+    [0, 1, 2, 3, 4]
+    >>> bool((epoch_order(100, 0, 1) == epoch_order(100, 0, 1)).all())
+    True
+    """
+    n_samples = operator.index(n_samples)
+    block_window = operator.index(block_window)
+    if n_samples < 0:
+        raise ValueError(f"n_samples must be >= 0, got {n_samples}")
+    if block_window < 1:
+        raise ValueError(f"block_window must be >= 1, got {block_window}")
+    try:
+        algorithm = SHUFFLES[shuffle]
+    except KeyError:
+        raise ValueError(f"shuffle must be one of {sorted(SHUFFLES)}, got {shuffle!r}") from None
+    rows = shard_sizes(n_samples, shard_rows)
+    rng = epoch_rng(seed, epoch)
+    return algorithm(
+        n_samples, rng, dtype=order_dtype(n_samples), shard_rows=rows, block_window=block_window
+    )

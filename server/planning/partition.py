@@ -1,0 +1,120 @@
+"""Split an epoch order across ranks and into batches, as DistributedSampler + DataLoader do.
+
+One ``drop_last`` flag for both the sampler and the batches:
+
+- ``drop_last=False``: the order is padded to ``ceil(n / ws) * ws`` by repeating it
+  from its start (several times over when ``n < ws``); rank ``r`` takes
+  ``padded[r::ws]``; the last batch may be short, and is equally short on every rank.
+- ``drop_last=True``: the order is cut to ``floor(n / ws) * ws``; rank ``r`` takes
+  ``order[r::ws]``; a short final batch is dropped.
+
+Padding is never more than one id a rank (its last), so a rank keeps a strided view
+of the shared order plus at most one extra id: no copy of the order per rank.
+Every rank gets the same number of batches: a DDP rank that ran out early would
+hang the others.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def _check(n_samples: int, world_size: int, rank: int, batch_size: int) -> None:
+    if n_samples < 0:
+        raise ValueError(f"n_samples must be >= 0, got {n_samples}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range 0 <= rank < {world_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
+def rank_length(n_samples: int, world_size: int, drop_last: bool) -> int:
+    """Return how many ids each rank's sampler yields (``len(DistributedSampler)``).
+
+    >>> rank_length(10, 3, drop_last=False), rank_length(10, 3, drop_last=True)
+    (4, 3)
+    """
+    return n_samples // world_size if drop_last else -(-n_samples // world_size)
+
+
+def num_batches(n_samples: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Return the number of batches every rank gets; pure arithmetic, no RNG.
+
+    >>> num_batches(1000, world_size=3, batch_size=64, drop_last=False)
+    6
+    >>> num_batches(1000, world_size=3, batch_size=64, drop_last=True)
+    5
+    """
+    n_samples, world_size, batch_size = map(operator.index, (n_samples, world_size, batch_size))
+    _check(n_samples, world_size, 0, batch_size)
+    per_rank = rank_length(n_samples, world_size, drop_last)
+    return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """One rank's batches of one epoch: global sample ids, random access by batch index.
+
+    >>> import numpy as np
+    >>> p = RankPlan.from_order(np.arange(10, dtype=np.uint32), world_size=3, rank=2,
+    ...                         batch_size=2, drop_last=False)
+    >>> len(p), p.num_samples, [b.tolist() for b in p]
+    (2, 4, [[2, 5], [8, 1]])
+    >>> p.batch(2)
+    Traceback (most recent call last):
+    IndexError: batch 2 out of range 0 <= i < 2
+    """
+
+    world_size: int
+    rank: int
+    batch_size: int
+    drop_last: bool
+    num_samples: int  # ids across this rank's batches, padding included
+    num_batches: int
+    _ids: np.ndarray = field(repr=False)  # strided view of the shared order
+    _pad: int = field(repr=False)  # the padding id, when _ids is one short
+
+    @classmethod
+    def from_order(
+        cls, order: np.ndarray, world_size: int, rank: int, batch_size: int, drop_last: bool
+    ) -> RankPlan:
+        """Partition ``order`` (the epoch order every rank shares) for ``rank`` of ``world_size``."""
+        world_size, rank, batch_size = map(operator.index, (world_size, rank, batch_size))
+        if order.ndim != 1:
+            raise ValueError(f"order must be 1-D, got shape {order.shape}")
+        n = len(order)
+        _check(n, world_size, rank, batch_size)
+        per_rank = rank_length(n, world_size, drop_last)
+        batches = num_batches(n, world_size, batch_size, drop_last)
+        num_samples = batches * batch_size if drop_last else per_rank
+        ids = order[rank:n:world_size][:num_samples]
+        # Only the last id can be padding: the padded tail is shorter than world_size.
+        pad = int(order[(rank + (per_rank - 1) * world_size) % n]) if len(ids) < num_samples else 0
+        return cls(world_size, rank, batch_size, drop_last, num_samples, batches, ids, pad)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, i: int) -> np.ndarray:
+        """Return batch ``i``'s global sample ids as a new int64 array."""
+        i = operator.index(i)
+        if not 0 <= i < self.num_batches:
+            raise IndexError(f"batch {i} out of range 0 <= i < {self.num_batches}")
+        lo = i * self.batch_size
+        hi = min(lo + self.batch_size, self.num_samples)
+        if hi <= len(self._ids):
+            return self._ids[lo:hi].astype(np.int64)
+        out = np.empty(hi - lo, dtype=np.int64)
+        out[: len(self._ids) - lo] = self._ids[lo:]
+        out[len(self._ids) - lo :] = self._pad
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(self.num_batches):
+            yield self.batch(i)

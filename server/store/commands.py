@@ -1,0 +1,191 @@
+"""Store subcommands of the ``shardserve`` CLI: ``ingest``, ``ls``, ``inspect``, ``verify``.
+
+Our own errors print one line to stderr (no traceback). Exit status: 0 ok; 1 a corrupt
+dataset or an I/O failure; 2 bad input (missing source, bad name, inconsistent fields,
+existing dataset without ``--overwrite``); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from shardserve.proto.errors import DataError, DatasetCorruptError, ShardserveError
+
+from .ingest.registry import FORMATS
+
+ENV_STORE = "SHARDSERVE_STORE"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"`` -> 268435456; decimal (MB) and binary (MiB) units, bytes if none."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower().removesuffix("b") if m else ""
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MiB, 64MB or 1048576")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    return size
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _guarded(
+    command: str, fn: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        if args.store is None:
+            print(
+                f"shardserve {command}: error: --store is required (or set {ENV_STORE})",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            return fn(args)
+        except DatasetCorruptError as e:
+            print(f"shardserve {command}: corrupt: {e}", file=sys.stderr)
+            return 1
+        except (DataError, ShardserveError) as e:
+            print(f"shardserve {command}: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"shardserve {command}: I/O error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"shardserve {command}: interrupted; nothing was published", file=sys.stderr)
+            return 130
+
+    return run
+
+
+def _cmd_ingest(args: argparse.Namespace) -> int:
+    from .ingest.run import ingest
+
+    summary = ingest(
+        args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
+        overwrite=args.overwrite, variable=args.variable, threads=args.threads,
+        progress=not args.quiet,
+    )  # fmt: skip
+    print(summary.line())
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from .catalog import Store
+
+    manifests = Store(args.store).list()
+    if not manifests:
+        print(f"no datasets in {args.store}", file=sys.stderr)
+        return 0
+    print(f"{'NAME':<32} {'SAMPLES':>12} {'SHARDS':>7} {'SIZE':>11}  FIELDS")
+    for m in manifests:
+        fields = ", ".join(f.name for f in m.fields)
+        print(
+            f"{m.name:<32} {m.num_samples:>12} {len(m.shards):>7} {_human(m.total_bytes):>11}  {fields}"
+        )
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .catalog import Store
+
+    m = Store(args.store).manifest(args.name)
+    print(f"dataset   {m.name}")
+    print(f"samples   {m.num_samples}")
+    print(f"shards    {len(m.shards)} ({_human(m.total_bytes)})")
+    print(f"created   {m.created_at}")
+    for k, v in sorted(m.source.items()):
+        print(f"source.{k:<10} {v}")
+    print("fields:")
+    for f in m.fields:
+        shape = "[" + ", ".join("?" if d == -1 else str(d) for d in f.shape) + "]"
+        print(f"  {f.name:<24} {f.dtype:<8} {shape:<16} {f.kind}")
+    print("shards:")
+    print(f"  {'PATH':<28} {'ROWS':>10} {'BYTES':>12}  CHECKSUM")
+    for s in m.shards:
+        print(f"  {s.path:<28} {s.rows:>10} {s.bytes:>12}  {s.checksum}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .catalog import Store
+    from .verify import verify_dataset
+
+    store = Store(args.store)
+    manifest = store.manifest(args.name)
+    verify_dataset(store.root / manifest.name, manifest, progress=not args.quiet)
+    print(f"{manifest.name}: {len(manifest.shards)} shards ok ({_human(manifest.total_bytes)})")
+    return 0
+
+
+def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``ingest``, ``ls``, ``inspect`` and ``verify`` to the ``shardserve`` parser."""
+    default_store = os.environ.get(ENV_STORE)  # the CLI entry point is where env defaults live
+
+    def store_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--store",
+            default=default_store,
+            type=Path,
+            help=f"store folder (default: ${ENV_STORE})",
+        )
+
+    p = sub.add_parser(
+        "ingest",
+        help="pack .pt / .npz / Parquet / Arrow files into a dataset",
+        description="Pack a source into a memory-mappable dataset; nothing is published on error.",
+    )
+    p.add_argument("src", type=Path, help="a file or a folder (searched recursively)")
+    store_arg(p)
+    p.add_argument("--name", required=True, help="dataset name (letters, digits, '.', '_', '-')")
+    p.add_argument("--format", choices=FORMATS, default="auto")
+    p.add_argument(
+        "--shard-size",
+        type=parse_size,
+        default=256 << 20,
+        help="target shard size (default 256MiB)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing dataset of this name"
+    )
+    p.add_argument(
+        "--variable",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="declare FIELD variable-shape (repeatable)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=2, help="loader threads for .pt files (default 2)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_guarded("ingest", _cmd_ingest))
+
+    p = sub.add_parser("ls", help="list the datasets of a store")
+    store_arg(p)
+    p.set_defaults(func=_guarded("ls", _cmd_ls))
+
+    p = sub.add_parser("inspect", help="show a dataset's schema, counts and shards")
+    store_arg(p)
+    p.add_argument("name")
+    p.set_defaults(func=_guarded("inspect", _cmd_inspect))
+
+    p = sub.add_parser("verify", help="check every shard's checksum and readability")
+    store_arg(p)
+    p.add_argument("name")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_guarded("verify", _cmd_verify))

@@ -1,0 +1,121 @@
+"""Read Parquet or Arrow IPC files / folders through ``pyarrow.dataset``, in record batches.
+
+Column mapping: numeric and bool columns -> scalars; ``fixed_size_list`` (nested for more
+dimensions) and the ``fixed_shape_tensor`` extension -> fixed tensors; ``list`` /
+``large_list`` of numbers -> variable 1-d tensors; binary and string -> binary. Anything else
+(nested structs, lists of lists, nulls) is refused, naming the column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+from shardserve.proto.errors import InvalidDataError
+
+from .registry import SUFFIXES
+from .source import Piece, Source, list_files, require_files
+
+BATCH_ROWS = 4096
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _fixed(arr: pa.Array, where: str, name: str) -> np.ndarray:
+    dims: list[int] = []
+    if isinstance(arr.type, pa.FixedShapeTensorType):
+        dims = list(arr.type.shape)
+        arr = arr.storage
+        values = arr.flatten()
+    else:
+        values = arr
+        while pa.types.is_fixed_size_list(values.type):
+            dims.append(values.type.list_size)
+            values = values.flatten()
+    if not _numeric(values.type):
+        raise InvalidDataError(
+            f"{where}: column {name!r} has elements of type {values.type}; expected numbers"
+        )
+    return values.to_numpy(zero_copy_only=False).reshape(len(arr), *dims)
+
+
+def convert(batch: pa.RecordBatch, where: str) -> dict[str, object]:
+    """A record batch as writer columns (see module docstring)."""
+    cols: dict[str, object] = {}
+    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
+        if name.startswith("__index_level_"):
+            continue  # pandas' saved index is not a field
+        if arr.null_count:
+            raise InvalidDataError(
+                f"{where}: column {name!r} has {arr.null_count} nulls; a store holds no nulls"
+            )
+        t = arr.type
+        if _numeric(t):
+            cols[name] = arr.to_numpy(zero_copy_only=False)
+        elif pa.types.is_fixed_size_list(t) or isinstance(t, pa.FixedShapeTensorType):
+            cols[name] = _fixed(arr, where, name)
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numeric(t.value_type):
+            offsets = arr.offsets.to_numpy()
+            values = arr.values.to_numpy(zero_copy_only=False)
+            cols[name] = np.split(values[offsets[0] : offsets[-1]], offsets[1:-1] - offsets[0])
+        elif (
+            pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)
+            or pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+        ):
+            cols[name] = arr.to_pylist()
+        else:
+            raise InvalidDataError(
+                f"{where}: column {name!r} has type {t}, which a store cannot hold (numbers, "
+                "fixed-size lists, lists of numbers, binary and strings can be ingested)"
+            )
+    return cols
+
+
+def _variable_columns(schema: pa.Schema) -> set[str]:
+    return {f.name for f in schema if pa.types.is_list(f.type) or pa.types.is_large_list(f.type)}
+
+
+def _open(src: Path, fmt: str, suffixes: tuple[str, ...]) -> Source:
+    files = require_files(list_files(src, suffixes), src, "/".join(suffixes))
+    try:
+        dataset = pads.dataset([str(f) for f in files], format=fmt)
+    except (pa.ArrowException, OSError) as e:
+        raise InvalidDataError(f"source {src}: not readable as {fmt}: {e}") from None
+    sizes = {str(f): f.stat().st_size for f in files}
+
+    def pieces() -> Iterator[Piece]:
+        for fragment in dataset.get_fragments():
+            path = fragment.path
+            rows = 0
+            try:
+                total = max(1, fragment.count_rows())
+                for batch in fragment.to_batches(batch_size=BATCH_ROWS):
+                    where = f"{path} rows {rows}..{rows + batch.num_rows - 1}"
+                    rows += batch.num_rows
+                    if batch.num_rows:
+                        share = sizes.get(path, 0) * batch.num_rows // total
+                        yield Piece(where=where, columns=convert(batch, where), nbytes=share)
+            except pa.ArrowException as e:
+                raise InvalidDataError(f"{path}: not readable as {fmt}: {e}") from None
+            yield Piece(where=path, files=1)
+
+    return Source(
+        format=fmt, files=files, pieces=pieces(), variable=_variable_columns(dataset.schema)
+    )
+
+
+def open_parquet(src: Path, threads: int = 1) -> Source:
+    """A source over the Parquet file(s) at ``src``."""
+    return _open(src, "parquet", SUFFIXES["parquet"])
+
+
+def open_arrow(src: Path, threads: int = 1) -> Source:
+    """A source over the Arrow IPC (file / Feather v2) file(s) at ``src``."""
+    return _open(src, "ipc", SUFFIXES["arrow"])

@@ -1,0 +1,144 @@
+"""One shard file: memory-map it, check it against the manifest, expose per-chunk views.
+
+A :class:`MappedShard` keeps its ``pyarrow.memory_map`` open for its whole life (re-mapping
+each epoch costs page faults again: issue 8). For each record batch ("chunk") it holds
+
+* fixed and scalar fields: a read-only zero-copy numpy view ``[rows, *shape]``;
+* variable and binary fields: the Arrow array itself (taken with ``pyarrow.compute.take``),
+  plus, for variable tensors, a numpy view ``[rows, ndim]`` of the shape column.
+
+Every failure to read what the manifest promises raises ``DatasetCorruptError`` naming the
+shard file and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from shardserve.proto.errors import DatasetCorruptError
+from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec, ShardInfo
+
+from .layout import checksum_buffer, checksum_file
+from .schema import check_arrow_schema
+
+
+@dataclass
+class Chunk:
+    """Views of one record batch."""
+
+    rows: int
+    fixed: dict[str, np.ndarray] = field(default_factory=dict)
+    arrays: dict[str, pa.Array] = field(default_factory=dict)
+    shapes: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _fixed_view(arr: pa.Array, spec: FieldSpec) -> np.ndarray:
+    # Arrow bools are bit-packed, so that one dtype is materialised (copied once, at open).
+    zero_copy = spec.dtype != "bool"
+    flat = arr if spec.shape == () else arr.flatten()
+    return flat.to_numpy(zero_copy_only=zero_copy).reshape(len(arr), *spec.shape)
+
+
+def check_file(path: Path, info: ShardInfo) -> None:
+    """Raise ``DatasetCorruptError`` if the shard is missing or not the size the manifest says."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DatasetCorruptError(f"shard {path} is missing") from None
+    if size != info.bytes:
+        what = "truncated" if size < info.bytes else "longer than expected"
+        raise DatasetCorruptError(
+            f"shard {path} is {what}: {size} bytes, the manifest says {info.bytes}"
+        )
+
+
+def verify_checksum(path: Path, info: ShardInfo, progress: object | None = None) -> None:
+    """Raise ``DatasetCorruptError`` unless the whole file hashes to the manifest's checksum."""
+    check_file(path, info)
+    got = checksum_file(path, progress=progress)
+    if got != info.checksum:
+        raise DatasetCorruptError(
+            f"shard {path} failed its checksum: the file has {got}, the manifest says {info.checksum}"
+        )
+
+
+class MappedShard:
+    """A memory-mapped shard and the views of its chunks."""
+
+    def __init__(self, path: Path, info: ShardInfo, specs: tuple[FieldSpec, ...]) -> None:
+        self.path = path
+        self.info = info
+        check_file(path, info)
+        self._mm: pa.MemoryMappedFile | None = None
+        self._whole: pa.Buffer | None = None
+        try:
+            self._mm = pa.memory_map(str(path), "r")
+            self._whole = self._mm.read_at(info.bytes, 0)  # zero-copy view of the mapping
+            reader = pa.ipc.open_file(self._mm)
+            problem = check_arrow_schema(reader.schema, specs, f"shard {path}")
+            if problem:
+                raise DatasetCorruptError(problem)
+            self.chunks = [
+                self._views(reader.get_batch(i), specs) for i in range(reader.num_record_batches)
+            ]
+        except DatasetCorruptError:
+            self.close()
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            self.close()
+            raise DatasetCorruptError(f"shard {path} is unreadable as Arrow IPC: {e}") from None
+        rows = sum(c.rows for c in self.chunks)
+        if rows != info.rows:
+            self.close()
+            raise DatasetCorruptError(
+                f"shard {path} holds {rows} rows, the manifest says {info.rows}"
+            )
+
+    @staticmethod
+    def _views(batch: pa.RecordBatch, specs: tuple[FieldSpec, ...]) -> Chunk:
+        chunk = Chunk(rows=batch.num_rows)
+        for spec in specs:
+            col = batch.column(spec.name)
+            if col.null_count:
+                raise DatasetCorruptError(f"column {spec.name!r} has nulls")
+            if spec.kind in ("scalar", "tensor"):
+                chunk.fixed[spec.name] = _fixed_view(col, spec)
+            else:
+                chunk.arrays[spec.name] = col
+            if spec.kind == "variable":
+                shapes = batch.column(SHAPE_COLUMN_PREFIX + spec.name)
+                ndim = len(spec.shape)
+                chunk.shapes[spec.name] = (
+                    shapes.flatten().to_numpy(zero_copy_only=True).reshape(len(shapes), ndim)
+                )
+        return chunk
+
+    def verify(self, progress: object | None = None) -> None:
+        """Check the checksum of the bytes this shard serves (the mapping itself, not the path:
+        after an overwrite the path names a different file)."""
+        if self._mm is None:
+            raise ValueError(f"shard {self.path} is closed")
+        got = checksum_buffer(memoryview(self._whole), progress)
+        if got != self.info.checksum:
+            raise DatasetCorruptError(
+                f"shard {self.path} failed its checksum: the file has {got}, the manifest says {self.info.checksum}"
+            )
+
+    def close(self) -> None:
+        """Drop the views and close the mapping (arrays already returned by take are copies)."""
+        self.chunks = []
+        self._whole = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+def verify_shard(
+    path: Path, info: ShardInfo, specs: tuple[FieldSpec, ...], progress: object | None = None
+) -> None:
+    """Checksum plus readability (schema, row count) of one shard; ``DatasetCorruptError`` if bad."""
+    verify_checksum(path, info, progress)
+    MappedShard(path, info, specs).close()

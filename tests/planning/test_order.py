@@ -1,0 +1,140 @@
+"""Invariants of ``epoch_order``: a permutation, deterministic, new each epoch, block-local."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from shardserve.server.planning import SHUFFLES, epoch_order
+from shardserve.server.planning.rng import order_dtype
+
+from .strategies import epochs, seeds, shard_layouts, shuffles, sizes, windows
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@SETTINGS
+@given(n=sizes, seed=seeds, epoch=epochs, shuffle=shuffles, window=windows)
+def test_order_is_a_permutation(n: int, seed: int, epoch: int, shuffle: str, window: int) -> None:
+    """Every mode yields each id 0..n-1 exactly once, as uint32."""
+    order = epoch_order(n, seed, epoch, shuffle, block_window=window)  # type: ignore[arg-type]
+    assert order.dtype == np.uint32
+    assert np.array_equal(np.sort(order), np.arange(n))
+
+
+@SETTINGS
+@given(rows=shard_layouts(), seed=seeds, epoch=epochs, shuffle=shuffles, window=windows)
+def test_order_with_shards_is_a_permutation(
+    rows: list[int], seed: int, epoch: int, shuffle: str, window: int
+) -> None:
+    """Given shard sizes (empty shards included), every mode is still a permutation."""
+    n = sum(rows)
+    order = epoch_order(n, seed, epoch, shuffle, rows, window)  # type: ignore[arg-type]
+    assert np.array_equal(np.sort(order), np.arange(n))
+
+
+@SETTINGS
+@given(n=sizes, seed=seeds, epoch=epochs, shuffle=shuffles)
+def test_order_is_deterministic(n: int, seed: int, epoch: int, shuffle: str) -> None:
+    """The same (seed, epoch) gives the same order twice in one process."""
+    a = epoch_order(n, seed, epoch, shuffle)  # type: ignore[arg-type]
+    b = epoch_order(n, seed, epoch, shuffle)  # type: ignore[arg-type]
+    assert np.array_equal(a, b)
+
+
+@SETTINGS
+@given(
+    n=st.integers(20, 200),
+    seed=seeds,
+    epoch=epochs,
+    shuffle=st.sampled_from(["global", "block"]),
+    rows_per_shard=st.integers(1, 20),
+    window=windows,
+)
+def test_order_changes_each_epoch(
+    n: int, seed: int, epoch: int, shuffle: str, rows_per_shard: int, window: int
+) -> None:
+    """Consecutive epochs (and another seed) give different orders (chance of a tie < 1/20!)."""
+    rows = [rows_per_shard] * (n // rows_per_shard) + (
+        [n % rows_per_shard] if n % rows_per_shard else []
+    )
+    a = epoch_order(n, seed, epoch, shuffle, rows, window)  # type: ignore[arg-type]
+    b = epoch_order(n, seed, epoch + 1, shuffle, rows, window)  # type: ignore[arg-type]
+    c = epoch_order(n, seed + 1, epoch, shuffle, rows, window)  # type: ignore[arg-type]
+    assert not np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_none_is_identity() -> None:
+    """Shuffle "none" is arange whatever the seed and epoch."""
+    assert np.array_equal(epoch_order(50, 7, 9, "none"), np.arange(50))
+
+
+@SETTINGS
+@given(rows=shard_layouts(), seed=seeds, epoch=epochs, window=windows)
+def test_block_order_is_runs_of_whole_shards(
+    rows: list[int], seed: int, epoch: int, window: int
+) -> None:
+    """A block order splits into consecutive runs, each the rows of at most block_window whole shards."""
+    order = epoch_order(sum(rows), seed, epoch, "block", rows, window).astype(np.int64)
+    shard_of = np.repeat(np.arange(len(rows)), rows)[order].tolist()
+    left = list(rows)  # rows of each shard not yet seen
+    run: set[int] = set()
+    for k in shard_of:
+        run.add(k)
+        left[k] -= 1
+        if all(left[j] == 0 for j in run):  # the run so far is whole shards: cut here
+            assert len(run) <= window
+            run = set()
+    assert not run
+
+
+@SETTINGS
+@given(rows=shard_layouts(min_rows=1), seed=seeds, window=windows)
+def test_block_window_one_keeps_shards_contiguous(rows: list[int], seed: int, window: int) -> None:
+    """With block_window=1 each shard's rows are one contiguous run of the order."""
+    order = epoch_order(sum(rows), seed, 0, "block", rows, 1).astype(np.int64)
+    shard_of = np.repeat(np.arange(len(rows)), rows)[order]
+    changes = int(np.count_nonzero(np.diff(shard_of))) if len(shard_of) else 0
+    assert changes == len(rows) - 1
+
+
+def test_block_without_shard_rows_uses_fixed_shards() -> None:
+    """Without shard_rows, "block" treats the store as 65,536-row shards: window 1 keeps each contiguous."""
+    order = epoch_order(200_000, 1, 2, "block", None, 1).astype(np.int64)
+    assert np.count_nonzero(np.diff(order // 65_536)) == 3
+
+
+def test_dtype_switches_to_int64_at_2_pow_32() -> None:
+    """Orders are uint32 below 2**32 samples and int64 from there (4 bytes a sample while it fits)."""
+    assert order_dtype(2**32 - 1) == np.uint32
+    assert order_dtype(2**32) == np.int64
+
+
+def test_shuffle_table_names() -> None:
+    """The shuffle table offers exactly the three documented modes."""
+    assert sorted(SHUFFLES) == ["block", "global", "none"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n_samples": -1}, "n_samples must be >= 0, got -1"),
+        ({"seed": -1}, "seed must be >= 0, got -1"),
+        ({"epoch": -2}, "epoch must be >= 0, got -2"),
+        ({"shuffle": "random"}, "shuffle must be one of ['block', 'global', 'none'], got 'random'"),
+        ({"block_window": 0}, "block_window must be >= 1, got 0"),
+        ({"shard_rows": [3, 4]}, "shard_rows sum to 7 over 2 shards, but n_samples is 10"),
+        ({"shard_rows": [12, -2]}, "shard_rows[1] = -2 must be >= 0"),
+        ({"shard_rows": [[10]]}, "shard_rows must be a 1-D sequence of ints"),
+        ({"shard_rows": [5.0, 5.0]}, "shard_rows must be a 1-D sequence of ints"),
+    ],
+)
+def test_bad_arguments_name_the_bound(kwargs: dict[str, object], message: str) -> None:
+    """Bad arguments raise ValueError whose message prints the value and the bound."""
+    args: dict[str, object] = {"n_samples": 10, "seed": 0, "epoch": 0, "shuffle": "block"}
+    args.update(kwargs)
+    with pytest.raises(ValueError) as err:
+        epoch_order(**args)  # type: ignore[arg-type]
+    assert message in str(err.value)
