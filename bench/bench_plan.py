@@ -44,6 +44,7 @@ def peak_mb() -> float:
 def child(case: str, n: int) -> dict[str, float]:
     """Run one case in this (fresh) process; return its figures."""
     import numpy as np
+
     from shardserve.server.planning import RankPlan, epoch_order
 
     full, rest = divmod(n, SHARD_ROWS)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.ingest.run import ingest
 

@@ -200,7 +200,7 @@ def decode_batch(frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]]:
     else:
         if len(payload) != nparts:
             raise MalformedFrame(f"batch header lists {nparts} parts but {len(payload)} frames follow")
-        for p, f in zip(parts, payload):
+        for p, f in zip(parts, payload, strict=False):
             n = memoryview(f).nbytes
             if n != p.nbytes:
                 raise MalformedFrame(f"part {p.name!r}: frame is {n} bytes, header says {p.nbytes}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"shardserve.proto": "proto", "shardserve.server": "server", "shardserve.client": "client"}

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec
 

@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest
-from tqdm import tqdm
 
 from .gather import ALL, Positions, groups, ragged_parts, take_arrow, take_fixed
 from .index import as_indices, check_bounds, chunk_of, chunk_starts, locate, shard_of_chunk

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import xxhash
+
 from shardserve.proto.manifest import Manifest, parse_manifest, validate_dataset_name
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec, ShardInfo
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shardserve.proto.manifest import Manifest
 from tqdm import tqdm
+
+from shardserve.proto.manifest import Manifest
 
 from .shards import verify_shard
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from shardserve.server.planning import plan
 
 CASES = [

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.server.planning import SHUFFLES, epoch_order
 from shardserve.server.planning.rng import order_dtype
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.server.planning import RankPlan, epoch_order, num_batches, plan
 
 from .strategies import batch_sizes, seeds, shard_layouts, shuffles, sizes, windows, world_sizes

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.server.planning.permute import shuffle_inplace, shuffle_into
 
 SETTINGS = settings(max_examples=60, deadline=None)

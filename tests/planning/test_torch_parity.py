@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.server.planning import plan
 
 torch_data = pytest.importorskip("torch.utils.data")

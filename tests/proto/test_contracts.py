@@ -80,7 +80,7 @@ def test_job_id_is_stable_and_spec_sensitive() -> None:
     """The same spec gives the same id; any change in what decides the batches changes it."""
     a = JobSpec(dataset="cifar", batch_size=256, seed=1)
     assert job_id(a) == job_id(JobSpec(seed=1, batch_size=256, dataset="cifar"))
-    assert job_id(a) == "%s" % job_id(JobSpec.model_validate_json(a.model_dump_json()))
+    assert job_id(a) == f"{job_id(JobSpec.model_validate_json(a.model_dump_json()))}"
     for change in ({"seed": 2}, {"batch_size": 128}, {"world_size": 2}, {"shuffle": "none"},
                    {"drop_last": True}, {"fields": ("image",)}):
         assert job_id(a.model_copy(update=change)) != job_id(a)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from shardserve.proto.errors import DatasetCorruptError, DatasetNotFound, InvalidDataError
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.writer import ShardWriter
-
 from tests.support.data import CIFAR_FIELDS, make_cifar_like, sample_id_of
 
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from shardserve.server.store.catalog import Store
 
+from shardserve.server.store.catalog import Store
 from tests.store.conftest import CliResult, cli_command
 from tests.support.data import make_cifar_like
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from shardserve.proto.errors import InvalidDataError
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.ingest.run import ingest

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.dataset import Dataset
-
 from tests.support.data import (
     cifar_images,
     graph_sample,

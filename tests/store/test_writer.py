@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.writer import ShardWriter
-
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.server.store.writer import ShardWriter
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+
 from shardserve.proto.errors import InvalidDataError
 
 from .registry import SUFFIXES

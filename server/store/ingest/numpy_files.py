@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
+
 from shardserve.proto.errors import InvalidDataError
 
 from .registry import SUFFIXES

@@ -12,7 +12,6 @@ results are yielded in sorted file order, so an ingest is deterministic.
 from __future__ import annotations
 
 import importlib
-import pickle
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+
 from shardserve.proto.errors import InvalidDataError
 
 from .registry import SUFFIXES
@@ -57,15 +57,16 @@ def load_sample(path: Path) -> dict[str, object]:
     torch = _torch()
     try:
         obj = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as e:
+    except Exception as e:  # torch raises many types for unreadable files
+        if type(e).__name__ != "UnpicklingError":
+            raise InvalidDataError(f"{path}: torch.load failed: {type(e).__name__}: {e}") from None
+        # weights_only refused a pickled object; matched by name so no pickle module is imported here.
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidDataError(
             f"{path}: refused: it holds pickled Python objects that torch.load(weights_only=True) "
             "will not load (unpickling them could run arbitrary code); save a dict of tensors "
             f"and numbers instead ({first})"
         ) from None
-    except Exception as e:  # torch raises many types for unreadable files
-        raise InvalidDataError(f"{path}: torch.load failed: {type(e).__name__}: {e}") from None
     if isinstance(obj, torch.Tensor):
         obj = {"data": obj}
     if not isinstance(obj, dict):

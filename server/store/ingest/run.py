@@ -12,9 +12,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import Manifest, validate_dataset_name
-from tqdm import tqdm
 
 from ..writer import ShardWriter
 from .registry import open_source

@@ -1,0 +1,114 @@
+"""Batch assembly: a bounded pool of threads that turns planned indices into batch buffers.
+
+The streamer decides *what* to assemble (strictly within each stream's credit) and hands it
+here; a worker runs the store's vectorised ``take`` (numpy and pyarrow release the GIL, so two
+workers really run in parallel) writing into the stream's reusable buffers, then puts the
+result on a queue and wakes the streamer. The streamer alone touches sockets.
+
+Work items carry an opaque ``tag`` (the stream and batch index) so that results of a stream
+that was replaced or closed meanwhile are recognised and dropped by the streamer — there is
+no cancellation of a running ``take``, and none is needed: it is bounded by one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .metrics import Metrics
+
+log = logging.getLogger("shardserve.assembly")
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A finished work item: its tag and either a value or the exception it raised."""
+
+    tag: Any
+    value: Any = None
+    error: BaseException | None = None
+
+
+def assemble_batch(
+    ds: Any, indices: np.ndarray, fields: Sequence[str], out: Mapping[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
+    """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
+
+    ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
+    variable-size parts come back freshly allocated.
+    """
+    parts = ds.take(indices, fields, out=out)
+    return {name: np.ascontiguousarray(arr) for name, arr in parts.items()}
+
+
+class Assembler:
+    """A bounded pool whose results are collected by one consumer thread.
+
+    ``notify`` is called (from a worker thread) after each result is queued; it must be
+    cheap and thread-safe — the streamer passes its :class:`~.streaming.buffers.Waker`.
+    """
+
+    def __init__(
+        self, threads: int, notify: Callable[[], None], metrics: Metrics | None = None
+    ) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ss-assembly")
+        self._results: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self._notify = notify
+        self._metrics = metrics
+        self.threads = threads
+
+    def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
+        fut = self._pool.submit(fn, *args)
+        fut.add_done_callback(lambda f: self._finish(tag, f))
+
+    def gather(
+        self,
+        tag: Any,
+        ds: Any,
+        indices: np.ndarray,
+        fields: Sequence[str],
+        out: Mapping[str, np.ndarray] | None,
+    ) -> None:
+        """Assemble one batch (timed into ``shardserve_assembly_seconds``)."""
+        self.submit(tag, self._timed_assemble, ds, indices, fields, out)
+
+    def _timed_assemble(
+        self,
+        ds: Any,
+        indices: np.ndarray,
+        fields: Sequence[str],
+        out: Mapping[str, np.ndarray] | None,
+    ) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        parts = assemble_batch(ds, indices, fields, out)
+        if self._metrics is not None:
+            self._metrics.assembly_seconds.observe(time.perf_counter() - t0)
+        return parts
+
+    def _finish(self, tag: Any, fut: Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        err = fut.exception()
+        self._results.put(Done(tag, None if err else fut.result(), err))
+        self._notify()
+
+    def results(self) -> list[Done]:
+        """Every result queued so far (non-blocking)."""
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        """Drop queued work; running items finish on their own (each is one bounded take)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

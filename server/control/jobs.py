@@ -1,0 +1,58 @@
+"""``/v1/jobs``: create (idempotently), inspect, set the epoch of, and delete jobs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response, status
+
+from shardserve.proto.jobs import CreatedJob, EpochUpdate, ErrorBody, JobSpec, JobStatus
+
+from .deps import Authorized, ServiceDep
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=Authorized)
+
+JobId = Annotated[str, Path(min_length=1, max_length=64, description="id from POST /v1/jobs")]
+_NOT_FOUND = {404: {"model": ErrorBody}}
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {"model": CreatedJob, "description": "the job already existed"},
+        404: {"model": ErrorBody},
+        422: {"model": ErrorBody},
+    },
+)
+def create_job(spec: JobSpec, service: ServiceDep, response: Response) -> CreatedJob:
+    """Create the job for ``spec``, or return the existing one: every DDP rank may post the
+    same spec and gets the same id (201 when created, 200 when it existed)."""
+    created = service.create_job(spec)
+    if not created.created:
+        response.status_code = status.HTTP_200_OK
+    return created
+
+
+@router.get("")
+def list_jobs(service: ServiceDep) -> list[JobStatus]:
+    """Every job with its ranks."""
+    return service.all_jobs()
+
+
+@router.get("/{job_id}", responses=_NOT_FOUND)
+def get_job(job_id: JobId, service: ServiceDep) -> JobStatus:
+    """State, epoch, seed and each rank's progress (delivered, credit, stall fraction)."""
+    return service.job(job_id)
+
+
+@router.put("/{job_id}/epoch", responses={**_NOT_FOUND, 422: {"model": ErrorBody}})
+def set_epoch(job_id: JobId, update: EpochUpdate, service: ServiceDep) -> JobStatus:
+    """Set the epoch (and optionally a new seed) ranks stream next; survives a restart."""
+    return service.set_epoch(job_id, update)
+
+
+@router.delete("/{job_id}", responses=_NOT_FOUND)
+def delete_job(job_id: JobId, service: ServiceDep) -> JobStatus:
+    """Delete the job; its open streams end with a fatal ``JOB_FAILED`` error."""
+    return service.delete_job(job_id)

@@ -1,0 +1,132 @@
+"""The server's one settings object (pydantic-settings, environment prefix ``SHARDSERVE_``).
+
+Built once at the entry point (:mod:`shardserve.server.serve`) from flags and environment,
+then passed down; nothing else in the server reads ``os.environ``. List settings accept JSON
+or a comma-separated string from the environment, e.g.
+``SHARDSERVE_DATA=tcp://127.0.0.1:7071,tcp://10.0.0.5:7071``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+_LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``"127.0.0.1:7070"`` -> ``("127.0.0.1", 7070)``; ``"[::1]:80"`` -> ``("::1", 80)``."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"address {addr!r} must be HOST:PORT, e.g. 127.0.0.1:7070")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port {port} in {addr!r} is outside 0..65535")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names only this machine (a literal loopback address or localhost)."""
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname or wildcard such as "*" may be reachable from outside
+
+
+def _data_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://`` endpoint; ``None`` for transports that never leave the host."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None
+    return split_host_port(rest)[0]
+
+
+class Settings(BaseSettings):
+    """Everything ``shardserve serve`` can be told; see ``shardserve serve --help``."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="forbid")
+
+    store: Path
+    http: str = "127.0.0.1:7070"
+    data: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["tcp://127.0.0.1:7071"])
+    ipc: Path | None = None
+    token: str | None = None
+    insecure: bool = False
+    verify: Literal["lazy", "full", "off"] = "lazy"
+    state_dir: Path | None = None
+    assembly_threads: int = Field(default=2, ge=1, le=64)
+    heartbeat_s: float = Field(default=1.0, gt=0, le=60)
+    stream_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    ready_file: Path | None = None
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: Largest HTTP request body accepted; more is answered 413.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _split_data(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = v.strip()
+            if v.startswith("["):
+                import json
+
+                return json.loads(v)
+            return [e.strip() for e in v.split(",") if e.strip()]
+        return v
+
+    @field_validator("data")
+    @classmethod
+    def _check_data(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("data needs at least one endpoint, e.g. tcp://127.0.0.1:7071")
+        for e in v:
+            scheme = e.partition("://")[0]
+            if scheme not in ("tcp", "ipc") or "://" not in e:
+                raise ValueError(f"data endpoint {e!r} must start with tcp:// or ipc://")
+            if scheme == "tcp":
+                split_host_port(e.partition("://")[2])
+        return v
+
+    @field_validator("http")
+    @classmethod
+    def _check_http(cls, v: str) -> str:
+        split_host_port(v)
+        return v
+
+    @field_validator("token")
+    @classmethod
+    def _empty_token_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @model_validator(mode="after")
+    def _refuse_public_without_token(self) -> Settings:
+        public = [self.http] if not is_loopback_host(split_host_port(self.http)[0]) else []
+        public += [
+            e for e in self.data if (h := _data_host(e)) is not None and not is_loopback_host(h)
+        ]
+        if public and not self.token and not self.insecure:
+            raise ValueError(
+                f"refusing to listen on non-loopback address(es) {public} without a token: "
+                "set --token / SHARDSERVE_TOKEN, or pass --insecure to serve without one"
+            )
+        return self
+
+    @property
+    def http_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.http)
+
+    @property
+    def state_path(self) -> Path:
+        """Where the epoch journal lives: ``state_dir`` or ``<store>/.shardserve``."""
+        return self.state_dir if self.state_dir is not None else self.store / ".shardserve"
+
+    @property
+    def data_endpoints(self) -> list[str]:
+        """Every data endpoint to bind: ``data`` plus ``ipc://PATH`` when ``ipc`` is set."""
+        return [*self.data, *([f"ipc://{self.ipc}"] if self.ipc else [])]

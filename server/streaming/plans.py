@@ -1,0 +1,96 @@
+"""Epoch orders shared by every rank of a job, computed once per (job, epoch, seed).
+
+All ranks of a job stream from the same global order and only stride it differently
+(:class:`~shardserve.server.planning.RankPlan`), so the order is computed by whichever rank
+asks first and reused by the others. Planning 40 M samples takes about a second, so it runs
+on the assembly pool, never on the streamer thread; concurrent askers for the same key wait
+for the first (with a deadline) instead of computing it twice.
+
+The cache is an LRU bounded in bytes (an order costs 4 bytes a sample), always keeping at
+least the newest entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from shardserve.server.planning import RankPlan, epoch_order
+
+from ..jobs import Job
+
+#: Bytes of orders kept across all jobs.
+ORDER_CACHE_BYTES = 512 << 20
+#: How long a rank waits for another rank's computation of the same order.
+ORDER_WAIT_S = 120.0
+
+OrderKey = tuple[str, int, int]
+
+
+class PlanCache:
+    """LRU of epoch orders keyed by ``(job id, epoch, seed)``; thread-safe."""
+
+    def __init__(self, max_bytes: int = ORDER_CACHE_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._orders: OrderedDict[OrderKey, np.ndarray] = OrderedDict()
+        self._computing: dict[OrderKey, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def order(
+        self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The epoch's global order for ``job``, computing it at most once at a time."""
+        key = (job.id, epoch, seed)
+        while True:
+            with self._lock:
+                if key in self._orders:
+                    self._orders.move_to_end(key)
+                    return self._orders[key]
+                event = self._computing.get(key)
+                if event is None:
+                    event = self._computing[key] = threading.Event()
+                    break
+            if not event.wait(ORDER_WAIT_S):
+                raise TimeoutError(
+                    f"waited {ORDER_WAIT_S} s for another rank to plan job {job.id} epoch {epoch}"
+                )
+        try:
+            spec = job.spec
+            order = epoch_order(
+                job.num_samples,
+                seed,
+                epoch,
+                spec.shuffle,
+                shard_rows=shard_rows,
+                block_window=spec.block_window,
+            )
+            with self._lock:
+                self._orders[key] = order
+                self._evict()
+            return order
+        finally:
+            with self._lock:
+                self._computing.pop(key, None)
+            event.set()
+
+    def rank_plan(
+        self, job: Job, epoch: int, seed: int, rank: int, shard_rows: np.ndarray | None = None
+    ) -> RankPlan:
+        """One rank's batches of the epoch (a strided view of the shared order)."""
+        spec = job.spec
+        order = self.order(job, epoch, seed, shard_rows)
+        return RankPlan.from_order(order, spec.world_size, rank, spec.batch_size, spec.drop_last)
+
+    def forget(self, job_id: str) -> None:
+        """Drop a deleted job's orders."""
+        with self._lock:
+            for key in [k for k in self._orders if k[0] == job_id]:
+                del self._orders[key]
+
+    def _evict(self) -> None:
+        total = sum(o.nbytes for o in self._orders.values())
+        while len(self._orders) > 1 and total > self._max_bytes:
+            _, old = self._orders.popitem(last=False)
+            total -= old.nbytes

@@ -1,0 +1,131 @@
+"""Shared-memory slot rings: the same-host fast path's memory, owned by the server.
+
+A ring is one file in ``/dev/shm`` named ``shardserve-<pid>-<stream>-<random>``, cut into
+``slots`` equal slots. The server assembles a batch straight into a free slot; the socket
+carries only the slot number and the header; the client reads the slot in place and hands
+it back with its next credit. The ring holds exactly the stream's credit, so memory is
+bounded whatever the consumer's speed.
+
+Why plain files and not ``multiprocessing.shared_memory``: before Python 3.13 every attach
+registers the segment with a resource-tracker process that unlinks it when *that* process
+exits, so a client's exit would delete the server's ring (and a tracker is a process we
+promised not to start). Space is reserved with ``posix_fallocate`` so a full ``/dev/shm``
+fails here, cleanly, instead of as a SIGBUS in the middle of a batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PREFIX = "shardserve-"
+DEFAULT_DIR = Path("/dev/shm")
+#: Each part starts on a cache line so views are aligned for any dtype and for DMA.
+ALIGN = 64
+
+
+class ShmUnavailable(RuntimeError):
+    """The ring could not be made; the stream falls back to the socket path."""
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class SlotRing:
+    """A mapped ring of equal slots in one shared-memory file."""
+
+    path: Path
+    slots: int
+    slot_bytes: int
+    _mm: mmap.mmap = field(repr=False)
+    free: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def slot_array(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable numpy view of one part inside ``slot``: assembly writes straight into it."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0 <= slot < {self.slots}")
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * np.dtype(dtype).itemsize
+        if offset + nbytes > self.slot_bytes:
+            raise ValueError(f"part of {nbytes} bytes at offset {offset} overflows a {self.slot_bytes}-byte slot")
+        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=slot * self.slot_bytes + offset).reshape(shape)
+
+    def close(self) -> None:
+        """Unmap and unlink; a client that still has it mapped keeps its pages until it unmaps."""
+        # A view still alive somewhere (an in-flight send) keeps the mapping; it goes with the view.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        self.path.unlink(missing_ok=True)
+
+
+def free_bytes(shm_dir: Path = DEFAULT_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def create_ring(stream: int, slots: int, slot_bytes: int, shm_dir: Path = DEFAULT_DIR,
+                limit_bytes: int | None = None) -> SlotRing:
+    """Make a ring of ``slots`` x ``slot_bytes`` (rounded up to alignment).
+
+    Raises ``ShmUnavailable`` with the reason and the fix when ``shm_dir`` is missing, too
+    small (Docker's default /dev/shm is 64 MB), or over ``limit_bytes``.
+    """
+    slot_bytes = align(max(slot_bytes, 1))
+    size = slots * slot_bytes
+    hint = ("give the container more shared memory (`docker run --shm-size=2g`, compose `shm_size: 2gb`, "
+            "or `ipc: host`)")
+    if limit_bytes is not None and size > limit_bytes:
+        raise ShmUnavailable(f"a ring of {slots} x {slot_bytes} bytes is over the {limit_bytes}-byte shm limit; {hint}")
+    if not shm_dir.is_dir():
+        raise ShmUnavailable(f"{shm_dir} does not exist; shared memory is unavailable on this host")
+    path = shm_dir / f"{PREFIX}{os.getpid()}-{stream}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        raise ShmUnavailable(f"cannot create {path}: {e.strerror}") from None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        raise ShmUnavailable(
+            f"cannot reserve {size} bytes in {shm_dir} ({free_bytes(shm_dir)} free): {e.strerror}; {hint}"
+        ) from None
+    finally:
+        os.close(fd)
+    return SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(shm_dir: Path = DEFAULT_DIR) -> list[str]:
+    """Unlink rings whose owning server process is gone (a crash leaves them behind)."""
+    removed = []
+    if not shm_dir.is_dir():
+        return removed
+    for path in shm_dir.glob(f"{PREFIX}*"):
+        pid_text = path.name[len(PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed

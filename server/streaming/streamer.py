@@ -1,0 +1,212 @@
+"""The data plane: one thread owning one ROUTER socket, streaming batches within credit.
+
+Server side of the protocol in :mod:`shardserve.proto.messages`, per peer (routing id)::
+
+                 Hello ok                    credit > 0: assemble, send in order
+    (no stream) ----------> WELCOME'd ------------------------------------+
+        ^  |  Hello bad:                  |  last batch sent              |
+        |  |  Reject / Error              v                               |
+        |  +-------------------------  ENDED (EndOfEpoch sent) <----------+
+        |   Bye, new Hello (replaces), peer gone, job deleted/failed,
+        +-- idle ENDED stream, server shutdown (Error SERVER_SHUTDOWN, transient)
+
+Rules this thread keeps:
+
+* It alone touches the socket (zmq sockets are not thread-safe). Assembly runs on the
+  :class:`~shardserve.server.assembly.Assembler` pool, which wakes this thread through a
+  :class:`~.buffers.Waker` fd in the same ``zmq.Poller``; HTTP threads reach it only through
+  a command queue (e.g. a deleted job) and read its state from the :class:`~.board.StreamBoard`.
+* Nothing is assembled past a stream's credit (see :mod:`.sessions`), so a slow consumer bounds
+  memory; batches leave strictly in index order, payload frames sent zero-copy.
+* Liveness: libzmq's ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) drop a dead or
+  frozen peer's connection even while its Python is busy; the next send to it then raises
+  ``EHOSTUNREACH`` (``ROUTER_MANDATORY``) and its stream is reclaimed. To make sure that next
+  send happens, every open stream gets a ``Heartbeat`` after ``heartbeat_s`` without a message
+  from the server (which also tells a waiting client "slow, not dead"), so a dead client is
+  noticed within about ``heartbeat_s``. A stream whose epoch ended is dropped after
+  ``stream_timeout_s`` without a word from its client. A client that is merely computing
+  (silent, holding its batches) keeps its stream: its libzmq still answers ZMTP pings.
+* Bad input from a peer gets an ``Error``/``Reject`` reply and is logged; it never ends
+  this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from shardserve.proto.errors import ErrorCode
+from shardserve.proto.messages import Error
+
+from ..logs import log_event
+from .buffers import Waker
+
+log = logging.getLogger("shardserve.streaming")
+
+#: Incoming messages are all small control messages; libzmq drops a peer that sends more.
+MAX_INCOMING_BYTES = 1 << 20
+#: Messages handled per wake-up before timers and results get their turn.
+RECV_BURST = 256
+
+
+@dataclass(frozen=True)
+class StreamerConfig:
+    endpoints: list[str]
+    token: str | None = None
+    heartbeat_s: float = 1.0
+    stream_timeout_s: float = 10.0
+    linger_ms: int = 500
+    #: Control messages queued for one peer beyond its credit (heartbeats of a stuck peer).
+    send_hwm: int = 4096
+
+
+class Streamer:
+    """Owns the ROUTER socket and its thread; see the module docstring."""
+
+    def __init__(
+        self, config: StreamerConfig, handler_factory: Callable[[zmq.Socket, Waker], Any]
+    ) -> None:
+        self.config = config
+        self._factory = handler_factory
+        self._waker = Waker()
+        self._commands: queue.SimpleQueue[Callable[[Any], None]] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._bound_event = threading.Event()
+        self._bind_error: BaseException | None = None
+        self._bound: list[str] = []
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints actually bound (ephemeral ports resolved)."""
+        return list(self._bound)
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self._bound_event.is_set() and self._bind_error is None and not self._stopping.is_set()
+        )
+
+    def start(self, timeout: float = 10.0) -> list[str]:
+        """Start the thread and return once every endpoint is bound (or raise why not)."""
+        self._thread = threading.Thread(target=self._run, name="ss-streamer", daemon=True)
+        self._thread.start()
+        if not self._bound_event.wait(timeout):
+            raise TimeoutError(
+                f"data plane did not bind {self.config.endpoints} within {timeout} s"
+            )
+        if self._bind_error is not None:
+            raise self._bind_error
+        return self.endpoints
+
+    def call(self, fn: Callable[[Any], None]) -> None:
+        """Run ``fn(handler)`` on the streamer thread (from any thread); returns at once."""
+        self._commands.put(fn)
+        self._waker.wake()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Tell open streams the server is going, close the socket, join the thread."""
+        self._stopping.set()
+        self._waker.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log_event(log, "streamer.stop_timeout", level=logging.ERROR, waited_s=timeout)
+        self._waker.close()
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        handler = None
+        try:
+            self._configure(sock)
+            for ep in self.config.endpoints:
+                sock.bind(ep)
+                self._bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            handler = self._factory(sock, self._waker)
+        except BaseException as e:  # reported to start(), which raises it in the caller
+            self._bind_error = e
+            sock.close(linger=0)
+            ctx.term()
+            self._bound_event.set()
+            return
+        self._bound_event.set()
+        log_event(log, "data_plane.listening", endpoints=",".join(self._bound))
+        try:
+            self._loop(sock, handler)
+        except Exception:
+            log_event(log, "streamer.crashed", level=logging.CRITICAL, exc_info=True)
+        finally:
+            try:
+                handler.shutdown()
+            finally:
+                sock.close(linger=self.config.linger_ms)
+                ctx.term()  # returns within linger: the one socket is closed with a linger
+            log_event(log, "data_plane.closed")
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        c = self.config
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, c.linger_ms)
+        sock.setsockopt(zmq.SNDHWM, c.send_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(c.heartbeat_s * 1000)))
+        timeout_ms = max(int(c.stream_timeout_s * 1000), 2 * int(c.heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        # TTL is in deciseconds on the wire, at most 6553.5 s.
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms // 100 * 100, 6_553_500))
+
+    def _loop(self, sock: zmq.Socket, handler: Any) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        tick_s = min(self.config.heartbeat_s, self.config.stream_timeout_s) / 4
+        next_tick = time.monotonic() + tick_s
+        while not self._stopping.is_set():
+            wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
+            events = dict(poller.poll(wait_ms))
+            if sock in events:
+                for _ in range(RECV_BURST):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    handler.on_message(frames[0], frames[1:])
+            if self._waker.fileno() in events:
+                self._waker.drain()
+            self._run_commands(handler)
+            handler.on_results()
+            now = time.monotonic()
+            if now >= next_tick:
+                handler.on_tick(now)
+                next_tick = now + tick_s
+
+    def _run_commands(self, handler: Any) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn(handler)
+            except Exception:
+                log_event(log, "streamer.command_failed", level=logging.ERROR, exc_info=True)
+
+
+def shutdown_error(stream: int) -> Error:
+    """What every open stream is told when the server stops (transient: reconnect later)."""
+    return Error(
+        code=ErrorCode.SERVER_SHUTDOWN,
+        message="the server is shutting down; reconnect and resume when it is back",
+        fatal=False,
+        stream=stream,
+    )
