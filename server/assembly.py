@@ -76,9 +76,11 @@ class Assembler:
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
+        place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
     ) -> None:
-        """Assemble one batch (timed into ``shardserve_assembly_seconds``)."""
-        self.submit(tag, self._timed_assemble, ds, indices, fields, out)
+        """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` moves
+        the result where it is sent from (a shared-memory slot), still on the worker."""
+        self.submit(tag, self._timed_assemble, ds, indices, fields, out, place)
 
     def _timed_assemble(
         self,
@@ -86,9 +88,12 @@ class Assembler:
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
+        place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
     ) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
         parts = assemble_batch(ds, indices, fields, out)
+        if place is not None:
+            parts = place(parts)
         if self._metrics is not None:
             self._metrics.assembly_seconds.observe(time.perf_counter() - t0)
         return parts

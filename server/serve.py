@@ -76,6 +76,16 @@ def add_serve_command(sub: Any) -> None:
     p.add_argument("--assembly-threads", type=int, metavar="N")
     p.add_argument("--heartbeat-s", type=float, metavar="S")
     p.add_argument("--stream-timeout-s", type=float, metavar="S")
+    p.add_argument(
+        "--shm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="shared-memory batch slots for same-host clients (default on; --no-shm: sockets only)",
+    )
+    p.add_argument("--shm-dir", metavar="DIR", help="tmpfs for slot rings (default /dev/shm)")
+    p.add_argument(
+        "--shm-limit-bytes", type=int, metavar="N", help="largest ring per stream (default 4 GiB)"
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -94,6 +104,9 @@ _FLAGS = (
     "assembly_threads",
     "heartbeat_s",
     "stream_timeout_s",
+    "shm",
+    "shm_dir",
+    "shm_limit_bytes",
 )
 
 

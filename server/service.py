@@ -39,6 +39,7 @@ from .store.catalog import Store
 from .streaming.board import StreamBoard
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler
+from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig
 
 log = logging.getLogger("shardserve.service")
@@ -92,6 +93,9 @@ class Service:
                 token=settings.token,
                 heartbeat_s=settings.heartbeat_s,
                 stream_timeout_s=settings.stream_timeout_s,
+                shm_dir=settings.shm_dir if settings.shm else None,
+                shm_limit_bytes=settings.shm_limit_bytes,
+                boot_id=boot_id(),
             ),
             self._make_handler,
         )
@@ -126,6 +130,10 @@ class Service:
     def start(self) -> list[str]:
         """Replay the journal and bind the data plane; returns the bound endpoints."""
         n = self.jobs.load()
+        if self.settings.shm:
+            # Rings of a server that was killed are nobody's now; a live server's are left alone.
+            for name in remove_stale(self.settings.shm_dir):
+                log_event(log, "shm.stale_removed", segment=name)
         endpoints = self.streamer.start()
         log_event(
             log, "service.started", jobs=n, store=str(self.settings.store), data=",".join(endpoints)

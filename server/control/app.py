@@ -64,7 +64,8 @@ def _body(
 async def _on_shardserve_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ShardserveError)
     status = status_for(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    # Basic too, so a browser opening the status page prompts for the token.
+    headers = {"WWW-Authenticate": 'Bearer, Basic realm="shardserve"'} if status == 401 else None
     return _body(exc.code.value, str(exc), status, headers)
 
 

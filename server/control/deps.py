@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from typing import Annotated
 
@@ -20,21 +22,34 @@ def get_service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(get_service)]
 
 
+def _presented_token(header: str) -> str:
+    """The token in an ``Authorization`` header: a bearer token, or the password of HTTP Basic
+    (so a person can open the status page in a browser, which prompts for Basic credentials)."""
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return ""
+    return ""
+
+
 def require_token(request: Request, service: ServiceDep) -> None:
-    """Refuse a request without the server's bearer token (when the server has one).
+    """Refuse a request without the server's token (when the server has one).
 
     The comparison is constant-time so the token cannot be guessed byte by byte.
     """
     token = service.settings.token
     if not token:
         return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
+    given = _presented_token(request.headers.get("authorization", ""))
+    if not hmac.compare_digest(given.encode(), token.encode()):
         raise AuthError(
             "missing or wrong token: send 'Authorization: Bearer <token>' "
-            "with the server's --token / SHARDSERVE_TOKEN"
+            "with the server's --token / SHARDSERVE_TOKEN (in a browser: any user name, "
+            "the token as password)"
         )
 
 

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -51,6 +52,8 @@ from .buffers import BufferPool, BufferSet
 from .handshake import batches_per_rank, check_hello, version_reject
 from .plans import PlanCache
 from .sessions import Prepared, Session
+from .shm import ShmUnavailable
+from .slots import ShmSlots
 from .streamer import StreamerConfig, shutdown_error
 
 log = logging.getLogger("shardserve.streaming")
@@ -139,7 +142,7 @@ class StreamHandler:
             s = self.sessions.get(ident)
             live = s is not None and s.stream == stream
             if what == "batch":
-                index, pool, bufs = done.tag[3:]
+                index, pool, bufs = done.tag[3:]  # pool: BufferPool or ShmSlots; bufs: set or slot
                 if live:
                     s.assembling -= 1
                 if (not live or done.error is not None) and bufs is not None:
@@ -151,6 +154,9 @@ class StreamHandler:
             elif what == "prepare":
                 s.prepared = done.value
                 s.prepared.pool = self._pool_for(s, s.prepared.part_shapes)
+                if s.want_shm:
+                    s.shm = self._make_slots(s)
+                self._welcome(s)
                 self._pump(s)
             else:
                 s.ready[index] = (done.value, bufs)
@@ -174,7 +180,8 @@ class StreamHandler:
     def shutdown(self) -> None:
         """Tell every open stream the server is going (transient), then forget them."""
         for s in list(self.sessions.values()):
-            if self._send(s.ident, shutdown_error(s.stream)):
+            self._send(s.ident, shutdown_error(s.stream))
+            if self.sessions.get(s.ident) is s:
                 self._close(s, "server shutdown")
         self.assembler.close()
 
@@ -224,23 +231,42 @@ class StreamHandler:
             batches_per_rank(job),
             hello.credit,
         )
+        c = self.config
+        # Same kernel boot id: the client shares our host, so it can map our /dev/shm rings.
+        s.want_shm = (
+            hello.transport == "auto"
+            and c.shm_dir is not None
+            and bool(hello.boot_id)
+            and hello.boot_id == c.boot_id
+        )
         self.sessions[ident] = s
+        self.p.registry.note_stream(job.id, s.epoch)
+        # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
+        self.assembler.submit(
+            ("prepare", ident, s.stream), self._prepare, s.job, s.epoch, s.seed, s.rank
+        )
+
+    def _welcome(self, s: Session) -> None:
+        s.transport = "shm" if s.shm is not None else "socket"
         self._send(
-            ident,
+            s.ident,
             Welcome(
                 stream=s.stream,
-                nonce=hello.nonce,
-                job=job.id,
+                nonce=s.nonce,
+                job=s.job_id,
                 rank=s.rank,
                 epoch=s.epoch,
                 seed=s.seed,
                 start_batch=s.start_batch,
                 num_batches=s.num_batches,
                 heartbeat_s=self.config.heartbeat_s,
+                transport=s.transport,
+                shm=s.shm.info if s.shm is not None else None,
             ),
         )
-        self.p.registry.note_stream(job.id, s.epoch)
-        self.p.board.opened(job.id, s.rank, s.stream, s.epoch, s.start_batch, s.num_batches, s.owed)
+        self.p.board.opened(
+            s.job_id, s.rank, s.stream, s.epoch, s.start_batch, s.num_batches, s.owed, s.transport
+        )
         self.p.metrics.streams.set(len(self.sessions))
         log_event(
             log,
@@ -250,11 +276,32 @@ class StreamHandler:
             num_batches=s.num_batches,
             credit=s.credit,
             seed=s.seed,
+            transport=s.transport,
         )
-        self.assembler.submit(
-            ("prepare", ident, s.stream), self._prepare, s.job, s.epoch, s.seed, s.rank
-        )
-        self._pump(s)  # an empty or finished epoch ends at once
+
+    def _make_slots(self, s: Session) -> ShmSlots | None:
+        """The stream's slot ring, holding exactly its credit; ``None`` means use the socket."""
+        prep = s.prepared
+        assert prep is not None and self.config.shm_dir is not None
+        try:
+            return ShmSlots.create(
+                s.stream,
+                min(s.credit, MAX_CREDIT),
+                prep.dataset,
+                prep.fields,
+                s.job.spec.batch_size,
+                self.config.shm_dir,
+                self.config.shm_limit_bytes,
+            )
+        except ShmUnavailable as e:
+            log_event(
+                log,
+                "shm.fallback",
+                level=logging.WARNING,
+                **s.describe(),
+                reason=f"{e}; serving this stream over the socket instead",
+            )
+            return None
 
     def _prepare(self, job: Any, epoch: int, seed: int, rank: int) -> Prepared:
         """On the pool: open the dataset and plan this rank's epoch."""
@@ -283,6 +330,8 @@ class StreamHandler:
         s = self._session_or_unknown(ident)
         if s is None:
             return
+        if s.shm is not None and credit.slots and (bad := s.shm.give_back(credit.slots)):
+            log_event(log, "shm.bad_return", level=logging.WARNING, **s.describe(), slots=bad)
         if s.owed + credit.grant > MAX_CREDIT:
             self._send(
                 ident,
@@ -339,16 +388,26 @@ class StreamHandler:
         while prep is not None and prep.pool is not None and s.wants_work():
             index = s.next_submit
             indices = prep.plan.batch(index)
-            bufs = prep.pool.acquire()
+            place = None
+            if s.shm is not None:
+                slot = s.shm.acquire()
+                if slot is None:
+                    break  # every slot is being filled or is with the client; its Credit frees one
+                pool, bufs, out = s.shm, slot, s.shm.out(slot, len(indices))
+                place = partial(s.shm.place, slot)
+            else:
+                pool, bufs = prep.pool, prep.pool.acquire()
+                out = None if bufs is None else bufs.views(len(indices))
             s.assembling += 1
             s.next_submit += 1
             s.credit -= 1
             self.assembler.gather(
-                ("batch", s.ident, s.stream, index, prep.pool, bufs),
+                ("batch", s.ident, s.stream, index, pool, bufs),
                 prep.dataset,
                 indices,
                 prep.fields,
-                None if bufs is None else bufs.views(len(indices)),
+                out,
+                place,
             )
         while s.next_send in s.ready:
             parts, bufs = s.ready.pop(s.next_send)
@@ -360,15 +419,24 @@ class StreamHandler:
             s.ended = True
             log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=s.num_batches)
 
-    def _send_batch(self, s: Session, parts: dict[str, Any], bufs: BufferSet | None) -> bool:
+    def _send_batch(self, s: Session, parts: dict[str, Any], bufs: BufferSet | int | None) -> bool:
         index = s.next_send
-        header = BatchHeader(
-            s.stream,
-            s.epoch,
-            index,
-            tuple(PartHeader(name, a.dtype.name, a.shape, a.nbytes) for name, a in parts.items()),
-        )
-        frames = [zmq.Frame(a, track=bufs is not None) for a in parts.values()]
+        slot = bufs if isinstance(bufs, int) else -1
+        in_slot = s.shm.headers(slot, parts) if s.shm is not None and slot >= 0 else None
+        if in_slot is not None:
+            header = BatchHeader(s.stream, s.epoch, index, in_slot, slot)
+            frames: list[Any] = []
+        else:
+            header = BatchHeader(
+                s.stream,
+                s.epoch,
+                index,
+                tuple(PartHeader(n, a.dtype.name, a.shape, a.nbytes) for n, a in parts.items()),
+            )
+            # An overflowing shm batch is copied out so its slot can be freed at once.
+            frames = [zmq.Frame(a, track=isinstance(bufs, BufferSet)) for a in parts.values()]
+            if slot >= 0:
+                frames = [bytes(memoryview(a)) for a in parts.values()]
         try:
             self.sock.send_multipart(
                 [s.ident, *encode_batch(header, frames)], flags=zmq.NOBLOCK, copy=False
@@ -381,7 +449,12 @@ class StreamHandler:
                 self._close(s, "peer gone", level=logging.WARNING)
                 return False
             raise
-        if bufs is not None and s.prepared is not None and s.prepared.pool is not None:
+        if s.shm is not None and slot >= 0:
+            if in_slot is not None:
+                s.shm.lend(slot)  # the client hands it back in a Credit
+            else:
+                s.shm.release(slot)
+        elif isinstance(bufs, BufferSet) and s.prepared is not None and s.prepared.pool is not None:
             s.prepared.pool.release(bufs, zmq.MessageTracker(*frames))
         s.next_send += 1
         s.last_send = time.monotonic()
@@ -435,7 +508,10 @@ class StreamHandler:
     def _close(self, s: Session, reason: str, level: int = logging.INFO) -> None:
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
-        if s.prepared is not None and s.prepared.pool is not None:
+        if s.shm is not None:
+            s.ready.clear()
+            s.shm.close()  # unlinks the ring; a client still mapping it keeps its pages
+        elif s.prepared is not None and s.prepared.pool is not None:
             for bufs in s.unsent_buffers():
                 s.prepared.pool.release(bufs)
         self.p.board.closed(s.job_id, s.rank, s.stream)

@@ -58,6 +58,9 @@ class Session:
     credit: int
     transport: Transport = "socket"
     prepared: Prepared | None = None
+    #: Asked for shared memory from this host; ``shm`` is its ring once made.
+    want_shm: bool = False
+    shm: Any = None
     next_submit: int = 0
     next_send: int = 0
     #: Assembled batches waiting for their turn: index -> (parts, buffer set or None).

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -65,6 +66,11 @@ class StreamerConfig:
     linger_ms: int = 500
     #: Control messages queued for one peer beyond its credit (heartbeats of a stuck peer).
     send_hwm: int = 4096
+    #: Where shared-memory slot rings are made; ``None`` turns the shm path off.
+    shm_dir: Path | None = None
+    shm_limit_bytes: int | None = None
+    #: This kernel's boot id; a Hello with the same one comes from this host.
+    boot_id: str = ""
 
 
 class Streamer:

@@ -74,6 +74,11 @@ def test_token_guards_http_and_data_plane(cifar_store: Path, tmp_path: Path) -> 
         assert (
             httpx.get(f"{url}/v1/info", headers={"Authorization": "Bearer nope"}).status_code == 401
         )
+        # A browser gets a Basic challenge and may answer with the token as password.
+        denied = httpx.get(f"{url}/")
+        assert "Basic" in denied.headers["www-authenticate"]
+        assert httpx.get(f"{url}/", auth=("anyone", "s3cret")).status_code == 200
+        assert httpx.get(f"{url}/", auth=("anyone", "wrong")).status_code == 401
         info = httpx.get(f"{url}/v1/info", headers=srv.headers).json()
         assert info["auth_required"] is True
         jid = httpx.post(
