@@ -1,0 +1,153 @@
+"""Tensors from received frames, and the pool of pinned host buffers for device copies.
+
+Ownership: each payload frame is its own libzmq message, allocated for that message alone
+(or a disjoint slice of libzmq's receive buffer for small ones), so wrapping it with
+``torch.frombuffer`` gives a tensor that shares memory with no other batch. The tensor keeps
+the frame alive; the frame is writable, so torch has nothing to warn about. Small frames
+that are misaligned for their dtype are copied instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shardserve.proto.framing import ITEMSIZE, Frame
+from shardserve.proto.messages import BatchHeader, PartHeader
+
+from .types import Batch, VarTensor
+
+log = logging.getLogger(__name__)
+
+OFFSETS, SHAPES = ".offsets", ".shapes"
+#: Companion key a padded variable field gets with ``pad_variable=True``.
+LENGTHS = ".lengths"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name (``"float32"`` -> ``torch.float32``)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise TypeError(f"wire dtype {name!r} has no torch equivalent")
+    return dt
+
+
+def tensor_from_frame(part: PartHeader, frame: Frame) -> torch.Tensor:
+    """A tensor over ``frame``'s memory (no copy), shaped as the header says."""
+    dtype = torch_dtype(part.dtype)
+    if part.nbytes == 0:
+        return torch.empty(part.shape, dtype=dtype)
+    t = torch.frombuffer(frame, dtype=torch.uint8)
+    if t.data_ptr() % ITEMSIZE[part.dtype]:
+        t = t.clone()  # unaligned: a typed view would be undefined behaviour for some kernels
+    return t.view(dtype).view(part.shape)
+
+
+def assemble(parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batch:
+    """Group a batch's parts into fields: fixed tensors as they are, variable and binary
+    fields (``x`` + ``x.offsets`` [+ ``x.shapes``]) as :class:`VarTensor` or, padded, as a
+    dense tensor plus ``x.lengths``."""
+    out: Batch = {}
+    for name, t in parts.items():
+        if "." in name:
+            continue
+        offsets = parts.get(name + OFFSETS)
+        if offsets is None:
+            out[name] = t
+            continue
+        shapes = parts.get(name + SHAPES)
+        if shapes is None:  # binary: each sample's length in bytes
+            shapes = (offsets[1:] - offsets[:-1]).unsqueeze(1)
+        var = VarTensor(t, offsets, shapes)
+        if pad_variable:
+            dense, true_shapes = var.pad()
+            out[name] = dense
+            out[name + LENGTHS] = true_shapes[:, 0] if true_shapes.shape[1] == 1 else true_shapes
+        else:
+            out[name] = var
+    return out
+
+
+def batch_from_frames(
+    header: BatchHeader, frames: Sequence[Frame], pad_variable: bool = False
+) -> Batch:
+    """CPU tensors for a received batch, each owning (a reference to) its own frame."""
+    parts = {p.name: tensor_from_frame(p, f) for p, f in zip(header.parts, frames, strict=True)}
+    return assemble(parts, pad_variable)
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+
+
+@dataclass
+class _Block:
+    buf: torch.Tensor
+    event: Event | None = None
+
+
+@dataclass
+class PinnedPool:
+    """Reusable host staging buffers; pinned when CUDA is there, plain otherwise.
+
+    A block handed back with an event is reused only once that event has completed (its
+    device copy finished), so a copy in flight can never read a buffer being refilled.
+
+    >>> pool = PinnedPool(pin=False)
+    >>> buf = pool.acquire(1000)
+    >>> pool.release(buf, event=None); pool.stats()["free"]
+    1
+    """
+
+    pin: bool | None = None
+    max_blocks: int = 16
+    _free: list[_Block] = field(default_factory=list)
+    _pending: list[_Block] = field(default_factory=list)
+    allocated: int = 0
+
+    def __post_init__(self) -> None:
+        available = torch.cuda.is_available()
+        if self.pin is None:
+            self.pin = available
+        elif self.pin and not available:
+            log.warning(
+                "pinned host memory needs CUDA, which torch cannot see: using plain buffers"
+            )
+            self.pin = False
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        """Blocks come in powers of two (at least 4 KiB) so batches of varying size share them."""
+        return max(4096, 1 << max(0, nbytes - 1).bit_length())
+
+    def _reap(self) -> None:
+        still: list[_Block] = []
+        for b in self._pending:
+            (self._free if b.event is None or b.event.query() else still).append(b)
+        self._pending = still
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` that no copy in flight is reading."""
+        self._reap()
+        want = self.size_class(nbytes)
+        for i, b in enumerate(self._free):
+            if b.buf.numel() == want:
+                return self._free.pop(i).buf
+        if self._free and self.allocated >= self.max_blocks:
+            self._free.pop(0)  # a block of the wrong size: let it go rather than grow
+            self.allocated -= 1
+        self.allocated += 1
+        return torch.empty(want, dtype=torch.uint8, pin_memory=bool(self.pin))
+
+    def release(self, buf: torch.Tensor, event: Event | None) -> None:
+        """Hand ``buf`` back; it becomes reusable once ``event`` (if any) has completed."""
+        self._pending.append(_Block(buf, event))
+        self._reap()
+
+    def stats(self) -> dict[str, int]:
+        self._reap()
+        return {"allocated": self.allocated, "free": len(self._free), "pending": len(self._pending)}

@@ -1,0 +1,139 @@
+"""The data-plane socket: one ZeroMQ DEALER per Loader, and how its endpoint is chosen.
+
+The socket is connected at construction and reconnects on its own (libzmq) after a server
+restart; the protocol state on top of it (handshake, credit, recovery) lives in
+:mod:`shardserve.client.stream`. libzmq's I/O thread receives batches in the background up
+to the credit granted, which is all the prefetching the client needs: no Python threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import zmq
+
+from shardserve.proto.errors import BadRequest
+from shardserve.proto.framing import Frame, encode
+from shardserve.proto.jobs import ServerInfo
+from shardserve.proto.messages import Bye, ControlMessage
+
+from .control import LOOPBACK_HOSTS
+
+log = logging.getLogger(__name__)
+
+BYE_LINGER_MS = 10
+TRANSPORTS = ("auto", "ipc", "tcp", "socket")
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def read_boot_id() -> str:
+    """This kernel's boot id ('' where there is none): equal ids mean one host."""
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def choose_endpoint(
+    info: ServerInfo, http_host: str, transport: str = "auto", boot_id: str | None = None
+) -> str:
+    """The data endpoint to connect to.
+
+    ``ipc://`` when the server runs on this host (same boot id) and its socket file is
+    visible here; else ``tcp://``, with a loopback or wildcard host replaced by the host of the
+    HTTP URL when that one is remote (the server only knows the address it bound).
+
+    >>> info = ServerInfo(version="0", protocols=[1], host="h", boot_id="b", auth_required=False,
+    ...                   data_endpoints=["tcp://0.0.0.0:7071"])
+    >>> choose_endpoint(info, "10.0.0.5", boot_id="other")
+    'tcp://10.0.0.5:7071'
+    """
+    if transport not in TRANSPORTS:
+        raise BadRequest(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+    boot_id = read_boot_id() if boot_id is None else boot_id
+    ipc = [e for e in info.data_endpoints if e.startswith("ipc://")]
+    tcp = [e for e in info.data_endpoints if e.startswith("tcp://")]
+    if transport in ("auto", "ipc", "socket") and boot_id and boot_id == info.boot_id:
+        for e in ipc:
+            if os.path.exists(e[len("ipc://") :]):
+                return e
+    if transport == "ipc":
+        raise BadRequest(
+            f"transport='ipc' but no usable ipc:// endpoint: server boot id {info.boot_id!r}, "
+            f"ours {boot_id!r}, endpoints {info.data_endpoints}"
+        )
+    if not tcp:
+        raise BadRequest(
+            f"the server offers no tcp:// data endpoint this host can use: {info.data_endpoints}"
+        )
+    parts = urlsplit(tcp[0])
+    host = parts.hostname or ""
+    if (host in LOOPBACK_HOSTS or host == "*") and http_host not in LOOPBACK_HOSTS:
+        return f"tcp://{http_host}:{parts.port}"
+    if host in ("0.0.0.0", "*"):
+        return f"tcp://127.0.0.1:{parts.port}"
+    return tcp[0]
+
+
+class Connection:
+    """A connected DEALER with its own context; every call is non-blocking or has a timeout.
+
+    >>> conn = Connection("tcp://127.0.0.1:7071", heartbeat_s=1.0)   # doctest: +SKIP
+    >>> conn.poll(0.1)                                              # doctest: +SKIP
+    False
+    >>> conn.close()                                                # doctest: +SKIP
+    """
+
+    def __init__(self, endpoint: str, heartbeat_s: float = 1.0) -> None:
+        self.endpoint = endpoint
+        self.transport = endpoint.split("://", 1)[0]
+        # A context per Loader: closing it ends libzmq's I/O thread with the Loader.
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        hb_ms = max(100, int(heartbeat_s * 1000))
+        # ZMTP-level heartbeats drop a dead TCP peer so libzmq reconnects to a restarted server.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * hb_ms)
+        self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * hb_ms)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._sock.connect(endpoint)
+        self.closed = False
+
+    def send(self, msg: ControlMessage) -> bool:
+        """Queue a control message without blocking; False when libzmq's queue is full."""
+        try:
+            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.debug("send queue full, dropped %s for %s", type(msg).__name__, self.endpoint)
+            return False
+
+    def poll(self, timeout_s: float) -> bool:
+        """Whether a message is ready, waiting at most ``timeout_s``."""
+        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
+    def recv(self) -> Sequence[Frame] | None:
+        """One message's frames, or None when none is queued. Frames own their buffers."""
+        try:
+            return self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        """Say Bye (best effort) and drop the socket at once; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(zmq.ZMQError):
+            self.send(Bye())
+        # Long enough for libzmq to flush the Bye to a live server, short enough not to matter
+        # when the server is gone (the socket otherwise lingers 0 from construction on).
+        self._sock.close(linger=BYE_LINGER_MS)
+        self._ctx.term()

@@ -1,0 +1,120 @@
+"""The control plane as the client sees it: a few small HTTP calls through httpx.
+
+Every call has a timeout; a 4xx/5xx body (``{"code", "detail"}``) becomes the matching
+exception from :mod:`shardserve.proto.errors`, and an unreachable server becomes
+:class:`ServerUnavailable` naming the URL.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import httpx
+
+from shardserve.proto.errors import ServerUnavailable, ShardserveError, error_for_code
+from shardserve.proto.jobs import CreatedJob, JobSpec, JobStatus, ServerInfo, job_id
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"})
+
+
+class ControlClient:
+    """Blocking calls to ``/v1/...`` with a per-call deadline.
+
+    >>> with ControlClient("http://127.0.0.1:7070") as api:   # doctest: +SKIP
+    ...     api.info().data_endpoints
+    ['tcp://127.0.0.1:7071', 'ipc:///tmp/ss.sock']
+    """
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"server URL {url!r} must look like http://HOST:PORT")
+        self.host = parts.hostname
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # A proxy from the environment must not swallow loopback traffic to our own sidecar.
+        # Plain http needs no certificates, and loading them costs ~25 ms of construction time.
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=timeout,
+            trust_env=self.host not in LOOPBACK_HOSTS,
+            verify=parts.scheme == "https",
+        )
+
+    def _request(
+        self, method: str, path: str, timeout: float | None = None, **kw: object
+    ) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, timeout=timeout or self._http.timeout, **kw)  # type: ignore[arg-type]
+        except httpx.HTTPError as e:
+            raise ServerUnavailable(
+                f"control plane {self.url} did not answer {method} {path}: {type(e).__name__}: {e}"
+            ) from None
+        if r.status_code >= 400:
+            raise _error_from(r, f"{method} {path}")
+        return r
+
+    def info(self) -> ServerInfo:
+        return ServerInfo.model_validate_json(self._request("GET", "/v1/info").content)
+
+    def create_job(self, spec: JobSpec, timeout: float | None = None) -> CreatedJob:
+        """``POST /v1/jobs``: idempotent, every rank may post the same spec."""
+        body = spec.model_dump(mode="json")
+        return CreatedJob.model_validate_json(
+            self._request("POST", "/v1/jobs", json=body, timeout=timeout).content
+        )
+
+    def job(self, job_id: str, timeout: float | None = None) -> JobStatus:
+        return JobStatus.model_validate_json(
+            self._request("GET", f"/v1/jobs/{job_id}", timeout=timeout).content
+        )
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        """Whether ``GET /healthz`` answers 2xx within ``timeout``; never raises."""
+        try:
+            return self._http.get("/healthz", timeout=timeout).status_code < 300
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class JobHandle:
+    """One job as the data-plane stream needs it: re-create it, describe it for an error."""
+
+    def __init__(self, api: ControlClient, spec: JobSpec) -> None:
+        self.api, self.spec, self.id = api, spec, job_id(spec)
+
+    def recreate(self, timeout: float) -> None:
+        """Re-POST the spec (after a server restart the job is unknown until then)."""
+        self.api.create_job(self.spec, timeout=timeout)
+
+    def describe(self) -> str:
+        """Facts for a DataStallError, each fetched with a short timeout; never raises."""
+        if not self.api.healthy(timeout=0.5):
+            return f"server {self.api.url} does not answer GET /healthz"
+        try:
+            st = self.api.job(self.id, timeout=0.5)
+        except ShardserveError as e:
+            return f"server {self.api.url} is up; job status unavailable: {e}"
+        err = f", error: {st.error}" if st.error else ""
+        return f"server {self.api.url} is up; job {self.id} state: {st.state}{err}"
+
+
+def _error_from(r: httpx.Response, what: str) -> ShardserveError:
+    try:
+        body = r.json()
+        code, detail = str(body["code"]), str(body["detail"])
+    except (ValueError, KeyError, TypeError):
+        code, detail = ("internal" if r.status_code >= 500 else "bad_request"), r.text[:500]
+    if r.status_code == 401 or r.status_code == 403:
+        code = code if code != "internal" else "unauthorized"
+    return error_for_code(code, f"{what} -> HTTP {r.status_code}: {detail}")

@@ -1,0 +1,83 @@
+"""Moving a received batch to a CUDA device without stalling the consumer's stream.
+
+Host data is first copied into a pinned buffer from :class:`PinnedPool`, then copied to the
+device with ``non_blocking=True`` on a side stream; the consumer's current stream waits on
+an event recorded after the copies, and the pinned buffer goes back to the pool with that
+event, so it is refilled only after its copy finished. Everything here is guarded by
+``torch.cuda.is_available()``; on the CPU a batch passes through untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.proto.errors import BadRequest
+
+from .buffers import PinnedPool, assemble
+from .types import Batch
+
+_ALIGN = 64
+
+
+def resolve_device(device: str | torch.device, local_rank: int) -> torch.device:
+    """``"cuda"`` means this process's GPU (``LOCAL_RANK``); a CUDA device needs CUDA.
+
+    >>> resolve_device("cpu", 3)
+    device(type='cpu')
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BadRequest(
+                f"device={str(device)!r} but torch.cuda.is_available() is False: use device='cpu'"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    elif dev.type != "cpu":
+        raise BadRequest(f"device {str(device)!r} is not supported: use 'cpu' or 'cuda[:N]'")
+    return dev
+
+
+class DeviceCopier:
+    """Turns a batch's CPU parts into tensors on ``device``."""
+
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pool = pool if pool is not None else PinnedPool(pin=self.cuda)
+        self._stream = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def stage(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copy every part into one pooled host buffer (64-byte aligned slices)."""
+        sizes = [
+            (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in parts.values()
+        ]
+        block = self.pool.acquire(sum(sizes))
+        staged, pos = {}, 0
+        for (name, t), size in zip(parts.items(), sizes, strict=True):
+            n = t.numel() * t.element_size()
+            view = block[pos : pos + n].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            staged[name] = view
+            pos += size
+        return block, staged
+
+    def to_device(self, parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batch:
+        """The batch on ``self.device``; on the CPU, ``parts`` assembled as they are."""
+        if not self.cuda:
+            return assemble(parts, pad_variable)
+        block, staged = self.stage(parts)
+        assert self._stream is not None
+        consumer = torch.cuda.current_stream(self.device)
+        # The side stream must not start before work the consumer already queued on its buffers.
+        self._stream.wait_stream(consumer)
+        with torch.cuda.stream(self._stream):
+            moved = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        consumer.wait_event(done)
+        for t in moved.values():
+            # Allocated on the side stream, used on the consumer's: keep the allocator honest.
+            t.record_stream(consumer)
+        self.pool.release(block, done)
+        return assemble(moved, pad_variable)

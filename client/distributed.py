@@ -1,0 +1,71 @@
+"""Where this process sits in a distributed job: rank, world size, local device index.
+
+Explicit arguments win; else an initialised ``torch.distributed`` process group; else the
+``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` variables that ``torchrun`` sets; else a single
+process (0 of 1).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.proto.errors import BadRequest
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    #: Index of this process's device on its host (``LOCAL_RANK``), used for ``device="cuda"``.
+    local_rank: int
+    #: Where the numbers came from: "explicit", "torch.distributed", "env" or "default".
+    source: str
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def resolve_world(
+    rank: int | None = None, world_size: int | None = None, env: Mapping[str, str] | None = None
+) -> World:
+    """This process's rank and world size.
+
+    >>> resolve_world(1, 4, env={})
+    World(rank=1, world_size=4, local_rank=1, source='explicit')
+    >>> resolve_world(env={"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
+    World(rank=3, world_size=8, local_rank=1, source='env')
+    """
+    env = os.environ if env is None else env
+    local = _env_int(env, "LOCAL_RANK")
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise BadRequest(
+                f"give both rank and world_size or neither (rank={rank}, world_size={world_size})"
+            )
+        r, w, source = rank, world_size, "explicit"
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        r, w, source = (
+            torch.distributed.get_rank(),
+            torch.distributed.get_world_size(),
+            "torch.distributed",
+        )
+    elif (er := _env_int(env, "RANK")) is not None and (
+        ew := _env_int(env, "WORLD_SIZE")
+    ) is not None:
+        r, w, source = er, ew, "env"
+    else:
+        r, w, source = 0, 1, "default"
+    if w < 1 or not 0 <= r < w:
+        raise BadRequest(f"rank {r} is out of range 0 <= rank < world_size={w} (from {source})")
+    return World(r, w, local if local is not None else (r if source == "explicit" else 0), source)

@@ -1,0 +1,75 @@
+"""The client's side of a shared-memory slot ring: attach, read a slot in place, detach.
+
+The server owns the ring (it creates and unlinks the file); the client only maps it. A slot
+is the server's until the batch header names it, the client's until it is handed back in a
+``Credit``. With ``copy=True`` (the default) a batch is copied out and the slot returned at
+once, so every delivered batch owns its storage; with ``copy=False`` the tensors *are* the
+slot and stay valid only until the next batch is requested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from shardserve.proto.messages import PartHeader, ShmRing
+
+DEFAULT_DIR = Path("/dev/shm")
+
+
+class ShmAttachError(OSError):
+    """The ring named in Welcome cannot be mapped here (another host or IPC namespace)."""
+
+
+class AttachedRing:
+    """A read-only-by-convention mapping of a server's slot ring."""
+
+    def __init__(self, ring: ShmRing, shm_dir: Path = DEFAULT_DIR) -> None:
+        if "/" in ring.name or ring.name.startswith("."):
+            raise ShmAttachError(
+                f"refusing shared-memory name {ring.name!r}: not a plain file name"
+            )
+        self.ring = ring
+        path = shm_dir / ring.name
+        size = ring.slots * ring.slot_bytes
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise ShmAttachError(f"cannot open {path}: {e.strerror}") from None
+        try:
+            if os.fstat(fd).st_size < size:
+                raise ShmAttachError(
+                    f"{path} is {os.fstat(fd).st_size} bytes, Welcome promised {size}"
+                )
+            # Mapped writable so CUDA can register it as pinned memory; the client never writes.
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def part(self, slot: int, part: PartHeader) -> np.ndarray:
+        """A view of one part of the batch in ``slot`` (no copy)."""
+        if not 0 <= slot < self.ring.slots:
+            raise ValueError(f"slot {slot} out of range 0 <= slot < {self.ring.slots}")
+        if part.offset + part.nbytes > self.ring.slot_bytes:
+            raise ValueError(
+                f"part {part.name!r} overflows its slot ({part.offset}+{part.nbytes} > {self.ring.slot_bytes})"
+            )
+        start = slot * self.ring.slot_bytes + part.offset
+        return self._buf[start : start + part.nbytes].view(part.dtype).reshape(part.shape)
+
+    def slot_memory(self) -> np.ndarray:
+        """The whole mapping as bytes (for registering it with CUDA once per stream)."""
+        return self._buf
+
+    def close(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+        if self._mm is not None:
+            # A zero-copy tensor may still point into the ring; the mapping then dies with it.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None

@@ -1,0 +1,320 @@
+"""One epoch of one rank on the wire: handshake, credit, heartbeats, recovery, deadline.
+
+::
+
+    open() --Hello(nonce)--> awaiting Welcome --Welcome(nonce)--> streaming --EndOfEpoch--> done
+                 ^                  |                                 |
+                 +-- recover() <----+-- silence > 3 x heartbeat ------+
+                     (re-POST job,  +-- Error(JOB_NOT_FOUND | UNKNOWN_STREAM | SERVER_SHUTDOWN)
+                      new nonce,    +-- a gap in batch indices
+                      start_batch = next undelivered batch, backoff)
+
+Fatal ``Error``/``Reject`` raise the matching typed exception at once. When no batch arrives
+within ``timeout``, :class:`DataStallError` says what was waited for and what is known.
+Messages of older streams (other nonce or stream id, other epoch, already-seen index) are
+dropped, so a reconnect never delivers a batch twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+
+from shardserve.proto.errors import (
+    DataStallError,
+    ErrorCode,
+    MalformedFrame,
+    ProtocolError,
+    ServerUnavailable,
+    ShardserveError,
+    error_for_code,
+)
+from shardserve.proto.framing import Frame, decode, decode_batch, peek_kind
+from shardserve.proto.messages import (
+    BatchHeader,
+    Credit,
+    EndOfEpoch,
+    Error,
+    Heartbeat,
+    Hello,
+    Kind,
+    Reject,
+    Welcome,
+)
+
+from .connection import Connection
+from .shm import AttachedRing, ShmAttachError
+from .stats import StatsClock
+
+log = logging.getLogger(__name__)
+
+#: Heartbeat period until the server's Welcome says otherwise.
+DEFAULT_HEARTBEAT_S = 1.0
+#: Errors after which the stream is re-established instead of raised.
+RECOVERABLE = frozenset(
+    {ErrorCode.JOB_NOT_FOUND, ErrorCode.UNKNOWN_STREAM, ErrorCode.SERVER_SHUTDOWN}
+)
+MAX_BACKOFF_S = 2.0
+
+
+class EpochStream:
+    """Batches ``start_batch..`` of one epoch, in order, each exactly once."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        hello: Hello,
+        timeout: float,
+        stats: StatsClock,
+        recreate_job: Callable[[float], None],
+        describe: Callable[[], str],
+    ) -> None:
+        self.conn = conn
+        self.hello = hello
+        self.epoch = hello.epoch
+        self.next_index = hello.start_batch
+        self.timeout = timeout
+        self.stats = stats
+        self._recreate_job = recreate_job
+        self._describe = describe
+        self.welcome: Welcome | None = None
+        self.done = False
+        self.credit_outstanding = 0
+        self._pending_grant = 0
+        self._grant_every = max(1, hello.credit // 4)
+        self._heartbeat_s = DEFAULT_HEARTBEAT_S
+        self._last_heard = time.monotonic()
+        self._last_beat = 0.0
+        self._backoff = 0.1
+        self._next_recover = 0.0
+        #: The server's slot ring when the stream runs over shared memory.
+        self.ring: AttachedRing | None = None
+        self.transport = conn.transport
+        #: Slots the consumer is done with, handed back with the next Credit.
+        self._returns: list[int] = []
+        self._send_hello(self.next_index)
+
+    # -- the two calls the Loader makes ---------------------------------------------------
+
+    def next(self) -> tuple[BatchHeader, list[Frame]] | None:
+        """The next batch's header and frames, or None after ``EndOfEpoch``."""
+        if self.done:
+            return None
+        started = time.monotonic()
+        deadline = started + self.timeout
+        # Time the consumer spent computing is not server silence.
+        self._last_heard = max(self._last_heard, started - self._heartbeat_s)
+        while True:
+            frames = self.conn.recv()
+            if frames is None:
+                self._flush_grant()
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._stall(now - started)
+                if now - self._last_beat >= self._heartbeat_s:
+                    self.conn.send(Heartbeat(stats=self.stats.wire()))
+                    self._last_beat = now
+                if now - self._last_heard > 3 * self._heartbeat_s:
+                    self._recover(f"no message from the server for {now - self._last_heard:.1f} s")
+                wake = min(
+                    deadline,
+                    self._last_beat + self._heartbeat_s,
+                    self._last_heard + 3 * self._heartbeat_s,
+                )
+                self.conn.poll(max(0.001, wake - now))
+                continue
+            self._last_heard = time.monotonic()
+            item = self._handle(frames)
+            if item is not None:
+                return item
+            if self.done:
+                return None
+
+    def consumed(self) -> None:
+        """The Loader handed a batch out: give its credit back (coalesced, never starving)."""
+        self._pending_grant += 1
+        if self._pending_grant >= self._grant_every:
+            self._flush_grant()
+
+    def release_slot(self, slot: int) -> None:
+        """The consumer is done reading ``slot``; it goes back with the next Credit."""
+        self._returns.append(slot)
+
+    def close(self) -> None:
+        """Unmap the slot ring (the server owns and unlinks it)."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    # -- message handling ------------------------------------------------------------------
+
+    def _handle(self, frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]] | None:
+        try:
+            if peek_kind(frames[0]) is Kind.BATCH:
+                return self._on_batch(*decode_batch(frames))
+            msg = decode(frames)
+        except ProtocolError as e:
+            # A frame we cannot read is the server's bug or a hostile peer: refuse it loudly.
+            raise type(e)(
+                f"{e} (job {self.hello.job}, rank {self.hello.rank}, endpoint {self.conn.endpoint})"
+            ) from None
+        match msg:
+            case Welcome():
+                self._on_welcome(msg)
+            case EndOfEpoch():
+                if (
+                    self.welcome is not None
+                    and msg.stream == self.welcome.stream
+                    and msg.epoch == self.epoch
+                ):
+                    if self.next_index >= msg.num_batches:
+                        self.done = True
+                    else:
+                        self._recover(
+                            f"EndOfEpoch after batch {self.next_index - 1} of {msg.num_batches}"
+                        )
+            case Heartbeat():
+                pass
+            case Error():
+                self._on_error(msg.code, msg.message, msg.fatal, msg.stream)
+            case Reject():
+                if msg.nonce in (0, self.hello.nonce):
+                    raise error_for_code(
+                        msg.code,
+                        f"server rejected the stream: {msg.message} (server speaks protocols "
+                        f"{list(msg.server_protocols)}, this client {list(self.hello.protocols)})",
+                    )
+            case _:
+                log.debug("ignoring %s from the server", type(msg).__name__)
+        return None
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if msg.nonce != self.hello.nonce:
+            return  # the answer to a Hello we have since replaced
+        self.close()
+        if msg.transport == "shm":
+            if msg.shm is None or self.hello.transport != "auto":
+                raise ProtocolError(
+                    f"server chose shared memory (ring {msg.shm}) but this client asked for "
+                    f"transport {self.hello.transport!r}"
+                )
+            try:
+                self.ring = AttachedRing(msg.shm)
+            except ShmAttachError as e:
+                # Same boot id but another IPC namespace (containers): the socket still works.
+                log.warning("cannot map the server's shared memory (%s); using the socket", e)
+                self.hello = self.hello.model_copy(update={"transport": "socket"})
+                self._send_hello(self.next_index)
+                return
+        self.transport = "shm" if self.ring is not None else self.conn.transport
+        if msg.start_batch != self.next_index or msg.epoch != self.epoch:
+            raise ProtocolError(
+                f"Welcome for epoch {msg.epoch} batch {msg.start_batch}, asked for epoch {self.epoch} "
+                f"batch {self.next_index}"
+            )
+        self.welcome = msg
+        self._heartbeat_s = msg.heartbeat_s if msg.heartbeat_s > 0 else DEFAULT_HEARTBEAT_S
+        self._backoff = 0.1
+
+    def _on_batch(
+        self, header: BatchHeader, frames: list[Frame]
+    ) -> tuple[BatchHeader, list[Frame]] | None:
+        if (
+            self.welcome is None
+            or header.stream != self.welcome.stream
+            or header.epoch != self.epoch
+        ):
+            return None  # an older stream's batch
+        if header.slot >= 0 and self.ring is None:
+            raise MalformedFrame(
+                f"batch {header.index} arrived in shm slot {header.slot} on a socket stream"
+            )
+        self.credit_outstanding = max(0, self.credit_outstanding - 1)
+        if header.index < self.next_index:
+            if header.slot >= 0:
+                self.release_slot(header.slot)
+            return None  # already delivered before a reconnect
+        if header.index > self.next_index:
+            self._recover(f"batch {header.index} arrived while waiting for batch {self.next_index}")
+            return None
+        self.next_index += 1
+        return header, frames
+
+    def _on_error(self, code: ErrorCode, message: str, fatal: bool, stream: int | None) -> None:
+        mine = stream is None or (self.welcome is not None and stream == self.welcome.stream)
+        if not mine:
+            return
+        where = f"(job {self.hello.job}, rank {self.hello.rank}, epoch {self.epoch}, next batch {self.next_index})"
+        if fatal:
+            raise error_for_code(code, f"{message} {where}")
+        if code in RECOVERABLE:
+            self._recover(f"server said {code.value}: {message}")
+        else:
+            log.warning("non-fatal error from the server %s: %s %s", code.value, message, where)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send_hello(self, start: int) -> None:
+        self.hello = self.hello.model_copy(
+            update={"start_batch": start, "nonce": secrets.randbits(62)}
+        )
+        self.welcome = None
+        self._pending_grant = 0
+        self._returns = []  # slots of the stream being replaced die with its ring
+        self.credit_outstanding = self.hello.credit
+        self.conn.send(self.hello)
+
+    def _flush_grant(self) -> None:
+        if not (self._pending_grant or self._returns) or self.welcome is None:
+            return
+        credit = Credit(
+            grant=self._pending_grant, slots=tuple(self._returns), stats=self.stats.due_report()
+        )
+        if self.conn.send(credit):
+            self.credit_outstanding += self._pending_grant
+            self._pending_grant = 0
+            self._returns = []
+
+    def _recover(self, reason: str) -> None:
+        """Re-create the job (idempotent) and re-open the stream at the next undelivered batch.
+
+        Within the backoff window a second trigger is ignored: errors answering Hellos that
+        were queued while the server was down must not set off a Hello storm.
+        """
+        now = time.monotonic()
+        if now < self._next_recover:
+            return
+        log.info(
+            "re-opening stream of job %s rank %s at batch %s: %s",
+            self.hello.job,
+            self.hello.rank,
+            self.next_index,
+            reason,
+        )
+        self.stats.reconnects += 1
+        # Still down: the Hello waits in libzmq's queue and goes out on reconnect.
+        with contextlib.suppress(ServerUnavailable):
+            self._recreate_job(min(1.0, self._backoff * 4))
+        self._send_hello(self.next_index)
+        self._last_heard = now
+        self._next_recover = now + self._backoff
+        self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)
+
+    def _stall(self, waited: float) -> ShardserveError:
+        state = (
+            "streaming"
+            if self.welcome is not None
+            else f"waiting for Welcome to Hello nonce {self.hello.nonce}"
+        )
+        last = self.next_index - 1 if self.next_index > 0 else None
+        return DataStallError(
+            f"no batch within {waited:.1f} s (timeout={self.timeout}): waited for batch {self.next_index} "
+            f"of epoch {self.epoch}, job {self.hello.job}, rank {self.hello.rank} on {self.conn.endpoint}; "
+            f"last batch received: {last if last is not None else 'none'}; stream {state}; "
+            f"credit outstanding: {self.credit_outstanding}; reconnects: {self.stats.reconnects}; "
+            f"{self._describe()}"
+        )

@@ -1,0 +1,106 @@
+"""The small types a :class:`~shardserve.client.Loader` hands back.
+
+``VarTensor`` carries a variable-shape field of a batch (token sequences, graphs, encoded
+images) the way it travels: one flat ``values`` tensor, ``offsets`` into it and each
+sample's ``shapes``. It is cheap to move to a device and can be padded or split on demand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VarTensor:
+    """A batch of variable-shape samples: sample ``i`` is
+    ``values[offsets[i]:offsets[i+1]].view(shapes[i])``.
+
+    ``values`` is 1-d; ``offsets`` is int64 ``[B+1]`` (element offsets); ``shapes`` is int64
+    ``[B, ndim]`` (binary fields: ``[B, 1]``, the byte length).
+
+    >>> v = VarTensor(torch.arange(5.), torch.tensor([0, 2, 5]), torch.tensor([[2], [3]]))
+    >>> [t.tolist() for t in v.unbind()]
+    [[0.0, 1.0], [2.0, 3.0, 4.0]]
+    >>> v.pad()[0].tolist()
+    [[0.0, 1.0, 0.0], [2.0, 3.0, 4.0]]
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    shapes: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    def unbind(self) -> list[torch.Tensor]:
+        """One tensor per sample, each a view into ``values`` (no copy)."""
+        offs = self.offsets.tolist()
+        shapes = self.shapes.tolist()
+        return [self.values[offs[i] : offs[i + 1]].view(shapes[i]) for i in range(len(self))]
+
+    def pad(self, value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense ``[B, *max_shape]`` tensor filled with ``value`` past each sample's end,
+        and the true shapes (int64 ``[B, ndim]``).
+
+        >>> VarTensor(torch.tensor([7, 8, 9]), torch.tensor([0, 1, 3]), torch.tensor([[1], [2]])).pad(-1)[0]
+        tensor([[ 7, -1],
+                [ 8,  9]])
+        """
+        n = len(self)
+        ndim = int(self.shapes.shape[1]) if self.shapes.dim() == 2 else 1
+        max_shape = self.shapes.amax(dim=0).tolist() if n else [0] * ndim
+        out = torch.full((n, *max_shape), value, dtype=self.values.dtype, device=self.values.device)
+        for i, sample in enumerate(self.unbind()):
+            index: tuple[int | slice, ...] = (i, *(slice(0, d) for d in sample.shape))
+            out[index] = sample
+        return out, self.shapes
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> VarTensor:
+        """The same batch on ``device``."""
+        return VarTensor(
+            self.values.to(device, non_blocking=non_blocking),
+            self.offsets.to(device, non_blocking=non_blocking),
+            self.shapes.to(device, non_blocking=non_blocking),
+        )
+
+
+Batch = dict[str, "torch.Tensor | VarTensor"]
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """What the loop waited for. ``stall_fraction`` near 0 means data keeps up; near 1 means
+    the model is waiting on data.
+
+    >>> LoaderStats(batches=10, bytes=0, wait_s=1.0, compute_s=3.0, transport="tcp",
+    ...             first_batch_s=0.01).stall_fraction
+    0.25
+    """
+
+    batches: int
+    bytes: int
+    #: Seconds spent inside ``next()`` waiting for a batch.
+    wait_s: float
+    #: Seconds between a batch being handed out and the next one being asked for.
+    compute_s: float
+    #: The data-plane transport in use: ``"ipc"``, ``"tcp"`` (or ``"shm"`` later).
+    transport: str
+    #: Seconds from construction of the Loader to its first delivered batch (None before).
+    first_batch_s: float | None
+    #: Times the stream was re-established after a server restart or a lost stream.
+    reconnects: int = 0
+
+    @property
+    def stall_fraction(self) -> float:
+        total = self.wait_s + self.compute_s
+        return self.wait_s / total if total > 0 else 0.0

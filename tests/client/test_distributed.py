@@ -1,0 +1,70 @@
+"""Two ranks under torch.distributed (gloo), and the DDP example trained end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.client.conftest import N_CIFAR
+from tests.support.server import free_port, run_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None) if k not in extra else None
+    return env
+
+
+def test_two_ranks_get_disjoint_batches_covering_the_dataset(server, tmp_path) -> None:
+    """Ranks of a gloo group read disjoint, equally many batches whose union is the dataset."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests/client/_ddp_worker.py"),
+            server.http_url,
+            str(tmp_path / f"{rank}.json"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
+    assert len(r0["batches"]) == len(r1["batches"]) == r0["len"] == r1["len"]
+    s0 = [i for b in r0["batches"] for i in b]
+    s1 = [i for b in r1["batches"] for i in b]
+    assert len(s0) == len(s1) == N_CIFAR // 2
+    assert not set(s0) & set(s1)
+    assert sorted(s0 + s1) == list(range(N_CIFAR))
+
+
+def test_train_ddp_example_reaches_good_accuracy(tmp_path) -> None:
+    """examples/train_ddp.py trains with 2 CPU ranks via torchrun and ends with accuracy > 0.8."""
+    store = tmp_path / "store"
+    train, test = tmp_path / "digits-train.npz", tmp_path / "digits-test.npz"
+    subprocess.run([sys.executable, str(ROOT / "examples/prepare_digits.py"), str(train), str(test)],
+                   check=True, timeout=60, env=_env())  # fmt: skip
+    for src, name in ((train, "digits-train"), (test, "digits-test")):
+        subprocess.run([sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
+                        "--name", name], check=True, timeout=60, env=_env(), capture_output=True)  # fmt: skip
+    with run_server(store) as srv:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "examples/train_ddp.py"), "--url", srv.http_url, "--epochs", "4"]  # fmt: skip
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    m = re.search(r"test accuracy ([0-9.]+), loader stall fraction ([0-9.]+)", last)
+    assert m, r.stdout
+    assert float(m.group(1)) > 0.8, last
+    assert 0.0 <= float(m.group(2)) <= 1.0

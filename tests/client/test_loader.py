@@ -1,0 +1,149 @@
+"""The Loader against a real server: plans, epochs, resume, tensors, stats."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from shardserve.client import DatasetNotFound, Loader, VarTensor
+from shardserve.server.planning import plan
+from shardserve.server.store.catalog import Store
+from tests.client.conftest import N_CIFAR, ids
+from tests.support.resume import assert_resumes_exactly
+
+
+def test_single_rank_epoch_equals_the_plan(server, store) -> None:
+    """One rank's epoch is the planner's batches, in order, with the store's exact bytes."""
+    with Loader(server.http_url, "cifar", 64, seed=3, rank=0, world_size=1) as loader:
+        loader.set_epoch(2)
+        batches = list(loader)
+        assert len(batches) == len(loader)
+    want = plan(N_CIFAR, seed=3, epoch=2, world_size=1, rank=0, batch_size=64)
+    assert [ids(b) for b in batches] == [tuple(int(i) for i in b) for b in want]
+    with Store(store).open("cifar") as ds:
+        ref = ds.take(want.batch(3))
+    assert torch.equal(batches[3]["image"], torch.from_numpy(ref["image"]))
+    assert torch.equal(batches[3]["label"], torch.from_numpy(ref["label"]))
+    assert batches[3]["image"].dtype == torch.uint8 and batches[3]["image"].shape == (64, 3, 32, 32)
+
+
+def test_set_epoch_changes_the_order_and_the_seed_reproduces_it(server) -> None:
+    """Epochs differ, the same (seed, epoch) gives the same order, and iterating again without
+    set_epoch advances the epoch instead of repeating it."""
+    with Loader(server.http_url, "cifar", 100, seed=7, rank=0, world_size=1) as a, \
+         Loader(server.http_url, "cifar", 100, seed=7, rank=0, world_size=1) as b:  # fmt: skip
+        a.set_epoch(0)
+        e0 = [ids(x) for x in a]
+        e1_auto = [ids(x) for x in a]  # no set_epoch: advances to epoch 1
+        b.set_epoch(1)
+        e1 = [ids(x) for x in b]
+        b.set_epoch(0)
+        assert [ids(x) for x in b] == e0
+    assert e0 != e1 and e1_auto == e1
+    assert sorted(i for bt in e0 for i in bt) == list(range(N_CIFAR))
+
+
+@pytest.mark.parametrize("midpoint", [0, 4, 10])
+def test_resume_mid_epoch_yields_exactly_the_rest(server, midpoint: int) -> None:
+    """A state_dict taken after `midpoint` batches resumes with exactly the remaining batches."""
+    loaders: list[Loader] = []
+
+    def make_iter(state):
+        loader = Loader(server.http_url, "cifar", 100, seed=1, rank=0, world_size=1, prefetch=3)
+        loaders.append(loader)
+        if state is not None:
+            loader.load_state_dict(state)
+        else:
+            loader.set_epoch(5)
+        return iter(loader), loader.state_dict
+
+    try:
+        assert_resumes_exactly(make_iter, midpoint, key=ids)
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+def test_state_dict_after_an_epoch_points_at_the_next(server) -> None:
+    """After a full epoch the state says: next epoch, batch 0; a foreign state is refused."""
+    with Loader(server.http_url, "cifar", 250, rank=0, world_size=1) as loader:
+        loader.set_epoch(4)
+        for _ in loader:
+            pass
+        st = loader.state_dict()
+        assert (st["epoch"], st["next_batch"], st["version"]) == (5, 0, 1)
+        with pytest.raises(ValueError, match="rank 1 of 2"):
+            loader.load_state_dict({**st, "rank": 1, "world_size": 2})
+
+
+def test_variable_fields_arrive_as_vartensor_or_padded(server) -> None:
+    """Graph-like samples come back as VarTensor (values/offsets/shapes) or padded + lengths."""
+    with Loader(server.http_url, "graphs", 16, shuffle=False, rank=0, world_size=1) as loader:
+        batch = next(iter(loader))
+    x = batch["x"]
+    assert isinstance(x, VarTensor) and len(x) == 16 and x.shapes.shape == (16, 2)
+    assert torch.equal(batch["y"], torch.arange(16, dtype=torch.float32))
+    smiles = [bytes(t.numpy()) for t in batch["smiles"].unbind()]
+    assert smiles[3].endswith(b"#3")
+    with Loader(
+        server.http_url, "graphs", 16, shuffle=False, rank=0, world_size=1, pad_variable=True
+    ) as loader:
+        padded = next(iter(loader))
+    assert padded["x"].shape == (16, int(x.shapes[:, 0].max()), 8)
+    assert torch.equal(padded["x.lengths"], x.shapes)
+    assert torch.equal(padded["x"][3, : x.shapes[3, 0]], x.unbind()[3])
+
+
+def test_stats_account_for_every_batch(server) -> None:
+    """stats() counts batches and bytes delivered and splits time into wait and compute."""
+    with Loader(server.http_url, "cifar", 200, rank=0, world_size=1) as loader:
+        n = sum(1 for _ in loader)
+        s = loader.stats()
+    assert s.batches == n == 5
+    assert s.bytes == N_CIFAR * (3 * 32 * 32 + 8)
+    assert 0.0 <= s.stall_fraction <= 1.0 and s.first_batch_s is not None
+    # Same host: the default transport is shared memory.
+    assert s.transport == "shm" and s.reconnects == 0
+    with Loader(server.http_url, "cifar", 200, transport="socket") as loader:
+        sum(1 for _ in loader)
+        assert loader.stats().transport == "ipc"
+
+
+def test_unknown_dataset_is_a_typed_error(server) -> None:
+    """A Loader for a dataset the store lacks raises DatasetNotFound naming it, at construction."""
+    with pytest.raises(DatasetNotFound, match="nope"):
+        Loader(server.http_url, "nope", 8)
+
+
+def test_tcp_transport_delivers_the_same_batches(server) -> None:
+    """transport='tcp' and the same-host ipc path deliver identical batches."""
+    with Loader(server.http_url, "cifar", 128, seed=9, rank=0, world_size=1, transport="tcp") as t, \
+         Loader(server.http_url, "cifar", 128, seed=9, rank=0, world_size=1) as i:  # fmt: skip
+        assert t.stats().transport == "tcp" and i.stats().transport == "ipc"
+        for bt, bi in zip(t, i, strict=True):
+            assert torch.equal(bt["image"], bi["image"]) and torch.equal(bt["label"], bi["label"])
+
+
+def test_control_plane_epoch_is_followed_unless_set_epoch(server) -> None:
+    """Without set_epoch a Loader starts at the job's epoch set over HTTP; set_epoch overrides it;
+    a second iterator replaces the first, which then refuses to go on."""
+    kw = {"seed": 11, "rank": 0, "world_size": 1}
+    with Loader(server.http_url, "cifar", 125, **kw) as first:
+        r = httpx.put(
+            f"{server.http_url}/v1/jobs/{first.job_id}/epoch", json={"epoch": 7}, timeout=5
+        )
+        assert r.status_code == 200, r.text
+        with Loader(server.http_url, "cifar", 125, **kw) as loader:
+            e7 = [ids(b) for b in loader]
+            assert loader.state_dict()["epoch"] == 8
+            loader.set_epoch(7)
+            old = iter(loader)
+            next(old)
+            e8 = [ids(b) for b in loader]  # a new iterator advances to epoch 8
+            with pytest.raises(RuntimeError, match="replaced"):
+                next(old)
+            loader.set_epoch(7)
+            assert [ids(b) for b in loader] == e7 != e8
+    want = plan(N_CIFAR, seed=11, epoch=7, world_size=1, rank=0, batch_size=125)
+    assert e7 == [tuple(int(i) for i in b) for b in want]

@@ -1,0 +1,30 @@
+"""The client's public surface and its import hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import shardserve.client as client
+
+
+def test_all_is_pinned() -> None:
+    """`shardserve.client.__all__` lists exactly the documented public names."""
+    assert sorted(client.__all__) == [
+        "AuthError", "BadRequest", "DataStallError", "DatasetCorruptError", "DatasetNotFound",
+        "JobFailed", "JobNotFound", "Loader", "LoaderStats", "ProtocolError", "ServerUnavailable",
+        "ShardserveError", "VarTensor", "serve_local",
+    ]  # fmt: skip
+    for name in client.__all__:
+        assert getattr(client, name) is not None
+
+
+def test_client_never_imports_server_dependencies() -> None:
+    """Importing the client loads neither pyarrow, fastapi nor any shardserve.server module."""
+    code = (
+        "import sys, shardserve.client; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'fastapi', 'uvicorn') "
+        "or m.startswith('shardserve.server')]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,75 @@
+"""Client pieces that need no server: rank discovery, endpoint choice, the small types."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.client import BadRequest, VarTensor
+from shardserve.client.connection import choose_endpoint
+from shardserve.client.distributed import resolve_world
+from shardserve.proto.jobs import ServerInfo
+
+
+def test_world_explicit_beats_env() -> None:
+    """Explicit rank/world_size win over RANK/WORLD_SIZE."""
+    w = resolve_world(0, 2, env={"RANK": "1", "WORLD_SIZE": "4"})
+    assert (w.rank, w.world_size, w.source) == (0, 2, "explicit")
+
+
+def test_world_from_env_and_default() -> None:
+    """RANK/WORLD_SIZE/LOCAL_RANK are read when torch.distributed is not initialised; else 0 of 1."""
+    w = resolve_world(env={"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (w.rank, w.world_size, w.local_rank, w.source) == (3, 4, 1, "env")
+    assert resolve_world(env={}).world_size == 1
+
+
+@pytest.mark.parametrize("rank,world", [(2, 2), (-1, 2), (0, 0)])
+def test_world_out_of_range_is_refused(rank: int, world: int) -> None:
+    """A rank outside 0 <= rank < world_size is a BadRequest naming both numbers."""
+    with pytest.raises(BadRequest, match=f"rank {rank}"):
+        resolve_world(rank, world, env={})
+
+
+def _info(*endpoints: str, boot_id: str = "boot-a") -> ServerInfo:
+    return ServerInfo(version="0", protocols=[1], data_endpoints=list(endpoints), host="h",
+                      boot_id=boot_id, auth_required=False)  # fmt: skip
+
+
+def test_endpoint_prefers_ipc_on_the_same_host(tmp_path) -> None:
+    """Same boot id and a visible socket file -> ipc://; otherwise tcp://."""
+    sock = tmp_path / "ss.sock"
+    sock.touch()
+    info = _info("tcp://127.0.0.1:7071", f"ipc://{sock}")
+    assert choose_endpoint(info, "127.0.0.1", boot_id="boot-a") == f"ipc://{sock}"
+    assert choose_endpoint(info, "127.0.0.1", boot_id="boot-b") == "tcp://127.0.0.1:7071"
+    assert choose_endpoint(info, "127.0.0.1", "tcp", boot_id="boot-a") == "tcp://127.0.0.1:7071"
+    sock.unlink()
+    assert choose_endpoint(info, "127.0.0.1", boot_id="boot-a") == "tcp://127.0.0.1:7071"
+
+
+def test_endpoint_rewrites_loopback_for_a_remote_server() -> None:
+    """A server bound to loopback/0.0.0.0 is reached at the host of the HTTP URL."""
+    assert choose_endpoint(_info("tcp://0.0.0.0:9"), "10.1.2.3", boot_id="x") == "tcp://10.1.2.3:9"
+    assert (
+        choose_endpoint(_info("tcp://127.0.0.1:9"), "gpu-node", boot_id="x") == "tcp://gpu-node:9"
+    )
+    assert (
+        choose_endpoint(_info("tcp://0.0.0.0:9"), "127.0.0.1", boot_id="x") == "tcp://127.0.0.1:9"
+    )
+    with pytest.raises(BadRequest, match="ipc"):
+        choose_endpoint(_info("tcp://0.0.0.0:9"), "127.0.0.1", "ipc", boot_id="x")
+
+
+def test_vartensor_unbind_and_pad() -> None:
+    """unbind() returns each sample in its shape; pad() fills past each sample's end."""
+    values = torch.arange(2 * 2 + 3 * 2, dtype=torch.float32)
+    v = VarTensor(values, torch.tensor([0, 4, 10]), torch.tensor([[2, 2], [3, 2]]))
+    a, b = v.unbind()
+    assert a.shape == (2, 2) and b.shape == (3, 2)
+    assert torch.equal(b.flatten(), values[4:])
+    dense, shapes = v.pad(value=-1)
+    assert dense.shape == (2, 3, 2)
+    assert torch.equal(dense[0, :2], a) and (dense[0, 2] == -1).all()
+    assert torch.equal(shapes, v.shapes)
+    assert len(v) == 2 and v.to("cpu").values.data_ptr() == values.data_ptr()
