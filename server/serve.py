@@ -82,7 +82,6 @@ def add_serve_command(sub: Any) -> None:
         default=None,
         help="shared-memory batch slots for same-host clients (default on; --no-shm: sockets only)",
     )
-    p.add_argument("--shm-dir", metavar="DIR", help="tmpfs for slot rings (default /dev/shm)")
     p.add_argument(
         "--shm-limit-bytes", type=int, metavar="N", help="largest ring per stream (default 4 GiB)"
     )
@@ -105,7 +104,6 @@ _FLAGS = (
     "heartbeat_s",
     "stream_timeout_s",
     "shm",
-    "shm_dir",
     "shm_limit_bytes",
 )
 

@@ -39,6 +39,7 @@ from .store.catalog import Store
 from .streaming.board import StreamBoard
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler
+from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig
 
@@ -93,7 +94,8 @@ class Service:
                 token=settings.token,
                 heartbeat_s=settings.heartbeat_s,
                 stream_timeout_s=settings.stream_timeout_s,
-                shm_dir=settings.shm_dir if settings.shm else None,
+                # Clients map rings from their own /dev/shm, so the server makes them there too.
+                shm_dir=SHM_DIR if settings.shm else None,
                 shm_limit_bytes=settings.shm_limit_bytes,
                 boot_id=boot_id(),
             ),
@@ -132,7 +134,7 @@ class Service:
         n = self.jobs.load()
         if self.settings.shm:
             # Rings of a server that was killed are nobody's now; a live server's are left alone.
-            for name in remove_stale(self.settings.shm_dir):
+            for name in remove_stale(SHM_DIR):
                 log_event(log, "shm.stale_removed", segment=name)
         endpoints = self.streamer.start()
         log_event(

@@ -69,8 +69,6 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     #: Same-host clients get batches through shared-memory slot rings unless this is off.
     shm: bool = True
-    #: Where rings are made; a tmpfs shared with the clients (Docker: a shared IPC namespace).
-    shm_dir: Path = Path("/dev/shm")
     #: Largest ring one stream may have; a bigger ring falls back to the socket path.
     shm_limit_bytes: int = Field(default=4 << 30, ge=0)
 

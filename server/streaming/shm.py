@@ -87,7 +87,10 @@ def create_ring(stream: int, slots: int, slot_bytes: int, shm_dir: Path = DEFAUL
     hint = ("give the container more shared memory (`docker run --shm-size=2g`, compose `shm_size: 2gb`, "
             "or `ipc: host`)")
     if limit_bytes is not None and size > limit_bytes:
-        raise ShmUnavailable(f"a ring of {slots} x {slot_bytes} bytes is over the {limit_bytes}-byte shm limit; {hint}")
+        raise ShmUnavailable(
+            f"a ring of {slots} x {slot_bytes} bytes is over the {limit_bytes}-byte limit "
+            f"(--shm-limit-bytes); raise it, lower the client's prefetch, or {hint}"
+        )
     if not shm_dir.is_dir():
         raise ShmUnavailable(f"{shm_dir} does not exist; shared memory is unavailable on this host")
     path = shm_dir / f"{PREFIX}{os.getpid()}-{stream}-{secrets.token_hex(4)}"

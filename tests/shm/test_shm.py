@@ -1,0 +1,197 @@
+"""Same-host fast path: shared-memory slot rings between a real server and real Loaders."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardserve.client import Loader
+from shardserve.server.store.catalog import Store
+from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, create_ring
+from shardserve.server.streaming.slots import ShmSlots
+from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
+from tests.support.server import ServerProc, run_server
+
+pytestmark = pytest.mark.skipif(not DEFAULT_DIR.is_dir(), reason="no /dev/shm on this host")
+
+
+def segments_of(pid: int) -> list[str]:
+    return sorted(p.name for p in DEFAULT_DIR.glob(f"{PREFIX}{pid}-*"))
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("store")
+    make_cifar_like(root, "cifar", n=600)
+    make_graph_like(root, "graphs", n=150)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(store: Path) -> Iterator[ServerProc]:
+    with run_server(store) as srv:
+        yield srv
+
+
+def _epoch(url: str, dataset: str, transport: str, **kw) -> tuple[list[dict], str]:
+    with Loader(url, dataset, 64, seed=3, transport=transport, **kw) as loader:
+        loader.set_epoch(1)
+        batches = [dict(b) for b in loader]
+        return batches, loader.stats().transport
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return all(_same(getattr(a, k), getattr(b, k)) for k in ("values", "offsets", "shapes"))
+
+
+@pytest.mark.parametrize("dataset", ["cifar", "graphs"])
+def test_shm_and_socket_deliver_identical_batches(server: ServerProc, dataset: str) -> None:
+    """The shm path and the socket path deliver byte-identical batches for the same plan."""
+    shm, t1 = _epoch(server.http_url, dataset, "auto")
+    sock, t2 = _epoch(server.http_url, dataset, "socket")
+    assert (t1, t2) == ("shm", "ipc")
+    assert len(shm) == len(sock) > 1
+    for a, b in zip(shm, sock, strict=True):
+        assert a.keys() == b.keys()
+        assert all(_same(a[k], b[k]) for k in a)
+
+
+def test_copied_batches_own_their_storage(server: ServerProc) -> None:
+    """With copy=True (default) a batch stays intact after its slot is reused for later batches."""
+    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=2) as loader:
+        batches = [b["image"] for b in loader]
+    ids = [sample_id_of({"image": t.numpy()}) for t in batches]
+    assert np.array_equal(np.concatenate(ids), np.arange(600))
+
+
+def test_copy_false_yields_views_into_the_slot(server: ServerProc) -> None:
+    """copy=False yields tensors inside the shared ring, correct while the loop body runs."""
+    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=2, copy=False) as loader:
+        seen = []
+        for b in loader:
+            ring = loader._active.ring  # type: ignore[union-attr]
+            mem = ring.slot_memory()
+            start = mem.ctypes.data
+            assert start <= b["image"].data_ptr() < start + mem.nbytes
+            seen.append(sample_id_of({"image": b["image"].numpy()}).copy())
+    assert np.array_equal(np.concatenate(seen), np.arange(600))
+
+
+def test_tiny_shm_limit_falls_back_with_one_clear_line(store: Path) -> None:
+    """A ring that cannot be made falls back to the socket and logs how to give it room."""
+    with run_server(store, "--shm-limit-bytes", "1") as srv:
+        batches, transport = _epoch(srv.http_url, "cifar", "auto")
+        log = srv.log_tail(20000)
+    assert transport == "ipc" and len(batches) == 10
+    lines = [ln for ln in log.splitlines() if "shm.fallback" in ln]
+    assert len(lines) == 1, log
+    assert "shm_size" in lines[0] and "--shm-size" in lines[0] and "ipc: host" in lines[0]
+
+
+def test_no_shm_flag_serves_sockets(store: Path) -> None:
+    """--no-shm turns the fast path off: same-host clients get the socket path."""
+    with run_server(store, "--no-shm") as srv:
+        assert _epoch(srv.http_url, "cifar", "auto")[1] == "ipc"
+        assert segments_of(srv.proc.pid) == []
+
+
+CLIENT = textwrap.dedent(
+    """
+    import sys, time
+    from shardserve.client import Loader
+    loader = Loader(sys.argv[1], "cifar", 20, prefetch=4)
+    it = iter(loader)
+    next(it)
+    print("reading", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_killed_client_leaves_no_segment(server: ServerProc) -> None:
+    """A client killed with SIGKILL mid-stream leaves no ring behind once the server notices."""
+    before = set(segments_of(server.proc.pid))
+    with subprocess.Popen(
+        [sys.executable, "-c", CLIENT, server.http_url], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+            assert set(segments_of(server.proc.pid)) - before, "the client did not get a ring"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            wait_until(
+                lambda: set(segments_of(server.proc.pid)) <= before,
+                30,
+                "the dead client's ring to go",
+            )
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_restart_removes_stale_segments(store: Path) -> None:
+    """Rings of a server killed with SIGKILL are removed when the next server starts."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=10)
+    planted = DEFAULT_DIR / f"{PREFIX}{dead.pid}-7-deadbeef"
+    planted.write_bytes(b"\0" * 64)
+    with run_server(store) as srv:
+        loader = Loader(srv.http_url, "cifar", 20, prefetch=3)
+        next(iter(loader))
+        left = segments_of(srv.proc.pid)
+        assert left, "the stream got no ring"
+        srv.kill()
+        loader.close()
+    assert segments_of(srv.proc.pid) == left  # a killed server cannot clean up...
+    with run_server(store):
+        pass
+    assert segments_of(srv.proc.pid) == [] and not planted.exists()  # ...the next one does
+
+
+def test_variable_overflow_goes_to_the_socket(store: Path) -> None:
+    """A batch whose variable parts exceed the slot's budget is left for the socket, not truncated."""
+    ds = Store(store).open("graphs")
+    fields = tuple(f.name for f in ds.fields)
+    slots = ShmSlots.create(1, 2, ds, fields, 8, DEFAULT_DIR, None)
+    try:
+        slot = slots.acquire()
+        assert slot is not None
+        parts = ds.take(np.arange(8), fields, out=slots.out(slot, 8))
+        placed = slots.place(slot, parts)
+        assert slots.headers(slot, placed) is not None  # a typical batch fits
+        huge = {**parts, "x": np.zeros(slots.ring.slot_bytes, dtype=np.float32)}
+        assert slots.place(slot, huge) is huge
+        assert slots.headers(slot, huge) is None
+    finally:
+        slots.close()
+    assert not slots.ring.path.exists()
+
+
+def test_ring_creation_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    """A ring over the limit or in a missing folder is refused with the reason, leaving no file."""
+    with pytest.raises(Exception, match="--shm-limit-bytes"):
+        create_ring(1, 4, 1 << 20, DEFAULT_DIR, limit_bytes=1 << 10)
+    with pytest.raises(Exception, match="does not exist"):
+        create_ring(1, 4, 1 << 20, tmp_path / "missing")
+    assert segments_of(os.getpid()) == []
