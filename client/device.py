@@ -3,18 +3,27 @@
 Host data is first copied into a pinned buffer from :class:`PinnedPool`, then copied to the
 device with ``non_blocking=True`` on a side stream; the consumer's current stream waits on
 an event recorded after the copies, and the pinned buffer goes back to the pool with that
-event, so it is refilled only after its copy finished. Everything here is guarded by
-``torch.cuda.is_available()``; on the CPU a batch passes through untouched.
+event, so it is refilled only after its copy finished. A shared-memory slot ring can skip
+the staging copy: registered once per stream with ``cudaHostRegister``, its slots are copied
+from directly, and a slot goes back to the server only after its copy event completed.
+Everything here is guarded by ``torch.cuda.is_available()``; on the CPU a batch passes
+through untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
+import numpy as np
 import torch
 
 from shardserve.proto.errors import BadRequest
 
-from .buffers import PinnedPool, assemble
+from .buffers import Event, PinnedPool, assemble
 from .types import Batch
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64
 
@@ -36,6 +45,27 @@ def resolve_device(device: str | torch.device, local_rank: int) -> torch.device:
     elif dev.type != "cpu":
         raise BadRequest(f"device {str(device)!r} is not supported: use 'cpu' or 'cuda[:N]'")
     return dev
+
+
+def register_host_memory(buf: np.ndarray) -> bool:
+    """Page-lock ``buf`` for DMA (``cudaHostRegister`` through torch), so host-to-device copies
+    read it directly. ``False`` without CUDA or when the driver refuses; callers then stage
+    through pinned buffers instead."""
+    if not torch.cuda.is_available() or buf.nbytes == 0:
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 0)
+    except (RuntimeError, AttributeError) as e:
+        log.info("cudaHostRegister unavailable (%s); staging through pinned buffers", e)
+        return False
+    return int(err) == 0
+
+
+def unregister_host_memory(buf: np.ndarray) -> None:
+    """Undo :func:`register_host_memory` once every copy from ``buf`` has finished."""
+    torch.cuda.synchronize()
+    with contextlib.suppress(RuntimeError, AttributeError):
+        torch.cuda.cudart().cudaHostUnregister(buf.ctypes.data)
 
 
 class DeviceCopier:
@@ -81,3 +111,22 @@ class DeviceCopier:
             t.record_stream(consumer)
         self.pool.release(block, done)
         return assemble(moved, pad_variable)
+
+    def to_device_direct(
+        self, parts: dict[str, torch.Tensor], pad_variable: bool = False
+    ) -> tuple[Batch, Event]:
+        """Copy straight from page-locked host memory (a registered shm slot), no staging.
+
+        Returns the batch and the event after which the host memory may be reused.
+        """
+        assert self._stream is not None
+        consumer = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(consumer)
+        with torch.cuda.stream(self._stream):
+            moved = {k: v.to(self.device, non_blocking=True) for k, v in parts.items()}
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        consumer.wait_event(done)
+        for t in moved.values():
+            t.record_stream(consumer)
+        return assemble(moved, pad_variable), done

@@ -20,7 +20,12 @@ from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
 from .buffers import assemble, tensor_from_frame
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
-from .device import DeviceCopier, resolve_device
+from .device import (
+    DeviceCopier,
+    register_host_memory,
+    resolve_device,
+    unregister_host_memory,
+)
 from .distributed import resolve_world
 from .stats import StatsClock
 from .stream import EpochStream
@@ -113,6 +118,8 @@ class Loader:
         self.copy = copy
         self._shm = transport == "auto"
         self._held_slot: tuple[EpochStream, int] | None = None
+        # Slots being copied to the GPU straight from shared memory, freed when their event is.
+        self._copying: list[tuple[Any, EpochStream, int]] = []
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
         self._api = ControlClient(url, self._token or None, timeout=min(timeout, 10.0))
         self._stats = StatsClock()
@@ -271,6 +278,15 @@ class Loader:
             p.name: torch.from_numpy(stream.ring.part(header.slot, p)) for p in header.parts
         }
         if self._copier.cuda:
+            ring = stream.ring
+            if ring.registered is None:
+                ring.registered = register_host_memory(ring.slot_memory())
+                if ring.registered:
+                    ring.on_close = unregister_host_memory
+            if ring.registered:
+                batch, done = self._copier.to_device_direct(views, self.pad_variable)
+                self._copying.append((done, stream, header.slot))
+                return batch
             # Staging into pinned memory is synchronous: the slot is free once it returns.
             batch = self._copier.to_device(views, self.pad_variable)
         elif self.copy:
@@ -282,6 +298,14 @@ class Loader:
         return batch
 
     def _return_held_slot(self) -> None:
+        if self._copying:
+            still = []
+            for done, stream, slot in self._copying:
+                if done.query():
+                    stream.release_slot(slot)
+                else:
+                    still.append((done, stream, slot))
+            self._copying = still
         if self._held_slot is not None:
             stream, slot = self._held_slot
             self._held_slot = None
@@ -304,6 +328,7 @@ class Loader:
                 s.close()
         self._stream = self._active = None
         self._held_slot = None
+        self._copying = []
         atexit.unregister(self._atexit)
         self._conn.close()
         self._api.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,10 @@ class AttachedRing:
         finally:
             os.close(fd)
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        #: Whether the mapping is registered with CUDA (None: not tried yet).
+        self.registered: bool | None = None
+        #: Runs before unmapping (the Loader's CUDA unregistration, after in-flight copies).
+        self.on_close: Callable[[np.ndarray], None] | None = None
 
     def part(self, slot: int, part: PartHeader) -> np.ndarray:
         """A view of one part of the batch in ``slot`` (no copy)."""
@@ -67,6 +72,9 @@ class AttachedRing:
         return self._buf
 
     def close(self) -> None:
+        if self.on_close is not None and self._mm is not None:
+            self.on_close(self._buf)
+            self.on_close = None
         self._buf = np.empty(0, dtype=np.uint8)
         if self._mm is not None:
             # A zero-copy tensor may still point into the ring; the mapping then dies with it.

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shardserve.client import Loader
+from shardserve.proto.messages import ShmRing
 from shardserve.server.store.catalog import Store
 from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, create_ring
 from shardserve.server.streaming.slots import ShmSlots
@@ -195,3 +196,22 @@ def test_ring_creation_refuses_what_does_not_fit(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="does not exist"):
         create_ring(1, 4, 1 << 20, tmp_path / "missing")
     assert segments_of(os.getpid()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_cuda_registration_falls_back_on_cpu() -> None:
+    """Without CUDA a ring is not registered, so batches take the staged (pinned-pool) path."""
+    from shardserve.client.device import register_host_memory
+    from shardserve.client.shm import AttachedRing
+
+    ring = create_ring(2, 2, 4096)
+    try:
+        ring_info = ShmRing(name=ring.name, slots=ring.slots, slot_bytes=ring.slot_bytes)
+        attached = AttachedRing(ring_info)
+        assert register_host_memory(attached.slot_memory()) is False
+        closed_with = []
+        attached.on_close = lambda buf: closed_with.append(buf.nbytes)
+        attached.close()
+        assert closed_with == [ring_info.slots * ring_info.slot_bytes]
+    finally:
+        ring.close()
