@@ -7,13 +7,18 @@ For a CIFAR-like dataset (``uint8[3,32,32]`` + int64 label, N=50,000) and 64 KiB
 
 * ``floor``: an in-process ``np.take`` gather from in-memory arrays (the least CPU work
   that produces a shuffled batch);
-* ``shardserve ipc`` / ``shardserve tcp``: ``Loader`` against a ``serve_local`` server;
+* ``Arrow mmap take``: the store's own vectorised ``take`` in this process, mapped once,
+  into reused buffers (what a server cannot beat; the target is >= 0.5x of it);
+* ``memcpy``: a single-thread copy of the same bytes per batch (the GB/s ceiling);
+* ``shardserve shm`` / ``ipc`` / ``tcp``: ``Loader`` against a ``serve_local`` server, with
+  the client's CPU seconds per batch and the server's CPU seconds per delivered GB;
 * ``DataLoader`` over an in-memory ``TensorDataset``, one ``.pt`` file per sample, and
   chunked ``.pt`` files (1,000 samples each), each with ``num_workers`` 0 and 2.
 
 Each configuration runs two epochs; the second (steady state, persistent workers) is
 reported. The loop touches every tensor of every batch. Also: time to first batch from
-``Loader`` construction with a running server (new job each time). Prints a table of
+``Loader`` construction with a running server (new job each time), and the server's RSS
+while 1 and then 4 jobs read the same dataset (the page cache is shared, RSS should not grow). Prints a table of
 samples/s and ratios, writes ``bench/results/e2e.json``. ``--quick``: N/8, under 2 minutes.
 """
 
@@ -36,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, get_worker_info
 
 from shardserve.client import Loader, serve_local
+from shardserve.server.store.catalog import Store
 
 BATCH = 256
 CHUNK = 1000
@@ -140,6 +146,77 @@ def floor(arrays: dict[str, np.ndarray]) -> Callable[[int], Iterable[dict[str, t
     return epoch
 
 
+def arrow_take(store: Path, name: str, n: int) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
+    ds = Store(store).open(name)
+    out = {k: np.empty((BATCH, *shape[1]), dtype=shape[0]) for k, shape in ds.part_shapes(None).items()}
+
+    def epoch(e: int) -> Iterator[dict[str, torch.Tensor]]:
+        perm = np.random.default_rng(e).permutation(n)
+        for i in range(0, n, BATCH):
+            idx = perm[i : i + BATCH]
+            views = {k: v[: len(idx)] for k, v in out.items()}
+            yield {k: torch.from_numpy(a) for k, a in ds.take(idx, None, out=views).items()}
+
+    return epoch
+
+
+def memcpy(arrays: dict[str, np.ndarray]) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
+    n = len(arrays["label"])
+    dst = {k: np.empty((BATCH, *v.shape[1:]), v.dtype) for k, v in arrays.items()}
+
+    def epoch(e: int) -> Iterator[dict[str, torch.Tensor]]:
+        for i in range(0, n, BATCH):
+            m = min(BATCH, n - i)
+            for k, v in arrays.items():
+                np.copyto(dst[k][:m], v[i : i + m])
+            yield {k: torch.from_numpy(d[:m]) for k, d in dst.items()}
+
+    return epoch
+
+
+def server_pid(store: Path) -> int | None:
+    """The serve_local server's pid (for its CPU time and RSS), found by its command line."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in cmd and str(store).encode() in cmd:
+                return int(proc.name)
+    return None
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime in clock ticks
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def rss_jobs(url: str, name: str, pid: int) -> dict[str, float]:
+    """Server RSS after an epoch with 1 job, then with 4 more jobs of the same dataset."""
+    def epoch(seed: int) -> None:
+        with Loader(url, name, BATCH, seed=seed, rank=0, world_size=1) as loader:
+            for _ in loader:
+                pass
+    epoch(500)
+    one = rss_mb(pid)
+    loaders = [Loader(url, name, BATCH, seed=600 + j, rank=0, world_size=1) for j in range(4)]
+    its = [iter(x) for x in loaders]
+    live = list(its)
+    while live:
+        live = [it for it in live if next(it, None) is not None]
+    for x in loaders:
+        x.close()
+    return {"rss_1_job_mb": one, "rss_4_jobs_mb": rss_mb(pid)}
+
+
 def dataloader(ds: Dataset, workers: int) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
     shuffle = not isinstance(ds, IterableDataset)
     dl = DataLoader(
@@ -170,8 +247,12 @@ def bench_case(case: str, n: int, work: Path) -> dict[str, object]:
         print(f"  {label:32} {rows[label]['samples_s']:>12,.0f} samples/s", flush=True)
 
     record("floor (in-process gather)", floor(arrays))
+    record("memcpy (same bytes)", memcpy(arrays))
+    record("Arrow mmap take (in process)", arrow_take(work / "store", case, n))
+    nbytes = sum(v.nbytes for v in arrays.values())
     with serve_local(work / "store") as url:
-        for transport in ("ipc", "tcp"):
+        pid = server_pid(work / "store")
+        for label, transport in (("shm", "auto"), ("ipc", "ipc"), ("tcp", "tcp")):
             with Loader(
                 url, case, BATCH, seed=0, rank=0, world_size=1, transport=transport
             ) as loader:
@@ -180,9 +261,18 @@ def bench_case(case: str, n: int, work: Path) -> dict[str, object]:
                     loader.set_epoch(e)
                     return loader  # type: ignore[return-value]
 
-                record(f"shardserve {transport}", epochs)
-                rows[f"shardserve {transport}"]["stall_fraction"] = loader.stats().stall_fraction
+                c0, s0 = time.process_time(), cpu_s(pid) if pid else 0.0
+                record(f"shardserve {label}", epochs)
+                row = rows[f"shardserve {label}"]
+                row["stall_fraction"] = loader.stats().stall_fraction
+                row["transport"] = loader.stats().transport  # type: ignore[assignment]
+                batches = 2 * -(-n // BATCH)
+                row["client_cpu_us_per_batch"] = (time.process_time() - c0) / batches * 1e6
+                if pid:
+                    row["server_cpu_s_per_gb"] = (cpu_s(pid) - s0) / (2 * nbytes / 1e9)
         ttfb = time_to_first_batch(url, case)
+        rss = rss_jobs(url, case, pid) if pid else {}
+        rss["dataset_mb"] = sum(p.stat().st_size for p in (work / "store" / case).rglob("*.arrow")) / 2**20
     tensors = TensorDataset(torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["label"]))
 
     class Dicts(Dataset):
@@ -204,11 +294,22 @@ def bench_case(case: str, n: int, work: Path) -> dict[str, object]:
             dataloader(ChunkedFiles(work / f"{case}-chunks"), workers),
         )
     fl = rows["floor (in-process gather)"]["samples_s"]
-    ours = rows["shardserve ipc"]["samples_s"]
+    ours = rows["shardserve shm"]["samples_s"]
+    per_sample = nbytes / n
     for r in rows.values():
         r["vs_floor"] = r["samples_s"] / fl
-        r["shardserve_ipc_speedup"] = ours / r["samples_s"]
-    return {"n": n, "batch": BATCH, "rows": rows, "time_to_first_batch": ttfb}
+        r["shardserve_speedup"] = ours / r["samples_s"]
+        r["gb_s"] = r["samples_s"] * per_sample / 1e9
+    targets = {
+        "shm >= 30x DataLoader .pt per sample w=2": ours / rows["DataLoader .pt per sample w=2"]["samples_s"],
+        "shm >= 2x DataLoader TensorDataset w=0": ours / rows["DataLoader TensorDataset w=0"]["samples_s"],
+        "shm >= 0.5x Arrow mmap take in process": ours / rows["Arrow mmap take (in process)"]["samples_s"],
+        "shm >= 0.5x memcpy GB/s": ours / rows["memcpy (same bytes)"]["samples_s"],
+        "tcp GB/s (compare raw pyzmq tcp in bench_server)": rows["shardserve tcp"]["gb_s"],
+        "time to first batch <= 50 ms": ttfb["median_s"] * 1000,
+        "RSS growth 4 jobs vs 1 as fraction of dataset": (rss.get("rss_4_jobs_mb", 0) - rss.get("rss_1_job_mb", 0)) / rss["dataset_mb"],
+    }  # fmt: skip
+    return {"n": n, "batch": BATCH, "rows": rows, "time_to_first_batch": ttfb, "rss": rss, "targets": targets}
 
 
 def main() -> None:
@@ -233,11 +334,21 @@ def main() -> None:
             results["cases"][case] = bench_case(case, n, Path(tmp) / case)  # type: ignore[index]
     for case, res in results["cases"].items():  # type: ignore[attr-defined]
         print(f"\n{case}: N={res['n']}, batch {res['batch']} (2nd epoch; ratios within this run)")
-        print(f"  {'configuration':34}{'samples/s':>12}{'vs floor':>10}{'shardserve ipc x':>18}")
+        print(f"  {'configuration':34}{'samples/s':>12}{'GB/s':>8}{'vs floor':>10}{'shm is x faster':>17}")
         for label, r in res["rows"].items():
             print(
-                f"  {label:34}{r['samples_s']:>12,.0f}{r['vs_floor']:>10.2f}{r['shardserve_ipc_speedup']:>18.2f}"
+                f"  {label:34}{r['samples_s']:>12,.0f}{r['gb_s']:>8.2f}{r['vs_floor']:>10.2f}"
+                f"{r['shardserve_speedup']:>17.2f}"
             )
+        for label in ("shm", "ipc", "tcp"):
+            r = res["rows"][f"shardserve {label}"]
+            print(
+                f"  shardserve {label}: client {r['client_cpu_us_per_batch']:.0f} us CPU/batch, "
+                f"server {r.get('server_cpu_s_per_gb', float('nan')):.2f} CPU s/GB, stall {r['stall_fraction']:.2f}"
+            )
+        for name, value in res["targets"].items():
+            print(f"  target {name}: {value:.2f}")
+        print(f"  RSS: {res['rss']}")
         t = res["time_to_first_batch"]
         print(
             f"  time to first batch from Loader construction: median {t['median_s'] * 1000:.1f} ms "
