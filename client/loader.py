@@ -27,6 +27,7 @@ from .device import (
     unregister_host_memory,
 )
 from .distributed import resolve_world
+from .shm import RingCache
 from .stats import StatsClock
 from .stream import EpochStream
 from .types import Batch, LoaderStats
@@ -120,6 +121,7 @@ class Loader:
         self._held_slot: tuple[EpochStream, int] | None = None
         # Slots being copied to the GPU straight from shared memory, freed when their event is.
         self._copying: list[tuple[Any, EpochStream, int]] = []
+        self._rings = RingCache()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
         self._api = ControlClient(url, self._token or None, timeout=min(timeout, 10.0))
         self._stats = StatsClock()
@@ -216,7 +218,7 @@ class Loader:
         )  # fmt: skip
         return EpochStream(
             self._conn, hello=hello, timeout=self.timeout, stats=self._stats,
-            recreate_job=self._job.recreate, describe=self._job.describe,
+            recreate_job=self._job.recreate, describe=self._job.describe, rings=self._rings,
         )  # fmt: skip
 
     def __iter__(self) -> Iterator[Batch]:
@@ -329,6 +331,7 @@ class Loader:
         self._stream = self._active = None
         self._held_slot = None
         self._copying = []
+        self._rings.close()
         atexit.unregister(self._atexit)
         self._conn.close()
         self._api.close()

@@ -81,3 +81,24 @@ class AttachedRing:
             with contextlib.suppress(BufferError):
                 self._mm.close()
             self._mm = None
+
+
+class RingCache:
+    """The one ring mapping a Loader keeps across its streams: the server hands a client's
+    ring to its next stream (next epoch, resume), so the mapping, its faulted-in pages and
+    its CUDA registration carry over too."""
+
+    def __init__(self) -> None:
+        self.ring: AttachedRing | None = None
+
+    def attach(self, info: ShmRing) -> AttachedRing:
+        if self.ring is not None and self.ring.ring == info:
+            return self.ring
+        self.close()
+        self.ring = AttachedRing(info)
+        return self.ring
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None

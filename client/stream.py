@@ -46,7 +46,7 @@ from shardserve.proto.messages import (
 )
 
 from .connection import Connection
-from .shm import AttachedRing, ShmAttachError
+from .shm import AttachedRing, RingCache, ShmAttachError
 from .stats import StatsClock
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class EpochStream:
         stats: StatsClock,
         recreate_job: Callable[[float], None],
         describe: Callable[[], str],
+        rings: RingCache | None = None,
     ) -> None:
         self.conn = conn
         self.hello = hello
@@ -93,6 +94,7 @@ class EpochStream:
         self._next_recover = 0.0
         #: The server's slot ring when the stream runs over shared memory.
         self.ring: AttachedRing | None = None
+        self._rings = rings if rings is not None else RingCache()
         self.transport = conn.transport
         #: Slots the consumer is done with, handed back with the next Credit.
         self._returns: list[int] = []
@@ -145,10 +147,8 @@ class EpochStream:
         self._returns.append(slot)
 
     def close(self) -> None:
-        """Unmap the slot ring (the server owns and unlinks it)."""
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        """Forget the slot ring; its mapping belongs to the ring cache (the Loader's)."""
+        self.ring = None
 
     # -- message handling ------------------------------------------------------------------
 
@@ -203,7 +203,7 @@ class EpochStream:
                     f"transport {self.hello.transport!r}"
                 )
             try:
-                self.ring = AttachedRing(msg.shm)
+                self.ring = self._rings.attach(msg.shm)
             except ShmAttachError as e:
                 # Same boot id but another IPC namespace (containers): the socket still works.
                 log.warning("cannot map the server's shared memory (%s); using the socket", e)

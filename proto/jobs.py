@@ -106,6 +106,7 @@ class JobStatus(BaseModel):
     seed: int
     num_samples: int
     batches_per_epoch: int
+    #: Ranks that have opened a stream (a rank never seen is absent), by rank.
     ranks: list[RankStatus]
     error: str | None = None
 

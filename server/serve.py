@@ -83,7 +83,7 @@ def add_serve_command(sub: Any) -> None:
         help="shared-memory batch slots for same-host clients (default on; --no-shm: sockets only)",
     )
     p.add_argument(
-        "--shm-limit-bytes", type=int, metavar="N", help="largest ring per stream (default 4 GiB)"
+        "--shm-limit-bytes", type=int, metavar="N", help="shared memory all slot rings may take together (default 4 GiB)"
     )
     p.set_defaults(func=run_serve)
 

@@ -214,7 +214,7 @@ class Service:
             seed=job.seed,
             num_samples=job.num_samples,
             batches_per_epoch=num_batches(job.num_samples, s.world_size, s.batch_size, s.drop_last),
-            ranks=self.board.ranks(job.id, s.world_size),
+            ranks=self.board.ranks(job.id),
             error=job.error,
         )
 

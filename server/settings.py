@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     #: Same-host clients get batches through shared-memory slot rings unless this is off.
     shm: bool = True
-    #: Largest ring one stream may have; a bigger ring falls back to the socket path.
+    #: Bytes all slot rings together may take; a stream past it falls back to the socket path.
     shm_limit_bytes: int = Field(default=4 << 30, ge=0)
 
     @field_validator("data", mode="before")

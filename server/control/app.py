@@ -31,6 +31,7 @@ from shardserve.proto.jobs import ErrorBody
 
 from ..service import Service
 from . import datasets, health, jobs, status_page
+from .deps import Authorized
 from .limits import BodyLimit
 
 #: Most specific first: the first class an error is an instance of decides its status.
@@ -93,10 +94,15 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(service: Service) -> FastAPI:
     """The control plane for ``service``; tests build their own with their own service."""
+    # FastAPI's own schema and docs routes would skip the token check; the schema is served
+    # below behind it instead. No /docs: Swagger UI loads its scripts from a CDN.
     app = FastAPI(
         title="shardserve",
         version=service.version,
         summary="Control plane of a shardserve data-serving sidecar.",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes)
@@ -111,4 +117,9 @@ def create_app(service: Service) -> FastAPI:
         status_page.router,
     ):
         app.include_router(router)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=Authorized)
+    def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
     return app

@@ -69,7 +69,9 @@ def _job_section(j: JobStatus) -> str:
     head = (
         f"<h3>job {_e(j.id)} — {state}</h3><p class='meta'>dataset {_e(s.dataset)} · batch "
         f"{s.batch_size} · world size {s.world_size} · shuffle {_e(s.shuffle)} · epoch {j.epoch} · "
-        f"seed {j.seed} · {j.batches_per_epoch} batches per rank per epoch</p>"
+        f"seed {j.seed} · {j.batches_per_epoch} batches per rank per epoch · "
+        f"<span class='seen'>{sum(r.connected for r in j.ranks)} of {s.world_size} ranks "
+        f"connected</span></p>"
     )
     rows = "\n".join(_rank_row(r) for r in j.ranks)
     return (

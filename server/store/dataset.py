@@ -130,13 +130,11 @@ class Dataset:
             base = int(self._starts[first])
             rows = idx - base if base else idx
             g: list[tuple[int, Positions]] = [(first, ALL)]
-            if not self._all_verified:
-                self._ensure_verified(self._chunk_shard[first : first + 1])
+            self._check_shards(self._chunk_shard[first : first + 1])
         else:
             chunk, rows = locate(idx, self._starts)
             g = groups(chunk)
-            if not self._all_verified:
-                self._ensure_verified(self._chunk_shard[chunk])
+            self._check_shards(self._chunk_shard[chunk])
         parts: dict[str, np.ndarray] = {}
         for n in names:
             spec = self._specs[n]
@@ -170,6 +168,20 @@ class Dataset:
         return dest
 
     # -- integrity ---------------------------------------------------------------------------
+    def _check_shards(self, shards: np.ndarray) -> None:
+        """Before reading: each touched shard is verified (lazily) and still whole on disk."""
+        touched = np.unique(shards).tolist() if shards.size > 1 else shards.tolist()
+        for s in touched:
+            if s in self._failed:
+                raise self._failed[s]
+            try:
+                self._shards[s].check_size()
+            except DatasetCorruptError as e:
+                self._failed[s] = e
+                raise
+        if not self._all_verified:
+            self._ensure_verified(shards)
+
     def _ensure_verified(self, shards: np.ndarray) -> None:
         for s in np.unique(shards).tolist():
             if not self._verified[s]:

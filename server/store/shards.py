@@ -13,6 +13,7 @@ shard file and the reason.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,22 @@ class MappedShard:
         if got != self.info.checksum:
             raise DatasetCorruptError(
                 f"shard {self.path} failed its checksum: the file has {got}, the manifest says {self.info.checksum}"
+            )
+
+    def check_size(self) -> None:
+        """Refuse to read a shard whose file was cut short under us.
+
+        Touching a mapped page past a file's new end is SIGBUS, which kills the whole server;
+        one ``fstat`` per batch turns it into this shard's error instead. (Datasets are
+        immutable: a file changed in place after this check is still the operator's bug.)
+        """
+        if self._mm is None:
+            raise ValueError(f"shard {self.path} is closed")
+        size = os.fstat(self._mm.fileno()).st_size
+        if size < self.info.bytes:
+            raise DatasetCorruptError(
+                f"shard {self.path} was truncated to {size} bytes while being served (the "
+                f"manifest says {self.info.bytes}): shards must never change in place; re-ingest"
             )
 
     def close(self) -> None:

@@ -103,15 +103,16 @@ class StreamBoard:
             for key in [k for k in self._ranks if k[0] == job]:
                 del self._ranks[key]
 
-    def ranks(self, job: str, world_size: int) -> list[RankStatus]:
-        """One :class:`RankStatus` per rank of ``job`` (ranks never seen: disconnected, zeros)."""
+    def ranks(self, job: str) -> list[RankStatus]:
+        """A :class:`RankStatus` for every rank of ``job`` that has opened a stream.
+
+        Ranks never seen are left out rather than listed as zeros: a job of world size 65,536
+        must not turn a status request into megabytes.
+        """
         now = time.monotonic()
         with self._lock:
-            recs = [(r, self._ranks.get((job, r))) for r in range(world_size)]
-            return [
-                _status(r, rec, now) if rec else RankStatus(rank=r, connected=False)
-                for r, rec in recs
-            ]
+            recs = sorted((r, rec) for (j, r), rec in self._ranks.items() if j == job)
+            return [_status(r, rec, now) for r, rec in recs]
 
     def open_streams(self) -> int:
         with self._lock:

@@ -202,10 +202,15 @@ class StreamHandler:
         return decode(frames)
 
     def _on_hello(self, ident: bytes, hello: Hello) -> None:
-        if (old := self.sessions.get(ident)) is not None:
-            self._close(old, "replaced by a new Hello")
         job = self.p.registry.find(hello.job)
         refusal = check_hello(hello, job, self.config.token)
+        reuse = None
+        if (old := self.sessions.get(ident)) is not None:
+            # The same client's next stream (an epoch, a resume) may take over its ring, unless
+            # a worker may still be writing into one of its slots.
+            if refusal is None and old.shm is not None and old.assembling == 0:
+                reuse, old.shm = old.shm, None
+            self._close(old, "replaced by a new Hello")
         if refusal is not None:
             self._send(ident, refusal)
             log_event(
@@ -239,6 +244,10 @@ class StreamHandler:
             and bool(hello.boot_id)
             and hello.boot_id == c.boot_id
         )
+        s.reuse_shm = reuse
+        if reuse is not None and not s.want_shm:
+            reuse.close()
+            s.reuse_shm = None
         self.sessions[ident] = s
         self.p.registry.note_stream(job.id, s.epoch)
         # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
@@ -283,6 +292,19 @@ class StreamHandler:
         """The stream's slot ring, holding exactly its credit; ``None`` means use the socket."""
         prep = s.prepared
         assert prep is not None and self.config.shm_dir is not None
+        reuse, s.reuse_shm = s.reuse_shm, None
+        if reuse is not None:
+            key = ShmSlots.key_for(
+                min(s.credit, MAX_CREDIT), prep.dataset, prep.fields, s.job.spec.batch_size
+            )
+            if reuse.key == key:
+                reuse.reset()
+                return reuse
+            reuse.close()
+        limit = self.config.shm_limit_bytes
+        if limit is not None:
+            # The limit is for all rings together: many same-host peers cannot fill /dev/shm.
+            limit -= sum(x.shm.ring.nbytes for x in self.sessions.values() if x.shm is not None)
         try:
             return ShmSlots.create(
                 s.stream,
@@ -291,7 +313,7 @@ class StreamHandler:
                 prep.fields,
                 s.job.spec.batch_size,
                 self.config.shm_dir,
-                self.config.shm_limit_bytes,
+                max(limit, 0) if limit is not None else None,
             )
         except ShmUnavailable as e:
             log_event(
@@ -508,12 +530,16 @@ class StreamHandler:
     def _close(self, s: Session, reason: str, level: int = logging.INFO) -> None:
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
+        if s.reuse_shm is not None:  # closed before its Welcome: the ring it was to take over
+            s.reuse_shm.close()
+            s.reuse_shm = None
         if s.shm is not None:
             s.ready.clear()
             s.shm.close()  # unlinks the ring; a client still mapping it keeps its pages
         elif s.prepared is not None and s.prepared.pool is not None:
             for bufs in s.unsent_buffers():
-                s.prepared.pool.release(bufs)
+                if isinstance(bufs, BufferSet):  # not a slot of a ring handed to the next stream
+                    s.prepared.pool.release(bufs)
         self.p.board.closed(s.job_id, s.rank, s.stream)
         self.p.metrics.streams.set(len(self.sessions))
         log_event(

@@ -61,6 +61,8 @@ class Session:
     #: Asked for shared memory from this host; ``shm`` is its ring once made.
     want_shm: bool = False
     shm: Any = None
+    #: The previous stream's ring, handed over by a new Hello from the same client.
+    reuse_shm: Any = None
     next_submit: int = 0
     next_send: int = 0
     #: Assembled batches waiting for their turn: index -> (parts, buffer set or None).

@@ -52,6 +52,10 @@ class SlotRing:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
+
     def slot_array(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         """A writable numpy view of one part inside ``slot``: assembly writes straight into it."""
         if not 0 <= slot < self.slots:

@@ -33,8 +33,10 @@ class ShmSlots:
     :meth:`out` and :meth:`place`, which run on the assembly worker that holds the slot."""
 
     def __init__(self, ring: SlotRing, offsets: dict[str, int], shapes: Mapping[str, Any],
-                 var_start: int) -> None:
+                 var_start: int, key: tuple[Any, ...] = ()) -> None:
         self.ring = ring
+        #: What the layout was made for; a next stream with the same key may reuse the ring.
+        self.key = key
         self._offsets = offsets
         self._shapes = {n: (np.dtype(s[0]), tuple(s[1])) for n, s in shapes.items() if s is not None}
         self._var_start = var_start
@@ -63,7 +65,17 @@ class ShmSlots:
             cursor += int(VARIABLE_HEADROOM * batch_size * max(avg - fixed_per_sample, 0))
             cursor += len(variable) * (batch_size + 1) * 8 * 10 + 64 * 3 * len(variable)
         ring = create_ring(stream, slots, cursor, shm_dir, limit_bytes)
-        return cls(ring, offsets, shapes, var_start)
+        return cls(ring, offsets, shapes, var_start, cls.key_for(slots, dataset, fields, batch_size))
+
+    @staticmethod
+    def key_for(slots: int, dataset: Any, fields: tuple[str, ...], batch_size: int) -> tuple[Any, ...]:
+        return (slots, dataset.manifest.name, dataset.manifest.created_at, fields, batch_size)
+
+    def reset(self) -> None:
+        """Every slot free again, for the same client's next stream (its epochs reuse one ring:
+        pages already faulted in on both sides, no new file to zero-fill)."""
+        self._lent.clear()
+        self.ring.free = list(range(self.ring.slots))
 
     @property
     def info(self) -> ShmRing:

@@ -1,0 +1,117 @@
+"""Corrupt data (issue 5, item 3): truncated and deleted shards fail the job by name, never the server.
+
+The flipped-byte case under the default ``--verify lazy`` is in tests/server/test_lifecycle.py;
+here: truncated and deleted shards under lazy and full verification, a flipped byte refused at
+first open under ``--verify full``, and a shard truncated underneath a running server.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from shardserve.client import DatasetCorruptError, Loader, ShardserveError
+from tests.support.data import make_cifar_like, sample_id_of
+from tests.support.server import run_server
+
+N = 300
+DEADLINE_S = 10.0
+REASONS = {"truncate": "truncated", "delete": "missing", "flip": "checksum"}
+
+
+def _corrupt(shard: Path, how: str) -> None:
+    if how == "truncate":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+    elif how == "delete":
+        shard.unlink()
+    else:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    """A private store: ``cifar`` in several shards (the second one gets corrupted) and ``good``."""
+    root = tmp_path / "store"
+    make_cifar_like(root, "cifar", n=N, shard_bytes=256 << 10)
+    make_cifar_like(root, "good", n=100, seed=3)
+    assert len(list((root / "cifar").rglob("*.arrow"))) >= 3
+    return root
+
+
+def _ids(batch: dict) -> np.ndarray:
+    return sample_id_of({"image": batch["image"].numpy(), "label": batch["label"].numpy()})
+
+
+@pytest.mark.parametrize(
+    ("how", "verify"),
+    [
+        ("truncate", "lazy"),
+        ("delete", "lazy"),
+        ("truncate", "full"),
+        ("delete", "full"),
+        ("flip", "full"),
+    ],
+)
+def test_corrupt_shard_fails_job_by_name_and_loader_raises(
+    store: Path, tmp_path: Path, how: str, verify: str
+) -> None:
+    """A truncated/deleted/flipped shard: the Loader raises DatasetCorruptError within its deadline, the job is failed naming the shard and why, only correct bytes were delivered, and another dataset keeps serving."""
+    victim = sorted((store / "cifar").rglob("*.arrow"))[1]
+    _corrupt(victim, how)
+    with run_server(store, "--verify", verify, "--state-dir", str(tmp_path / "state")) as srv:
+        loader = Loader(
+            srv.http_url, "cifar", batch_size=50, shuffle=False, prefetch=2, timeout=DEADLINE_S
+        )
+        delivered: list[np.ndarray] = []
+        t0 = time.monotonic()
+        with loader, pytest.raises(DatasetCorruptError) as err:
+            for b in loader:
+                delivered.append(_ids(b))  # sample_id_of also checks each label against its id
+        took = time.monotonic() - t0
+        assert took < DEADLINE_S
+        assert victim.name in str(err.value) and REASONS[how] in str(err.value)
+        st = httpx.get(f"{srv.http_url}/v1/jobs/{loader.job_id}", timeout=10).json()
+        assert st["state"] == "failed"
+        assert victim.name in st["error"] and REASONS[how] in st["error"], st["error"]
+        # Whatever arrived before the failure is right: sample i is exactly sample i, in plan order.
+        got = np.concatenate(delivered) if delivered else np.array([], dtype=np.int64)
+        assert np.array_equal(got, np.arange(len(got)))
+        if verify == "full":
+            assert len(got) == 0, "--verify full must refuse at first open, before any batch"
+        # The server is alive and another dataset streams a whole epoch.
+        with Loader(srv.http_url, "good", batch_size=25, prefetch=2, timeout=DEADLINE_S) as good:
+            ids = np.concatenate([_ids(b) for b in good])
+        assert np.array_equal(np.sort(ids), np.arange(100))
+        assert srv.proc.poll() is None
+
+
+def test_shard_truncated_while_served_fails_the_job_not_the_server(
+    store: Path, tmp_path: Path
+) -> None:
+    """A shard truncated in place after the server verified and mapped it fails the job with DatasetCorruptError; the server stays up."""
+    with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:
+        with Loader(
+            srv.http_url, "cifar", batch_size=50, shuffle=False, prefetch=1, timeout=4.0
+        ) as ld:
+            assert len(np.concatenate([_ids(b) for b in ld])) == N  # every shard checked and mapped
+            victim = sorted((store / "cifar").rglob("*.arrow"))[1]
+            with open(victim, "r+b") as f:
+                f.truncate(victim.stat().st_size // 2)
+            raised: BaseException | None = None
+            try:
+                for _ in ld:
+                    pass
+            except ShardserveError as e:
+                raised = e
+            code = srv.proc.poll()
+        assert code is None, (
+            f"server died with exit code {code} (-7 is SIGBUS); client saw {raised!r}"
+        )
+        assert isinstance(raised, DatasetCorruptError), repr(raised)
