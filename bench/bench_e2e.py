@@ -206,6 +206,7 @@ def rss_jobs(url: str, name: str, pid: int) -> dict[str, float]:
             for _ in loader:
                 pass
     epoch(500)
+    time.sleep(1.0)  # let the server handle the Bye and drop that stream's buffers
     one = rss_mb(pid)
     loaders = [Loader(url, name, BATCH, seed=600 + j, rank=0, world_size=1) for j in range(4)]
     its = [iter(x) for x in loaders]
@@ -214,6 +215,7 @@ def rss_jobs(url: str, name: str, pid: int) -> dict[str, float]:
         live = [it for it in live if next(it, None) is not None]
     for x in loaders:
         x.close()
+    time.sleep(1.0)
     return {"rss_1_job_mb": one, "rss_4_jobs_mb": rss_mb(pid)}
 
 

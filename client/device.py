@@ -20,12 +20,11 @@ import torch
 
 from shardserve.proto.errors import BadRequest
 
-from .buffers import Event, PinnedPool, assemble
+from .buffers import _ALIGN, Event, PinnedPool, assemble
 from .types import Batch
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 64
 
 
 def resolve_device(device: str | torch.device, local_rank: int) -> torch.device:

@@ -17,7 +17,7 @@ from shardserve.proto.errors import BadRequest, ShardserveError
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
 from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
 
-from .buffers import assemble, tensor_from_frame
+from .buffers import CopyBlocks, assemble, tensor_from_frame
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
 from .device import (
@@ -122,6 +122,7 @@ class Loader:
         # Slots being copied to the GPU straight from shared memory, freed when their event is.
         self._copying: list[tuple[Any, EpochStream, int]] = []
         self._rings = RingCache()
+        self._blocks = CopyBlocks()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
         self._api = ControlClient(url, self._token or None, timeout=min(timeout, 10.0))
         self._stats = StatsClock()
@@ -292,7 +293,7 @@ class Loader:
             # Staging into pinned memory is synchronous: the slot is free once it returns.
             batch = self._copier.to_device(views, self.pad_variable)
         elif self.copy:
-            batch = assemble({n: v.clone() for n, v in views.items()}, self.pad_variable)
+            batch = assemble(self._blocks.copy_out(views), self.pad_variable)
         else:
             self._held_slot = (stream, header.slot)
             return assemble(views, self.pad_variable)

@@ -140,3 +140,19 @@ def test_cuda_device_without_cuda_is_refused() -> None:
     """Asking for device='cuda' on a CPU-only torch is a BadRequest that says what to use."""
     with pytest.raises(BadRequest, match="device='cpu'"):
         resolve_device("cuda", 0)
+
+
+def test_copy_blocks_reuse_only_unreferenced_memory() -> None:
+    """A copy-out block is reused only once no tensor of the batch that used it is alive."""
+    from shardserve.client.buffers import CopyBlocks
+
+    blocks = CopyBlocks(keep=2)
+    src = {"x": torch.arange(1000, dtype=torch.float32)}
+    first = blocks.copy_out(src)
+    second = blocks.copy_out(src)
+    assert first["x"].data_ptr() != second["x"].data_ptr()  # both alive: never shared
+    ptr = first["x"].data_ptr()
+    del first
+    third = blocks.copy_out({"x": torch.ones(1000)})
+    assert third["x"].data_ptr() == ptr  # the freed block comes back, already faulted in
+    assert torch.equal(second["x"], torch.arange(1000, dtype=torch.float32))
