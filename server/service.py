@@ -40,6 +40,7 @@ from .streaming.board import StreamBoard
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
+from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig
 
@@ -144,6 +145,11 @@ class Service:
 
     def stop(self) -> None:
         self.streamer.stop()
+        # Every ring is unlinked when its stream closes; one still here is a bug, but it must
+        # not outlive the process that alone could clean it up.
+        for path in SHM_DIR.glob(f"{SHM_PREFIX}{os.getpid()}-*"):
+            path.unlink(missing_ok=True)
+            log_event(log, "shm.leaked_ring_removed", level=logging.ERROR, segment=path.name)
         log_event(log, "service.stopped")
 
     def ready(self) -> tuple[bool, str]:

@@ -180,7 +180,10 @@ class StreamHandler:
     def shutdown(self) -> None:
         """Tell every open stream the server is going (transient), then forget them."""
         for s in list(self.sessions.values()):
-            self._send(s.ident, shutdown_error(s.stream))
+            try:
+                self._send(s.ident, shutdown_error(s.stream))
+            except zmq.ZMQError as e:  # the socket is going away; the session must still close
+                log_event(log, "stream.shutdown_send_failed", **s.describe(), reason=str(e))
             if self.sessions.get(s.ident) is s:
                 self._close(s, "server shutdown")
         self.assembler.close()

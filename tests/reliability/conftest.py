@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
+from tests.support.server import make_job as support_make_job
 
 CIFAR_N = 600
 
@@ -46,16 +47,8 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, every: float 
 
 
 def make_job(srv: ServerProc, **spec: object) -> str:
-    body = {"dataset": "cifar", "batch_size": 50, **spec}
-    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=10)
-    assert r.status_code in (200, 201), r.text
-    return str(r.json()["id"])
-
-
-def job_status(srv: ServerProc, job: str) -> dict:
-    r = httpx.get(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
+    """A cifar job of batch 50 unless ``spec`` says otherwise."""
+    return support_make_job(srv, **{"batch_size": 50, **spec})  # type: ignore[arg-type]
 
 
 def rss_bytes(pid: int) -> int:

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from shardserve.proto.messages import Welcome
-from tests.reliability.conftest import job_status, make_job, wait_until
+from tests.reliability.conftest import make_job, wait_until
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import sample_id_of
-from tests.support.server import ServerProc, run_server
+from tests.support.server import ServerProc, job_status, run_server
 
 ROOT = Path(__file__).resolve().parents[2]
 RECLAIM_DEADLINE_S = 20.0

@@ -16,20 +16,7 @@ from shardserve.server.store.catalog import Store
 from tests.server.conftest import CIFAR_N
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import sample_id_of
-from tests.support.server import ServerProc
-
-
-def make_job(srv: ServerProc, **spec: object) -> str:
-    body = {"dataset": "cifar", "batch_size": 64, **spec}
-    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=10)
-    assert r.status_code in (200, 201), r.text
-    return str(r.json()["id"])
-
-
-def job_status(srv: ServerProc, job: str) -> dict:
-    r = httpx.get(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
+from tests.support.server import ServerProc, job_status, make_job
 
 
 def planned(

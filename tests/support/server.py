@@ -192,3 +192,18 @@ def run_server(
         assert proc.poll() is not None, f"server pid {proc.pid} is still running"
         if own_tmp is not None:
             own_tmp.cleanup()
+
+
+def make_job(srv: ServerProc, batch_size: int = 64, **spec: object) -> str:
+    """POST a job for ``srv``'s cifar-like dataset (override with ``dataset=``); its id."""
+    body = {"dataset": "cifar", "batch_size": batch_size, **spec}
+    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=10)
+    assert r.status_code in (200, 201), r.text
+    return str(r.json()["id"])
+
+
+def job_status(srv: ServerProc, job: str) -> dict:
+    """``GET /v1/jobs/{job}`` as JSON."""
+    r = httpx.get(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
