@@ -10,7 +10,7 @@ that are misaligned for their dtype are copied instead.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -192,14 +192,22 @@ class CopyBlocks:
         return block[:nbytes]
 
     def copy_out(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One block holding a copy of every part (64-byte aligned slices)."""
-        sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in views.values()]
-        block = self.acquire(sum(sizes))
-        out, pos = {}, 0
-        for (name, t), size in zip(views.items(), sizes, strict=True):
-            n = t.numel() * t.element_size()
-            dst = block[pos : pos + n].view(t.dtype).view(t.shape)
-            dst.copy_(t)
-            out[name] = dst
-            pos += size
-        return out
+        """One block holding a copy of every part."""
+        return pack_into(self.acquire, views)[1]
+
+
+def pack_into(
+    acquire: Callable[[int], torch.Tensor], parts: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Copy every part into one uint8 block from ``acquire(nbytes)``, each part starting on a
+    64-byte boundary; returns the block and the parts' views into it."""
+    sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in parts.values()]
+    block = acquire(sum(sizes))
+    packed, pos = {}, 0
+    for (name, t), size in zip(parts.items(), sizes, strict=True):
+        n = t.numel() * t.element_size()
+        dst = block[pos : pos + n].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        packed[name] = dst
+        pos += size
+    return block, packed

@@ -20,7 +20,7 @@ import torch
 
 from shardserve.proto.errors import BadRequest
 
-from .buffers import _ALIGN, Event, PinnedPool, assemble
+from .buffers import Event, PinnedPool, assemble, pack_into
 from .types import Batch
 
 log = logging.getLogger(__name__)
@@ -78,18 +78,7 @@ class DeviceCopier:
 
     def stage(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Copy every part into one pooled host buffer (64-byte aligned slices)."""
-        sizes = [
-            (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in parts.values()
-        ]
-        block = self.pool.acquire(sum(sizes))
-        staged, pos = {}, 0
-        for (name, t), size in zip(parts.items(), sizes, strict=True):
-            n = t.numel() * t.element_size()
-            view = block[pos : pos + n].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            staged[name] = view
-            pos += size
-        return block, staged
+        return pack_into(self.pool.acquire, parts)
 
     def to_device(self, parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batch:
         """The batch on ``self.device``; on the CPU, ``parts`` assembled as they are."""

@@ -458,10 +458,11 @@ class StreamHandler:
                 index,
                 tuple(PartHeader(n, a.dtype.name, a.shape, a.nbytes) for n, a in parts.items()),
             )
-            # An overflowing shm batch is copied out so its slot can be freed at once.
-            frames = [zmq.Frame(a, track=isinstance(bufs, BufferSet)) for a in parts.values()]
             if slot >= 0:
+                # An overflowing shm batch is copied out so its slot can be freed at once.
                 frames = [bytes(memoryview(a)) for a in parts.values()]
+            else:
+                frames = [zmq.Frame(a, track=isinstance(bufs, BufferSet)) for a in parts.values()]
         try:
             self.sock.send_multipart(
                 [s.ident, *encode_batch(header, frames)], flags=zmq.NOBLOCK, copy=False

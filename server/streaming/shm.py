@@ -56,6 +56,11 @@ class SlotRing:
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
 
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process (to tell whether an array lies in a slot)."""
+        return np.frombuffer(self._mm, dtype=np.uint8, count=1).ctypes.data
+
     def slot_array(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         """A writable numpy view of one part inside ``slot``: assembly writes straight into it."""
         if not 0 <= slot < self.slots:

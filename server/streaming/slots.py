@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from shardserve.proto.messages import PartHeader, ShmRing
+from shardserve.proto.messages import MAX_NDIM, PartHeader, ShmRing
 
-from .shm import SlotRing, align, create_ring
+from .shm import ALIGN, SlotRing, align, create_ring
 
 #: Headroom over the dataset's average variable bytes per batch before overflowing to the socket.
 VARIABLE_HEADROOM = 2.0
@@ -41,7 +41,7 @@ class ShmSlots:
         self._shapes = {n: (np.dtype(s[0]), tuple(s[1])) for n, s in shapes.items() if s is not None}
         self._var_start = var_start
         self._lent: set[int] = set()
-        self._base = np.frombuffer(ring._mm, dtype=np.uint8).ctypes.data
+        self._base = ring.address
 
     @classmethod
     def create(cls, stream: int, slots: int, dataset: Any, fields: tuple[str, ...], batch_size: int,
@@ -61,9 +61,11 @@ class ShmSlots:
         if variable:
             m = dataset.manifest
             avg = m.total_bytes / max(m.num_samples, 1)
-            # Offsets and shapes companions: a few int64 per sample per variable field.
             cursor += int(VARIABLE_HEADROOM * batch_size * max(avg - fixed_per_sample, 0))
-            cursor += len(variable) * (batch_size + 1) * 8 * 10 + 64 * 3 * len(variable)
+            # Companions of each variable field: int64 offsets [B+1] and shapes [B, ndim], each
+            # of the three parts starting on an aligned boundary.
+            companions = (batch_size + 1) * 8 * (1 + MAX_NDIM) + 3 * ALIGN
+            cursor += len(variable) * companions
         ring = create_ring(stream, slots, cursor, shm_dir, limit_bytes)
         return cls(ring, offsets, shapes, var_start, cls.key_for(slots, dataset, fields, batch_size))
 
