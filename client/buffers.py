@@ -28,6 +28,8 @@ OFFSETS, SHAPES = ".offsets", ".shapes"
 LENGTHS = ".lengths"
 #: Alignment of parts copied into one host block (cache lines; safe for every dtype).
 _ALIGN = 64
+#: Unused bytes between a slot's parts that one span copy may carry along (alignment gaps).
+_SPAN_SLACK = 64 << 10
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -155,7 +157,7 @@ class PinnedPool:
         return {"allocated": self.allocated, "free": len(self._free), "pending": len(self._pending)}
 
 
-def _storage_users(block: torch.Tensor) -> int | None:
+def storage_users(block: torch.Tensor) -> int | None:
     """How many tensors share ``block``'s storage (None where torch does not say)."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
@@ -180,12 +182,12 @@ class CopyBlocks:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         for i, block in enumerate(self._blocks):
-            if block.numel() >= nbytes and _storage_users(block) == 1:
+            if block.numel() >= nbytes and storage_users(block) == 1:
                 # Most recently used first next time: its pages are the warmest.
                 self._blocks.append(self._blocks.pop(i))
                 return block[:nbytes]
         block = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        if _storage_users(block) is not None:
+        if storage_users(block) is not None:
             self._blocks.append(block)
             if len(self._blocks) > self.keep:
                 self._blocks.pop(0)
@@ -194,6 +196,28 @@ class CopyBlocks:
     def copy_out(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One block holding a copy of every part."""
         return pack_into(self.acquire, views)[1]
+
+    def copy_slot(self, slot: torch.Tensor, parts: Sequence[PartHeader]) -> dict[str, torch.Tensor] | None:
+        """A copy of a batch's ``parts`` out of ``slot`` (uint8, the whole slot) in one memcpy,
+        keeping their offsets; ``None`` when the parts lie too far apart for that to pay (a
+        short last batch: most of each part's region unused)."""
+        lo = min((p.offset for p in parts), default=0)
+        hi = max((p.offset + p.nbytes for p in parts), default=0)
+        if hi - lo > sum(p.nbytes for p in parts) + _SPAN_SLACK:
+            return None
+        block = self.acquire(hi - lo)
+        block.copy_(slot[lo:hi])
+        return views_at(block, parts, lo)
+
+
+def views_at(base: torch.Tensor, parts: Sequence[PartHeader], start: int = 0) -> dict[str, torch.Tensor]:
+    """Typed tensors over ``base`` (uint8) for each part, found at its offset minus ``start``."""
+    return {
+        p.name: base[p.offset - start : p.offset - start + p.nbytes]
+        .view(torch_dtype(p.dtype))
+        .view(p.shape)
+        for p in parts
+    }
 
 
 def pack_into(

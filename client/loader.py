@@ -17,7 +17,7 @@ from shardserve.proto.errors import BadRequest, ShardserveError
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
 from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
 
-from .buffers import CopyBlocks, assemble, tensor_from_frame
+from .buffers import CopyBlocks, assemble, tensor_from_frame, views_at
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
 from .device import (
@@ -74,11 +74,14 @@ class Loader:
     ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
     :class:`VarTensor`.
 
-    ``copy`` (shared-memory transport only): by default every batch is copied out of its slot
-    once and the slot goes straight back to the server, so each delivered batch owns its
-    storage. ``copy=False`` yields zero-copy views *into the slot*; they are valid only until
-    the next batch is requested (the slot is then handed back and refilled), so use or copy
-    them within the loop body. With ``device="cuda"`` the copy into pinned memory is the copy.
+    ``copy`` (shared-memory transport only): by default each delivered batch owns its storage.
+    It is handed out in place, in its shared-memory slot, and the slot goes back to the server
+    once no tensor of that batch is left (torch's storage use count, checked at each ``next``);
+    while the loop still holds half the ring's batches, further batches are copied out instead
+    so the server never runs out of slots (counted in ``stats().copied``). ``copy=False``
+    yields views into the slot that are valid only until the next batch is requested (the
+    slot is then handed back and refilled whatever still points into it), so use or copy them
+    within the loop body. With ``device="cuda"`` the copy into pinned memory is the copy.
     """
 
     def __init__(
@@ -249,7 +252,7 @@ class Loader:
                     raise RuntimeError(
                         "this iterator was replaced by a newer iter(loader); use that one"
                     )
-                self._return_held_slot()
+                self._return_held_slot(stream)
                 t0 = self._stats.start_wait()
                 item = stream.next()
                 if item is None:
@@ -276,7 +279,21 @@ class Loader:
     def _from_slot(self, stream: EpochStream, header: BatchHeader) -> Batch:
         """A batch read from its shared-memory slot: copied out (slot back at once) or, with
         ``copy=False``, views kept until the next batch is requested."""
-        assert stream.ring is not None
+        ring = stream.ring
+        assert ring is not None
+        if self.copy and not self._copier.cuda:
+            slot = ring.slot_tensor(header.slot)
+            # At most half the ring is lent, so the server always has a slot to fill (a
+            # ring of one is never lent).
+            if len(ring.owned) < ring.ring.slots // 2 and ring.trackable:
+                # Lent in place: the batch owns the slot until its last tensor is gone.
+                ring.owned.add(header.slot)
+                return assemble(views_at(slot, header.parts), self.pad_variable)
+            self._stats.copied += 1
+            copied = self._blocks.copy_slot(slot, header.parts)
+            if copied is not None:
+                stream.release_slot(header.slot)
+                return assemble(copied, self.pad_variable)
         views = {
             p.name: torch.from_numpy(stream.ring.part(header.slot, p)) for p in header.parts
         }
@@ -300,7 +317,12 @@ class Loader:
         stream.release_slot(header.slot)
         return batch
 
-    def _return_held_slot(self) -> None:
+    def _return_held_slot(self, stream: EpochStream) -> None:
+        ring = stream.ring
+        if ring is not None and ring.owned:
+            for slot in [k for k in ring.owned if not ring.in_use(k)]:
+                ring.owned.discard(slot)
+                stream.release_slot(slot)
         if self._copying:
             still = []
             for done, stream, slot in self._copying:

@@ -16,8 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from shardserve.proto.messages import PartHeader, ShmRing
+
+from .buffers import storage_users
 
 DEFAULT_DIR = Path("/dev/shm")
 
@@ -51,6 +54,10 @@ class AttachedRing:
         finally:
             os.close(fd)
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._slots: dict[int, torch.Tensor] = {}
+        #: Slots whose batch the consumer holds (delivered in place; see ``Loader``): they
+        #: go back to the server once :meth:`in_use` turns false.
+        self.owned: set[int] = set()
         #: Whether the mapping is registered with CUDA (None: not tried yet).
         self.registered: bool | None = None
         #: Runs before unmapping (the Loader's CUDA unregistration, after in-flight copies).
@@ -67,6 +74,28 @@ class AttachedRing:
         start = slot * self.ring.slot_bytes + part.offset
         return self._buf[start : start + part.nbytes].view(part.dtype).reshape(part.shape)
 
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        """The whole of ``slot`` as a uint8 tensor (no copy), with a storage of its own so
+        :meth:`in_use` can tell when no tensor of a batch delivered in it is left."""
+        t = self._slots.get(slot)
+        if t is None:
+            if not 0 <= slot < self.ring.slots:
+                raise ValueError(f"slot {slot} out of range 0 <= slot < {self.ring.slots}")
+            size = self.ring.slot_bytes
+            t = self._slots[slot] = torch.from_numpy(self._buf[slot * size : (slot + 1) * size])
+        return t
+
+    def in_use(self, slot: int) -> bool:
+        """Whether a tensor other than the ring's own still points into ``slot`` (True when
+        torch cannot say)."""
+        users = storage_users(self.slot_tensor(slot))
+        return users is None or users > 1
+
+    @property
+    def trackable(self) -> bool:
+        """Whether this torch reports storage users (needed to lend slots to the consumer)."""
+        return storage_users(self.slot_tensor(0)) is not None
+
     def slot_memory(self) -> np.ndarray:
         """The whole mapping as bytes (for registering it with CUDA once per stream)."""
         return self._buf
@@ -76,6 +105,8 @@ class AttachedRing:
             self.on_close(self._buf)
             self.on_close = None
         self._buf = np.empty(0, dtype=np.uint8)
+        self._slots.clear()
+        self.owned.clear()
         if self._mm is not None:
             # A zero-copy tensor may still point into the ring; the mapping then dies with it.
             with contextlib.suppress(BufferError):

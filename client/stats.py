@@ -27,6 +27,7 @@ class StatsClock:
         self.compute_s = 0.0
         self.first_batch_s: float | None = None
         self.reconnects = 0
+        self.copied = 0
         self._handed_out: float | None = None
         self._last_report = 0.0
 
@@ -72,4 +73,5 @@ class StatsClock:
             transport=transport,
             first_batch_s=self.first_batch_s,
             reconnects=self.reconnects,
+            copied=self.copied,
         )

@@ -86,7 +86,9 @@ class EpochStream:
         self.done = False
         self.credit_outstanding = 0
         self._pending_grant = 0
-        self._grant_every = max(1, hello.credit // 4)
+        # Credit goes back in halves: a message per batch costs both processes a thread
+        # wake-up each, and a client about to wait flushes what it has anyway.
+        self._grant_every = max(1, hello.credit // 2)
         self._heartbeat_s = DEFAULT_HEARTBEAT_S
         self._last_heard = time.monotonic()
         self._last_beat = 0.0
@@ -259,8 +261,14 @@ class EpochStream:
     # -- sending ---------------------------------------------------------------------------
 
     def _send_hello(self, start: int) -> None:
+        # Slots the consumer still holds must stay lent if the server hands this client's
+        # ring to the new stream; the others come back free with it.
+        ring = self._rings.ring
+        if ring is not None:
+            ring.owned = {k for k in ring.owned if ring.in_use(k)}
+        keep = tuple(sorted(ring.owned)) if ring is not None else ()
         self.hello = self.hello.model_copy(
-            update={"start_batch": start, "nonce": secrets.randbits(62)}
+            update={"start_batch": start, "nonce": secrets.randbits(62), "keep": keep}
         )
         self.welcome = None
         self._pending_grant = 0

@@ -93,12 +93,15 @@ class LoaderStats:
     wait_s: float
     #: Seconds between a batch being handed out and the next one being asked for.
     compute_s: float
-    #: The data-plane transport in use: ``"ipc"``, ``"tcp"`` (or ``"shm"`` later).
+    #: The data-plane transport in use: ``"shm"``, ``"ipc"`` or ``"tcp"``.
     transport: str
     #: Seconds from construction of the Loader to its first delivered batch (None before).
     first_batch_s: float | None
     #: Times the stream was re-established after a server restart or a lost stream.
     reconnects: int = 0
+    #: Shared-memory batches copied out because the loop still held half the ring's earlier
+    #: batches (0 for a loop that keeps only the current batch: every batch stays in place).
+    copied: int = 0
 
     @property
     def stall_fraction(self) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,6 +86,11 @@ class Hello(_Msg):
     #: Boot id of the client's kernel; equal boot ids mean one host and one /dev/shm.
     boot_id: str = Field(default="", max_length=64)
     pid: int = Field(default=0, ge=0)
+    #: Slots of this client's current ring that it still reads from (batches of an earlier
+    #: stream the consumer holds): a server reusing the ring keeps them out of the free list.
+    keep: tuple[Annotated[int, Field(ge=0, lt=MAX_CREDIT)], ...] = Field(
+        default=(), max_length=MAX_CREDIT
+    )
 
 
 class ShmRing(_Msg):

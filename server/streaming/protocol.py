@@ -61,6 +61,14 @@ log = logging.getLogger("shardserve.streaming")
 #: Bytes of buffer pools kept for (job, rank)s between their streams (pools of open streams
 #: always stay); past it the least recently used idle pools are dropped.
 IDLE_POOL_BYTES = 1 << 30
+#: A lone stream's batches up to this size are assembled on the streamer thread itself: for
+#: a CIFAR batch the pool's two thread hand-offs (submit, wake with the result) cost more
+#: CPU than the gather. Bigger batches, or several streams, use the pool.
+INLINE_MAX_BYTES = 4 << 20
+#: An inline gather slower than this (pages not cached: the disk is being read) blocks the
+#: streamer's heartbeats, so that stream's next ``INLINE_BACKOFF`` batches go to the pool.
+INLINE_MAX_S = 0.01
+INLINE_BACKOFF = 64
 
 
 @dataclass
@@ -248,6 +256,7 @@ class StreamHandler:
             and hello.boot_id == c.boot_id
         )
         s.reuse_shm = reuse
+        s.keep = hello.keep
         if reuse is not None and not s.want_shm:
             reuse.close()
             s.reuse_shm = None
@@ -301,7 +310,7 @@ class StreamHandler:
                 min(s.credit, MAX_CREDIT), prep.dataset, prep.fields, s.job.spec.batch_size
             )
             if reuse.key == key:
-                reuse.reset()
+                reuse.reset(s.keep)
                 return reuse
             reuse.close()
         limit = self.config.shm_limit_bytes
@@ -333,7 +342,9 @@ class StreamHandler:
         ds = self.p.open_dataset(job.spec.dataset)
         fields = tuple(job.spec.fields or (f.name for f in ds.manifest.fields))
         plan = self.p.plans.rank_plan(job, epoch, seed, rank, shard_rows=ds.shard_rows)
-        return Prepared(ds, plan, fields, ds.part_shapes(fields))
+        m = ds.manifest
+        batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
+        return Prepared(ds, plan, fields, ds.part_shapes(fields), batch_bytes=batch_bytes)
 
     def _pool_for(self, s: Session, part_shapes: dict[str, Any]) -> BufferPool:
         """The rank's buffer pool, kept across its streams (epochs): a new stream then writes
@@ -410,22 +421,46 @@ class StreamHandler:
     def _pump(self, s: Session) -> None:
         """Submit work within credit, send what is ready in order, end the epoch."""
         prep = s.prepared
+        inline = self._inline(s)
         while prep is not None and prep.pool is not None and s.wants_work():
-            index = s.next_submit
-            indices = prep.plan.batch(index)
-            place = None
-            if s.shm is not None:
-                slot = s.shm.acquire()
-                if slot is None:
-                    break  # every slot is being filled or is with the client; its Credit frees one
-                pool, bufs, out = s.shm, slot, s.shm.out(slot, len(indices))
-                place = partial(s.shm.place, slot)
-            else:
-                pool, bufs = prep.pool, prep.pool.acquire()
-                out = None if bufs is None else bufs.views(len(indices))
+            if not self._submit(s, prep, inline):
+                break
+            if inline and not self._send_ready(s):
+                return
+        if not self._send_ready(s):
+            return
+        eoe = EndOfEpoch(stream=s.stream, epoch=s.epoch, num_batches=s.num_batches)
+        if s.done_sending and not s.ended and self._send(s.ident, eoe):
+            s.ended = True
+            log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=s.num_batches)
+
+    def _inline(self, s: Session) -> bool:
+        """Whether this stream's next batches are assembled here rather than on the pool."""
+        prep = s.prepared
+        if prep is None or prep.batch_bytes > INLINE_MAX_BYTES or s.next_submit < s.pool_until:
+            return False
+        # Another stream with work to do would wait behind this one's gathers.
+        return not any(x is not s and not x.ended for x in self.sessions.values())
+
+    def _submit(self, s: Session, prep: Prepared, inline: bool) -> bool:
+        """Assemble batch ``s.next_submit`` (now, or on the pool); False when no slot is free
+        or the stream failed."""
+        index = s.next_submit
+        indices = prep.plan.batch(index)
+        place = None
+        if s.shm is not None:
+            slot = s.shm.acquire()
+            if slot is None:
+                return False  # every slot is being filled or is with the client; a Credit frees one
+            pool, bufs, out = s.shm, slot, s.shm.out(slot, len(indices))
+            place = partial(s.shm.place, slot)
+        else:
+            pool, bufs = prep.pool, prep.pool.acquire()
+            out = None if bufs is None else bufs.views(len(indices))
+        s.next_submit += 1
+        s.credit -= 1
+        if not inline:
             s.assembling += 1
-            s.next_submit += 1
-            s.credit -= 1
             self.assembler.gather(
                 ("batch", s.ident, s.stream, index, pool, bufs),
                 prep.dataset,
@@ -434,15 +469,28 @@ class StreamHandler:
                 out,
                 place,
             )
+            return True
+        t0 = time.perf_counter()
+        try:
+            parts = self.assembler.assemble_now(prep.dataset, indices, prep.fields, out, place)
+        except Exception as e:
+            if bufs is not None:
+                pool.release(bufs)
+            self._stream_failed(s, e)
+            return False
+        if time.perf_counter() - t0 > INLINE_MAX_S:
+            s.pool_until = index + INLINE_BACKOFF
+        s.ready[index] = (parts, bufs)
+        return True
+
+    def _send_ready(self, s: Session) -> bool:
+        """Send assembled batches in index order; False once the stream cannot take more
+        (its queue is full, or it was closed)."""
         while s.next_send in s.ready:
             parts, bufs = s.ready.pop(s.next_send)
             if not self._send_batch(s, parts, bufs):
-                return
-        live = self.sessions.get(s.ident) is s
-        eoe = EndOfEpoch(stream=s.stream, epoch=s.epoch, num_batches=s.num_batches)
-        if live and s.done_sending and not s.ended and self._send(s.ident, eoe):
-            s.ended = True
-            log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=s.num_batches)
+                return False
+        return self.sessions.get(s.ident) is s
 
     def _send_batch(self, s: Session, parts: dict[str, Any], bufs: BufferSet | int | None) -> bool:
         index = s.next_send

@@ -40,6 +40,8 @@ class Prepared:
     fields: tuple[str, ...]
     part_shapes: dict[str, Any]
     pool: BufferPool | None = None
+    #: Expected bytes of one full batch (variable fields at the dataset's average).
+    batch_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -61,14 +63,18 @@ class Session:
     #: Asked for shared memory from this host; ``shm`` is its ring once made.
     want_shm: bool = False
     shm: Any = None
-    #: The previous stream's ring, handed over by a new Hello from the same client.
+    #: The previous stream's ring, handed over by a new Hello from the same client, and the
+    #: slots of it the client still reads from.
     reuse_shm: Any = None
+    keep: tuple[int, ...] = ()
     next_submit: int = 0
     next_send: int = 0
     #: Assembled batches waiting for their turn: index -> (parts, buffer set or None).
     ready: dict[int, tuple[dict[str, np.ndarray], BufferSet | None]] = field(default_factory=dict)
     #: Batches handed to the assembly pool whose result has not come back.
     assembling: int = 0
+    #: Batch index before which assembly stays on the pool (set after a slow inline take).
+    pool_until: int = 0
     ended: bool = False
     last_recv: float = field(default_factory=time.monotonic)
     last_send: float = field(default_factory=time.monotonic)

@@ -33,7 +33,7 @@ class ShmSlots:
     :meth:`out` and :meth:`place`, which run on the assembly worker that holds the slot."""
 
     def __init__(self, ring: SlotRing, offsets: dict[str, int], shapes: Mapping[str, Any],
-                 var_start: int, key: tuple[Any, ...] = ()) -> None:
+                 var_start: int, batch_size: int, key: tuple[Any, ...] = ()) -> None:
         self.ring = ring
         #: What the layout was made for; a next stream with the same key may reuse the ring.
         self.key = key
@@ -42,6 +42,8 @@ class ShmSlots:
         self._var_start = var_start
         self._lent: set[int] = set()
         self._base = ring.address
+        self._rows = batch_size
+        self._full: dict[int, dict[str, np.ndarray]] = {}
 
     @classmethod
     def create(cls, stream: int, slots: int, dataset: Any, fields: tuple[str, ...], batch_size: int,
@@ -67,17 +69,19 @@ class ShmSlots:
             companions = (batch_size + 1) * 8 * (1 + MAX_NDIM) + 3 * ALIGN
             cursor += len(variable) * companions
         ring = create_ring(stream, slots, cursor, shm_dir, limit_bytes)
-        return cls(ring, offsets, shapes, var_start, cls.key_for(slots, dataset, fields, batch_size))
+        return cls(ring, offsets, shapes, var_start, batch_size,
+                   cls.key_for(slots, dataset, fields, batch_size))
 
     @staticmethod
     def key_for(slots: int, dataset: Any, fields: tuple[str, ...], batch_size: int) -> tuple[Any, ...]:
         return (slots, dataset.manifest.name, dataset.manifest.created_at, fields, batch_size)
 
-    def reset(self) -> None:
-        """Every slot free again, for the same client's next stream (its epochs reuse one ring:
-        pages already faulted in on both sides, no new file to zero-fill)."""
-        self._lent.clear()
-        self.ring.free = list(range(self.ring.slots))
+    def reset(self, keep: Iterable[int] = ()) -> None:
+        """Every slot but ``keep`` (still read by the client) free again, for the same client's
+        next stream: its epochs reuse one ring (pages already faulted in on both sides, no new
+        file to zero-fill), and ``keep`` comes back in a later Credit."""
+        self._lent = {k for k in keep if 0 <= k < self.ring.slots}
+        self.ring.free = [k for k in range(self.ring.slots) if k not in self._lent]
 
     @property
     def info(self) -> ShmRing:
@@ -109,23 +113,31 @@ class ShmSlots:
         return bad
 
     def close(self) -> None:
+        self._full.clear()  # views into the mapping would keep it from closing
         self.ring.close()
 
     # -- on the assembly worker -----------------------------------------------------------
 
     def out(self, slot: int, rows: int) -> dict[str, np.ndarray]:
         """Arrays inside ``slot`` for the fixed-size parts: ``take`` writes straight into them."""
-        return {
-            name: self.ring.slot_array(slot, self._offsets[name], dt.name, (rows, *shape))
-            for name, (dt, shape) in self._shapes.items()
-        }
+        full = self._full.get(slot)
+        if full is None:
+            # Made once per slot: building views costs more than a CIFAR label's gather.
+            full = self._full[slot] = {
+                name: self.ring.slot_array(slot, self._offsets[name], dt.name, (self._rows, *shape))
+                for name, (dt, shape) in self._shapes.items()
+            }
+        if rows == self._rows:
+            return full
+        return {name: a[:rows] for name, a in full.items()}
 
     def place(self, slot: int, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Copy the variable-size parts into the slot's tail when they fit (else leave them)."""
         cursor = self._var_start
         placed = dict(parts)
+        full = self._full.get(slot, {})
         for name, arr in parts.items():
-            if self.offset_of(slot, arr) is not None:
+            if full.get(name) is arr or self.offset_of(slot, arr) is not None:
                 continue
             if cursor + arr.nbytes > self.ring.slot_bytes:
                 return parts  # overflow: this batch goes on the socket
@@ -148,8 +160,9 @@ class ShmSlots:
     def headers(self, slot: int, parts: Mapping[str, np.ndarray]) -> tuple[PartHeader, ...] | None:
         """Part headers with slot offsets, or ``None`` if some part lies outside the slot."""
         out = []
+        full = self._full.get(slot, {})
         for name, a in parts.items():
-            off = self.offset_of(slot, a)
+            off = self._offsets[name] if full.get(name) is a else self.offset_of(slot, a)
             if off is None:
                 return None
             out.append(PartHeader(name, a.dtype.name, a.shape, a.nbytes, off))

@@ -29,7 +29,7 @@ GOLDEN = Path(__file__).parent / "golden"
 
 CONTROL = {
     "hello": Hello(job="2f43ada9a6216ad9", rank=1, epoch=3, start_batch=7, credit=4, nonce=42,
-                   token="t0k", host="node-1", boot_id="b00t", pid=1234),
+                   token="t0k", host="node-1", boot_id="b00t", pid=1234, keep=(1, 3)),
     "welcome": Welcome(stream=5, nonce=42, job="2f43ada9a6216ad9", rank=1, epoch=3, seed=0,
                        start_batch=7, num_batches=196, heartbeat_s=1.0, transport="shm",
                        shm=ShmRing(name="/shardserve-1234-5", slots=4, slot_bytes=1 << 20)),

@@ -77,12 +77,66 @@ def test_shm_and_socket_deliver_identical_batches(server: ServerProc, dataset: s
         assert all(_same(a[k], b[k]) for k in a)
 
 
+def _in_ring(loader: Loader, t: torch.Tensor) -> bool:
+    mem = loader._rings.ring.slot_memory()  # type: ignore[union-attr]
+    return mem.ctypes.data <= t.data_ptr() < mem.ctypes.data + mem.nbytes
+
+
 def test_copied_batches_own_their_storage(server: ServerProc) -> None:
-    """With copy=True (default) a batch stays intact after its slot is reused for later batches."""
-    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=2) as loader:
+    """With copy=True (default) a batch stays intact after its slot is reused for later batches:
+    a loop keeping every batch holds a slot until half the ring is held, then gets copies."""
+    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=4) as loader:
         batches = [b["image"] for b in loader]
+        assert loader.stats().copied == len(batches) - 2
+        assert [_in_ring(loader, t) for t in batches[:3]] == [True, True, False]
     ids = [sample_id_of({"image": t.numpy()}) for t in batches]
     assert np.array_equal(np.concatenate(ids), np.arange(600))
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_small_rings_never_run_dry(server: ServerProc, prefetch: int) -> None:
+    """Lending stops at half the ring, so a loop keeping every batch still gets them all."""
+    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=prefetch, timeout=5) as ld:
+        batches = [b["image"] for b in ld]
+        assert ld.stats().copied == len(batches) - prefetch // 2
+    ids = [sample_id_of({"image": t.numpy()}) for t in batches]
+    assert np.array_equal(np.concatenate(ids), np.arange(600))
+
+
+def test_batches_are_lent_in_place_and_returned_when_dropped(server: ServerProc) -> None:
+    """A loop that keeps only the current batch gets every batch in its slot, no copy: the
+    slot goes back once the batch's tensors are gone, so the ring keeps cycling."""
+    with Loader(server.http_url, "cifar", 20, shuffle="none", prefetch=4) as loader:
+        seen = []
+        for b in loader:
+            assert _in_ring(loader, b["image"]) and _in_ring(loader, b["label"])
+            seen.append(sample_id_of({"image": b["image"].numpy()}).copy())
+        assert loader.stats().copied == 0 and len(seen) == 30
+    assert np.array_equal(np.concatenate(seen), np.arange(600))
+
+
+def test_a_held_batch_survives_the_next_epochs_on_the_reused_ring(server: ServerProc) -> None:
+    """A batch kept past its epoch stays intact: the next stream takes over the client's ring
+    but keeps that slot lent (Hello.keep) until the batch is dropped."""
+    with Loader(server.http_url, "cifar", 50, shuffle=True, prefetch=4) as loader:
+        it = iter(loader)
+        first = next(it)
+        kept = first["image"].clone()
+        ring = loader._rings.ring
+        assert _in_ring(loader, first["image"])
+        seen = [sample_id_of({"image": kept.numpy()})]
+        for _ in range(3):  # epochs 0, 1, 2: shuffled, so a reused slot would hold other samples
+            seen += [sample_id_of({"image": b["image"].numpy()}).copy() for b in it]
+            assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(600))
+            assert loader._rings.ring is ring  # the same ring, reused across epochs
+            assert torch.equal(first["image"], kept)
+            it, seen = iter(loader), []
+        del first
+        next(it)
+        next(it)  # the dropped batch's slot is reclaimed at a next(): no copies from here on
+        copied = loader.stats().copied
+        assert all(_in_ring(loader, b["image"]) for b in it)
+        assert loader.stats().copied == copied
 
 
 def test_copy_false_yields_views_into_the_slot(server: ServerProc) -> None:
