@@ -13,6 +13,8 @@ Three datasets, shuffled: CIFAR-like (``uint8[3,32,32]`` + int64 label, N=50,000
 * ``memcpy``: a single-thread copy of the same bytes per batch (the GB/s ceiling);
 * ``shardserve shm`` / ``ipc`` / ``tcp``: ``Loader`` against a ``serve_local`` server, with
   the client's CPU seconds per batch and the server's CPU seconds per delivered GB;
+* CIFAR only, with ``--tf-python`` (an interpreter with ``tensorflow-cpu``, e.g. a separate
+  virtualenv): tf.data local and tf.data service on the same samples (``bench_tfdata.py``);
 * CIFAR and 64 KiB only: ``DataLoader`` over an in-memory ``TensorDataset``, one ``.pt``
   file per sample, and chunked ``.pt`` files (1,000 samples each), each with ``num_workers``
   0 and 2; time to first batch from ``Loader`` construction with a running server (new job
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -129,11 +132,11 @@ def run_epochs(
         t0 = time.perf_counter()
         first = None
         count = 0
-        for batch in epoch_iter(e):
+        for b in epoch_iter(e):
             if first is None:
                 first = time.perf_counter() - t0
-            touch(batch)
-            count += len(batch["label"])
+            touch(b)
+            count += len(b["label"])
         dt = time.perf_counter() - t0
         assert count >= n - batch, f"epoch delivered {count} of {n} samples"
         out[f"epoch{e}_s"], out[f"first_batch_epoch{e}_s"] = dt, first or 0.0
@@ -247,7 +250,26 @@ def time_to_first_batch(url: str, name: str, batch: int, repeats: int = 5) -> di
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
-def bench_case(case: str, n: int, work: Path) -> dict[str, object]:
+def tf_data(tf_python: str, n: int, batch: int, work: Path) -> dict[str, dict[str, float]]:
+    """tf.data local and tf.data service rows from ``bench_tfdata.py`` run by an interpreter
+    that has TensorFlow (same samples: ``make_arrays("cifar", n)``)."""
+    out = work / "tfdata.json"
+    cmd = [tf_python, str(Path(__file__).with_name("bench_tfdata.py")), "--n", str(n),
+           "--batch", str(batch), "--json", str(out)]  # fmt: skip
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"  tf.data: not measured ({e})", flush=True)
+        return {}
+    rows = json.loads(out.read_text())["rows"]
+    result = {}
+    for label, r in rows.items():
+        result[label] = {"samples_s": r["samples_s"], "first_batch_epoch1_s": r["first_batch_s"][-1]}
+        print(f"  {label:32} {r['samples_s']:>12,.0f} samples/s", flush=True)
+    return result
+
+
+def bench_case(case: str, n: int, work: Path, tf_python: str | None = None) -> dict[str, object]:
     cfg = CASES[case]
     batch, full = int(cfg["batch"]), bool(cfg["full"])  # type: ignore[call-overload]
     print(f"\n[{case}] N={n}, batch {batch}: writing files and ingesting ...", flush=True)
@@ -310,6 +332,8 @@ def bench_case(case: str, n: int, work: Path) -> dict[str, object]:
                 f"DataLoader chunked .pt w={workers}",
                 dataloader(ChunkedFiles(work / f"{case}-chunks"), workers, batch),
             )
+        if tf_python and case == "cifar":
+            rows.update(tf_data(tf_python, n, batch, work))
     fl = rows["floor (in-process gather)"]["samples_s"]
     ours = rows["shardserve shm"]["samples_s"]
     per_sample = nbytes / n
@@ -336,6 +360,8 @@ def targets(
         add("shm vs DataLoader .pt per sample w=2", ours / rows["DataLoader .pt per sample w=2"]["samples_s"], 30)
         add("shm vs DataLoader TensorDataset w=0", ours / rows["DataLoader TensorDataset w=0"]["samples_s"], 2)
         add("shm vs Arrow mmap take in process", ours / rows["Arrow mmap take (in process)"]["samples_s"], 0.5)
+        if "tf.data service" in rows:
+            add("shm vs tf.data service", ours / rows["tf.data service"]["samples_s"], 15)
     if case == "64k":
         add("shm vs single-thread memcpy (GB/s)", ours / rows["memcpy (same bytes)"]["samples_s"], 0.5)
     if ttfb:
@@ -354,11 +380,17 @@ def main() -> None:
     p.add_argument(
         "--workdir", type=Path, default=None, help="where to write the data (default: a temp dir)"
     )
+    p.add_argument(
+        "--tf-python",
+        default=os.environ.get("SHARDSERVE_BENCH_TF_PYTHON"),
+        help="a Python with tensorflow-cpu, for the tf.data rows (default: "
+        "$SHARDSERVE_BENCH_TF_PYTHON; without it they are skipped)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     results: dict[str, object] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} cores={torch.get_num_threads()}/{__import__('os').cpu_count()}",
+        "machine": f"{platform.machine()} {platform.processor() or ''} cores={torch.get_num_threads()}/{os.cpu_count()}",
         "torch": torch.__version__, "quick": args.quick, "cases": {},
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ss-bench-e2e-", dir=args.workdir) as tmp:
@@ -366,7 +398,7 @@ def main() -> None:
             n = int(cfg["n"]) // (8 if args.quick else 1)  # type: ignore[call-overload]
             n = max(n, 16 * int(cfg["batch"]))  # type: ignore[call-overload]
             (Path(tmp) / case).mkdir()
-            results["cases"][case] = bench_case(case, n, Path(tmp) / case)  # type: ignore[index]
+            results["cases"][case] = bench_case(case, n, Path(tmp) / case, args.tf_python)  # type: ignore[index]
     for case, res in results["cases"].items():  # type: ignore[attr-defined]
         print(f"\n{case}: N={res['n']}, batch {res['batch']} (2nd epoch; ratios within this run)")
         print(f"  {'configuration':34}{'samples/s':>12}{'GB/s':>8}{'vs floor':>10}{'shm is x faster':>17}")

@@ -1,10 +1,11 @@
 """Vectorised gathers of many rows from per-chunk views into one contiguous batch.
 
-Callers have already located each requested id as ``(chunk, row)`` (:mod:`.index`). No
-function here loops over samples in Python; the loops are over the chunks a batch touches.
+Callers have already located each requested id as ``(chunk, row)`` (:mod:`.index`). Loops
+are over the chunks a batch touches, not over samples, except for big rows (below).
 
 * fixed fields: one ``np.take`` straight into the output when the batch lies in one chunk
-  (one copy), else one ``np.take`` per touched chunk, scattered into place;
+  (one copy), else one ``np.take`` per touched chunk, scattered into place (rows of 16 KiB
+  and more: one copy per row into place, the one loop over samples here);
 * variable / binary fields: ``pyarrow.compute.take`` per touched chunk (a C++ memcpy per
   row), then, if several chunks were touched, one more take to restore the requested order.
 """
@@ -17,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+#: Row size from which a batch spanning several chunks is copied row by row (see take_fixed).
+ROW_COPY_BYTES = 16 << 10
 #: Positions of a batch: an index array, or every position.
 Positions = np.ndarray | slice
 ALL = slice(None)
@@ -47,6 +50,14 @@ def take_fixed(
         c, _ = chunk_groups[0]
         # mode="clip": ids are already bounds-checked, and mode="raise" would buffer the output.
         return views[c].take(rows, axis=0, out=out, mode="clip")
+    if out.ndim and out[:1].nbytes >= ROW_COPY_BYTES:
+        # Big rows: one copy per row straight into place beats a take into a temporary plus
+        # a scatter (every byte copied twice) once the row outweighs a Python step.
+        for c, pos in chunk_groups:
+            src = views[c]
+            for p, r in zip(np.asarray(pos).tolist(), rows[pos].tolist(), strict=True):
+                out[p] = src[r]
+        return out
     for c, pos in chunk_groups:
         out[pos] = np.take(views[c], rows[pos], axis=0, mode="clip")
     return out

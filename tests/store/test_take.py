@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.dataset import Dataset
+from shardserve.server.store.writer import ShardWriter
 from tests.support.data import (
     cifar_images,
     graph_sample,
@@ -158,3 +159,31 @@ def test_concurrent_takes_share_one_dataset(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(ValueError, match="closed"):
         ds.take([0])
+
+
+@pytest.fixture(scope="module")
+def big_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[Dataset, np.ndarray]:
+    """32 KiB rows over several shards: the row-by-row copy of a batch spanning chunks."""
+    root = tmp_path_factory.mktemp("big")
+    rows = np.random.default_rng(7).standard_normal((40, 32, 256), dtype=np.float32)
+    with ShardWriter(root, "big", shard_bytes=200 << 10) as w:
+        w.add_batch({"x": rows, "i": np.arange(40, dtype=np.int64)})
+    ds = Store(root).open("big")
+    assert len(ds.manifest.shards) > 3
+    return ds, rows
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.integers(0, 39), min_size=1, max_size=30))
+def test_big_rows_across_shards_match_reference(
+    big_rows: tuple[Dataset, np.ndarray], ids: list[int]
+) -> None:
+    ds, rows = big_rows
+    idx = np.array(ids, dtype=np.int64)
+    out = {"x": np.empty((len(ids), 32, 256), np.float32), "i": np.empty(len(ids), np.int64)}
+    parts = ds.take(idx, out=out)
+    assert parts["x"] is out["x"]
+    np.testing.assert_array_equal(parts["x"], rows[idx])
+    assert parts["i"].tolist() == ids
