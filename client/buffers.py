@@ -157,9 +157,14 @@ class PinnedPool:
         return {"allocated": self.allocated, "free": len(self._free), "pending": len(self._pending)}
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: Whether this torch reports how many tensors share a storage (see :func:`storage_users`).
+COUNTS_USERS = _use_count is not None
+
+
 def storage_users(block: torch.Tensor) -> int | None:
     """How many tensors share ``block``'s storage (None where torch does not say)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
+    count = _use_count
     if count is None:
         return None
     storage = block.untyped_storage()

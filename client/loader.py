@@ -17,7 +17,7 @@ from shardserve.proto.errors import BadRequest, ShardserveError
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
 from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
 
-from .buffers import CopyBlocks, assemble, tensor_from_frame, views_at
+from .buffers import COUNTS_USERS, CopyBlocks, assemble, tensor_from_frame, views_at
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
 from .device import (
@@ -285,7 +285,7 @@ class Loader:
             slot = ring.slot_tensor(header.slot)
             # At most half the ring is lent, so the server always has a slot to fill (a
             # ring of one is never lent).
-            if len(ring.owned) < ring.ring.slots // 2 and ring.trackable:
+            if len(ring.owned) < ring.ring.slots // 2 and COUNTS_USERS:
                 # Lent in place: the batch owns the slot until its last tensor is gone.
                 ring.owned.add(header.slot)
                 return assemble(views_at(slot, header.parts), self.pad_variable)

@@ -91,11 +91,6 @@ class AttachedRing:
         users = storage_users(self.slot_tensor(slot))
         return users is None or users > 1
 
-    @property
-    def trackable(self) -> bool:
-        """Whether this torch reports storage users (needed to lend slots to the consumer)."""
-        return storage_users(self.slot_tensor(0)) is not None
-
     def slot_memory(self) -> np.ndarray:
         """The whole mapping as bytes (for registering it with CUDA once per stream)."""
         return self._buf
