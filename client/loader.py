@@ -277,8 +277,9 @@ class Loader:
             self._stats.pause()
 
     def _from_slot(self, stream: EpochStream, header: BatchHeader) -> Batch:
-        """A batch read from its shared-memory slot: copied out (slot back at once) or, with
-        ``copy=False``, views kept until the next batch is requested."""
+        """A batch read from its shared-memory slot: lent in place until its tensors are gone,
+        copied out (slot back at once) when half the ring is lent, or, with ``copy=False``,
+        views kept until the next batch is requested."""
         ring = stream.ring
         assert ring is not None
         if self.copy and not self._copier.cuda:

@@ -2,9 +2,10 @@
 
 The server owns the ring (it creates and unlinks the file); the client only maps it. A slot
 is the server's until the batch header names it, the client's until it is handed back in a
-``Credit``. With ``copy=True`` (the default) a batch is copied out and the slot returned at
-once, so every delivered batch owns its storage; with ``copy=False`` the tensors *are* the
-slot and stay valid only until the next batch is requested.
+``Credit``. With ``copy=True`` (the default) the slot is lent to the batch: it is handed back
+once no tensor of the batch is left (:meth:`AttachedRing.in_use`), so every delivered batch
+owns its storage without a copy; with ``copy=False`` the tensors are the slot and stay valid
+only until the next batch is requested.
 """
 
 from __future__ import annotations
