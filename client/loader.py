@@ -17,7 +17,7 @@ from shardserve.proto.errors import BadRequest, ShardserveError
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
 from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
 
-from .buffers import COUNTS_USERS, CopyBlocks, assemble, tensor_from_frame, views_at
+from .buffers import COUNTS_USERS, CopyBlocks, assemble, tensor_from_frame
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
 from .device import (
@@ -282,24 +282,20 @@ class Loader:
         views kept until the next batch is requested."""
         ring = stream.ring
         assert ring is not None
+        views = ring.views(header.slot, header.parts)
         if self.copy and not self._copier.cuda:
-            slot = ring.slot_tensor(header.slot)
             # At most half the ring is lent, so the server always has a slot to fill (a
             # ring of one is never lent).
             if len(ring.owned) < ring.ring.slots // 2 and COUNTS_USERS:
                 # Lent in place: the batch owns the slot until its last tensor is gone.
                 ring.owned.add(header.slot)
-                return assemble(views_at(slot, header.parts), self.pad_variable)
+                return assemble(views, self.pad_variable)
             self._stats.copied += 1
-            copied = self._blocks.copy_slot(slot, header.parts)
+            copied = self._blocks.copy_slot(ring.slot_tensor(header.slot), header.parts)
             if copied is not None:
                 stream.release_slot(header.slot)
                 return assemble(copied, self.pad_variable)
-        views = {
-            p.name: torch.from_numpy(stream.ring.part(header.slot, p)) for p in header.parts
-        }
         if self._copier.cuda:
-            ring = stream.ring
             if ring.registered is None:
                 ring.registered = register_host_memory(ring.slot_memory())
                 if ring.registered:

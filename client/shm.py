@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from shardserve.proto.messages import PartHeader, ShmRing
 
-from .buffers import storage_users
+from .buffers import storage_users, views_at
 
 DEFAULT_DIR = Path("/dev/shm")
 
@@ -64,16 +64,16 @@ class AttachedRing:
         #: Runs before unmapping (the Loader's CUDA unregistration, after in-flight copies).
         self.on_close: Callable[[np.ndarray], None] | None = None
 
-    def part(self, slot: int, part: PartHeader) -> np.ndarray:
-        """A view of one part of the batch in ``slot`` (no copy)."""
-        if not 0 <= slot < self.ring.slots:
-            raise ValueError(f"slot {slot} out of range 0 <= slot < {self.ring.slots}")
-        if part.offset + part.nbytes > self.ring.slot_bytes:
-            raise ValueError(
-                f"part {part.name!r} overflows its slot ({part.offset}+{part.nbytes} > {self.ring.slot_bytes})"
-            )
-        start = slot * self.ring.slot_bytes + part.offset
-        return self._buf[start : start + part.nbytes].view(part.dtype).reshape(part.shape)
+    def views(self, slot: int, parts: Sequence[PartHeader]) -> dict[str, torch.Tensor]:
+        """Typed tensors over the ``parts`` of the batch in ``slot`` (no copy); a header that
+        places a part outside its slot is refused."""
+        base = self.slot_tensor(slot)
+        for p in parts:
+            if p.offset + p.nbytes > self.ring.slot_bytes:
+                raise ValueError(
+                    f"part {p.name!r} overflows its slot ({p.offset}+{p.nbytes} > {self.ring.slot_bytes})"
+                )
+        return views_at(base, parts)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """The whole of ``slot`` as a uint8 tensor (no copy), with a storage of its own so
