@@ -13,6 +13,7 @@ Errors (all from :mod:`shardserve.proto.errors`)::
     ├── JobError: JobNotFound, JobFailed                       the server gave up the job
     ├── ProtocolError: VersionMismatch, ...                    client and server disagree
     ├── BadRequest                                             arguments that cannot be served
+    │   └── ResidentTooLarge                                   resident data would not fit
     └── AuthError                                              missing or wrong token
 """
 
@@ -31,6 +32,7 @@ from shardserve.proto.errors import (
 
 from .loader import Loader
 from .local import serve_local
+from .resident import ResidentTooLarge
 from .types import LoaderStats, VarTensor
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "Loader",
     "LoaderStats",
     "ProtocolError",
+    "ResidentTooLarge",
     "ServerUnavailable",
     "ShardserveError",
     "VarTensor",

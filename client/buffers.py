@@ -85,7 +85,11 @@ def batch_from_frames(
 
 
 class Event(Protocol):
+    """What the pool needs of a ``torch.cuda.Event``."""
+
     def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass
@@ -141,6 +145,15 @@ class PinnedPool:
         for i, b in enumerate(self._free):
             if b.buf.numel() == want:
                 return self._free.pop(i).buf
+        if not self._free and self._pending and self.allocated >= self.max_blocks:
+            # Every block is still being read by a device copy (the consumer's stream lags
+            # behind the host): wait for the oldest copy instead of pinning more memory.
+            oldest = self._pending.pop(0)
+            if oldest.event is not None:
+                oldest.event.synchronize()
+            if oldest.buf.numel() == want:
+                return oldest.buf
+            self.allocated -= 1
         if self._free and self.allocated >= self.max_blocks:
             self._free.pop(0)  # a block of the wrong size: let it go rather than grow
             self.allocated -= 1

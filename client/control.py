@@ -10,9 +10,20 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 
 from shardserve.proto.errors import ServerUnavailable, ShardserveError, error_for_code
-from shardserve.proto.jobs import CreatedJob, JobSpec, JobStatus, ServerInfo, job_id
+from shardserve.proto.jobs import (
+    CreatedJob,
+    DatasetInfo,
+    JobSpec,
+    JobStatus,
+    ServerInfo,
+    job_id,
+)
+
+#: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
+PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"})
 
@@ -69,6 +80,36 @@ class ControlClient:
         return JobStatus.model_validate_json(
             self._request("GET", f"/v1/jobs/{job_id}", timeout=timeout).content
         )
+
+    def dataset(self, name: str, timeout: float | None = None) -> DatasetInfo:
+        """``GET /v1/datasets/{name}``: samples, shards, bytes and fields."""
+        return DatasetInfo.model_validate_json(
+            self._request("GET", f"/v1/datasets/{name}", timeout=timeout).content
+        )
+
+    def plan(
+        self, job_id: str, epoch: int, rank: int, env: int = 0, timeout: float | None = None
+    ) -> tuple[np.ndarray, int]:
+        """``GET /v1/jobs/{id}/plan``: ``rank``'s sample ids of ``epoch`` in batch order (int64)
+        and the number of batches they make, exactly as the data plane would stream them."""
+        r = self._request(
+            "GET",
+            f"/v1/jobs/{job_id}/plan",
+            params={"epoch": epoch, "rank": rank, "env": env},
+            timeout=timeout,
+        )
+        try:
+            batches = int(r.headers[PLAN_BATCHES_HEADER])
+        except (KeyError, ValueError):
+            raise ShardserveError(
+                f"GET /v1/jobs/{job_id}/plan: response lacks {PLAN_BATCHES_HEADER}; "
+                "is the server older than this client?"
+            ) from None
+        if len(r.content) % 8:
+            raise ShardserveError(
+                f"GET /v1/jobs/{job_id}/plan: {len(r.content)} bytes is not a whole number of int64 ids"
+            )
+        return np.frombuffer(r.content, dtype="<i8"), batches
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether ``GET /healthz`` answers 2xx within ``timeout``; never raises."""

@@ -27,12 +27,17 @@ from .device import (
     unregister_host_memory,
 )
 from .distributed import resolve_world
+from .resident import Resident, field_layout, resident_nbytes
 from .shm import RingCache
 from .stats import StatsClock
 from .stream import EpochStream
 from .types import Batch, LoaderStats
 
 STATE_VERSION = 1
+#: Resident mode loads the dataset in batches of about this many bytes.
+RESIDENT_CHUNK_BYTES = 16 << 20
+MAX_RESIDENT_CHUNK = 1 << 16
+MAX_ENVS = 1024
 _SHUFFLE: dict[object, ShuffleMode] = {
     True: "global",
     False: "none",
@@ -74,6 +79,13 @@ class Loader:
     ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
     :class:`VarTensor`.
 
+    ``resident="cuda"`` (or ``"cpu"``) loads the dataset's fields once into that memory (one
+    store-order pass through the server; refused up front when it does not fit), after which
+    the server sends only each epoch's plan and every batch is an ``index_select`` into fresh
+    storage: the same batches, order and ``state_dict`` as streaming, for data that fits.
+    ``envs=n`` (resident only) yields a list of ``n`` batches per step, environment ``e`` from
+    its own deterministic plan, on ``devices[e % len(devices)]``.
+
     ``copy`` (shared-memory transport only): by default each delivered batch owns its storage.
     It is handed out in place, in its shared-memory slot, and the slot goes back to the server
     once no tensor of that batch is left (torch's storage use count, checked at each ``next``);
@@ -102,6 +114,9 @@ class Loader:
         transport: str = "auto",
         pad_variable: bool = False,
         copy: bool = True,
+        resident: str | None = None,
+        envs: int = 1,
+        devices: Sequence[str | torch.device] | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         if shuffle not in _SHUFFLE:
@@ -118,6 +133,7 @@ class Loader:
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.device = resolve_device(device, self.world.local_rank)
+        env_devices = _env_devices(resident, envs, devices, self.device, self.world.local_rank)
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
         self.copy = copy
         self._shm = transport == "auto"
@@ -148,11 +164,22 @@ class Loader:
         self._epoch: int | None = None  # epoch of the current or last iteration
         self._next_batch = 0
         self._epoch_done = False
-        # Open the first epoch's stream now: batches are on their way before the loop asks.
-        self._stream: EpochStream | None = self._open(self._job_epoch, 0)
+        self._resident: Resident | None = None
+        self._resident_iter: object = None  # identifies the live resident iterator
+        self.envs = envs
         self._active: EpochStream | None = None
+        self._stream: EpochStream | None = None
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
+        if env_devices:
+            try:
+                self._resident = self._load_resident(url, env_devices)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            # Open the first epoch's stream now: batches are on their way before the loop asks.
+            self._stream = self._open(self._job_epoch, 0)
 
     # -- epochs and resume -----------------------------------------------------------------
 
@@ -225,10 +252,35 @@ class Loader:
             recreate_job=self._job.recreate, describe=self._job.describe, rings=self._rings,
         )  # fmt: skip
 
+    def _load_resident(self, url: str, env_devices: list[torch.device]) -> Resident:
+        """Stream the dataset once in store order (its own job) into resident tensors."""
+        info = self._api.dataset(self.spec.dataset, timeout=self.timeout)
+        layout = field_layout(info, self.spec.fields)
+        sample = max(1, resident_nbytes(layout, 1))
+        chunk = max(1, min(RESIDENT_CHUNK_BYTES // sample, MAX_RESIDENT_CHUNK, info.num_samples))
+
+        def one_pass() -> Iterator[Batch]:
+            with Loader(
+                url, self.spec.dataset, batch_size=chunk, shuffle="none", rank=0, world_size=1,
+                fields=list(layout), timeout=self.timeout, token=self._token or None,
+                transport="auto" if self._shm else "socket",
+            ) as source:  # fmt: skip
+                source.set_epoch(0)
+                yield from source
+
+        return Resident.load(
+            self._api, self.job_id, self.world.rank, self.spec.batch_size, info,
+            self.spec.fields, env_devices, one_pass, self.timeout,
+        )  # fmt: skip
+
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         epoch, start = self._next_position()
+        if self._resident is not None:
+            self._epoch, self._next_batch, self._epoch_done = epoch, start, False
+            self._resident_iter = token = object()
+            return self._run_resident(self._resident, epoch, start, token)
         stream = self._stream
         self._stream = None
         if (
@@ -272,6 +324,29 @@ class Loader:
                 self._stats.delivered(t0, header.nbytes)
                 stream.consumed()
                 yield batch
+            self._epoch_done = True
+        finally:
+            self._stats.pause()
+
+    def _run_resident(
+        self, resident: Resident, epoch: int, start: int, token: object
+    ) -> Iterator[Any]:
+        plans = resident.epoch(epoch)
+        self._num_batches = plans[0].num_batches
+        nbytes = resident.sample_nbytes * self.spec.batch_size * len(plans)
+        try:
+            for i in range(start, self._num_batches):
+                if self._closed:
+                    raise RuntimeError("this Loader was closed while iterating")
+                if self._resident_iter is not token:
+                    raise RuntimeError(
+                        "this iterator was replaced by a newer iter(loader); use that one"
+                    )
+                t0 = self._stats.start_wait()
+                batches = [p.batch(i) for p in plans]
+                self._next_batch = i + 1
+                self._stats.delivered(t0, nbytes)
+                yield batches if self.envs > 1 else batches[0]
             self._epoch_done = True
         finally:
             self._stats.pause()
@@ -328,6 +403,12 @@ class Loader:
                 else:
                     still.append((done, stream, slot))
             self._copying = still
+            if ring is not None and len(still) >= ring.ring.slots:
+                # Every slot is still being copied from (the consumer's stream lags behind the
+                # host): the server has none to fill, so wait for the oldest copy to finish.
+                done, stream, slot = still.pop(0)
+                done.synchronize()
+                stream.release_slot(slot)
         if self._held_slot is not None:
             stream, slot = self._held_slot
             self._held_slot = None
@@ -337,6 +418,8 @@ class Loader:
 
     def stats(self) -> LoaderStats:
         """Batches, bytes and time spent waiting vs. computing since construction."""
+        if self._resident is not None:
+            return self._stats.snapshot("resident")
         active = self._active or self._stream
         return self._stats.snapshot(active.transport if active else self._conn.transport)
 
@@ -351,6 +434,8 @@ class Loader:
         self._stream = self._active = None
         self._held_slot = None
         self._copying = []
+        if self._resident is not None:
+            self._resident.close()
         self._rings.close()
         atexit.unregister(self._atexit)
         self._conn.close()
@@ -371,6 +456,33 @@ class Loader:
             f"Loader(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
             f"{self.world.world_size}, epoch={self._epoch}, endpoint={self._conn.endpoint!r})"
         )
+
+
+def _env_devices(
+    resident: str | None,
+    envs: int,
+    devices: Sequence[str | torch.device] | None,
+    device: torch.device,
+    local_rank: int,
+) -> list[torch.device]:
+    """The device of every environment in resident mode; empty when streaming."""
+    if not 1 <= envs <= MAX_ENVS:
+        raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
+    if resident is None:
+        if envs > 1 or devices is not None:
+            raise BadRequest(
+                "envs and devices need resident='cuda' or resident='cpu' (the data held by the "
+                "trainer); streaming hands out one batch per step"
+            )
+        return []
+    if resident not in ("cuda", "cpu"):
+        raise BadRequest(f"resident={resident!r}: use 'cuda', 'cpu' or None (streaming)")
+    default = device if device.type == resident else torch.device(resident)
+    resolved = [resolve_device(d, local_rank) for d in (devices or [default])]
+    wrong = [str(d) for d in resolved if d.type != resident]
+    if wrong:
+        raise BadRequest(f"devices {wrong} do not match resident={resident!r}")
+    return [resolved[e % len(resolved)] for e in range(envs)]
 
 
 def _close_ref(ref: weakref.ReferenceType[Loader]) -> None:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from shardserve.proto.errors import BadRequest, ErrorCode
@@ -199,6 +200,19 @@ class Service:
 
     def set_epoch(self, job_id: str, update: EpochUpdate) -> JobStatus:
         return self.status_of(self.jobs.set_epoch(job_id, update.epoch, update.seed))
+
+    def plan(self, job_id: str, epoch: int, rank: int, env: int = 0) -> tuple[np.ndarray, int]:
+        """``rank``'s sample ids of ``epoch`` in batch order (int64) and its batch count: what
+        the data plane would stream, for clients that hold the data themselves (resident mode).
+        """
+        job = self.jobs.get(job_id)
+        world = job.spec.world_size
+        if not 0 <= rank < world:
+            raise BadRequest(f"rank {rank} is out of range for job {job_id}: 0 <= rank < {world}")
+        ds = self.open_dataset(job.spec.dataset)
+        plan = self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows, env=env)
+        ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
+        return ids.astype("<i8", copy=False), len(plan)
 
     def delete_job(self, job_id: str) -> JobStatus:
         job = self.jobs.delete(job_id)

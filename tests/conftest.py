@@ -10,6 +10,20 @@ import pytest
 SHM = Path("/dev/shm")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` need a GPU: skipped, with the reason, where torch sees none."""
+    gpu_tests = [item for item in items if item.get_closest_marker("cuda")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_tests:
+        item.add_marker(skip)
+
+
 def _segments() -> set[str]:
     return {p.name for p in SHM.glob("shardserve-*")} if SHM.is_dir() else set()
 

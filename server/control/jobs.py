@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response, status
+from fastapi import APIRouter, Path, Query, Response, status
 
 from shardserve.proto.jobs import CreatedJob, EpochUpdate, ErrorBody, JobSpec, JobStatus
 
@@ -50,6 +50,40 @@ def get_job(job_id: JobId, service: ServiceDep) -> JobStatus:
 def set_epoch(job_id: JobId, update: EpochUpdate, service: ServiceDep) -> JobStatus:
     """Set the epoch (and optionally a new seed) ranks stream next; survives a restart."""
     return service.set_epoch(job_id, update)
+
+
+#: Header of ``GET .../plan`` responses: how many batches the ids are cut into.
+NUM_BATCHES_HEADER = "X-Shardserve-Num-Batches"
+
+
+@router.get(
+    "/{job_id}/plan",
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "little-endian int64 sample ids, batch after batch",
+        },
+        **_NOT_FOUND,
+        422: {"model": ErrorBody},
+    },
+    response_class=Response,
+)
+def get_plan(
+    job_id: JobId,
+    service: ServiceDep,
+    epoch: Annotated[int, Query(ge=0, lt=1 << 31)],
+    rank: Annotated[int, Query(ge=0, lt=1 << 16)] = 0,
+    env: Annotated[int, Query(ge=0, lt=1 << 16)] = 0,
+) -> Response:
+    """One rank's sample ids of one epoch, in batch order: exactly what the data plane streams
+    (``env`` > 0: that environment's own plan). Batches are ``batch_size`` ids each, the last
+    one possibly short; the header ``X-Shardserve-Num-Batches`` gives their number."""
+    ids, batches = service.plan(job_id, epoch, rank, env)
+    return Response(
+        content=ids.tobytes(),
+        media_type="application/octet-stream",
+        headers={NUM_BATCHES_HEADER: str(batches)},
+    )
 
 
 @router.delete("/{job_id}", responses=_NOT_FOUND)

@@ -73,13 +73,15 @@ def epoch_order(
     shuffle: ShuffleName = "global",
     shard_rows: Sequence[int] | np.ndarray | None = None,
     block_window: int = 4,
+    env: int = 0,
 ) -> np.ndarray:
     """Return the epoch's global sample order, the same for every rank of a job.
 
     uint32 while ``n_samples < 2**32`` (4 bytes a sample), else int64. The same
     ``(seed, epoch)`` gives the same order in any process; another epoch, another order.
     ``"block"`` uses ``shard_rows`` (rows per shard, in store order; default: shards of
-    65,536 rows) and shuffles within windows of ``block_window`` shards.
+    65,536 rows) and shuffles within windows of ``block_window`` shards. ``env > 0`` gives
+    the order of that environment of the job (see :func:`.rng.epoch_rng`).
 
     >>> epoch_order(5, seed=0, epoch=0, shuffle="none").tolist()
     [0, 1, 2, 3, 4]
@@ -97,7 +99,7 @@ def epoch_order(
     except KeyError:
         raise ValueError(f"shuffle must be one of {sorted(SHUFFLES)}, got {shuffle!r}") from None
     rows = shard_sizes(n_samples, shard_rows)
-    rng = epoch_rng(seed, epoch)
+    rng = epoch_rng(seed, epoch, env)
     return algorithm(
         n_samples, rng, dtype=order_dtype(n_samples), shard_rows=rows, block_window=block_window
     )

@@ -2,7 +2,9 @@
 
 Every random draw of a plan comes from one ``numpy.random.Generator`` seeded by
 ``SeedSequence([seed, epoch])``: no ``hash()``, no global state, so the same
-(seed, epoch) gives the same plan in any process on any machine.
+(seed, epoch) gives the same plan in any process on any machine. Environment ``env > 0`` of
+a job (several batches per step, each from its own plan) mixes its number in:
+``SeedSequence([seed, epoch, env])``; env 0 is the job's own plan.
 """
 
 from __future__ import annotations
@@ -15,19 +17,24 @@ import numpy as np
 UINT32_LIMIT = 2**32
 
 
-def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
-    """Return the generator for one (seed, epoch).
+def epoch_rng(seed: int, epoch: int, env: int = 0) -> np.random.Generator:
+    """Return the generator for one (seed, epoch[, env]).
 
     >>> epoch_rng(0, 1).integers(0, 10, 3).tolist() == epoch_rng(0, 1).integers(0, 10, 3).tolist()
     True
     """
     seed = operator.index(seed)
     epoch = operator.index(epoch)
+    env = operator.index(env)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
+    if env < 0:
+        raise ValueError(f"env must be >= 0, got {env}")
+    # env 0 keeps the two-word entropy so that a job's own plan never changes.
+    entropy = [seed, epoch] if env == 0 else [seed, epoch, env]
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
 def order_dtype(n_samples: int) -> np.dtype:

@@ -26,11 +26,11 @@ ORDER_CACHE_BYTES = 512 << 20
 #: How long a rank waits for another rank's computation of the same order.
 ORDER_WAIT_S = 120.0
 
-OrderKey = tuple[str, int, int]
+OrderKey = tuple[str, int, int, int]
 
 
 class PlanCache:
-    """LRU of epoch orders keyed by ``(job id, epoch, seed)``; thread-safe."""
+    """LRU of epoch orders keyed by ``(job id, epoch, seed, env)``; thread-safe."""
 
     def __init__(self, max_bytes: int = ORDER_CACHE_BYTES) -> None:
         self._max_bytes = max_bytes
@@ -39,10 +39,10 @@ class PlanCache:
         self._lock = threading.Lock()
 
     def order(
-        self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None
+        self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None, env: int = 0
     ) -> np.ndarray:
         """The epoch's global order for ``job``, computing it at most once at a time."""
-        key = (job.id, epoch, seed)
+        key = (job.id, epoch, seed, env)
         while True:
             with self._lock:
                 if key in self._orders:
@@ -65,6 +65,7 @@ class PlanCache:
                 spec.shuffle,
                 shard_rows=shard_rows,
                 block_window=spec.block_window,
+                env=env,
             )
             with self._lock:
                 self._orders[key] = order
@@ -76,11 +77,17 @@ class PlanCache:
             event.set()
 
     def rank_plan(
-        self, job: Job, epoch: int, seed: int, rank: int, shard_rows: np.ndarray | None = None
+        self,
+        job: Job,
+        epoch: int,
+        seed: int,
+        rank: int,
+        shard_rows: np.ndarray | None = None,
+        env: int = 0,
     ) -> RankPlan:
         """One rank's batches of the epoch (a strided view of the shared order)."""
         spec = job.spec
-        order = self.order(job, epoch, seed, shard_rows)
+        order = self.order(job, epoch, seed, shard_rows, env)
         return RankPlan.from_order(order, spec.world_size, rank, spec.batch_size, spec.drop_last)
 
     def forget(self, job_id: str) -> None:

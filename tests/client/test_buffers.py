@@ -156,3 +156,34 @@ def test_copy_blocks_reuse_only_unreferenced_memory() -> None:
     third = blocks.copy_out({"x": torch.ones(1000)})
     assert third["x"].data_ptr() == ptr  # the freed block comes back, already faulted in
     assert torch.equal(second["x"], torch.arange(1000, dtype=torch.float32))
+
+
+class _CopyInFlight:
+    """Stands in for a ``torch.cuda.Event`` of a device copy that has not finished yet."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+def test_pinned_pool_waits_for_the_oldest_copy_instead_of_growing() -> None:
+    """With every block still read by a copy, acquire waits for the oldest one and reuses it:
+    pinned memory stays bounded however far the consumer's stream lags behind."""
+    pool = PinnedPool(pin=False, max_blocks=3)
+    events = []
+    for _ in range(3):
+        buf = pool.acquire(1000)
+        events.append(_CopyInFlight())
+        pool.release(buf, events[-1])
+    first = pool.stats()
+    assert first == {"allocated": 3, "free": 0, "pending": 3}
+    again = pool.acquire(1000)
+    assert events[0].waited == 1 and events[1].waited == 0, "did not wait for the oldest copy"
+    assert pool.allocated == 3 and again.numel() == pool.size_class(1000)

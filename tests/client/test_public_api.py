@@ -12,7 +12,8 @@ def test_all_is_pinned() -> None:
     """`shardserve.client.__all__` lists exactly the documented public names."""
     assert sorted(client.__all__) == [
         "AuthError", "BadRequest", "DataStallError", "DatasetCorruptError", "DatasetNotFound",
-        "JobFailed", "JobNotFound", "Loader", "LoaderStats", "ProtocolError", "ServerUnavailable",
+        "JobFailed", "JobNotFound", "Loader", "LoaderStats", "ProtocolError", "ResidentTooLarge",
+        "ServerUnavailable",
         "ShardserveError", "VarTensor", "serve_local",
     ]  # fmt: skip
     for name in client.__all__:

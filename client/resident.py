@@ -1,0 +1,203 @@
+"""Resident mode: the dataset held once in the trainer's device (or host) memory.
+
+``Loader(..., resident="cuda")`` streams the dataset's fields once, in store order, through
+the server (a ``shuffle="none"`` job of world size 1, so the shards the server serves were
+checksummed by its ``--verify`` policy), into one tensor per field on each device that needs
+them. After that the server sends only plans: per epoch, ``GET /v1/jobs/{id}/plan`` returns
+the rank's sample ids in batch order (the very ids the data plane would stream), and each
+batch is one ``index_select`` per field into a fresh allocation, so no two batches (and no
+two environments) share storage. The plan, the order and ``state_dict`` are the streaming
+mode's.
+
+Environments (the PPO case): ``envs=n`` hands out ``n`` batches a step, environment ``e``
+from its own plan (``SeedSequence([seed, epoch, e])`` on the server; environment 0 is the
+job's own plan), each on its device from ``devices``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardserve.proto.errors import BadRequest, DataError
+from shardserve.proto.jobs import DatasetInfo
+
+from .buffers import torch_dtype
+from .control import ControlClient
+from .types import Batch, VarTensor
+
+#: Resident data may take at most this share of the memory free on its device.
+FIT_SHARE = 0.9
+
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class ResidentTooLarge(BadRequest):
+    """The dataset's fields do not fit in the memory free on the resident device."""
+
+
+def field_layout(info: DatasetInfo, fields: Sequence[str] | None) -> Layout:
+    """dtype and per-sample shape of every resident field; variable or binary fields refuse."""
+    by_name = {str(f["name"]): f for f in info.fields}
+    names = list(fields) if fields is not None else list(by_name)
+    layout: Layout = {}
+    for name in names:
+        f = by_name[name]
+        dtype, shape = str(f["dtype"]), tuple(int(d) for d in f.get("shape", ()))  # type: ignore[attr-defined]
+        if dtype == "binary" or -1 in shape:
+            raise BadRequest(
+                f"resident mode holds fixed-shape fields; {info.name!r} field {name!r} is "
+                f"{dtype}{list(shape)}: leave it out with fields=[...] or use the streaming mode"
+            )
+        layout[name] = (torch_dtype(dtype), shape)
+    return layout
+
+
+def resident_nbytes(layout: Layout, num_samples: int) -> int:
+    """Bytes the fields of ``num_samples`` samples take on one device."""
+    per_sample = sum(
+        math.prod(shape) * torch.empty((), dtype=dt).element_size() for dt, shape in layout.values()
+    )
+    return per_sample * num_samples
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new allocations on ``device`` (``MemAvailable`` for the host)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line")  # pragma: no cover - Linux only
+
+
+def check_fits(dataset: str, need: int, devices: Iterable[torch.device]) -> None:
+    """Refuse before allocating when ``need`` bytes exceed the share of memory free."""
+    for dev in devices:
+        free = free_bytes(dev)
+        if need > FIT_SHARE * free:
+            raise ResidentTooLarge(
+                f"dataset {dataset!r} needs {need / 2**20:,.1f} MiB resident on {dev}, but only "
+                f"{free / 2**20:,.1f} MiB is free there (at most {FIT_SHARE:.0%} is used): pick "
+                "fewer fields with fields=[...], use resident='cpu', or leave resident unset "
+                "to stream batches"
+            )
+
+
+@dataclass
+class ResidentFields:
+    """One device's copy of the dataset: a tensor ``[num_samples, *shape]`` per field."""
+
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+
+    def gather(self, ids: torch.Tensor) -> Batch:
+        """The samples ``ids`` (on this device), each field in storage of its own."""
+        return {name: t.index_select(0, ids) for name, t in self.tensors.items()}
+
+
+def load_fields(
+    batches: Iterable[Mapping[str, torch.Tensor | VarTensor]],
+    layout: Layout,
+    num_samples: int,
+    devices: Sequence[torch.device],
+) -> dict[torch.device, ResidentFields]:
+    """Copy a store-order pass over the dataset into one tensor per field on each device."""
+    out = {
+        dev: ResidentFields(
+            dev, {n: torch.empty((num_samples, *s), dtype=dt, device=dev) for n, (dt, s) in layout.items()}
+        )
+        for dev in devices
+    }  # fmt: skip
+    pos = 0
+    for batch in batches:
+        parts = {name: batch[name] for name in layout}
+        size = next(iter(parts.values())).shape[0] if parts else 0
+        if pos + size > num_samples:
+            raise DataError(f"loading resident data: server sent more than {num_samples} samples")
+        for res in out.values():
+            for name, part in parts.items():
+                assert isinstance(part, torch.Tensor)  # field_layout refused variable fields
+                res.tensors[name][pos : pos + size].copy_(part)
+        pos += size
+    if pos != num_samples:
+        raise DataError(f"loading resident data: server sent {pos} of {num_samples} samples")
+    for dev in devices:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    return out
+
+
+@dataclass
+class EnvPlan:
+    """One environment's ids of one epoch on its device, cut into batches."""
+
+    ids: torch.Tensor
+    num_batches: int
+    batch_size: int
+    data: ResidentFields
+
+    def batch(self, i: int) -> Batch:
+        lo = i * self.batch_size
+        return self.data.gather(self.ids[lo : lo + self.batch_size])
+
+
+class Resident:
+    """The resident data of one Loader and the plans it gathers by."""
+
+    def __init__(
+        self,
+        api: ControlClient,
+        job_id: str,
+        rank: int,
+        batch_size: int,
+        data: dict[torch.device, ResidentFields],
+        env_devices: Sequence[torch.device],
+        timeout: float,
+    ) -> None:
+        self.api, self.job_id, self.rank, self.batch_size = api, job_id, rank, batch_size
+        self.data, self.env_devices, self.timeout = data, list(env_devices), timeout
+
+    @classmethod
+    def load(
+        cls,
+        api: ControlClient,
+        job_id: str,
+        rank: int,
+        batch_size: int,
+        info: DatasetInfo,
+        fields: Sequence[str] | None,
+        env_devices: Sequence[torch.device],
+        stream_once: Callable[[], Iterable[Batch]],
+        timeout: float,
+    ) -> Resident:
+        """Check the fields fit on every device of ``env_devices``, then load them through
+        ``stream_once`` (a store-order pass over the dataset)."""
+        layout = field_layout(info, fields)
+        devices = list(dict.fromkeys(env_devices))
+        check_fits(info.name, resident_nbytes(layout, info.num_samples), devices)
+        data = load_fields(stream_once(), layout, info.num_samples, devices)
+        return cls(api, job_id, rank, batch_size, data, env_devices, timeout)
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Bytes one sample's fields take."""
+        first = next(iter(self.data.values()))
+        return sum(t[0].numel() * t.element_size() for t in first.tensors.values())
+
+    def epoch(self, epoch: int) -> list[EnvPlan]:
+        """Every environment's plan for ``epoch``, its ids already on its device."""
+        plans = []
+        for env, dev in enumerate(self.env_devices):
+            ids, batches = self.api.plan(self.job_id, epoch, self.rank, env, timeout=self.timeout)
+            tensor = torch.from_numpy(ids.copy()).to(dev)
+            plans.append(EnvPlan(tensor, batches, self.batch_size, self.data[dev]))
+        return plans
+
+    def close(self) -> None:
+        self.data.clear()
