@@ -138,8 +138,6 @@ class Loader:
         self.copy = copy
         self._shm = transport == "auto"
         self._held_slot: tuple[EpochStream, int] | None = None
-        # Slots being copied to the GPU straight from shared memory, freed when their event is.
-        self._copying: list[tuple[Any, EpochStream, int]] = []
         self._rings = RingCache()
         self._blocks = CopyBlocks()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
@@ -377,7 +375,8 @@ class Loader:
                     ring.on_close = unregister_host_memory
             if ring.registered:
                 batch, done = self._copier.to_device_direct(views, self.pad_variable)
-                self._copying.append((done, stream, header.slot))
+                # Owned until the copy is done, so a new stream (next epoch) keeps it too.
+                ring.lend_to_copy(header.slot, done)
                 return batch
             # Staging into pinned memory is synchronous: the slot is free once it returns.
             batch = self._copier.to_device(views, self.pad_variable)
@@ -392,22 +391,12 @@ class Loader:
     def _return_held_slot(self, stream: EpochStream) -> None:
         ring = stream.ring
         if ring is not None and ring.owned:
+            if len(ring.owned) >= ring.ring.slots:
+                # Every slot is held, some by device copies still queued behind the consumer's
+                # stream: the server has none to fill, so wait for the oldest copy.
+                ring.wait_oldest_copy()
             for slot in [k for k in ring.owned if not ring.in_use(k)]:
                 ring.owned.discard(slot)
-                stream.release_slot(slot)
-        if self._copying:
-            still = []
-            for done, stream, slot in self._copying:
-                if done.query():
-                    stream.release_slot(slot)
-                else:
-                    still.append((done, stream, slot))
-            self._copying = still
-            if ring is not None and len(still) >= ring.ring.slots:
-                # Every slot is still being copied from (the consumer's stream lags behind the
-                # host): the server has none to fill, so wait for the oldest copy to finish.
-                done, stream, slot = still.pop(0)
-                done.synchronize()
                 stream.release_slot(slot)
         if self._held_slot is not None:
             stream, slot = self._held_slot
@@ -433,7 +422,6 @@ class Loader:
                 s.close()
         self._stream = self._active = None
         self._held_slot = None
-        self._copying = []
         if self._resident is not None:
             self._resident.close()
         self._rings.close()

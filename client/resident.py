@@ -135,16 +135,17 @@ def load_fields(
 
 @dataclass
 class EnvPlan:
-    """One environment's ids of one epoch on its device, cut into batches."""
+    """One environment's ids of one epoch on its device, cut into batches (views)."""
 
-    ids: torch.Tensor
-    num_batches: int
-    batch_size: int
+    batches: tuple[torch.Tensor, ...]
     data: ResidentFields
 
+    @property
+    def num_batches(self) -> int:
+        return len(self.batches)
+
     def batch(self, i: int) -> Batch:
-        lo = i * self.batch_size
-        return self.data.gather(self.ids[lo : lo + self.batch_size])
+        return self.data.gather(self.batches[i])
 
 
 class Resident:
@@ -195,8 +196,13 @@ class Resident:
         plans = []
         for env, dev in enumerate(self.env_devices):
             ids, batches = self.api.plan(self.job_id, epoch, self.rank, env, timeout=self.timeout)
-            tensor = torch.from_numpy(ids.copy()).to(dev)
-            plans.append(EnvPlan(tensor, batches, self.batch_size, self.data[dev]))
+            cut = torch.from_numpy(ids.copy()).to(dev).split(self.batch_size)
+            if len(cut) != batches:
+                raise DataError(
+                    f"plan of job {self.job_id} epoch {epoch} env {env}: {len(ids)} ids make "
+                    f"{len(cut)} batches of {self.batch_size}, the server said {batches}"
+                )
+            plans.append(EnvPlan(cut, self.data[dev]))
         return plans
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from shardserve.proto.messages import PartHeader, ShmRing
 
-from .buffers import storage_users, views_at
+from .buffers import Event, storage_users, views_at
 
 DEFAULT_DIR = Path("/dev/shm")
 
@@ -59,6 +59,9 @@ class AttachedRing:
         #: Slots whose batch the consumer holds (delivered in place; see ``Loader``): they
         #: go back to the server once :meth:`in_use` turns false.
         self.owned: set[int] = set()
+        #: Owned slots that a device copy still reads, with the event recorded after it: such
+        #: a slot stays owned (and in ``Hello.keep``) until the event has completed.
+        self.copying: dict[int, Event] = {}
         #: Whether the mapping is registered with CUDA (None: not tried yet).
         self.registered: bool | None = None
         #: Runs before unmapping (the Loader's CUDA unregistration, after in-flight copies).
@@ -86,9 +89,24 @@ class AttachedRing:
             t = self._slots[slot] = torch.from_numpy(self._buf[slot * size : (slot + 1) * size])
         return t
 
+    def lend_to_copy(self, slot: int, done: Event) -> None:
+        """``slot`` is read by a device copy until ``done`` completes."""
+        self.owned.add(slot)
+        self.copying[slot] = done
+
+    def wait_oldest_copy(self) -> None:
+        """Block until the longest-running device copy out of the ring has finished."""
+        if self.copying:
+            next(iter(self.copying.values())).synchronize()
+
     def in_use(self, slot: int) -> bool:
-        """Whether a tensor other than the ring's own still points into ``slot`` (True when
-        torch cannot say)."""
+        """Whether a device copy or a tensor other than the ring's own still reads ``slot``
+        (True when torch cannot say)."""
+        done = self.copying.get(slot)
+        if done is not None:
+            if not done.query():
+                return True
+            del self.copying[slot]
         users = storage_users(self.slot_tensor(slot))
         return users is None or users > 1
 
@@ -103,6 +121,7 @@ class AttachedRing:
         self._buf = np.empty(0, dtype=np.uint8)
         self._slots.clear()
         self.owned.clear()
+        self.copying.clear()
         if self._mm is not None:
             # A zero-copy tensor may still point into the ring; the mapping then dies with it.
             with contextlib.suppress(BufferError):
