@@ -92,7 +92,7 @@ def memcpy_ceiling(nbytes: int, batches: int, device: torch.device) -> float:
 
 def loader_gbps(url: str, name: str, batch: int, device: torch.device, transport: str) -> dict:
     with Loader(
-        url, name, batch, seed=0, rank=0, world_size=1, device=str(device), prefetch=4,
+        url, name, batch, seed=0, rank=0, world_size=1, device=str(device), prefetch=8,
         transport=transport, timeout=120,
     ) as loader:  # fmt: skip
         loader.set_epoch(0)
@@ -237,7 +237,14 @@ def bench_train(root: Path, quick: bool, device: torch.device) -> dict:
     rows: dict[str, dict] = {}
 
     def record(name: str, seconds: float, samples: int, **extra: float) -> None:
-        rows[name] = {"samples_per_s": samples / seconds, **extra}
+        # Each GPU configuration runs twice, interleaved with the others: keep the better run
+        # (the VM's noise only ever slows a run down) and both figures.
+        rate = samples / seconds
+        old = rows.get(name)
+        runs = [*old["runs"], rate] if old else [rate]
+        if old is None or rate > old["samples_per_s"]:
+            rows[name] = {"samples_per_s": rate, **extra}
+        rows[name]["runs"] = runs
 
     gi, gl = images.to(device), labels.to(device)
 
@@ -248,10 +255,15 @@ def bench_train(root: Path, quick: bool, device: torch.device) -> dict:
             idx = perm[i * bs : (i + 1) * bs]
             yield gi.index_select(0, idx), gl.index_select(0, idx)
 
-    record("data on the GPU (ceiling)", *train_steps(forever(on_gpu), steps, device))
-
     with serve_local(root, "--assembly-threads", str(ASSEMBLY_THREADS)) as url:
-        for mode, kw in (("streaming", {}), ("resident", {"resident": device.type})):
+        for mode, kw in (
+            ("ceiling", {}),
+            ("streaming", {}),
+            ("resident", {"resident": device.type}),
+        ) * 2:
+            if mode == "ceiling":
+                record("data on the GPU (ceiling)", *train_steps(forever(on_gpu), steps, device))
+                continue
             with Loader(url, "cifar", bs, seed=0, rank=0, world_size=1, device=str(device),
                         prefetch=8, drop_last=True, **kw) as loader:  # fmt: skip
 
@@ -286,7 +298,8 @@ def bench_train(root: Path, quick: bool, device: torch.device) -> dict:
     for k, r in rows.items():
         r["ratio"] = r["samples_per_s"] / ceiling
         stall = f"  stall {r['stall']:.3f}" if "stall" in r else ""
-        print(f"  {k:40s} {r['samples_per_s']:10,.0f} samples/s  {r['ratio']:5.2f}x{stall}")
+        runs = "  runs " + ", ".join(f"{x:,.0f}" for x in r["runs"]) if len(r["runs"]) > 1 else ""
+        print(f"  {k:40s} {r['samples_per_s']:10,.0f} samples/s  {r['ratio']:5.2f}x{stall}{runs}")
     s, res = rows["shardserve streaming"], rows["shardserve resident"]
     ok_s = s["ratio"] >= 0.95 and s["stall"] <= 0.05
     print(f"  target streaming >= 0.95x, stall <= 5%: {'met' if ok_s else 'missed'} "
@@ -399,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     STEPS, WARMUP = args.steps, args.warmup
     device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True
     if device.type == "cuda" and not torch.cuda.is_available():
         print(
             "bench_gpu: no CUDA GPU here; run it on a GPU machine (or --device cpu to smoke-test)"

@@ -1,9 +1,10 @@
 """Moving a received batch to a CUDA device without stalling the consumer's stream.
 
 Host data is first copied into a pinned buffer from :class:`PinnedPool`, then copied to the
-device with ``non_blocking=True`` on a side stream; the consumer's current stream waits on
-an event recorded after the copies, and the pinned buffer goes back to the pool with that
-event, so it is refilled only after its copy finished. A shared-memory slot ring can skip
+device with ``non_blocking=True`` on a side stream, overlapping whatever the consumer's stream
+is still computing; the consumer's current stream waits on an event recorded after the
+copies, and the pinned buffer goes back to the pool with that event, so it is refilled only
+after its copy finished. A shared-memory slot ring can skip
 the staging copy: registered once per stream with ``cudaHostRegister``, its slots are copied
 from directly, and a slot goes back to the server only after its copy event completed.
 Everything here is guarded by ``torch.cuda.is_available()``; on the CPU a batch passes
@@ -87,8 +88,9 @@ class DeviceCopier:
         block, staged = self.stage(parts)
         assert self._stream is not None
         consumer = torch.cuda.current_stream(self.device)
-        # The side stream must not start before work the consumer already queued on its buffers.
-        self._stream.wait_stream(consumer)
+        # No wait for the consumer's queued work: the copy overlaps it. Destinations are fresh
+        # allocations (the allocator's record_stream bookkeeping keeps them apart), and the
+        # host block is reused only after ``done``.
         with torch.cuda.stream(self._stream):
             moved = {k: v.to(self.device, non_blocking=True) for k, v in staged.items()}
             done = torch.cuda.Event()
@@ -109,7 +111,6 @@ class DeviceCopier:
         """
         assert self._stream is not None
         consumer = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(consumer)
         with torch.cuda.stream(self._stream):
             moved = {k: v.to(self.device, non_blocking=True) for k, v in parts.items()}
             done = torch.cuda.Event()

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from shardserve.client import Loader, ResidentTooLarge
+from shardserve.proto.manifest import FieldSpec
 from shardserve.server.planning import plan
+from shardserve.server.store.writer import ShardWriter
 from tests.reliability.test_restart import _Restarter
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
@@ -83,8 +85,8 @@ def test_cuda_batches_equal_the_cpu_path(server, transport: str, copy: bool, exp
 def test_a_slow_consumer_stream_never_sees_an_overwritten_batch(
     server, image_sums: torch.Tensor, transport: str
 ) -> None:
-    """The consumer's stream lags ~10 ms a batch behind the host: copies (queued after it) and
-    slot/pinned-buffer reuse must wait for their events, or batches come out mixed, within an
+    """The GPU lags ~10 ms a batch behind the host, copies included: slot and pinned-buffer
+    reuse must wait for the copies' events, or batches come out mixed, within an
     epoch and across the next epoch's stream (which reuses the ring)."""
     expected = []
     got = []
@@ -96,7 +98,11 @@ def test_a_slow_consumer_stream_never_sees_an_overwritten_batch(
         for epoch in range(2):
             loader.set_epoch(epoch)
             for batch in loader:
-                torch.cuda._sleep(20_000_000)  # the consumer stream is busy: copies queue behind
+                # Both the consumer's stream and the copy stream run far behind the host: slot
+                # and pinned-buffer reuse can only be safe by waiting for the copy events.
+                torch.cuda._sleep(20_000_000)
+                with torch.cuda.stream(loader._copier._stream):
+                    torch.cuda._sleep(20_000_000)
                 got.append(batch["image"].view(len(batch["image"]), -1).to(torch.int64).sum(1))
                 ring = loader._rings.ring
                 deferred = max(deferred, len(ring.copying) if ring is not None else 0)
@@ -185,14 +191,18 @@ def test_resident_envs_on_the_gpu_never_alias(server) -> None:
         assert got == list(range(N))
 
 
-def test_resident_refuses_when_the_dataset_does_not_fit(server) -> None:
-    """With the GPU filled to a few MiB, a 6 MB dataset is refused before any allocation."""
+def test_resident_refuses_when_the_dataset_does_not_fit(server, store: Path) -> None:
+    """With the GPU filled to under 64 MiB, a 100 MiB dataset is refused before any allocation."""
+    with ShardWriter(
+        store, "big", fields=(FieldSpec(name="x", dtype="uint8", shape=(1 << 20,)),)
+    ) as w:
+        w.add_batch({"x": np.zeros((100, 1 << 20), dtype=np.uint8)})
     hogs = []
     for _ in range(16):
         free, _ = torch.cuda.mem_get_info()
-        if free < (4 << 20):
+        if free < (48 << 20):
             break
-        for size in (free - (2 << 20), free // 2):
+        for size in (free - (32 << 20), free // 2):
             try:
                 hogs.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
                 break
@@ -200,9 +210,9 @@ def test_resident_refuses_when_the_dataset_does_not_fit(server) -> None:
                 continue
     left, _ = torch.cuda.mem_get_info()
     try:
-        assert left < (6 << 20), f"could not fill the GPU: {left} bytes still free"
-        with pytest.raises(ResidentTooLarge, match="MiB resident on cuda:0"):
-            Loader(server.http_url, "cifar", BATCH, resident="cuda", rank=0, world_size=1)
+        assert left < (64 << 20), f"could not fill the GPU: {left} bytes still free"
+        with pytest.raises(ResidentTooLarge, match=r"needs 100\.0 MiB resident on cuda:0"):
+            Loader(server.http_url, "big", 10, resident="cuda", rank=0, world_size=1)
     finally:
         hogs.clear()
         torch.cuda.empty_cache()
