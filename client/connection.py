@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -127,13 +128,49 @@ class Connection:
             return None
 
     def close(self) -> None:
-        """Say Bye (best effort) and drop the socket at once; idempotent."""
+        """Say Bye (best effort) and drop the socket and context at once; idempotent.
+
+        Signals are held back until both are closed: a handler that raises (a profiler's
+        timer, Ctrl-C) used to interrupt this half-way and leak libzmq's I/O thread and its
+        file descriptors; now it runs just after, with nothing left open.
+        """
         if self.closed:
             return
-        self.closed = True
-        with contextlib.suppress(zmq.ZMQError):
-            self.send(Bye())
-        # Long enough for libzmq to flush the Bye to a live server, short enough not to matter
-        # when the server is gone (the socket otherwise lingers 0 from construction on).
-        self._sock.close(linger=BYE_LINGER_MS)
-        self._ctx.term()
+        with _signals_deferred():
+            self.closed = True
+            try:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.send(Bye())
+            finally:
+                # Long enough for libzmq to flush the Bye to a live server, short enough not to
+                # matter when the server is gone (the socket otherwise lingers 0 from birth).
+                try:
+                    self._sock.close(linger=BYE_LINGER_MS)
+                finally:
+                    self._ctx.term()
+
+
+#: Signals whose Python handlers may raise in the middle of a close.
+_DEFERRED = frozenset(
+    getattr(signal, n)
+    for n in ("SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2",
+              "SIGHUP", "SIGCHLD")
+    if hasattr(signal, n)
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Block the usual signals on this thread for the block; pending ones arrive after it.
+
+    Python runs handlers on the main thread between bytecodes; a blocked signal stays
+    pending in the kernel, so its handler runs once the block has restored the mask.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
