@@ -93,19 +93,36 @@ class Connection:
     def __init__(self, endpoint: str, heartbeat_s: float = 1.0) -> None:
         self.endpoint = endpoint
         self.transport = endpoint.split("://", 1)[0]
-        # A context per Loader: closing it ends libzmq's I/O thread with the Loader.
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        hb_ms = max(100, int(heartbeat_s * 1000))
-        # ZMTP-level heartbeats drop a dead TCP peer so libzmq reconnects to a restarted server.
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * hb_ms)
-        self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * hb_ms)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._sock.connect(endpoint)
-        self.closed = False
+        self.closed = True
+        # Signals wait until the context and socket are made (or undone): a handler raising
+        # half-way would leave a context nobody can terminate (see close()).
+        try:
+            self._open(endpoint, heartbeat_s)
+        except BaseException:
+            # Also a signal held back above and raised as the mask lifts: no Connection is
+            # returned, so nobody else could close what was made.
+            self.close()
+            raise
+
+    def _open(self, endpoint: str, heartbeat_s: float) -> None:
+        with _signals_deferred():
+            # A context per Loader: closing it ends libzmq's I/O thread with the Loader.
+            self._ctx = zmq.Context(io_threads=1)
+            try:
+                self._sock = self._ctx.socket(zmq.DEALER)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                hb_ms = max(100, int(heartbeat_s * 1000))
+                # ZMTP heartbeats drop a dead TCP peer so libzmq reconnects to a restarted server.
+                self._sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
+                self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * hb_ms)
+                self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * hb_ms)
+                self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
+                self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                self._sock.connect(endpoint)
+            except BaseException:
+                self._ctx.destroy(linger=0)
+                raise
+            self.closed = False
 
     def send(self, msg: ControlMessage) -> bool:
         """Queue a control message without blocking; False when libzmq's queue is full."""
@@ -134,9 +151,12 @@ class Connection:
         timer, Ctrl-C) used to interrupt this half-way and leak libzmq's I/O thread and its
         file descriptors; now it runs just after, with nothing left open.
         """
-        if self.closed:
+        if self.closed and getattr(self, "_ctx", None) is None:
             return
         with _signals_deferred():
+            if self._ctx.closed:
+                self.closed = True
+                return
             self.closed = True
             try:
                 with contextlib.suppress(zmq.ZMQError):

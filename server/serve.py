@@ -101,8 +101,9 @@ def add_serve_command(sub: Any) -> None:
         dest="allowed_hosts",
         action="append",
         metavar="HOST",
-        help="Host header the control plane answers, repeatable (default: localhost, loopback "
-        "addresses and the --http address; '*' allows any)",
+        help="another Host header the control plane answers, repeatable (always answered: "
+        "localhost, loopback addresses and the --http address unless it is a wildcard, which "
+        "answers any host unless this is given; '*' allows any)",
     )
     p.add_argument(
         "--http-idle-timeout-s",

@@ -73,8 +73,8 @@ class Settings(BaseSettings):
     shm_limit_bytes: int = Field(default=4 << 30, ge=0)
     #: Largest batch a job may ask for (bytes, at the dataset's average sample); more is 422.
     max_batch_bytes: int = Field(default=1 << 30, ge=1)
-    #: ``Host`` header values the control plane answers (DNS-rebinding guard); empty means
-    #: the loopback names plus the ``http`` bind address. ``*`` allows any host.
+    #: ``Host`` header values the control plane answers besides the loopback names and the
+    #: ``http`` bind address (DNS-rebinding guard); ``*`` allows any host.
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: Seconds an HTTP connection may stay open without a complete request (slow or idle).
     http_idle_timeout_s: float = Field(default=15.0, gt=0, le=3600)

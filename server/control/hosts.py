@@ -8,7 +8,8 @@ treats a loopback server as the attacker's own origin. The request still carries
 Allowed by default: ``localhost`` and the loopback addresses, plus the address the control
 plane is bound to. A wildcard bind (``0.0.0.0``, ``::``) allows any host: remote clients then
 use whatever name reaches the machine, and a non-loopback bind needs a token anyway.
-``--allowed-host`` replaces the default list; ``*`` in it allows any host.
+``--allowed-host NAME`` adds to that list (a wildcard bind then allows only the listed names
+and the loopback ones); ``*`` allows any host.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ def default_allowed(bind_host: str) -> frozenset[str] | None:
 
 
 def allowed_hosts(configured: list[str], bind_host: str) -> frozenset[str] | None:
-    """The allow-list in force: ``configured`` if given (``*`` = any), else the default."""
+    """The allow-list in force: the default plus ``configured`` (``*`` = any host)."""
     if not configured:
         return default_allowed(bind_host)
     if "*" in configured:
         return None
-    return frozenset(host_of(h) for h in configured)
+    base = default_allowed(bind_host) or frozenset({*LOOPBACK_HOSTS})
+    return base | {host_of(h) for h in configured}
 
 
 def _is_loopback(host: str) -> bool:
