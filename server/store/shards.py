@@ -127,7 +127,7 @@ class MappedShard:
     def verify(self, progress: object | None = None) -> None:
         """Check the checksum of the bytes this shard serves (the mapping itself, not the path:
         after an overwrite the path names a different file)."""
-        if self._mm is None:
+        if self._mm is None or self._whole is None:
             raise ValueError(f"shard {self.path} is closed")
         got = checksum_buffer(memoryview(self._whole), progress)
         if got != self.info.checksum:
