@@ -214,6 +214,7 @@ def test_readyz_is_503_with_the_reason_once_the_data_plane_is_dead(store: Path) 
         r = httpx.get(f"{url}/readyz")
         assert r.status_code == 503
         assert r.json()["reason"] == "data plane thread died: RuntimeError: planted bug"
+        assert httpx.get(f"{url}/healthz").status_code == 503  # liveness too: restart me
     finally:
         server.should_exit = True
         t.join(10)
