@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -92,19 +93,36 @@ class Connection:
     def __init__(self, endpoint: str, heartbeat_s: float = 1.0) -> None:
         self.endpoint = endpoint
         self.transport = endpoint.split("://", 1)[0]
-        # A context per Loader: closing it ends libzmq's I/O thread with the Loader.
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        hb_ms = max(100, int(heartbeat_s * 1000))
-        # ZMTP-level heartbeats drop a dead TCP peer so libzmq reconnects to a restarted server.
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * hb_ms)
-        self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * hb_ms)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._sock.connect(endpoint)
-        self.closed = False
+        self.closed = True
+        # Signals wait until the context and socket are made (or undone): a handler raising
+        # half-way would leave a context nobody can terminate (see close()).
+        try:
+            self._open(endpoint, heartbeat_s)
+        except BaseException:
+            # Also a signal held back above and raised as the mask lifts: no Connection is
+            # returned, so nobody else could close what was made.
+            self.close()
+            raise
+
+    def _open(self, endpoint: str, heartbeat_s: float) -> None:
+        with _signals_deferred():
+            # A context per Loader: closing it ends libzmq's I/O thread with the Loader.
+            self._ctx = zmq.Context(io_threads=1)
+            try:
+                self._sock = self._ctx.socket(zmq.DEALER)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                hb_ms = max(100, int(heartbeat_s * 1000))
+                # ZMTP heartbeats drop a dead TCP peer so libzmq reconnects to a restarted server.
+                self._sock.setsockopt(zmq.HEARTBEAT_IVL, hb_ms)
+                self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * hb_ms)
+                self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * hb_ms)
+                self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
+                self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                self._sock.connect(endpoint)
+            except BaseException:
+                self._ctx.destroy(linger=0)
+                raise
+            self.closed = False
 
     def send(self, msg: ControlMessage) -> bool:
         """Queue a control message without blocking; False when libzmq's queue is full."""
@@ -127,13 +145,52 @@ class Connection:
             return None
 
     def close(self) -> None:
-        """Say Bye (best effort) and drop the socket at once; idempotent."""
-        if self.closed:
+        """Say Bye (best effort) and drop the socket and context at once; idempotent.
+
+        Signals are held back until both are closed: a handler that raises (a profiler's
+        timer, Ctrl-C) used to interrupt this half-way and leak libzmq's I/O thread and its
+        file descriptors; now it runs just after, with nothing left open.
+        """
+        if self.closed and getattr(self, "_ctx", None) is None:
             return
-        self.closed = True
-        with contextlib.suppress(zmq.ZMQError):
-            self.send(Bye())
-        # Long enough for libzmq to flush the Bye to a live server, short enough not to matter
-        # when the server is gone (the socket otherwise lingers 0 from construction on).
-        self._sock.close(linger=BYE_LINGER_MS)
-        self._ctx.term()
+        with _signals_deferred():
+            if self._ctx.closed:
+                self.closed = True
+                return
+            self.closed = True
+            try:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.send(Bye())
+            finally:
+                # Long enough for libzmq to flush the Bye to a live server, short enough not to
+                # matter when the server is gone (the socket otherwise lingers 0 from birth).
+                try:
+                    self._sock.close(linger=BYE_LINGER_MS)
+                finally:
+                    self._ctx.term()
+
+
+#: Signals whose Python handlers may raise in the middle of a close.
+_DEFERRED = frozenset(
+    getattr(signal, n)
+    for n in ("SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2",
+              "SIGHUP", "SIGCHLD")
+    if hasattr(signal, n)
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Block the usual signals on this thread for the block; pending ones arrive after it.
+
+    Python runs handlers on the main thread between bytecodes; a blocked signal stays
+    pending in the kernel, so its handler runs once the block has restored the mask.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -7,6 +7,7 @@ exception from :mod:`shardserve.proto.errors`, and an unreachable server becomes
 
 from __future__ import annotations
 
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,8 +37,17 @@ class ControlClient:
     ['tcp://127.0.0.1:7071', 'ipc:///tmp/ss.sock']
     """
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = 10.0,
+        connect_retry_s: float = 0.0,
+    ) -> None:
+        """``connect_retry_s``: for how long a refused connection (a server restarting, not yet
+        listening) is retried before :class:`ServerUnavailable`; 0 means not at all."""
         self.url = url.rstrip("/")
+        self.connect_retry_s = connect_retry_s
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"server URL {url!r} must look like http://HOST:PORT")
@@ -56,12 +66,29 @@ class ControlClient:
     def _request(
         self, method: str, path: str, timeout: float | None = None, **kw: object
     ) -> httpx.Response:
-        try:
-            r = self._http.request(method, path, timeout=timeout or self._http.timeout, **kw)  # type: ignore[arg-type]
-        except httpx.HTTPError as e:
-            raise ServerUnavailable(
-                f"control plane {self.url} did not answer {method} {path}: {type(e).__name__}: {e}"
-            ) from None
+        deadline = time.monotonic() + self.connect_retry_s
+        delay = 0.05
+        while True:
+            try:
+                r = self._http.request(method, path, timeout=timeout or self._http.timeout, **kw)  # type: ignore[arg-type]
+                break
+            except httpx.ConnectError as e:
+                # Nothing was sent, so any call (all are idempotent) may be tried again.
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waited = (
+                        f" for {self.connect_retry_s:.1f} s" if self.connect_retry_s > 0 else ""
+                    )
+                    raise ServerUnavailable(
+                        f"control plane {self.url} refused {method} {path}{waited} (is the "
+                        f"server running, or still restarting?): {type(e).__name__}: {e}"
+                    ) from None
+                time.sleep(min(delay, left))  # backoff between connection attempts
+                delay = min(delay * 2, 1.0)
+            except httpx.HTTPError as e:
+                raise ServerUnavailable(
+                    f"control plane {self.url} did not answer {method} {path}: {type(e).__name__}: {e}"
+                ) from None
         if r.status_code >= 400:
             raise _error_from(r, f"{method} {path}")
         return r

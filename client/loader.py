@@ -29,6 +29,7 @@ from .device import (
 from .distributed import resolve_world
 from .resident import Resident, field_layout, resident_nbytes
 from .shm import RingCache
+from .state import parse_state
 from .stats import StatsClock
 from .stream import EpochStream
 from .types import Batch, LoaderStats
@@ -141,7 +142,10 @@ class Loader:
         self._rings = RingCache()
         self._blocks = CopyBlocks()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
-        self._api = ControlClient(url, self._token or None, timeout=min(timeout, 10.0))
+        # A server that is restarting refuses connections for a moment: retry within timeout.
+        self._api = ControlClient(
+            url, self._token or None, timeout=min(timeout, 10.0), connect_retry_s=timeout
+        )
         self._stats = StatsClock()
         try:
             created = self._api.create_job(self.spec)
@@ -211,20 +215,22 @@ class Loader:
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next iteration start where ``state`` left off."""
-        if state.get("version") != STATE_VERSION:
+        """Make the next iteration start where ``state`` left off (``BadRequest`` naming the
+        problem if ``state`` is damaged or belongs to another job, rank or version)."""
+        st = parse_state(state, STATE_VERSION)
+        if st.spec != self.spec:
+            raise BadRequest(f"state is for job {st.spec!r}, this loader serves {self.spec!r}")
+        if (st.rank, st.world_size) != (self.world.rank, self.world.world_size):
             raise BadRequest(
-                f"state version {state.get('version')!r}; this client reads {STATE_VERSION}"
-            )
-        spec = JobSpec.model_validate(state["spec"])
-        if spec != self.spec:
-            raise BadRequest(f"state is for job {spec!r}, this loader serves {self.spec!r}")
-        if (state["rank"], state["world_size"]) != (self.world.rank, self.world.world_size):
-            raise BadRequest(
-                f"state is for rank {state['rank']} of {state['world_size']}, this loader is rank "
+                f"state is for rank {st.rank} of {st.world_size}, this loader is rank "
                 f"{self.world.rank} of {self.world.world_size}"
             )
-        self._pending = (int(state["epoch"]), int(state["next_batch"]))
+        if st.next_batch > self._num_batches:
+            raise BadRequest(
+                f"state next_batch {st.next_batch} out of range 0 <= next_batch <= "
+                f"{self._num_batches} (batches per epoch of this rank)"
+            )
+        self._pending = (st.epoch, st.next_batch)
 
     def _next_position(self) -> tuple[int, int]:
         if self._pending is not None:

@@ -165,6 +165,11 @@ class Manifest(BaseModel):
         total = sum(s.rows for s in self.shards)
         if total != self.num_samples:
             raise ValueError(f"num_samples is {self.num_samples} but the shards hold {total} rows")
+        paths = [s.path for s in self.shards]
+        if len(set(paths)) != len(paths):
+            twice = sorted({p for p in paths if paths.count(p) > 1})
+            # Served twice, every sample of such a shard would come twice per epoch.
+            raise ValueError(f"shards must be distinct; listed more than once: {twice}")
         return self
 
     @property

@@ -59,6 +59,9 @@ class Assembler:
         self, threads: int, notify: Callable[[], None], metrics: Metrics | None = None
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ss-assembly")
+        # Planning (seconds for tens of millions of samples) gets its own lane: a flood of
+        # Hellos then delays other Hellos' Welcomes, never the batches of running streams.
+        self._plan_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ss-plan")
         self._results: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._notify = notify
         self._metrics = metrics
@@ -67,6 +70,11 @@ class Assembler:
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
         fut = self._pool.submit(fn, *args)
+        fut.add_done_callback(lambda f: self._finish(tag, f))
+
+    def plan(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
+        """Like :meth:`submit`, on the planning lane (one thread, apart from assembly)."""
+        fut = self._plan_pool.submit(fn, *args)
         fut.add_done_callback(lambda f: self._finish(tag, f))
 
     def gather(
@@ -119,3 +127,4 @@ class Assembler:
     def close(self) -> None:
         """Drop queued work; running items finish on their own (each is one bounded take)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._plan_pool.shutdown(wait=False, cancel_futures=True)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardserve.serve")
 
 HTTP_GRACE_S = 2.0
+#: Exit status when the data plane thread died (EX_SOFTWARE: an internal error).
+EXIT_DATA_PLANE_DIED = 70
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -83,7 +85,31 @@ def add_serve_command(sub: Any) -> None:
         help="shared-memory batch slots for same-host clients (default on; --no-shm: sockets only)",
     )
     p.add_argument(
-        "--shm-limit-bytes", type=int, metavar="N", help="shared memory all slot rings may take together (default 4 GiB)"
+        "--shm-limit-bytes",
+        type=int,
+        metavar="N",
+        help="shared memory all slot rings may take together (default 4 GiB)",
+    )
+    p.add_argument(
+        "--max-batch-bytes",
+        type=int,
+        metavar="N",
+        help="largest batch a job may ask for, in bytes (default 1 GiB); more is refused with 422",
+    )
+    p.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="HOST",
+        help="another Host header the control plane answers, repeatable (always answered: "
+        "localhost, loopback addresses and the --http address unless it is a wildcard, which "
+        "answers any host unless this is given; '*' allows any)",
+    )
+    p.add_argument(
+        "--http-idle-timeout-s",
+        type=float,
+        metavar="S",
+        help="close HTTP connections without a complete request after S seconds (default 15)",
     )
     p.set_defaults(func=run_serve)
 
@@ -105,6 +131,9 @@ _FLAGS = (
     "stream_timeout_s",
     "shm",
     "shm_limit_bytes",
+    "max_batch_bytes",
+    "allowed_hosts",
+    "http_idle_timeout_s",
 )
 
 
@@ -141,6 +170,7 @@ def _serve(settings: Settings, early: list[int]) -> int:
     import uvicorn
 
     from .control.app import create_app
+    from .http_idle import protocol_with_timeout
     from .logs import configure_logging
     from .service import Service
 
@@ -166,6 +196,7 @@ def _serve(settings: Settings, early: list[int]) -> int:
     http_url = f"http://{shown_host}:{bound_port}"
     config = uvicorn.Config(
         create_app(service),
+        http=protocol_with_timeout(settings.http_idle_timeout_s),
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(HTTP_GRACE_S),
@@ -181,6 +212,16 @@ def _serve(settings: Settings, early: list[int]) -> int:
             )
 
     server = _make_server(config, on_ready)
+
+    def on_data_plane_death(reason: str) -> None:
+        # A server whose data plane is gone must not look alive: stop, exit non-zero, and let
+        # the supervisor (systemd, Kubernetes, compose restart policy) start a fresh one.
+        log_event(log, "serve.data_plane_died", level=logging.CRITICAL, reason=reason)
+        server.should_exit = True
+
+    service.streamer.on_death = on_data_plane_death
+    if service.streamer.failure is not None:
+        on_data_plane_death(service.streamer.failure)
     if early:
         server.should_exit = True
         server.exit_signal = signal.Signals(early[0]).name
@@ -192,6 +233,9 @@ def _serve(settings: Settings, early: list[int]) -> int:
         if settings.ready_file is not None:
             with contextlib.suppress(OSError):
                 settings.ready_file.unlink()
+    if service.streamer.failure is not None:
+        log_event(log, "serve.exit", level=logging.ERROR, reason=service.streamer.failure)
+        return EXIT_DATA_PLANE_DIED
     log_event(log, "serve.exit", signal=server.exit_signal or "")
     return 0
 

@@ -38,6 +38,7 @@ from .planning import num_batches
 from .settings import Settings
 from .store.catalog import Store
 from .streaming.board import StreamBoard
+from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
@@ -100,6 +101,7 @@ class Service:
                 shm_dir=SHM_DIR if settings.shm else None,
                 shm_limit_bytes=settings.shm_limit_bytes,
                 boot_id=boot_id(),
+                max_batch_bytes=settings.max_batch_bytes,
             ),
             self._make_handler,
         )
@@ -155,8 +157,10 @@ class Service:
 
     def ready(self) -> tuple[bool, str]:
         """Whether the data plane is bound and the store readable, and if not, why."""
+        if self.streamer.failure is not None:
+            return False, self.streamer.failure
         if not self.streamer.ready:
-            return False, "data plane not bound"
+            return False, "data plane not serving (not bound yet, or stopping)"
         root = self.settings.store
         if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
             return False, f"store {root} is not a readable folder"
@@ -189,6 +193,13 @@ class Service:
             raise BadRequest(
                 f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
             )
+        per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
+        check_batch(
+            spec.batch_size,
+            manifest.num_samples,
+            int(per_sample * spec.batch_size),
+            self.settings.max_batch_bytes,
+        )
         job, created = self.jobs.create(spec, manifest.num_samples)
         return CreatedJob(id=job.id, created=created, status=self.status_of(job))
 

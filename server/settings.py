@@ -71,6 +71,13 @@ class Settings(BaseSettings):
     shm: bool = True
     #: Bytes all slot rings together may take; a stream past it falls back to the socket path.
     shm_limit_bytes: int = Field(default=4 << 30, ge=0)
+    #: Largest batch a job may ask for (bytes, at the dataset's average sample); more is 422.
+    max_batch_bytes: int = Field(default=1 << 30, ge=1)
+    #: ``Host`` header values the control plane answers besides the loopback names and the
+    #: ``http`` bind address (DNS-rebinding guard); ``*`` allows any host.
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    #: Seconds an HTTP connection may stay open without a complete request (slow or idle).
+    http_idle_timeout_s: float = Field(default=15.0, gt=0, le=3600)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -82,6 +89,13 @@ class Settings(BaseSettings):
 
                 return json.loads(v)
             return [e.strip() for e in v.split(",") if e.strip()]
+        return v
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [h.strip() for h in v.split(",") if h.strip()]
         return v
 
     @field_validator("data")

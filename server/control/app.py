@@ -32,6 +32,7 @@ from shardserve.proto.jobs import ErrorBody
 from ..service import Service
 from . import datasets, health, jobs, status_page
 from .deps import Authorized
+from .hosts import HostAllowList, allowed_hosts
 from .limits import BodyLimit
 
 #: Most specific first: the first class an error is an instance of decides its status.
@@ -106,6 +107,12 @@ def create_app(service: Service) -> FastAPI:
     )
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=service.settings.max_body_bytes)
+    settings = service.settings
+    # Added last, so it runs first: a foreign Host is refused before anything else.
+    app.add_middleware(
+        HostAllowList,
+        allowed=allowed_hosts(settings.allowed_hosts, settings.http_host_port[0]),
+    )
     app.add_exception_handler(ShardserveError, _on_shardserve_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

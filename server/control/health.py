@@ -14,10 +14,12 @@ open_router = APIRouter(tags=["health"])
 router = APIRouter(tags=["health"], dependencies=Authorized)
 
 
-@open_router.get("/healthz")
-def healthz() -> dict[str, str]:
-    """Always 200 while the process runs (liveness)."""
-    return {"status": "ok"}
+@open_router.get("/healthz", responses={503: {"description": "the data plane died"}})
+def healthz(service: ServiceDep) -> JSONResponse:
+    """200 while the process runs and its data plane lives (liveness); 503 once it died."""
+    if service.streamer.failure is not None:
+        return JSONResponse({"status": "failed", "reason": service.streamer.failure}, 503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/readyz", responses={503: {"description": "not ready, with the reason"}})

@@ -28,6 +28,18 @@ def _suggest_variable(name: str) -> str:
     )
 
 
+
+def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
+    """``arr`` in the store's (native) byte order when it differs from ``want`` only in that.
+
+    Big-endian input (``>u4`` from a file written on another machine) has the same dtype
+    *name* as the store's ``uint32``; converting it once here beats an error that reads
+    "has dtype uint32, expected uint32".
+    """
+    if arr.dtype != want and arr.dtype.newbyteorder("=") == want:
+        return arr.astype(want)
+    return arr
+
 class FixedColumn:
     """A scalar or fixed-shape tensor field."""
 
@@ -61,7 +73,7 @@ class FixedColumn:
                     f"{where}: field {name!r} value {value} does not fit {want.name}"
                 ) from None
         elif isinstance(value, (np.ndarray, np.generic)):
-            arr = np.asarray(value)
+            arr = native_order(np.asarray(value), want)
             if arr.dtype != want:
                 raise InvalidDataError(
                     f"{where}: field {name!r} has dtype {arr.dtype.name}, but earlier samples "
@@ -80,7 +92,7 @@ class FixedColumn:
 
     def check_column(self, col: object, rows: int, where: str) -> np.ndarray:
         """A whole column ``[rows, *shape]`` of this field, checked."""
-        arr = np.asarray(col)
+        arr = native_order(np.asarray(col), self.dtype)
         name = self.spec.name
         if arr.dtype != self.dtype:
             raise InvalidDataError(
@@ -146,6 +158,7 @@ class VariableColumn:
             raise InvalidDataError(
                 f"{where}: field {name!r} holds a {type(value).__name__}, expected an array"
             )
+        value = native_order(value, self.dtype)
         if value.dtype != self.dtype:
             raise InvalidDataError(
                 f"{where}: field {name!r} has dtype {value.dtype.name}, but earlier samples have {self.dtype.name}"

@@ -47,6 +47,14 @@ class Dataset:
         try:
             for info in manifest.shards:
                 self._shards.append(MappedShard(self.folder / info.path, info, self.fields))
+            seen: dict[tuple[int, int], str] = {}
+            for sh in self._shards:
+                other = seen.setdefault(sh.identity[:2], sh.info.path)
+                if other != sh.info.path:  # hard or symbolic links to one file
+                    raise DatasetCorruptError(
+                        f"dataset {manifest.name!r}: shards {other} and {sh.info.path} are the "
+                        "same file; every sample of it would be served twice; re-ingest"
+                    )
         except BaseException:
             self.close()
             raise

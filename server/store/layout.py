@@ -4,21 +4,30 @@
 
     <root>/<name>/manifest.json          a published dataset (manifest written last)
     <root>/<name>/shards/shard-00000.arrow
-    <root>/.tmp-<name>-<random>/         an ingest in progress (owner pid in ``owner.pid``)
+    <root>/.tmp-<name>-<random>/         an ingest in progress (``owner.lock`` flock'd by its writer)
     <root>/.old-<name>-<random>/         a dataset being replaced by ``--overwrite``
 
 Everything starting with ``.`` is invisible to :class:`~shardserve.server.store.catalog.Store`,
 so an interrupted ingest never lists or loads as a dataset; :func:`clean_stale` removes the
 leftovers of writers whose process is gone.
+
+Ownership is an ``fcntl.flock`` on ``owner.lock``, held by the writer from the folder's
+creation until its publish rename is done: the kernel drops it when the owner dies (whatever
+kills it, in any PID namespace), so a sweep that can take the lock has proof the owner is
+gone, and one that cannot leaves the folder alone. (A pid file alone was unlinked before the
+publish rename, and a concurrent sweep removed a folder about to be published.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -32,6 +41,10 @@ SHARDS_DIR = "shards"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 OWNER_FILE = "owner.pid"
+LOCK_FILE = "owner.lock"
+#: A temp folder without a lock file is younger than this only while its writer is between
+#: ``mkdir`` and taking the lock; older ones (a writer of an older version) are swept.
+_UNLOCKED_GRACE_S = 60.0
 CHECKSUM_ALGO = "xxh3_64"
 _READ_CHUNK = 16 << 20
 
@@ -45,13 +58,30 @@ def shard_name(index: int) -> str:
     return f"{SHARDS_DIR}/shard-{index:05d}.arrow"
 
 
-def new_temp_dir(root: Path, name: str) -> Path:
-    """Create a private temp folder for writing ``name`` and record our pid as its owner."""
+@dataclass
+class OwnedDir:
+    """A temp folder and the open, ``flock``'d lock file that proves its writer is alive."""
+
+    path: Path
+    lock_fd: int
+
+    def release(self) -> None:
+        """Drop the lock (after the publish rename, or after removing the folder)."""
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def new_temp_dir(root: Path, name: str) -> OwnedDir:
+    """Create a private temp folder for writing ``name``, locked by this process until
+    :meth:`OwnedDir.release` (or its death)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"{TMP_PREFIX}{name}-{secrets.token_hex(6)}"
     (path / SHARDS_DIR).mkdir(parents=True)
-    (path / OWNER_FILE).write_text(str(os.getpid()))
-    return path
+    fd = os.open(path / LOCK_FILE, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # our own fresh file: never contended, never blocks
+    (path / OWNER_FILE).write_text(str(os.getpid()))  # for people reading the folder
+    return OwnedDir(path, fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -64,10 +94,42 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale(root: Path) -> list[Path]:
-    """Remove temp/old folders left by writers that died (owner pid gone); return what went.
+def _owner_dead(entry: Path) -> tuple[bool, int]:
+    """Whether ``entry``'s writer is provably gone; if so, also an fd holding its lock (or -1).
 
-    A folder whose owner is alive belongs to a concurrent ingest and is left alone.
+    The caller removes the folder while holding the returned lock, so that no sweep races it.
+    """
+    try:
+        fd = os.open(entry / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if entry.name.startswith(OLD_PREFIX):
+            return True, -1  # a replaced dataset, renamed away: garbage once its rename is done
+        # No lock: a writer between mkdir and flock, or an older writer's pid-file folder.
+        try:
+            pid = int((entry / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            pid = -1
+        if pid > 0 and _pid_alive(pid):
+            return False, -1
+        try:
+            age = time.time() - entry.stat().st_mtime
+        except OSError:
+            return False, -1
+        return age > _UNLOCKED_GRACE_S, -1
+    except OSError:
+        return False, -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False, -1  # its owner holds it: alive
+    return True, fd
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove temp/old folders left by writers that died (lock free); return what went.
+
+    A folder whose owner still holds its lock belongs to a concurrent ingest and is left alone.
     """
     removed: list[Path] = []
     if not root.is_dir():
@@ -75,13 +137,14 @@ def clean_stale(root: Path) -> list[Path]:
     for entry in root.iterdir():
         if not entry.name.startswith((TMP_PREFIX, OLD_PREFIX)) or not entry.is_dir():
             continue
-        try:
-            pid = int((entry / OWNER_FILE).read_text().strip())
-        except (OSError, ValueError):
-            pid = -1
-        if pid > 0 and _pid_alive(pid):
+        dead, fd = _owner_dead(entry)
+        if not dead:
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+        finally:
+            if fd >= 0:
+                os.close(fd)
         removed.append(entry)
     return removed
 
@@ -145,6 +208,8 @@ def publish(temp: Path, root: Path, name: str, *, overwrite: bool) -> None:
     """
     from shardserve.proto.errors import InvalidDataError
 
+    # The owner lock stays in ``temp`` (and held by the writer) through the rename below; the
+    # writer removes it from the published folder afterwards (:func:`drop_owner_files`).
     (temp / OWNER_FILE).unlink(missing_ok=True)
     fsync_dir(temp)
     target = dataset_dir(root, name)
@@ -162,3 +227,9 @@ def publish(temp: Path, root: Path, name: str, *, overwrite: bool) -> None:
         with contextlib.suppress(OSError):
             shutil.rmtree(old)
     log.info("published dataset %s at %s", name, target)
+
+
+def drop_owner_files(folder: Path) -> None:
+    """Remove the ownership lock file from a published dataset folder."""
+    (folder / LOCK_FILE).unlink(missing_ok=True)
+    (folder / OWNER_FILE).unlink(missing_ok=True)

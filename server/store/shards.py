@@ -78,7 +78,13 @@ class MappedShard:
         self._whole: pa.Buffer | None = None
         try:
             self._mm = pa.memory_map(str(path), "r")
-            self._whole = self._mm.read_at(info.bytes, 0)  # zero-copy view of the mapping
+            # A view of the mapping: ``read_at`` would copy the whole file into private
+            # memory (pyarrow 26), a second copy of the dataset beside the page cache.
+            self._whole = self._mm.read_buffer(info.bytes)
+            self._mm.seek(0)
+            st = os.fstat(self._mm.fileno())
+            #: What was mapped: a later change to the file shows as another size or mtime.
+            self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             reader = pa.ipc.open_file(self._mm)
             problem = check_arrow_schema(reader.schema, specs, f"shard {path}")
             if problem:
@@ -121,7 +127,7 @@ class MappedShard:
     def verify(self, progress: object | None = None) -> None:
         """Check the checksum of the bytes this shard serves (the mapping itself, not the path:
         after an overwrite the path names a different file)."""
-        if self._mm is None:
+        if self._mm is None or self._whole is None:
             raise ValueError(f"shard {self.path} is closed")
         got = checksum_buffer(memoryview(self._whole), progress)
         if got != self.info.checksum:
@@ -130,19 +136,25 @@ class MappedShard:
             )
 
     def check_size(self) -> None:
-        """Refuse to read a shard whose file was cut short under us.
+        """Refuse to read a shard whose file was cut short or changed under us.
 
         Touching a mapped page past a file's new end is SIGBUS, which kills the whole server;
-        one ``fstat`` per batch turns it into this shard's error instead. (Datasets are
-        immutable: a file changed in place after this check is still the operator's bug.)
+        one ``fstat`` per batch turns it into this shard's error instead. A file truncated and
+        grown back to its size reads as zeros: its mtime moved, so the checksum it passed no
+        longer vouches for it, and it is refused too.
         """
         if self._mm is None:
             raise ValueError(f"shard {self.path} is closed")
-        size = os.fstat(self._mm.fileno()).st_size
-        if size < self.info.bytes:
+        st = os.fstat(self._mm.fileno())
+        if st.st_size < self.info.bytes:
             raise DatasetCorruptError(
-                f"shard {self.path} was truncated to {size} bytes while being served (the "
+                f"shard {self.path} was truncated to {st.st_size} bytes while being served (the "
                 f"manifest says {self.info.bytes}): shards must never change in place; re-ingest"
+            )
+        if st.st_mtime_ns != self.identity[3] or st.st_size != self.identity[2]:
+            raise DatasetCorruptError(
+                f"shard {self.path} was modified while being served (size {self.identity[2]} -> "
+                f"{st.st_size}, mtime changed): shards must never change in place; re-ingest"
             )
 
     def close(self) -> None:

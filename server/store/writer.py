@@ -80,7 +80,8 @@ class ShardWriter:
         self._buffered = 0
         self._done = False
         layout.clean_stale(self.root)
-        self._temp = layout.new_temp_dir(self.root, name)
+        self._owned = layout.new_temp_dir(self.root, name)
+        self._temp = self._owned.path
         if fields is not None:
             self._init_fields(tuple(fields))
 
@@ -177,6 +178,9 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
+        # Published: the lock held through the rename can go now.
+        layout.drop_owner_files(layout.dataset_dir(self.root, self.name))
+        self._owned.release()
         self._done = True
         self.manifest = manifest
         return manifest
@@ -190,6 +194,7 @@ class ShardWriter:
                 self._ipc.close()
             self._ipc = None
         shutil.rmtree(self._temp, ignore_errors=True)
+        self._owned.release()
 
     # -- internals ---------------------------------------------------------------------------
     def _init_fields(self, specs: tuple[FieldSpec, ...]) -> None:

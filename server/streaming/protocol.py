@@ -8,6 +8,7 @@ credit, send what is ready in order, end the epoch. It owns the sessions; the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from ..metrics import Metrics
 from .board import StreamBoard
 from .buffers import BufferPool, BufferSet
 from .handshake import batches_per_rank, check_hello, version_reject
+from .limits import StreamCancelled, check_batch
 from .plans import PlanCache
 from .sessions import Prepared, Session
 from .shm import ShmUnavailable
@@ -132,9 +134,12 @@ class StreamHandler:
             log_event(
                 log, "peer.bad_message", level=logging.WARNING, code=e.code.value, reason=str(e)
             )
-        except Exception:
+        except Exception as e:
             log_event(log, "peer.message_failed", level=logging.ERROR, exc_info=True)
-            self._send(
+            if (s := self.sessions.get(ident)) is not None:
+                self._contain(s, e)  # its state may be half-changed: end it, keep the others
+                return
+            self._try_send(
                 ident,
                 Error(
                     code=ErrorCode.INTERNAL,
@@ -150,40 +155,67 @@ class StreamHandler:
             s = self.sessions.get(ident)
             live = s is not None and s.stream == stream
             if what == "batch":
-                index, pool, bufs = done.tag[3:]  # pool: BufferPool or ShmSlots; bufs: set or slot
+                pool, bufs = done.tag[4:]  # pool: BufferPool or ShmSlots; bufs: set or slot
                 if live:
                     s.assembling -= 1
                 if (not live or done.error is not None) and bufs is not None:
-                    pool.release(bufs)  # never to be sent, and the worker is done with it
+                    with contextlib.suppress(Exception):  # a closed ring: nothing to release
+                        pool.release(bufs)  # never to be sent, and the worker is done with it
             if not live:
                 continue  # the stream was replaced or closed while this ran
-            if done.error is not None:
-                self._stream_failed(s, done.error)
-            elif what == "prepare":
-                s.prepared = done.value
-                s.prepared.pool = self._pool_for(s, s.prepared.part_shapes)
-                if s.want_shm:
-                    s.shm = self._make_slots(s)
-                self._welcome(s)
-                self._pump(s)
-            else:
-                s.ready[index] = (done.value, bufs)
-                self._pump(s)
+            try:
+                self._apply(s, what, done)
+            except Exception as e:
+                self._contain(s, e)
+
+    def _apply(self, s: Session, what: str, done: Any) -> None:
+        if done.error is not None:
+            self._stream_failed(s, done.error)
+        elif what == "prepare":
+            s.prepared = done.value
+            s.prepared.pool = self._pool_for(s, s.prepared.part_shapes)
+            if s.want_shm:
+                s.shm = self._make_slots(s)
+            self._welcome(s)
+            self._pump(s)
+        else:
+            index, bufs = done.tag[3], done.tag[5]
+            s.ready[index] = (done.value, bufs)
+            self._pump(s)
+
+    def _contain(self, s: Session, exc: BaseException) -> None:
+        """Whatever went wrong serving ``s`` ends ``s`` alone (never the streamer thread)."""
+        try:
+            self._stream_failed(s, exc)
+        except Exception:
+            log_event(log, "stream.fail_failed", level=logging.ERROR, exc_info=True)
+            with contextlib.suppress(Exception):
+                self._close(s, "failed", level=logging.ERROR)
+            if self.sessions.get(s.ident) is s:
+                del self.sessions[s.ident]
 
     def on_tick(self, now: float) -> None:
         """Heartbeats, liveness probes, idle cleanup, retries of sends that hit the HWM."""
-        c = self.config
         for s in list(self.sessions.values()):
-            if s.ended:
-                if now - s.last_recv > c.stream_timeout_s:
-                    self._close(s, "idle after end of epoch")
-                continue
-            if now - s.last_send >= c.heartbeat_s:
-                if self._send(s.ident, Heartbeat()) is False:
-                    continue  # peer gone: _send closed the session
-                s.last_send = now
-            if s.ready:
-                self._pump(s)
+            if self.sessions.get(s.ident) is not s:
+                continue  # closed by an earlier one's tick
+            try:
+                self._tick(s, now)
+            except Exception as e:
+                self._contain(s, e)
+
+    def _tick(self, s: Session, now: float) -> None:
+        c = self.config
+        if s.ended:
+            if now - s.last_recv > c.stream_timeout_s:
+                self._close(s, "idle after end of epoch")
+            return
+        if now - s.last_send >= c.heartbeat_s:
+            if self._send(s.ident, Heartbeat()) is False:
+                return  # peer gone (_send closed the session) or its queue is full
+            s.last_send = now
+        if s.ready:
+            self._pump(s)
 
     def shutdown(self) -> None:
         """Tell every open stream the server is going (transient), then forget them."""
@@ -193,7 +225,11 @@ class StreamHandler:
             except zmq.ZMQError as e:  # the socket is going away; the session must still close
                 log_event(log, "stream.shutdown_send_failed", **s.describe(), reason=str(e))
             if self.sessions.get(s.ident) is s:
-                self._close(s, "server shutdown")
+                try:
+                    self._close(s, "server shutdown")
+                except Exception:  # one session's trouble must not keep the others' rings
+                    log_event(log, "stream.close_failed", level=logging.ERROR, exc_info=True)
+                    self.sessions.pop(s.ident, None)
         self.assembler.close()
 
     def job_gone(self, job_id: str, code: ErrorCode, message: str) -> None:
@@ -201,8 +237,11 @@ class StreamHandler:
         for key in [k for k in self._pools if k[0] == job_id]:
             del self._pools[key]
         for s in [s for s in self.sessions.values() if s.job_id == job_id]:
-            self._send(s.ident, Error(code=code, message=message, fatal=True, stream=s.stream))
-            self._close(s, message, level=logging.WARNING)
+            if self.sessions.get(s.ident) is not s:
+                continue
+            self._try_send(s.ident, Error(code=code, message=message, fatal=True, stream=s.stream))
+            if self.sessions.get(s.ident) is s:
+                self._close(s, message, level=logging.WARNING)
 
     # -- messages -----------------------------------------------------------------------
 
@@ -263,9 +302,9 @@ class StreamHandler:
         self.sessions[ident] = s
         self.p.registry.note_stream(job.id, s.epoch)
         # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
-        self.assembler.submit(
-            ("prepare", ident, s.stream), self._prepare, s.job, s.epoch, s.seed, s.rank
-        )
+        # Planning has its own lane, so a flood of Hellos cannot starve other jobs' batches;
+        # a Hello replaced (or a peer gone) before its turn costs nothing (see _prepare).
+        self.assembler.plan(("prepare", ident, s.stream), self._prepare, s)
 
     def _welcome(self, s: Session) -> None:
         s.transport = "shm" if s.shm is not None else "socket"
@@ -337,13 +376,24 @@ class StreamHandler:
             )
             return None
 
-    def _prepare(self, job: Any, epoch: int, seed: int, rank: int) -> Prepared:
-        """On the pool: open the dataset and plan this rank's epoch."""
+    def _prepare(self, s: Session) -> Prepared:
+        """On the planning lane: open the dataset and plan this rank's epoch.
+
+        Reads only immutable facts of ``s`` and its ``closed`` flag (a replaced or closed
+        stream is skipped: its result would be dropped anyway).
+        """
+        if s.closed:
+            raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
+        job = s.job
         ds = self.p.open_dataset(job.spec.dataset)
         fields = tuple(job.spec.fields or (f.name for f in ds.manifest.fields))
-        plan = self.p.plans.rank_plan(job, epoch, seed, rank, shard_rows=ds.shard_rows)
         m = ds.manifest
         batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
+        # A job journaled before the limits existed is refused here, before any allocation.
+        check_batch(job.spec.batch_size, m.num_samples, batch_bytes, self.config.max_batch_bytes)
+        if s.closed:
+            raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
+        plan = self.p.plans.rank_plan(job, s.epoch, s.seed, s.rank, shard_rows=ds.shard_rows)
         return Prepared(ds, plan, fields, ds.part_shapes(fields), batch_bytes=batch_bytes)
 
     def _pool_for(self, s: Session, part_shapes: dict[str, Any]) -> BufferPool:
@@ -420,6 +470,8 @@ class StreamHandler:
 
     def _pump(self, s: Session) -> None:
         """Submit work within credit, send what is ready in order, end the epoch."""
+        if self.sessions.get(s.ident) is not s:
+            return  # closed meanwhile (e.g. its peer vanished while being welcomed)
         prep = s.prepared
         inline = self._inline(s)
         while prep is not None and prep.pool is not None and s.wants_work():
@@ -550,7 +602,7 @@ class StreamHandler:
             if known
             else f"internal error serving this stream: {type(exc).__name__}: {exc}"
         )
-        self._send(
+        self._try_send(
             s.ident,
             Error(code=code, message=message, stream=s.stream, fatal=not (known and exc.transient)),
         )
@@ -579,7 +631,16 @@ class StreamHandler:
                 self._close(s, "peer gone", level=logging.WARNING)
             return False
 
+    def _try_send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """:meth:`_send` that also swallows socket errors (best-effort notices)."""
+        try:
+            return self._send(ident, msg)
+        except zmq.ZMQError as e:
+            log_event(log, "peer.send_failed", level=logging.WARNING, reason=str(e))
+            return False
+
     def _close(self, s: Session, reason: str, level: int = logging.INFO) -> None:
+        s.closed = True
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
         if s.reuse_shm is not None:  # closed before its Welcome: the ring it was to take over

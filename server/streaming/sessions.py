@@ -76,6 +76,8 @@ class Session:
     #: Batch index before which assembly stays on the pool (set after a slow inline take).
     pool_until: int = 0
     ended: bool = False
+    #: Set when the session is closed; read by its pending planning work (any thread).
+    closed: bool = False
     last_recv: float = field(default_factory=time.monotonic)
     last_send: float = field(default_factory=time.monotonic)
 

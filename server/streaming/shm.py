@@ -11,11 +11,18 @@ registers the segment with a resource-tracker process that unlinks it when *that
 exits, so a client's exit would delete the server's ring (and a tracker is a process we
 promised not to start). Space is reserved with ``posix_fallocate`` so a full ``/dev/shm``
 fails here, cleanly, instead of as a SIGBUS in the middle of a batch.
+
+Liveness: the server holds an ``fcntl.flock`` on each of its rings for the ring's life. The
+kernel drops it when the server dies, so :func:`remove_stale` can tell a dead server's ring
+from a live one's by trying the lock, with no pid involved (a pid says nothing across PID
+namespaces: every containerised server is pid 1). A ring is created under a hidden name,
+locked, then renamed into place, so no sweep ever sees it unlocked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -47,6 +54,8 @@ class SlotRing:
     slot_bytes: int
     _mm: mmap.mmap = field(repr=False)
     free: list[int] = field(default_factory=list)
+    #: An open fd of the ring file holding its flock (see the module docstring).
+    lock_fd: int = -1
 
     @property
     def name(self) -> str:
@@ -77,6 +86,9 @@ class SlotRing:
         with contextlib.suppress(BufferError):
             self._mm.close()
         self.path.unlink(missing_ok=True)
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
 
 def free_bytes(shm_dir: Path = DEFAULT_DIR) -> int:
@@ -102,42 +114,51 @@ def create_ring(stream: int, slots: int, slot_bytes: int, shm_dir: Path = DEFAUL
         )
     if not shm_dir.is_dir():
         raise ShmUnavailable(f"{shm_dir} does not exist; shared memory is unavailable on this host")
-    path = shm_dir / f"{PREFIX}{os.getpid()}-{stream}-{secrets.token_hex(4)}"
+    name = f"{PREFIX}{os.getpid()}-{stream}-{secrets.token_hex(4)}"
+    path = shm_dir / name
+    hidden = shm_dir / f".{name}"
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise ShmUnavailable(f"cannot create {path}: {e.strerror}") from None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh file of ours: never contended
         os.posix_fallocate(fd, 0, size)
         mm = mmap.mmap(fd, size)
+        os.rename(hidden, path)
     except OSError as e:
-        path.unlink(missing_ok=True)
+        hidden.unlink(missing_ok=True)
+        os.close(fd)
         raise ShmUnavailable(
             f"cannot reserve {size} bytes in {shm_dir} ({free_bytes(shm_dir)} free): {e.strerror}; {hint}"
         ) from None
+    return SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
+
+
+def owner_alive(path: Path) -> bool:
+    """Whether a live server holds the ring at ``path`` (its flock is taken)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # gone already: nothing to remove
+    except OSError:
+        return True  # not ours to judge (another user's ring)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
     finally:
         os.close(fd)
-    return SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return False
 
 
 def remove_stale(shm_dir: Path = DEFAULT_DIR) -> list[str]:
     """Unlink rings whose owning server process is gone (a crash leaves them behind)."""
-    removed = []
+    removed: list[str] = []
     if not shm_dir.is_dir():
         return removed
     for path in shm_dir.glob(f"{PREFIX}*"):
-        pid_text = path.name[len(PREFIX) :].split("-", 1)[0]
-        if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+        if not owner_alive(path):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed

@@ -27,7 +27,11 @@ Rules this thread keeps:
   ``stream_timeout_s`` without a word from its client. A client that is merely computing
   (silent, holding its batches) keeps its stream: its libzmq still answers ZMTP pings.
 * Bad input from a peer gets an ``Error``/``Reject`` reply and is logged; it never ends
-  this thread.
+  this thread. Whatever goes wrong while serving one stream fails that stream only (its
+  peer gets an ``Error``, its session is closed).
+* Should the thread die anyway (a bug), it records why in :attr:`Streamer.failure`, which
+  turns ``/readyz`` to 503 at once, and calls ``on_death`` (``shardserve serve`` then exits
+  non-zero so that its supervisor restarts it): never a live-looking dead data plane.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class StreamerConfig:
     shm_limit_bytes: int | None = None
     #: This kernel's boot id; a Hello with the same one comes from this host.
     boot_id: str = ""
+    #: Largest batch (bytes, at the dataset's average sample) a stream may ask for.
+    max_batch_bytes: int = 1 << 30
 
 
 class Streamer:
@@ -88,6 +94,10 @@ class Streamer:
         self._bind_error: BaseException | None = None
         self._bound: list[str] = []
         self._thread: threading.Thread | None = None
+        #: Why the streamer thread died, or ``None`` while it runs (or stopped on request).
+        self.failure: str | None = None
+        #: Called once, from the dying thread, with :attr:`failure`.
+        self.on_death: Callable[[str], None] | None = None
 
     @property
     def endpoints(self) -> list[str]:
@@ -97,7 +107,12 @@ class Streamer:
     @property
     def ready(self) -> bool:
         return (
-            self._bound_event.is_set() and self._bind_error is None and not self._stopping.is_set()
+            self._bound_event.is_set()
+            and self._bind_error is None
+            and not self._stopping.is_set()
+            and self.failure is None
+            and self._thread is not None
+            and self._thread.is_alive()
         )
 
     def start(self, timeout: float = 10.0) -> list[str]:
@@ -149,7 +164,8 @@ class Streamer:
         log_event(log, "data_plane.listening", endpoints=",".join(self._bound))
         try:
             self._loop(sock, handler)
-        except Exception:
+        except BaseException as e:
+            self._died(f"{type(e).__name__}: {e}")
             log_event(log, "streamer.crashed", level=logging.CRITICAL, exc_info=True)
         finally:
             try:
@@ -158,6 +174,14 @@ class Streamer:
                 sock.close(linger=self.config.linger_ms)
                 ctx.term()  # returns within linger: the one socket is closed with a linger
             log_event(log, "data_plane.closed")
+
+    def _died(self, reason: str) -> None:
+        self.failure = f"data plane thread died: {reason}"
+        if self.on_death is not None:
+            try:
+                self.on_death(self.failure)
+            except Exception:
+                log_event(log, "streamer.on_death_failed", level=logging.ERROR, exc_info=True)
 
     def _configure(self, sock: zmq.Socket) -> None:
         c = self.config

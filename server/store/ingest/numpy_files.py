@@ -6,13 +6,17 @@
 * a folder of ``.npy`` files: one field per file (named after it), all with the same length.
 
 Arrays are loaded with ``allow_pickle=False``; ``.npy`` files are memory-mapped and copied
-out in blocks, so memory stays bounded whatever their size.
+out in blocks, and the members of a ``.npz`` are decompressed as streams, a block of rows at a
+time, so memory stays bounded whatever their size (a 1.4 MB ``.npz`` can declare gigabytes).
 """
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 
@@ -56,17 +60,93 @@ def _blocks(arrays: dict[str, np.ndarray], where: str, nbytes: int) -> Iterator[
         )
 
 
+@dataclass
+class _Member:
+    """One array of a ``.npz``: its header, and its decompressing stream after the header."""
+
+    stream: IO[bytes]
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def read_rows(self, k: int, where: str) -> np.ndarray:
+        want = k * self.row_bytes
+        data = self.stream.read(want)
+        if len(data) != want:
+            raise InvalidDataError(f"{where}: member ends early ({len(data)} of {want} bytes)")
+        return np.frombuffer(data, dtype=self.dtype).reshape(k, *self.shape[1:])
+
+
+def _open_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> _Member:
+    where = f"{path}[{info.filename}]"
+    f = z.open(info)
+    try:
+        version = np.lib.format.read_magic(f)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read(f)
+    except (ValueError, OSError, EOFError) as e:
+        f.close()
+        raise InvalidDataError(f"{where}: not a readable .npy member ({e})") from None
+    if dtype.hasobject:
+        f.close()
+        raise InvalidDataError(
+            f"{where}: cannot be read without unpickling (object array); store plain numeric arrays"
+        )
+    if fortran and len(shape) > 1:
+        f.close()
+        raise InvalidDataError(
+            f"{where}: a Fortran-ordered array cannot be read a block of rows at a time; save it "
+            "with np.ascontiguousarray(...) first"
+        )
+    return _Member(f, dtype, tuple(shape))
+
+
 def _npz_pieces(files: list[Path]) -> Iterator[Piece]:
     for path in files:
-        z = _load(path, mmap=False)
-        if isinstance(z, np.ndarray):
-            raise InvalidDataError(f"{path}: a .npz file must hold named arrays")
-        with z:  # type: ignore[attr-defined]
+        try:
+            z = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError) as e:
+            raise InvalidDataError(f"{path}: not a readable numpy file ({e})") from None
+        with z:
+            infos = [i for i in z.infolist() if i.filename.endswith(".npy")]
+            if not infos:
+                raise InvalidDataError(f"{path}: a .npz file must hold named arrays")
+            members: dict[str, _Member] = {}
             try:
-                arrays = {k: z[k] for k in z.files}
-            except ValueError as e:
-                raise InvalidDataError(f"{path}: cannot be read without unpickling ({e})") from None
-        yield from _blocks(arrays, str(path), path.stat().st_size)
+                for info in infos:
+                    members[info.filename[: -len(".npy")]] = _open_member(z, info, path)
+                yield from _member_blocks(members, str(path), path.stat().st_size)
+            finally:
+                for m in members.values():
+                    m.stream.close()
+
+
+def _member_blocks(members: dict[str, _Member], where: str, nbytes: int) -> Iterator[Piece]:
+    lengths = {k: (m.shape[0] if m.shape else None) for k, m in members.items()}
+    if None in lengths.values() or len(set(lengths.values())) != 1:
+        raise InvalidDataError(
+            f"{where}: arrays must share a leading sample dimension; lengths are {lengths}"
+        )
+    n = next(iter(lengths.values())) or 0
+    row_bytes = max(1, sum(m.row_bytes for m in members.values()))
+    step = max(1, BLOCK_BYTES // row_bytes)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = f"{where} rows {start}..{stop - 1}"
+        cols = {k: m.read_rows(stop - start, rows) for k, m in members.items()}
+        yield Piece(
+            where=rows,
+            columns=cols,
+            nbytes=nbytes * (stop - start) // n,
+            files=1 if stop == n else 0,
+        )
 
 
 def _npy_pieces(files: list[Path], src: Path) -> Iterator[Piece]:
