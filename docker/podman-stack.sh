@@ -10,8 +10,9 @@
 # against a running server; ARGS replace its command; SHARDSERVE_TRAINER_OPTS adds podman
 # options such as `--entrypoint python`). Images: docker/ci-engine.sh builds them.
 #
-# Why not podman-compose: Debian's 1.0 starts `depends_on` services without waiting for their
-# health check and does not translate `ipc: "service:server"`. Each function below is the
+# Why not podman-compose: Debian's 1.0.3 drops `ipc:` (the trainer would not share the server's
+# IPC namespace, so no shared memory) and starts `depends_on` services without waiting for their
+# health check (seen with `podman-compose --dry-run up trainer`). Each function below is the
 # compose service of its name, key for key (the comment after a flag names the key);
 # tests/ops/test_podman_stack.py fails when the two drift apart.
 set -euo pipefail
@@ -86,7 +87,7 @@ trainer() {
 }
 
 down() {
-  podman rm --force --ignore "$P-trainer" "$P-ingest" "$P-prepare" "$P-server" >/dev/null
+  podman rm --force --volumes --ignore "$P-trainer" "$P-ingest" "$P-prepare" "$P-server" >/dev/null
   if podman network exists "$P"; then podman network rm "$P" >/dev/null; fi
   if [ "${1:-}" = -v ]; then
     for v in store state source run; do podman volume rm --force "$P-$v" >/dev/null 2>&1 || true; done

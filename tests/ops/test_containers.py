@@ -48,13 +48,10 @@ def _engine_skip_reason() -> str | None:
     return None
 
 
+pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(300)]
 _reason = _engine_skip_reason()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.containers,
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(_reason is not None, reason=_reason or ""),
-]
+if _reason is not None:
+    pytest.skip(_reason, allow_module_level=True)  # one line in the summary, not one per test
 
 
 @dataclass
@@ -222,7 +219,7 @@ def test_healthcheck_turns_healthy(stack: Stack) -> None:
         out = stack.podman("healthcheck", "run", idle)
         assert out.returncode != 0 and "unhealthy" in out.stdout + out.stderr, out
     finally:
-        stack.podman("rm", "--force", "--time", "0", idle)
+        stack.podman("rm", "--force", "--volumes", "--time", "0", idle)
 
 
 def test_store_volume_is_read_only_to_the_server_and_readable_by_its_uid(stack: Stack) -> None:
