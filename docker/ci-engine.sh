@@ -105,7 +105,9 @@ fi
 step "building $TRAINER_IMAGE (torch from ${wheels:-the CPU wheel index})"
 "${build[@]}" "${torch_args[@]}" -f docker/Dockerfile.trainer -t "$TRAINER_IMAGE" . >/dev/null
 
-podman image prune --force >/dev/null # the build stages and replaced images
+# Untagged images are replaced builds and build stages; the stages are the next run's cache
+# (the server's wheel stage above all), so only those left unused for a week go.
+podman image prune --force --filter until=168h >/dev/null
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' \
   | grep -E "^($SERVER_IMAGE|$TRAINER_IMAGE|$BASE) " | sed 's/^/   /'
 printf 'SHARDSERVE_IMAGE=%s\nSHARDSERVE_TRAINER_IMAGE=%s\n' "$SERVER_IMAGE" "$TRAINER_IMAGE" >"$READY"
