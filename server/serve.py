@@ -83,7 +83,27 @@ def add_serve_command(sub: Any) -> None:
         help="shared-memory batch slots for same-host clients (default on; --no-shm: sockets only)",
     )
     p.add_argument(
-        "--shm-limit-bytes", type=int, metavar="N", help="shared memory all slot rings may take together (default 4 GiB)"
+        "--shm-limit-bytes",
+        metavar="SIZE",
+        help="shared memory all slot rings may take together (default 4GiB; units: 512MiB, 2GB)",
+    )
+    p.add_argument(
+        "--idle-after-s",
+        type=float,
+        metavar="S",
+        help="a job with no stream this long is idle (default 60)",
+    )
+    p.add_argument(
+        "--job-ttl-s",
+        type=float,
+        metavar="S",
+        help="forget a job idle this long (default 86400; 0 never)",
+    )
+    p.add_argument(
+        "--max-jobs",
+        type=int,
+        metavar="N",
+        help="live jobs the server tracks at most (default 4096)",
     )
     p.set_defaults(func=run_serve)
 
@@ -105,6 +125,9 @@ _FLAGS = (
     "stream_timeout_s",
     "shm",
     "shm_limit_bytes",
+    "idle_after_s",
+    "job_ttl_s",
+    "max_jobs",
 )
 
 

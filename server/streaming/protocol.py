@@ -95,6 +95,8 @@ class StreamHandler:
         self.config = config
         self.sessions: dict[bytes, Session] = {}
         self._pools: dict[tuple[str, int], BufferPool] = {}
+        #: Jobs whose shm fallback was logged at WARNING already.
+        self._fell_back: set[str] = set()
         self._next_stream = 1
 
     # -- events -------------------------------------------------------------------------
@@ -200,6 +202,7 @@ class StreamHandler:
         """End every stream of a job with a fatal error (job deleted or failed)."""
         for key in [k for k in self._pools if k[0] == job_id]:
             del self._pools[key]
+        self._fell_back.discard(job_id)
         for s in [s for s in self.sessions.values() if s.job_id == job_id]:
             self._send(s.ident, Error(code=code, message=message, fatal=True, stream=s.stream))
             self._close(s, message, level=logging.WARNING)
@@ -297,7 +300,9 @@ class StreamHandler:
             num_batches=s.num_batches,
             credit=s.credit,
             seed=s.seed,
+            # The transport this stream really uses (a fallback's reason is logged with it).
             transport=s.transport,
+            **({"asked": "shm"} if s.want_shm and s.shm is None else {}),
         )
 
     def _make_slots(self, s: Session) -> ShmSlots | None:
@@ -328,12 +333,19 @@ class StreamHandler:
                 max(limit, 0) if limit is not None else None,
             )
         except ShmUnavailable as e:
+            self.p.metrics.shm_fallbacks.inc()
+            self.p.board.fell_back(s.job_id, s.rank, str(e))
+            # Once per job at WARNING: every rank and epoch of a job falls back for the same
+            # reason, and a warning per stream buries everything else in the log.
+            first = s.job_id not in self._fell_back
+            self._fell_back.add(s.job_id)
             log_event(
                 log,
                 "shm.fallback",
-                level=logging.WARNING,
+                level=logging.WARNING if first else logging.DEBUG,
                 **s.describe(),
                 reason=f"{e}; serving this stream over the socket instead",
+                **({} if first else {"repeat": True}),
             )
             return None
 
@@ -409,10 +421,9 @@ class StreamHandler:
     def _heard(self, s: Session, stats: ClientStats | None) -> None:
         s.last_recv = time.monotonic()
         if stats is not None:
-            self.p.board.heard(s.job_id, s.rank, s.owed, stats.wait_s, stats.compute_s)
-            total = stats.wait_s + stats.compute_s
-            if total > 0:
-                self.p.metrics.set_stall(s.job_id, s.rank, stats.wait_s / total)
+            self.p.board.heard(
+                s.job_id, s.rank, s.owed, stats.wait_s, stats.compute_s, batches=stats.batches
+            )
         else:
             self.p.board.heard(s.job_id, s.rank, s.owed)
 
