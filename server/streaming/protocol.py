@@ -291,6 +291,8 @@ class StreamHandler:
         self.p.board.opened(
             s.job_id, s.rank, s.stream, s.epoch, s.start_batch, s.num_batches, s.owed, s.transport
         )
+        if s.shm_fallback is not None:
+            self.p.board.fell_back(s.job_id, s.rank, s.shm_fallback)
         self.p.metrics.streams.set(len(self.sessions))
         log_event(
             log,
@@ -334,7 +336,7 @@ class StreamHandler:
             )
         except ShmUnavailable as e:
             self.p.metrics.shm_fallbacks.inc()
-            self.p.board.fell_back(s.job_id, s.rank, str(e))
+            s.shm_fallback = str(e)
             # Once per job at WARNING: every rank and epoch of a job falls back for the same
             # reason, and a warning per stream buries everything else in the log.
             first = s.job_id not in self._fell_back
