@@ -104,6 +104,10 @@ class JobRegistry:
         self._journal.rewrite([r for j in jobs.values() for r in _records_of(j)])
         return len(jobs)
 
+    def detach_journal(self) -> None:
+        """Keep jobs in memory only from now on (the journal belongs to another server)."""
+        self._journal = None
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._jobs)

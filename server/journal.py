@@ -14,8 +14,8 @@ naming the file, the line and what is wrong, never turned into a job that breaks
 ``<state_dir>/jobs.lock`` for the life of the server: a second server pointed at the same
 state dir (two servers on one store) gets :class:`JournalLocked` at start, naming the holder's
 pid and the way out (``--state-dir``), instead of interleaving lines or taking over the first
-server's jobs. The kernel drops the lock when its holder dies, so a ``kill -9`` never leaves a
-stale one behind.
+server's jobs; the service then keeps its jobs in memory only and says so. The kernel drops
+the lock when its holder dies, so a ``kill -9`` never leaves a stale one behind.
 """
 
 from __future__ import annotations

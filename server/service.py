@@ -36,6 +36,7 @@ from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
 from .assembly import Assembler
 from .jobs import EpochJournal, Job, JobRegistry
+from .journal import JournalLocked
 from .lifecycle import ENDED, LIVE, expired, job_state, last_active
 from .logs import log_event
 from .metrics import JobsSnapshot, Metrics, RankSeries
@@ -91,6 +92,8 @@ class Service:
         self.settings = settings
         self.store = Store(settings.store)
         self.journal = EpochJournal(settings.state_path / "jobs.jsonl")
+        #: Why jobs are not journaled (another server owns the journal), if they are not.
+        self.journal_problem: str | None = None
         self.jobs = JobRegistry(self.journal, max_jobs=settings.max_jobs)
         self.metrics = Metrics(registry)
         self.board = StreamBoard()
@@ -144,9 +147,16 @@ class Service:
     def start(self) -> list[str]:
         """Own and replay the journal, bind the data plane; returns the bound endpoints.
 
-        Raises :class:`~.journal.JournalLocked` when another live server writes the journal.
+        When another live server already writes the journal (two servers on one store with
+        the default state dir), this one neither reads nor writes it: its jobs live in memory
+        only, and the log and the status page say so (``journal_problem``).
         """
-        self.journal.acquire()
+        try:
+            self.journal.acquire()
+        except JournalLocked as e:
+            self.journal_problem = f"{e}; until then this server's jobs are not journaled"
+            self.jobs.detach_journal()
+            log_event(log, "journal.locked", level=logging.WARNING, reason=self.journal_problem)
         n = self.jobs.load()
         if self.settings.shm:
             # Rings of a server that was killed are nobody's now; a live server's are left alone.

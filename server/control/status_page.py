@@ -157,5 +157,10 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         dataset_rows="\n".join(_dataset_row(d) for d in service.datasets())
         or "<tr><td class='l' colspan='5'>no datasets</td></tr>",
         job_sections=_jobs_html(jobs),
+        warnings=(
+            f"<p class='failed' id='journal'>{_e(service.journal_problem)}</p>"
+            if service.journal_problem
+            else ""
+        ),
     )
     return HTMLResponse(page)

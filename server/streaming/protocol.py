@@ -294,6 +294,7 @@ class StreamHandler:
         if s.shm_fallback is not None:
             self.p.board.fell_back(s.job_id, s.rank, s.shm_fallback)
         self.p.metrics.streams.set(len(self.sessions))
+        asked: dict[str, Any] = {"asked": "shm"} if s.shm_fallback is not None else {}
         log_event(
             log,
             "stream.opened",
@@ -304,7 +305,7 @@ class StreamHandler:
             seed=s.seed,
             # The transport this stream really uses (a fallback's reason is logged with it).
             transport=s.transport,
-            **({"asked": "shm"} if s.want_shm and s.shm is None else {}),
+            **asked,
         )
 
     def _make_slots(self, s: Session) -> ShmSlots | None:
@@ -341,13 +342,14 @@ class StreamHandler:
             # reason, and a warning per stream buries everything else in the log.
             first = s.job_id not in self._fell_back
             self._fell_back.add(s.job_id)
+            repeat: dict[str, Any] = {} if first else {"repeat": True}
             log_event(
                 log,
                 "shm.fallback",
                 level=logging.WARNING if first else logging.DEBUG,
                 **s.describe(),
                 reason=f"{e}; serving this stream over the socket instead",
-                **({} if first else {"repeat": True}),
+                **repeat,
             )
             return None
 
@@ -522,6 +524,7 @@ class StreamHandler:
             if slot >= 0:
                 # An overflowing shm batch is copied out so its slot can be freed at once.
                 frames = [bytes(memoryview(a)) for a in parts.values()]
+                s.socket_batches += 1
             else:
                 frames = [zmq.Frame(a, track=isinstance(bufs, BufferSet)) for a in parts.values()]
         try:
@@ -607,6 +610,10 @@ class StreamHandler:
                     s.prepared.pool.release(bufs)
         self.p.board.closed(s.job_id, s.rank, s.stream)
         self.p.metrics.streams.set(len(self.sessions))
+        # An shm stream whose batches outgrew their slot sent those over the socket.
+        over_socket: dict[str, Any] = (
+            {"socket_batches": s.socket_batches} if s.socket_batches else {}
+        )
         log_event(
             log,
             "stream.closed",
@@ -615,6 +622,8 @@ class StreamHandler:
             reason=reason,
             next_batch=s.next_send,
             num_batches=s.num_batches,
+            transport=s.transport,
+            **over_socket,
         )
 
     def _new_stream_id(self) -> int:
