@@ -155,8 +155,16 @@ class Service:
             self.journal.acquire()
         except JournalLocked as e:
             self.journal_problem = f"{e}; until then this server's jobs are not journaled"
+        except OSError as e:  # a read-only store mount with the default state dir
+            self.journal_problem = (
+                f"cannot write the job journal in {self.journal.path.parent} ({e.strerror}): "
+                "jobs are not journaled; give the server a writable --state-dir"
+            )
+        if self.journal_problem is not None:
             self.jobs.detach_journal()
-            log_event(log, "journal.locked", level=logging.WARNING, reason=self.journal_problem)
+            log_event(
+                log, "journal.unavailable", level=logging.WARNING, reason=self.journal_problem
+            )
         n = self.jobs.load()
         if self.settings.shm:
             # Rings of a server that was killed are nobody's now; a live server's are left alone.
