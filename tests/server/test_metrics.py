@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -198,7 +199,7 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 60
-            result: list[dict[str, object]] = []
+            result: list[dict[str, Any]] = []
             while not result:
                 assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "Prometheus never stored the series"
@@ -214,11 +215,11 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
                 if r.status_code == 200:
                     result = r.json()["data"]["result"]
             (series,) = result
-            labels = series["metric"]  # type: ignore[index]
+            labels = series["metric"]
             assert labels["job"] == "shardserve-test", labels
             assert labels["job_id"] == jid and labels["rank"] == "0", labels
             assert "exported_job" not in labels, labels
-            assert float(series["value"][1]) == 0.5  # type: ignore[index]
+            assert float(series["value"][1]) == 0.5
         finally:
             prom.terminate()
             prom.wait(timeout=15)
