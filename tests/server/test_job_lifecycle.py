@@ -117,3 +117,20 @@ def test_shm_fallback_is_logged_once_per_job_and_shown(cifar_store: Path, tmp_pa
         assert "shardserve_shm_fallbacks_total 4.0" in metrics
         for s in streams:
             s.close()
+
+
+def test_two_fresh_runs_on_a_running_server_get_identical_batches(server: ServerProc) -> None:
+    """The same script run twice (two passes, no set_epoch) against a server kept running streams the same batches both times: the first run's epochs do not become the second's start."""
+    from shardserve.client import Loader
+
+    def run() -> list[list[int]]:
+        with Loader(server.http_url, dataset="cifar", batch_size=100, seed=21) as loader:
+            return [
+                b["label"].tolist() + b["image"][:, 0, 0, :4].flatten().tolist()
+                for _ in range(2)
+                for b in loader
+            ]
+
+    first, second = run(), run()
+    assert len(first) == 20 and first[:10] != first[10:], "the two passes should be two epochs"
+    assert first == second
