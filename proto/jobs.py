@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .manifest import validate_dataset_name
 
 ShuffleMode = Literal["global", "block", "none"]
-JobState = Literal["pending", "running", "failed", "deleted"]
+#: ``pending``: created, no stream yet; ``running``: a rank streams (or did moments ago);
+#: ``idle``: no stream for a while, an epoch left unfinished; ``finished``: every rank ended
+#: its last epoch and left; ``failed``: stopped with a reason; ``deleted``: gone (a DELETE's reply).
+JobState = Literal["pending", "running", "idle", "finished", "failed", "deleted"]
 Transport = Literal["shm", "socket"]
 
 MAX_BATCH_SIZE = 1 << 20
@@ -89,9 +92,15 @@ class RankStatus(BaseModel):
     next_batch: int = 0
     num_batches: int = 0
     credit: int = 0
+    #: Batches the client handed to its loop per second over the last few seconds (its own
+    #: reports; the server's sends when a client reports none).
     batches_per_s: float = 0.0
-    #: Reported by the client: seconds waiting for data / (waiting + computing).
+    #: Reported by the client: seconds waiting for data / (waiting + computing), since it began.
     stall_fraction: float | None = None
+    #: The same over the last few seconds (``None`` until two reports span that window).
+    stall_now: float | None = None
+    #: Why this rank's stream uses the socket although it asked for shared memory.
+    shm_fallback: str | None = None
     wait_s: float = 0.0
     compute_s: float = 0.0
     last_seen_s: float | None = None
@@ -101,7 +110,8 @@ class JobStatus(BaseModel):
     id: str
     spec: JobSpec
     state: JobState
-    #: The epoch set over the control plane (or the highest a rank opened).
+    #: The epoch set with ``PUT /v1/jobs/{id}/epoch`` (0 until then). Streams never move it:
+    #: each rank's own epoch is in ``ranks``.
     epoch: int
     seed: int
     num_samples: int

@@ -1,35 +1,34 @@
-"""The job registry and its epoch journal.
+"""The job registry, journaled to ``<state_dir>/jobs.jsonl`` (:mod:`.journal`).
 
 A job is its spec (``job_id(spec)`` is a hash of it), plus the little the control plane may
-change: the current epoch and a seed override. Those changes and the set of jobs are appended
-to ``<state_dir>/jobs.jsonl`` (one JSON object per line, fsync'd) and replayed at start, so a
-restarted server keeps every job, epoch and seed::
+change: the epoch and a seed override set with ``PUT /v1/jobs/{id}/epoch``. Streams never
+change them: a rank's epoch is whatever its client asks for in its Hello, so the same script
+run twice against a server that kept running sees the same batches. Creations, epoch changes
+and deletions are journaled and replayed at start; after a replay the journal is rewritten
+with one ``create`` and at most one ``epoch`` line per job kept.
 
-    {"op": "create", "id": "…", "spec": {…}, "num_samples": 50000}
-    {"op": "epoch",  "id": "…", "epoch": 3, "seed": 7}
-    {"op": "delete", "id": "…"}
-
-After a replay the journal is rewritten (tmp + rename) with one ``create`` and at most one
-``epoch`` line per live job, so it never grows past the size of the registry. A torn last line
-(a crash mid-append) is skipped with a warning.
+Bounded: at most :data:`MAX_JOBS` jobs, in memory and when a journal is replayed (the most
+recently written ones are kept). Which of them are live, idle or finished is decided from
+the streams (:mod:`.lifecycle`); the service expires and evicts jobs that are not live.
 
 Everything here is thread-safe: HTTP handlers and the streamer thread share one registry.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
-from dataclasses import dataclass, replace
-from pathlib import Path
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
 from shardserve.proto.jobs import JobSpec, JobState, job_id
 
+from .journal import CreateRecord, DeleteRecord, EpochJournal, EpochRecord
 from .logs import log_event
+
+__all__ = ["MAX_JOBS", "EpochJournal", "Job", "JobRegistry"]
 
 log = logging.getLogger("shardserve.jobs")
 
@@ -44,108 +43,88 @@ class Job:
     id: str
     spec: JobSpec
     num_samples: int
+    #: ``pending`` or ``failed``; the other states are derived from streams (``.lifecycle``).
     state: JobState = "pending"
     epoch: int = 0
     seed: int = 0
     error: str | None = None
     error_code: ErrorCode | None = None
-
-
-class EpochJournal:
-    """Append-only JSON-lines file of job changes; durable once :meth:`append` returns."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def replay(self) -> list[dict[str, Any]]:
-        """Every well-formed record in order; torn or garbled lines are skipped and logged."""
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return []
-        records = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict) or "op" not in rec or "id" not in rec:
-                    raise ValueError("not a journal record")
-            except ValueError as e:
-                log_event(
-                    log,
-                    "journal.skipped_line",
-                    level=logging.WARNING,
-                    path=str(self.path),
-                    line=lineno,
-                    reason=str(e),
-                )
-                continue
-            records.append(rec)
-        return records
-
-    def append(self, record: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def rewrite(self, records: list[dict[str, Any]]) -> None:
-        """Replace the journal with ``records`` atomically (tmp file, fsync, rename)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+    #: ``time.monotonic()`` of the last thing that happened to the job here (created,
+    #: replayed, epoch set, a stream opened).
+    touched: float = field(default=0.0, compare=False)
+    #: Replayed from the journal and not streamed since: not live until a rank comes back.
+    restored: bool = field(default=False, compare=False)
 
 
 class JobRegistry:
     """Jobs by id. ``journal=None`` keeps them in memory only."""
 
-    def __init__(self, journal: EpochJournal | None = None) -> None:
+    def __init__(self, journal: EpochJournal | None = None, max_jobs: int = MAX_JOBS) -> None:
         self._journal = journal
+        self.max_jobs = max_jobs
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
 
     def load(self) -> int:
-        """Replay the journal into the registry and compact it; returns the number of jobs."""
+        """Replay the journal into the registry and compact it; returns the number of jobs.
+
+        Past :attr:`max_jobs` the least recently written jobs are dropped (one log line says
+        how many): a journal grown by a bug or by hand never loads past the cap.
+        """
         if self._journal is None:
             return 0
+        now = time.monotonic()
         jobs: dict[str, Job] = {}
         for rec in self._journal.replay():
-            try:
-                if rec["op"] == "create":
-                    spec = JobSpec.model_validate(rec["spec"])
-                    jobs[rec["id"]] = Job(rec["id"], spec, int(rec["num_samples"]), seed=spec.seed)
-                elif rec["op"] == "epoch" and rec["id"] in jobs:
-                    jobs[rec["id"]] = replace(
-                        jobs[rec["id"]], epoch=int(rec["epoch"]), seed=int(rec["seed"])
-                    )
-                elif rec["op"] == "delete":
-                    jobs.pop(rec["id"], None)
-            except (KeyError, TypeError, ValueError) as e:
-                log_event(
-                    log, "journal.bad_record", level=logging.WARNING, record=rec, reason=str(e)
-                )
+            if isinstance(rec, CreateRecord):
+                jobs.pop(rec.id, None)  # re-inserted last: dict order is recency order
+                jobs[rec.id] = Job(
+                    rec.id, rec.spec, rec.num_samples, seed=rec.spec.seed, touched=now,
+                    restored=True,
+                )  # fmt: skip
+            elif isinstance(rec, EpochRecord) and rec.id in jobs:
+                jobs[rec.id] = replace(jobs.pop(rec.id), epoch=rec.epoch, seed=rec.seed)
+            elif isinstance(rec, DeleteRecord):
+                jobs.pop(rec.id, None)
+        over = len(jobs) - self.max_jobs
+        if over > 0:
+            for jid in list(jobs)[:over]:
+                del jobs[jid]
+            log_event(
+                log,
+                "journal.over_cap",
+                level=logging.WARNING,
+                path=str(self._journal.path),
+                kept=len(jobs),
+                dropped=over,
+                reason=f"more than {self.max_jobs} jobs; the least recently written were dropped",
+            )
         with self._lock:
             self._jobs = jobs
         self._journal.rewrite([r for j in jobs.values() for r in _records_of(j)])
         return len(jobs)
+
+    def detach_journal(self) -> None:
+        """Keep jobs in memory only from now on (the journal belongs to another server)."""
+        self._journal = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
 
     def create(self, spec: JobSpec, num_samples: int) -> tuple[Job, bool]:
         """The job for ``spec``, creating it if new; ``(job, created)``. Idempotent."""
         jid = job_id(spec)
         with self._lock:
             if jid in self._jobs:
-                return self._jobs[jid], False
-            if len(self._jobs) >= MAX_JOBS:
-                raise BadRequest(f"the server already tracks {MAX_JOBS} jobs; delete some first")
-            job = Job(jid, spec, num_samples, seed=spec.seed)
+                job = self._jobs[jid] = replace(self._jobs[jid], touched=time.monotonic())
+                return job, False
+            if len(self._jobs) >= self.max_jobs:
+                raise BadRequest(
+                    f"the server already tracks {self.max_jobs} live jobs; delete some "
+                    "(DELETE /v1/jobs/{id}) or wait for idle ones to expire"
+                )
+            job = Job(jid, spec, num_samples, seed=spec.seed, touched=time.monotonic())
             self._jobs[jid] = job
             self._append(
                 {
@@ -184,21 +163,28 @@ class JobRegistry:
             return list(self._jobs.values())
 
     def set_epoch(self, jid: str, epoch: int, seed: int | None = None) -> Job:
-        """Set what ranks stream next (and optionally a new seed); journaled before returning."""
+        """Set the epoch (and optionally a new seed) a client streams when it asks for the
+        job's epoch; journaled before returning."""
         with self._lock:
             job = self._get_locked(jid)
-            job = replace(job, epoch=epoch, seed=job.seed if seed is None else seed)
+            job = replace(
+                job, epoch=epoch, seed=job.seed if seed is None else seed, touched=time.monotonic()
+            )
             self._jobs[jid] = job
             self._append({"op": "epoch", "id": jid, "epoch": job.epoch, "seed": job.seed})
         log_event(log, "job.epoch_set", job=jid, epoch=job.epoch, seed=job.seed)
         return job
 
     def note_stream(self, jid: str, epoch: int) -> None:
-        """A rank opened ``epoch``: the job is running and its epoch is at least that."""
+        """A rank opened a stream of ``epoch``: the job is in use.
+
+        The job's own epoch is left alone: it changes only through :meth:`set_epoch`, so what
+        one run streamed never becomes the next run's starting point.
+        """
         with self._lock:
             job = self._jobs.get(jid)
-            if job is not None and job.state in ("pending", "running"):
-                self._jobs[jid] = replace(job, state="running", epoch=max(job.epoch, epoch))
+            if job is not None:
+                self._jobs[jid] = replace(job, touched=time.monotonic(), restored=False)
 
     def fail(self, jid: str, code: ErrorCode, message: str) -> Job | None:
         """Mark a job failed with a reason (kept in memory: a restart re-checks the data)."""
@@ -211,13 +197,13 @@ class JobRegistry:
         log_event(log, "job.failed", level=logging.ERROR, job=jid, code=code.value, reason=message)
         return job
 
-    def delete(self, jid: str) -> Job:
+    def delete(self, jid: str, reason: str = "deleted over the control plane") -> Job:
         """Forget a job; returns its last snapshot with state ``deleted``."""
         with self._lock:
             job = self._get_locked(jid)
             del self._jobs[jid]
             self._append({"op": "delete", "id": jid})
-        log_event(log, "job.deleted", job=jid)
+        log_event(log, "job.deleted", job=jid, reason=reason)
         return replace(job, state="deleted")
 
     def _get_locked(self, jid: str) -> Job:

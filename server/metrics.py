@@ -3,28 +3,125 @@
 Never the global registry: tests (and benchmarks) build several servers in one process, and
 each must count only its own work. ``GET /metrics`` renders :meth:`Metrics.render`.
 
-=====================================  ==========  =========================================
-name                                   type        meaning
-=====================================  ==========  =========================================
-shardserve_batches_sent_total          counter     batches sent on the data plane
-shardserve_bytes_sent_total            counter     payload bytes of those batches
-shardserve_assembly_seconds            histogram   time to gather one batch from the store
-shardserve_streams                     gauge       open data-plane streams
-shardserve_client_stall_ratio          gauge       per job and rank: client wait / (wait+compute)
-shardserve_store_bytes                 gauge       bytes of every dataset in the store
-shardserve_jobs                        gauge       jobs known, by state
-=====================================  ==========  =========================================
+Named by Prometheus' conventions: counters end in ``_total`` and only grow, so ``rate()`` over
+any range answers "lately" (the recent data stall of a rank is
+``rate(shardserve_client_wait_seconds_total[1m]) / (rate(…wait…[1m]) + rate(…compute…[1m]))``);
+per-job series are labelled ``job_id``, never ``job`` (Prometheus' own target label), and exist
+while the job is pending, running or idle: a finished, failed, deleted or expired job's series
+are gone from the next scrape. No ``*_created`` series
+(:func:`prometheus_client.disable_created_metrics`).
+
+==========================================  =========  ==============  ============================================
+name                                        type       labels          meaning
+==========================================  =========  ==============  ============================================
+shardserve_batches_sent_total               counter                    batches sent on the data plane
+shardserve_bytes_sent_total                 counter                    payload bytes of those batches
+shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
+shardserve_streams                          gauge                      open data-plane streams
+shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
+shardserve_store_bytes                      gauge                      bytes of every dataset in the store
+shardserve_jobs                             gauge      state           jobs by lifecycle state (every state, 0 too)
+shardserve_job_ranks_connected              gauge      job_id          ranks of the job with an open stream
+shardserve_job_batches_sent_total           counter    job_id, rank    batches sent to that rank
+shardserve_job_bytes_sent_total             counter    job_id, rank    payload bytes sent to that rank
+shardserve_client_wait_seconds_total        counter    job_id, rank    seconds the rank's loop waited for data
+shardserve_client_compute_seconds_total     counter    job_id, rank    seconds the rank's loop spent between batches
+==========================================  =========  ==============  ============================================
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shardserve.proto.jobs import JobState
 
 _ASSEMBLY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+#: Every state ``shardserve_jobs`` reports (a state with no job reads 0, not absent).
+JOB_STATES: tuple[JobState, ...] = ("pending", "running", "idle", "finished", "failed")
+
+
+@dataclass(frozen=True)
+class RankSeries:
+    """One rank's counters as a scrape exports them."""
+
+    job_id: str
+    rank: int
+    batches: int
+    bytes: int
+    wait_s: float
+    compute_s: float
+
+
+@dataclass
+class JobsSnapshot:
+    """What the per-job metrics show at one scrape (built by the service)."""
+
+    states: dict[str, int] = field(default_factory=dict)
+    #: Ranks connected, for every job whose series are exported.
+    connected: dict[str, int] = field(default_factory=dict)
+    ranks: list[RankSeries] = field(default_factory=list)
+
+
+class _JobCollector(Collector):
+    """Per-job series, read from the service at scrape time (so an ended job's vanish)."""
+
+    def __init__(self, snapshot: Callable[[], JobsSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(JobsSnapshot()))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(self._snapshot()))
+
+    @staticmethod
+    def _families(snap: JobsSnapshot) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily(
+            "shardserve_jobs", "Jobs known to the server, by lifecycle state.", labels=["state"]
+        )
+        for state in JOB_STATES:
+            jobs.add_metric([state], snap.states.get(state, 0))
+        yield jobs
+        connected = GaugeMetricFamily(
+            "shardserve_job_ranks_connected",
+            "Ranks of the job with an open data-plane stream.",
+            labels=["job_id"],
+        )
+        for jid, n in sorted(snap.connected.items()):
+            connected.add_metric([jid], n)
+        yield connected
+        per_rank = [
+            ("shardserve_job_batches_sent", "Batches sent to the rank.", "batches"),
+            ("shardserve_job_bytes_sent", "Payload bytes sent to the rank.", "bytes"),
+            (
+                "shardserve_client_wait_seconds",
+                "Seconds the rank's loop waited for data (client report).",
+                "wait_s",
+            ),
+            (
+                "shardserve_client_compute_seconds",
+                "Seconds the rank's loop spent between batches (client report).",
+                "compute_s",
+            ),
+        ]
+        for name, doc, attr in per_rank:
+            fam = CounterMetricFamily(name, doc, labels=["job_id", "rank"])
+            for r in snap.ranks:
+                fam.add_metric([r.job_id, str(r.rank)], float(getattr(r, attr)))
+            yield fam
 
 
 class Metrics:
@@ -33,6 +130,8 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # Process-wide switch of the library: a ``*_created`` series per counter is noise.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.batches_sent = Counter(
@@ -48,31 +147,22 @@ class Metrics:
             registry=r,
         )
         self.streams = Gauge("shardserve_streams", "Open data-plane streams.", registry=r)
-        self.stall_ratio = Gauge(
-            "shardserve_client_stall_ratio",
-            "Fraction of its loop time a client reported waiting for data.",
-            ["job", "rank"],
+        self.shm_fallbacks = Counter(
+            "shardserve_shm_fallbacks",
+            "Streams that asked for shared memory and were served over the socket.",
             registry=r,
         )
         self.store_bytes = Gauge(
             "shardserve_store_bytes", "Bytes of every dataset in the store.", registry=r
-        )
-        self.jobs = Gauge(
-            "shardserve_jobs", "Jobs known to the server, by state.", ["state"], registry=r
         )
 
     def watch_store_bytes(self, fn: Callable[[], float]) -> None:
         """Compute ``shardserve_store_bytes`` with ``fn`` at every scrape."""
         self.store_bytes.set_function(fn)
 
-    def set_stall(self, job: str, rank: int, ratio: float) -> None:
-        self.stall_ratio.labels(job=job, rank=str(rank)).set(ratio)
-
-    def forget_job(self, job: str, world_size: int) -> None:
-        """Drop a deleted job's per-rank series so /metrics does not grow with dead jobs."""
-        for rank in range(world_size):
-            with contextlib.suppress(KeyError):
-                self.stall_ratio.remove(job, str(rank))
+    def watch_jobs(self, snapshot: Callable[[], JobsSnapshot]) -> None:
+        """Export the per-job series from ``snapshot()`` at every scrape."""
+        self.registry.register(_JobCollector(snapshot))
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""

@@ -86,9 +86,8 @@ def add_serve_command(sub: Any) -> None:
     )
     p.add_argument(
         "--shm-limit-bytes",
-        type=int,
-        metavar="N",
-        help="shared memory all slot rings may take together (default 4 GiB)",
+        metavar="SIZE",
+        help="shared memory all slot rings may take together (default 4GiB; units: 512MiB, 2GB)",
     )
     p.add_argument(
         "--max-batch-bytes",
@@ -110,6 +109,24 @@ def add_serve_command(sub: Any) -> None:
         type=float,
         metavar="S",
         help="close HTTP connections without a complete request after S seconds (default 15)",
+    )
+    p.add_argument(
+        "--idle-after-s",
+        type=float,
+        metavar="S",
+        help="a job with no stream this long is idle (default 60)",
+    )
+    p.add_argument(
+        "--job-ttl-s",
+        type=float,
+        metavar="S",
+        help="forget a job idle this long (default 86400; 0 never)",
+    )
+    p.add_argument(
+        "--max-jobs",
+        type=int,
+        metavar="N",
+        help="live jobs the server tracks at most (default 4096)",
     )
     p.set_defaults(func=run_serve)
 
@@ -134,6 +151,9 @@ _FLAGS = (
     "max_batch_bytes",
     "allowed_hosts",
     "http_idle_timeout_s",
+    "idle_after_s",
+    "job_ttl_s",
+    "max_jobs",
 )
 
 

@@ -8,17 +8,19 @@ on the streamer (never by waiting on it). Start order: journal replay -> data pl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from shardserve.proto.errors import BadRequest, ErrorCode
+from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
 from shardserve.proto.jobs import (
     CreatedJob,
     DatasetInfo,
@@ -27,17 +29,22 @@ from shardserve.proto.jobs import (
     JobStatus,
     ServerInfo,
 )
+from shardserve.proto.jobs import (
+    job_id as spec_job_id,
+)
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
 from .assembly import Assembler
 from .jobs import EpochJournal, Job, JobRegistry
+from .journal import JournalLocked
+from .lifecycle import ENDED, LIVE, expired, job_state, last_active
 from .logs import log_event
-from .metrics import Metrics
+from .metrics import JobsSnapshot, Metrics, RankSeries
 from .planning import num_batches
 from .settings import Settings
 from .store.catalog import Store
-from .streaming.board import StreamBoard
+from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler
@@ -86,11 +93,18 @@ class Service:
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.store = Store(settings.store)
-        self.jobs = JobRegistry(EpochJournal(settings.state_path / "jobs.jsonl"))
+        self.journal = EpochJournal(settings.state_path / "jobs.jsonl")
+        #: Why jobs are not journaled (another server owns the journal), if they are not.
+        self.journal_problem: str | None = None
+        self.jobs = JobRegistry(self.journal, max_jobs=settings.max_jobs)
         self.metrics = Metrics(registry)
         self.board = StreamBoard()
         self.plans = PlanCache()
         self.metrics.watch_store_bytes(self._store_bytes)
+        self.metrics.watch_jobs(self._jobs_snapshot)
+        # Admission (cap check, eviction, creation) is one step, or two POSTs could both
+        # take the last free place.
+        self._admit_lock = threading.Lock()
         self.streamer = Streamer(
             StreamerConfig(
                 endpoints=settings.data_endpoints,
@@ -134,7 +148,26 @@ class Service:
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> list[str]:
-        """Replay the journal and bind the data plane; returns the bound endpoints."""
+        """Own and replay the journal, bind the data plane; returns the bound endpoints.
+
+        When another live server already writes the journal (two servers on one store with
+        the default state dir), this one neither reads nor writes it: its jobs live in memory
+        only, and the log and the status page say so (``journal_problem``).
+        """
+        try:
+            self.journal.acquire()
+        except JournalLocked as e:
+            self.journal_problem = f"{e}; until then this server's jobs are not journaled"
+        except OSError as e:  # a read-only store mount with the default state dir
+            self.journal_problem = (
+                f"cannot write the job journal in {self.journal.path.parent} ({e.strerror}): "
+                "jobs are not journaled; give the server a writable --state-dir"
+            )
+        if self.journal_problem is not None:
+            self.jobs.detach_journal()
+            log_event(
+                log, "journal.unavailable", level=logging.WARNING, reason=self.journal_problem
+            )
         n = self.jobs.load()
         if self.settings.shm:
             # Rings of a server that was killed are nobody's now; a live server's are left alone.
@@ -148,6 +181,7 @@ class Service:
 
     def stop(self) -> None:
         self.streamer.stop()
+        self.journal.release()
         # Every ring is unlinked when its stream closes; one still here is a bug, but it must
         # not outlive the process that alone could clean it up.
         for path in SHM_DIR.glob(f"{SHM_PREFIX}{os.getpid()}-*"):
@@ -200,14 +234,28 @@ class Service:
             int(per_sample * spec.batch_size),
             self.settings.max_batch_bytes,
         )
-        job, created = self.jobs.create(spec, manifest.num_samples)
+        with self._admit_lock:
+            self.sweep()
+            if self.jobs.find(spec_job_id(spec)) is None:
+                self._make_room()
+            job, created = self.jobs.create(spec, manifest.num_samples)
         return CreatedJob(id=job.id, created=created, status=self.status_of(job))
 
     def job(self, job_id: str) -> JobStatus:
         return self.status_of(self.jobs.get(job_id))
 
     def all_jobs(self) -> list[JobStatus]:
-        return [self.status_of(j) for j in self.jobs.list()]
+        """Every job, live ones first (running, then pending), each group newest first."""
+        self.sweep()
+        activity = self.board.activity()
+        now = time.monotonic()
+        order = {"running": 0, "pending": 1, "failed": 2, "idle": 3, "finished": 4}
+        rows = [
+            (job, job_state(job, activity.get(job.id), now, self.settings.idle_after_s))
+            for job in self.jobs.list()
+        ]
+        rows.sort(key=lambda r: (order.get(r[1], 5), -last_active(r[0], activity.get(r[0].id))))
+        return [self.status_of(job, state) for job, state in rows]
 
     def set_epoch(self, job_id: str, update: EpochUpdate) -> JobStatus:
         return self.status_of(self.jobs.set_epoch(job_id, update.epoch, update.seed))
@@ -226,21 +274,88 @@ class Service:
         return ids.astype("<i8", copy=False), len(plan)
 
     def delete_job(self, job_id: str) -> JobStatus:
-        job = self.jobs.delete(job_id)
-        message = f"job {job_id} was deleted over the control plane"
+        return self._forget(job_id, "deleted over the control plane")
+
+    def _forget(self, job_id: str, why: str) -> JobStatus:
+        """Delete a job, end its streams, drop its rank records, plans and metric series."""
+        job = self.jobs.delete(job_id, reason=why)
+        message = f"job {job_id} was {why}"
         self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
-        status = self.status_of(job)
+        status = self.status_of(job, "deleted")
         self.board.drop_job(job_id)
         self.plans.forget(job_id)
-        self.metrics.forget_job(job_id, job.spec.world_size)
         return status
 
-    def status_of(self, job: Job) -> JobStatus:
+    # -- lifecycle of jobs --------------------------------------------------------------
+
+    def _states(self) -> list[tuple[Job, str, JobActivity | None]]:
+        activity = self.board.activity()
+        now = time.monotonic()
+        return [
+            (
+                j,
+                job_state(j, activity.get(j.id), now, self.settings.idle_after_s),
+                activity.get(j.id),
+            )
+            for j in self.jobs.list()
+        ]
+
+    def sweep(self) -> list[str]:
+        """Forget jobs that are not live and had no stream for ``job_ttl_s``; their ids."""
+        now = time.monotonic()
+        gone = []
+        for job, state, act in self._states():
+            if state not in LIVE and expired(job, act, now, self.settings.job_ttl_s):
+                try:
+                    self._forget(
+                        job.id, f"expired after {self.settings.job_ttl_s:g} s without a stream"
+                    )
+                except JobNotFound:
+                    continue  # deleted meanwhile
+                gone.append(job.id)
+        return gone
+
+    def _make_room(self) -> None:
+        """At the cap, evict the least recently used job that is not live, or refuse."""
+        cap = self.settings.max_jobs
+        if len(self.jobs) < cap:
+            return
+        states = self._states()
+        idle = [(last_active(j, a), j.id) for j, st, a in states if st not in LIVE]
+        if not idle:
+            raise BadRequest(
+                f"the server already has {cap} live jobs (pending or running), its cap "
+                "(--max-jobs); delete some with DELETE /v1/jobs/{id} or wait for them to go idle"
+            )
+        _, victim = min(idle)
+        with contextlib.suppress(JobNotFound):
+            self._forget(victim, f"evicted to make room: {cap} jobs is the cap (--max-jobs)")
+
+    def _jobs_snapshot(self) -> JobsSnapshot:
+        """The per-job metric series of one scrape: ended jobs export none."""
+        snap = JobsSnapshot()
+        exported = set()
+        for job, state, act in self._states():
+            snap.states[state] = snap.states.get(state, 0) + 1
+            if state not in ENDED:
+                exported.add(job.id)
+                snap.connected[job.id] = act.connected if act is not None else 0
+        snap.ranks = [
+            RankSeries(c.job, c.rank, c.batches, c.bytes, c.wait_s, c.compute_s)
+            for c in self.board.counters()
+            if c.job in exported
+        ]
+        return snap
+
+    def status_of(self, job: Job, state: str | None = None) -> JobStatus:
         s = job.spec
+        if state is None:
+            act = self.board.activity().get(job.id)
+            state = job_state(job, act, time.monotonic(), self.settings.idle_after_s)
         return JobStatus(
             id=job.id,
             spec=s,
-            state=job.state,
+            state=state,  # type: ignore[arg-type]
             epoch=job.epoch,
             seed=job.seed,
             num_samples=job.num_samples,
@@ -250,11 +365,7 @@ class Service:
         )
 
     def metrics_text(self) -> bytes:
-        counts: dict[str, int] = {"pending": 0, "running": 0, "failed": 0}
-        for j in self.jobs.list():
-            counts[j.state] = counts.get(j.state, 0) + 1
-        for state, n in counts.items():
-            self.metrics.jobs.labels(state=state).set(n)
+        self.sweep()
         return self.metrics.render()
 
     def _store_bytes(self) -> float:

@@ -12,7 +12,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
@@ -65,12 +65,12 @@ class Settings(BaseSettings):
     ready_file: Path | None = None
     log_format: Literal["text", "json"] = "text"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    #: Largest HTTP request body accepted; more is answered 413.
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    #: Largest HTTP request body accepted; more is answered 413. Sizes take units: ``4MiB``.
+    max_body_bytes: ByteSize = Field(default=ByteSize(1 << 20), ge=1024)
     #: Same-host clients get batches through shared-memory slot rings unless this is off.
     shm: bool = True
     #: Bytes all slot rings together may take; a stream past it falls back to the socket path.
-    shm_limit_bytes: int = Field(default=4 << 30, ge=0)
+    shm_limit_bytes: ByteSize = Field(default=ByteSize(4 << 30), ge=0)
     #: Largest batch a job may ask for (bytes, at the dataset's average sample); more is 422.
     max_batch_bytes: int = Field(default=1 << 30, ge=1)
     #: ``Host`` header values the control plane answers besides the loopback names and the
@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: Seconds an HTTP connection may stay open without a complete request (slow or idle).
     http_idle_timeout_s: float = Field(default=15.0, gt=0, le=3600)
+    #: A job with no stream for this long is ``idle`` (or ``finished``) rather than ``running``.
+    idle_after_s: float = Field(default=60.0, gt=0, le=86400)
+    #: A job that is not live is forgotten after this long without a stream; 0 keeps it.
+    job_ttl_s: float = Field(default=86400.0, ge=0)
+    #: Jobs tracked at most; only live ones (pending, running) count: others are evicted.
+    max_jobs: int = Field(default=4096, ge=1, le=1 << 20)
 
     @field_validator("data", mode="before")
     @classmethod

@@ -31,7 +31,7 @@ from shardserve.proto.jobs import ErrorBody
 
 from ..service import Service
 from . import datasets, health, jobs, status_page
-from .deps import Authorized
+from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts
 from .limits import BodyLimit
 
@@ -66,9 +66,13 @@ def _body(
 async def _on_shardserve_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ShardserveError)
     status = status_for(exc)
-    # Basic too, so a browser opening the status page prompts for the token.
-    headers = {"WWW-Authenticate": 'Bearer, Basic realm="shardserve"'} if status == 401 else None
-    return _body(exc.code.value, str(exc), status, headers)
+    response = _body(exc.code.value, str(exc), status)
+    if status == 401:
+        # One header per scheme (Basic too, so a browser prompts for the token): a browser
+        # ignores a challenge that folds both schemes into one header.
+        for challenge in CHALLENGES:
+            response.headers.append("WWW-Authenticate", challenge)
+    return response
 
 
 def _where(loc: tuple[Any, ...]) -> str:

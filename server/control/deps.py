@@ -1,17 +1,33 @@
-"""Dependencies of the control plane's routes: the service, and the optional bearer token."""
+"""Dependencies of the control plane's routes: the service, and the optional token.
+
+The token may come as ``Authorization: Bearer <token>`` (programs) or as the password of HTTP
+Basic with any user name (a person opening the status page in a browser, which only prompts
+for Basic). Both are declared with :mod:`fastapi.security`, so ``/openapi.json`` lists the
+two schemes; a refusal carries one ``WWW-Authenticate`` header per scheme
+(:data:`CHALLENGES`): browsers do not parse two schemes folded into one header.
+"""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import (
+    HTTPAuthorizationCredentials,
+    HTTPBasic,
+    HTTPBasicCredentials,
+    HTTPBearer,
+)
+from starlette.requests import HTTPConnection
 
 from shardserve.proto.errors import AuthError
 
 from ..service import Service
+
+REALM = "shardserve"
+#: Sent as separate ``WWW-Authenticate`` headers with every 401.
+CHALLENGES = (f'Bearer realm="{REALM}"', f'Basic realm="{REALM}", charset="UTF-8"')
 
 
 def get_service(request: Request) -> Service:
@@ -22,21 +38,33 @@ def get_service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(get_service)]
 
 
-def _presented_token(header: str) -> str:
-    """The token in an ``Authorization`` header: a bearer token, or the password of HTTP Basic
-    (so a person can open the status page in a browser, which prompts for Basic credentials)."""
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer":
-        return value.strip()
-    if scheme.lower() == "basic":
+class _LenientBasic(HTTPBasic):
+    """HTTP Basic that reads an undecodable header as no credentials (answered by our own
+    401 with both challenges) instead of FastAPI's Basic-only one."""
+
+    async def __call__(self, request: HTTPConnection) -> HTTPBasicCredentials | None:  # type: ignore[override]
         try:
-            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
-        except (binascii.Error, UnicodeDecodeError):
-            return ""
-    return ""
+            return await super().__call__(request)
+        except HTTPException:
+            return None
 
 
-def require_token(request: Request, service: ServiceDep) -> None:
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    description="The server's token (--token / SHARDSERVE_TOKEN); only when it has one.",
+)
+basic_scheme = _LenientBasic(
+    auto_error=False,
+    realm=REALM,
+    description="For browsers: any user name, the server's token as the password.",
+)
+
+
+def require_token(
+    service: ServiceDep,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
+    basic: Annotated[HTTPBasicCredentials | None, Depends(basic_scheme)],
+) -> None:
     """Refuse a request without the server's token (when the server has one).
 
     The comparison is constant-time so the token cannot be guessed byte by byte.
@@ -44,7 +72,7 @@ def require_token(request: Request, service: ServiceDep) -> None:
     token = service.settings.token
     if not token:
         return
-    given = _presented_token(request.headers.get("authorization", ""))
+    given = bearer.credentials if bearer is not None else basic.password if basic else ""
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise AuthError(
             "missing or wrong token: send 'Authorization: Bearer <token>' "

@@ -1,8 +1,14 @@
 """``GET /``: a server-rendered status page (no JavaScript; the browser re-fetches it).
 
-Datasets, jobs and one row per rank with its progress, throughput, credit in flight and the
-data-stall fraction its client reported. A rank whose client waits on data for more than
-:data:`DATA_BOUND` of its loop time is marked "data-bound".
+The header answers what an operator asks first: how many jobs are live, how many ranks are
+connected, and how much of their loop time they spend waiting for data *now* (over the last
+few seconds, not since they started). Then the datasets, then the jobs: live ones (running,
+pending) first with a row per rank, failed ones next, and idle or finished ones folded away
+in a ``<details>`` element. Rates come from what the clients report they received
+(:mod:`shardserve.server.streaming.board`), so a rank's batches/s is its loop's real rate and
+not the prefetch the server sent ahead. A connected rank whose recent stall is over
+:data:`DATA_BOUND` is marked "data-bound"; a rank whose stream fell back from shared memory
+to the socket says so, with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from string import Template
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
+from pydantic import ByteSize
 
 from shardserve.proto.jobs import DatasetInfo, JobStatus, RankStatus
 
@@ -23,18 +30,20 @@ router = APIRouter(tags=["status"], dependencies=Authorized)
 #: Stall fraction above which a rank is flagged as waiting on data.
 DATA_BOUND = 0.2
 REFRESH_S = 2
+#: Idle and finished jobs shown (most recent first); the rest are counted, not listed.
+MAX_INACTIVE_SHOWN = 50
 
 
 def _e(v: object) -> str:
     return html.escape(str(v))
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def _bytes(n: int) -> str:
+    return ByteSize(n).human_readable()
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
 
 
 def _dataset_row(d: DatasetInfo) -> str:
@@ -45,34 +54,57 @@ def _dataset_row(d: DatasetInfo) -> str:
     )
 
 
+def _stall(r: RankStatus) -> float | None:
+    """The stall a rank row shows: recent when known, else since the client began."""
+    return r.stall_now if r.stall_now is not None else r.stall_fraction
+
+
 def _rank_row(r: RankStatus) -> str:
-    bound = r.stall_fraction is not None and r.stall_fraction > DATA_BOUND
-    stall = "—" if r.stall_fraction is None else f"{r.stall_fraction:.0%}"
+    stall = _stall(r)
+    bound = r.connected and stall is not None and stall > DATA_BOUND
+    cell = _pct(stall)
     if bound:
-        stall += " <span class='marker'>data-bound</span>"
+        cell += " <span class='marker'>data-bound</span>"
     state = "connected" if r.connected else "<span class='off'>disconnected</span>"
     seen = "—" if r.last_seen_s is None else f"{r.last_seen_s:.1f} s ago"
+    transport = _e(r.transport or "—")
+    if r.shm_fallback:
+        transport += f" <span class='fallback' title='{_e(r.shm_fallback)}'>(shm fallback)</span>"
     return (
         f"<tr class='{'databound' if bound else ''}'><td>{r.rank}</td><td class='l'>{state}</td>"
-        f"<td>{_e(r.epoch if r.epoch is not None else '—')}</td><td class='l'>{_e(r.transport or '—')}</td>"
+        f"<td>{_e(r.epoch if r.epoch is not None else '—')}</td><td class='l'>{transport}</td>"
         f"<td>{r.next_batch}/{r.num_batches}</td><td>{r.batches_delivered}</td>"
         f"<td>{_e(_bytes(r.bytes_delivered))}</td><td>{r.batches_per_s:.1f}</td><td>{r.credit}</td>"
-        f"<td>{stall}</td><td>{seen}</td></tr>"
+        f"<td>{cell}</td><td>{seen}</td></tr>"
     )
 
 
 def _job_section(j: JobStatus) -> str:
     s = j.spec
     state = (
-        f"<span class='failed'>failed: {_e(j.error)}</span>" if j.state == "failed" else _e(j.state)
+        f"<span class='failed'>failed: {_e(j.error)}</span>"
+        if j.state == "failed"
+        else f"<span class='state {_e(j.state)}'>{_e(j.state)}</span>"
+    )
+    epochs = sorted({r.epoch for r in j.ranks if r.connected and r.epoch is not None})
+    streaming = f"streaming epoch {', '.join(map(str, epochs))} · " if epochs else ""
+    # The job's own epoch matters only to clients that ask for it (PUT .../epoch set it).
+    default = f"default epoch {j.epoch} (PUT) · " if j.epoch else ""
+    fallbacks = sorted({r.shm_fallback for r in j.ranks if r.shm_fallback})
+    fallback = "".join(
+        f"<p class='fallback'>shared memory fallback: {_e(f)}; this job's streams use the socket</p>"
+        for f in fallbacks
     )
     head = (
-        f"<h3>job {_e(j.id)} — {state}</h3><p class='meta'>dataset {_e(s.dataset)} · batch "
-        f"{s.batch_size} · world size {s.world_size} · shuffle {_e(s.shuffle)} · epoch {j.epoch} · "
-        f"seed {j.seed} · {j.batches_per_epoch} batches per rank per epoch · "
+        f"<h3 class='job' id='job-{_e(j.id)}'>job {_e(j.id)} — {state}</h3><p class='meta'>"
+        f"dataset {_e(s.dataset)} · batch {s.batch_size} · world size {s.world_size} · "
+        f"shuffle {_e(s.shuffle)} · {streaming}{default}seed {j.seed} · "
+        f"{j.batches_per_epoch} batches per rank per epoch · "
         f"<span class='seen'>{sum(r.connected for r in j.ranks)} of {s.world_size} ranks "
-        f"connected</span></p>"
+        f"connected</span></p>{fallback}"
     )
+    if not j.ranks:
+        return head + "<p class='meta'>no rank has opened a stream yet</p>"
     rows = "\n".join(_rank_row(r) for r in j.ranks)
     return (
         head + "<table class='ranks'><tr><th>rank</th><th class='l'>stream</th><th>epoch</th>"
@@ -83,6 +115,25 @@ def _job_section(j: JobStatus) -> str:
     )
 
 
+def _jobs_html(jobs: list[JobStatus]) -> str:
+    if not jobs:
+        return "<p>no jobs</p>"
+    shown = [j for j in jobs if j.state in ("running", "pending", "failed")]
+    folded = [j for j in jobs if j.state not in ("running", "pending", "failed")]
+    out = "\n".join(_job_section(j) for j in shown) or "<p>no live jobs</p>"
+    if folded:
+        more = len(folded) - MAX_INACTIVE_SHOWN
+        body = "\n".join(_job_section(j) for j in folded[:MAX_INACTIVE_SHOWN])
+        if more > 0:
+            body += f"<p class='meta'>and {more} more (GET /v1/jobs lists every job)</p>"
+        idle = sum(j.state == "idle" for j in folded)
+        out += (
+            f"\n<details id='inactive'><summary>{idle} idle, {len(folded) - idle} finished "
+            f"job(s)</summary>\n{body}\n</details>"
+        )
+    return out
+
+
 @router.get("/", response_class=HTMLResponse)
 def status_page(service: ServiceDep) -> HTMLResponse:
     """The human view of datasets, jobs and ranks."""
@@ -91,15 +142,25 @@ def status_page(service: ServiceDep) -> HTMLResponse:
     )
     info = service.info()
     jobs = service.all_jobs()
+    live = sum(j.state in ("running", "pending") for j in jobs)
+    ranks = sum(r.connected for j in jobs for r in j.ranks)
     page = template.substitute(
         refresh=REFRESH_S,
         host=_e(info.host),
         version=_e(info.version),
         protocols=_e(",".join(map(str, info.protocols))),
         endpoints=_e(" ".join(info.data_endpoints)),
-        streams=service.board.open_streams(),
+        jobs_live=live,
+        jobs_total=len(jobs),
+        ranks_connected=ranks,
+        stall_now=_pct(service.board.stall_now()),
         dataset_rows="\n".join(_dataset_row(d) for d in service.datasets())
         or "<tr><td class='l' colspan='5'>no datasets</td></tr>",
-        job_sections="\n".join(_job_section(j) for j in jobs) or "<p>no jobs</p>",
+        job_sections=_jobs_html(jobs),
+        warnings=(
+            f"<p class='failed' id='journal'>{_e(service.journal_problem)}</p>"
+            if service.journal_problem
+            else ""
+        ),
     )
     return HTMLResponse(page)

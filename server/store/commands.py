@@ -9,39 +9,35 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from shardserve.proto.errors import DataError, DatasetCorruptError, ShardserveError
 
 from .ingest.registry import FORMATS
 
 ENV_STORE = "SHARDSERVE_STORE"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
+_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
 
 def parse_size(text: str) -> int:
     """``"256MiB"`` -> 268435456; decimal (MB) and binary (MiB) units, bytes if none."""
-    m = _SIZE.match(text)
-    unit = (m.group(2) or "").lower().removesuffix("b") if m else ""
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MiB, 64MB or 1048576")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    try:
+        size = int(_SIZE.validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size like 256MiB, 64MB or 1048576"
+        ) from None
     if size < 1:
         raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
     return size
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    return ByteSize(int(n)).human_readable()
 
 
 def _guarded(

@@ -97,6 +97,8 @@ class StreamHandler:
         self.config = config
         self.sessions: dict[bytes, Session] = {}
         self._pools: dict[tuple[str, int], BufferPool] = {}
+        #: Jobs whose shm fallback was logged at WARNING already.
+        self._fell_back: set[str] = set()
         self._next_stream = 1
 
     # -- events -------------------------------------------------------------------------
@@ -236,6 +238,7 @@ class StreamHandler:
         """End every stream of a job with a fatal error (job deleted or failed)."""
         for key in [k for k in self._pools if k[0] == job_id]:
             del self._pools[key]
+        self._fell_back.discard(job_id)
         for s in [s for s in self.sessions.values() if s.job_id == job_id]:
             if self.sessions.get(s.ident) is not s:
                 continue
@@ -327,7 +330,10 @@ class StreamHandler:
         self.p.board.opened(
             s.job_id, s.rank, s.stream, s.epoch, s.start_batch, s.num_batches, s.owed, s.transport
         )
+        if s.shm_fallback is not None:
+            self.p.board.fell_back(s.job_id, s.rank, s.shm_fallback)
         self.p.metrics.streams.set(len(self.sessions))
+        asked: dict[str, Any] = {"asked": "shm"} if s.shm_fallback is not None else {}
         log_event(
             log,
             "stream.opened",
@@ -336,7 +342,9 @@ class StreamHandler:
             num_batches=s.num_batches,
             credit=s.credit,
             seed=s.seed,
+            # The transport this stream really uses (a fallback's reason is logged with it).
             transport=s.transport,
+            **asked,
         )
 
     def _make_slots(self, s: Session) -> ShmSlots | None:
@@ -367,12 +375,20 @@ class StreamHandler:
                 max(limit, 0) if limit is not None else None,
             )
         except ShmUnavailable as e:
+            self.p.metrics.shm_fallbacks.inc()
+            s.shm_fallback = str(e)
+            # Once per job at WARNING: every rank and epoch of a job falls back for the same
+            # reason, and a warning per stream buries everything else in the log.
+            first = s.job_id not in self._fell_back
+            self._fell_back.add(s.job_id)
+            repeat: dict[str, Any] = {} if first else {"repeat": True}
             log_event(
                 log,
                 "shm.fallback",
-                level=logging.WARNING,
+                level=logging.WARNING if first else logging.DEBUG,
                 **s.describe(),
                 reason=f"{e}; serving this stream over the socket instead",
+                **repeat,
             )
             return None
 
@@ -459,10 +475,9 @@ class StreamHandler:
     def _heard(self, s: Session, stats: ClientStats | None) -> None:
         s.last_recv = time.monotonic()
         if stats is not None:
-            self.p.board.heard(s.job_id, s.rank, s.owed, stats.wait_s, stats.compute_s)
-            total = stats.wait_s + stats.compute_s
-            if total > 0:
-                self.p.metrics.set_stall(s.job_id, s.rank, stats.wait_s / total)
+            self.p.board.heard(
+                s.job_id, s.rank, s.owed, stats.wait_s, stats.compute_s, batches=stats.batches
+            )
         else:
             self.p.board.heard(s.job_id, s.rank, s.owed)
 
@@ -561,6 +576,7 @@ class StreamHandler:
             if slot >= 0:
                 # An overflowing shm batch is copied out so its slot can be freed at once.
                 frames = [bytes(memoryview(a)) for a in parts.values()]
+                s.socket_batches += 1
             else:
                 frames = [zmq.Frame(a, track=isinstance(bufs, BufferSet)) for a in parts.values()]
         try:
@@ -655,6 +671,10 @@ class StreamHandler:
                     s.prepared.pool.release(bufs)
         self.p.board.closed(s.job_id, s.rank, s.stream)
         self.p.metrics.streams.set(len(self.sessions))
+        # An shm stream whose batches outgrew their slot sent those over the socket.
+        over_socket: dict[str, Any] = (
+            {"socket_batches": s.socket_batches} if s.socket_batches else {}
+        )
         log_event(
             log,
             "stream.closed",
@@ -663,6 +683,8 @@ class StreamHandler:
             reason=reason,
             next_batch=s.next_send,
             num_batches=s.num_batches,
+            transport=s.transport,
+            **over_socket,
         )
 
     def _new_stream_id(self) -> int:

@@ -63,6 +63,10 @@ class Session:
     #: Asked for shared memory from this host; ``shm`` is its ring once made.
     want_shm: bool = False
     shm: Any = None
+    #: Why the ring was refused (the stream then uses the socket).
+    shm_fallback: str | None = None
+    #: Batches of an shm stream too big for their slot, sent over the socket instead.
+    socket_batches: int = 0
     #: The previous stream's ring, handed over by a new Hello from the same client, and the
     #: slots of it the client still reads from.
     reuse_shm: Any = None

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from shardserve.proto.messages import ClientStats, Credit, Heartbeat, Welcome
+from shardserve.proto.messages import Bye, ClientStats, Credit, Heartbeat, Welcome
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
-from tests.support.server import ServerProc, run_server
+from tests.support.server import ServerProc, job_status, make_job, run_server
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
@@ -246,3 +247,119 @@ def test_page_is_plain_html_that_refreshes_itself(
     page = r.text.lower()
     assert 'http-equiv="refresh"' in page, "the page should refresh itself"
     assert "<script src" not in page and "<link" not in page, "the page must be self-contained"
+
+
+TOKEN = "page-secret-7"
+#: The live job's consumer: one batch every ~20 ms, a steady rate for the page to match.
+STEP_S = 0.02
+
+
+class Consumer(threading.Thread):
+    """A real Loader in a training-like loop that records when each batch arrived."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(daemon=True)
+        self.loader = loader
+        self.arrived: list[float] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for epoch in range(1000):
+                self.loader.set_epoch(epoch)
+                for _ in self.loader:
+                    self.arrived.append(time.monotonic())
+                    if self.stop.wait(STEP_S):
+                        return
+        except BaseException as e:  # reported by the test
+            self.error = e
+
+    def rate(self, since: float, until: float) -> float:
+        got = [t for t in self.arrived if since <= t <= until]
+        return (len(got) - 1) / (got[-1] - got[0])
+
+
+def test_page_with_a_token_shows_the_live_job_first_at_its_real_rate(tmp_path: Path) -> None:
+    """With a token, / answers 401 with one WWW-Authenticate header per scheme (declared in /openapi.json); Chromium with the token renders it, live job first, idle and finished ones folded, the live rank's batches/s within 20% of its client's own rate."""
+    from shardserve.client import Loader
+
+    store = tmp_path / "store"
+    make_cifar_like(store, "cifar", n=2000, shard_bytes=1 << 20)
+    with (
+        run_server(store, "--token", TOKEN, "--idle-after-s", "1", "--heartbeat-s", "0.5") as srv,
+        zmq_context() as ctx,
+    ):
+        denied = httpx.get(f"{srv.http_url}/", timeout=10)
+        assert denied.status_code == 401
+        assert denied.headers.get_list("www-authenticate") == [
+            'Bearer realm="shardserve"',
+            'Basic realm="shardserve", charset="UTF-8"',
+        ], denied.headers
+        schema = httpx.get(f"{srv.http_url}/openapi.json", headers=srv.headers, timeout=10).json()
+        schemes = {v["scheme"] for v in schema["components"]["securitySchemes"].values()}
+        assert schemes == {"bearer", "basic"}, schema["components"]
+
+        finished, idle = (
+            make_job(srv, batch_size=250, seed=1),
+            make_job(srv, batch_size=250, seed=2),
+        )
+        for jid, whole in ((finished, True), (idle, False)):
+            s = RawStream(ctx, srv.tcp_endpoint)
+            s.hello(jid, credit=2, token=TOKEN)
+            s.recv_kind(Welcome)
+            if whole:
+                s.read_epoch()
+                s.send(Bye())
+            else:
+                s.recv_kind(Batch)
+            s.close()
+
+        loader = Loader(
+            srv.http_url, dataset="cifar", batch_size=4, seed=3, token=TOKEN, timeout=30
+        )
+        consumer = Consumer(loader)
+        consumer.start()
+        try:
+            deadline = time.monotonic() + 30
+            while {job_status(srv, finished)["state"], job_status(srv, idle)["state"]} != {
+                "finished",
+                "idle",
+            } or len(consumer.arrived) < 200:
+                assert consumer.error is None and time.monotonic() < deadline, (
+                    consumer.error,
+                    job_status(srv, finished)["state"],
+                    len(consumer.arrived),
+                )
+                time.sleep(0.1)
+            host = srv.http_url.removeprefix("http://")
+            started = time.monotonic()
+            markup = chromium(
+                f"http://ops:{TOKEN}@{host}/", tmp_path / "profile", "--dump-dom"
+            ).stdout
+            rendered = time.monotonic()
+        finally:
+            consumer.stop.set()
+            consumer.join(10)
+            loader.close()
+        assert consumer.error is None, consumer.error
+
+    dom = Dom(markup)
+    text = dom.visible
+    assert "1 job(s) live of 3" in text and "1 rank(s) connected" in text, text[:500]
+    assert "data stall now" in text
+    live = loader.job_id
+    first_job = markup.index('id="job-')
+    assert markup[first_job:].startswith(f'id="job-{live}"'), (
+        "the live job is not the first on the page"
+    )
+    folded = markup.index("<details")
+    assert markup.index(f'id="job-{live}"') < folded < markup.index(f'id="job-{finished}"')
+    assert folded < markup.index(f'id="job-{idle}"')
+    assert "<details open" not in markup, "idle and finished jobs should start folded"
+
+    (row,) = [r for r in dom.table_with("rank", "batches/s") if r["stream"] == "connected"]
+    shown = float(row["batches/s"])
+    # The client's own rate over the same recent window the page uses (up to when it rendered).
+    own = consumer.rate(started - 8.0, rendered)
+    assert shown == pytest.approx(own, rel=0.2), f"page says {shown} batches/s, client got {own}"
