@@ -194,11 +194,12 @@ class JobRegistry:
         return job
 
     def note_stream(self, jid: str, epoch: int) -> None:
-        """A rank opened ``epoch``: the job is running and its epoch is at least that."""
+        """A rank opened ``epoch``: the job is running. Its epoch stays the one set over
+        ``PUT .../epoch``: a client's own epochs must not leak into the next run's start."""
         with self._lock:
             job = self._jobs.get(jid)
             if job is not None and job.state in ("pending", "running"):
-                self._jobs[jid] = replace(job, state="running", epoch=max(job.epoch, epoch))
+                self._jobs[jid] = replace(job, state="running")
 
     def fail(self, jid: str, code: ErrorCode, message: str) -> Job | None:
         """Mark a job failed with a reason (kept in memory: a restart re-checks the data)."""
