@@ -191,7 +191,8 @@ class Loader:
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next iteration start where ``state`` left off."""
+        """Make the next iteration start where ``state`` left off (a state of any rank of the
+        same world size: DDP ranks share their position)."""
         if state.get("version") != STATE_VERSION:
             raise BadRequest(
                 f"state version {state.get('version')!r}; this client reads {STATE_VERSION}"
@@ -199,7 +200,9 @@ class Loader:
         spec = JobSpec.model_validate(state["spec"])
         if spec != self.spec:
             raise BadRequest(f"state is for job {spec!r}, this loader serves {self.spec!r}")
-        if (state["rank"], state["world_size"]) != (self.world.rank, self.world.world_size):
+        # Another rank's state of the same world is accepted: DDP ranks step together, so
+        # their positions are equal, and a checkpoint (Lightning's) holds rank 0's only.
+        if state["world_size"] != self.world.world_size:
             raise BadRequest(
                 f"state is for rank {state['rank']} of {state['world_size']}, this loader is rank "
                 f"{self.world.rank} of {self.world.world_size}"
