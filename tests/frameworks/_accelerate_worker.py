@@ -61,7 +61,7 @@ def main() -> None:
         "rank": accelerator.process_index, "world_size": accelerator.num_processes,
         "same_object": prepared is loader, "loader_world": [loader.world.rank, loader.world.world_size],
         "seen": seen, "rest": rest, "steps": len(losses),
-        "weights_moved": float((model.weight.detach() - before).abs().sum()),
+        "weights_moved": float((accelerator.unwrap_model(model).weight.detach() - before).abs().sum()),
     }  # fmt: skip
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
     loader.close()
