@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from shardserve.client import Loader
 from shardserve.server.planning import plan
 from tests.frameworks.conftest import N_SAMPLES
+from tests.support.data import sample_id_of
 
 pytest.importorskip("lightning")
 
@@ -50,6 +52,15 @@ def test_one_device_epochs_follow_the_plan(server, tmp_path: Path, how: str) -> 
     args = {"datamodule": ["--val"], "bare": ["--bare"], "bare-hook": ["--bare", "--hook"]}[how]
     rec = fit(server.http_url, tmp_path, "--epochs", "3", *args)[0]
     assert rec["loader_type"] == "Loader" and rec["loader_world"] == [0, 1]
+    with Loader(server.http_url, "cifar", 100, seed=5, rank=0, world_size=1) as loader:
+        plain = {}
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            plain[str(epoch)] = [
+                [int(i) for i in sample_id_of({k: b[k].numpy() for k in ("image", "label")})]
+                for b in loader
+            ]
+    assert rec["seen"] == plain
     for epoch in range(3):
         assert rec["seen"][str(epoch)] == planned(epoch, 1, 0), f"epoch {epoch}"
 
