@@ -189,7 +189,10 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
             rows.append((label, _run([dl])))
         root.mkdir(parents=True, exist_ok=True)
         ingest_s = _ingest(root, folder)
-        print(f"ingested the folder into {root} in {ingest_s:.1f} s (once)", flush=True)
+        if ingest_s:
+            print(f"ingested the folder into {root} in {ingest_s:.1f} s (once)", flush=True)
+        else:
+            print(f"{TRAIN} is already in {root}: not ingested again", flush=True)
         with serve_local(root) as url, Loader(url, TRAIN, batch_size, seed=0) as loader:
             print(
                 f"server up at {url}; training {epochs} epochs through the Loader ...", flush=True
