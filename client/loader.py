@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import os
 import weakref
@@ -13,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardserve.proto.errors import BadRequest, ShardserveError
+from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
 from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
 
@@ -59,11 +58,14 @@ class Loader:
     >>> loader.stats().stall_fraction                                              # doctest: +SKIP
     0.02
 
-    Epochs: ``set_epoch(e)`` chooses the next iteration's epoch. Without it, the first
-    iteration uses the job's epoch (``PUT /v1/jobs/{id}/epoch``) and each later one advances,
-    so a forgotten ``set_epoch`` never repeats an order. ``state_dict()`` records the epoch in
-    progress and the next batch the loop has not received; ``load_state_dict()`` makes the
-    next iteration yield exactly the rest of that epoch.
+    Epochs are the trainer's: ``set_epoch(e)`` chooses the next iteration's epoch. Without
+    it, a new Loader starts at epoch 0 (or at the epoch an operator set with
+    ``PUT /v1/jobs/{id}/epoch``), and ``iter()`` moves on to the next epoch only after a pass
+    that yielded batches (completed or abandoned), so a forgotten ``set_epoch`` never repeats
+    an order and an ``iter()`` that only checks the object (as Lightning does) moves nothing.
+    Two runs of the same script see the same batches. ``state_dict()`` records the epoch in
+    progress and the next batch the loop has not received (at an epoch's end: the next epoch,
+    batch 0); ``load_state_dict()`` makes the next iteration yield exactly the rest.
 
     Every wait is bounded by ``timeout``: a stalled stream raises ``DataStallError``, a
     server-side failure raises its typed error (``DatasetCorruptError``, ``JobFailed``...).
@@ -161,13 +163,14 @@ class Loader:
         self._closed = False
         self._copier = DeviceCopier(self.device)
         self._boot_id = read_boot_id()
-        # (epoch, start batch) for the next iteration, from set_epoch / load_state_dict.
+        # (epoch, start batch) for the next iteration, from set_epoch / load_state_dict, or
+        # that of an iteration which has not yielded yet (an iter() that moved nothing).
         self._pending: tuple[int, int] | None = None
         self._epoch: int | None = None  # epoch of the current or last iteration
         self._next_batch = 0
         self._epoch_done = False
+        self._pass = 0  # which iter() the live generator belongs to
         self._resident: Resident | None = None
-        self._resident_iter: object = None  # identifies the live resident iterator
         self.envs = envs
         self._active: EpochStream | None = None
         self._stream: EpochStream | None = None
@@ -200,12 +203,13 @@ class Loader:
         return self._num_batches
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loop is: the epoch in progress and the next batch it has not received."""
+        """Where the loop is: the epoch in progress and the next batch it has not received;
+        after an epoch's last batch, the start of the next epoch."""
         if self._pending is not None:
             epoch, nxt = self._pending
         elif self._epoch is None:
             epoch, nxt = self._job_epoch, 0
-        elif self._epoch_done:
+        elif self._epoch_done or self._next_batch >= self._num_batches:
             epoch, nxt = self._epoch + 1, 0
         else:
             epoch, nxt = self._epoch, self._next_batch
@@ -215,12 +219,15 @@ class Loader:
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next iteration start where ``state`` left off (``BadRequest`` naming the
-        problem if ``state`` is damaged or belongs to another job, rank or version)."""
+        """Make the next iteration start where ``state`` left off: a state of any rank of the
+        same world size (DDP ranks share their position); ``BadRequest`` naming the problem if
+        ``state`` is damaged or belongs to another job, world size or version."""
         st = parse_state(state, STATE_VERSION)
         if st.spec != self.spec:
             raise BadRequest(f"state is for job {st.spec!r}, this loader serves {self.spec!r}")
-        if (st.rank, st.world_size) != (self.world.rank, self.world.world_size):
+        # Another rank's state of the same world is accepted: DDP ranks step together, so
+        # their positions are equal, and a checkpoint (Lightning's) holds rank 0's only.
+        if st.world_size != self.world.world_size:
             raise BadRequest(
                 f"state is for rank {st.rank} of {st.world_size}, this loader is rank "
                 f"{self.world.rank} of {self.world.world_size}"
@@ -233,15 +240,13 @@ class Loader:
         self._pending = (st.epoch, st.next_batch)
 
     def _next_position(self) -> tuple[int, int]:
-        if self._pending is not None:
-            pos, self._pending = self._pending, None
-            return pos
-        if self._epoch is None:
-            return self._job_epoch, 0
-        # The control plane's epoch is advice; the stream itself reports real trouble.
-        with contextlib.suppress(ShardserveError):
-            self._job_epoch = self._api.job(self.job_id, timeout=min(self.timeout, 2.0)).epoch
-        return max(self._epoch + 1, self._job_epoch), 0
+        # Kept until the iteration yields: an iter() that is dropped unused moves nothing.
+        if self._pending is None:
+            if self._epoch is None:
+                self._pending = (self._job_epoch, 0)
+            else:  # the last iteration yielded batches or ended its epoch
+                self._pending = (self._epoch + 1, 0)
+        return self._pending
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -283,9 +288,11 @@ class Loader:
         epoch, start = self._next_position()
         if self._resident is not None:
             self._epoch, self._next_batch, self._epoch_done = epoch, start, False
-            self._resident_iter = token = object()
-            return self._run_resident(self._resident, epoch, start, token)
-        stream = self._stream
+            self._pass += 1
+            return self._run_resident(self._resident, self._pass, (epoch, start))
+        # The stream opened ahead, or that of an iteration that never delivered (an iter() to
+        # check the object): both still hold their batches for the loop.
+        stream = self._stream or self._active
         self._stream = None
         if (
             stream is None
@@ -296,14 +303,15 @@ class Loader:
             stream = self._open(epoch, start)
         self._epoch, self._next_batch, self._epoch_done = epoch, start, False
         self._active = stream
-        return self._run(stream)
+        self._pass += 1
+        return self._run(stream, self._pass, (epoch, start))
 
-    def _run(self, stream: EpochStream) -> Iterator[Batch]:
+    def _run(self, stream: EpochStream, this_pass: int, pos: tuple[int, int]) -> Iterator[Batch]:
         try:
             while True:
                 if self._closed:
                     raise RuntimeError("this Loader was closed while iterating")
-                if self._active is not stream:
+                if self._pass != this_pass:
                     # Both would read one socket: the newer iterator would lose batches to this one.
                     raise RuntimeError(
                         "this iterator was replaced by a newer iter(loader); use that one"
@@ -327,14 +335,19 @@ class Loader:
                 self._next_batch = header.index + 1
                 self._stats.delivered(t0, header.nbytes)
                 stream.consumed()
+                if self._pending == pos:
+                    self._pending = None  # begun: the next iter() moves on
                 yield batch
+            if self._pending == pos:
+                self._pending = None
             self._epoch_done = True
         finally:
             self._stats.pause()
 
     def _run_resident(
-        self, resident: Resident, epoch: int, start: int, token: object
+        self, resident: Resident, this_pass: int, pos: tuple[int, int]
     ) -> Iterator[Any]:
+        epoch, start = pos
         plans = resident.epoch(epoch)
         self._num_batches = plans[0].num_batches
         nbytes = resident.sample_nbytes * self.spec.batch_size * len(plans)
@@ -342,7 +355,7 @@ class Loader:
             for i in range(start, self._num_batches):
                 if self._closed:
                     raise RuntimeError("this Loader was closed while iterating")
-                if self._resident_iter is not token:
+                if self._pass != this_pass:
                     raise RuntimeError(
                         "this iterator was replaced by a newer iter(loader); use that one"
                     )
@@ -350,7 +363,11 @@ class Loader:
                 batches = [p.batch(i) for p in plans]
                 self._next_batch = i + 1
                 self._stats.delivered(t0, nbytes)
+                if self._pending == pos:
+                    self._pending = None  # begun: the next iter() moves on
                 yield batches if self.envs > 1 else batches[0]
+            if self._pending == pos:
+                self._pending = None
             self._epoch_done = True
         finally:
             self._stats.pause()
