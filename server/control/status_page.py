@@ -83,6 +83,22 @@ def _job_section(j: JobStatus) -> str:
     )
 
 
+def _cache_section(service: ServiceDep) -> str:
+    """The remote store's shard cache, when there is one (the store URI carries no secrets)."""
+    c = service.cache_summary()
+    if c is None:
+        return ""
+    reads = c["hits"] + c["misses"]
+    rate = f"{c['hits'] / reads:.0%}" if reads else "—"
+    mean = f"{c['fetch_seconds'] / c['fetches'] * 1000:.0f} ms" if c["fetches"] else "—"
+    return (
+        f"<h2>shard cache</h2><p class='meta'>store {_e(service.settings.store_shown)} · "
+        f"{_e(_bytes(c['used_bytes']))} of {_e(_bytes(c['limit_bytes']))} · hits {c['hits']:.0f} · "
+        f"misses {c['misses']:.0f} · hit rate {rate} · fetched {_e(_bytes(c['fetched_bytes']))} "
+        f"in {c['fetches']:.0f} shards · mean fetch {mean} · evictions {c['evictions']:.0f}</p>"
+    )
+
+
 @router.get("/", response_class=HTMLResponse)
 def status_page(service: ServiceDep) -> HTMLResponse:
     """The human view of datasets, jobs and ranks."""
@@ -100,6 +116,7 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         streams=service.board.open_streams(),
         dataset_rows="\n".join(_dataset_row(d) for d in service.datasets())
         or "<tr><td class='l' colspan='5'>no datasets</td></tr>",
-        job_sections="\n".join(_job_section(j) for j in jobs) or "<p>no jobs</p>",
+        job_sections=("\n".join(_job_section(j) for j in jobs) or "<p>no jobs</p>")
+        + _cache_section(service),
     )
     return HTMLResponse(page)

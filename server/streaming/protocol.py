@@ -342,6 +342,8 @@ class StreamHandler:
         ds = self.p.open_dataset(job.spec.dataset)
         fields = tuple(job.spec.fields or (f.name for f in ds.manifest.fields))
         plan = self.p.plans.rank_plan(job, epoch, seed, rank, shard_rows=ds.shard_rows)
+        if (hint := getattr(ds, "plan_hint", None)) is not None:
+            hint(plan)  # a remote dataset prefetches the shards this plan reads next
         m = ds.manifest
         batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
         return Prepared(ds, plan, fields, ds.part_shapes(fields), batch_bytes=batch_bytes)
