@@ -33,6 +33,8 @@ from .stream import EpochStream
 from .types import Batch, LoaderStats
 
 STATE_VERSION = 1
+#: Where ``Loader(None, ...)`` looks without ``SHARDSERVE_URL``: the node-local sidecar.
+DEFAULT_URL = "http://127.0.0.1:7070"
 _SHUFFLE: dict[object, ShuffleMode] = {
     True: "global",
     False: "none",
@@ -63,7 +65,8 @@ class Loader:
     server-side failure raises its typed error (``DatasetCorruptError``, ``JobFailed``...).
     A server restart is survived: the stream is re-opened at the next undelivered batch.
 
-    Arguments: ``shuffle`` True/False or ``"global"``/``"block"``/``"none"``; ``fields``
+    Arguments: ``url`` ``None`` means ``SHARDSERVE_URL``, else ``http://127.0.0.1:7070`` (one
+    sidecar per node: each rank talks to its own node's); ``shuffle`` True/False or ``"global"``/``"block"``/``"none"``; ``fields``
     limits and orders the fields served; ``rank``/``world_size`` default to
     ``torch.distributed``, then ``RANK``/``WORLD_SIZE``, then 0/1; ``device="cuda"`` copies
     through pinned buffers on a side stream to this rank's GPU (``LOCAL_RANK``); ``prefetch``
@@ -86,7 +89,7 @@ class Loader:
 
     def __init__(
         self,
-        url: str,
+        url: str | None,
         dataset: str,
         batch_size: int,
         seed: int = 0,
@@ -127,6 +130,8 @@ class Loader:
         self._rings = RingCache()
         self._blocks = CopyBlocks()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
+        # None: this node's sidecar, as the launcher set it (SHARDSERVE_URL) or the default.
+        url = url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
         self._api = ControlClient(url, self._token or None, timeout=min(timeout, 10.0))
         self._stats = StatsClock()
         try:
