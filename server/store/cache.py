@@ -157,6 +157,10 @@ class ShardCache:
             started = time.perf_counter()
             try:
                 fetch(tmp)
+                got = tmp.stat().st_size
+                if got != size:
+                    raise OSError(f"fetched {got} bytes for {path.name}, expected {size}")
+                self._touch(tmp)
                 os.rename(tmp, path)  # atomic publish: readers see all of it or nothing
             except BaseException:
                 tmp.unlink(missing_ok=True)
@@ -172,8 +176,11 @@ class ShardCache:
 
     @staticmethod
     def _touch(path: Path) -> None:
+        # An explicit time: the kernel's own file times tick coarsely (jiffies), which would
+        # tie shards used milliseconds apart.
+        now = time.time_ns()
         with contextlib.suppress(OSError):
-            os.utime(path)
+            os.utime(path, ns=(now, now))
 
     # -- prefetch -------------------------------------------------------------------------
     def prefetch(self, checksum: str, size: int, fetch: Callable[[Path], object]) -> None:

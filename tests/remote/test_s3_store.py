@@ -117,6 +117,8 @@ def test_cache_smaller_than_the_dataset_serves_identical_bytes(s3: S3, tmp_path:
         assert metric(srv.http_url, "shardserve_cache_misses_total") >= len(m.shards)
         assert metric(srv.http_url, "shardserve_cache_evictions_total") > 0
         assert metric(srv.http_url, "shardserve_cache_hits_total") > 0
+        # the block plan's next shards were fetched ahead of the reader
+        assert metric(srv.http_url, "shardserve_cache_prefetches_total") > 0
         fetched = metric(srv.http_url, "shardserve_cache_fetched_bytes_total")
         assert fetched >= m.total_bytes
         page = httpx.get(f"{srv.http_url}/", timeout=10).text
@@ -207,6 +209,7 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(s3: S3, tmp_path: Pa
     assert SECRET_KEY not in log and ACCESS_KEY not in log
 
 
+@pytest.mark.slow
 def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_path: Path) -> None:
     """The access key and secret appear nowhere a user or scraper can read: server log,
     /metrics, the status page, /v1/info, CLI output and errors, even with the store away."""
@@ -239,3 +242,31 @@ def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_pa
     for text in seen:
         assert SECRET_KEY not in text and ACCESS_KEY not in text, text[-2000:]
     assert any("unavailable" in t for t in seen)
+
+
+def test_two_servers_sharing_one_cache_dir_serve_identical_bytes(s3: S3, tmp_path: Path) -> None:
+    """Two server processes on one host, one cache folder smaller than the dataset, streaming
+    at the same time: both give the local store's bytes, and every cached file verifies."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    root = tmp_path / "local"
+    m = make_cifar_like(root, n=N, shard_bytes=256 << 10)
+    upload(s3, root, "cifar")
+    with run_server(root) as local:
+        want = epoch_bytes(local.http_url, 0, shuffle="block")
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-limit-bytes", str(m.total_bytes // 2))
+    with (
+        run_server(s3.uri("store"), *args, "--state-dir", str(tmp_path / "a"), env=s3.env) as a,  # type: ignore[arg-type]
+        run_server(s3.uri("store"), *args, "--state-dir", str(tmp_path / "b"), env=s3.env) as b,  # type: ignore[arg-type]
+        ThreadPoolExecutor(2) as pool,
+    ):
+        runs = [pool.submit(epoch_bytes, srv.http_url, 0, shuffle="block") for srv in (a, b)]
+        assert [r.result(timeout=120) for r in runs] == [want, want]
+    files = list(cache.glob("*.arrow"))
+    assert files
+    for f in files:
+        assert f.name.split("-", 1)[1] == xxhash.xxh3_64(f.read_bytes()).hexdigest() + ".arrow"
+    assert not list(cache.glob(".tmp-*"))
