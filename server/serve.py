@@ -44,7 +44,9 @@ def add_serve_command(sub: Any) -> None:
         description="Serve pre-collated batches over ZeroMQ and a FastAPI control plane. Every "
         "flag can also be set as SHARDSERVE_<NAME> in the environment; flags win.",
     )
-    p.add_argument("--store", help="store folder or URI, e.g. s3://bucket/prefix (SHARDSERVE_STORE)")
+    p.add_argument(
+        "--store", help="store folder or URI, e.g. s3://bucket/prefix (SHARDSERVE_STORE)"
+    )
     p.add_argument("--http", help="control plane HOST:PORT (default 127.0.0.1:7070; port 0 = any)")
     p.add_argument(
         "--data",
@@ -86,13 +88,20 @@ def add_serve_command(sub: Any) -> None:
         "--shm-limit-bytes", type=int, metavar="N", help="shared memory all slot rings may take together (default 4 GiB)"
     )
     p.add_argument(
-        "--cache-dir", metavar="DIR", help="local shard cache of a remote --store (SHARDSERVE_CACHE_DIR)"
+        "--cache-dir",
+        metavar="DIR",
+        help="local shard cache of a remote --store (SHARDSERVE_CACHE_DIR)",
     )
     p.add_argument(
-        "--cache-limit-bytes", type=int, metavar="N", help="bytes the shard cache keeps (default 64 GiB)"
+        "--cache-limit-bytes",
+        type=int,
+        metavar="N",
+        help="bytes the shard cache keeps (default 64 GiB)",
     )
     p.add_argument(
-        "--store-endpoint", metavar="URL", help="S3-compatible endpoint of a remote store (else AWS_ENDPOINT_URL)"
+        "--store-endpoint",
+        metavar="URL",
+        help="S3-compatible endpoint of a remote store (else AWS_ENDPOINT_URL)",
     )
     p.set_defaults(func=run_serve)
 

@@ -157,7 +157,11 @@ class Service:
                 log_event(log, "shm.stale_removed", segment=name)
         endpoints = self.streamer.start()
         log_event(
-            log, "service.started", jobs=n, store=self.settings.store_shown, data=",".join(endpoints)
+            log,
+            "service.started",
+            jobs=n,
+            store=self.settings.store_shown,
+            data=",".join(endpoints),
         )
         return endpoints
 

@@ -79,8 +79,7 @@ def _flock(path: Path, what: str, timeout: float = _LOCK_WAIT_S) -> Iterator[Non
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"waited {timeout:.0f} s for lock {path} ({what}); another process "
-                        "holds it"
+                        f"waited {timeout:.0f} s for lock {path} ({what}); another process holds it"
                     ) from None
                 time.sleep(delay)  # polling a lock with a deadline
                 delay = min(delay * 2, 0.1)
@@ -97,7 +96,10 @@ class ShardCache:
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], limit_bytes: int, metrics: CacheMetrics | None = None
+        self,
+        directory: str | os.PathLike[str],
+        limit_bytes: int,
+        metrics: CacheMetrics | None = None,
     ) -> None:
         if limit_bytes < 1:
             raise ValueError(f"cache limit must be at least 1 byte, got {limit_bytes}")

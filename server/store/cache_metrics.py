@@ -27,7 +27,9 @@ class CacheMetrics:
 
     def __init__(self, registry: CollectorRegistry, limit_bytes: int) -> None:
         r = self._registry = registry
-        self.hits = Counter("shardserve_cache_hits", "Shard reads served from the cache.", registry=r)
+        self.hits = Counter(
+            "shardserve_cache_hits", "Shard reads served from the cache.", registry=r
+        )
         self.misses = Counter(
             "shardserve_cache_misses", "Shard reads that fetched the shard first.", registry=r
         )

@@ -262,7 +262,10 @@ class RemoteStore:
         size = 0
         started = time.monotonic()
         try:
-            with self.fs.open_input_stream(self.path(name, info.path)) as src, open(dest, "wb") as out:
+            with (
+                self.fs.open_input_stream(self.path(name, info.path)) as src,
+                open(dest, "wb") as out,
+            ):
                 while chunk := src.read(_COPY_CHUNK):
                     h.update(chunk)
                     out.write(chunk)
@@ -326,10 +329,14 @@ class RemoteStore:
         with (
             tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp,
             tqdm(
-                total=manifest.total_bytes, unit="B", unit_scale=True, desc=f"verify {name}",
-                disable=not progress, file=sys.stderr,
+                total=manifest.total_bytes,
+                unit="B",
+                unit_scale=True,
+                desc=f"verify {name}",
+                disable=not progress,
+                file=sys.stderr,
             ) as bar,
-        ):  # fmt: skip
+        ):
             for info in manifest.shards:
                 dest = Path(tmp) / "shard.arrow"
                 self.fetch(name, info, dest)

@@ -70,7 +70,7 @@ class RemoteDataset(Dataset):
         self.shard_rows = np.array([s.rows for s in manifest.shards], dtype=np.int64)
         self._shard_starts = chunk_starts(self.shard_rows)
         self._verify_mode = verify
-        self._verified: set[int] = set()
+        self._checked: set[int] = set()
         self._failed: dict[int, DatasetCorruptError] = {}
         self._mapped: OrderedDict[int, _Open] = OrderedDict()
         self._lock = threading.Lock()
@@ -112,15 +112,15 @@ class RemoteDataset(Dataset):
                     raise
                 # A shard this process fetched was checksummed on the way in.
                 if lease.fetched:
-                    self._verified.add(s)
-                if s not in self._verified and self._verify_mode != "off":
+                    self._checked.add(s)
+                if s not in self._checked and self._verify_mode != "off":
                     try:
                         shard.verify()
                     except BaseException:
                         shard.close()
                         lease.release()
                         raise
-                    self._verified.add(s)
+                    self._checked.add(s)
             except DatasetCorruptError as e:
                 e = DatasetCorruptError(
                     f"{e} (dataset {self.manifest.name!r} in {self.store.root})"
@@ -255,7 +255,7 @@ class RemoteDataset(Dataset):
         first bad one."""
         for s in range(len(self.manifest.shards)):
             with self._lock:
-                self._verified.discard(s)
+                self._checked.discard(s)
             self._acquire(s)
             self._release([s])
 

@@ -27,11 +27,16 @@ def checksum(i: int) -> str:
 
 
 def main() -> None:
-    cache_dir, limit, seed, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    cache_dir, limit, seed, rounds = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+    )
     cache = ShardCache(Path(cache_dir), limit)
     fetched = 0
 
-    def fetch_of(i: int):  # noqa: ANN202
+    def fetch_of(i: int):
         def fetch(dest: Path) -> None:
             nonlocal fetched
             fetched += 1

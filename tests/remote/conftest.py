@@ -58,7 +58,9 @@ class S3:
 
     def start(self) -> None:
         """Start again on the same port; moto keeps its buckets in this process meanwhile."""
-        self.server = moto_server.ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
+        self.server = moto_server.ThreadedMotoServer(
+            ip_address=self.host, port=self.port, verbose=False
+        )
         self.server.start()  # type: ignore[attr-defined]
 
     def filesystem(self) -> object:

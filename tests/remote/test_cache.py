@@ -15,7 +15,7 @@ from shardserve.server.store.cache import ShardCache, cache_key
 from ._cache_worker import SIZE, checksum, content
 
 
-def fetch_of(i: int, calls: list[int]):  # noqa: ANN201
+def fetch_of(i: int, calls: list[int]):
     def fetch(dest: Path) -> None:
         calls.append(i)
         dest.write_bytes(content(i))
@@ -65,10 +65,19 @@ def test_processes_sharing_a_cache_never_corrupt_it(tmp_path: Path) -> None:
     read checks out, every file left verifies, and no temp file remains."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.remote._cache_worker", str(tmp_path), str(3 * SIZE),
-             str(seed), "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tests.remote._cache_worker",
+                str(tmp_path),
+                str(3 * SIZE),
+                str(seed),
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for seed in range(3)
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]

@@ -4,7 +4,6 @@ two nodes) and four ranks, two per sidecar, each finding its sidecar through SHA
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest

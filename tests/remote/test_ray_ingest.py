@@ -28,8 +28,11 @@ def ingest(*args: str) -> subprocess.CompletedProcess[str]:
     env.pop("RAY_ADDRESS")
     return subprocess.run(
         [sys.executable, "-m", "shardserve.server", "ingest", *args, "--quiet"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def make_source(folder: Path, files: int = 6) -> None:
@@ -37,9 +40,11 @@ def make_source(folder: Path, files: int = 6) -> None:
     rng = np.random.default_rng(1)
     for i in range(files):
         n = 40 + 7 * i
-        np.savez(folder / f"block-{i:02d}.npz",
-                 x=rng.standard_normal((n, 3, 5)).astype(np.float32),
-                 y=np.arange(n, dtype=np.int64) + 1000 * i)  # fmt: skip
+        np.savez(
+            folder / f"block-{i:02d}.npz",
+            x=rng.standard_normal((n, 3, 5)).astype(np.float32),
+            y=np.arange(n, dtype=np.int64) + 1000 * i,
+        )
 
 
 def test_ray_ingest_equals_local_ingest_sample_by_sample(tmp_path: Path) -> None:
@@ -50,8 +55,19 @@ def test_ray_ingest_equals_local_ingest_sample_by_sample(tmp_path: Path) -> None
     store = tmp_path / "store"
     r = ingest(str(src), "--store", str(store), "--name", "local", "--shard-size", "8KiB")
     assert r.returncode == 0, r.stderr
-    r = ingest(str(src), "--store", str(store), "--name", "viaray", "--shard-size", "8KiB",
-               "--engine", "ray", "--ray-cpus", "2")  # fmt: skip
+    r = ingest(
+        str(src),
+        "--store",
+        str(store),
+        "--name",
+        "viaray",
+        "--shard-size",
+        "8KiB",
+        "--engine",
+        "ray",
+        "--ray-cpus",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "ingested viaray:" in r.stdout
     st = Store(store)
@@ -72,8 +88,19 @@ def test_a_failing_ray_task_publishes_nothing(tmp_path: Path) -> None:
     make_source(src)
     (src / "block-03.npz").write_bytes(b"this is not a numpy file")
     store = tmp_path / "store"
-    r = ingest(str(src), "--store", str(store), "--name", "broken", "--engine", "ray",
-               "--ray-cpus", "2", "--shard-size", "8KiB")  # fmt: skip
+    r = ingest(
+        str(src),
+        "--store",
+        str(store),
+        "--name",
+        "broken",
+        "--engine",
+        "ray",
+        "--ray-cpus",
+        "2",
+        "--shard-size",
+        "8KiB",
+    )
     assert r.returncode == 2, r.stderr
     assert "block-03.npz" in r.stderr and "nothing published" in r.stderr
     assert not (store / "broken").exists()

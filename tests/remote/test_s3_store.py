@@ -19,7 +19,7 @@ from shardserve.server.store.remote import RemoteStore, StoreOptions
 from tests.support.data import make_cifar_like
 from tests.support.server import run_server
 
-from .conftest import ACCESS_KEY, SECRET_KEY, S3
+from .conftest import ACCESS_KEY, S3, SECRET_KEY
 
 N = 1200  # cifar-like samples of ~3 KiB: 1 MiB shards make 4 of them, 256 KiB ones 15
 
@@ -64,11 +64,24 @@ def test_cli_ingests_to_a_bucket_and_reads_it_back(s3: S3, tmp_path: Path) -> No
     src.mkdir()
     rng = np.random.default_rng(0)
     for i in range(3):
-        np.savez(src / f"part{i}.npz", x=rng.standard_normal((50, 4)).astype(np.float32),
-                 y=np.arange(i * 50, i * 50 + 50))  # fmt: skip
+        np.savez(
+            src / f"part{i}.npz",
+            x=rng.standard_normal((50, 4)).astype(np.float32),
+            y=np.arange(i * 50, i * 50 + 50),
+        )
     uri = s3.uri("cli")
-    r = cli("ingest", str(src), "--store", uri, "--name", "tbl", "--quiet",
-            "--shard-size", "2KiB", env=s3.env)  # fmt: skip
+    r = cli(
+        "ingest",
+        str(src),
+        "--store",
+        uri,
+        "--name",
+        "tbl",
+        "--quiet",
+        "--shard-size",
+        "2KiB",
+        env=s3.env,
+    )
     assert r.returncode == 0, r.stderr
     assert "ingested tbl: 150 samples" in r.stdout
     r = cli("ls", "--store", uri, env=s3.env)
@@ -82,8 +95,18 @@ def test_cli_ingests_to_a_bucket_and_reads_it_back(s3: S3, tmp_path: Path) -> No
     assert r.returncode == 2 and "--overwrite" in r.stderr
 
     local = tmp_path / "local"
-    r = cli("ingest", str(src), "--store", str(local), "--name", "tbl", "--quiet",
-            "--shard-size", "2KiB", env={})  # fmt: skip
+    r = cli(
+        "ingest",
+        str(src),
+        "--store",
+        str(local),
+        "--name",
+        "tbl",
+        "--quiet",
+        "--shard-size",
+        "2KiB",
+        env={},
+    )
     assert r.returncode == 0, r.stderr
     rs = RemoteStore(uri, StoreOptions.from_env(s3.env))
     from shardserve.server.store.cache import ShardCache
@@ -109,9 +132,12 @@ def test_cache_smaller_than_the_dataset_serves_identical_bytes(s3: S3, tmp_path:
         want = {e: epoch_bytes(local.http_url, e, shuffle="block") for e in (0, 1)}
     with run_server(
         s3.uri("store"),  # type: ignore[arg-type]
-        "--cache-dir", str(tmp_path / "cache"), "--cache-limit-bytes", str(limit),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--cache-limit-bytes",
+        str(limit),
         env=s3.env,
-    ) as srv:  # fmt: skip
+    ) as srv:
         for e in (0, 1):
             assert epoch_bytes(srv.http_url, e, shuffle="block") == want[e]
         assert metric(srv.http_url, "shardserve_cache_misses_total") >= len(m.shards)
@@ -137,17 +163,17 @@ def test_warm_cache_needs_no_fetch_and_a_global_shuffle_matches(s3: S3, tmp_path
         want = epoch_bytes(local.http_url, 0)
     with run_server(
         s3.uri("store"),  # type: ignore[arg-type]
-        "--cache-dir", str(tmp_path / "cache"), env=s3.env,
-    ) as srv:  # fmt: skip
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        env=s3.env,
+    ) as srv:
         assert epoch_bytes(srv.http_url, 0) == want
         fetched = metric(srv.http_url, "shardserve_cache_fetches_total")
         assert epoch_bytes(srv.http_url, 0) == want
         assert metric(srv.http_url, "shardserve_cache_fetches_total") == fetched
 
 
-def test_a_shard_corrupted_in_the_bucket_fails_loudly_with_its_name(
-    s3: S3, tmp_path: Path
-) -> None:
+def test_a_shard_corrupted_in_the_bucket_fails_loudly_with_its_name(s3: S3, tmp_path: Path) -> None:
     """A shard whose bytes in the bucket differ from the manifest's checksum raises
     DatasetCorruptError naming that shard, and the cache never publishes it."""
     root = tmp_path / "local"
@@ -181,12 +207,24 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(s3: S3, tmp_path: Pa
     smallest = max(s.bytes for s in m.shards)
     with run_server(
         s3.uri("store"),  # type: ignore[arg-type]
-        "--cache-dir", str(tmp_path / "cache"), "--cache-limit-bytes", str(2 * smallest),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--cache-limit-bytes",
+        str(2 * smallest),
         env=s3.env,
-    ) as srv:  # fmt: skip
+    ) as srv:
         got: list[bytes] = []
-        loader = Loader(srv.http_url, "cifar", 64, seed=5, rank=0, world_size=1, timeout=20,
-                        shuffle="none", prefetch=1)  # fmt: skip
+        loader = Loader(
+            srv.http_url,
+            "cifar",
+            64,
+            seed=5,
+            rank=0,
+            world_size=1,
+            timeout=20,
+            shuffle="none",
+            prefetch=1,
+        )
         state = loader.state_dict()
         started = time.monotonic()
         with pytest.raises(ShardserveError) as info:
@@ -219,8 +257,14 @@ def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_pa
     # credentials in the URI too: they must be cut from what is shown
     uri_with_creds = f"s3://{ACCESS_KEY}:{SECRET_KEY}@shards/store?endpoint_override=127.0.0.1:{s3.port}&scheme=http"
     seen: list[str] = []
-    with run_server(s3.uri("store"), "--cache-dir", str(tmp_path / "cache"),  # type: ignore[arg-type]
-                    "--log-level", "debug", env=s3.env) as srv:  # fmt: skip
+    with run_server(
+        s3.uri("store"),
+        "--cache-dir",
+        str(tmp_path / "cache"),  # type: ignore[arg-type]
+        "--log-level",
+        "debug",
+        env=s3.env,
+    ) as srv:
         epoch_bytes(srv.http_url, 0)
         for path in ("/metrics", "/", "/v1/info", "/v1/datasets", "/v1/jobs"):
             seen.append(httpx.get(f"{srv.http_url}{path}", timeout=10).text)
@@ -230,8 +274,11 @@ def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_pa
         seen.append(str(info.value))
         seen.append(httpx.get(f"{srv.http_url}/", timeout=10).text)
         seen.append(srv.log_tail(1 << 22))
-    for args in (("ls", "--store", s3.uri("store")), ("ls", "--store", uri_with_creds),
-                 ("verify", "--store", uri_with_creds, "cifar")):  # fmt: skip
+    for args in (
+        ("ls", "--store", s3.uri("store")),
+        ("ls", "--store", uri_with_creds),
+        ("verify", "--store", uri_with_creds, "cifar"),
+    ):
         r = cli(*args, env=s3.env)
         assert r.returncode != 0  # the endpoint is down
         seen += [r.stdout, r.stderr]

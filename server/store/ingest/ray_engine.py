@@ -42,11 +42,10 @@ from .registry import open_source
 from .run import IngestSummary
 
 
-
 def _ray() -> Any:
     try:
         import ray
-        import ray.data  # noqa: F401
+        import ray.data
     except ImportError:
         raise InvalidDataError(
             "--engine ray needs Ray Data: pip install 'shardserve[ray]'"
@@ -142,8 +141,9 @@ def ingest_ray(
     variable = set(variable) | source.variable
     if not ray.is_initialized():
         # RAY_ADDRESS (read by Ray) joins a cluster; otherwise a local instance is started.
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)  # fmt: skip
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
     cpus = int(ray.cluster_resources().get("CPU", 1))
     ray.data.DataContext.get_current().enable_progress_bars = False  # ours is below
     # A folder of .npy files is one table (a file per field): it cannot be split by file.
@@ -154,20 +154,34 @@ def ingest_ray(
     parts_root = temp / "parts"
     try:
         rows = [
-            {"part": i, "name": f"part-{i:05d}", "root": str(parts_root), "files": [str(f) for f in run],
-             "format": fmt, "shard_bytes": shard_bytes, "variable": sorted(variable)}
+            {
+                "part": i,
+                "name": f"part-{i:05d}",
+                "root": str(parts_root),
+                "files": [str(f) for f in run],
+                "format": fmt,
+                "shard_bytes": shard_bytes,
+                "variable": sorted(variable),
+            }
             for i, run in enumerate(runs)
-        ]  # fmt: skip
+        ]
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))
         done = []
-        with tqdm(total=len(rows), unit="part", desc=f"ingest {name} (ray, {cpus} CPUs)",
-                  disable=not progress, file=sys.stderr) as bar:  # fmt: skip
+        with tqdm(
+            total=len(rows),
+            unit="part",
+            desc=f"ingest {name} (ray, {cpus} CPUs)",
+            disable=not progress,
+            file=sys.stderr,
+        ) as bar:
             try:
                 for out in ds.map(write_part, num_cpus=1).iter_rows():
                     done.append(out)
                     bar.update(1)
             except Exception as e:  # a task's error arrives wrapped by Ray: keep its message
-                raise InvalidDataError(f"a Ray ingest task failed; nothing published: {_root_cause(e)}") from None
+                raise InvalidDataError(
+                    f"a Ray ingest task failed; nothing published: {_root_cause(e)}"
+                ) from None
         done.sort(key=lambda d: d["part"])
         parts = [layout.read_manifest(parts_root / d["name"]) for d in done]
         fields = _merge_fields(parts)
@@ -184,8 +198,12 @@ def ingest_ray(
             fields=fields,
             shards=tuple(shards),
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            source={"path": str(src_path.resolve()), "format": fmt, "files": str(len(files)),
-                    "engine": "ray"},  # fmt: skip
+            source={
+                "path": str(src_path.resolve()),
+                "format": fmt,
+                "files": str(len(files)),
+                "engine": "ray",
+            },
         )
         layout.write_manifest(temp, manifest)
         layout.publish(temp, root, name, overwrite=overwrite)

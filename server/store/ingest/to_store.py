@@ -35,16 +35,28 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestSumma
             from .ray_engine import ingest_ray
 
             summary = ingest_ray(
-                args.src, root, args.name, fmt=args.format, shard_bytes=args.shard_size,
-                overwrite=overwrite, variable=args.variable, progress=not args.quiet,
+                args.src,
+                root,
+                args.name,
+                fmt=args.format,
+                shard_bytes=args.shard_size,
+                overwrite=overwrite,
+                variable=args.variable,
+                progress=not args.quiet,
                 num_cpus=args.ray_cpus,
-            )  # fmt: skip
+            )
         else:
             summary = ingest(
-                args.src, root, args.name, fmt=args.format, shard_bytes=args.shard_size,
-                overwrite=overwrite, variable=args.variable, threads=args.threads,
+                args.src,
+                root,
+                args.name,
+                fmt=args.format,
+                shard_bytes=args.shard_size,
+                overwrite=overwrite,
+                variable=args.variable,
+                threads=args.threads,
                 progress=not args.quiet,
-            )  # fmt: skip
+            )
         if remote is None:
             return summary
         manifest = remote.upload(root / args.name, args.name, overwrite=args.overwrite)
