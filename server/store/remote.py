@@ -51,6 +51,11 @@ _REDACTED = "<redacted>"
 _COPY_CHUNK = 8 << 20
 
 
+def new_shard_prefix() -> str:
+    """A fresh folder name for one upload's shards (``shards-<random>``)."""
+    return f"{layout.SHARDS_DIR}-{_secrets.token_hex(4)}"
+
+
 class StoreUnavailable(ShardserveError):
     """The object store did not answer (endpoint down, network, timeout). Not the data's
     fault: the same request may succeed once the store is back."""
@@ -156,6 +161,7 @@ class RemoteStore:
         verify: str = "lazy",
     ) -> None:
         self.options = options or StoreOptions()
+        self._uri = uri  # may hold credentials: never shown, only handed to Ray tasks
         self._secrets = (*self.options.secrets, *_uri_secrets(uri))
         #: What to show: never the credentials.
         self.root = display_uri(uri)
@@ -167,6 +173,12 @@ class RemoteStore:
             raise InvalidDataError(self.scrub(f"cannot open store {self.root}: {e}")) from None
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
+
+    def reopen_args(self) -> dict[str, Any]:
+        """What a process elsewhere (a Ray task) needs to open this store again; credentials
+        other than a URI's own come from that process's environment."""
+        o = self.options
+        return {"uri": self._uri, "endpoint": o.endpoint, "region": o.region}
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.root!r})"
@@ -355,29 +367,40 @@ class RemoteStore:
     def upload(self, folder: Path, name: str, *, overwrite: bool) -> Manifest:
         """Publish the local dataset ``folder`` as ``name``: shards first, the manifest last.
 
-        With ``overwrite`` the old manifest is deleted first, so no reader ever sees a
-        manifest whose shards are half replaced. Shards are uploaded under a fresh ``shards``
-        prefix per upload, so a failed upload leaves only unreferenced objects.
+        Each upload puts its shards under a fresh ``shards-<random>/`` prefix, and the one
+        manifest object is replaced last (an object PUT is atomic), so a reader sees the old
+        dataset or the new one, never a mix; a failed upload leaves only unreferenced objects.
         """
-        validate_dataset_name(name)
-        if self.exists(name):
-            if not overwrite:
-                raise InvalidDataError(
-                    f"dataset {name!r} already exists in {self.root}; pass --overwrite to replace it"
-                )
-            self._delete(f"{name}/{layout.MANIFEST}")
+        self.check_absent(name, overwrite)
         local = layout.read_manifest(folder)
-        tag = _secrets.token_hex(4)
+        prefix = new_shard_prefix()
         shards = []
         for info in local.shards:
-            rel = f"{layout.SHARDS_DIR}-{tag}/{Path(info.path).name}"
-            self._put(folder / info.path, f"{name}/{rel}")
+            rel = f"{prefix}/{Path(info.path).name}"
+            self.put_file(folder / info.path, f"{name}/{rel}")
             shards.append(info.model_copy(update={"path": rel}))
         manifest = local.model_copy(update={"shards": tuple(shards)})
-        body = manifest.model_dump_json(indent=2).encode()
-        self._put_bytes(body, f"{name}/{layout.MANIFEST}")
-        log.info("published dataset %s at %s", name, self.where(name))
+        self.publish_manifest(manifest, overwrite=overwrite)
         return manifest
+
+    def check_absent(self, name: str, overwrite: bool) -> None:
+        """Refuse to write ``name`` over an existing dataset unless ``overwrite``."""
+        validate_dataset_name(name)
+        if not overwrite and self.exists(name):
+            raise InvalidDataError(
+                f"dataset {name!r} already exists in {self.root}; pass --overwrite to replace it"
+            )
+
+    def publish_manifest(self, manifest: Manifest, *, overwrite: bool) -> None:
+        """Write ``manifest.json`` of ``manifest.name``, the step that publishes it."""
+        self.check_absent(manifest.name, overwrite)
+        body = manifest.model_dump_json(indent=2).encode()
+        self._put_bytes(body, f"{manifest.name}/{layout.MANIFEST}")
+        log.info("published dataset %s at %s", manifest.name, self.where(manifest.name))
+
+    def put_file(self, src: Path, rel: str) -> None:
+        """Upload the local file ``src`` to ``rel`` under the store."""
+        self._put(src, rel)
 
     def _put(self, src: Path, rel: str) -> None:
         started = time.monotonic()
@@ -395,6 +418,11 @@ class RemoteStore:
                 out.write(data)
         except OSError as e:
             raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
+
+    def delete_prefix(self, rel: str) -> None:
+        """Remove everything under ``rel`` (best effort: leftovers are unreferenced anyway)."""
+        with contextlib.suppress(OSError):
+            self.fs.delete_dir(self.path(rel))
 
     def _delete(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -14,6 +14,8 @@ import pytest
 
 from shardserve.server.store.catalog import Store
 
+from .conftest import S3
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -105,3 +107,27 @@ def test_a_failing_ray_task_publishes_nothing(tmp_path: Path) -> None:
     assert "block-03.npz" in r.stderr and "nothing published" in r.stderr
     assert not (store / "broken").exists()
     assert not [p for p in store.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_ray_ingest_into_a_bucket_uploads_from_the_tasks(s3: S3, tmp_path: Path) -> None:
+    """With an s3:// store each task uploads its own shards and the driver the manifest; the
+    dataset equals the local ingest, and --overwrite replaces it whole."""
+    from shardserve.server.store.cache import ShardCache
+    from shardserve.server.store.remote import RemoteStore, StoreOptions
+
+    src = tmp_path / "src"
+    make_source(src)
+    store = tmp_path / "store"
+    assert ingest(str(src), "--store", str(store), "--name", "local").returncode == 0
+    uri = s3.uri("ray")
+    for extra in ((), ("--overwrite",)):
+        r = ingest(str(src), "--store", uri, "--name", "viaray", "--engine", "ray",
+                   "--ray-cpus", "2", "--shard-size", "8KiB", *extra)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    rs = RemoteStore(uri, StoreOptions.from_env(s3.env), cache=ShardCache(tmp_path / "c", 1 << 30))
+    a, b = Store(store).open("local"), rs.open("viaray", verify="full")
+    idx = np.arange(a.num_samples)
+    pa, pb = a.take(idx), b.take(idx)
+    for k in pa:
+        assert np.array_equal(pa[k], pb[k]), k
+    b.close()

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -37,6 +38,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_dataset_name
 
 from .. import layout
+from ..remote import new_shard_prefix
 from ..writer import ShardWriter
 from .registry import open_source
 from .run import IngestSummary
@@ -69,23 +71,44 @@ def groups_of(files: list[Path], sizes: list[int], tasks: int) -> list[list[Path
 
 
 def write_part(row: dict[str, Any]) -> dict[str, Any]:
-    """A Ray task: ingest ``row["files"]`` into the part dataset ``row["name"]``."""
-    root, name = Path(row["root"]), row["name"]
-    read = 0
-    with ShardWriter(
-        root, name, shard_bytes=int(row["shard_bytes"]), variable=set(row["variable"])
-    ) as writer:
-        for f in row["files"]:
-            source = open_source(Path(f), row["format"], threads=1)
-            for piece in source.pieces:
-                if piece.sample is not None:
-                    writer.add(piece.sample, where=piece.where)
-                elif piece.columns is not None:
-                    writer.add_batch(piece.columns, where=piece.where)
-                read += piece.nbytes
-        if writer.num_samples == 0:
-            raise InvalidDataError(f"files {row['files'][0]}... hold no samples")
-    return {"part": int(row["part"]), "name": name, "bytes": read}
+    """A Ray task: ingest ``row["files"]`` into the part dataset ``row["name"]``.
+
+    For a local store the part is published under ``row["root"]``; for a remote one
+    (``row["remote"]``) it is written to a task-local temp folder and its shards are uploaded
+    to the store under ``row["prefix"]``. Returns the part's manifest (JSON).
+    """
+    remote = row.get("remote")
+    with tempfile.TemporaryDirectory(prefix="shardserve-part-") as tmp:
+        root, name = Path(row["root"] if remote is None else tmp), row["name"]
+        read = 0
+        with ShardWriter(
+            root, name, shard_bytes=int(row["shard_bytes"]), variable=set(row["variable"])
+        ) as writer:
+            for f in row["files"]:
+                source = open_source(Path(f), row["format"], threads=1)
+                for piece in source.pieces:
+                    if piece.sample is not None:
+                        writer.add(piece.sample, where=piece.where)
+                    elif piece.columns is not None:
+                        writer.add_batch(piece.columns, where=piece.where)
+                    read += piece.nbytes
+            if writer.num_samples == 0:
+                raise InvalidDataError(f"files {row['files'][0]}... hold no samples")
+        manifest = writer.manifest
+        assert manifest is not None
+        if remote is not None:
+            from ..remote import RemoteStore, StoreOptions
+
+            store = RemoteStore(
+                remote["uri"], StoreOptions(endpoint=remote["endpoint"], region=remote["region"])
+            )
+            shards = []
+            for info in manifest.shards:
+                rel = f"{row['prefix']}/{name}-{Path(info.path).name}"
+                store.put_file(root / name / info.path, f"{row['dataset']}/{rel}")
+                shards.append(info.model_copy(update={"path": rel}))
+            manifest = manifest.model_copy(update={"shards": tuple(shards)})
+    return {"part": int(row["part"]), "manifest": manifest.model_dump_json(), "bytes": read}
 
 
 def _merge_fields(parts: list[Manifest]) -> tuple[FieldSpec, ...]:
@@ -123,14 +146,19 @@ def ingest_ray(
     variable: Collection[str] = (),
     progress: bool = True,
     num_cpus: int | None = None,
+    remote: Any = None,
 ) -> IngestSummary:
-    """Ingest ``src`` into dataset ``name`` of the folder ``store`` with Ray Data tasks."""
+    """Ingest ``src`` into dataset ``name`` with Ray Data tasks: of the folder ``store``, or,
+    given ``remote`` (a :class:`~..remote.RemoteStore`), of that store, each task uploading
+    its own shards and the driver the manifest last (``store`` is then unused)."""
     validate_dataset_name(name)
     ray = _ray()
     src_path, root = Path(src), Path(store)
     if not src_path.exists():
         raise InvalidDataError(f"source {src_path} does not exist")
-    if (root / name).exists() and not overwrite:
+    if remote is not None:
+        remote.check_absent(name, overwrite)
+    elif (root / name).exists() and not overwrite:
         raise InvalidDataError(
             f"dataset {name!r} already exists in {root}; pass --overwrite to replace it"
         )
@@ -149,9 +177,13 @@ def ingest_ray(
     # A folder of .npy files is one table (a file per field): it cannot be split by file.
     split = not (fmt == "npz" and any(f.suffix.lower() == ".npy" for f in files))
     runs = groups_of(files, sizes, 2 * cpus) if split else [[src_path]]
-    layout.clean_stale(root)
-    temp = layout.new_temp_dir(root, name)
+    if remote is None:
+        layout.clean_stale(root)
+        temp = layout.new_temp_dir(root, name)
+    else:
+        temp = Path(tempfile.mkdtemp(prefix="shardserve-ray-"))  # nothing is written here
     parts_root = temp / "parts"
+    prefix = new_shard_prefix()
     try:
         rows = [
             {
@@ -162,6 +194,9 @@ def ingest_ray(
                 "format": fmt,
                 "shard_bytes": shard_bytes,
                 "variable": sorted(variable),
+                "remote": remote.reopen_args() if remote is not None else None,
+                "dataset": name,
+                "prefix": prefix,
             }
             for i, run in enumerate(runs)
         ]
@@ -179,19 +214,25 @@ def ingest_ray(
                     done.append(out)
                     bar.update(1)
             except Exception as e:  # a task's error arrives wrapped by Ray: keep its message
+                msg = _root_cause(e)
+                if remote is not None:
+                    msg = remote.scrub(msg)
                 raise InvalidDataError(
-                    f"a Ray ingest task failed; nothing published: {_root_cause(e)}"
+                    f"a Ray ingest task failed; nothing published: {msg}"
                 ) from None
         done.sort(key=lambda d: d["part"])
-        parts = [layout.read_manifest(parts_root / d["name"]) for d in done]
+        parts = [Manifest.model_validate_json(d["manifest"]) for d in done]
         fields = _merge_fields(parts)
         shards: list[ShardInfo] = []
-        for d, m in zip(done, parts, strict=True):
+        for m in parts:
             for info in m.shards:
+                if remote is not None:  # already uploaded by the task, under its final name
+                    shards.append(info)
+                    continue
                 rel = layout.shard_name(len(shards))
-                os.rename(parts_root / d["name"] / info.path, temp / rel)
+                os.rename(parts_root / m.name / info.path, temp / rel)
                 shards.append(info.model_copy(update={"path": rel}))
-        shutil.rmtree(parts_root)
+        shutil.rmtree(parts_root, ignore_errors=True)
         manifest = Manifest(
             name=name,
             num_samples=sum(m.num_samples for m in parts),
@@ -205,11 +246,17 @@ def ingest_ray(
                 "engine": "ray",
             },
         )
-        layout.write_manifest(temp, manifest)
-        layout.publish(temp, root, name, overwrite=overwrite)
+        if remote is not None:
+            remote.publish_manifest(manifest, overwrite=overwrite)
+        else:
+            layout.write_manifest(temp, manifest)
+            layout.publish(temp, root, name, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
+        if remote is not None:  # shards some tasks uploaded: nothing references them
+            remote.delete_prefix(f"{name}/{prefix}")
         raise
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     read = sum(d["bytes"] for d in done)
     return IngestSummary(manifest, len(files), read, time.perf_counter() - started)
 

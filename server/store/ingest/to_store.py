@@ -22,44 +22,38 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestSumma
     """Run ``shardserve ingest`` for ``args``; ``remote`` is the :class:`RemoteStore` of a URI
     ``--store`` (``None`` for a folder)."""
     started = time.perf_counter()
-    if remote is not None and not args.overwrite and remote.exists(args.name):
-        from shardserve.proto.errors import InvalidDataError
+    if remote is not None:
+        remote.check_absent(args.name, args.overwrite)  # fail before any work
+    if args.engine == "ray":
+        from .ray_engine import ingest_ray
 
-        raise InvalidDataError(
-            f"dataset {args.name!r} already exists in {remote.root}; pass --overwrite to replace it"
+        # With a remote store the tasks upload their own shards (they may run on other
+        # machines) and the driver publishes the manifest.
+        return ingest_ray(
+            args.src,
+            args.store,
+            args.name,
+            fmt=args.format,
+            shard_bytes=args.shard_size,
+            overwrite=args.overwrite,
+            variable=args.variable,
+            progress=not args.quiet,
+            num_cpus=args.ray_cpus,
+            remote=remote,
         )
+    assert remote is not None  # a local store with the local engine never comes here
     with tempfile.TemporaryDirectory(prefix="shardserve-ingest-") as tmp:
-        root = Path(tmp) if remote is not None else Path(args.store)
-        overwrite = args.overwrite if remote is None else False
-        if args.engine == "ray":
-            from .ray_engine import ingest_ray
-
-            summary = ingest_ray(
-                args.src,
-                root,
-                args.name,
-                fmt=args.format,
-                shard_bytes=args.shard_size,
-                overwrite=overwrite,
-                variable=args.variable,
-                progress=not args.quiet,
-                num_cpus=args.ray_cpus,
-            )
-        else:
-            summary = ingest(
-                args.src,
-                root,
-                args.name,
-                fmt=args.format,
-                shard_bytes=args.shard_size,
-                overwrite=overwrite,
-                variable=args.variable,
-                threads=args.threads,
-                progress=not args.quiet,
-            )
-        if remote is None:
-            return summary
-        manifest = remote.upload(root / args.name, args.name, overwrite=args.overwrite)
+        summary = ingest(
+            args.src,
+            tmp,
+            args.name,
+            fmt=args.format,
+            shard_bytes=args.shard_size,
+            variable=args.variable,
+            threads=args.threads,
+            progress=not args.quiet,
+        )
+        manifest = remote.upload(Path(tmp) / args.name, args.name, overwrite=args.overwrite)
     return IngestSummary(
         manifest, summary.files, summary.source_bytes, time.perf_counter() - started
     )
