@@ -103,6 +103,12 @@ def add_serve_command(sub: Any) -> None:
         metavar="URL",
         help="S3-compatible endpoint of a remote store (else AWS_ENDPOINT_URL)",
     )
+    p.add_argument(
+        "--store-timeout-s",
+        type=float,
+        metavar="S",
+        help="longest object-store request, 3 attempts each (default 10)",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -126,6 +132,7 @@ _FLAGS = (
     "cache_dir",
     "cache_limit_bytes",
     "store_endpoint",
+    "store_timeout_s",
 )
 
 

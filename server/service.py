@@ -8,6 +8,7 @@ on the streamer (never by waiting on it). Start order: journal replay -> data pl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -85,7 +86,11 @@ def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | Remo
         return Store(settings.store)
     # The object store's own client reads its credentials from the environment; we read the
     # same variables only to keep their values out of every message we write.
-    options = StoreOptions.from_env(os.environ, settings.store_endpoint)
+    options = dataclasses.replace(
+        StoreOptions.from_env(os.environ, settings.store_endpoint),
+        request_timeout_s=settings.store_timeout_s,
+        connect_timeout_s=min(5.0, settings.store_timeout_s),
+    )
     return open_store(
         settings.store,
         options=options,

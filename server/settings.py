@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     cache_limit_bytes: int = Field(default=64 << 30, ge=1)
     #: S3-compatible endpoint URL for a remote store (else ``AWS_ENDPOINT_URL``).
     store_endpoint: str | None = None
+    #: Seconds one object-store request may take; with 3 attempts a read of a store that
+    #: stopped answering fails within about 3x this, inside a client's default 60 s deadline.
+    store_timeout_s: float = Field(default=10.0, gt=0, le=600)
 
     @field_validator("store", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from string import Template
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
+from shardserve.proto.errors import ShardserveError
 from shardserve.proto.jobs import DatasetInfo, JobStatus, RankStatus
 
 from .deps import Authorized, ServiceDep
@@ -83,6 +84,14 @@ def _job_section(j: JobStatus) -> str:
     )
 
 
+def _dataset_rows(service: ServiceDep) -> str:
+    try:
+        rows = "\n".join(_dataset_row(d) for d in service.datasets())
+    except ShardserveError as e:  # a remote store that is away: the page still renders
+        return f"<tr><td class='l failed' colspan='5'>{_e(e)}</td></tr>"
+    return rows or "<tr><td class='l' colspan='5'>no datasets</td></tr>"
+
+
 def _cache_section(service: ServiceDep) -> str:
     """The remote store's shard cache, when there is one (the store URI carries no secrets)."""
     c = service.cache_summary()
@@ -114,8 +123,7 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         protocols=_e(",".join(map(str, info.protocols))),
         endpoints=_e(" ".join(info.data_endpoints)),
         streams=service.board.open_streams(),
-        dataset_rows="\n".join(_dataset_row(d) for d in service.datasets())
-        or "<tr><td class='l' colspan='5'>no datasets</td></tr>",
+        dataset_rows=_dataset_rows(service),
         job_sections=("\n".join(_job_section(j) for j in jobs) or "<p>no jobs</p>")
         + _cache_section(service),
     )

@@ -196,9 +196,15 @@ def test_a_shard_corrupted_in_the_bucket_fails_loudly_with_its_name(s3: S3, tmp_
     assert len(m.shards) > 1
 
 
-def test_endpoint_going_away_mid_epoch_errors_then_recovers(s3: S3, tmp_path: Path) -> None:
-    """When the S3 endpoint stops mid-epoch, the loop gets a clear error naming the store
-    within its deadline; once the endpoint is back, a resumed loop gives exactly the rest."""
+@pytest.mark.parametrize("how", ["stopped", "hung"])
+def test_endpoint_going_away_mid_epoch_errors_then_recovers(
+    s3: S3, tmp_path: Path, how: str
+) -> None:
+    """When the S3 endpoint stops (connections refused) or hangs (accepts, never answers)
+    mid-epoch, the loop gets a clear error naming the store within its deadline; once the
+    endpoint is back, a resumed loop gives exactly the rest."""
+    import socket
+
     root = tmp_path / "local"
     m = make_cifar_like(root, n=N, shard_bytes=256 << 10)
     upload(s3, root, "cifar")
@@ -211,9 +217,12 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(s3: S3, tmp_path: Pa
         str(tmp_path / "cache"),
         "--cache-limit-bytes",
         str(2 * smallest),
+        "--store-timeout-s",
+        "1",
         env=s3.env,
     ) as srv:
         got: list[bytes] = []
+        black_hole = socket.socket()
         loader = Loader(
             srv.http_url,
             "cifar",
@@ -233,11 +242,16 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(s3: S3, tmp_path: Pa
                 state = loader.state_dict()
                 if i == 3:
                     s3.stop()
+                    if how == "hung":  # the port accepts connections that never get an answer
+                        black_hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                        black_hole.bind((s3.host, s3.port))
+                        black_hole.listen(64)
                     started = time.monotonic()
         waited = time.monotonic() - started
         assert "unavailable" in str(info.value) and "s3://shards/store" in str(info.value)
         assert waited < 20, f"the error took {waited:.1f} s"
         assert 4 <= len(got) < len(want)
+        black_hole.close()
         s3.start()
         loader.load_state_dict(state)
         got += [b["image"].numpy().tobytes() for b in loader]
@@ -272,7 +286,11 @@ def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_pa
         with pytest.raises(ShardserveError) as info:
             epoch_bytes(srv.http_url, 1, shuffle="none", prefetch=1)
         seen.append(str(info.value))
-        seen.append(httpx.get(f"{srv.http_url}/", timeout=10).text)
+        page = httpx.get(f"{srv.http_url}/", timeout=10)
+        assert page.status_code == 200 and "unavailable" in page.text  # the page still renders
+        listing = httpx.get(f"{srv.http_url}/v1/datasets", timeout=10)
+        assert listing.status_code == 503, listing.text
+        seen += [page.text, listing.text]
         seen.append(srv.log_tail(1 << 22))
     for args in (
         ("ls", "--store", s3.uri("store")),
