@@ -28,7 +28,7 @@ from shardserve.proto.manifest import Manifest
 
 from .cache import Lease, ShardCache
 from .dataset import Dataset
-from .gather import Positions, groups, ragged_parts, take_arrow, take_fixed
+from .gather import ALL, Positions, groups, ragged_parts, take_arrow, take_fixed
 from .index import as_indices, check_bounds, chunk_starts, locate
 from .shards import MappedShard
 
@@ -73,6 +73,7 @@ class RemoteDataset(Dataset):
         self._checked: set[int] = set()
         self._failed: dict[int, DatasetCorruptError] = {}
         self._mapped: OrderedDict[int, _Open] = OrderedDict()
+        self._mapped_bytes = 0
         self._lock = threading.Lock()
         self._shard_locks = [threading.Lock() for _ in manifest.shards]
         #: ``(shards in reading order, position of each shard in it or -1)`` per plan.
@@ -132,6 +133,7 @@ class RemoteDataset(Dataset):
             entry.users = 1
             with self._lock:
                 self._mapped[s] = entry
+                self._mapped_bytes += info.bytes
         return shard
 
     def _release(self, shards: Sequence[int]) -> None:
@@ -139,14 +141,15 @@ class RemoteDataset(Dataset):
         with self._lock:
             for s in shards:
                 self._mapped[s].users -= 1
-            mapped = sum(e.shard.info.bytes for e in self._mapped.values())
+            if self._mapped_bytes <= self.cache.limit_bytes:
+                return
             for s in list(self._mapped):
-                if mapped <= self.cache.limit_bytes:
+                if self._mapped_bytes <= self.cache.limit_bytes:
                     break
                 entry = self._mapped[s]
                 if entry.users == 0:
                     del self._mapped[s]
-                    mapped -= entry.shard.info.bytes
+                    self._mapped_bytes -= entry.shard.info.bytes
                     entry.close()
 
     # -- prefetch -------------------------------------------------------------------------
@@ -194,10 +197,17 @@ class RemoteDataset(Dataset):
             raise ValueError(f"dataset {self.manifest.name!r} is closed")
         idx = as_indices(indices)
         names = self._names(fields)
-        check_bounds(idx, self.num_samples)
+        lo, hi = check_bounds(idx, self.num_samples)
         b = idx.size
-        shard_of = np.searchsorted(self._shard_starts, idx, "right") - 1
-        touched = np.unique(shard_of).tolist()
+        # Ids map to shards monotonically: a batch inside one shard (the common case with a
+        # block shuffle) is found from its min and max alone.
+        first, last = (np.searchsorted(self._shard_starts, [lo, hi], "right") - 1).tolist()
+        if not b:
+            touched: list[int] = []
+        elif first == last:
+            touched = [first]
+        else:
+            touched = np.unique(np.searchsorted(self._shard_starts, idx, "right") - 1).tolist()
         held: list[int] = []
         try:
             chunks = []
@@ -225,8 +235,13 @@ class RemoteDataset(Dataset):
         b: int,
         out: Mapping[str, np.ndarray] | None,
     ) -> dict[str, np.ndarray]:
-        chunk, rows = locate(idx, starts) if b else (idx, idx)
-        g: list[tuple[int, Positions]] = groups(chunk)
+        if len(chunks) == 1:  # one chunk holds the batch: no per-id search
+            base = int(starts[0])
+            rows = idx - base if base else idx
+            g: list[tuple[int, Positions]] = [(0, ALL)]
+        else:
+            chunk, rows = locate(idx, starts) if b else (idx, idx)
+            g = groups(chunk)
         parts: dict[str, np.ndarray] = {}
         for n in names:
             spec = self._specs[n]
@@ -264,5 +279,6 @@ class RemoteDataset(Dataset):
         self._closed = True
         with self._lock:
             entries, self._mapped = list(self._mapped.values()), OrderedDict()
+            self._mapped_bytes = 0
         for e in entries:
             e.close()
