@@ -38,6 +38,8 @@ STATE_VERSION = 1
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
 MAX_ENVS = 1024
+#: Where ``Loader(None, ...)`` looks without ``SHARDSERVE_URL``: the node-local sidecar.
+DEFAULT_URL = "http://127.0.0.1:7070"
 _SHUFFLE: dict[object, ShuffleMode] = {
     True: "global",
     False: "none",
@@ -71,7 +73,8 @@ class Loader:
     server-side failure raises its typed error (``DatasetCorruptError``, ``JobFailed``...).
     A server restart is survived: the stream is re-opened at the next undelivered batch.
 
-    Arguments: ``shuffle`` True/False or ``"global"``/``"block"``/``"none"``; ``fields``
+    Arguments: ``url`` ``None`` means ``SHARDSERVE_URL``, else ``http://127.0.0.1:7070`` (one
+    sidecar per node: each rank talks to its own node's); ``shuffle`` True/False or ``"global"``/``"block"``/``"none"``; ``fields``
     limits and orders the fields served; ``rank``/``world_size`` default to
     ``torch.distributed``, then ``RANK``/``WORLD_SIZE``, then 0/1; ``device="cuda"`` copies
     through pinned buffers on a side stream to this rank's GPU (``LOCAL_RANK``); ``prefetch``
@@ -101,7 +104,7 @@ class Loader:
 
     def __init__(
         self,
-        url: str,
+        url: str | None,
         dataset: str,
         batch_size: int,
         seed: int = 0,
@@ -144,6 +147,8 @@ class Loader:
         self._rings = RingCache()
         self._blocks = CopyBlocks()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
+        # None: this node's sidecar, as the launcher set it (SHARDSERVE_URL) or the default.
+        url = url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
         # A server that is restarting refuses connections for a moment: retry within timeout.
         self._api = ControlClient(
             url, self._token or None, timeout=min(timeout, 10.0), connect_retry_s=timeout

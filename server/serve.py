@@ -46,7 +46,9 @@ def add_serve_command(sub: Any) -> None:
         description="Serve pre-collated batches over ZeroMQ and a FastAPI control plane. Every "
         "flag can also be set as SHARDSERVE_<NAME> in the environment; flags win.",
     )
-    p.add_argument("--store", help="store folder (SHARDSERVE_STORE)")
+    p.add_argument(
+        "--store", help="store folder or URI, e.g. s3://bucket/prefix (SHARDSERVE_STORE)"
+    )
     p.add_argument("--http", help="control plane HOST:PORT (default 127.0.0.1:7070; port 0 = any)")
     p.add_argument(
         "--data",
@@ -128,6 +130,28 @@ def add_serve_command(sub: Any) -> None:
         metavar="N",
         help="live jobs the server tracks at most (default 4096)",
     )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="local shard cache of a remote --store (SHARDSERVE_CACHE_DIR)",
+    )
+    p.add_argument(
+        "--cache-limit-bytes",
+        type=int,
+        metavar="N",
+        help="bytes the shard cache keeps (default 64 GiB)",
+    )
+    p.add_argument(
+        "--store-endpoint",
+        metavar="URL",
+        help="S3-compatible endpoint of a remote store (else AWS_ENDPOINT_URL)",
+    )
+    p.add_argument(
+        "--store-timeout-s",
+        type=float,
+        metavar="S",
+        help="longest object-store request, 3 attempts each (default 10)",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -154,6 +178,10 @@ _FLAGS = (
     "idle_after_s",
     "job_ttl_s",
     "max_jobs",
+    "cache_dir",
+    "cache_limit_bytes",
+    "store_endpoint",
+    "store_timeout_s",
 )
 
 

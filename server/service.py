@@ -9,6 +9,7 @@ on the streamer (never by waiting on it). Start order: journal replay -> data pl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -44,6 +45,7 @@ from .metrics import JobsSnapshot, Metrics, RankSeries
 from .planning import num_batches
 from .settings import Settings
 from .store.catalog import Store
+from .store.remote import RemoteStore, StoreOptions, open_store
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
@@ -87,17 +89,38 @@ def dataset_info(m: Manifest) -> DatasetInfo:
     )
 
 
+def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | RemoteStore:
+    """The store of ``settings``: a folder, or a remote store with its local shard cache."""
+    if not settings.store_is_remote:
+        return Store(settings.store)
+    # The object store's own client reads its credentials from the environment; we read the
+    # same variables only to keep their values out of every message we write.
+    options = dataclasses.replace(
+        StoreOptions.from_env(os.environ, settings.store_endpoint),
+        request_timeout_s=settings.store_timeout_s,
+        connect_timeout_s=min(5.0, settings.store_timeout_s),
+    )
+    return open_store(
+        settings.store,
+        options=options,
+        cache_dir=settings.cache_dir,
+        cache_limit_bytes=settings.cache_limit_bytes,
+        registry=registry,
+        verify=settings.verify,
+    )
+
+
 class Service:
     """Store + jobs + data plane of one server process."""
 
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
-        self.store = Store(settings.store)
         self.journal = EpochJournal(settings.state_path / "jobs.jsonl")
         #: Why jobs are not journaled (another server owns the journal), if they are not.
         self.journal_problem: str | None = None
         self.jobs = JobRegistry(self.journal, max_jobs=settings.max_jobs)
         self.metrics = Metrics(registry)
+        self.store = _open_store(settings, self.metrics.registry)
         self.board = StreamBoard()
         self.plans = PlanCache()
         self.metrics.watch_store_bytes(self._store_bytes)
@@ -175,13 +198,19 @@ class Service:
                 log_event(log, "shm.stale_removed", segment=name)
         endpoints = self.streamer.start()
         log_event(
-            log, "service.started", jobs=n, store=str(self.settings.store), data=",".join(endpoints)
+            log,
+            "service.started",
+            jobs=n,
+            store=self.settings.store_shown,
+            data=",".join(endpoints),
         )
         return endpoints
 
     def stop(self) -> None:
         self.streamer.stop()
         self.journal.release()
+        if isinstance(self.store, RemoteStore) and self.store.cache is not None:
+            self.store.cache.close()  # no prefetch outlives the service
         # Every ring is unlinked when its stream closes; one still here is a bug, but it must
         # not outlive the process that alone could clean it up.
         for path in SHM_DIR.glob(f"{SHM_PREFIX}{os.getpid()}-*"):
@@ -195,7 +224,10 @@ class Service:
             return False, self.streamer.failure
         if not self.streamer.ready:
             return False, "data plane not serving (not bound yet, or stopping)"
+        if isinstance(self.store, RemoteStore):
+            return True, "ready"  # a store that is away fails the streams that need it, by name
         root = self.settings.store
+        assert isinstance(root, Path)
         if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
             return False, f"store {root} is not a readable folder"
         return True, "ready"
@@ -364,11 +396,21 @@ class Service:
             error=job.error,
         )
 
+    def cache_summary(self) -> dict[str, float] | None:
+        """The shard cache's counters, or ``None`` for a local store."""
+        cache = getattr(self.store, "cache", None)
+        if cache is None or cache.metrics is None:
+            return None
+        return cache.metrics.summary()
+
     def metrics_text(self) -> bytes:
         self.sweep()
         return self.metrics.render()
 
     def _store_bytes(self) -> float:
+        if isinstance(self.store, RemoteStore):
+            # A scrape must not list a bucket: count the datasets this server has opened.
+            return float(self.store.opened_bytes())
         try:
             return float(sum(m.total_bytes for m in self.store.list()))
         except Exception:  # a scrape must not fail because one manifest is unreadable

@@ -51,7 +51,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="forbid")
 
-    store: Path
+    #: A folder, or an object-store URI (``s3://bucket/prefix``) served through ``cache_dir``.
+    store: Path | str
     http: str = "127.0.0.1:7070"
     data: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["tcp://127.0.0.1:7071"])
     ipc: Path | None = None
@@ -84,6 +85,45 @@ class Settings(BaseSettings):
     job_ttl_s: float = Field(default=86400.0, ge=0)
     #: Jobs tracked at most; only live ones (pending, running) count: others are evicted.
     max_jobs: int = Field(default=4096, ge=1, le=1 << 20)
+    #: Local folder for whole shards of a remote store (may be shared by servers on a host).
+    cache_dir: Path | None = None
+    #: Bytes of shards the cache keeps (a target: shards being read are never evicted).
+    cache_limit_bytes: int = Field(default=64 << 30, ge=1)
+    #: S3-compatible endpoint URL for a remote store (else ``AWS_ENDPOINT_URL``).
+    store_endpoint: str | None = None
+    #: Seconds one object-store request may take; with 3 attempts a read of a store that
+    #: stopped answering fails within about 3x this, inside a client's default 60 s deadline.
+    store_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_path_or_uri(cls, v: object) -> object:
+        # A URI stays a string ("s3://b/p" as a Path would lose a slash); the rest are folders.
+        if isinstance(v, str) and "://" not in v:
+            return Path(v)
+        return v
+
+    @model_validator(mode="after")
+    def _remote_store_needs_cache(self) -> Settings:
+        if self.store_is_remote and self.cache_dir is None:
+            raise ValueError(
+                f"store {self.store_shown} is remote: set --cache-dir (SHARDSERVE_CACHE_DIR) "
+                "to a local folder for its shards"
+            )
+        return self
+
+    @property
+    def store_is_remote(self) -> bool:
+        return isinstance(self.store, str)
+
+    @property
+    def store_shown(self) -> str:
+        """The store as logs and pages show it: a URI without credentials."""
+        if isinstance(self.store, str):
+            from .store.remote import display_uri
+
+            return display_uri(self.store)
+        return str(self.store)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -147,8 +187,14 @@ class Settings(BaseSettings):
 
     @property
     def state_path(self) -> Path:
-        """Where the epoch journal lives: ``state_dir`` or ``<store>/.shardserve``."""
-        return self.state_dir if self.state_dir is not None else self.store / ".shardserve"
+        """Where the epoch journal lives: ``state_dir``, else ``<store>/.shardserve`` (a local
+        store) or ``<cache_dir>/.shardserve`` (a remote one)."""
+        if self.state_dir is not None:
+            return self.state_dir
+        if isinstance(self.store, str):
+            assert self.cache_dir is not None  # the validator insists
+            return self.cache_dir / ".shardserve"
+        return self.store / ".shardserve"
 
     @property
     def data_endpoints(self) -> list[str]:

@@ -30,6 +30,7 @@ from shardserve.proto.errors import (
 from shardserve.proto.jobs import ErrorBody
 
 from ..service import Service
+from ..store.remote import StoreUnavailable
 from . import datasets, health, jobs, status_page
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts
@@ -45,6 +46,7 @@ STATUS_FOR_ERROR: list[tuple[type[ShardserveError], int]] = [
     (DatasetCorruptError, 409),
     (JobFailed, 409),
     (ProtocolError, 409),
+    (StoreUnavailable, 503),
 ]
 
 

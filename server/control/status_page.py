@@ -21,6 +21,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from pydantic import ByteSize
 
+from shardserve.proto.errors import ShardserveError
 from shardserve.proto.jobs import DatasetInfo, JobStatus, RankStatus
 
 from .deps import Authorized, ServiceDep
@@ -134,6 +135,30 @@ def _jobs_html(jobs: list[JobStatus]) -> str:
     return out
 
 
+def _dataset_rows(service: ServiceDep) -> str:
+    try:
+        rows = "\n".join(_dataset_row(d) for d in service.datasets())
+    except ShardserveError as e:  # a remote store that is away: the page still renders
+        return f"<tr><td class='l failed' colspan='5'>{_e(e)}</td></tr>"
+    return rows or "<tr><td class='l' colspan='5'>no datasets</td></tr>"
+
+
+def _cache_section(service: ServiceDep) -> str:
+    """The remote store's shard cache, when there is one (the store URI carries no secrets)."""
+    c = service.cache_summary()
+    if c is None:
+        return ""
+    reads = c["hits"] + c["misses"]
+    rate = f"{c['hits'] / reads:.0%}" if reads else "—"
+    mean = f"{c['fetch_seconds'] / c['fetches'] * 1000:.0f} ms" if c["fetches"] else "—"
+    return (
+        f"<h2>shard cache</h2><p class='meta'>store {_e(service.settings.store_shown)} · "
+        f"{_e(_bytes(c['used_bytes']))} of {_e(_bytes(c['limit_bytes']))} · hits {c['hits']:.0f} · "
+        f"misses {c['misses']:.0f} · hit rate {rate} · fetched {_e(_bytes(c['fetched_bytes']))} "
+        f"in {c['fetches']:.0f} shards · mean fetch {mean} · evictions {c['evictions']:.0f}</p>"
+    )
+
+
 @router.get("/", response_class=HTMLResponse)
 def status_page(service: ServiceDep) -> HTMLResponse:
     """The human view of datasets, jobs and ranks."""
@@ -154,9 +179,8 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         jobs_total=len(jobs),
         ranks_connected=ranks,
         stall_now=_pct(service.board.stall_now()),
-        dataset_rows="\n".join(_dataset_row(d) for d in service.datasets())
-        or "<tr><td class='l' colspan='5'>no datasets</td></tr>",
-        job_sections=_jobs_html(jobs),
+        dataset_rows=_dataset_rows(service),
+        job_sections=_jobs_html(jobs) + _cache_section(service),
         warnings=(
             f"<p class='failed' id='journal'>{_e(service.journal_problem)}</p>"
             if service.journal_problem

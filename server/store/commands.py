@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
@@ -50,8 +51,13 @@ def _guarded(
                 file=sys.stderr,
             )
             return 2
+        from .remote import StoreUnavailable
+
         try:
             return fn(args)
+        except StoreUnavailable as e:
+            print(f"shardserve {command}: {e}", file=sys.stderr)
+            return 1
         except DatasetCorruptError as e:
             print(f"shardserve {command}: corrupt: {e}", file=sys.stderr)
             return 1
@@ -68,22 +74,34 @@ def _guarded(
     return run
 
 
-def _cmd_ingest(args: argparse.Namespace) -> int:
-    from .ingest.run import ingest
+def _open_store(store: str) -> Any:
+    from .remote import StoreOptions, open_store
 
-    summary = ingest(
-        args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
-        overwrite=args.overwrite, variable=args.variable, threads=args.threads,
-        progress=not args.quiet,
-    )  # fmt: skip
+    # The CLI entry point is where the environment is read (object-store endpoint, secrets).
+    return open_store(store, options=StoreOptions.from_env(os.environ))
+
+
+def _cmd_ingest(args: argparse.Namespace) -> int:
+    from .remote import is_uri
+
+    if getattr(args, "engine", "local") == "ray" or is_uri(args.store):
+        from .ingest.to_store import ingest_anywhere
+
+        summary = ingest_anywhere(args, _open_store(args.store) if is_uri(args.store) else None)
+    else:
+        from .ingest.run import ingest
+
+        summary = ingest(
+            args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
+            overwrite=args.overwrite, variable=args.variable, threads=args.threads,
+            progress=not args.quiet,
+        )  # fmt: skip
     print(summary.line())
     return 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from .catalog import Store
-
-    manifests = Store(args.store).list()
+    manifests = _open_store(args.store).list()
     if not manifests:
         print(f"no datasets in {args.store}", file=sys.stderr)
         return 0
@@ -97,9 +115,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .catalog import Store
-
-    m = Store(args.store).manifest(args.name)
+    m = _open_store(args.store).manifest(args.name)
     print(f"dataset   {m.name}")
     print(f"samples   {m.num_samples}")
     print(f"shards    {len(m.shards)} ({_human(m.total_bytes)})")
@@ -118,12 +134,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .catalog import Store
+    from .remote import RemoteStore
     from .verify import verify_dataset
 
-    store = Store(args.store)
-    manifest = store.manifest(args.name)
-    verify_dataset(store.root / manifest.name, manifest, progress=not args.quiet)
+    store = _open_store(args.store)
+    if isinstance(store, RemoteStore):
+        manifest = store.verify_dataset(args.name, progress=not args.quiet)
+    else:
+        manifest = store.manifest(args.name)
+        verify_dataset(store.root / manifest.name, manifest, progress=not args.quiet)
     print(f"{manifest.name}: {len(manifest.shards)} shards ok ({_human(manifest.total_bytes)})")
     return 0
 
@@ -136,8 +155,7 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         p.add_argument(
             "--store",
             default=default_store,
-            type=Path,
-            help=f"store folder (default: ${ENV_STORE})",
+            help=f"store folder or URI such as s3://bucket/prefix (default: ${ENV_STORE})",
         )
 
     p = sub.add_parser(
@@ -169,6 +187,14 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "--threads", type=int, default=2, help="loader threads for .pt files (default 2)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this process; ray: Ray Data tasks write the shards (shardserve[ray]; "
+        "a local Ray instance, or the cluster at RAY_ADDRESS)",
+    )
+    p.add_argument("--ray-cpus", type=int, default=None, help="CPUs of a local Ray instance")
     p.set_defaults(func=_guarded("ingest", _cmd_ingest))
 
     p = sub.add_parser("ls", help="list the datasets of a store")

@@ -410,6 +410,8 @@ class StreamHandler:
         if s.closed:
             raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
         plan = self.p.plans.rank_plan(job, s.epoch, s.seed, s.rank, shard_rows=ds.shard_rows)
+        if (hint := getattr(ds, "plan_hint", None)) is not None:
+            hint(plan)  # a remote dataset prefetches the shards this plan reads next
         return Prepared(ds, plan, fields, ds.part_shapes(fields), batch_bytes=batch_bytes)
 
     def _pool_for(self, s: Session, part_shapes: dict[str, Any]) -> BufferPool:

@@ -1,0 +1,272 @@
+"""``shardserve ingest --engine ray``: Ray Data tasks write the shards, the driver publishes.
+
+::
+
+    driver: list + sort the source files (as local ingest) -> contiguous groups of files
+    Ray Data: one task per group: open each file with the same readers, write whole shards
+              with the same ShardWriter into <root>/.tmp-<name>-<rand>/parts/part-NNNNN/
+    driver: check every part has the same fields, renumber the shards in group order into
+            <tmp>/shards/, write manifest.json, publish by rename (layout.publish)
+
+Samples keep the local ingest's order (groups are contiguous runs of the sorted files and
+parts are concatenated in group order), so the dataset is the same sample by sample; only
+where shard boundaries fall differs. Any failed task fails the ingest and nothing is
+published; the temp folder is removed.
+
+Ray runs locally (``ray.init`` with ``num_cpus`` or the machine's cores) unless
+``RAY_ADDRESS`` names a cluster, which Ray itself reads; on a cluster the store folder must be
+a filesystem every node sees (or give a ``s3://`` store: the dataset is then uploaded by the
+driver). Ray is an optional extra: ``pip install 'shardserve[ray]'``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from shardserve.proto.errors import InvalidDataError
+from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_dataset_name
+
+from .. import layout
+from ..remote import new_shard_prefix
+from ..writer import ShardWriter
+from .registry import open_source
+from .run import IngestSummary
+
+
+def _ray() -> Any:
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise InvalidDataError(
+            "--engine ray needs Ray Data: pip install 'shardserve[ray]'"
+        ) from None
+    return ray
+
+
+def groups_of(files: list[Path], sizes: list[int], tasks: int) -> list[list[Path]]:
+    """Split sorted ``files`` into at most ``tasks`` contiguous runs of similar byte size."""
+    total = sum(sizes)
+    per = max(1, -(-total // max(tasks, 1)))
+    out: list[list[Path]] = [[]]
+    acc = 0
+    for f, n in zip(files, sizes, strict=True):
+        if out[-1] and acc + n > per:
+            out.append([])
+            acc = 0
+        out[-1].append(f)
+        acc += n
+    return out
+
+
+def write_part(row: dict[str, Any]) -> dict[str, Any]:
+    """A Ray task: ingest ``row["files"]`` into the part dataset ``row["name"]``.
+
+    For a local store the part is published under ``row["root"]``; for a remote one
+    (``row["remote"]``) it is written to a task-local temp folder and its shards are uploaded
+    to the store under ``row["prefix"]``. Returns the part's manifest (JSON).
+    """
+    remote = row.get("remote")
+    with tempfile.TemporaryDirectory(prefix="shardserve-part-") as tmp:
+        root, name = Path(row["root"] if remote is None else tmp), row["name"]
+        read = 0
+        with ShardWriter(
+            root, name, shard_bytes=int(row["shard_bytes"]), variable=set(row["variable"])
+        ) as writer:
+            for f in row["files"]:
+                source = open_source(Path(f), row["format"], threads=1)
+                for piece in source.pieces:
+                    if piece.sample is not None:
+                        writer.add(piece.sample, where=piece.where)
+                    elif piece.columns is not None:
+                        writer.add_batch(piece.columns, where=piece.where)
+                    read += piece.nbytes
+            if writer.num_samples == 0:
+                raise InvalidDataError(f"files {row['files'][0]}... hold no samples")
+        manifest = writer.manifest
+        assert manifest is not None
+        if remote is not None:
+            from ..remote import RemoteStore, StoreOptions
+
+            store = RemoteStore(
+                remote["uri"], StoreOptions(endpoint=remote["endpoint"], region=remote["region"])
+            )
+            shards = []
+            for info in manifest.shards:
+                rel = f"{row['prefix']}/{name}-{Path(info.path).name}"
+                store.put_file(root / name / info.path, f"{row['dataset']}/{rel}")
+                shards.append(info.model_copy(update={"path": rel}))
+            manifest = manifest.model_copy(update={"shards": tuple(shards)})
+    return {"part": int(row["part"]), "manifest": manifest.model_dump_json(), "bytes": read}
+
+
+def _merge_fields(parts: list[Manifest]) -> tuple[FieldSpec, ...]:
+    """The fields of all parts: equal, except that a dimension variable in one is in all."""
+    first = parts[0].fields
+    merged = []
+    for i, spec in enumerate(first):
+        shape = list(spec.shape)
+        for m in parts[1:]:
+            other = m.fields[i] if i < len(m.fields) else None
+            if (
+                other is None
+                or (other.name, other.dtype, other.kind) != (spec.name, spec.dtype, spec.kind)
+                or len(other.shape) != len(shape)
+            ):
+                raise InvalidDataError(
+                    f"source files disagree on field {spec.name!r}: {spec} in one part, "
+                    f"{other} in another"
+                )
+            shape = [-1 if a != b else a for a, b in zip(shape, other.shape, strict=True)]
+        merged.append(FieldSpec(name=spec.name, dtype=spec.dtype, shape=tuple(shape)))
+    if any(len(m.fields) != len(first) for m in parts):
+        raise InvalidDataError("source files disagree on the set of fields")
+    return tuple(merged)
+
+
+def ingest_ray(
+    src: str | Path,
+    store: str | Path,
+    name: str,
+    *,
+    fmt: str = "auto",
+    shard_bytes: int = 256 << 20,
+    overwrite: bool = False,
+    variable: Collection[str] = (),
+    progress: bool = True,
+    num_cpus: int | None = None,
+    remote: Any = None,
+) -> IngestSummary:
+    """Ingest ``src`` into dataset ``name`` with Ray Data tasks: of the folder ``store``, or,
+    given ``remote`` (a :class:`~..remote.RemoteStore`), of that store, each task uploading
+    its own shards and the driver the manifest last (``store`` is then unused)."""
+    validate_dataset_name(name)
+    ray = _ray()
+    src_path, root = Path(src), Path(store)
+    if not src_path.exists():
+        raise InvalidDataError(f"source {src_path} does not exist")
+    if remote is not None:
+        remote.check_absent(name, overwrite)
+    elif (root / name).exists() and not overwrite:
+        raise InvalidDataError(
+            f"dataset {name!r} already exists in {root}; pass --overwrite to replace it"
+        )
+    started = time.perf_counter()
+    source = open_source(src_path, fmt, threads=1)
+    files, fmt = source.files, source.format
+    sizes = [f.stat().st_size for f in files]
+    variable = set(variable) | source.variable
+    if not ray.is_initialized():
+        # RAY_ADDRESS (read by Ray) joins a cluster; otherwise a local instance is started.
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    ray.data.DataContext.get_current().enable_progress_bars = False  # ours is below
+    # A folder of .npy files is one table (a file per field): it cannot be split by file.
+    split = not (fmt == "npz" and any(f.suffix.lower() == ".npy" for f in files))
+    runs = groups_of(files, sizes, 2 * cpus) if split else [[src_path]]
+    if remote is None:
+        layout.clean_stale(root)
+        temp = layout.new_temp_dir(root, name)
+    else:
+        temp = Path(tempfile.mkdtemp(prefix="shardserve-ray-"))  # nothing is written here
+    parts_root = temp / "parts"
+    prefix = new_shard_prefix()
+    try:
+        rows = [
+            {
+                "part": i,
+                "name": f"part-{i:05d}",
+                "root": str(parts_root),
+                "files": [str(f) for f in run],
+                "format": fmt,
+                "shard_bytes": shard_bytes,
+                "variable": sorted(variable),
+                "remote": remote.reopen_args() if remote is not None else None,
+                "dataset": name,
+                "prefix": prefix,
+            }
+            for i, run in enumerate(runs)
+        ]
+        ds = ray.data.from_items(rows, override_num_blocks=len(rows))
+        done = []
+        with tqdm(
+            total=len(rows),
+            unit="part",
+            desc=f"ingest {name} (ray, {cpus} CPUs)",
+            disable=not progress,
+            file=sys.stderr,
+        ) as bar:
+            try:
+                for out in ds.map(write_part, num_cpus=1).iter_rows():
+                    done.append(out)
+                    bar.update(1)
+            except Exception as e:  # a task's error arrives wrapped by Ray: keep its message
+                msg = _root_cause(e)
+                if remote is not None:
+                    msg = remote.scrub(msg)
+                raise InvalidDataError(
+                    f"a Ray ingest task failed; nothing published: {msg}"
+                ) from None
+        done.sort(key=lambda d: d["part"])
+        parts = [Manifest.model_validate_json(d["manifest"]) for d in done]
+        fields = _merge_fields(parts)
+        shards: list[ShardInfo] = []
+        for m in parts:
+            for info in m.shards:
+                if remote is not None:  # already uploaded by the task, under its final name
+                    shards.append(info)
+                    continue
+                rel = layout.shard_name(len(shards))
+                os.rename(parts_root / m.name / info.path, temp / rel)
+                shards.append(info.model_copy(update={"path": rel}))
+        shutil.rmtree(parts_root, ignore_errors=True)
+        manifest = Manifest(
+            name=name,
+            num_samples=sum(m.num_samples for m in parts),
+            fields=fields,
+            shards=tuple(shards),
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            source={
+                "path": str(src_path.resolve()),
+                "format": fmt,
+                "files": str(len(files)),
+                "engine": "ray",
+            },
+        )
+        if remote is not None:
+            remote.publish_manifest(manifest, overwrite=overwrite)
+        else:
+            layout.write_manifest(temp, manifest)
+            layout.publish(temp, root, name, overwrite=overwrite)
+    except BaseException:
+        if remote is not None:  # shards some tasks uploaded: nothing references them
+            remote.delete_prefix(f"{name}/{prefix}")
+        raise
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    read = sum(d["bytes"] for d in done)
+    return IngestSummary(manifest, len(files), read, time.perf_counter() - started)
+
+
+def _root_cause(e: BaseException) -> str:
+    """The task's own ``Error: message`` line out of a Ray-wrapped task error."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    for line in text.splitlines():
+        m = re.match(r"^(?:[\w]+\.)*(\w*(?:Error|Exception)): (.+)$", line.strip())
+        if m and "RayTaskError" not in m.group(1):
+            return f"{m.group(1)}: {m.group(2)}"
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(e).__name__

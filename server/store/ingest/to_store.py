@@ -1,0 +1,59 @@
+"""Ingest into any store with any engine: the CLI's path when ``--store`` is a URI or
+``--engine ray`` is asked for.
+
+A dataset is always written as a local folder first (the same writer, the same atomic
+publish); for a remote store that folder lives in a temporary directory and is then uploaded
+shards first, manifest last (:meth:`~..remote.RemoteStore.upload`). Any failure before the
+manifest's upload leaves no dataset under the name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .run import IngestSummary, ingest
+
+
+def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestSummary:
+    """Run ``shardserve ingest`` for ``args``; ``remote`` is the :class:`RemoteStore` of a URI
+    ``--store`` (``None`` for a folder)."""
+    started = time.perf_counter()
+    if remote is not None:
+        remote.check_absent(args.name, args.overwrite)  # fail before any work
+    if args.engine == "ray":
+        from .ray_engine import ingest_ray
+
+        # With a remote store the tasks upload their own shards (they may run on other
+        # machines) and the driver publishes the manifest.
+        return ingest_ray(
+            args.src,
+            args.store,
+            args.name,
+            fmt=args.format,
+            shard_bytes=args.shard_size,
+            overwrite=args.overwrite,
+            variable=args.variable,
+            progress=not args.quiet,
+            num_cpus=args.ray_cpus,
+            remote=remote,
+        )
+    assert remote is not None  # a local store with the local engine never comes here
+    with tempfile.TemporaryDirectory(prefix="shardserve-ingest-") as tmp:
+        summary = ingest(
+            args.src,
+            tmp,
+            args.name,
+            fmt=args.format,
+            shard_bytes=args.shard_size,
+            variable=args.variable,
+            threads=args.threads,
+            progress=not args.quiet,
+        )
+        manifest = remote.upload(Path(tmp) / args.name, args.name, overwrite=args.overwrite)
+    return IngestSummary(
+        manifest, summary.files, summary.source_bytes, time.perf_counter() - started
+    )

@@ -1,0 +1,457 @@
+"""Stores on object storage (``s3://``, ``gs://``, ``file://``, ...) through ``pyarrow.fs``.
+
+A remote store has the layout of a local one (``<prefix>/<name>/manifest.json`` and
+``<prefix>/<name>/shards/*.arrow``); publishing is "the manifest is written last", since
+object stores have no atomic folder rename. Reads go through a local
+:class:`~.cache.ShardCache`: shards are fetched whole, checksummed and memory-mapped from there
+(:class:`~.remote_dataset.RemoteDataset`).
+
+Credentials come from the environment the way each filesystem already reads them
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, GCS's application
+default credentials) or from a URI's user part; they are never part of what this module shows:
+:attr:`RemoteStore.root` is the URI without user info or query, and every error raised from
+here passes through :func:`scrub`, which cuts out every secret value it was told about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets as _secrets
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardserve.proto.errors import (
+    DatasetCorruptError,
+    DatasetNotFound,
+    InvalidDataError,
+    ShardserveError,
+)
+from shardserve.proto.manifest import Manifest, ShardInfo, parse_manifest, validate_dataset_name
+
+from . import layout
+
+log = logging.getLogger(__name__)
+
+#: Environment variables whose values are secrets wherever they appear.
+SECRET_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "GOOGLE_APPLICATION_CREDENTIALS_JSON",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+)
+_REDACTED = "<redacted>"
+_COPY_CHUNK = 8 << 20
+
+
+def new_shard_prefix() -> str:
+    """A fresh folder name for one upload's shards (``shards-<random>``)."""
+    return f"{layout.SHARDS_DIR}-{_secrets.token_hex(4)}"
+
+
+class StoreUnavailable(ShardserveError):
+    """The object store did not answer (endpoint down, network, timeout). Not the data's
+    fault: the same request may succeed once the store is back."""
+
+
+def is_uri(store: str | os.PathLike[str]) -> bool:
+    """Whether ``store`` names an object store (``scheme://...``) rather than a local folder."""
+    return "://" in str(store)
+
+
+def display_uri(uri: str) -> str:
+    """``uri`` without user info, password or query (where credentials may ride)."""
+    parts = urllib.parse.urlsplit(uri)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret in ``secrets`` (4 characters or more) replaced."""
+    for s in secrets:
+        if s and len(s) >= 4:
+            text = text.replace(s, _REDACTED)
+    return text
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How to reach an object store; built at the entry point from settings and environment.
+
+    ``secrets`` is never shown: ``repr`` leaves it out.
+    """
+
+    #: S3-compatible endpoint (``http://127.0.0.1:9000``); ``None``: the provider's default.
+    endpoint: str | None = None
+    region: str | None = None
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+    #: Attempts per request (the first included) before a read gives up.
+    attempts: int = 3
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], endpoint: str | None = None) -> StoreOptions:
+        """Options from ``AWS_ENDPOINT_URL`` / ``AWS_REGION`` (``endpoint`` wins), and the
+        values of :data:`SECRET_ENV` to keep out of every message."""
+        return cls(
+            endpoint=endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+            secrets=tuple(env[k] for k in SECRET_ENV if env.get(k)),
+        )
+
+
+def _uri_secrets(uri: str) -> tuple[str, ...]:
+    parts = urllib.parse.urlsplit(uri)
+    found = [p for p in (parts.username, parts.password) if p]
+    found += [v for _, v in urllib.parse.parse_qsl(parts.query) if v and len(v) >= 8]
+    return tuple(urllib.parse.unquote(s) for s in found)
+
+
+def open_filesystem(uri: str, options: StoreOptions) -> tuple[Any, str]:
+    """``(pyarrow FileSystem, base path)`` for ``uri``.
+
+    ``s3://`` is built explicitly so the endpoint, timeouts and retries apply; any other
+    scheme goes to ``pyarrow.fs.FileSystem.from_uri``.
+    """
+    import pyarrow.fs as pafs
+
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme == "s3" and not parts.username and not parts.query:
+        kwargs: dict[str, Any] = {
+            "connect_timeout": options.connect_timeout_s,
+            "request_timeout": options.request_timeout_s,
+            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=options.attempts),
+        }
+        if options.region:
+            kwargs["region"] = options.region
+        if options.endpoint:
+            ep = urllib.parse.urlsplit(options.endpoint)
+            if ep.scheme in ("http", "https"):
+                kwargs["endpoint_override"] = ep.netloc
+                kwargs["scheme"] = ep.scheme
+            else:
+                kwargs["endpoint_override"] = options.endpoint
+        fs = pafs.S3FileSystem(**kwargs)
+        return fs, f"{parts.netloc}{parts.path}".rstrip("/")
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path.rstrip("/")
+
+
+class RemoteStore:
+    """The datasets under one object-store prefix; the same questions as a local ``Store``.
+
+    ``open`` needs a cache (``cache=``); listing, manifests, fetching and uploading do not.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        options: StoreOptions | None = None,
+        cache: Any = None,
+        verify: str = "lazy",
+    ) -> None:
+        self.options = options or StoreOptions()
+        self._uri = uri  # may hold credentials: never shown, only handed to Ray tasks
+        self._secrets = (*self.options.secrets, *_uri_secrets(uri))
+        #: What to show: never the credentials.
+        self.root = display_uri(uri)
+        self.cache = cache
+        self.verify = verify
+        try:
+            self.fs, self.base = open_filesystem(uri, self.options)
+        except (OSError, ValueError) as e:
+            raise InvalidDataError(self.scrub(f"cannot open store {self.root}: {e}")) from None
+        self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def reopen_args(self) -> dict[str, Any]:
+        """What a process elsewhere (a Ray task) needs to open this store again; credentials
+        other than a URI's own come from that process's environment."""
+        o = self.options
+        return {"uri": self._uri, "endpoint": o.endpoint, "region": o.region}
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.root!r})"
+
+    # -- naming and errors ----------------------------------------------------------------
+    def scrub(self, text: str) -> str:
+        return scrub(text, self._secrets)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.base, *parts]) if self.base else "/".join(parts)
+
+    def where(self, *parts: str) -> str:
+        """The shown URI of ``parts`` under the store (for messages)."""
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def _unavailable(self, what: str, e: BaseException, started: float) -> StoreUnavailable:
+        waited = time.monotonic() - started
+        return StoreUnavailable(
+            self.scrub(
+                f"store {self.root} unavailable: {what} failed after {waited:.1f} s "
+                f"({self.options.attempts} attempts): {e}"
+            )
+        )
+
+    # -- reading --------------------------------------------------------------------------
+    def _read_bytes(self, rel: str) -> bytes:
+        started = time.monotonic()
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return bytes(f.read())
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if "Path does not exist" in str(e) or "NoSuchKey" in str(e):
+                raise FileNotFoundError(self.where(rel)) from None
+            raise self._unavailable(f"reading {self.where(rel)}", e, started) from None
+
+    def list(self) -> list[Manifest]:
+        """Manifests of every published dataset, sorted by name."""
+        import pyarrow.fs as pafs
+
+        started = time.monotonic()
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.base, allow_not_found=True))
+        except OSError as e:
+            raise self._unavailable(f"listing {self.root}", e, started) from None
+        found = []
+        for info in sorted(infos, key=lambda i: i.base_name):
+            name = info.base_name
+            if info.type != pafs.FileType.Directory or name.startswith("."):
+                continue
+            try:
+                validate_dataset_name(name)
+                m = self.manifest(name)
+            except (DatasetNotFound, InvalidDataError):
+                continue
+            except DatasetCorruptError as e:
+                log.warning("skipping %s: %s", self.where(name), e)
+                continue
+            found.append(m)
+        return found
+
+    def manifest(self, name: str) -> Manifest:
+        """The manifest of ``name``; ``DatasetNotFound`` if there is none."""
+        validate_dataset_name(name)
+        rel = f"{name}/{layout.MANIFEST}"
+        try:
+            raw = self._read_bytes(rel)
+        except FileNotFoundError:
+            raise DatasetNotFound(f"no dataset {name!r} in store {self.root}") from None
+        try:
+            return parse_manifest(raw, where=self.where(rel))
+        except InvalidDataError as e:
+            raise DatasetCorruptError(str(e)) from None
+
+    def exists(self, name: str) -> bool:
+        try:
+            self._read_bytes(f"{validate_dataset_name(name)}/{layout.MANIFEST}")
+        except FileNotFoundError:
+            return False
+        return True
+
+    def fetch(self, name: str, info: ShardInfo, dest: Path) -> str:
+        """Copy shard ``info`` of ``name`` whole into the new file ``dest``; its checksum.
+
+        Raises ``DatasetCorruptError`` (naming the shard) if the bytes are not the manifest's,
+        ``StoreUnavailable`` if the store does not answer.
+        """
+        import xxhash
+
+        shown = self.where(name, info.path)
+        h = xxhash.xxh3_64()
+        size = 0
+        started = time.monotonic()
+        try:
+            with (
+                self.fs.open_input_stream(self.path(name, info.path)) as src,
+                open(dest, "wb") as out,
+            ):
+                while chunk := src.read(_COPY_CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+                    size += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except FileNotFoundError:
+            raise DatasetCorruptError(f"shard {shown} is missing") from None
+        except OSError as e:
+            if "Path does not exist" in str(e) or "NoSuchKey" in str(e):
+                raise DatasetCorruptError(f"shard {shown} is missing") from None
+            raise self._unavailable(f"fetching shard {shown}", e, started) from None
+        got = f"{layout.CHECKSUM_ALGO}:{h.hexdigest()}"
+        if size != info.bytes:
+            raise DatasetCorruptError(
+                f"shard {shown} is {size} bytes, the manifest says {info.bytes}"
+            )
+        if got != info.checksum:
+            raise DatasetCorruptError(
+                f"shard {shown} failed its checksum: the object has {got}, "
+                f"the manifest says {info.checksum}"
+            )
+        return got
+
+    def open(self, name: str, verify: str | None = None) -> Any:
+        """The shared ``RemoteDataset`` for ``name`` (shards come through the cache)."""
+        from .remote_dataset import RemoteDataset
+
+        if self.cache is None:
+            raise InvalidDataError(
+                f"store {self.root} is remote: serving it needs a local cache (--cache-dir)"
+            )
+        with self._lock:
+            ds = self._open.get(name)
+            try:
+                manifest = self.manifest(name)
+            except StoreUnavailable:
+                if ds is None:
+                    raise
+                return ds  # the store is away: go on with what we know (the cache may hold it)
+            if ds is None or ds.manifest != manifest:
+                ds = RemoteDataset(self, manifest, self.cache, verify=verify or self.verify)
+                self._open[name] = ds
+            return ds
+
+    def opened_bytes(self) -> int:
+        """Bytes of the datasets opened so far (listing a bucket per scrape is too dear)."""
+        return sum(ds.manifest.total_bytes for ds in list(self._open.values()))
+
+    def verify_dataset(self, name: str, progress: bool = False) -> Manifest:
+        """Fetch every shard of ``name`` into a temporary folder and check it whole (checksum,
+        schema, rows); ``DatasetCorruptError`` names the first bad one."""
+        import sys
+        import tempfile
+
+        from tqdm import tqdm
+
+        from .shards import verify_shard
+
+        manifest = self.manifest(name)
+        with (
+            tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp,
+            tqdm(
+                total=manifest.total_bytes,
+                unit="B",
+                unit_scale=True,
+                desc=f"verify {name}",
+                disable=not progress,
+                file=sys.stderr,
+            ) as bar,
+        ):
+            for info in manifest.shards:
+                dest = Path(tmp) / "shard.arrow"
+                self.fetch(name, info, dest)
+                verify_shard(dest, info, manifest.fields)
+                dest.unlink()
+                bar.update(info.bytes)
+        return manifest
+
+    def close(self) -> None:
+        with self._lock:
+            for ds in self._open.values():
+                ds.close()
+            self._open.clear()
+
+    # -- writing --------------------------------------------------------------------------
+    def upload(self, folder: Path, name: str, *, overwrite: bool) -> Manifest:
+        """Publish the local dataset ``folder`` as ``name``: shards first, the manifest last.
+
+        Each upload puts its shards under a fresh ``shards-<random>/`` prefix, and the one
+        manifest object is replaced last (an object PUT is atomic), so a reader sees the old
+        dataset or the new one, never a mix; a failed upload leaves only unreferenced objects.
+        """
+        self.check_absent(name, overwrite)
+        local = layout.read_manifest(folder)
+        prefix = new_shard_prefix()
+        shards = []
+        for info in local.shards:
+            rel = f"{prefix}/{Path(info.path).name}"
+            self.put_file(folder / info.path, f"{name}/{rel}")
+            shards.append(info.model_copy(update={"path": rel}))
+        manifest = local.model_copy(update={"shards": tuple(shards)})
+        self.publish_manifest(manifest, overwrite=overwrite)
+        return manifest
+
+    def check_absent(self, name: str, overwrite: bool) -> None:
+        """Refuse to write ``name`` over an existing dataset unless ``overwrite``."""
+        validate_dataset_name(name)
+        if not overwrite and self.exists(name):
+            raise InvalidDataError(
+                f"dataset {name!r} already exists in {self.root}; pass --overwrite to replace it"
+            )
+
+    def publish_manifest(self, manifest: Manifest, *, overwrite: bool) -> None:
+        """Write ``manifest.json`` of ``manifest.name``, the step that publishes it."""
+        self.check_absent(manifest.name, overwrite)
+        body = manifest.model_dump_json(indent=2).encode()
+        self._put_bytes(body, f"{manifest.name}/{layout.MANIFEST}")
+        log.info("published dataset %s at %s", manifest.name, self.where(manifest.name))
+
+    def put_file(self, src: Path, rel: str) -> None:
+        """Upload the local file ``src`` to ``rel`` under the store."""
+        self._put(src, rel)
+
+    def _put(self, src: Path, rel: str) -> None:
+        started = time.monotonic()
+        try:
+            with open(src, "rb") as f, self.fs.open_output_stream(self.path(rel)) as out:
+                while chunk := f.read(_COPY_CHUNK):
+                    out.write(chunk)
+        except OSError as e:
+            raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
+
+    def _put_bytes(self, data: bytes, rel: str) -> None:
+        started = time.monotonic()
+        try:
+            with self.fs.open_output_stream(self.path(rel)) as out:
+                out.write(data)
+        except OSError as e:
+            raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
+
+    def delete_prefix(self, rel: str) -> None:
+        """Remove everything under ``rel`` (best effort: leftovers are unreferenced anyway)."""
+        with contextlib.suppress(OSError):
+            self.fs.delete_dir(self.path(rel))
+
+    def _delete(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(self.path(rel))
+
+
+def open_store(
+    store: str | os.PathLike[str],
+    *,
+    options: StoreOptions | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit_bytes: int = 64 << 30,
+    registry: Any = None,
+    verify: str = "lazy",
+) -> Any:
+    """A local ``Store`` for a folder, a :class:`RemoteStore` for a URI.
+
+    A remote store gets a :class:`~.cache.ShardCache` in ``cache_dir`` (needed to serve it,
+    not to list, inspect, verify or ingest), with its metrics in ``registry`` if given.
+    """
+    if not is_uri(store):
+        from .catalog import Store
+
+        return Store(store)
+    cache = None
+    if cache_dir is not None:
+        from .cache import ShardCache
+        from .cache_metrics import CacheMetrics
+
+        metrics = CacheMetrics(registry, cache_limit_bytes) if registry is not None else None
+        cache = ShardCache(cache_dir, cache_limit_bytes, metrics)
+    return RemoteStore(str(store), options, cache=cache, verify=verify)

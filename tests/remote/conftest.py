@@ -1,0 +1,98 @@
+"""A real S3 wire protocol on loopback: moto's server, talked to by pyarrow's own S3 client.
+
+``s3`` starts ``ThreadedMotoServer`` on 127.0.0.1 (a fixed free port, so a test can stop it
+and start it again on the same address), creates a bucket, and sets the environment a user
+would: endpoint, region and (fake) credentials whose values the tests then look for in every
+log, error and page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+moto_server = pytest.importorskip(
+    "moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')"
+)
+
+from tests.support.server import free_port  # noqa: E402
+
+#: Fake credentials: any appearance of these in output is a leak.
+ACCESS_KEY = "AKIASHARDSERVELEAK01"
+SECRET_KEY = "s3cr3t-shardserve-never-shown-0123456789"
+BUCKET = "shards"
+
+
+@dataclass
+class S3:
+    """A running moto S3 server and what a client needs to reach it."""
+
+    server: object
+    host: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a server or CLI subprocess needs in its environment."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def uri(self, prefix: str) -> str:
+        return f"s3://{BUCKET}/{prefix}"
+
+    def stop(self) -> None:
+        self.server.stop()  # type: ignore[attr-defined]
+
+    def start(self) -> None:
+        """Start again on the same port; moto keeps its buckets in this process meanwhile."""
+        self.server = moto_server.ThreadedMotoServer(
+            ip_address=self.host, port=self.port, verbose=False
+        )
+        self.server.start()  # type: ignore[attr-defined]
+
+    def filesystem(self) -> object:
+        import pyarrow.fs as pafs
+
+        return pafs.S3FileSystem(
+            endpoint_override=f"{self.host}:{self.port}",
+            scheme="http",
+            region="us-east-1",
+            access_key=ACCESS_KEY,
+            secret_key=SECRET_KEY,
+            allow_bucket_creation=True,
+            allow_bucket_deletion=True,
+        )
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """A fresh moto S3 server with one empty bucket; the environment points at it."""
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    s = S3(server, "127.0.0.1", port)
+    for k, v in s.env.items():
+        monkeypatch.setenv(k, v)
+    fs = s.filesystem()
+    fs.create_dir(BUCKET)  # type: ignore[attr-defined]
+    try:
+        yield s
+    finally:
+        # moto keeps buckets in process-global state: empty it for the next test.
+        with contextlib.suppress(httpx.TransportError):
+            httpx.post(f"{s.endpoint}/moto-api/reset", timeout=5)
+        with contextlib.suppress(Exception):
+            s.stop()
