@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from shardserve.proto.errors import ServerUnavailable, ShardserveError, error_for_code
-from shardserve.proto.jobs import CreatedJob, JobSpec, JobStatus, ServerInfo, job_id
+from shardserve.proto.jobs import CreatedJob, DatasetInfo, JobSpec, JobStatus, ServerInfo, job_id
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"})
 
@@ -60,9 +60,16 @@ class ControlClient:
 
     def create_job(self, spec: JobSpec, timeout: float | None = None) -> CreatedJob:
         """``POST /v1/jobs``: idempotent, every rank may post the same spec."""
-        body = spec.model_dump(mode="json")
+        # ``collate`` only when set: a server from before it knew the field still takes the spec.
+        body = spec.model_dump(mode="json", exclude={"collate"} if spec.collate is None else None)
         return CreatedJob.model_validate_json(
             self._request("POST", "/v1/jobs", json=body, timeout=timeout).content
+        )
+
+    def dataset(self, name: str, timeout: float | None = None) -> DatasetInfo:
+        """``GET /v1/datasets/{name}``: its fields and the tree of a nested sample."""
+        return DatasetInfo.model_validate_json(
+            self._request("GET", f"/v1/datasets/{name}", timeout=timeout).content
         )
 
     def job(self, job_id: str, timeout: float | None = None) -> JobStatus:

@@ -30,6 +30,7 @@ from .distributed import resolve_world
 from .shm import RingCache
 from .stats import StatsClock
 from .stream import EpochStream
+from .structure import rebuild_for
 from .types import Batch, LoaderStats
 
 STATE_VERSION = 1
@@ -72,7 +73,12 @@ class Loader:
     token; ``transport`` ``"auto"`` (shared-memory slots on the same host, falling back to
     ipc, then tcp), ``"socket"`` (ipc or tcp, never shared memory), ``"ipc"`` or ``"tcp"``;
     ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
-    :class:`VarTensor`.
+    :class:`VarTensor`; ``collate="graph"`` has the server collate graphs for message passing
+    (see :mod:`.graphs`).
+
+    Nested datasets come back in the shape their samples were saved in (``batch["params"]
+    ["nu"]``, a tuple ``(images, labels)``), and a field missing in some samples as
+    :class:`~.structure.Masked` (see :mod:`.structure`).
 
     ``copy`` (shared-memory transport only): by default each delivered batch owns its storage.
     It is handed out in place, in its shared-memory slot, and the slot goes back to the server
@@ -102,6 +108,7 @@ class Loader:
         transport: str = "auto",
         pad_variable: bool = False,
         copy: bool = True,
+        collate: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         if shuffle not in _SHUFFLE:
@@ -115,6 +122,7 @@ class Loader:
             dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],
             drop_last=drop_last, world_size=self.world.world_size,
             fields=tuple(fields) if fields is not None else None,
+            **({"collate": collate} if collate is not None else {}),
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.device = resolve_device(device, self.world.local_rank)
@@ -134,6 +142,7 @@ class Loader:
             self._job_epoch = created.status.epoch
             self._num_batches = created.status.batches_per_epoch
             endpoint = choose_endpoint(self._api.info(), self._api.host, transport)
+            self._rebuild = rebuild_for(self._api, self.spec, pad_variable)
         except BaseException:
             self._api.close()
             raise
@@ -271,7 +280,7 @@ class Loader:
                 self._next_batch = header.index + 1
                 self._stats.delivered(t0, header.nbytes)
                 stream.consumed()
-                yield batch
+                yield self._rebuild(batch) if self._rebuild is not None else batch
             self._epoch_done = True
         finally:
             self._stats.pause()

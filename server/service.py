@@ -29,6 +29,7 @@ from shardserve.proto.jobs import (
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
+from .store.graphs import check_graph_job
 from .assembly import Assembler
 from .jobs import EpochJournal, Job, JobRegistry
 from .logs import log_event
@@ -72,9 +73,11 @@ def dataset_info(m: Manifest) -> DatasetInfo:
         bytes=m.total_bytes,
         fields=[
             {"name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind}
+            | ({"nullable": True} if f.nullable else {})
             for f in m.fields
         ],
         created_at=m.created_at,
+        structure=m.structure,
     )
 
 
@@ -188,6 +191,8 @@ class Service:
             raise BadRequest(
                 f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
             )
+        if spec.collate == "graph":
+            check_graph_job(manifest, spec.fields)
         job, created = self.jobs.create(spec, manifest.num_samples)
         return CreatedJob(id=job.id, created=created, status=self.status_of(job))
 

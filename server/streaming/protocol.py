@@ -43,6 +43,7 @@ from shardserve.proto.messages import (
     Welcome,
 )
 
+from ..store.graphs import GraphCollated
 from ..assembly import Assembler
 from ..jobs import JobRegistry
 from ..logs import log_event
@@ -340,6 +341,8 @@ class StreamHandler:
     def _prepare(self, job: Any, epoch: int, seed: int, rank: int) -> Prepared:
         """On the pool: open the dataset and plan this rank's epoch."""
         ds = self.p.open_dataset(job.spec.dataset)
+        if job.spec.collate == "graph":
+            ds = GraphCollated(ds)  # issue 14: graphs collated for message passing
         fields = tuple(job.spec.fields or (f.name for f in ds.manifest.fields))
         plan = self.p.plans.rank_plan(job, epoch, seed, rank, shard_rows=ds.shard_rows)
         m = ds.manifest
