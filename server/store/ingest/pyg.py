@@ -68,8 +68,11 @@ def standins(torch: ModuleType) -> Iterator[None]:
     ser = torch.serialization
     with _lock:
         if _users == 0:
+            # Torch keeps a set: a real PyG class registered under the same name (PyG does
+            # that for Data) would win or lose at random, so it steps aside meanwhile.
             _saved = list(ser.get_safe_globals())
-            ser.add_safe_globals(_STANDINS)
+            ser.clear_safe_globals()
+            ser.add_safe_globals([g for g in _saved if _name(g) not in PYG_NAMES] + _STANDINS)
         _users += 1
     try:
         yield
@@ -79,6 +82,12 @@ def standins(torch: ModuleType) -> Iterator[None]:
             if _users == 0:
                 ser.clear_safe_globals()
                 ser.add_safe_globals(_saved)
+
+
+def _name(g: Any) -> str:
+    if isinstance(g, tuple):
+        return str(g[1])
+    return f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}"
 
 
 def is_stub(value: object) -> bool:
