@@ -116,9 +116,7 @@ class Rebuild:
         ((kind, items),) = node.items()
         if kind == "dict":
             return {
-                k: self._build(sub, batch, used)
-                for k, sub in items.items()
-                if self._wanted(sub)
+                k: self._build(sub, batch, used) for k, sub in items.items() if self._wanted(sub)
             }
         built = [self._build(sub, batch, used) for sub in items if self._wanted(sub)]
         return tuple(built) if kind == "tuple" else built

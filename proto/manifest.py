@@ -75,12 +75,13 @@ def tree_fields(tree: Tree) -> list[str]:
     if isinstance(tree, str):
         return [tree]
     if isinstance(tree, dict) and len(tree) == 1:
-        (kind, items), = tree.items()
+        ((kind, items),) = tree.items()
         if kind == "dict" and isinstance(items, dict):
             return [f for sub in items.values() for f in tree_fields(sub)]
         if kind in ("tuple", "list") and isinstance(items, list):
             return [f for sub in items for f in tree_fields(sub)]
     raise ValueError(f"structure node {tree!r} is not a field name, null, dict, tuple or list")
+
 
 FieldKind = Literal["scalar", "tensor", "variable", "binary"]
 

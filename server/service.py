@@ -29,7 +29,6 @@ from shardserve.proto.jobs import (
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
-from .store.graphs import check_graph_job
 from .assembly import Assembler
 from .jobs import EpochJournal, Job, JobRegistry
 from .logs import log_event
@@ -37,6 +36,7 @@ from .metrics import Metrics
 from .planning import num_batches
 from .settings import Settings
 from .store.catalog import Store
+from .store.graphs import check_graph_job
 from .streaming.board import StreamBoard
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler

@@ -155,7 +155,11 @@ class GraphCollated:
                 cat = _cat_last(values, offsets, shapes)
                 e = shapes[:, -1] if b else np.zeros(0, np.int64)
                 return cat + np.repeat(ptr[:-1], e)[None, :].astype(cat.dtype)
-            rest = tuple(int(d) for d in shapes[0, 1:]) if b else tuple(max(d, 0) for d in spec.shape[1:])
+            rest = (
+                tuple(int(d) for d in shapes[0, 1:])
+                if b
+                else tuple(max(d, 0) for d in spec.shape[1:])
+            )
             return values.reshape(-1, *rest)
         arr = parts[n]
         if spec.kind == "scalar":

@@ -71,7 +71,9 @@ class TreeBuilder:
         self.tree = self._merge(self.tree, sample, "", out, where)
         return out
 
-    def _merge(self, node: Tree, value: object, prefix: str, out: dict[str, object], where: str) -> Tree:
+    def _merge(
+        self, node: Tree, value: object, prefix: str, out: dict[str, object], where: str
+    ) -> Tree:
         if value is None:
             self._missing(node, out)
             return node
@@ -131,7 +133,8 @@ class TreeBuilder:
                 sub[key] = self._new_child(v, prefix, seg, out, where)
             return {"dict": sub}
         kind = "tuple" if isinstance(value, tuple) else "list"
-        return {kind: [self._new_child(v, prefix, f"_{i}", out, where) for i, v in enumerate(value)]}
+        seq: tuple[object, ...] | list[object] = value  # type: ignore[assignment]
+        return {kind: [self._new_child(v, prefix, f"_{i}", out, where) for i, v in enumerate(seq)]}
 
     def _new_child(
         self, value: object, prefix: str, seg: str, out: dict[str, object], where: str

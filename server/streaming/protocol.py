@@ -43,11 +43,11 @@ from shardserve.proto.messages import (
     Welcome,
 )
 
-from ..store.graphs import GraphCollated
 from ..assembly import Assembler
 from ..jobs import JobRegistry
 from ..logs import log_event
 from ..metrics import Metrics
+from ..store.graphs import GraphCollated
 from .board import StreamBoard
 from .buffers import BufferPool, BufferSet
 from .handshake import batches_per_rank, check_hello, version_reject

@@ -24,8 +24,12 @@ def _pde(i: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(i)
     return {
         "latent": torch.randn(4, 3, generator=g),
-        "params": None if i % 3 == 0 else {"nu": torch.tensor(0.1 * i), "re": torch.randn(2, generator=g)},
-        "bc": None if i < 12 else {"left": torch.full((i % 4 + 1,), i), "kind": {"id": torch.tensor(i)}},
+        "params": None
+        if i % 3 == 0
+        else {"nu": torch.tensor(0.1 * i), "re": torch.randn(2, generator=g)},
+        "bc": None
+        if i < 12
+        else {"left": torch.full((i % 4 + 1,), i), "kind": {"id": torch.tensor(i)}},
     }
 
 

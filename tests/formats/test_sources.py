@@ -72,7 +72,11 @@ def _wds(path: Path) -> list[dict[str, Any]]:
                 arr = np.arange(i % 4 + 2, dtype=np.float32)
                 buf = io.BytesIO()
                 np.save(buf, arr)
-                for ext, data in (("jpg", img), ("cls", str(i % 7).encode()), ("feat.npy", buf.getvalue())):
+                for ext, data in (
+                    ("jpg", img),
+                    ("cls", str(i % 7).encode()),
+                    ("feat.npy", buf.getvalue()),
+                ):
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
@@ -90,7 +94,9 @@ def _h5(path: Path) -> list[dict[str, Any]]:
         with h5py.File(path / f"part{f}.h5", "w") as h:
             h.create_dataset("x", data=x, chunks=(8, 4, 2))
             h.create_group("labels").create_dataset("y", data=y)
-        want += [{"labels": {"y": torch.tensor(y[i])}, "x": torch.from_numpy(x[i])} for i in range(30)]
+        want += [
+            {"labels": {"y": torch.tensor(y[i])}, "x": torch.from_numpy(x[i])} for i in range(30)
+        ]
     return want
 
 
@@ -132,7 +138,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, make in makers.items():
         out["want"][name] = make(src / name)
         kw: dict[str, Any] = {"map_fn": "tests.formats.mapfns:to_graph"} if name == "mapped" else {}
-        out["summary"][name] = ingest(src / name, store, name, progress=False, shard_bytes=1024, **kw)
+        out["summary"][name] = ingest(
+            src / name, store, name, progress=False, shard_bytes=1024, **kw
+        )
     out["summary"]["mapped2"] = ingest(src / "mapped", store, "mapped2", progress=False,
                                        map_fn="tests.formats.mapfns:to_graph", workers=2)  # fmt: skip
     out["want"]["mapped2"] = out["want"]["mapped"]
@@ -147,7 +155,9 @@ def server(built: dict[str, Any]) -> Iterator[ServerProc]:
 
 
 @pytest.mark.parametrize("name", ["hf", "wds", "h5", "lmdb", "mapped", "mapped2"])
-def test_every_sample_reads_back_equal(built: dict[str, Any], server: ServerProc, name: str) -> None:
+def test_every_sample_reads_back_equal(
+    built: dict[str, Any], server: ServerProc, name: str
+) -> None:
     """Every source sample comes back through the Loader, in order, equal to the source."""
     got = read_all(server.http_url, name, batch_size=6)
     want = built["want"][name]
@@ -166,7 +176,10 @@ def test_formats_detected(built: dict[str, Any]) -> None:
 def test_map_failure_names_file_and_sample(built: dict[str, Any], tmp_path: Path) -> None:
     """A --map function that raises names the file and the error; nothing is published."""
     for workers in (0, 2):
-        with pytest.raises(InvalidDataError, match=r"007\.pt: --map .*fail_on_seven failed: ValueError: bad crystal"):
+        with pytest.raises(
+            InvalidDataError,
+            match=r"007\.pt: --map .*fail_on_seven failed: ValueError: bad crystal",
+        ):
             ingest(built["src"] / "mapped", tmp_path, "m", progress=False,
                    map_fn="tests.formats.mapfns:fail_on_seven", workers=workers)  # fmt: skip
         assert not (tmp_path / "m").exists()
@@ -184,7 +197,13 @@ def test_bad_map_name_is_a_clear_error(built: dict[str, Any], tmp_path: Path) ->
     with pytest.raises(InvalidDataError, match="MODULE:FUNCTION"):
         ingest(built["src"] / "mapped", tmp_path, "m", progress=False, map_fn="nocolon")
     with pytest.raises(InvalidDataError, match="has no function 'nope'"):
-        ingest(built["src"] / "mapped", tmp_path, "m", progress=False, map_fn="tests.formats.mapfns:nope")
+        ingest(
+            built["src"] / "mapped",
+            tmp_path,
+            "m",
+            progress=False,
+            map_fn="tests.formats.mapfns:nope",
+        )
 
 
 def test_missing_optional_package_names_the_extra() -> None:

@@ -42,7 +42,9 @@ def by_extension(ext: str, data: bytes, where: str) -> object:
         try:
             return int(data.strip())
         except ValueError:
-            raise InvalidDataError(f"{where}: .{last} should hold an integer, got {data[:20]!r}") from None
+            raise InvalidDataError(
+                f"{where}: .{last} should hold an integer, got {data[:20]!r}"
+            ) from None
     return data
 
 

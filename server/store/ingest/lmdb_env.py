@@ -44,6 +44,4 @@ def open_lmdb(src: Path, threads: int = 1) -> Source:
     data = env_dir / "data.mdb"
     if not data.is_file():
         raise InvalidDataError(f"source {src} is not an LMDB environment (no data.mdb)")
-    return Source(
-        format="lmdb", files=[data], pieces=_pieces(env_dir, data.stat().st_size)
-    )
+    return Source(format="lmdb", files=[data], pieces=_pieces(env_dir, data.stat().st_size))

@@ -39,7 +39,9 @@ def resolve_map(spec: str) -> MapFn:
     """The function named ``module:function`` (importable where ingest runs)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise InvalidDataError(f"--map {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.convert:to_graph")
+        raise InvalidDataError(
+            f"--map {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.convert:to_graph"
+        )
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
@@ -92,7 +94,7 @@ def _inline(pieces: Iterator[Piece], fn: MapFn, name: str) -> Iterator[Piece]:
         if p.sample is None:
             yield p
             continue
-        (ok, value), = _call(fn, [(p.where, p.sample)])
+        ((ok, value),) = _call(fn, [(p.where, p.sample)])
         yield _result(p, ok, value, name)
 
 

@@ -61,7 +61,9 @@ def _to_value(torch: ModuleType, path: Path | str, key: str, value: Any) -> obje
     ):
         return value
     if isinstance(value, dict):
-        return {k: _to_value(torch, path, f"{key}.{k}" if key else str(k), v) for k, v in value.items()}
+        return {
+            k: _to_value(torch, path, f"{key}.{k}" if key else str(k), v) for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         items = [_to_value(torch, path, f"{key}[{i}]", v) for i, v in enumerate(value)]
         return tuple(items) if isinstance(value, tuple) else items
@@ -86,7 +88,10 @@ def load_file(path: Path | str, data: bytes | None = None) -> object:
             raise InvalidDataError(f"{path}: torch.load failed: {type(e).__name__}: {e}") from None
         # weights_only refused a pickled object; matched by name so no pickle module is imported here.
         text = str(e).strip()
-        first = next((ln for ln in text.splitlines() if "GLOBAL" in ln), text.splitlines()[0] if text else type(e).__name__)
+        first = next(
+            (ln for ln in text.splitlines() if "GLOBAL" in ln),
+            text.splitlines()[0] if text else type(e).__name__,
+        )
         raise InvalidDataError(
             f"{path}: refused: it holds pickled Python objects that torch.load(weights_only=True) "
             "will not load (unpickling them could run arbitrary code); save dicts, tuples or "

@@ -114,7 +114,7 @@ def _num_nodes(m: dict[str, Any]) -> int | None:
     return None
 
 
-def as_sample(value: Standin, path: Path) -> dict[str, Any]:
+def as_sample(value: Standin, path: Path | str) -> dict[str, Any]:
     """A PyG object's tensors as a (nested) dict (see module docstring)."""
     name = getattr(value, "pyg_name", "")
     st = getattr(value, "state", {})
