@@ -76,6 +76,7 @@ class Rebuild:
     def __init__(self, tree: Any, served: Iterable[str] | None = None) -> None:
         self.tree = tree if tree is not None else None
         self._served = set(served) if served is not None else set(_leaves(tree))
+        self._present: Iterable[str] = self._served
 
     @classmethod
     def for_dataset(
@@ -96,6 +97,7 @@ class Rebuild:
 
     def __call__(self, batch: Mapping[str, Any]) -> Any:
         used: set[str] = set()
+        self._present = batch.keys()
         out = self._build(self.tree, batch, used)
         extra = {k: v for k, v in batch.items() if k not in used}
         if isinstance(out, dict):
@@ -122,9 +124,11 @@ class Rebuild:
         return tuple(built) if kind == "tuple" else built
 
     def _wanted(self, node: Any) -> bool:
+        """Whether a subtree has a field in this batch (``fields=`` or a graph collation may
+        leave some out)."""
         if node is None:
             return True
-        return any(n in self._served for n in _leaves(node))
+        return any(n in self._served and n in self._present for n in _leaves(node))
 
 
 def rebuild_for(api: ControlClient, spec: JobSpec, pad_variable: bool) -> Rebuild | None:
