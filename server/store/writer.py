@@ -128,7 +128,7 @@ class ShardWriter:
         for name, value in flat.items():
             if name not in self._index and value is not MISSING:
                 self._add_field(name, value, where)
-        values = []
+        values: list[Any] = []
         for i, c in enumerate(self._columns):
             v = flat.get(c.spec.name, MISSING)
             if v is MISSING:
@@ -231,14 +231,15 @@ class ShardWriter:
             missing: np.ndarray | None = None
             if isinstance(c, FixedColumn):
                 if isinstance(raw, np.ma.MaskedArray):
-                    m = np.ma.getmaskarray(raw)
-                    missing = m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m
+                    m = np.asarray(np.ma.getmaskarray(raw))
+                    missing = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m)
                     raw = raw.filled(0)
                 col: Any = c.check_column(raw, b, where)
             else:
+                items: Any = raw
                 col = [
                     None if v is None else c.check(v, f"{where} row {j}")
-                    for j, v in enumerate(raw)  # type: ignore[arg-type]
+                    for j, v in enumerate(items)
                 ]
                 if any(v is None for v in col):
                     missing = np.fromiter((v is None for v in col), dtype=bool, count=b)
