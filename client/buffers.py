@@ -24,6 +24,7 @@ from .types import Batch, VarTensor
 log = logging.getLogger(__name__)
 
 OFFSETS, SHAPES = ".offsets", ".shapes"
+COMPANIONS = ("offsets", "shapes")
 #: Companion key a padded variable field gets with ``pad_variable=True``.
 LENGTHS = ".lengths"
 #: Alignment of parts copied into one host block (cache lines; safe for every dtype).
@@ -57,8 +58,9 @@ def assemble(parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batc
     dense tensor plus ``x.lengths``."""
     out: Batch = {}
     for name, t in parts.items():
-        if "." in name:
-            continue
+        base, _, suffix = name.rpartition(".")
+        if suffix in COMPANIONS and base in parts:
+            continue  # travels with its field (a nested field's name has dots of its own)
         offsets = parts.get(name + OFFSETS)
         if offsets is None:
             out[name] = t

@@ -98,20 +98,21 @@ class ControlClient:
 
     def create_job(self, spec: JobSpec, timeout: float | None = None) -> CreatedJob:
         """``POST /v1/jobs``: idempotent, every rank may post the same spec."""
-        body = spec.model_dump(mode="json")
+        # ``collate`` only when set: a server from before it knew the field still takes the spec.
+        body = spec.model_dump(mode="json", exclude={"collate"} if spec.collate is None else None)
         return CreatedJob.model_validate_json(
             self._request("POST", "/v1/jobs", json=body, timeout=timeout).content
+        )
+
+    def dataset(self, name: str, timeout: float | None = None) -> DatasetInfo:
+        """``GET /v1/datasets/{name}``: its fields and the tree of a nested sample."""
+        return DatasetInfo.model_validate_json(
+            self._request("GET", f"/v1/datasets/{name}", timeout=timeout).content
         )
 
     def job(self, job_id: str, timeout: float | None = None) -> JobStatus:
         return JobStatus.model_validate_json(
             self._request("GET", f"/v1/jobs/{job_id}", timeout=timeout).content
-        )
-
-    def dataset(self, name: str, timeout: float | None = None) -> DatasetInfo:
-        """``GET /v1/datasets/{name}``: samples, shards, bytes and fields."""
-        return DatasetInfo.model_validate_json(
-            self._request("GET", f"/v1/datasets/{name}", timeout=timeout).content
         )
 
     def plan(

@@ -31,6 +31,7 @@ from .shm import RingCache
 from .state import parse_state
 from .stats import StatsClock
 from .stream import EpochStream
+from .structure import rebuild_for
 from .types import Batch, LoaderStats
 
 STATE_VERSION = 1
@@ -83,7 +84,12 @@ class Loader:
     token; ``transport`` ``"auto"`` (shared-memory slots on the same host, falling back to
     ipc, then tcp), ``"socket"`` (ipc or tcp, never shared memory), ``"ipc"`` or ``"tcp"``;
     ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
-    :class:`VarTensor`.
+    :class:`VarTensor`; ``collate="graph"`` has the server collate graphs for message passing
+    (see :mod:`.graphs`).
+
+    Nested datasets come back in the shape their samples were saved in (``batch["params"]
+    ["nu"]``, a tuple ``(images, labels)``), and a field missing in some samples as
+    :class:`~.structure.Masked` (see :mod:`.structure`).
 
     ``resident="cuda"`` (or ``"cpu"``) loads the dataset's fields once into that memory (one
     store-order pass through the server; refused up front when it does not fit), after which
@@ -123,6 +129,7 @@ class Loader:
         resident: str | None = None,
         envs: int = 1,
         devices: Sequence[str | torch.device] | None = None,
+        collate: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         if shuffle not in _SHUFFLE:
@@ -136,6 +143,7 @@ class Loader:
             dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],
             drop_last=drop_last, world_size=self.world.world_size,
             fields=tuple(fields) if fields is not None else None,
+            **({"collate": collate} if collate is not None else {}),
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.device = resolve_device(device, self.world.local_rank)
@@ -159,6 +167,7 @@ class Loader:
             self._job_epoch = created.status.epoch
             self._num_batches = created.status.batches_per_epoch
             endpoint = choose_endpoint(self._api.info(), self._api.host, transport)
+            self._rebuild = rebuild_for(self._api, self.spec, pad_variable)
         except BaseException:
             self._api.close()
             raise
@@ -279,6 +288,7 @@ class Loader:
                 fields=list(layout), timeout=self.timeout, token=self._token or None,
                 transport="auto" if self._shm else "socket",
             ) as source:  # fmt: skip
+                source._rebuild = None  # resident tensors hold the flat, stored fields
                 source.set_epoch(0)
                 yield from source
 
@@ -342,7 +352,7 @@ class Loader:
                 stream.consumed()
                 if self._pending == pos:
                     self._pending = None  # begun: the next iter() moves on
-                yield batch
+                yield self._rebuild(batch) if self._rebuild is not None else batch
             if self._pending == pos:
                 self._pending = None
             self._epoch_done = True
@@ -366,6 +376,8 @@ class Loader:
                     )
                 t0 = self._stats.start_wait()
                 batches = [p.batch(i) for p in plans]
+                if self._rebuild is not None:
+                    batches = [self._rebuild(b) for b in batches]
                 self._next_batch = i + 1
                 self._stats.delivered(t0, nbytes)
                 if self._pending == pos:

@@ -9,13 +9,17 @@ one stopped without a coordinator.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .manifest import validate_dataset_name
 
 ShuffleMode = Literal["global", "block", "none"]
+#: How a batch's samples are put together: ``None`` stacks each field (the default);
+#: ``"graph"`` collates graphs for message passing (node fields concatenated, ``edge_index``
+#: offset, a ``batch`` vector), as ``torch_geometric`` does.
+Collate = Literal["graph"]
 #: ``pending``: created, no stream yet; ``running``: a rank streams (or did moments ago);
 #: ``idle``: no stream for a while, an epoch left unfinished; ``finished``: every rank ended
 #: its last epoch and left; ``failed``: stopped with a reason; ``deleted``: gone (a DELETE's reply).
@@ -42,6 +46,9 @@ class JobSpec(BaseModel):
     fields: tuple[str, ...] | None = None
     #: For ``shuffle="block"``: how many shards are mixed together at a time.
     block_window: int = Field(default=4, ge=1, le=1 << 16)
+    #: See :data:`Collate`; left out of the job id when ``None``, so ids of specs without it
+    #: stay what they were.
+    collate: Collate | None = None
 
     @field_validator("dataset")
     @classmethod
@@ -68,7 +75,8 @@ def job_id(spec: JobSpec) -> str:
     >>> job_id(JobSpec(dataset="d", batch_size=2)) == job_id(JobSpec(batch_size=2, dataset="d"))
     True
     """
-    canonical = spec.model_dump_json(exclude_none=False).encode()
+    exclude = {"collate"} if spec.collate is None else None
+    canonical = spec.model_dump_json(exclude_none=False, exclude=exclude).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]
 
 
@@ -134,6 +142,8 @@ class DatasetInfo(BaseModel):
     bytes: int
     fields: list[dict[str, object]]
     created_at: str = ""
+    #: The tree nested samples were saved as (:data:`~.manifest.Tree`); absent when flat.
+    structure: Any = None
 
 
 class ErrorBody(BaseModel):

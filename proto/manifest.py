@@ -16,14 +16,29 @@ variable      a dim of -1, e.g. (-1, 64)  ``list<dtype>`` of the flattened value
                                            ``__shape__.<name>`` with each sample's shape
 bytes         dtype "binary", shape ()    ``binary`` column ``name``
 ============  ==========================  ===========================================
+
+Nested samples (issue 14): a field name may be a dotted path (``params.nu``); the
+optional ``structure`` records the tree the sample was saved as (see :data:`Tree`), so a
+client can rebuild ``batch["params"]["nu"]`` or a tuple. A field with ``nullable: true`` may
+be missing (``None``) in some samples: its column carries Arrow's validity bitmap. Both keys
+are written only when used, so a flat dataset's manifest is byte-for-byte what it was.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from .errors import InvalidDataError, VersionMismatch
 
@@ -40,7 +55,33 @@ BINARY = "binary"
 SHAPE_COLUMN_PREFIX = "__shape__."
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# A field is an identifier, or a dotted path of them for a nested sample (``params.nu``,
+# ``_0`` for a tuple's first item).
+_FIELD = re.compile(r"^(?=.{1,128}$)[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+#: Suffixes of batch parts that travel beside a field (offsets, shapes, validity mask); no
+#: field's last name segment may be one of them.
+COMPANION_SUFFIXES = ("offsets", "shapes", "mask", "lengths")
+
+#: The tree of a nested sample, as JSON: a field name (a leaf); ``None`` (a value that was
+#: ``None`` in every sample); ``{"dict": {key: tree}}``; ``{"tuple": [tree, ...]}``;
+#: ``{"list": [tree, ...]}`` (a fixed-length list inside a sample).
+Tree = Any
+
+
+def tree_fields(tree: Tree) -> list[str]:
+    """The field names at the leaves of ``tree``, depth first in key order."""
+    if tree is None:
+        return []
+    if isinstance(tree, str):
+        return [tree]
+    if isinstance(tree, dict) and len(tree) == 1:
+        ((kind, items),) = tree.items()
+        if kind == "dict" and isinstance(items, dict):
+            return [f for sub in items.values() for f in tree_fields(sub)]
+        if kind in ("tuple", "list") and isinstance(items, list):
+            return [f for sub in items for f in tree_fields(sub)]
+    raise ValueError(f"structure node {tree!r} is not a field name, null, dict, tuple or list")
+
 
 FieldKind = Literal["scalar", "tensor", "variable", "binary"]
 
@@ -71,12 +112,27 @@ class FieldSpec(BaseModel):
     dtype: str
     #: Per-sample shape; ``()`` for a scalar, ``-1`` marks a variable dimension.
     shape: tuple[int, ...] = ()
+    #: Some samples have no value (``None``): the column has a validity bitmap.
+    nullable: bool = False
+
+    @model_serializer(mode="wrap")
+    def _drop_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Written only when set, so manifests of flat datasets stay as they were.
+        out: dict[str, Any] = handler(self)
+        if not self.nullable:
+            out.pop("nullable", None)
+        return out
 
     @field_validator("name")
     @classmethod
     def _check_name(cls, v: str) -> str:
         if not _FIELD.match(v):
-            raise ValueError(f"field name {v!r} must be an identifier (letters, digits, '_')")
+            raise ValueError(
+                f"field name {v!r} must be an identifier (letters, digits, '_'), or a dotted "
+                "path of them"
+            )
+        if "." in v and v.rsplit(".", 1)[1] in COMPANION_SUFFIXES:
+            raise ValueError(f"field name {v!r} ends in a reserved part suffix")
         return v
 
     @field_validator("dtype")
@@ -148,6 +204,15 @@ class Manifest(BaseModel):
     created_at: str = ""
     #: Free-form provenance (source path, format, tool version).
     source: dict[str, str] = Field(default_factory=dict)
+    #: The tree a nested sample was saved as (:data:`Tree`); ``None`` for a flat dict.
+    structure: Tree = None
+
+    @model_serializer(mode="wrap")
+    def _drop_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.structure is None:
+            out.pop("structure", None)
+        return out
 
     @field_validator("name")
     @classmethod
@@ -162,6 +227,12 @@ class Manifest(BaseModel):
         names = [f.name for f in self.fields]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate field names in {names}")
+        if self.structure is not None:
+            leaves = tree_fields(self.structure)
+            if sorted(leaves) != sorted(names):
+                raise ValueError(
+                    f"structure names fields {sorted(leaves)}, but the fields are {sorted(names)}"
+                )
         total = sum(s.rows for s in self.shards)
         if total != self.num_samples:
             raise ValueError(f"num_samples is {self.num_samples} but the shards hold {total} rows")

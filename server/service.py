@@ -45,6 +45,7 @@ from .metrics import JobsSnapshot, Metrics, RankSeries
 from .planning import num_batches
 from .settings import Settings
 from .store.catalog import Store
+from .store.graphs import check_graph_job
 from .store.remote import RemoteStore, StoreOptions, open_store
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
@@ -83,9 +84,11 @@ def dataset_info(m: Manifest) -> DatasetInfo:
         bytes=m.total_bytes,
         fields=[
             {"name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind}
+            | ({"nullable": True} if f.nullable else {})
             for f in m.fields
         ],
         created_at=m.created_at,
+        structure=m.structure,
     )
 
 
@@ -259,6 +262,8 @@ class Service:
             raise BadRequest(
                 f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
             )
+        if spec.collate == "graph":
+            check_graph_job(manifest, spec.fields)
         per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
         check_batch(
             spec.batch_size,

@@ -3,6 +3,9 @@ rows, and turn it into an Arrow array (zero-copy for fixed fields).
 
 A fixed field's buffer is one preallocated numpy array that grows by doubling up to the chunk
 size and is reused for every chunk, so its pages are faulted once per ingest, not per shard.
+
+A nullable field (some samples ``None``) keeps a validity list beside its rows; a missing row
+holds zeros in the buffer (never read: the Arrow validity bitmap says it is not there).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ def _suggest_variable(name: str) -> str:
     )
 
 
-
 def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
     """``arr`` in the store's (native) byte order when it differs from ``want`` only in that.
 
@@ -39,6 +41,39 @@ def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
     if arr.dtype != want and arr.dtype.newbyteorder("=") == want:
         return arr.astype(want)
     return arr
+
+
+class Validity:
+    """Which rows of a chunk are missing; nothing is allocated until one is."""
+
+    def __init__(self) -> None:
+        self._missing: list[int] = []
+
+    def missing(self, row: int) -> None:
+        self._missing.append(row)
+
+    def at(self, row: int) -> bool:
+        return row not in self._missing
+
+    def mask(self, n: int) -> np.ndarray | None:
+        """``True`` where a row is missing (pyarrow's ``mask``), or ``None`` if none is."""
+        if not self._missing:
+            return None
+        m = np.zeros(n, dtype=bool)
+        m[self._missing] = True
+        return m
+
+    def prefill(self, n: int) -> None:
+        """The first ``n`` rows are missing (a field that appeared mid-chunk)."""
+        self._missing.extend(range(n))
+
+    def reset(self) -> None:
+        self._missing.clear()
+
+
+def _pa_mask(mask: np.ndarray | None) -> pa.Array | None:
+    return None if mask is None else pa.array(mask, type=pa.bool_())
+
 
 class FixedColumn:
     """A scalar or fixed-shape tensor field."""
@@ -51,6 +86,7 @@ class FixedColumn:
         self._max_rows = max(1, max_rows)
         self._buf = np.empty((min(self._max_rows, 1024), *self.shape), dtype=self.dtype)
         self.n = 0
+        self.valid = Validity()
 
     def check(self, value: object, where: str) -> np.ndarray:
         """``value`` as an array of this field's dtype and shape, or ``InvalidDataError``."""
@@ -117,9 +153,13 @@ class FixedColumn:
         grown[: self.n] = self._buf[: self.n]
         self._buf = grown
 
-    def push(self, arr: np.ndarray) -> None:
+    def push(self, arr: np.ndarray | None) -> None:
         self._reserve(1)
-        self._buf[self.n] = arr
+        if arr is None:
+            self._buf[self.n] = 0
+            self.valid.missing(self.n)
+        else:
+            self._buf[self.n] = arr
         self.n += 1
 
     def push_rows(self, col: np.ndarray, start: int, stop: int) -> None:
@@ -128,14 +168,20 @@ class FixedColumn:
         self._buf[self.n : self.n + k] = col[start:stop]
         self.n += k
 
+    def rows(self) -> np.ndarray:
+        """The rows buffered in this chunk (a view)."""
+        return self._buf[: self.n]
+
     def to_arrow(self) -> list[pa.Array]:
-        flat = pa.array(self._buf[: self.n].reshape(-1), type=arrow_value_type(self.spec))
+        mask = self.valid.mask(self.n)
         if self.shape == ():
-            return [flat]
-        return [pa.FixedSizeListArray.from_arrays(flat, self.spec.numel)]
+            return [pa.array(self._buf[: self.n], type=arrow_value_type(self.spec), mask=mask)]
+        flat = pa.array(self._buf[: self.n].reshape(-1), type=arrow_value_type(self.spec))
+        return [pa.FixedSizeListArray.from_arrays(flat, self.spec.numel, mask=_pa_mask(mask))]
 
     def reset(self) -> None:
         self.n = 0
+        self.valid.reset()
 
 
 class VariableColumn:
@@ -151,6 +197,16 @@ class VariableColumn:
         self.first_shape: tuple[int, ...] | None = None
         self.varied = [False] * self.ndim
         self.n = 0
+        self.valid = Validity()
+
+    @classmethod
+    def promoted(cls, spec: FieldSpec, fixed: FixedColumn) -> VariableColumn:
+        """A variable column holding the rows ``fixed`` buffered so far (a field found to vary)."""
+        col = cls(spec)
+        col.first_shape = fixed.shape
+        for i, row in enumerate(fixed.rows()):
+            col.push(None if not fixed.valid.at(i) else row.copy())
+        return col
 
     def check(self, value: object, where: str) -> np.ndarray:
         name = self.spec.name
@@ -177,7 +233,13 @@ class VariableColumn:
             (a.nbytes + 8 * self.ndim + 4 for a in col), dtype=np.int64, count=len(col)
         )
 
-    def push(self, arr: np.ndarray) -> None:
+    def push(self, arr: np.ndarray | None) -> None:
+        if arr is None:
+            self.valid.missing(self.n)
+            self._values.append(np.empty(0, self.dtype))
+            self._shapes.append((0,) * self.ndim)
+            self.n += 1
+            return
         shape = arr.shape
         if self.first_shape is None:
             self.first_shape = shape
@@ -203,7 +265,9 @@ class VariableColumn:
             )
         values = np.concatenate(self._values) if self._values else np.empty(0, self.dtype)
         lists = pa.ListArray.from_arrays(
-            pa.array(offsets.astype(np.int32)), pa.array(values, type=arrow_value_type(self.spec))
+            pa.array(offsets.astype(np.int32)),
+            pa.array(values, type=arrow_value_type(self.spec)),
+            mask=_pa_mask(self.valid.mask(self.n)),
         )
         shapes = np.asarray(self._shapes, dtype=np.int64).reshape(self.n * self.ndim)
         return [lists, pa.FixedSizeListArray.from_arrays(pa.array(shapes), self.ndim)]
@@ -212,6 +276,7 @@ class VariableColumn:
         self._values.clear()
         self._shapes.clear()
         self.n = 0
+        self.valid.reset()
 
 
 class BinaryColumn:
@@ -219,8 +284,9 @@ class BinaryColumn:
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
-        self._items: list[bytes] = []
+        self._items: list[bytes | None] = []
         self.n = 0
+        self.valid = Validity()
 
     def check(self, value: object, where: str) -> bytes:
         if isinstance(value, str):
@@ -231,10 +297,12 @@ class BinaryColumn:
             f"{where}: field {self.spec.name!r} holds a {type(value).__name__}, but earlier samples hold bytes"
         )
 
-    def row_sizes(self, col: Sequence[bytes]) -> np.ndarray:
-        return np.fromiter((len(b) + 4 for b in col), dtype=np.int64, count=len(col))
+    def row_sizes(self, col: Sequence[bytes | None]) -> np.ndarray:
+        return np.fromiter((len(b or b"") + 4 for b in col), dtype=np.int64, count=len(col))
 
-    def push(self, value: bytes) -> None:
+    def push(self, value: bytes | None) -> None:
+        if value is None:
+            self.valid.missing(self.n)
         self._items.append(value)
         self.n += 1
 
@@ -243,7 +311,7 @@ class BinaryColumn:
         self.n += stop - start
 
     def to_arrow(self) -> list[pa.Array]:
-        if sum(len(b) for b in self._items) > _INT32_MAX:
+        if sum(len(b or b"") for b in self._items) > _INT32_MAX:
             raise InvalidDataError(
                 f"field {self.spec.name!r}: more than 2 GiB of bytes in one chunk; use a smaller --shard-size"
             )
@@ -252,6 +320,7 @@ class BinaryColumn:
     def reset(self) -> None:
         self._items.clear()
         self.n = 0
+        self.valid.reset()
 
 
 Column = FixedColumn | VariableColumn | BinaryColumn

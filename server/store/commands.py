@@ -94,7 +94,8 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         summary = ingest(
             args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
             overwrite=args.overwrite, variable=args.variable, threads=args.threads,
-            progress=not args.quiet,
+            progress=not args.quiet, stacked=args.stacked, map_fn=args.map,
+            workers=args.workers,
         )  # fmt: skip
     print(summary.line())
     return 0
@@ -185,6 +186,19 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     )
     p.add_argument(
         "--threads", type=int, default=2, help="loader threads for .pt files (default 2)"
+    )
+    p.add_argument(
+        "--stacked",
+        action="store_true",
+        help=".pt files hold a dict of tensors sharing a leading dimension: one sample per row",
+    )
+    p.add_argument(
+        "--map",
+        metavar="MODULE:FUNCTION",
+        help="run this function over each source sample before writing (deterministic work, once)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=0, help="processes for --map (default 0: in this process)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(

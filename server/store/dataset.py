@@ -27,6 +27,8 @@ from .index import as_indices, check_bounds, chunk_of, chunk_starts, locate, sha
 from .shards import MappedShard
 
 VERIFY_MODES = ("lazy", "full", "off")
+#: Suffix of a nullable field's validity part in a batch.
+MASK = ".mask"
 
 
 class Dataset:
@@ -67,6 +69,8 @@ class Dataset:
         self._fixed = {n: [c.fixed[n] for c in chunks] for n in fixed}
         self._arrays = {n: [c.arrays[n] for c in chunks] for n in ragged}
         self._shapes = {n: [c.shapes[n] for c in chunks] for n in variable}
+        nullable = [f.name for f in self.fields if f.nullable]
+        self._valid = {n: [c.valid[n] for c in chunks] for n in nullable}
         self._verified = [verify != "lazy"] * len(self._shards)
         self._failed: dict[int, DatasetCorruptError] = {}
         self._all_verified = all(self._verified)
@@ -90,7 +94,8 @@ class Dataset:
         self, fields: Sequence[str] | None = None
     ) -> dict[str, tuple[str, tuple[int, ...]] | None]:
         """Batch part name -> ``(dtype, per-sample shape)`` for fixed fields; ``None`` for each
-        part of a variable or binary field (``x``, ``x.offsets`` and, for tensors, ``x.shapes``)."""
+        part of a variable or binary field (``x``, ``x.offsets`` and, for tensors, ``x.shapes``).
+        A nullable field adds ``x.mask`` (bool, ``True`` where the sample has a value)."""
         parts: dict[str, tuple[str, tuple[int, ...]] | None] = {}
         for n in self._names(fields):
             spec = self._specs[n]
@@ -100,6 +105,8 @@ class Dataset:
                 parts[n] = parts[n + ".offsets"] = None
                 if spec.kind == "variable":
                     parts[n + ".shapes"] = None
+            if spec.nullable:
+                parts[n + MASK] = ("bool", ())
         return parts
 
     def batch_nbytes(self, fields: Sequence[str] | None, batch_size: int) -> int | None:
@@ -110,6 +117,8 @@ class Dataset:
             if spec.kind not in ("scalar", "tensor"):
                 return None
             total += spec.numel * np.dtype(spec.dtype).itemsize * batch_size
+            if spec.nullable:
+                total += batch_size
         return total
 
     # -- reading -----------------------------------------------------------------------------
@@ -146,6 +155,11 @@ class Dataset:
         parts: dict[str, np.ndarray] = {}
         for n in names:
             spec = self._specs[n]
+            if spec.nullable:
+                mask = out.get(n + MASK) if out is not None else None
+                if mask is None or mask.shape != (b,):
+                    mask = np.empty(b, dtype=bool)
+                parts[n + MASK] = take_fixed(self._valid[n], g, rows, mask) if b else mask
             if spec.kind in ("scalar", "tensor"):
                 dest = self._out_array(spec, b, out)
                 parts[n] = take_fixed(self._fixed[n], g, rows, dest) if b else dest

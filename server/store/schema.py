@@ -92,14 +92,15 @@ def arrow_fields(specs: tuple[FieldSpec, ...]) -> list[pa.Field]:
     """The Arrow schema fields for ``specs`` (a variable field adds its shape column)."""
     out: list[pa.Field] = []
     for s in specs:
+        null = s.nullable
         if s.kind == "binary":
-            out.append(pa.field(s.name, pa.binary(), nullable=False))
+            out.append(pa.field(s.name, pa.binary(), nullable=null))
         elif s.kind == "scalar":
-            out.append(pa.field(s.name, arrow_value_type(s), nullable=False))
+            out.append(pa.field(s.name, arrow_value_type(s), nullable=null))
         elif s.kind == "tensor":
-            out.append(pa.field(s.name, pa.list_(arrow_value_type(s), s.numel), nullable=False))
+            out.append(pa.field(s.name, pa.list_(arrow_value_type(s), s.numel), nullable=null))
         else:
-            out.append(pa.field(s.name, pa.list_(arrow_value_type(s)), nullable=False))
+            out.append(pa.field(s.name, pa.list_(arrow_value_type(s)), nullable=null))
             out.append(
                 pa.field(
                     SHAPE_COLUMN_PREFIX + s.name, pa.list_(pa.int64(), len(s.shape)), nullable=False

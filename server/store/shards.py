@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec, ShardInfo
@@ -35,12 +36,21 @@ class Chunk:
     fixed: dict[str, np.ndarray] = field(default_factory=dict)
     arrays: dict[str, pa.Array] = field(default_factory=dict)
     shapes: dict[str, np.ndarray] = field(default_factory=dict)
+    #: Nullable fields: ``True`` where the row has a value.
+    valid: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _fixed_view(arr: pa.Array, spec: FieldSpec) -> np.ndarray:
     # Arrow bools are bit-packed, so that one dtype is materialised (copied once, at open).
     zero_copy = spec.dtype != "bool"
-    flat = arr if spec.shape == () else arr.flatten()
+    if arr.null_count:
+        # Missing rows hold zeros in the values; the validity view says they are not there.
+        if spec.shape == ():
+            return pc.fill_null(arr, 0).to_numpy(zero_copy_only=False)
+        k = spec.numel
+        flat = arr.values.slice(arr.offset * k, len(arr) * k)
+    else:
+        flat = arr if spec.shape == () else arr.flatten()
     return flat.to_numpy(zero_copy_only=zero_copy).reshape(len(arr), *spec.shape)
 
 
@@ -110,8 +120,14 @@ class MappedShard:
         chunk = Chunk(rows=batch.num_rows)
         for spec in specs:
             col = batch.column(spec.name)
-            if col.null_count:
+            if col.null_count and not spec.nullable:
                 raise DatasetCorruptError(f"column {spec.name!r} has nulls")
+            if spec.nullable:
+                chunk.valid[spec.name] = (
+                    col.is_valid().to_numpy(zero_copy_only=False)
+                    if col.null_count
+                    else np.ones(len(col), dtype=bool)
+                )
             if spec.kind in ("scalar", "tensor"):
                 chunk.fixed[spec.name] = _fixed_view(col, spec)
             else:

@@ -10,6 +10,12 @@ Layout choices (why, see issue 8's measurements):
 * Files go to ``<root>/.tmp-<name>-<random>/``; each shard is fsynced while its xxh3
   checksum is computed; ``manifest.json`` is written last and the folder is renamed into
   place. An exception (or a kill) publishes nothing.
+* Nested samples are flattened by :class:`~.tree.TreeBuilder` (the tree goes in the
+  manifest). The schema may still change while samples arrive: a tensor whose shape differs
+  from earlier samples' is promoted to a variable field, a place that was ``None`` so far
+  becomes a new field (missing in earlier rows), a ``None`` makes a field nullable. The open
+  shard is closed at such a change, and shards written before it are rewritten to the final
+  schema (:mod:`.migrate`) before anything is published.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_d
 
 from . import layout
 from .columns import FixedColumn, VariableColumn, make_column
-from .schema import arrow_schema, infer_fields
+from .migrate import needs_upgrade, upgrade_shard
+from .schema import arrow_schema, infer_field, infer_fields
+from .tree import MISSING, TreeBuilder, is_trivial, tree_of_names
 
 CHUNK_MAX_BYTES = 512 << 20
 
@@ -79,6 +87,14 @@ class ShardWriter:
         self._shard_rows = 0
         self._buffered = 0
         self._done = False
+        self._tree = TreeBuilder()
+        #: Set by a columnar source whose column names are already flattened paths.
+        self.structure: object = None
+        #: Fields found to vary in shape (name -> first shape seen), and found to be missing
+        #: in some samples; for the ingest summary.
+        self.promoted: dict[str, tuple[int, ...]] = {}
+        self._ipc_specs: tuple[FieldSpec, ...] = ()
+        self._shard_specs: list[tuple[FieldSpec, ...]] = []
         layout.clean_stale(self.root)
         self._owned = layout.new_temp_dir(self.root, name)
         self._temp = self._owned.path
@@ -101,20 +117,98 @@ class ShardWriter:
             self.abort()
 
     # -- adding data -------------------------------------------------------------------------
-    def add(self, sample: Mapping[str, object], where: str | None = None) -> None:
-        """Append one sample (a dict of arrays / numbers / bytes); ``where`` names it in errors."""
+    def add(self, sample: object, where: str | None = None) -> None:
+        """Append one sample (a dict, nested to any depth, a tuple or list, of arrays / numbers /
+        bytes / ``None``); ``where`` names it in errors."""
         where = where or f"sample {self.num_samples}"
+        flat = self._tree.flatten(sample, where)
         if self._specs is None:
-            self._init_fields(infer_fields(sample, variable=self._variable, where=where))
-        self._check_keys(sample, where)
-        values = [c.check(sample[c.spec.name], where) for c in self._columns]
+            present = {k: v for k, v in flat.items() if v is not MISSING}
+            declared = self._variable & set(present)  # the rest may appear later
+            self._init_fields(infer_fields(present, variable=declared, where=where))
+        for name, value in flat.items():
+            if name not in self._index and value is not MISSING:
+                self._add_field(name, value, where)
+        values: list[Any] = []
+        for i, c in enumerate(self._columns):
+            v = flat.get(c.spec.name, MISSING)
+            if v is MISSING:
+                self._set_nullable(i)
+                values.append(None)
+                continue
+            if isinstance(c, FixedColumn) and self._varies(c, v):
+                c = self._promote(i)
+            values.append(c.check(v, where))
         nbytes = 0
         for c, v in zip(self._columns, values, strict=True):
             c.push(v)
-            nbytes += int(c.row_sizes([v])[0]) if not isinstance(c, FixedColumn) else c.row_bytes
+            if isinstance(c, FixedColumn):
+                nbytes += c.row_bytes
+            else:
+                nbytes += int(c.row_sizes([v])[0]) if v is not None else 4
         self.num_samples += 1
         self._buffered += nbytes
         self._maybe_flush()
+
+    # -- the schema changing under way ----------------------------------------------------
+    def _add_field(self, name: str, value: object, where: str) -> None:
+        """A field first seen now: every earlier row is missing it."""
+        assert self._specs is not None
+        try:
+            spec = infer_field(name, value, variable=name in self._variable, where=where)
+        except ValueError as e:
+            if isinstance(e, InvalidDataError):
+                raise
+            raise InvalidDataError(f"{where}: field {name!r} cannot be stored: {e}") from None
+        if self.num_samples:
+            spec = spec.model_copy(update={"nullable": True})
+        col = make_column(spec, self._chunk_rows)
+        buffered = self._columns[0].n if self._columns else 0
+        for _ in range(buffered):
+            col.push(None)
+        self._specs = (*self._specs, spec)
+        self._columns.append(col)
+        self._index[name] = len(self._columns) - 1
+        self._schema_changed()
+
+    def _set_nullable(self, i: int) -> None:
+        assert self._specs is not None
+        spec = self._specs[i]
+        if spec.nullable:
+            return
+        spec = spec.model_copy(update={"nullable": True})
+        self._columns[i].spec = spec
+        self._specs = (*self._specs[:i], spec, *self._specs[i + 1 :])
+        self._schema_changed()
+
+    @staticmethod
+    def _varies(c: FixedColumn, v: object) -> bool:
+        """Whether ``v`` is the field's kind of array but of another shape (so: promote)."""
+        return (
+            isinstance(v, np.ndarray)
+            and v.dtype == c.dtype
+            and v.ndim == len(c.shape)
+            and v.ndim > 0
+            and v.shape != c.shape
+        )
+
+    def _promote(self, i: int) -> VariableColumn:
+        assert self._specs is not None
+        old = self._columns[i]
+        spec = old.spec.model_copy(update={"shape": (-1,) * len(old.shape)})
+        col = VariableColumn.promoted(spec, old)
+        self.promoted[spec.name] = old.shape
+        self._columns[i] = col
+        self._specs = (*self._specs[:i], spec, *self._specs[i + 1 :])
+        self._schema_changed()
+        return col
+
+    def _schema_changed(self) -> None:
+        assert self._specs is not None
+        # One shard, one schema: chunks written so far stay in a shard of the old one
+        # (rewritten at finish); the rows still buffered go to a new shard.
+        self._close_shard()
+        self._schema = arrow_schema(self._specs)
 
     def add_batch(self, columns: Mapping[str, object], where: str | None = None) -> None:
         """Append whole columns: arrays ``[B, *shape]`` for fixed fields, sequences of
@@ -127,17 +221,35 @@ class ShardWriter:
         if b == 0:
             return
         if self._specs is None:
-            first = {k: v[0] for k, v in columns.items()}  # type: ignore[index]
+            first = {k: _first_value(v) for k, v in columns.items()}
             self._init_fields(infer_fields(first, variable=self._variable, where=where))
         self._check_keys(columns, where)
         cols: list[Any] = []
         sizes = np.zeros(b, dtype=np.int64)
-        for c in self._columns:
+        masks: list[np.ndarray | None] = []
+        for i, c in enumerate(self._columns):
             raw = columns[c.spec.name]
+            missing: np.ndarray | None = None
             if isinstance(c, FixedColumn):
+                if isinstance(raw, np.ma.MaskedArray):
+                    m = np.asarray(np.ma.getmaskarray(raw))
+                    missing = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m)
+                    raw = raw.filled(0)
                 col: Any = c.check_column(raw, b, where)
             else:
-                col = [c.check(v, f"{where} row {i}") for i, v in enumerate(raw)]  # type: ignore[attr-defined]
+                items: Any = raw
+                col = [
+                    None if v is None else c.check(v, f"{where} row {j}")
+                    for j, v in enumerate(items)
+                ]
+                if any(v is None for v in col):
+                    missing = np.fromiter((v is None for v in col), dtype=bool, count=b)
+            if missing is not None and missing.any():
+                self._set_nullable(i)
+                c = self._columns[i]
+            else:
+                missing = None
+            masks.append(missing)
             sizes += c.row_sizes(col)
             cols.append(col)
         start = 0
@@ -146,7 +258,10 @@ class ShardWriter:
             before = np.cumsum(sizes[start:]) - sizes[start:]
             k = max(1, int(np.searchsorted(before, room, side="left")))
             stop = min(b, start + k)
-            for c, col in zip(self._columns, cols, strict=True):
+            for c, col, miss in zip(self._columns, cols, masks, strict=True):
+                if miss is not None:
+                    for r in np.flatnonzero(miss[start:stop]).tolist():
+                        c.valid.missing(c.n + r)
                 c.push_rows(col, start, stop)
             self.num_samples += stop - start
             self._buffered += int(sizes[start:stop].sum())
@@ -165,6 +280,15 @@ class ShardWriter:
                 )
             self._flush_chunk()
             self._close_shard()
+            unknown = sorted(self._variable - set(self._index))
+            if unknown:
+                raise InvalidDataError(
+                    f"--variable names {unknown}, but the samples have fields {list(self._index)}"
+                )
+            self._upgrade_shards()
+            structure = self.structure if self.structure is not None else self._tree.final()
+            if structure is None:  # columns only: dotted names (game.board) spell a tree
+                structure = tree_of_names([s.name for s in self._specs])
             manifest = Manifest(
                 name=self.name,
                 num_samples=self.num_samples,
@@ -172,6 +296,7 @@ class ShardWriter:
                 shards=tuple(self._shards),
                 created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 source=self.source,
+                structure=None if structure is None or is_trivial(structure) else structure,
             )
             layout.write_manifest(self._temp, manifest)
             layout.publish(self._temp, self.root, self.name, overwrite=self.overwrite)
@@ -204,9 +329,29 @@ class ShardWriter:
         fixed_row = sum(
             s.numel * np.dtype(s.dtype).itemsize for s in specs if s.kind in ("scalar", "tensor")
         )
-        chunk_rows = self._chunk_bytes // max(1, fixed_row) + 1
-        self._columns = [make_column(s, chunk_rows) for s in specs]
+        self._chunk_rows = self._chunk_bytes // max(1, fixed_row) + 1
+        self._columns = [make_column(s, self._chunk_rows) for s in specs]
+        self._index = {s.name: i for i, s in enumerate(specs)}
         self._schema = arrow_schema(specs)
+
+    def _upgrade_shards(self) -> None:
+        """Rewrite shards written before the schema last changed (see module docstring)."""
+        assert self._specs is not None
+        final = self._specs
+        for i, old in enumerate(self._shard_specs):
+            if not needs_upgrade(old, final):
+                continue
+            info = self._shards[i]
+            path = self._temp / info.path
+            upgrade_shard(path, old, final)
+            size = path.stat().st_size
+            self.bytes_written += size - info.bytes
+            self._shards[i] = ShardInfo(
+                path=info.path,
+                rows=info.rows,
+                bytes=size,
+                checksum=layout.checksum_file(path, fsync=True),
+            )
 
     def _check_keys(self, sample: Mapping[str, object], where: str) -> None:
         want = [c.spec.name for c in self._columns]
@@ -236,6 +381,8 @@ class ShardWriter:
         if self._ipc is None:
             path = self._temp / layout.shard_name(len(self._shards))
             self._ipc = pa.ipc.new_file(str(path), self._schema)
+            assert self._specs is not None
+            self._ipc_specs = self._specs
         arrays: list[pa.Array] = []
         for c in self._columns:
             arrays.extend(c.to_arrow())
@@ -258,6 +405,7 @@ class ShardWriter:
         self._shards.append(
             ShardInfo(path=rel, rows=self._shard_rows, bytes=size, checksum=checksum)
         )
+        self._shard_specs.append(self._ipc_specs)
         self.bytes_written += size
         self._shard_committed = 0
         self._shard_rows = 0
@@ -265,13 +413,25 @@ class ShardWriter:
     def _final_specs(self) -> tuple[FieldSpec, ...]:
         assert self._specs is not None
         out = []
+        narrow = self._variable | set(self.promoted)
         for spec, col in zip(self._specs, self._columns, strict=True):
-            if spec.name in self._variable and isinstance(col, VariableColumn) and col.first_shape:
+            if spec.name in narrow and isinstance(col, VariableColumn) and col.first_shape:
                 shape = tuple(
                     -1 if v else d for v, d in zip(col.varied, col.first_shape, strict=True)
                 )
                 if -1 not in shape:
                     shape = (-1, *shape[1:])  # declared variable: keep it variable
-                spec = FieldSpec(name=spec.name, dtype=spec.dtype, shape=shape)
+                spec = FieldSpec(
+                    name=spec.name, dtype=spec.dtype, shape=shape, nullable=spec.nullable
+                )
             out.append(spec)
         return tuple(out)
+
+
+def _first_value(col: Any) -> object:
+    """The first value of a column that is there (a missing one says nothing of the type)."""
+    if isinstance(col, np.ma.MaskedArray):
+        return col.data[0]
+    if isinstance(col, np.ndarray):
+        return col[0]
+    return next((v for v in col if v is not None), None)

@@ -48,6 +48,7 @@ from ..assembly import Assembler
 from ..jobs import JobRegistry
 from ..logs import log_event
 from ..metrics import Metrics
+from ..store.graphs import GraphCollated
 from .board import StreamBoard
 from .buffers import BufferPool, BufferSet
 from .handshake import batches_per_rank, check_hello, version_reject
@@ -402,6 +403,8 @@ class StreamHandler:
             raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
         job = s.job
         ds = self.p.open_dataset(job.spec.dataset)
+        if job.spec.collate == "graph":
+            ds = GraphCollated(ds)  # issue 14: graphs collated for message passing
         fields = tuple(job.spec.fields or (f.name for f in ds.manifest.fields))
         m = ds.manifest
         batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)

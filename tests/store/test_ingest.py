@@ -51,13 +51,24 @@ def test_pt_folder_recursive_sorted(tmp_path: Path, store_root: Path) -> None:
     assert np.diff(parts["atoms.offsets"]).tolist() == [i % 5 + 1 for i in want]
 
 
-def test_pt_without_variable_names_file_and_suggests_flag(tmp_path: Path, store_root: Path) -> None:
-    """A changing dimension names the file and field and suggests --variable; nothing published."""
+def test_pt_varying_dimension_is_found_without_the_flag(tmp_path: Path, store_root: Path) -> None:
+    """A dimension that varies between samples makes the field variable by itself (issue 14);
+    the summary says so."""
     _write_pt_folder(tmp_path / "src", 4)
-    with pytest.raises(
-        InvalidDataError, match=r"part0/0003\.pt: field 'atoms' has shape \(4,\).*--variable atoms"
-    ):
-        ingest(tmp_path / "src", store_root, "pts", progress=False)
+    s = ingest(tmp_path / "src", store_root, "pts", progress=False)
+    assert s.manifest.field("atoms").shape == (-1,)
+    assert "variable: atoms [-1]" in s.line()
+
+
+def test_pt_changing_rank_names_file_and_field(tmp_path: Path, store_root: Path) -> None:
+    """A field whose number of dimensions changes is refused naming the file and field;
+    nothing published."""
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"atoms": torch.zeros(3)}, src / "a.pt")
+    torch.save({"atoms": torch.zeros(3, 2)}, src / "b.pt")
+    with pytest.raises(InvalidDataError, match=r"b\.pt: field 'atoms' has shape \(3, 2\)"):
+        ingest(src, store_root, "pts", progress=False)
     assert Store(store_root).list() == [] and list(store_root.iterdir()) == []
 
 

@@ -2,8 +2,10 @@
 
 Column mapping: numeric and bool columns -> scalars; ``fixed_size_list`` (nested for more
 dimensions) and the ``fixed_shape_tensor`` extension -> fixed tensors; ``list`` /
-``large_list`` of numbers -> variable 1-d tensors; binary and string -> binary. Anything else
-(nested structs, lists of lists, nulls) is refused, naming the column.
+``large_list`` of numbers -> variable 1-d tensors; ``list`` of ``fixed_size_list`` ->
+variable tensors ``[-1, k]``; binary and string -> binary. Nulls become missing values (the
+field is nullable, masked on the client). Anything else (structs, lists of lists) is refused,
+naming the column.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from shardserve.proto.errors import InvalidDataError
@@ -45,25 +48,62 @@ def _fixed(arr: pa.Array, where: str, name: str) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).reshape(len(arr), *dims)
 
 
-def convert(batch: pa.RecordBatch, where: str) -> dict[str, object]:
+def _nullable_fixed(arr: pa.Array, where: str, name: str) -> np.ndarray:
+    """A fixed column with nulls as a masked array (missing rows hold zeros)."""
+    missing = arr.is_null().to_numpy(zero_copy_only=False)
+    if _numeric(arr.type):
+        values = pc.fill_null(arr, 0).to_numpy(zero_copy_only=False)
+        return np.ma.MaskedArray(values, mask=missing)
+    k = arr.type.list_size if pa.types.is_fixed_size_list(arr.type) else 0
+    inner = arr.values.slice(arr.offset * k, len(arr) * k)
+    values = _fixed(pa.FixedSizeListArray.from_arrays(inner, k), where, name)
+    mask = np.broadcast_to(missing.reshape(-1, *([1] * (values.ndim - 1))), values.shape)
+    return np.ma.MaskedArray(values, mask=mask)
+
+
+def _ragged(arr: pa.Array, where: str, name: str) -> list[object]:
+    """A list column as per-row arrays (``None`` where null)."""
+    t = arr.type
+    offsets = arr.offsets.to_numpy()
+    child = arr.values
+    dims: list[int] = []
+    while pa.types.is_fixed_size_list(child.type):
+        dims.append(child.type.list_size)
+        child = child.flatten()
+    if not _numeric(child.type):
+        raise InvalidDataError(
+            f"{where}: column {name!r} has type {t}, which a store cannot hold (lists of "
+            "numbers or of fixed-size lists of numbers can be ingested)"
+        )
+    values = child.to_numpy(zero_copy_only=False)
+    k = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    rows = np.split(values[offsets[0] * k : offsets[-1] * k], (offsets[1:-1] - offsets[0]) * k)
+    out: list[object] = [r.reshape(-1, *dims) if dims else r for r in rows]
+    if arr.null_count:
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        out = [r if ok else None for r, ok in zip(out, valid, strict=True)]
+    return out
+
+
+def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, object]:
     """A record batch as writer columns (see module docstring)."""
     cols: dict[str, object] = {}
     for name, arr in zip(batch.schema.names, batch.columns, strict=True):
         if name.startswith("__index_level_"):
             continue  # pandas' saved index is not a field
-        if arr.null_count:
+        if arr.null_count and not nulls:
             raise InvalidDataError(
                 f"{where}: column {name!r} has {arr.null_count} nulls; a store holds no nulls"
             )
         t = arr.type
-        if _numeric(t):
+        if (_numeric(t) or pa.types.is_fixed_size_list(t)) and arr.null_count:
+            cols[name] = _nullable_fixed(arr, where, name)
+        elif _numeric(t):
             cols[name] = arr.to_numpy(zero_copy_only=False)
         elif pa.types.is_fixed_size_list(t) or isinstance(t, pa.FixedShapeTensorType):
             cols[name] = _fixed(arr, where, name)
-        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numeric(t.value_type):
-            offsets = arr.offsets.to_numpy()
-            values = arr.values.to_numpy(zero_copy_only=False)
-            cols[name] = np.split(values[offsets[0] : offsets[-1]], offsets[1:-1] - offsets[0])
+        elif pa.types.is_list(t) or pa.types.is_large_list(t):
+            cols[name] = _ragged(arr, where, name)
         elif (
             pa.types.is_binary(t)
             or pa.types.is_large_binary(t)

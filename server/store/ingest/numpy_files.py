@@ -5,6 +5,11 @@
 * one ``.npy`` file: a single field named after the file;
 * a folder of ``.npy`` files: one field per file (named after it), all with the same length.
 
+A **structured** array (records such as ``[("board", "u1", (32,)), ("eval", "i2")]``)
+becomes one field per record field, sub-arrays as fixed-shape tensors and nested records as
+dotted names (``game.board``); a lone structured ``.npy`` file gives its fields their own
+names (``board``, ``eval``...).
+
 Arrays are loaded with ``allow_pickle=False``; ``.npy`` files are memory-mapped and copied
 out in blocks, and the members of a ``.npz`` are decompressed as streams, a block of rows at a
 time, so memory stays bounded whatever their size (a 1.4 MB ``.npz`` can declare gigabytes).
@@ -39,7 +44,21 @@ def _load(path: Path, mmap: bool) -> np.ndarray | Mapping[str, np.ndarray]:
         raise InvalidDataError(f"{path}: not a readable numpy file ({e})") from None
 
 
+def _unpack(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Structured arrays split into one array (a strided view) per record field."""
+    out: dict[str, np.ndarray] = {}
+    lone = len(arrays) == 1
+    for key, a in arrays.items():
+        if a.dtype.names is None:
+            out[key] = a
+            continue
+        for sub, v in _unpack({f: a[f] for f in a.dtype.names}).items():
+            out[sub if lone else f"{key}.{sub}"] = v
+    return out
+
+
 def _blocks(arrays: dict[str, np.ndarray], where: str, nbytes: int) -> Iterator[Piece]:
+    arrays = _unpack(arrays)
     lengths = {k: (a.shape[0] if a.ndim else None) for k, a in arrays.items()}
     if None in lengths.values() or len(set(lengths.values())) != 1:
         raise InvalidDataError(

@@ -18,6 +18,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from ..writer import ShardWriter
+from .mapping import mapped, resolve_map
 from .registry import open_source
 
 
@@ -37,7 +38,19 @@ class IngestSummary:
         return (
             f"ingested {m.name}: {m.num_samples} samples, {len(m.shards)} shards, {mb:.1f} MB, "
             f"{self.seconds:.1f} s ({self.files} files, {rate:.1f} MB/s read)"
+            f"{self.choices()}"
         )
+
+    def choices(self) -> str:
+        """What ingest decided on its own: variable shapes found, fields found missing."""
+        var = [f"{f.name} {list(f.shape)}" for f in self.manifest.fields if f.kind == "variable"]
+        null = [f.name for f in self.manifest.fields if f.nullable]
+        out = ""
+        if var:
+            out += f"; variable: {', '.join(var)}"
+        if null:
+            out += f"; may be missing (masked): {', '.join(null)}"
+        return out
 
 
 def ingest(
@@ -51,14 +64,26 @@ def ingest(
     variable: Collection[str] = (),
     threads: int = 2,
     progress: bool = True,
+    stacked: bool = False,
+    map_fn: str | None = None,
+    workers: int = 0,
 ) -> IngestSummary:
-    """Ingest ``src`` into dataset ``name`` of ``store``; nothing is published on any error."""
+    """Ingest ``src`` into dataset ``name`` of ``store``; nothing is published on any error.
+
+    Shapes that vary between samples are found (the field becomes variable; ``variable``
+    declares one up front), and fields missing in some samples become nullable; the summary
+    line says which. ``map_fn`` (``"module:function"``) runs over each source sample first,
+    in ``workers`` processes (0: in this one).
+    """
     validate_dataset_name(name)
     src_path = Path(src)
     if not src_path.exists():
         raise InvalidDataError(f"source {src_path} does not exist")
+    if workers < 0:
+        raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
+    fn = resolve_map(map_fn) if map_fn else None
     started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=threads)
+    source = open_source(src_path, fmt, threads=threads, stacked=stacked)
     total = source.total_bytes
     info = {
         "path": str(src_path.resolve()),
@@ -85,8 +110,11 @@ def ingest(
             source=info,
             variable=set(variable) | source.variable,
         ) as writer,
+        mapped(source.pieces, fn, map_fn or "", workers) as pieces,
     ):
-        for i, piece in enumerate(source.pieces):
+        # A map returns samples of its own making: their tree is the writer's to find.
+        writer.structure = source.structure if fn is None else None
+        for i, piece in enumerate(pieces):
             if piece.sample is not None:
                 writer.add(piece.sample, where=piece.where)
             elif piece.columns is not None:
@@ -99,6 +127,10 @@ def ingest(
                     f"{files}/{len(source.files)} files, {writer.num_samples} samples",
                     refresh=False,
                 )
+        if progress:  # the real final counts, not those of the last 256th piece
+            bar.set_postfix_str(
+                f"{files}/{len(source.files)} files, {writer.num_samples} samples", refresh=True
+            )
         if writer.num_samples == 0:
             raise InvalidDataError(f"source {src_path} holds no samples; nothing to ingest")
     manifest = writer.manifest

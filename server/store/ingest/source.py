@@ -20,7 +20,8 @@ class Piece:
     """One sample or one block of columns from a source."""
 
     where: str
-    sample: Mapping[str, object] | None = None
+    #: One sample: a dict (nested to any depth), a tuple or list, or a bare array.
+    sample: object = None
     columns: Mapping[str, object] | None = None
     #: Files finished with this piece and source bytes it consumed (for the progress bar).
     files: int = 0
@@ -36,6 +37,9 @@ class Source:
     pieces: Iterator[Piece]
     #: Fields the format knows are variable-shape (e.g. Arrow list columns).
     variable: set[str] = field(default_factory=set)
+    #: For columnar sources whose column names are flattened paths: the tree they form
+    #: (:data:`shardserve.proto.manifest.Tree`); ``None`` when flat.
+    structure: object = None
 
     @property
     def total_bytes(self) -> int:

@@ -1,0 +1,171 @@
+"""``collate="graph"``: a batch of graphs put together the way message passing needs it.
+
+The rules are ``torch_geometric``'s (``Batch.from_data_list``), done with a handful of numpy
+calls per field instead of a Python loop over graphs:
+
+* a field whose last name segment contains ``index`` (``edge_index``) or is ``face`` is
+  concatenated along its **last** dimension, each graph's values shifted by the number of
+  nodes before it;
+* every other tensor field is concatenated along its first dimension (node and edge
+  features: ``x [sum N, F]``, ``edge_attr [sum E, F]``; a per-graph ``y [1]`` becomes
+  ``[B]``); scalars are stacked;
+* ``batch`` (int64 ``[sum N]``: the graph of each node) and ``ptr`` (int64 ``[B+1]``) are
+  added.
+
+The node count of a graph is its ``num_nodes`` field (PyG ``Data`` ingest stores it), else
+the first dimension of ``x``, else of ``pos``. ``num_nodes`` itself is not sent (``ptr``
+says it). Bytes fields and fields that may be missing have no place in such a batch and are
+refused when the job is created, as is a dataset with no way to count nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardserve.proto.errors import BadRequest
+from shardserve.proto.manifest import FieldSpec, Manifest
+
+#: Parts a graph batch adds; no field may have these names.
+ADDED = ("batch", "ptr")
+NODE_FIELDS = ("x", "pos")
+
+
+def _is_index(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return "index" in last or last == "face"
+
+
+def _node_source(specs: Mapping[str, FieldSpec]) -> str | None:
+    if "num_nodes" in specs and specs["num_nodes"].kind == "scalar":
+        return "num_nodes"
+    for n in NODE_FIELDS:
+        if n in specs and specs[n].kind in ("tensor", "variable") and specs[n].shape:
+            return n
+    return None
+
+
+def check_graph_job(manifest: Manifest, fields: Sequence[str] | None) -> None:
+    """Refuse (``BadRequest``) a graph job this dataset's fields cannot make."""
+    specs = {f.name: f for f in manifest.fields}
+    names = list(fields) if fields is not None else list(specs)
+    where = f'collate="graph" on dataset {manifest.name!r}'
+    if _node_source({n: specs[n] for n in names if n in specs} | _counts_only(specs)) is None:
+        raise BadRequest(
+            f"{where}: no way to count each graph's nodes: it needs a num_nodes field, or x or "
+            f"pos; its fields are {list(specs)}"
+        )
+    for n in names:
+        s = specs[n]
+        if n in ADDED:
+            raise BadRequest(f"{where}: field {n!r} clashes with the {n!r} a graph batch adds")
+        if s.kind == "binary" or s.nullable:
+            why = "holds bytes" if s.kind == "binary" else "is missing in some samples"
+            raise BadRequest(f"{where}: field {n!r} {why}; leave it out with fields=")
+        if s.kind == "variable" and -1 in (s.shape[:-1] if _is_index(n) else s.shape[1:]):
+            raise BadRequest(
+                f"{where}: field {n!r} has shape {list(s.shape)}; only its "
+                f"{'last' if _is_index(n) else 'first'} dimension may vary to be concatenated"
+            )
+
+
+def _counts_only(specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
+    # num_nodes counts nodes even when the job does not serve it.
+    return {"num_nodes": specs["num_nodes"]} if "num_nodes" in specs else {}
+
+
+def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+    """Concatenate ``[k, E_g]`` blocks (flat, row-major, one per graph) into ``[k, sum E]``."""
+    b = len(shapes)
+    if b == 0:
+        return values.reshape(0, 0)
+    k = int(shapes[0, 0])
+    e = shapes[:, -1]
+    total = int(e.sum())
+    start = np.repeat(offsets[:-1], e)
+    col = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(e) - e, e)
+    rows = np.repeat(e, e)
+    idx = start[None, :] + np.arange(k, dtype=np.int64)[:, None] * rows[None, :] + col[None, :]
+    return values[idx]
+
+
+class GraphCollated:
+    """A dataset whose ``take`` returns graph batches (see module docstring); everything
+    else is the wrapped dataset's."""
+
+    def __init__(self, ds: Any) -> None:
+        self._ds = ds
+        self._specs = {f.name: f for f in ds.fields}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ds, name)
+
+    def part_shapes(self, fields: Sequence[str] | None = None) -> dict[str, Any]:
+        """Every part's size depends on the graphs in the batch: all variable."""
+        names = [n for n in self._ds._names(fields) if n != "num_nodes"]
+        return dict.fromkeys([*names, *ADDED])
+
+    def batch_nbytes(self, fields: Sequence[str] | None, batch_size: int) -> int | None:
+        return None
+
+    def take(
+        self,
+        indices: np.ndarray | Sequence[int],
+        fields: Sequence[str] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        names = self._ds._names(fields)
+        source = _node_source({n: self._specs[n] for n in names} | _counts_only(self._specs))
+        want = list(names)
+        if source is not None and source not in want:
+            want.append(source)
+        parts = self._ds.take(indices, want)
+        b = len(np.asarray(indices).reshape(-1))
+        if source == "num_nodes":
+            counts = parts["num_nodes"].astype(np.int64)
+        elif source is not None and self._specs[source].kind == "variable":
+            counts = parts[source + ".shapes"][:, 0]
+        elif source is not None:
+            counts = np.full(b, self._specs[source].shape[0], dtype=np.int64)
+        else:
+            raise BadRequest("graph collation needs a num_nodes, x or pos field")
+        ptr = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(counts, out=ptr[1:])
+        out_parts: dict[str, np.ndarray] = {}
+        for n in names:
+            if n == "num_nodes":
+                continue
+            spec = self._specs[n]
+            out_parts[n] = self._field(n, spec, parts, b, ptr, counts)
+        out_parts["batch"] = np.repeat(np.arange(b, dtype=np.int64), counts)
+        out_parts["ptr"] = ptr
+        return out_parts
+
+    @staticmethod
+    def _field(
+        n: str, spec: FieldSpec, parts: Mapping[str, np.ndarray], b: int, ptr: np.ndarray,
+        counts: np.ndarray,
+    ) -> np.ndarray:  # fmt: skip
+        index = _is_index(n)
+        if spec.kind == "variable":
+            values, offsets, shapes = parts[n], parts[n + ".offsets"], parts[n + ".shapes"]
+            if index:
+                cat = _cat_last(values, offsets, shapes)
+                e = shapes[:, -1] if b else np.zeros(0, np.int64)
+                return cat + np.repeat(ptr[:-1], e)[None, :].astype(cat.dtype)
+            rest = (
+                tuple(int(d) for d in shapes[0, 1:])
+                if b
+                else tuple(max(d, 0) for d in spec.shape[1:])
+            )
+            return values.reshape(-1, *rest)
+        arr = parts[n]
+        if spec.kind == "scalar":
+            return arr
+        if index:
+            e = spec.shape[-1]
+            cat = np.moveaxis(arr, 0, -2).reshape(*spec.shape[:-1], b * e)
+            return cat + np.repeat(ptr[:-1], e).astype(cat.dtype)
+        return arr.reshape(b * spec.shape[0], *spec.shape[1:])
