@@ -28,7 +28,6 @@ def _suggest_variable(name: str) -> str:
     )
 
 
-
 def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
     """``arr`` in the store's (native) byte order when it differs from ``want`` only in that.
 
@@ -39,6 +38,7 @@ def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
     if arr.dtype != want and arr.dtype.newbyteorder("=") == want:
         return arr.astype(want)
     return arr
+
 
 class FixedColumn:
     """A scalar or fixed-shape tensor field."""
