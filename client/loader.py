@@ -164,6 +164,8 @@ class Loader:
         self._stats = StatsClock()
         try:
             created = self._api.create_job(self.spec)
+            # The server is up; later calls run inside a stream's own deadline, so no retries.
+            self._api.connect_retry_s = 0.0
             self._job_epoch = created.status.epoch
             self._num_batches = created.status.batches_per_epoch
             endpoint = choose_endpoint(self._api.info(), self._api.host, transport)

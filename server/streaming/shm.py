@@ -77,8 +77,12 @@ class SlotRing:
         count = int(np.prod(shape, dtype=np.int64))
         nbytes = count * np.dtype(dtype).itemsize
         if offset + nbytes > self.slot_bytes:
-            raise ValueError(f"part of {nbytes} bytes at offset {offset} overflows a {self.slot_bytes}-byte slot")
-        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=slot * self.slot_bytes + offset).reshape(shape)
+            raise ValueError(
+                f"part of {nbytes} bytes at offset {offset} overflows a {self.slot_bytes}-byte slot"
+            )
+        return np.frombuffer(
+            self._mm, dtype=dtype, count=count, offset=slot * self.slot_bytes + offset
+        ).reshape(shape)
 
     def close(self) -> None:
         """Unmap and unlink; a client that still has it mapped keeps its pages until it unmaps."""
@@ -96,8 +100,13 @@ def free_bytes(shm_dir: Path = DEFAULT_DIR) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def create_ring(stream: int, slots: int, slot_bytes: int, shm_dir: Path = DEFAULT_DIR,
-                limit_bytes: int | None = None) -> SlotRing:
+def create_ring(
+    stream: int,
+    slots: int,
+    slot_bytes: int,
+    shm_dir: Path = DEFAULT_DIR,
+    limit_bytes: int | None = None,
+) -> SlotRing:
     """Make a ring of ``slots`` x ``slot_bytes`` (rounded up to alignment).
 
     Raises ``ShmUnavailable`` with the reason and the fix when ``shm_dir`` is missing, too
@@ -105,8 +114,10 @@ def create_ring(stream: int, slots: int, slot_bytes: int, shm_dir: Path = DEFAUL
     """
     slot_bytes = align(max(slot_bytes, 1))
     size = slots * slot_bytes
-    hint = ("give the container more shared memory (`docker run --shm-size=2g`, compose `shm_size: 2gb`, "
-            "or `ipc: host`)")
+    hint = (
+        "give the container more shared memory (`docker run --shm-size=2g`, compose `shm_size: 2gb`, "
+        "or `ipc: host`)"
+    )
     if limit_bytes is not None and size > limit_bytes:
         raise ShmUnavailable(
             f"a ring of {slots} x {slot_bytes} bytes is over the {limit_bytes}-byte limit "
