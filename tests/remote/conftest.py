@@ -15,11 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-moto_server = pytest.importorskip(
-    "moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')"
-)
-
-from tests.support.server import free_port  # noqa: E402
+from tests.support.server import free_port
 
 #: Fake credentials: any appearance of these in output is a leak.
 ACCESS_KEY = "AKIASHARDSERVELEAK01"
@@ -58,9 +54,9 @@ class S3:
 
     def start(self) -> None:
         """Start again on the same port; moto keeps its buckets in this process meanwhile."""
-        self.server = moto_server.ThreadedMotoServer(
-            ip_address=self.host, port=self.port, verbose=False
-        )
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
         self.server.start()  # type: ignore[attr-defined]
 
     def filesystem(self) -> object:
@@ -80,6 +76,9 @@ class S3:
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     """A fresh moto S3 server with one empty bucket; the environment points at it."""
+    moto_server = pytest.importorskip(
+        "moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')"
+    )
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
