@@ -280,11 +280,16 @@ class VariableColumn:
 
 
 class BinaryColumn:
-    """Raw bytes per sample (e.g. an encoded image); ``str`` is stored as UTF-8."""
+    """Raw bytes per sample (e.g. an encoded image); ``str`` is stored as UTF-8.
+
+    Rows come one by one (bytes) or, from columnar sources, as slices of an Arrow binary
+    array, which are kept as they are (no Python object per row)."""
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
         self._items: list[bytes | None] = []
+        self._arrays: list[pa.Array] = []
+        self._nbytes = 0
         self.n = 0
         self.valid = Validity()
 
@@ -297,28 +302,54 @@ class BinaryColumn:
             f"{where}: field {self.spec.name!r} holds a {type(value).__name__}, but earlier samples hold bytes"
         )
 
-    def row_sizes(self, col: Sequence[bytes | None]) -> np.ndarray:
+    def row_sizes(self, col: Sequence[bytes | None] | pa.Array) -> np.ndarray:
+        if isinstance(col, pa.Array):
+            offsets = np.frombuffer(col.buffers()[1], np.int32)[
+                col.offset : col.offset + len(col) + 1
+            ]
+            return np.diff(offsets).astype(np.int64) + 4
         return np.fromiter((len(b or b"") + 4 for b in col), dtype=np.int64, count=len(col))
 
     def push(self, value: bytes | None) -> None:
         if value is None:
             self.valid.missing(self.n)
         self._items.append(value)
+        self._nbytes += len(value or b"")
         self.n += 1
 
-    def push_rows(self, col: Sequence[bytes], start: int, stop: int) -> None:
-        self._items.extend(col[start:stop])
+    def _flush_items(self) -> None:
+        if self._items:
+            self._arrays.append(pa.array(self._items, type=pa.binary()))
+            self._items = []
+
+    def push_rows(self, col: Sequence[bytes] | pa.Array, start: int, stop: int) -> None:
+        if isinstance(col, pa.Array):
+            self._flush_items()
+            part = col.slice(start, stop - start)
+            self._arrays.append(part)
+            self._nbytes += int(self.row_sizes(part).sum()) - 4 * len(part)
+        else:
+            rows = col[start:stop]
+            self._items.extend(rows)
+            self._nbytes += sum(len(b or b"") for b in rows)
         self.n += stop - start
 
     def to_arrow(self) -> list[pa.Array]:
-        if sum(len(b or b"") for b in self._items) > _INT32_MAX:
+        if self._nbytes > _INT32_MAX:
             raise InvalidDataError(
                 f"field {self.spec.name!r}: more than 2 GiB of bytes in one chunk; use a smaller --shard-size"
             )
-        return [pa.array(self._items, type=pa.binary())]
+        self._flush_items()
+        if not self._arrays:
+            return [pa.array([], type=pa.binary())]
+        if len(self._arrays) == 1:
+            return [self._arrays[0]]
+        return [pa.concat_arrays(self._arrays)]
 
     def reset(self) -> None:
-        self._items.clear()
+        self._items = []
+        self._arrays = []
+        self._nbytes = 0
         self.n = 0
         self.valid.reset()
 

@@ -51,6 +51,9 @@ class TreeBuilder:
     def __init__(self) -> None:
         self.tree: Tree = None
         self._taken: set[str] = set()
+        #: For :meth:`_fast`: key -> field of a one-level dict tree, or the fields of a
+        #: one-level tuple tree; ``None`` for any other tree.
+        self._flat: dict[str, str] | list[str] | None = None
 
     def _name(self, prefix: str, seg: str) -> str:
         base = f"{prefix}.{seg}" if prefix else seg
@@ -65,11 +68,41 @@ class TreeBuilder:
 
     def flatten(self, sample: object, where: str) -> dict[str, object]:
         """``{field: value}`` for one sample; fields below a ``None`` map to :data:`MISSING`."""
-        out: dict[str, object] = {}
         if _is_leaf(sample) and sample is not None:
             sample = {"data": sample}  # a bare tensor: one field, as before nesting
+        fast = self._fast(sample)
+        if fast is not None:
+            return fast
+        out: dict[str, object] = {}
         self.tree = self._merge(self.tree, sample, "", out, where)
+        self._flat = _flat_names(self.tree)
         return out
+
+    def _fast(self, sample: object) -> dict[str, object] | None:
+        """The common case without a walk: a one-level dict or tuple whose keys and leaves
+        are the ones already known, none ``None``. ``None`` when the walk is needed."""
+        flat = self._flat
+        if flat is None:
+            return None
+        out: dict[str, object] = {}
+        if isinstance(sample, dict) and isinstance(flat, dict):
+            if len(sample) != len(flat):
+                return None
+            for k, v in sample.items():
+                name = flat.get(k)
+                if name is None or v is None or not _is_leaf(v):
+                    return None
+                out[name] = v
+            return out
+        if isinstance(sample, tuple) and isinstance(flat, list):
+            if len(sample) != len(flat):
+                return None
+            for name, v in zip(flat, sample, strict=True):
+                if v is None or not _is_leaf(v):
+                    return None
+                out[name] = v
+            return out
+        return None
 
     def _merge(
         self, node: Tree, value: object, prefix: str, out: dict[str, object], where: str
@@ -164,6 +197,17 @@ class TreeBuilder:
     def final(self) -> Tree:
         """The tree for the manifest: places never given a value become ``None``."""
         return _strip(self.tree)
+
+
+def _flat_names(tree: Tree) -> dict[str, str] | list[str] | None:
+    if not isinstance(tree, dict):
+        return None
+    kind, items = next(iter(tree.items()))
+    if kind == "dict" and all(isinstance(v, str) for v in items.values()):
+        return dict(items)
+    if kind == "tuple" and all(isinstance(v, str) for v in items):
+        return list(items)
+    return None
 
 
 def _orig(value: Mapping[Any, object], key: str) -> Any:

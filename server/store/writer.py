@@ -36,7 +36,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_dataset_name
 
 from . import layout
-from .columns import FixedColumn, VariableColumn, make_column
+from .columns import BinaryColumn, FixedColumn, VariableColumn, make_column
 from .migrate import needs_upgrade, upgrade_shard
 from .schema import arrow_schema, infer_field, infer_fields
 from .tree import MISSING, TreeBuilder, is_trivial, tree_of_names
@@ -236,6 +236,10 @@ class ShardWriter:
                     missing = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m)
                     raw = raw.filled(0)
                 col: Any = c.check_column(raw, b, where)
+            elif isinstance(raw, pa.Array) and isinstance(c, BinaryColumn):
+                col = raw  # a columnar source's bytes: kept as Arrow, no object per row
+                if raw.null_count:
+                    missing = raw.is_null().to_numpy(zero_copy_only=False)
             else:
                 items: Any = raw
                 col = [
@@ -432,6 +436,8 @@ def _first_value(col: Any) -> object:
     """The first value of a column that is there (a missing one says nothing of the type)."""
     if isinstance(col, np.ma.MaskedArray):
         return col.data[0]
+    if isinstance(col, pa.Array):  # Arrow bytes (columnar sources): its type says binary
+        return b""
     if isinstance(col, np.ndarray):
         return col[0]
     return next((v for v in col if v is not None), None)

@@ -86,11 +86,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
         return d
 
     def run(name: str, path: Path, samples: list[Any], **kw: Any) -> None:
-        b.summaries[name] = ingest(path, store, name, progress=False, shard_bytes=2048, **kw)
+        kw.setdefault("shard_bytes", 2048)
+        b.summaries[name] = ingest(path, store, name, progress=False, **kw)
         b.samples[name] = samples
 
     pde = [_pde(i) for i in range(N)]
-    run("pde", folder("pde", pde), pde)
+    # Small shards: several are written before "bc" first has a value (sample 12), so they
+    # are rewritten with its column added as missing.
+    run("pde", folder("pde", pde), pde, shard_bytes=256)
     tup = [_tuple(i) for i in range(N)]
     run("tuples", folder("tuples", tup), tup)
     graphs = [_graph(i) for i in range(N)]
@@ -163,6 +166,7 @@ def test_summary_says_what_ingest_chose(built: Built) -> None:
     assert g.manifest.field("edge_index").shape == (2, -1)
     assert "variable: atom_fea [-1, 6], edge_index [2, -1]" in g.line()
     pde = built.summaries["pde"].manifest
+    assert pde.shards[0].rows < 12 < pde.num_samples  # a shard was written before bc existed
     assert pde.field("params.nu").nullable and pde.field("bc.kind.id").nullable
     assert not pde.field("latent").nullable
     assert "may be missing (masked): " in built.summaries["pde"].line()

@@ -110,7 +110,8 @@ def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, 
             or pa.types.is_string(t)
             or pa.types.is_large_string(t)
         ):
-            cols[name] = arr.to_pylist()
+            # Kept as Arrow (strings as their UTF-8 bytes): no Python object per row.
+            cols[name] = arr.cast(pa.binary())
         else:
             raise InvalidDataError(
                 f"{where}: column {name!r} has type {t}, which a store cannot hold (numbers, "

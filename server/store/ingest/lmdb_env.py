@@ -8,6 +8,7 @@ sample: ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
@@ -28,7 +29,7 @@ def _pieces(env_dir: Path, total: int) -> Iterator[Piece]:
     except lmdb.Error as e:
         raise InvalidDataError(f"{env_dir}: not a readable LMDB environment ({e})") from None
     try:
-        with env.begin(buffers=False) as txn:
+        with env.begin(buffers=False) as txn, _standins():
             for key, value in txn.cursor():
                 where = f"{env_dir} key {bytes(key)[:64]!r}"
                 yield Piece(where=where, sample=by_magic(bytes(value), where))
@@ -45,3 +46,14 @@ def open_lmdb(src: Path, threads: int = 1) -> Source:
     if not data.is_file():
         raise InvalidDataError(f"source {src} is not an LMDB environment (no data.mdb)")
     return Source(format="lmdb", files=[data], pieces=_pieces(env_dir, data.stat().st_size))
+
+
+def _standins() -> AbstractContextManager[None]:
+    """PyG stand-ins held for the whole read when torch is there (values may be ``.pt``)."""
+    try:
+        import torch
+    except ImportError:
+        return nullcontext()
+    from .pyg import standins
+
+    return standins(torch)

@@ -23,6 +23,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
+import pyarrow as pa
+
 from shardserve.proto.errors import InvalidDataError
 
 from .source import Piece
@@ -58,7 +60,7 @@ def _samples(pieces: Iterator[Piece]) -> Iterator[Piece]:
         if p.columns is None:
             yield p
             continue
-        cols = dict(p.columns)
+        cols = {k: v.to_pylist() if isinstance(v, pa.Array) else v for k, v in p.columns.items()}
         n = len(next(iter(cols.values()))) if cols else 0  # type: ignore[arg-type]
         for i in range(n):
             last = i == n - 1

@@ -163,6 +163,13 @@ def _load_pieces(path: Path, stacked: bool) -> list[Piece]:
 
 
 def _pieces(files: list[Path], threads: int, stacked: bool) -> Iterator[Piece]:
+    # The stand-ins are held for the whole source: registering them per file costs more
+    # than a small file's load.
+    with pyg.standins(_torch()):
+        yield from _loaded(files, threads, stacked)
+
+
+def _loaded(files: list[Path], threads: int, stacked: bool) -> Iterator[Piece]:
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ingest-pt")
     pending: deque[tuple[Path, Future[list[Piece]]]] = deque()
     todo = iter(files)
