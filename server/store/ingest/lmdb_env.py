@@ -7,6 +7,7 @@ sample: ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -50,8 +51,9 @@ def open_lmdb(src: Path, threads: int = 1) -> Source:
 
 def _standins() -> AbstractContextManager[None]:
     """PyG stand-ins held for the whole read when torch is there (values may be ``.pt``)."""
+    # torch is imported here and in pt_files only (".pt" values need it); serving never does.
     try:
-        import torch
+        torch = importlib.import_module("torch")
     except ImportError:
         return nullcontext()
     from .pyg import standins
