@@ -177,9 +177,12 @@ def ingest_ray(
     # A folder of .npy files is one table (a file per field): it cannot be split by file.
     split = not (fmt == "npz" and any(f.suffix.lower() == ".npy" for f in files))
     runs = groups_of(files, sizes, 2 * cpus) if split else [[src_path]]
+    owned: layout.OwnedDir | None = None
     if remote is None:
         layout.clean_stale(root)
-        temp = layout.new_temp_dir(root, name)
+        # Locked for the whole write, so another ingest's sweep never takes it for stale.
+        owned = layout.new_temp_dir(root, name)
+        temp = owned.path
     else:
         temp = Path(tempfile.mkdtemp(prefix="shardserve-ray-"))  # nothing is written here
     parts_root = temp / "parts"
@@ -257,6 +260,8 @@ def ingest_ray(
         raise
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+        if owned is not None:
+            owned.release()
     read = sum(d["bytes"] for d in done)
     return IngestSummary(manifest, len(files), read, time.perf_counter() - started)
 
