@@ -295,8 +295,8 @@ class Loader:
                 yield from source
 
         return Resident.load(
-            self._api, self.job_id, self.world.rank, self.spec.batch_size, info,
-            self.spec.fields, env_devices, one_pass, self.timeout,
+            self._api, self.job_id, self.world.rank, self.spec.batch_size, info, layout,
+            env_devices, one_pass, self.timeout,
         )  # fmt: skip
 
     def __iter__(self) -> Iterator[Batch]:

@@ -53,6 +53,13 @@ def field_layout(info: DatasetInfo, fields: Sequence[str] | None) -> Layout:
                 f"resident mode holds fixed-shape fields; {info.name!r} field {name!r} is "
                 f"{dtype}{list(shape)}: leave it out with fields=[...] or use the streaming mode"
             )
+        if f.get("nullable"):
+            # Its mask would not be held: missing samples would read as made-up zeros.
+            raise BadRequest(
+                f"resident mode holds fields with a value in every sample; {info.name!r} field "
+                f"{name!r} is missing in some: leave it out with fields=[...] or use the "
+                "streaming mode (it delivers the mask)"
+            )
         layout[name] = (torch_dtype(dtype), shape)
     return layout
 
@@ -172,14 +179,13 @@ class Resident:
         rank: int,
         batch_size: int,
         info: DatasetInfo,
-        fields: Sequence[str] | None,
+        layout: Layout,
         env_devices: Sequence[torch.device],
         stream_once: Callable[[], Iterable[Batch]],
         timeout: float,
     ) -> Resident:
-        """Check the fields fit on every device of ``env_devices``, then load them through
-        ``stream_once`` (a store-order pass over the dataset)."""
-        layout = field_layout(info, fields)
+        """Check the fields of ``layout`` (see :func:`field_layout`) fit on every device of
+        ``env_devices``, then load them through ``stream_once`` (a store-order pass)."""
         devices = list(dict.fromkeys(env_devices))
         check_fits(info.name, resident_nbytes(layout, info.num_samples), devices)
         data = load_fields(stream_once(), layout, info.num_samples, devices)

@@ -145,3 +145,20 @@ def _shard_rows(server) -> list[int]:
     store = server.proc.args[server.proc.args.index("--store") + 1]
     with Store(store).open("cifar") as ds:
         return list(ds.shard_rows)
+
+
+def test_resident_refuses_a_field_missing_in_some_samples() -> None:
+    """Resident tensors hold no mask: a nullable field would read as made-up zeros."""
+    from shardserve.client.resident import field_layout
+    from shardserve.proto.jobs import DatasetInfo
+
+    info = DatasetInfo(
+        name="pde", num_samples=3, num_shards=1, bytes=0,
+        fields=[
+            {"name": "latent", "dtype": "float32", "shape": [4]},
+            {"name": "params.nu", "dtype": "float32", "shape": [], "nullable": True},
+        ],
+    )  # fmt: skip
+    with pytest.raises(BadRequest, match=r"'params\.nu' is missing in some"):
+        field_layout(info, None)
+    assert list(field_layout(info, ["latent"])) == ["latent"]
