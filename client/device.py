@@ -4,11 +4,10 @@ Host data is first copied into a pinned buffer from :class:`PinnedPool`, then co
 device with ``non_blocking=True`` on a side stream, overlapping whatever the consumer's stream
 is still computing; the consumer's current stream waits on an event recorded after the
 copies, and the pinned buffer goes back to the pool with that event, so it is refilled only
-after its copy finished. A shared-memory slot ring can skip
-the staging copy: registered once per stream with ``cudaHostRegister``, its slots are copied
-from directly, and a slot goes back to the server only after its copy event completed.
-Everything here is guarded by ``torch.cuda.is_available()``; on the CPU a batch passes
-through untouched.
+after its copy finished. A shared-memory slot ring can skip the staging copy: registered
+once per stream with ``cudaHostRegister``, its slots are copied from directly, and a slot goes
+back to the server only after its copy event completed. Everything here is guarded by
+``torch.cuda.is_available()``; on the CPU a batch passes through untouched.
 """
 
 from __future__ import annotations
