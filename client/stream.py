@@ -58,6 +58,10 @@ RECOVERABLE = frozenset(
     {ErrorCode.JOB_NOT_FOUND, ErrorCode.UNKNOWN_STREAM, ErrorCode.SERVER_SHUTDOWN}
 )
 MAX_BACKOFF_S = 2.0
+#: A Hello still without its Welcome after this long is sent again. The server may be alive
+#: and heartbeating while that Hello was lost (sent into a dying server, or answered inside
+#: the recovery backoff), and silence detection never fires then.
+WELCOME_WAIT_S = 10.0
 
 
 class EpochStream:
@@ -124,10 +128,13 @@ class EpochStream:
                     self._last_beat = now
                 if now - self._last_heard > 3 * self._heartbeat_s:
                     self._recover(f"no message from the server for {now - self._last_heard:.1f} s")
+                elif self.welcome is None and now - self._hello_at > WELCOME_WAIT_S:
+                    self._recover(f"no Welcome {now - self._hello_at:.1f} s after the Hello")
                 wake = min(
                     deadline,
                     self._last_beat + self._heartbeat_s,
                     self._last_heard + 3 * self._heartbeat_s,
+                    self._hello_at + WELCOME_WAIT_S if self.welcome is None else deadline,
                 )
                 self.conn.poll(max(0.001, wake - now))
                 continue
@@ -271,6 +278,7 @@ class EpochStream:
             update={"start_batch": start, "nonce": secrets.randbits(62), "keep": keep}
         )
         self.welcome = None
+        self._hello_at = time.monotonic()
         self._pending_grant = 0
         self._returns = []  # slots of the stream being replaced die with its ring
         self.credit_outstanding = self.hello.credit
