@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .dtypes import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE
 from .errors import MalformedFrame, UnknownMessage, VersionMismatch
 from .messages import (
     CONTROL_MODELS,
@@ -52,17 +53,6 @@ _PREFIX = struct.Struct("<2sBB")
 _BATCH = struct.Struct("<IIIiH")
 _PART_TAIL = struct.Struct("<QQ")
 _MAX_HEADER = 1 << 20
-
-#: dtype name <-> one-byte code; append only, never renumber.
-DTYPE_CODES: dict[str, int] = {
-    "bool": 1, "int8": 2, "uint8": 3, "int16": 4, "uint16": 5, "int32": 6, "uint32": 7,
-    "int64": 8, "uint64": 9, "float16": 10, "float32": 11, "float64": 12,
-}  # fmt: skip
-DTYPE_NAMES: dict[int, str] = {v: k for k, v in DTYPE_CODES.items()}
-ITEMSIZE: dict[str, int] = {
-    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "float32": 4, "float64": 8,
-}  # fmt: skip
 
 Frame = bytes | memoryview | Any  # zmq.Frame or any buffer-protocol object
 

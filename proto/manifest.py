@@ -40,18 +40,13 @@ from pydantic import (
     model_validator,
 )
 
+from .dtypes import BINARY, NUMERIC_DTYPES
 from .errors import InvalidDataError, VersionMismatch
 
 #: The manifest format this code writes and reads.
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 
-#: numpy dtype names a tensor field may have, plus "binary" for raw bytes.
-NUMERIC_DTYPES = (
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64",
-)  # fmt: skip
-BINARY = "binary"
 SHAPE_COLUMN_PREFIX = "__shape__."
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from shardserve.proto.dtypes import BINARY, NUMERIC_DTYPES
 from shardserve.proto.errors import InvalidDataError
-from shardserve.proto.manifest import BINARY, NUMERIC_DTYPES, SHAPE_COLUMN_PREFIX, FieldSpec
+from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec
 
 BytesLike = (bytes, bytearray, memoryview)
 

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardserve.proto.dtypes import DTYPE_CODES, ITEMSIZE
 from shardserve.proto.errors import MalformedFrame, ProtocolError, UnknownMessage, VersionMismatch
 from shardserve.proto.framing import (
-    DTYPE_CODES,
-    ITEMSIZE,
     decode,
     decode_batch,
     encode,

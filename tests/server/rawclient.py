@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from shardserve.proto.framing import ITEMSIZE, decode, decode_batch, encode, peek_kind
+from shardserve.proto.dtypes import ITEMSIZE
+from shardserve.proto.framing import decode, decode_batch, encode, peek_kind
 from shardserve.proto.messages import (
     BatchHeader,
     Credit,
