@@ -13,31 +13,21 @@ import logging
 import os
 import signal
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
 
+from shardserve.proto.api import ServerInfo
+from shardserve.proto.endpoints import is_wildcard_host, reaches_this_host
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.framing import Frame, encode
-from shardserve.proto.jobs import ServerInfo
+from shardserve.proto.host import read_boot_id
 from shardserve.proto.messages import Bye, ControlMessage
-
-from .control import LOOPBACK_HOSTS
 
 log = logging.getLogger(__name__)
 
 BYE_LINGER_MS = 10
 TRANSPORTS = ("auto", "ipc", "tcp", "socket")
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def read_boot_id() -> str:
-    """This kernel's boot id ('' where there is none): equal ids mean one host."""
-    try:
-        return _BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
 
 
 def choose_endpoint(
@@ -74,9 +64,9 @@ def choose_endpoint(
         )
     parts = urlsplit(tcp[0])
     host = parts.hostname or ""
-    if (host in LOOPBACK_HOSTS or host == "*") and http_host not in LOOPBACK_HOSTS:
+    if reaches_this_host(host) and not reaches_this_host(http_host):
         return f"tcp://{http_host}:{parts.port}"
-    if host in ("0.0.0.0", "*"):
+    if is_wildcard_host(host):
         return f"tcp://127.0.0.1:{parts.port}"
     return tcp[0]
 

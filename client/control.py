@@ -13,20 +13,13 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from shardserve.proto.api import CreatedJob, DatasetInfo, JobStatus, ServerInfo
+from shardserve.proto.endpoints import reaches_this_host
 from shardserve.proto.errors import ServerUnavailable, ShardserveError, error_for_code
-from shardserve.proto.jobs import (
-    CreatedJob,
-    DatasetInfo,
-    JobSpec,
-    JobStatus,
-    ServerInfo,
-    job_id,
-)
+from shardserve.proto.jobs import JobSpec, job_id
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
 PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
-
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0"})
 
 
 class ControlClient:
@@ -59,7 +52,7 @@ class ControlClient:
             base_url=self.url,
             headers=headers,
             timeout=timeout,
-            trust_env=self.host not in LOOPBACK_HOSTS,
+            trust_env=not reaches_this_host(self.host),
             verify=parts.scheme == "https",
         )
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from shardserve.proto.api import DatasetInfo
 from shardserve.proto.errors import BadRequest, DataError
-from shardserve.proto.jobs import DatasetInfo
 
 from .buffers import torch_dtype
 from .control import ControlClient

@@ -2,9 +2,10 @@
 job spec, and the exception tree. Data and pure functions only: no I/O, no sockets, no clocks.
 """
 
+from .api import JobStatus
 from .errors import ErrorCode, ShardserveError, error_for_code
 from .framing import decode, decode_batch, encode, encode_batch
-from .jobs import JobSpec, JobStatus, job_id
+from .jobs import JobSpec, job_id
 from .manifest import FORMAT_VERSION, FieldSpec, Manifest, ShardInfo, parse_manifest
 from .messages import PROTOCOL_VERSION, BatchHeader, Kind, PartHeader
 

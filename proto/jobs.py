@@ -1,4 +1,4 @@
-"""The control plane's contract: job specs and the status the server reports.
+"""The job spec: what a job serves, and the id that names it.
 
 A job is a pure function of its spec: the same spec always has the same id
 (:func:`job_id`), on any server, before and after a restart. That is what lets every DDP
@@ -9,22 +9,19 @@ one stopped without a coordinator.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .manifest import validate_dataset_name
 
+#: An epoch's sample order: a full permutation, shards then samples within a window of
+#: shards (locality), or the stored order.
 ShuffleMode = Literal["global", "block", "none"]
 #: How a batch's samples are put together: ``None`` stacks each field (the default);
 #: ``"graph"`` collates graphs for message passing (node fields concatenated, ``edge_index``
 #: offset, a ``batch`` vector), as ``torch_geometric`` does.
 Collate = Literal["graph"]
-#: ``pending``: created, no stream yet; ``running``: a rank streams (or did moments ago);
-#: ``idle``: no stream for a while, an epoch left unfinished; ``finished``: every rank ended
-#: its last epoch and left; ``failed``: stopped with a reason; ``deleted``: gone (a DELETE's reply).
-JobState = Literal["pending", "running", "idle", "finished", "failed", "deleted"]
-Transport = Literal["shm", "socket"]
 
 MAX_BATCH_SIZE = 1 << 20
 MAX_WORLD_SIZE = 1 << 16
@@ -78,89 +75,3 @@ def job_id(spec: JobSpec) -> str:
     exclude = {"collate"} if spec.collate is None else None
     canonical = spec.model_dump_json(exclude_none=False, exclude=exclude).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]
-
-
-class EpochUpdate(BaseModel):
-    """``PUT /v1/jobs/{id}/epoch``: what every rank streams next when its client does not
-    set the epoch itself."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    epoch: int = Field(ge=0, lt=1 << 31)
-    seed: int | None = Field(default=None, ge=0, lt=1 << 63)
-
-
-class RankStatus(BaseModel):
-    rank: int
-    connected: bool
-    epoch: int | None = None
-    transport: Transport | None = None
-    batches_delivered: int = 0
-    bytes_delivered: int = 0
-    next_batch: int = 0
-    num_batches: int = 0
-    credit: int = 0
-    #: Batches the client handed to its loop per second over the last few seconds (its own
-    #: reports; the server's sends when a client reports none).
-    batches_per_s: float = 0.0
-    #: Reported by the client: seconds waiting for data / (waiting + computing), since it began.
-    stall_fraction: float | None = None
-    #: The same over the last few seconds (``None`` until two reports span that window).
-    stall_now: float | None = None
-    #: Why this rank's stream uses the socket although it asked for shared memory.
-    shm_fallback: str | None = None
-    wait_s: float = 0.0
-    compute_s: float = 0.0
-    last_seen_s: float | None = None
-
-
-class JobStatus(BaseModel):
-    id: str
-    spec: JobSpec
-    state: JobState
-    #: The epoch set with ``PUT /v1/jobs/{id}/epoch`` (0 until then). Streams never move it:
-    #: each rank's own epoch is in ``ranks``.
-    epoch: int
-    seed: int
-    num_samples: int
-    batches_per_epoch: int
-    #: Ranks that have opened a stream (a rank never seen is absent), by rank.
-    ranks: list[RankStatus]
-    error: str | None = None
-
-
-class CreatedJob(BaseModel):
-    id: str
-    created: bool
-    status: JobStatus
-
-
-class DatasetInfo(BaseModel):
-    name: str
-    num_samples: int
-    num_shards: int
-    bytes: int
-    fields: list[dict[str, object]]
-    created_at: str = ""
-    #: The tree nested samples were saved as (:data:`~.manifest.Tree`); absent when flat.
-    structure: Any = None
-
-
-class ErrorBody(BaseModel):
-    """The body of every 4xx/5xx the control plane sends."""
-
-    code: str
-    detail: str
-
-
-class ServerInfo(BaseModel):
-    """``GET /v1/info``: how to reach the data plane and what the server speaks."""
-
-    version: str
-    protocols: list[int]
-    #: Data-plane endpoints the server is bound to, e.g. ``tcp://127.0.0.1:7071``, ``ipc:///run/ss.sock``.
-    data_endpoints: list[str]
-    host: str
-    #: The kernel boot id: a client with the same one shares this host (and its /dev/shm).
-    boot_id: str
-    auth_required: bool

@@ -31,6 +31,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .endpoints import Delivery
 from .errors import ErrorCode
 
 #: The data-plane protocol version this code speaks.
@@ -113,7 +114,7 @@ class Welcome(_Msg):
     start_batch: int
     num_batches: int
     heartbeat_s: float
-    transport: Literal["shm", "socket"] = "socket"
+    transport: Delivery = "socket"
     shm: ShmRing | None = None
 
 

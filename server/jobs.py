@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardserve.proto.api import JobState
 from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
-from shardserve.proto.jobs import JobSpec, JobState, job_id
+from shardserve.proto.jobs import JobSpec, job_id
 
 from .journal import CreateRecord, DeleteRecord, EpochJournal, EpochRecord
 from .logs import log_event

@@ -21,7 +21,7 @@ make room and are expired after ``job_ttl_s``.
 
 from __future__ import annotations
 
-from shardserve.proto.jobs import JobState
+from shardserve.proto.api import JobState
 
 from .jobs import Job
 from .streaming.board import JobActivity

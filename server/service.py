@@ -21,18 +21,11 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from shardserve.proto.api import CreatedJob, DatasetInfo, EpochUpdate, JobStatus, ServerInfo
 from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
-from shardserve.proto.jobs import (
-    CreatedJob,
-    DatasetInfo,
-    EpochUpdate,
-    JobSpec,
-    JobStatus,
-    ServerInfo,
-)
-from shardserve.proto.jobs import (
-    job_id as spec_job_id,
-)
+from shardserve.proto.host import read_boot_id
+from shardserve.proto.jobs import JobSpec
+from shardserve.proto.jobs import job_id as spec_job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
@@ -66,14 +59,6 @@ def _version() -> str:
         return version("shardserve")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def boot_id() -> str:
-    """This kernel's boot id: clients with the same one share our host and /dev/shm."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def dataset_info(m: Manifest) -> DatasetInfo:
@@ -140,7 +125,7 @@ class Service:
                 # Clients map rings from their own /dev/shm, so the server makes them there too.
                 shm_dir=SHM_DIR if settings.shm else None,
                 shm_limit_bytes=settings.shm_limit_bytes,
-                boot_id=boot_id(),
+                boot_id=read_boot_id(),
                 max_batch_bytes=settings.max_batch_bytes,
             ),
             self._make_handler,
@@ -243,7 +228,7 @@ class Service:
             protocols=list(SUPPORTED_PROTOCOLS),
             data_endpoints=self.streamer.endpoints,
             host=socket.gethostname(),
-            boot_id=boot_id(),
+            boot_id=read_boot_id(),
             auth_required=self.settings.token is not None,
         )
 

@@ -8,42 +8,13 @@ or a comma-separated string from the environment, e.g.
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-_LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """``"127.0.0.1:7070"`` -> ``("127.0.0.1", 7070)``; ``"[::1]:80"`` -> ``("::1", 80)``."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"address {addr!r} must be HOST:PORT, e.g. 127.0.0.1:7070")
-    if not 0 <= int(port) <= 65535:
-        raise ValueError(f"port {port} in {addr!r} is outside 0..65535")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` names only this machine (a literal loopback address or localhost)."""
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname or wildcard such as "*" may be reachable from outside
-
-
-def _data_host(endpoint: str) -> str | None:
-    """The host of a ``tcp://`` endpoint; ``None`` for transports that never leave the host."""
-    scheme, _, rest = endpoint.partition("://")
-    if scheme != "tcp":
-        return None
-    return split_host_port(rest)[0]
+from shardserve.proto.endpoints import is_loopback_host, split_host_port, tcp_host
 
 
 class Settings(BaseSettings):
@@ -150,11 +121,7 @@ class Settings(BaseSettings):
         if not v:
             raise ValueError("data needs at least one endpoint, e.g. tcp://127.0.0.1:7071")
         for e in v:
-            scheme = e.partition("://")[0]
-            if scheme not in ("tcp", "ipc") or "://" not in e:
-                raise ValueError(f"data endpoint {e!r} must start with tcp:// or ipc://")
-            if scheme == "tcp":
-                split_host_port(e.partition("://")[2])
+            tcp_host(e)  # raises for an unknown scheme or a bad HOST:PORT
         return v
 
     @field_validator("http")
@@ -172,7 +139,7 @@ class Settings(BaseSettings):
     def _refuse_public_without_token(self) -> Settings:
         public = [self.http] if not is_loopback_host(split_host_port(self.http)[0]) else []
         public += [
-            e for e in self.data if (h := _data_host(e)) is not None and not is_loopback_host(h)
+            e for e in self.data if (h := tcp_host(e)) is not None and not is_loopback_host(h)
         ]
         if public and not self.token and not self.insecure:
             raise ValueError(

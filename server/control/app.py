@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardserve.proto.api import ErrorBody
 from shardserve.proto.errors import (
     AuthError,
     BadRequest,
@@ -27,7 +28,6 @@ from shardserve.proto.errors import (
     ProtocolError,
     ShardserveError,
 )
-from shardserve.proto.jobs import ErrorBody
 
 from ..service import Service
 from ..store.remote import StoreUnavailable

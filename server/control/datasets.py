@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from shardserve.proto.jobs import DatasetInfo, ErrorBody
+from shardserve.proto.api import DatasetInfo, ErrorBody
 
 from .deps import Authorized, ServiceDep
 

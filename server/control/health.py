@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from shardserve.proto.jobs import ServerInfo
+from shardserve.proto.api import ServerInfo
 
 from .deps import Authorized, ServiceDep
 

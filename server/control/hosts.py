@@ -14,13 +14,13 @@ and the loopback ones); ``*`` allows any host.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-LOOPBACK_HOSTS = ("localhost", "ip6-localhost", "127.0.0.1", "::1")
-_WILDCARDS = ("0.0.0.0", "::", "")
+from shardserve.proto.endpoints import LOOPBACK_NAMES, is_loopback_host, is_wildcard_host
+
+LOOPBACK_HOSTS = (*LOOPBACK_NAMES, "127.0.0.1", "::1")
 
 
 def host_of(header: str) -> str:
@@ -35,7 +35,7 @@ def host_of(header: str) -> str:
 
 def default_allowed(bind_host: str) -> frozenset[str] | None:
     """The default allow-list for a control plane bound to ``bind_host``; ``None``: any."""
-    if bind_host in _WILDCARDS:
+    if is_wildcard_host(bind_host):
         return None
     return frozenset({*LOOPBACK_HOSTS, host_of(bind_host)})
 
@@ -50,13 +50,6 @@ def allowed_hosts(configured: list[str], bind_host: str) -> frozenset[str] | Non
     return base | {host_of(h) for h in configured}
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class HostAllowList:
     """Pure ASGI middleware: a request whose ``Host`` is not allowed gets 403."""
 
@@ -69,7 +62,7 @@ class HostAllowList:
             return True  # HTTP/1.0 without Host: no browser sends that
         host = host_of(header.decode("latin-1"))
         return host in self.allowed or (
-            "127.0.0.1" in self.allowed and _is_loopback(host)  # all of 127/8
+            "127.0.0.1" in self.allowed and is_loopback_host(host)  # all of 127/8
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

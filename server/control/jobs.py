@@ -6,7 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response, status
 
-from shardserve.proto.jobs import CreatedJob, EpochUpdate, ErrorBody, JobSpec, JobStatus
+from shardserve.proto.api import CreatedJob, EpochUpdate, ErrorBody, JobStatus
+from shardserve.proto.jobs import JobSpec
 
 from .deps import Authorized, ServiceDep
 

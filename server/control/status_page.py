@@ -21,8 +21,8 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from pydantic import ByteSize
 
+from shardserve.proto.api import DatasetInfo, JobStatus, RankStatus
 from shardserve.proto.errors import ShardserveError
-from shardserve.proto.jobs import DatasetInfo, JobStatus, RankStatus
 
 from .deps import Authorized, ServiceDep
 

@@ -18,8 +18,8 @@ rank, batch size, shuffle, drop_last). Modules:
 {8}
 """
 
-from .order import SHUFFLES, ShuffleName, epoch_order
+from .order import SHUFFLES, ShuffleMode, epoch_order
 from .partition import RankPlan, num_batches
 from .plan import plan
 
-__all__ = ["SHUFFLES", "RankPlan", "ShuffleName", "epoch_order", "num_batches", "plan"]
+__all__ = ["SHUFFLES", "RankPlan", "ShuffleMode", "epoch_order", "num_batches", "plan"]

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
+
+from shardserve.proto.jobs import ShuffleMode
 
 from .rng import epoch_rng, order_dtype
 from .shuffle_block import block_order
 from .shuffle_global import global_order
 from .shuffle_none import none_order
-
-ShuffleName = Literal["global", "block", "none"]
 
 # With no shard sizes, "block" treats the store as shards of this many rows.
 DEFAULT_SHARD_ROWS = 2**16
@@ -33,7 +33,7 @@ class ShuffleFn(Protocol):
     ) -> np.ndarray: ...
 
 
-SHUFFLES: dict[str, ShuffleFn] = {
+SHUFFLES: dict[ShuffleMode, ShuffleFn] = {
     "global": global_order,
     "block": block_order,
     "none": none_order,
@@ -70,7 +70,7 @@ def epoch_order(
     n_samples: int,
     seed: int,
     epoch: int,
-    shuffle: ShuffleName = "global",
+    shuffle: ShuffleMode = "global",
     shard_rows: Sequence[int] | np.ndarray | None = None,
     block_window: int = 4,
     env: int = 0,

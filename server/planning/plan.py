@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .order import ShuffleName, epoch_order
+from shardserve.proto.jobs import ShuffleMode
+
+from .order import epoch_order
 from .partition import RankPlan
 
 
@@ -17,7 +19,7 @@ def plan(
     world_size: int,
     rank: int,
     batch_size: int,
-    shuffle: ShuffleName = "global",
+    shuffle: ShuffleMode = "global",
     drop_last: bool = False,
     shard_rows: Sequence[int] | np.ndarray | None = None,
     block_window: int = 4,

@@ -18,7 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shardserve.proto.jobs import RankStatus, Transport
+from shardserve.proto.api import RankStatus
+from shardserve.proto.endpoints import Delivery as Transport
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from shardserve.proto.jobs import Transport
+from shardserve.proto.endpoints import Delivery as Transport
 
 from ..jobs import Job
 from .buffers import BufferPool, BufferSet

@@ -150,7 +150,7 @@ def _shard_rows(server) -> list[int]:
 def test_resident_refuses_a_field_missing_in_some_samples() -> None:
     """Resident tensors hold no mask: a nullable field would read as made-up zeros."""
     from shardserve.client.resident import field_layout
-    from shardserve.proto.jobs import DatasetInfo
+    from shardserve.proto.api import DatasetInfo
 
     info = DatasetInfo(
         name="pde", num_samples=3, num_shards=1, bytes=0,

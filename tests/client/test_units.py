@@ -8,7 +8,7 @@ import torch
 from shardserve.client import BadRequest, VarTensor
 from shardserve.client.connection import choose_endpoint
 from shardserve.client.distributed import resolve_world
-from shardserve.proto.jobs import ServerInfo
+from shardserve.proto.api import ServerInfo
 
 
 def test_world_explicit_beats_env() -> None:

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardserve.proto.jobs import CreatedJob, DatasetInfo, JobStatus, ServerInfo
+from shardserve.proto.api import CreatedJob, DatasetInfo, JobStatus, ServerInfo
 from tests.server.conftest import CIFAR_N
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.server import ServerProc

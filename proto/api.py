@@ -1,0 +1,103 @@
+"""The control plane's HTTP bodies: what ``/v1/...`` accepts and answers, apart from the job
+spec itself (:mod:`.jobs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .endpoints import Delivery
+from .jobs import JobSpec
+
+#: ``pending``: created, no stream yet; ``running``: a rank streams (or did moments ago);
+#: ``idle``: no stream for a while, an epoch left unfinished; ``finished``: every rank ended
+#: its last epoch and left; ``failed``: stopped with a reason; ``deleted``: gone (a DELETE's reply).
+JobState = Literal["pending", "running", "idle", "finished", "failed", "deleted"]
+
+
+class EpochUpdate(BaseModel):
+    """``PUT /v1/jobs/{id}/epoch``: what every rank streams next when its client does not
+    set the epoch itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epoch: int = Field(ge=0, lt=1 << 31)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 63)
+
+
+class RankStatus(BaseModel):
+    rank: int
+    connected: bool
+    epoch: int | None = None
+    transport: Delivery | None = None
+    batches_delivered: int = 0
+    bytes_delivered: int = 0
+    next_batch: int = 0
+    num_batches: int = 0
+    credit: int = 0
+    #: Batches the client handed to its loop per second over the last few seconds (its own
+    #: reports; the server's sends when a client reports none).
+    batches_per_s: float = 0.0
+    #: Reported by the client: seconds waiting for data / (waiting + computing), since it began.
+    stall_fraction: float | None = None
+    #: The same over the last few seconds (``None`` until two reports span that window).
+    stall_now: float | None = None
+    #: Why this rank's stream uses the socket although it asked for shared memory.
+    shm_fallback: str | None = None
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    last_seen_s: float | None = None
+
+
+class JobStatus(BaseModel):
+    id: str
+    spec: JobSpec
+    state: JobState
+    #: The epoch set with ``PUT /v1/jobs/{id}/epoch`` (0 until then). Streams never move it:
+    #: each rank's own epoch is in ``ranks``.
+    epoch: int
+    seed: int
+    num_samples: int
+    batches_per_epoch: int
+    #: Ranks that have opened a stream (a rank never seen is absent), by rank.
+    ranks: list[RankStatus]
+    error: str | None = None
+
+
+class CreatedJob(BaseModel):
+    id: str
+    created: bool
+    status: JobStatus
+
+
+class DatasetInfo(BaseModel):
+    name: str
+    num_samples: int
+    num_shards: int
+    bytes: int
+    fields: list[dict[str, object]]
+    created_at: str = ""
+    #: The tree nested samples were saved as (:data:`~.manifest.Tree`); absent when flat.
+    structure: Any = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx/5xx the control plane sends."""
+
+    code: str
+    detail: str
+
+
+class ServerInfo(BaseModel):
+    """``GET /v1/info``: how to reach the data plane and what the server speaks."""
+
+    version: str
+    protocols: list[int]
+    #: Data-plane endpoints the server is bound to, e.g. ``tcp://127.0.0.1:7071``, ``ipc:///run/ss.sock``.
+    data_endpoints: list[str]
+    host: str
+    #: The kernel boot id: a client with the same one shares this host (and its /dev/shm).
+    boot_id: str
+    auth_required: bool
