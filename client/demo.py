@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +224,22 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
         f"server start-up are not in the shardserve row. Store {'kept' if store else 'removed'}."
     )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m shardserve.client.demo`` (also ``shardserve demo``): parse flags, run."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="shardserve demo",
+        description="End-to-end demo on a fresh machine (needs the client extra: torch).",
+    )
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--store", default=None, help="store folder (default: a temporary one)")
+    args = p.parse_args(argv)
+    return run_demo(epochs=args.epochs, batch_size=args.batch_size, store=args.store)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,6 +7,7 @@ Each subcommand lives with the code it drives; this module only wires them toget
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -22,27 +23,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_store_commands(sub)
     add_serve_command(sub)
-    demo = sub.add_parser(
+    sub.add_parser(
         "demo",
+        add_help=False,  # --help goes to the demo itself, like every other argument
         help="ingest a packaged dataset, serve it and train a small model through the Loader",
         description="End-to-end demo on a fresh machine (needs the client extra: torch).",
-    )
-    demo.add_argument("--epochs", type=int, default=3)
-    demo.add_argument("--batch-size", type=int, default=64)
-    demo.add_argument("--store", default=None, help="store folder (default: a temporary one)")
-    demo.set_defaults(func=_run_demo)
+    ).set_defaults(func=_run_demo)
     return parser
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    # The demo trains with torch, so it lives in the client package and loads only when asked.
-    from shardserve.client.demo import run_demo
-
-    return run_demo(epochs=args.epochs, batch_size=args.batch_size, store=args.store)
+def _run_demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    # The demo trains with torch, so it is the client's entry point (python -m
+    # shardserve.client.demo) run as a child: the server package imports neither.
+    return subprocess.call([sys.executable, "-m", "shardserve.client.demo", *rest])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.func is _run_demo:
+        return _run_demo(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.func(args) or 0)
 
 

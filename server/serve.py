@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from .logs import log_event
 
 if TYPE_CHECKING:
+    from .service import Service
     from .settings import Settings
 
 log = logging.getLogger("shardserve.serve")
@@ -39,159 +40,27 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def add_serve_command(sub: Any) -> None:
-    """Register ``serve`` on the CLI's subparsers; flags override ``SHARDSERVE_*`` variables."""
+    """Register ``serve`` on the CLI's subparsers: one flag per :class:`Settings` field;
+    flags override ``SHARDSERVE_*`` variables."""
+    from .flags import add_settings_flags
+
     p = sub.add_parser(
         "serve",
         help="serve the datasets of a store to trainers",
         description="Serve pre-collated batches over ZeroMQ and a FastAPI control plane. Every "
         "flag can also be set as SHARDSERVE_<NAME> in the environment; flags win.",
     )
-    p.add_argument(
-        "--store", help="store folder or URI, e.g. s3://bucket/prefix (SHARDSERVE_STORE)"
-    )
-    p.add_argument("--http", help="control plane HOST:PORT (default 127.0.0.1:7070; port 0 = any)")
-    p.add_argument(
-        "--data",
-        action="append",
-        metavar="ENDPOINT",
-        help="data plane endpoint, repeatable (default tcp://127.0.0.1:7071)",
-    )
-    p.add_argument("--ipc", metavar="PATH", help="also bind ipc://PATH for same-host clients")
-    p.add_argument("--token", help="shared secret required from every client (SHARDSERVE_TOKEN)")
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        default=None,
-        help="allow non-loopback addresses without a token",
-    )
-    p.add_argument(
-        "--verify",
-        choices=["lazy", "full", "off"],
-        help="when shard checksums are checked (default lazy: before first use)",
-    )
-    p.add_argument(
-        "--state-dir", metavar="DIR", help="where the job journal lives (default STORE/.shardserve)"
-    )
-    p.add_argument(
-        "--ready-file", metavar="PATH", help="write JSON with the bound addresses once ready"
-    )
-    p.add_argument("--log-format", choices=["text", "json"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--assembly-threads", type=int, metavar="N")
-    p.add_argument("--heartbeat-s", type=float, metavar="S")
-    p.add_argument("--stream-timeout-s", type=float, metavar="S")
-    p.add_argument(
-        "--shm",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="shared-memory batch slots for same-host clients (default on; --no-shm: sockets only)",
-    )
-    p.add_argument(
-        "--shm-limit-bytes",
-        metavar="SIZE",
-        help="shared memory all slot rings may take together (default 4GiB; units: 512MiB, 2GB)",
-    )
-    p.add_argument(
-        "--max-batch-bytes",
-        type=int,
-        metavar="N",
-        help="largest batch a job may ask for, in bytes (default 1 GiB); more is refused with 422",
-    )
-    p.add_argument(
-        "--allowed-host",
-        dest="allowed_hosts",
-        action="append",
-        metavar="HOST",
-        help="another Host header the control plane answers, repeatable (always answered: "
-        "localhost, loopback addresses and the --http address unless it is a wildcard, which "
-        "answers any host unless this is given; '*' allows any)",
-    )
-    p.add_argument(
-        "--http-idle-timeout-s",
-        type=float,
-        metavar="S",
-        help="close HTTP connections without a complete request after S seconds (default 15)",
-    )
-    p.add_argument(
-        "--idle-after-s",
-        type=float,
-        metavar="S",
-        help="a job with no stream this long is idle (default 60)",
-    )
-    p.add_argument(
-        "--job-ttl-s",
-        type=float,
-        metavar="S",
-        help="forget a job idle this long (default 86400; 0 never)",
-    )
-    p.add_argument(
-        "--max-jobs",
-        type=int,
-        metavar="N",
-        help="live jobs the server tracks at most (default 4096)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="local shard cache of a remote --store (SHARDSERVE_CACHE_DIR)",
-    )
-    p.add_argument(
-        "--cache-limit-bytes",
-        type=int,
-        metavar="N",
-        help="bytes the shard cache keeps (default 64 GiB)",
-    )
-    p.add_argument(
-        "--store-endpoint",
-        metavar="URL",
-        help="S3-compatible endpoint of a remote store (else AWS_ENDPOINT_URL)",
-    )
-    p.add_argument(
-        "--store-timeout-s",
-        type=float,
-        metavar="S",
-        help="longest object-store request, 3 attempts each (default 10)",
-    )
+    add_settings_flags(p)
     p.set_defaults(func=run_serve)
-
-
-_FLAGS = (
-    "store",
-    "http",
-    "data",
-    "ipc",
-    "token",
-    "insecure",
-    "verify",
-    "state_dir",
-    "ready_file",
-    "log_format",
-    "log_level",
-    "assembly_threads",
-    "heartbeat_s",
-    "stream_timeout_s",
-    "shm",
-    "shm_limit_bytes",
-    "max_batch_bytes",
-    "allowed_hosts",
-    "http_idle_timeout_s",
-    "idle_after_s",
-    "job_ttl_s",
-    "max_jobs",
-    "cache_dir",
-    "cache_limit_bytes",
-    "store_endpoint",
-    "store_timeout_s",
-)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``shardserve serve``; returns the process exit code."""
+    from .flags import given_settings
     from .settings import Settings
 
-    overrides = {k: getattr(args, k) for k in _FLAGS if getattr(args, k, None) is not None}
     try:
-        settings = Settings(**overrides)
+        settings = Settings(**given_settings(args))
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()
@@ -215,10 +84,6 @@ def serve(settings: Settings) -> int:
 
 
 def _serve(settings: Settings, early: list[int]) -> int:
-    import uvicorn
-
-    from .control.app import create_app
-    from .http_idle import protocol_with_timeout
     from .logs import configure_logging
     from .service import Service
 
@@ -239,9 +104,38 @@ def _serve(settings: Settings, early: list[int]) -> int:
         )
         service.stop()
         return 1
-    bound_port = http_sock.getsockname()[1]
+    try:
+        exit_signal = _run_http(settings, service, endpoints, http_sock, early)
+    finally:
+        service.stop()
+        http_sock.close()
+        if settings.ready_file is not None:
+            with contextlib.suppress(OSError):
+                settings.ready_file.unlink()
+    if service.streamer.failure is not None:
+        log_event(log, "serve.exit", level=logging.ERROR, reason=service.streamer.failure)
+        return EXIT_DATA_PLANE_DIED
+    log_event(log, "serve.exit", signal=exit_signal)
+    return 0
+
+
+def _run_http(
+    settings: Settings,
+    service: Service,
+    endpoints: list[str],
+    http_sock: socket.socket,
+    early: list[int],
+) -> str:
+    """Serve HTTP on ``http_sock`` until a signal or the data plane's death; the name of the
+    signal that stopped it (``""`` for none)."""
+    import uvicorn
+
+    from .control.app import create_app
+    from .http_idle import protocol_with_timeout
+
+    host = settings.http_host_port[0]
     shown_host = f"[{host}]" if ":" in host else host
-    http_url = f"http://{shown_host}:{bound_port}"
+    http_url = f"http://{shown_host}:{http_sock.getsockname()[1]}"
     config = uvicorn.Config(
         create_app(service),
         http=protocol_with_timeout(settings.http_idle_timeout_s),
@@ -273,19 +167,8 @@ def _serve(settings: Settings, early: list[int]) -> int:
     if early:
         server.should_exit = True
         server.exit_signal = signal.Signals(early[0]).name
-    try:
-        server.run(sockets=[http_sock])
-    finally:
-        service.stop()
-        http_sock.close()
-        if settings.ready_file is not None:
-            with contextlib.suppress(OSError):
-                settings.ready_file.unlink()
-    if service.streamer.failure is not None:
-        log_event(log, "serve.exit", level=logging.ERROR, reason=service.streamer.failure)
-        return EXIT_DATA_PLANE_DIED
-    log_event(log, "serve.exit", signal=server.exit_signal or "")
-    return 0
+    server.run(sockets=[http_sock])
+    return str(server.exit_signal or "")
 
 
 def _make_server(config: Any, on_ready: Callable[[], None]) -> Any:

@@ -22,49 +22,121 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="forbid")
 
-    #: A folder, or an object-store URI (``s3://bucket/prefix``) served through ``cache_dir``.
-    store: Path | str
-    http: str = "127.0.0.1:7070"
-    data: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["tcp://127.0.0.1:7071"])
-    ipc: Path | None = None
-    token: str | None = None
-    insecure: bool = False
-    verify: Literal["lazy", "full", "off"] = "lazy"
-    state_dir: Path | None = None
-    assembly_threads: int = Field(default=2, ge=1, le=64)
-    heartbeat_s: float = Field(default=1.0, gt=0, le=60)
-    stream_timeout_s: float = Field(default=10.0, gt=0, le=3600)
-    ready_file: Path | None = None
-    log_format: Literal["text", "json"] = "text"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    #: Largest HTTP request body accepted; more is answered 413. Sizes take units: ``4MiB``.
-    max_body_bytes: ByteSize = Field(default=ByteSize(1 << 20), ge=1024)
-    #: Same-host clients get batches through shared-memory slot rings unless this is off.
-    shm: bool = True
-    #: Bytes all slot rings together may take; a stream past it falls back to the socket path.
-    shm_limit_bytes: ByteSize = Field(default=ByteSize(4 << 30), ge=0)
-    #: Largest batch a job may ask for (bytes, at the dataset's average sample); more is 422.
-    max_batch_bytes: int = Field(default=1 << 30, ge=1)
-    #: ``Host`` header values the control plane answers besides the loopback names and the
-    #: ``http`` bind address (DNS-rebinding guard); ``*`` allows any host.
-    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    #: Seconds an HTTP connection may stay open without a complete request (slow or idle).
-    http_idle_timeout_s: float = Field(default=15.0, gt=0, le=3600)
-    #: A job with no stream for this long is ``idle`` (or ``finished``) rather than ``running``.
-    idle_after_s: float = Field(default=60.0, gt=0, le=86400)
-    #: A job that is not live is forgotten after this long without a stream; 0 keeps it.
-    job_ttl_s: float = Field(default=86400.0, ge=0)
-    #: Jobs tracked at most; only live ones (pending, running) count: others are evicted.
-    max_jobs: int = Field(default=4096, ge=1, le=1 << 20)
-    #: Local folder for whole shards of a remote store (may be shared by servers on a host).
-    cache_dir: Path | None = None
-    #: Bytes of shards the cache keeps (a target: shards being read are never evicted).
-    cache_limit_bytes: int = Field(default=64 << 30, ge=1)
-    #: S3-compatible endpoint URL for a remote store (else ``AWS_ENDPOINT_URL``).
-    store_endpoint: str | None = None
-    #: Seconds one object-store request may take; with 3 attempts a read of a store that
-    #: stopped answering fails within about 3x this, inside a client's default 60 s deadline.
-    store_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    store: Path | str = Field(
+        description="store folder, or an object-store URI (s3://bucket/prefix) served "
+        "through --cache-dir",
+    )
+    http: str = Field(
+        default="127.0.0.1:7070", description="control plane HOST:PORT (port 0: any free one)"
+    )
+    data: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["tcp://127.0.0.1:7071"],
+        description="data plane endpoint, repeatable",
+        json_schema_extra={"metavar": "ENDPOINT"},
+    )
+    ipc: Path | None = Field(default=None, description="also bind ipc://PATH for same-host clients")
+    token: str | None = Field(default=None, description="shared secret required from every client")
+    insecure: bool = Field(
+        default=False, description="allow non-loopback addresses without a token"
+    )
+    verify: Literal["lazy", "full", "off"] = Field(
+        default="lazy", description="when shard checksums are checked (lazy: before first use)"
+    )
+    state_dir: Path | None = Field(
+        default=None,
+        description="where the job journal lives (default STORE/.shardserve)",
+        json_schema_extra={"metavar": "DIR"},
+    )
+    assembly_threads: int = Field(default=2, ge=1, le=64, description="threads assembling batches")
+    heartbeat_s: float = Field(
+        default=1.0, gt=0, le=60, description="seconds between data-plane heartbeats"
+    )
+    stream_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600, description="a stream silent this long is reclaimed"
+    )
+    ready_file: Path | None = Field(
+        default=None, description="write JSON with the bound addresses here once ready"
+    )
+    log_format: Literal["text", "json"] = Field(default="text", description="log line format")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="least severe log level written"
+    )
+    max_body_bytes: ByteSize = Field(
+        default=ByteSize(1 << 20),
+        ge=1024,
+        description="largest HTTP request body accepted; more is answered 413",
+        json_schema_extra={"metavar": "SIZE"},
+    )
+    shm: bool = Field(
+        default=True,
+        description="shared-memory batch slots for same-host clients (--no-shm: sockets only)",
+    )
+    shm_limit_bytes: ByteSize = Field(
+        default=ByteSize(4 << 30),
+        ge=0,
+        description="shared memory all slot rings may take together; a stream past it falls "
+        "back to the socket",
+        json_schema_extra={"metavar": "SIZE"},
+    )
+    max_batch_bytes: int = Field(
+        default=1 << 30,
+        ge=1,
+        description="largest batch a job may ask for, in bytes at the dataset's average "
+        "sample; more is refused with 422",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="another Host header the control plane answers, repeatable (always "
+        "answered: localhost, loopback addresses and the --http address unless it is a "
+        "wildcard, which answers any host unless this is given; '*' allows any)",
+        json_schema_extra={"flag": "--allowed-host", "metavar": "HOST"},
+    )
+    http_idle_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="close HTTP connections without a complete request after this long",
+    )
+    idle_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="a job with no stream this long is idle (or finished), not running",
+    )
+    job_ttl_s: float = Field(
+        default=86400.0,
+        ge=0,
+        description="forget a job that is not live after this long without a stream; 0: never",
+    )
+    max_jobs: int = Field(
+        default=4096,
+        ge=1,
+        le=1 << 20,
+        description="jobs tracked at most; only live ones count, others are evicted",
+    )
+    cache_dir: Path | None = Field(
+        default=None,
+        description="local folder for whole shards of a remote --store (servers on a host "
+        "may share it)",
+        json_schema_extra={"metavar": "DIR"},
+    )
+    cache_limit_bytes: int = Field(
+        default=64 << 30,
+        ge=1,
+        description="bytes of shards the cache keeps (a target: shards being read stay)",
+    )
+    store_endpoint: str | None = Field(
+        default=None,
+        description="S3-compatible endpoint URL of a remote store (else AWS_ENDPOINT_URL)",
+        json_schema_extra={"metavar": "URL"},
+    )
+    store_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="longest object-store request; with 3 attempts a read of a store that "
+        "stopped answering fails within about 3x this",
+    )
 
     @field_validator("store", mode="before")
     @classmethod
@@ -167,3 +239,13 @@ class Settings(BaseSettings):
     def data_endpoints(self) -> list[str]:
         """Every data endpoint to bind: ``data`` plus ``ipc://PATH`` when ``ipc`` is set."""
         return [*self.data, *([f"ipc://{self.ipc}"] if self.ipc else [])]
+
+
+class StoreDefaults(BaseSettings):
+    """What the store subcommands (``ingest``, ``ls``, ...) take from the environment: the
+    same ``SHARDSERVE_STORE`` and ``SHARDSERVE_STORE_ENDPOINT`` that ``serve`` reads."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="ignore")
+
+    store: str | None = None
+    store_endpoint: str | None = None

@@ -75,10 +75,12 @@ def _guarded(
 
 
 def _open_store(store: str) -> Any:
+    from ..settings import StoreDefaults
     from .remote import StoreOptions, open_store
 
     # The CLI entry point is where the environment is read (object-store endpoint, secrets).
-    return open_store(store, options=StoreOptions.from_env(os.environ))
+    endpoint = StoreDefaults().store_endpoint
+    return open_store(store, options=StoreOptions.from_env(os.environ, endpoint))
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
@@ -150,7 +152,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``ingest``, ``ls``, ``inspect`` and ``verify`` to the ``shardserve`` parser."""
-    default_store = os.environ.get(ENV_STORE)  # the CLI entry point is where env defaults live
+    from ..settings import StoreDefaults
+
+    default_store = StoreDefaults().store  # $SHARDSERVE_STORE, read as `serve` reads it
 
     def store_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument(

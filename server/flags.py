@@ -1,0 +1,96 @@
+"""``shardserve serve``'s flags, derived from the :class:`~.settings.Settings` fields.
+
+A setting is declared once, in ``Settings``, with its type, default, bounds and a
+``description``; this module turns each field into a flag (``assembly_threads`` ->
+``--assembly-threads``) whose help is that description. A field's ``json_schema_extra`` may
+name the flag (``"flag"``) or its metavar (``"metavar"``). Flags left out are not passed on,
+so ``SHARDSERVE_*`` variables and then the defaults apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import ByteSize
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from .settings import Settings
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` -> ``X``; other annotations unchanged."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _shown_default(name: str, info: FieldInfo) -> str | None:
+    default = info.get_default(call_default_factory=True)
+    if default is PydanticUndefined or default is None or default is False or default == []:
+        return None
+    if isinstance(default, int) and not isinstance(default, bool) and name.endswith("_bytes"):
+        return ByteSize(default).human_readable(separator="")
+    if isinstance(default, list):
+        return ", ".join(map(str, default))
+    return str(default)
+
+
+def _flag_kwargs(name: str, info: FieldInfo) -> dict[str, Any]:
+    """argparse keywords for one field: its action or type, choices, metavar and help."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    kind = _unwrap(info.annotation)
+    shown = _shown_default(name, info)
+    help_text = info.description or ""
+    kw: dict[str, Any] = {"dest": name, "default": None}
+    if kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction if info.default else "store_true"
+        return {**kw, "help": help_text + (" (default on)" if info.default else "")}
+    if shown is not None:
+        help_text += f" (default {shown})"
+    kw["help"] = help_text
+    if typing.get_origin(kind) is list:
+        kw["action"] = "append"
+    elif typing.get_origin(kind) is typing.Literal:
+        kw["choices"] = list(typing.get_args(kind))
+    elif isinstance(kind, type) and issubclass(kind, (float, int)) and kind is not ByteSize:
+        kw["type"] = kind  # ByteSize stays text: pydantic parses units such as 512MiB
+    if "metavar" in extra:
+        kw["metavar"] = extra["metavar"]
+    elif "choices" not in kw:
+        kw["metavar"] = _metavar(name, kind)
+    return kw
+
+
+def _metavar(name: str, kind: Any) -> str:
+    if name.endswith("_s"):
+        return "S"
+    if kind is int:
+        return "N"
+    if kind is Path:
+        return "PATH"
+    return name.upper()
+
+
+def flag_name(name: str, info: FieldInfo) -> str:
+    """The flag of a settings field: its ``json_schema_extra["flag"]``, else ``--kebab-name``."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    flag = extra.get("flag")
+    return flag if isinstance(flag, str) else "--" + name.replace("_", "-")
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`Settings` field; each defaults to ``None`` (not given)."""
+    for name, info in Settings.model_fields.items():
+        parser.add_argument(flag_name(name, info), **_flag_kwargs(name, info))
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags (those left out fall back to the environment, then the
+    defaults)."""
+    return {k: v for k in Settings.model_fields if (v := getattr(args, k, None)) is not None}
