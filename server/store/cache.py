@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cache_metrics import CacheMetrics
+from .layout import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ class ShardCache:
     def _clean_temps(self) -> None:
         for p in self.dir.glob(f"{_TMP}*"):
             pid = p.name[len(_TMP) :].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 p.unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -267,12 +268,3 @@ class ShardCache:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

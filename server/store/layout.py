@@ -84,7 +84,8 @@ def new_temp_dir(root: Path, name: str) -> OwnedDir:
     return OwnedDir(path, fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -109,7 +110,7 @@ def _owner_dead(entry: Path) -> tuple[bool, int]:
             pid = int((entry / OWNER_FILE).read_text().strip())
         except (OSError, ValueError):
             pid = -1
-        if pid > 0 and _pid_alive(pid):
+        if pid > 0 and pid_alive(pid):
             return False, -1
         try:
             age = time.time() - entry.stat().st_mtime

@@ -20,8 +20,10 @@ import pyarrow.dataset as pads
 
 from shardserve.proto.errors import InvalidDataError
 
-from .registry import SUFFIXES
-from .source import Piece, Source, list_files, require_files
+from .source import Piece, Reader, Source, list_files, require_files
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 
 BATCH_ROWS = 4096
 
@@ -155,9 +157,13 @@ def _open(src: Path, fmt: str, suffixes: tuple[str, ...]) -> Source:
 
 def open_parquet(src: Path, threads: int = 1) -> Source:
     """A source over the Parquet file(s) at ``src``."""
-    return _open(src, "parquet", SUFFIXES["parquet"])
+    return _open(src, "parquet", PARQUET_SUFFIXES)
 
 
 def open_arrow(src: Path, threads: int = 1) -> Source:
     """A source over the Arrow IPC (file / Feather v2) file(s) at ``src``."""
-    return _open(src, "ipc", SUFFIXES["arrow"])
+    return _open(src, "ipc", ARROW_SUFFIXES)
+
+
+PARQUET = Reader("parquet", open_parquet, suffixes=PARQUET_SUFFIXES)
+ARROW = Reader("arrow", open_arrow, suffixes=ARROW_SUFFIXES)

@@ -18,8 +18,9 @@ from shardserve.proto.errors import InvalidDataError
 
 from .extras import require
 from .numpy_files import BLOCK_BYTES, _unpack
-from .registry import SUFFIXES
-from .source import Piece, Source, list_files, require_files
+from .source import Piece, Reader, Source, list_files, require_files
+
+SUFFIXES = (".h5", ".hdf5")
 
 
 def _datasets(h5: Any, f: Any) -> dict[str, Any]:
@@ -70,5 +71,8 @@ def _pieces(files: list[Path]) -> Iterator[Piece]:
 def open_hdf5(src: Path, threads: int = 1) -> Source:
     """A source over the HDF5 file(s) at ``src`` (see module docstring)."""
     require("h5py", "HDF5")  # fail before anything is read
-    files = require_files(list_files(src, SUFFIXES["hdf5"]), src, ".h5/.hdf5")
+    files = require_files(list_files(src, SUFFIXES), src, ".h5/.hdf5")
     return Source(format="hdf5", files=files, pieces=_pieces(files))
+
+
+READER = Reader("hdf5", open_hdf5, suffixes=SUFFIXES)

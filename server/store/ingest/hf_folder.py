@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from shardserve.proto.errors import InvalidDataError
 
 from .arrow_files import convert
-from .source import Piece, Source
+from .source import Piece, Reader, Source
 
 
 def _files(src: Path) -> list[Path]:
@@ -95,3 +95,11 @@ def _lists(fields: pa.Schema | pa.StructType, prefix: str = "") -> set[str]:
         elif pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
             out.add(prefix + f.name)
     return out
+
+
+def is_hf_folder(src: Path) -> bool:
+    """A ``save_to_disk`` folder: ``state.json`` beside ``dataset_info.json``."""
+    return src.is_dir() and (src / "state.json").is_file() and (src / "dataset_info.json").is_file()
+
+
+READER = Reader("hf", open_hf, claims=is_hf_folder)

@@ -16,7 +16,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .decode import by_magic
 from .extras import require
-from .source import Piece, Source
+from .source import Piece, Reader, Source
 
 #: How many bytes of values the progress bar is told about at a time.
 REPORT_BYTES = 4 << 20
@@ -59,3 +59,11 @@ def _standins() -> AbstractContextManager[None]:
     from .pyg import standins
 
     return standins(torch)
+
+
+def is_lmdb(src: Path) -> bool:
+    """An LMDB environment: its ``data.mdb`` file, or a folder holding one."""
+    return src.name == "data.mdb" if src.is_file() else (src / "data.mdb").is_file()
+
+
+READER = Reader("lmdb", open_lmdb, claims=is_lmdb)

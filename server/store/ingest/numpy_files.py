@@ -27,8 +27,9 @@ import numpy as np
 
 from shardserve.proto.errors import InvalidDataError
 
-from .registry import SUFFIXES
-from .source import Piece, Source, list_files, require_files
+from .source import Piece, Reader, Source, list_files, require_files
+
+SUFFIXES = (".npz", ".npy")
 
 BLOCK_BYTES = 16 << 20
 
@@ -182,10 +183,13 @@ def _npy_pieces(files: list[Path], src: Path) -> Iterator[Piece]:
 
 def open_numpy(src: Path, threads: int = 1) -> Source:
     """A source over the ``.npz`` / ``.npy`` files at ``src`` (see module docstring)."""
-    files = require_files(list_files(src, SUFFIXES["npz"]), src, ".npz/.npy")
+    files = require_files(list_files(src, SUFFIXES), src, ".npz/.npy")
     kinds = {p.suffix.lower() for p in files}
     if len(kinds) > 1:
         raise InvalidDataError(f"source {src} mixes .npy and .npz files; keep one kind per source")
     if kinds == {".npz"}:
         return Source(format="npz", files=files, pieces=_npz_pieces(files))
     return Source(format="npz", files=files, pieces=_npy_pieces(files, src))
+
+
+READER = Reader("npz", open_numpy, suffixes=SUFFIXES)

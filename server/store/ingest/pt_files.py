@@ -36,8 +36,9 @@ import numpy as np
 from shardserve.proto.errors import InvalidDataError
 
 from . import pyg
-from .registry import SUFFIXES
-from .source import Piece, Source, list_files, require_files
+from .source import Piece, Reader, Source, list_files, require_files
+
+SUFFIXES = (".pt", ".pth")
 
 #: How long one file may take to load before ingest gives up on it.
 LOAD_TIMEOUT_S = 300.0
@@ -195,5 +196,8 @@ def _loaded(files: list[Path], threads: int, stacked: bool) -> Iterator[Piece]:
 def open_pt(src: Path, threads: int = 2, stacked: bool = False) -> Source:
     """A source of the samples of the ``.pt`` files under ``src`` (see module docstring)."""
     _torch()  # fail early, before any file is read, if torch is not installed
-    files = require_files(list_files(src, SUFFIXES["pt"]), src, ".pt")
+    files = require_files(list_files(src, SUFFIXES), src, ".pt")
     return Source(format="pt", files=files, pieces=_pieces(files, max(1, threads), stacked))
+
+
+READER = Reader("pt", open_pt, suffixes=SUFFIXES)

@@ -154,16 +154,14 @@ def ingest_ray(
     validate_dataset_name(name)
     ray = _ray()
     src_path, root = Path(src), Path(store)
-    if not src_path.exists():
-        raise InvalidDataError(f"source {src_path} does not exist")
+    started = time.perf_counter()
+    source = open_source(src_path, fmt, threads=1)
     if remote is not None:
         remote.check_absent(name, overwrite)
     elif (root / name).exists() and not overwrite:
         raise InvalidDataError(
             f"dataset {name!r} already exists in {root}; pass --overwrite to replace it"
         )
-    started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=1)
     files, fmt = source.files, source.format
     sizes = [f.stat().st_size for f in files]
     variable = set(variable) | source.variable

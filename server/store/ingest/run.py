@@ -77,13 +77,11 @@ def ingest(
     """
     validate_dataset_name(name)
     src_path = Path(src)
-    if not src_path.exists():
-        raise InvalidDataError(f"source {src_path} does not exist")
+    started = time.perf_counter()
+    source = open_source(src_path, fmt, threads=threads, stacked=stacked)
     if workers < 0:
         raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
     fn = resolve_map(map_fn) if map_fn else None
-    started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=threads, stacked=stacked)
     total = source.total_bytes
     info = {
         "path": str(src_path.resolve()),

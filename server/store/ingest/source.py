@@ -8,7 +8,7 @@ where it came from.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +44,17 @@ class Source:
     @property
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One input format: its name (``--format``), how to open it, and how it is recognised:
+    by file suffix (lower case), or, for a format that is a whole folder, by ``claims``."""
+
+    name: str
+    open: Callable[..., Source]
+    suffixes: tuple[str, ...] = ()
+    claims: Callable[[Path], bool] | None = None
 
 
 def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:

@@ -15,8 +15,9 @@ from pathlib import Path
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import by_extension
-from .registry import SUFFIXES
-from .source import Piece, Source, list_files, require_files
+from .source import Piece, Reader, Source, list_files, require_files
+
+SUFFIXES = (".tar",)
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -63,5 +64,8 @@ def _pieces(files: list[Path]) -> Iterator[Piece]:
 
 def open_webdataset(src: Path, threads: int = 1) -> Source:
     """A source over the WebDataset ``.tar`` shard(s) at ``src`` (see module docstring)."""
-    files = require_files(list_files(src, SUFFIXES["webdataset"]), src, ".tar")
+    files = require_files(list_files(src, SUFFIXES), src, ".tar")
     return Source(format="webdataset", files=files, pieces=_pieces(files))
+
+
+READER = Reader("webdataset", open_webdataset, suffixes=SUFFIXES)
