@@ -80,7 +80,7 @@ def dataset_info(m: Manifest) -> DatasetInfo:
 def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | RemoteStore:
     """The store of ``settings``: a folder, or a remote store with its local shard cache."""
     if not settings.store_is_remote:
-        return Store(settings.store)
+        return Store(settings.store, verify=settings.verify)
     # The object store's own client reads its credentials from the environment; we read the
     # same variables only to keep their values out of every message we write.
     options = dataclasses.replace(
@@ -131,8 +131,6 @@ class Service:
             self._make_handler,
         )
         self.version = _version()
-        self._opened: set[str] = set()
-        self._open_lock = threading.Lock()
 
     def _make_handler(self, sock: Any, waker: Any) -> StreamHandler:
         assembler = Assembler(self.settings.assembly_threads, waker.wake, self.metrics)
@@ -140,21 +138,9 @@ class Service:
         return StreamHandler(sock, assembler, parts, self.streamer.config)
 
     def open_dataset(self, name: str) -> Any:
-        """The shared ``Dataset`` for ``name``, verified per ``--verify`` on its first open only.
-
-        ``Store.open(verify="full")`` re-checks a cached dataset every time; a server opens a
-        dataset for every stream, so only the first open of each name asks for it.
-        """
-        with self._open_lock:
-            first = name not in self._opened
-            self._opened.add(name)
-        try:
-            return self.store.open(name, verify=self.settings.verify if first else "lazy")
-        except BaseException:
-            if first:
-                with self._open_lock:
-                    self._opened.discard(name)
-            raise
+        """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per
+        ``--verify``."""
+        return self.store.open(name)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -197,6 +183,7 @@ class Service:
     def stop(self) -> None:
         self.streamer.stop()
         self.journal.release()
+        self.store.close()
         if isinstance(self.store, RemoteStore) and self.store.cache is not None:
             self.store.cache.close()  # no prefetch outlives the service
         # Every ring is unlinked when its stream closes; one still here is a bug, but it must

@@ -17,7 +17,7 @@ from shardserve.proto.errors import DatasetNotFound, InvalidDataError, Shardserv
 from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from . import layout
-from .dataset import Dataset
+from .dataset import VERIFY_MODES, Dataset
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,16 @@ class Store:
     The cache notices a dataset replaced by ``ingest --overwrite`` (its folder's inode
     changes) and opens the new version for later callers; holders of the old ``Dataset``
     keep reading the old files, which stay mapped until they close it.
+
+    ``verify`` (see :mod:`.dataset`) applies when a dataset version is mapped, so each shard
+    file is checked once per process however often the dataset is opened.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], verify: str = "lazy") -> None:
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.root = Path(root)
+        self.verify = verify
         self._lock = threading.Lock()
         self._open: dict[str, tuple[int, Dataset]] = {}
 
@@ -72,11 +78,11 @@ class Store:
                 f"no dataset {name!r} in store {self.root} (datasets: {known})"
             ) from None
 
-    def open(self, name: str, verify: str = "lazy") -> Dataset:
+    def open(self, name: str, verify: str | None = None) -> Dataset:
         """The shared ``Dataset`` for ``name``, mapped on first use.
 
-        The first open decides the verify mode; a later ``verify="full"`` runs a full check
-        on the cached dataset.
+        The first open of a version maps it under ``verify`` (default: the store's mode); a
+        later ``verify="full"`` runs a full check on the cached dataset, any other mode none.
         """
         folder = self._folder(name)
         try:
@@ -91,7 +97,7 @@ class Store:
                 if verify == "full":
                     ds.verify()
                 return ds
-            ds = Dataset(folder, self.manifest(name), verify=verify)
+            ds = Dataset(folder, self.manifest(name), verify=verify or self.verify)
             self._open[name] = (inode, ds)
             return ds
 
