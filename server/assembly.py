@@ -65,7 +65,6 @@ class Assembler:
         self._results: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._notify = notify
         self._metrics = metrics
-        self.threads = threads
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""

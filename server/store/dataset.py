@@ -109,18 +109,6 @@ class Dataset:
                 parts[n + MASK] = ("bool", ())
         return parts
 
-    def batch_nbytes(self, fields: Sequence[str] | None, batch_size: int) -> int | None:
-        """Bytes of a batch of fixed fields; ``None`` if any variable or binary field is asked for."""
-        total = 0
-        for n in self._names(fields):
-            spec = self._specs[n]
-            if spec.kind not in ("scalar", "tensor"):
-                return None
-            total += spec.numel * np.dtype(spec.dtype).itemsize * batch_size
-            if spec.nullable:
-                total += batch_size
-        return total
-
     # -- reading -----------------------------------------------------------------------------
     def take(
         self,

@@ -78,7 +78,6 @@ class ShardWriter:
         self._chunk_bytes = min(shard_bytes, CHUNK_MAX_BYTES)
         self.manifest: Manifest | None = None
         self.num_samples = 0
-        self.bytes_written = 0
         self._specs: tuple[FieldSpec, ...] | None = None
         self._columns: list[Any] = []
         self._shards: list[ShardInfo] = []
@@ -349,7 +348,6 @@ class ShardWriter:
             path = self._temp / info.path
             upgrade_shard(path, old, final)
             size = path.stat().st_size
-            self.bytes_written += size - info.bytes
             self._shards[i] = ShardInfo(
                 path=info.path,
                 rows=info.rows,
@@ -410,7 +408,6 @@ class ShardWriter:
             ShardInfo(path=rel, rows=self._shard_rows, bytes=size, checksum=checksum)
         )
         self._shard_specs.append(self._ipc_specs)
-        self.bytes_written += size
         self._shard_committed = 0
         self._shard_rows = 0
 
