@@ -124,11 +124,9 @@ def test_empty_take(stores: tuple[Dataset, Dataset]) -> None:
 
 
 def test_descriptions(stores: tuple[Dataset, Dataset]) -> None:
-    """part_shapes / batch_nbytes / shard_rows describe the batches take produces."""
+    """part_shapes / shard_rows describe the batches take produces."""
     cifar, graphs = stores
     assert cifar.part_shapes(None) == {"image": ("uint8", (3, 32, 32)), "label": ("int64", ())}
-    assert cifar.batch_nbytes(None, 256) == 256 * (3072 + 8)
-    assert graphs.batch_nbytes(["y"], 10) == 40 and graphs.batch_nbytes(None, 10) is None
     assert set(graphs.part_shapes(["x"])) == {"x", "x.offsets", "x.shapes"}
     assert cifar.shard_rows.dtype == np.int64 and int(cifar.shard_rows.sum()) == N_CIFAR
 
