@@ -31,7 +31,7 @@ from shardserve.proto.errors import (
 
 from ..service import Service
 from ..store.remote import StoreUnavailable
-from . import datasets, health, jobs, status_page
+from . import datasets, health, job_routes, status_page
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts
 from .limits import BodyLimit
@@ -126,7 +126,7 @@ def create_app(service: Service) -> FastAPI:
         health.open_router,
         health.router,
         datasets.router,
-        jobs.router,
+        job_routes.router,
         status_page.router,
     ):
         app.include_router(router)
