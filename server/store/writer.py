@@ -20,7 +20,6 @@ Layout choices (why, see issue 8's measurements):
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import os
 import shutil
@@ -33,12 +32,13 @@ import numpy as np
 import pyarrow as pa
 
 from shardserve.proto.errors import InvalidDataError
-from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_dataset_name
+from shardserve.proto.manifest import FieldSpec, Manifest, validate_dataset_name
 
 from . import layout
-from .columns import BinaryColumn, FixedColumn, VariableColumn, make_column
-from .migrate import needs_upgrade, upgrade_shard
+from .column_input import checked_column, first_value
+from .columns import FixedColumn, VariableColumn, make_column
 from .schema import arrow_schema, infer_field, infer_fields
+from .shard_files import ShardFiles
 from .tree import MISSING, TreeBuilder, is_trivial, tree_of_names
 
 CHUNK_MAX_BYTES = 512 << 20
@@ -80,10 +80,6 @@ class ShardWriter:
         self.num_samples = 0
         self._specs: tuple[FieldSpec, ...] | None = None
         self._columns: list[Any] = []
-        self._shards: list[ShardInfo] = []
-        self._ipc: pa.RecordBatchFileWriter | None = None
-        self._shard_committed = 0  # payload bytes in chunks already written to the open shard
-        self._shard_rows = 0
         self._buffered = 0
         self._done = False
         self._tree = TreeBuilder()
@@ -92,11 +88,10 @@ class ShardWriter:
         #: Fields found to vary in shape (name -> first shape seen), and found to be missing
         #: in some samples; for the ingest summary.
         self.promoted: dict[str, tuple[int, ...]] = {}
-        self._ipc_specs: tuple[FieldSpec, ...] = ()
-        self._shard_specs: list[tuple[FieldSpec, ...]] = []
         layout.clean_stale(self.root)
         self._owned = layout.new_temp_dir(self.root, name)
         self._temp = self._owned.path
+        self._files = ShardFiles(self._temp)
         if fields is not None:
             self._init_fields(tuple(fields))
 
@@ -206,7 +201,7 @@ class ShardWriter:
         assert self._specs is not None
         # One shard, one schema: chunks written so far stay in a shard of the old one
         # (rewritten at finish); the rows still buffered go to a new shard.
-        self._close_shard()
+        self._files.close_shard()
         self._schema = arrow_schema(self._specs)
 
     def add_batch(self, columns: Mapping[str, object], where: str | None = None) -> None:
@@ -220,33 +215,14 @@ class ShardWriter:
         if b == 0:
             return
         if self._specs is None:
-            first = {k: _first_value(v) for k, v in columns.items()}
+            first = {k: first_value(v) for k, v in columns.items()}
             self._init_fields(infer_fields(first, variable=self._variable, where=where))
         self._check_keys(columns, where)
         cols: list[Any] = []
         sizes = np.zeros(b, dtype=np.int64)
         masks: list[np.ndarray | None] = []
         for i, c in enumerate(self._columns):
-            raw = columns[c.spec.name]
-            missing: np.ndarray | None = None
-            if isinstance(c, FixedColumn):
-                if isinstance(raw, np.ma.MaskedArray):
-                    m = np.asarray(np.ma.getmaskarray(raw))
-                    missing = np.asarray(m.reshape(len(m), -1).any(axis=1) if m.ndim > 1 else m)
-                    raw = raw.filled(0)
-                col: Any = c.check_column(raw, b, where)
-            elif isinstance(raw, pa.Array) and isinstance(c, BinaryColumn):
-                col = raw  # a columnar source's bytes: kept as Arrow, no object per row
-                if raw.null_count:
-                    missing = raw.is_null().to_numpy(zero_copy_only=False)
-            else:
-                items: Any = raw
-                col = [
-                    None if v is None else c.check(v, f"{where} row {j}")
-                    for j, v in enumerate(items)
-                ]
-                if any(v is None for v in col):
-                    missing = np.fromiter((v is None for v in col), dtype=bool, count=b)
+            col, missing = checked_column(c, columns[c.spec.name], b, where)
             if missing is not None and missing.any():
                 self._set_nullable(i)
                 c = self._columns[i]
@@ -282,13 +258,13 @@ class ShardWriter:
                     f"no samples were written to {self.name!r}; nothing published"
                 )
             self._flush_chunk()
-            self._close_shard()
+            self._files.close_shard()
             unknown = sorted(self._variable - set(self._index))
             if unknown:
                 raise InvalidDataError(
                     f"--variable names {unknown}, but the samples have fields {list(self._index)}"
                 )
-            self._upgrade_shards()
+            self._files.upgrade(self._specs)
             structure = self.structure if self.structure is not None else self._tree.final()
             if structure is None:  # columns only: dotted names (game.board) spell a tree
                 structure = tree_of_names([s.name for s in self._specs])
@@ -296,7 +272,7 @@ class ShardWriter:
                 name=self.name,
                 num_samples=self.num_samples,
                 fields=self._final_specs(),
-                shards=tuple(self._shards),
+                shards=tuple(self._files.shards),
                 created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 source=self.source,
                 structure=None if structure is None or is_trivial(structure) else structure,
@@ -316,11 +292,7 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop everything written so far; nothing is published."""
         self._done = True
-        if self._ipc is not None:
-            # The folder is removed just below; a failure to close cleanly does not matter.
-            with contextlib.suppress(OSError, pa.ArrowException):
-                self._ipc.close()
-            self._ipc = None
+        self._files.abort()
         shutil.rmtree(self._temp, ignore_errors=True)
         self._owned.release()
 
@@ -337,24 +309,6 @@ class ShardWriter:
         self._index = {s.name: i for i, s in enumerate(specs)}
         self._schema = arrow_schema(specs)
 
-    def _upgrade_shards(self) -> None:
-        """Rewrite shards written before the schema last changed (see module docstring)."""
-        assert self._specs is not None
-        final = self._specs
-        for i, old in enumerate(self._shard_specs):
-            if not needs_upgrade(old, final):
-                continue
-            info = self._shards[i]
-            path = self._temp / info.path
-            upgrade_shard(path, old, final)
-            size = path.stat().st_size
-            self._shards[i] = ShardInfo(
-                path=info.path,
-                rows=info.rows,
-                bytes=size,
-                checksum=layout.checksum_file(path, fsync=True),
-            )
-
     def _check_keys(self, sample: Mapping[str, object], where: str) -> None:
         want = [c.spec.name for c in self._columns]
         if len(sample) != len(want) or any(k not in sample for k in want):
@@ -367,49 +321,28 @@ class ShardWriter:
 
     def _room(self) -> int:
         """Payload bytes the current chunk may still take."""
-        target = min(self._chunk_bytes, self.shard_bytes - self._shard_committed)
+        target = min(self._chunk_bytes, self.shard_bytes - self._files.committed)
         return max(1, target - self._buffered)
 
     def _maybe_flush(self) -> None:
-        if self._buffered >= min(self._chunk_bytes, self.shard_bytes - self._shard_committed):
+        if self._buffered >= min(self._chunk_bytes, self.shard_bytes - self._files.committed):
             self._flush_chunk()
-            if self._shard_committed >= self.shard_bytes:
-                self._close_shard()
+            if self._files.committed >= self.shard_bytes:
+                self._files.close_shard()
 
     def _flush_chunk(self) -> None:
         n = self._columns[0].n if self._columns else 0
         if n == 0:
             return
-        if self._ipc is None:
-            path = self._temp / layout.shard_name(len(self._shards))
-            self._ipc = pa.ipc.new_file(str(path), self._schema)
-            assert self._specs is not None
-            self._ipc_specs = self._specs
+        assert self._specs is not None
         arrays: list[pa.Array] = []
         for c in self._columns:
             arrays.extend(c.to_arrow())
-        self._ipc.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+        batch = pa.RecordBatch.from_arrays(arrays, schema=self._schema)
+        self._files.write(batch, self._specs, self._buffered)
         for c in self._columns:
             c.reset()
-        self._shard_committed += self._buffered
-        self._shard_rows += n
         self._buffered = 0
-
-    def _close_shard(self) -> None:
-        if self._ipc is None:
-            return
-        self._ipc.close()
-        self._ipc = None
-        rel = layout.shard_name(len(self._shards))
-        path = self._temp / rel
-        checksum = layout.checksum_file(path, fsync=True)
-        size = path.stat().st_size
-        self._shards.append(
-            ShardInfo(path=rel, rows=self._shard_rows, bytes=size, checksum=checksum)
-        )
-        self._shard_specs.append(self._ipc_specs)
-        self._shard_committed = 0
-        self._shard_rows = 0
 
     def _final_specs(self) -> tuple[FieldSpec, ...]:
         assert self._specs is not None
@@ -427,14 +360,3 @@ class ShardWriter:
                 )
             out.append(spec)
         return tuple(out)
-
-
-def _first_value(col: Any) -> object:
-    """The first value of a column that is there (a missing one says nothing of the type)."""
-    if isinstance(col, np.ma.MaskedArray):
-        return col.data[0]
-    if isinstance(col, pa.Array):  # Arrow bytes (columnar sources): its type says binary
-        return b""
-    if isinstance(col, np.ndarray):
-        return col[0]
-    return next((v for v in col if v is not None), None)
