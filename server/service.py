@@ -1,47 +1,39 @@
 """The server's parts wired together, with one start/stop order.
 
-``Service`` is what the control plane talks to: it answers every HTTP question from the store,
-the job registry and the stream board, and reaches the data plane only by queueing a command
-on the streamer (never by waiting on it). Start order: journal replay -> data plane bound ->
+``Service`` is what the control plane talks to: it answers questions about the store and the
+server itself, hands job questions to its :class:`~.job_admin.JobAdmin`, and reaches the data
+plane only by queueing a command on the streamer (never by waiting on it). Start order: journal replay -> data plane bound ->
 (HTTP started by the caller). Stop order is the reverse.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from shardserve.proto.api import CreatedJob, DatasetInfo, EpochUpdate, JobStatus, ServerInfo
-from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
+from shardserve.proto.api import DatasetInfo, ServerInfo
+from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
-from shardserve.proto.jobs import JobSpec
-from shardserve.proto.jobs import job_id as spec_job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
 from .assembly import Assembler
-from .jobs import EpochJournal, Job, JobRegistry
+from .job_admin import JobAdmin
+from .jobs import EpochJournal, JobRegistry
 from .journal import JournalLocked
-from .lifecycle import ENDED, LIVE, expired, job_state, last_active
 from .logs import log_event
-from .metrics import JobsSnapshot, Metrics, RankSeries
-from .planning import num_batches
+from .metrics import Metrics
 from .settings import Settings
 from .store.catalog import Store
-from .store.graphs import check_graph_job
 from .store.remote import RemoteStore, StoreOptions, open_store
-from .streaming.board import JobActivity, StreamBoard
-from .streaming.limits import check_batch
+from .streaming.board import StreamBoard
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
@@ -112,10 +104,10 @@ class Service:
         self.board = StreamBoard()
         self.plans = PlanCache()
         self.metrics.watch_store_bytes(self._store_bytes)
-        self.metrics.watch_jobs(self._jobs_snapshot)
-        # Admission (cap check, eviction, creation) is one step, or two POSTs could both
-        # take the last free place.
-        self._admit_lock = threading.Lock()
+        self.job_admin = JobAdmin(
+            settings, self.jobs, self.board, self.plans, self.store.manifest, self._end_streams
+        )
+        self.metrics.watch_jobs(self.job_admin.snapshot)
         self.streamer = Streamer(
             StreamerConfig(
                 endpoints=settings.data_endpoints,
@@ -225,49 +217,8 @@ class Service:
     def dataset(self, name: str) -> DatasetInfo:
         return dataset_info(self.store.manifest(name))
 
-    def create_job(self, spec: JobSpec) -> CreatedJob:
-        """Create (or find) the job for ``spec``; its dataset and fields must exist."""
-        manifest = self.store.manifest(spec.dataset)
-        known = [f.name for f in manifest.fields]
-        unknown = [f for f in spec.fields or () if f not in known]
-        if unknown:
-            raise BadRequest(
-                f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
-            )
-        if spec.collate == "graph":
-            check_graph_job(manifest, spec.fields)
-        per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
-        check_batch(
-            spec.batch_size,
-            manifest.num_samples,
-            int(per_sample * spec.batch_size),
-            self.settings.max_batch_bytes,
-        )
-        with self._admit_lock:
-            self.sweep()
-            if self.jobs.find(spec_job_id(spec)) is None:
-                self._make_room()
-            job, created = self.jobs.create(spec, manifest.num_samples)
-        return CreatedJob(id=job.id, created=created, status=self.status_of(job))
-
-    def job(self, job_id: str) -> JobStatus:
-        return self.status_of(self.jobs.get(job_id))
-
-    def all_jobs(self) -> list[JobStatus]:
-        """Every job, live ones first (running, then pending), each group newest first."""
-        self.sweep()
-        activity = self.board.activity()
-        now = time.monotonic()
-        order = {"running": 0, "pending": 1, "failed": 2, "idle": 3, "finished": 4}
-        rows = [
-            (job, job_state(job, activity.get(job.id), now, self.settings.idle_after_s))
-            for job in self.jobs.list()
-        ]
-        rows.sort(key=lambda r: (order.get(r[1], 5), -last_active(r[0], activity.get(r[0].id))))
-        return [self.status_of(job, state) for job, state in rows]
-
-    def set_epoch(self, job_id: str, update: EpochUpdate) -> JobStatus:
-        return self.status_of(self.jobs.set_epoch(job_id, update.epoch, update.seed))
+    def _end_streams(self, job_id: str, message: str) -> None:
+        self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
 
     def plan(self, job_id: str, epoch: int, rank: int, env: int = 0) -> tuple[np.ndarray, int]:
         """``rank``'s sample ids of ``epoch`` in batch order (int64) and its batch count: what
@@ -282,97 +233,6 @@ class Service:
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
 
-    def delete_job(self, job_id: str) -> JobStatus:
-        return self._forget(job_id, "deleted over the control plane")
-
-    def _forget(self, job_id: str, why: str) -> JobStatus:
-        """Delete a job, end its streams, drop its rank records, plans and metric series."""
-        job = self.jobs.delete(job_id, reason=why)
-        message = f"job {job_id} was {why}"
-        self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
-        status = self.status_of(job, "deleted")
-        self.board.drop_job(job_id)
-        self.plans.forget(job_id)
-        return status
-
-    # -- lifecycle of jobs --------------------------------------------------------------
-
-    def _states(self) -> list[tuple[Job, str, JobActivity | None]]:
-        activity = self.board.activity()
-        now = time.monotonic()
-        return [
-            (
-                j,
-                job_state(j, activity.get(j.id), now, self.settings.idle_after_s),
-                activity.get(j.id),
-            )
-            for j in self.jobs.list()
-        ]
-
-    def sweep(self) -> list[str]:
-        """Forget jobs that are not live and had no stream for ``job_ttl_s``; their ids."""
-        now = time.monotonic()
-        gone = []
-        for job, state, act in self._states():
-            if state not in LIVE and expired(job, act, now, self.settings.job_ttl_s):
-                try:
-                    self._forget(
-                        job.id, f"expired after {self.settings.job_ttl_s:g} s without a stream"
-                    )
-                except JobNotFound:
-                    continue  # deleted meanwhile
-                gone.append(job.id)
-        return gone
-
-    def _make_room(self) -> None:
-        """At the cap, evict the least recently used job that is not live, or refuse."""
-        cap = self.settings.max_jobs
-        if len(self.jobs) < cap:
-            return
-        states = self._states()
-        idle = [(last_active(j, a), j.id) for j, st, a in states if st not in LIVE]
-        if not idle:
-            raise BadRequest(
-                f"the server already has {cap} live jobs (pending or running), its cap "
-                "(--max-jobs); delete some with DELETE /v1/jobs/{id} or wait for them to go idle"
-            )
-        _, victim = min(idle)
-        with contextlib.suppress(JobNotFound):
-            self._forget(victim, f"evicted to make room: {cap} jobs is the cap (--max-jobs)")
-
-    def _jobs_snapshot(self) -> JobsSnapshot:
-        """The per-job metric series of one scrape: ended jobs export none."""
-        snap = JobsSnapshot()
-        exported = set()
-        for job, state, act in self._states():
-            snap.states[state] = snap.states.get(state, 0) + 1
-            if state not in ENDED:
-                exported.add(job.id)
-                snap.connected[job.id] = act.connected if act is not None else 0
-        snap.ranks = [
-            RankSeries(c.job, c.rank, c.batches, c.bytes, c.wait_s, c.compute_s)
-            for c in self.board.counters()
-            if c.job in exported
-        ]
-        return snap
-
-    def status_of(self, job: Job, state: str | None = None) -> JobStatus:
-        s = job.spec
-        if state is None:
-            act = self.board.activity().get(job.id)
-            state = job_state(job, act, time.monotonic(), self.settings.idle_after_s)
-        return JobStatus(
-            id=job.id,
-            spec=s,
-            state=state,  # type: ignore[arg-type]
-            epoch=job.epoch,
-            seed=job.seed,
-            num_samples=job.num_samples,
-            batches_per_epoch=num_batches(job.num_samples, s.world_size, s.batch_size, s.drop_last),
-            ranks=self.board.ranks(job.id),
-            error=job.error,
-        )
-
     def cache_summary(self) -> dict[str, float] | None:
         """The shard cache's counters, or ``None`` for a local store."""
         cache = getattr(self.store, "cache", None)
@@ -381,7 +241,7 @@ class Service:
         return cache.metrics.summary()
 
     def metrics_text(self) -> bytes:
-        self.sweep()
+        self.job_admin.sweep()
         return self.metrics.render()
 
     def _store_bytes(self) -> float:

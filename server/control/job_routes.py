@@ -29,7 +29,7 @@ _NOT_FOUND = {404: {"model": ErrorBody}}
 def create_job(spec: JobSpec, service: ServiceDep, response: Response) -> CreatedJob:
     """Create the job for ``spec``, or return the existing one: every DDP rank may post the
     same spec and gets the same id (201 when created, 200 when it existed)."""
-    created = service.create_job(spec)
+    created = service.job_admin.create_job(spec)
     if not created.created:
         response.status_code = status.HTTP_200_OK
     return created
@@ -38,19 +38,19 @@ def create_job(spec: JobSpec, service: ServiceDep, response: Response) -> Create
 @router.get("")
 def list_jobs(service: ServiceDep) -> list[JobStatus]:
     """Every job with its ranks."""
-    return service.all_jobs()
+    return service.job_admin.all_jobs()
 
 
 @router.get("/{job_id}", responses=_NOT_FOUND)
 def get_job(job_id: JobId, service: ServiceDep) -> JobStatus:
     """State, epoch, seed and each rank's progress (delivered, credit, stall fraction)."""
-    return service.job(job_id)
+    return service.job_admin.job(job_id)
 
 
 @router.put("/{job_id}/epoch", responses={**_NOT_FOUND, 422: {"model": ErrorBody}})
 def set_epoch(job_id: JobId, update: EpochUpdate, service: ServiceDep) -> JobStatus:
     """Set the epoch (and optionally a new seed) ranks stream next; survives a restart."""
-    return service.set_epoch(job_id, update)
+    return service.job_admin.set_epoch(job_id, update)
 
 
 #: Header of ``GET .../plan`` responses: how many batches the ids are cut into.
@@ -90,4 +90,4 @@ def get_plan(
 @router.delete("/{job_id}", responses=_NOT_FOUND)
 def delete_job(job_id: JobId, service: ServiceDep) -> JobStatus:
     """Delete the job; its open streams end with a fatal ``JOB_FAILED`` error."""
-    return service.delete_job(job_id)
+    return service.job_admin.delete_job(job_id)

@@ -166,7 +166,7 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         resources.files(__package__).joinpath("templates/status.html").read_text("utf-8")
     )
     info = service.info()
-    jobs = service.all_jobs()
+    jobs = service.job_admin.all_jobs()
     live = sum(j.state in ("running", "pending") for j in jobs)
     ranks = sum(r.connected for j in jobs for r in j.ranks)
     page = template.substitute(
