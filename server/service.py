@@ -32,7 +32,8 @@ from .logs import log_event
 from .metrics import Metrics
 from .settings import Settings
 from .store.catalog import Store
-from .store.remote import RemoteStore, StoreOptions, open_store
+from .store.object_fs import StoreOptions
+from .store.remote import RemoteStore, open_store
 from .streaming.board import StreamBoard
 from .streaming.plans import PlanCache
 from .streaming.protocol import Parts, StreamHandler

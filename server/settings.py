@@ -163,7 +163,7 @@ class Settings(BaseSettings):
     def store_shown(self) -> str:
         """The store as logs and pages show it: a URI without credentials."""
         if isinstance(self.store, str):
-            from .store.remote import display_uri
+            from .store.object_fs import display_uri
 
             return display_uri(self.store)
         return str(self.store)

@@ -30,7 +30,7 @@ from shardserve.proto.errors import (
 )
 
 from ..service import Service
-from ..store.remote import StoreUnavailable
+from ..store.object_fs import StoreUnavailable
 from . import datasets, health, job_routes, status_page
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts

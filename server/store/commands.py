@@ -51,7 +51,7 @@ def _guarded(
                 file=sys.stderr,
             )
             return 2
-        from .remote import StoreUnavailable
+        from .object_fs import StoreUnavailable
 
         try:
             return fn(args)
@@ -76,7 +76,8 @@ def _guarded(
 
 def _open_store(store: str) -> Any:
     from ..settings import StoreDefaults
-    from .remote import StoreOptions, open_store
+    from .object_fs import StoreOptions
+    from .remote import open_store
 
     # The CLI entry point is where the environment is read (object-store endpoint, secrets).
     endpoint = StoreDefaults().store_endpoint
@@ -84,7 +85,7 @@ def _open_store(store: str) -> Any:
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    from .remote import is_uri
+    from .object_fs import is_uri
 
     if getattr(args, "engine", "local") == "ray" or is_uri(args.store):
         from .ingest.to_store import ingest_anywhere

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from shardserve.server.settings import Settings
-from shardserve.server.store.remote import StoreOptions, _uri_secrets, display_uri, scrub
+from shardserve.server.store.object_fs import StoreOptions, display_uri, scrub, uri_secrets
 
 
 def test_a_uri_stays_a_uri_and_a_folder_a_path(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_credentials_are_cut_from_what_is_shown() -> None:
         "failed with s3://AKIAXYZ123:<redacted>@bucket/prefix?session_token=tok3n-value-long"
     )
     # a store opened from that URI also cuts the URI's own secrets
-    every = (*opts.secrets, *_uri_secrets(uri))
+    every = (*opts.secrets, *uri_secrets(uri))
     cleaned = scrub(f"failed with {uri}", every)
     assert "AKIAXYZ123" not in cleaned and "topsecretvalue" not in cleaned
     assert "tok3n-value-long" not in cleaned

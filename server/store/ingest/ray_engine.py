@@ -97,7 +97,8 @@ def write_part(row: dict[str, Any]) -> dict[str, Any]:
         manifest = writer.manifest
         assert manifest is not None
         if remote is not None:
-            from ..remote import RemoteStore, StoreOptions
+            from ..object_fs import StoreOptions
+            from ..remote import RemoteStore
 
             store = RemoteStore(
                 remote["uri"], StoreOptions(endpoint=remote["endpoint"], region=remote["region"])
