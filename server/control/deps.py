@@ -32,7 +32,7 @@ CHALLENGES = (f'Bearer realm="{REALM}"', f'Basic realm="{REALM}", charset="UTF-8
 
 def get_service(request: Request) -> Service:
     """The :class:`Service` this app was built for (``create_app`` puts it on ``app.state``)."""
-    return request.app.state.service  # type: ignore[no-any-return]
+    return request.app.state.service
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]

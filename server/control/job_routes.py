@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Response, status
 
@@ -14,7 +14,7 @@ from .deps import Authorized, ServiceDep
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=Authorized)
 
 JobId = Annotated[str, Path(min_length=1, max_length=64, description="id from POST /v1/jobs")]
-_NOT_FOUND = {404: {"model": ErrorBody}}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
 
 
 @router.post(

@@ -39,8 +39,8 @@ def _e(v: object) -> str:
     return html.escape(str(v))
 
 
-def _bytes(n: int) -> str:
-    return ByteSize(n).human_readable()
+def _bytes(n: float) -> str:
+    return ByteSize(int(n)).human_readable()
 
 
 def _pct(x: float | None) -> str:
@@ -48,7 +48,7 @@ def _pct(x: float | None) -> str:
 
 
 def _dataset_row(d: DatasetInfo) -> str:
-    fields = ", ".join(f"{f['name']}: {f['dtype']}{list(f['shape'])}" for f in d.fields)  # type: ignore[arg-type]
+    fields = ", ".join(f"{f['name']}: {f['dtype']}{f['shape']}" for f in d.fields)
     return (
         f"<tr><td class='l'>{_e(d.name)}</td><td>{d.num_samples}</td><td>{d.num_shards}</td>"
         f"<td>{_e(_bytes(d.bytes))}</td><td class='l'>{_e(fields)}</td></tr>"

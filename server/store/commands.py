@@ -151,7 +151,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_store_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_store_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``ingest``, ``ls``, ``inspect`` and ``verify`` to the ``shardserve`` parser."""
     from ..settings import StoreDefaults
 

@@ -72,7 +72,7 @@ def take_arrow(
         return pc.take(arrays[c], pa.array(rows))
     pieces = [pc.take(arrays[c], pa.array(rows[pos])) for c, pos in chunk_groups]
     grouped = pa.concat_arrays(pieces)
-    order = np.concatenate([pos for _, pos in chunk_groups])  # type: ignore[misc]
+    order = np.concatenate([pos for _, pos in chunk_groups])
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
     return pc.take(grouped, pa.array(inverse))

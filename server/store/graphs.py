@@ -165,7 +165,7 @@ class GraphCollated:
         if spec.kind == "scalar":
             return arr
         if index:
-            e = spec.shape[-1]
-            cat = np.moveaxis(arr, 0, -2).reshape(*spec.shape[:-1], b * e)
-            return cat + np.repeat(ptr[:-1], e).astype(cat.dtype)
+            width = spec.shape[-1]
+            cat = np.moveaxis(arr, 0, -2).reshape(*spec.shape[:-1], b * width)
+            return cat + np.repeat(ptr[:-1], width).astype(cat.dtype)
         return arr.reshape(b * spec.shape[0], *spec.shape[1:])
