@@ -93,17 +93,25 @@ def peek_kind(frame: Frame) -> Kind:
     """The kind of a message from its first frame, checking magic and version."""
     buf = memoryview(frame)
     if len(buf) < _PREFIX.size:
-        raise MalformedFrame(f"header frame is {len(buf)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+        raise MalformedFrame(
+            f"header frame is {len(buf)} bytes, shorter than the {_PREFIX.size}-byte prefix"
+        )
     magic, version, kind = _PREFIX.unpack_from(buf)
     if magic != MAGIC:
-        raise MalformedFrame(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a shardserve peer")
+        raise MalformedFrame(
+            f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a shardserve peer"
+        )
     try:
         k = Kind(kind)
     except ValueError:
-        raise UnknownMessage(f"unknown message kind {kind}; this side knows {[int(x) for x in Kind]}") from None
+        raise UnknownMessage(
+            f"unknown message kind {kind}; this side knows {[int(x) for x in Kind]}"
+        ) from None
     if version != PROTOCOL_VERSION and k not in (Kind.HELLO, Kind.REJECT):
         # Hello and Reject carry their versions in the body so a mismatch can be explained.
-        raise VersionMismatch(f"peer speaks protocol {version}, this side speaks {PROTOCOL_VERSION}")
+        raise VersionMismatch(
+            f"peer speaks protocol {version}, this side speaks {PROTOCOL_VERSION}"
+        )
     return k
 
 
@@ -186,10 +194,14 @@ def decode_batch(frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]]:
     payload = list(frames[1:])
     if slot >= 0:
         if payload:
-            raise MalformedFrame(f"batch in slot {slot} must carry no payload frames, got {len(payload)}")
+            raise MalformedFrame(
+                f"batch in slot {slot} must carry no payload frames, got {len(payload)}"
+            )
     else:
         if len(payload) != nparts:
-            raise MalformedFrame(f"batch header lists {nparts} parts but {len(payload)} frames follow")
+            raise MalformedFrame(
+                f"batch header lists {nparts} parts but {len(payload)} frames follow"
+            )
         for p, f in zip(parts, payload, strict=False):
             n = memoryview(f).nbytes
             if n != p.nbytes:

@@ -267,4 +267,3 @@ class ShardCache:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-

@@ -354,7 +354,6 @@ class BinaryColumn:
         self.valid.reset()
 
 
-
 def make_column(spec: FieldSpec, chunk_rows: int) -> Any:
     """The buffer for ``spec``; ``chunk_rows`` bounds a fixed field's preallocation."""
     if spec.kind == "binary":
