@@ -158,52 +158,63 @@ def decode_batch(frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]]:
             raise MalformedFrame(f"batch claims {nparts} parts, more than the {MAX_PARTS} allowed")
         parts = []
         for _ in range(nparts):
-            (nlen,) = struct.unpack_from("<B", buf, pos)
-            pos += 1
-            name = bytes(buf[pos : pos + nlen]).decode()
-            if len(name.encode()) != nlen:
-                raise MalformedFrame("part name is truncated")
-            pos += nlen
-            code, ndim = struct.unpack_from("<BB", buf, pos)
-            pos += 2
-            if code not in DTYPE_NAMES:
-                raise MalformedFrame(f"part {name!r}: unknown dtype code {code}")
-            if ndim > MAX_NDIM:
-                raise MalformedFrame(f"part {name!r}: {ndim} dimensions, more than {MAX_NDIM}")
-            shape = struct.unpack_from(f"<{ndim}q", buf, pos)
-            pos += 8 * ndim
-            nbytes, offset = _PART_TAIL.unpack_from(buf, pos)
-            pos += _PART_TAIL.size
-            dtype = DTYPE_NAMES[code]
-            numel = 1
-            for d in shape:
-                if d < 0:
-                    raise MalformedFrame(f"part {name!r}: negative dimension in shape {shape}")
-                numel *= d
-            if nbytes > MAX_PART_BYTES or numel * ITEMSIZE[dtype] != nbytes:
-                raise MalformedFrame(
-                    f"part {name!r}: {dtype}{list(shape)} is {numel * ITEMSIZE[dtype]} bytes, "
-                    f"header says {nbytes}"
-                )
-            parts.append(PartHeader(name, dtype, tuple(shape), nbytes, offset))
+            part, pos = _decode_part(buf, pos)
+            parts.append(part)
     except (struct.error, UnicodeDecodeError) as e:
         raise MalformedFrame(f"truncated or garbled batch header: {e}") from None
     if pos != len(buf):
         raise MalformedFrame(f"batch header has {len(buf) - pos} trailing bytes")
     header = BatchHeader(stream, epoch, index, tuple(parts), slot)
     payload = list(frames[1:])
-    if slot >= 0:
+    _check_payload(header, payload)
+    return header, payload
+
+
+def _decode_part(buf: memoryview, pos: int) -> tuple[PartHeader, int]:
+    """One part's header at ``pos``, its sizes checked; and the position after it."""
+    (nlen,) = struct.unpack_from("<B", buf, pos)
+    pos += 1
+    name = bytes(buf[pos : pos + nlen]).decode()
+    if len(name.encode()) != nlen:
+        raise MalformedFrame("part name is truncated")
+    pos += nlen
+    code, ndim = struct.unpack_from("<BB", buf, pos)
+    pos += 2
+    if code not in DTYPE_NAMES:
+        raise MalformedFrame(f"part {name!r}: unknown dtype code {code}")
+    if ndim > MAX_NDIM:
+        raise MalformedFrame(f"part {name!r}: {ndim} dimensions, more than {MAX_NDIM}")
+    shape = struct.unpack_from(f"<{ndim}q", buf, pos)
+    pos += 8 * ndim
+    nbytes, offset = _PART_TAIL.unpack_from(buf, pos)
+    pos += _PART_TAIL.size
+    dtype = DTYPE_NAMES[code]
+    numel = 1
+    for d in shape:
+        if d < 0:
+            raise MalformedFrame(f"part {name!r}: negative dimension in shape {shape}")
+        numel *= d
+    if nbytes > MAX_PART_BYTES or numel * ITEMSIZE[dtype] != nbytes:
+        raise MalformedFrame(
+            f"part {name!r}: {dtype}{list(shape)} is {numel * ITEMSIZE[dtype]} bytes, "
+            f"header says {nbytes}"
+        )
+    return PartHeader(name, dtype, tuple(shape), nbytes, offset), pos
+
+
+def _check_payload(header: BatchHeader, payload: list[Frame]) -> None:
+    """No frames for a batch in a shared-memory slot; else one frame per part, of its size."""
+    if header.slot >= 0:
         if payload:
             raise MalformedFrame(
-                f"batch in slot {slot} must carry no payload frames, got {len(payload)}"
+                f"batch in slot {header.slot} must carry no payload frames, got {len(payload)}"
             )
-    else:
-        if len(payload) != nparts:
-            raise MalformedFrame(
-                f"batch header lists {nparts} parts but {len(payload)} frames follow"
-            )
-        for p, f in zip(parts, payload, strict=False):
-            n = memoryview(f).nbytes
-            if n != p.nbytes:
-                raise MalformedFrame(f"part {p.name!r}: frame is {n} bytes, header says {p.nbytes}")
-    return header, payload
+        return
+    if len(payload) != len(header.parts):
+        raise MalformedFrame(
+            f"batch header lists {len(header.parts)} parts but {len(payload)} frames follow"
+        )
+    for p, f in zip(header.parts, payload, strict=False):
+        n = memoryview(f).nbytes
+        if n != p.nbytes:
+            raise MalformedFrame(f"part {p.name!r}: frame is {n} bytes, header says {p.nbytes}")

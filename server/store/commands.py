@@ -171,6 +171,26 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("src", type=Path, help="a file or a folder (searched recursively)")
     store_arg(p)
+    _add_ingest_flags(p)
+    p.set_defaults(func=_guarded("ingest", _cmd_ingest))
+
+    p = sub.add_parser("ls", help="list the datasets of a store")
+    store_arg(p)
+    p.set_defaults(func=_guarded("ls", _cmd_ls))
+
+    p = sub.add_parser("inspect", help="show a dataset's schema, counts and shards")
+    store_arg(p)
+    p.add_argument("name")
+    p.set_defaults(func=_guarded("inspect", _cmd_inspect))
+
+    p = sub.add_parser("verify", help="check every shard's checksum and readability")
+    store_arg(p)
+    p.add_argument("name")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_guarded("verify", _cmd_verify))
+
+
+def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", required=True, help="dataset name (letters, digits, '.', '_', '-')")
     p.add_argument("--format", choices=FORMATS, default="auto")
     p.add_argument(
@@ -214,19 +234,3 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:
         "a local Ray instance, or the cluster at RAY_ADDRESS)",
     )
     p.add_argument("--ray-cpus", type=int, default=None, help="CPUs of a local Ray instance")
-    p.set_defaults(func=_guarded("ingest", _cmd_ingest))
-
-    p = sub.add_parser("ls", help="list the datasets of a store")
-    store_arg(p)
-    p.set_defaults(func=_guarded("ls", _cmd_ls))
-
-    p = sub.add_parser("inspect", help="show a dataset's schema, counts and shards")
-    store_arg(p)
-    p.add_argument("name")
-    p.set_defaults(func=_guarded("inspect", _cmd_inspect))
-
-    p = sub.add_parser("verify", help="check every shard's checksum and readability")
-    store_arg(p)
-    p.add_argument("name")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_guarded("verify", _cmd_verify))

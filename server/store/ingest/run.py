@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -20,6 +21,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 from ..writer import ShardWriter
 from .mapping import mapped, resolve_map
 from .registry import open_source
+from .source import Piece
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,6 @@ def ingest(
         "format": source.format,
         "files": str(len(source.files)),
     }
-    files = 0
-    read = 0
     with (
         tqdm(
             total=total,
@@ -112,26 +112,34 @@ def ingest(
     ):
         # A map returns samples of its own making: their tree is the writer's to find.
         writer.structure = source.structure if fn is None else None
-        for i, piece in enumerate(pieces):
-            if piece.sample is not None:
-                writer.add(piece.sample, where=piece.where)
-            elif piece.columns is not None:
-                writer.add_batch(piece.columns, where=piece.where)
-            files += piece.files
-            read += piece.nbytes
-            bar.update(piece.nbytes)
-            if progress and i % 256 == 0:
-                bar.set_postfix_str(
-                    f"{files}/{len(source.files)} files, {writer.num_samples} samples",
-                    refresh=False,
-                )
-        if progress:  # the real final counts, not those of the last 256th piece
-            bar.set_postfix_str(
-                f"{files}/{len(source.files)} files, {writer.num_samples} samples", refresh=True
-            )
+        files, read = _write(pieces, writer, bar, len(source.files), progress)
         if writer.num_samples == 0:
             raise InvalidDataError(f"source {src_path} holds no samples; nothing to ingest")
     manifest = writer.manifest
     if manifest is None:  # unreachable: a clean exit of the with-block publishes
         raise InvalidDataError(f"ingest of {name!r} finished without a manifest")
     return IngestSummary(manifest, files, read, time.perf_counter() - started)
+
+
+def _write(
+    pieces: Iterable[Piece], writer: ShardWriter, bar: Any, num_files: int, progress: bool
+) -> tuple[int, int]:
+    """Hand every piece to ``writer``, ticking ``bar``; files finished and bytes read."""
+    files = read = 0
+    for i, piece in enumerate(pieces):
+        if piece.sample is not None:
+            writer.add(piece.sample, where=piece.where)
+        elif piece.columns is not None:
+            writer.add_batch(piece.columns, where=piece.where)
+        files += piece.files
+        read += piece.nbytes
+        bar.update(piece.nbytes)
+        if progress and i % 256 == 0:
+            bar.set_postfix_str(
+                f"{files}/{num_files} files, {writer.num_samples} samples", refresh=False
+            )
+    if progress:  # the real final counts, not those of the last 256th piece
+        bar.set_postfix_str(
+            f"{files}/{num_files} files, {writer.num_samples} samples", refresh=True
+        )
+    return files, read
