@@ -49,7 +49,8 @@ from .messages import (
 )
 
 MAGIC = b"SS"
-_PREFIX = struct.Struct("<2sBB")
+#: magic, protocol version, kind: the first 4 bytes of every message.
+PREFIX = struct.Struct("<2sBB")
 _BATCH = struct.Struct("<IIIiH")
 _PART_TAIL = struct.Struct("<QQ")
 _MAX_HEADER = 1 << 20
@@ -58,7 +59,7 @@ Frame = bytes | memoryview | Any  # zmq.Frame or any buffer-protocol object
 
 
 def _prefix(kind: Kind, version: int = PROTOCOL_VERSION) -> bytes:
-    return _PREFIX.pack(MAGIC, version, int(kind))
+    return PREFIX.pack(MAGIC, version, int(kind))
 
 
 def encode(msg: ControlMessage) -> list[bytes]:
@@ -92,11 +93,11 @@ def encode_batch(header: BatchHeader, payload: Sequence[Frame] = ()) -> list[Fra
 def peek_kind(frame: Frame) -> Kind:
     """The kind of a message from its first frame, checking magic and version."""
     buf = memoryview(frame)
-    if len(buf) < _PREFIX.size:
+    if len(buf) < PREFIX.size:
         raise MalformedFrame(
-            f"header frame is {len(buf)} bytes, shorter than the {_PREFIX.size}-byte prefix"
+            f"header frame is {len(buf)} bytes, shorter than the {PREFIX.size}-byte prefix"
         )
-    magic, version, kind = _PREFIX.unpack_from(buf)
+    magic, version, kind = PREFIX.unpack_from(buf)
     if magic != MAGIC:
         raise MalformedFrame(
             f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a shardserve peer"
@@ -128,7 +129,7 @@ def decode(frames: Sequence[Frame]) -> Message:
         return decode_batch(frames)[0]
     if len(frames) != 1:
         raise MalformedFrame(f"{kind.name} is one frame, got {len(frames)}")
-    body = memoryview(frames[0])[_PREFIX.size :]
+    body = memoryview(frames[0])[PREFIX.size :]
     if len(body) > _MAX_HEADER:
         raise MalformedFrame(f"{kind.name} body is {len(body)} bytes, over the {_MAX_HEADER} limit")
     model = CONTROL_MODELS[kind]
@@ -150,7 +151,7 @@ def decode_batch(frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]]:
     if peek_kind(frames[0]) is not Kind.BATCH:
         raise MalformedFrame("not a BATCH message")
     buf = memoryview(frames[0])
-    pos = _PREFIX.size
+    pos = PREFIX.size
     try:
         stream, epoch, index, slot, nparts = _BATCH.unpack_from(buf, pos)
         pos += _BATCH.size
