@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .dtypes import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE
-from .errors import MalformedFrame, UnknownMessage, VersionMismatch
+from .errors import MalformedFrame, UnknownMessage
 from .messages import (
     CONTROL_MODELS,
     MAX_NDIM,
@@ -47,6 +47,7 @@ from .messages import (
     Message,
     PartHeader,
 )
+from .version import check_version
 
 MAGIC = b"SS"
 #: magic, protocol version, kind: the first 4 bytes of every message.
@@ -108,11 +109,7 @@ def peek_kind(frame: Frame) -> Kind:
         raise UnknownMessage(
             f"unknown message kind {kind}; this side knows {[int(x) for x in Kind]}"
         ) from None
-    if version != PROTOCOL_VERSION and k not in (Kind.HELLO, Kind.REJECT):
-        # Hello and Reject carry their versions in the body so a mismatch can be explained.
-        raise VersionMismatch(
-            f"peer speaks protocol {version}, this side speaks {PROTOCOL_VERSION}"
-        )
+    check_version(version, k)
     return k
 
 

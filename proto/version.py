@@ -1,43 +1,56 @@
-"""Which protocol versions meet: read a peer's version without decoding its message, and the
-words of a refusal.
+"""The data-plane protocol version as the first frame carries it. Pure functions.
 
-A Hello (and a Reject) of another version may have another body, so the version is read from
-the fixed prefix (:data:`~.framing.PREFIX`) before anything is parsed.
+Every message's header frame starts ``b"SS" | version (u8) | kind (u8)`` (see
+:mod:`.framing`). Hello and Reject carry their versions in the body too, so a peer of another
+version is told which versions each side speaks instead of failing to parse; every other
+kind must be of this side's version.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .framing import MAGIC, PREFIX, Frame
-from .messages import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS
+from .errors import VersionMismatch
+from .messages import PROTOCOL_VERSION, Kind
+
+#: Byte offset of the version in a header frame (after the 2-byte magic).
+VERSION_OFFSET = 2
+#: Kinds whose body names the versions a side speaks: a mismatch in them is explained.
+SELF_DESCRIBING = frozenset({Kind.HELLO, Kind.REJECT})
+
+HeaderFrame = bytes | bytearray | memoryview
 
 
-def peek_version(frame: Frame) -> int | None:
-    """The protocol version in a header frame's prefix; ``None`` if it has no shardserve prefix.
+def peek_version(frames: Sequence[HeaderFrame]) -> int | None:
+    """The protocol version a message was written in, or ``None`` if it has no header frame
+    long enough to say.
 
-    >>> peek_version(b"SS\\x07\\x01{}"), peek_version(b"xx")
-    (7, None)
+    >>> peek_version([b"SS\\x01\\x01{}"])
+    1
+    >>> peek_version([b"S"]) is None
+    True
     """
-    buf = memoryview(frame)
-    if len(buf) < PREFIX.size:
+    if not frames:
         return None
-    magic, version, _ = PREFIX.unpack_from(buf)
-    return int(version) if magic == MAGIC else None
+    head = memoryview(frames[0])
+    if head.nbytes <= VERSION_OFFSET:
+        return None
+    return int(head.cast("B")[VERSION_OFFSET])
 
 
-def speaks(versions: Sequence[int]) -> bool:
-    """Whether this side speaks one of ``versions`` (the peer's)."""
-    return PROTOCOL_VERSION in versions
+def check_version(version: int | None, kind: Kind) -> None:
+    """Raise :class:`VersionMismatch` for a message of ``kind`` written in another version
+    (Hello and Reject excepted: their bodies say which versions the peer speaks)."""
+    if version != PROTOCOL_VERSION and kind not in SELF_DESCRIBING:
+        raise VersionMismatch(
+            f"peer speaks protocol {version}, this side speaks {PROTOCOL_VERSION}"
+        )
 
 
-def mismatch_message(peer: str, versions: Sequence[int]) -> str:
-    """Why a ``peer`` ("client", "server") speaking ``versions`` cannot be served, and what to do.
-
-    >>> mismatch_message("client", [9])  # doctest: +ELLIPSIS
-    'client speaks protocol version(s) [9], this side speaks [1]: install matching ...'
-    """
-    return (
-        f"{peer} speaks protocol version(s) {list(versions)}, this side speaks "
-        f"{list(SUPPORTED_PROTOCOLS)}: install matching shardserve versions on both sides"
-    )
+def foreign_hello(frames: Sequence[HeaderFrame], kind: Kind) -> int | None:
+    """The version of a Hello written in another protocol version (its body may differ, so it
+    is explained rather than parsed), or ``None`` for anything else."""
+    version = peek_version(frames)
+    if kind is Kind.HELLO and version != PROTOCOL_VERSION:
+        return version
+    return None
