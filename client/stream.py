@@ -220,6 +220,7 @@ class EpochStream:
                 f"batch {self.next_index}"
             )
         self.welcome = msg
+        self.conn.last_stream = msg.stream
         self._heartbeat_s = msg.heartbeat_s if msg.heartbeat_s > 0 else DEFAULT_HEARTBEAT_S
         self._backoff = 0.1
 
@@ -247,9 +248,23 @@ class EpochStream:
         self.next_index += 1
         return header, frames
 
+    def _is_mine(self, stream: int | None) -> bool:
+        """Whether an Error naming ``stream`` is about this stream.
+
+        Before its Welcome the client does not know its stream id, and the server may fail
+        the stream while preparing it (a corrupt shard, a refused rank): such an Error names an
+        id the client has not seen. The one id that can be stale then is the last stream
+        welcomed on this socket: the server ends it on our Hello, and whatever it sent for it
+        before arrives first (one socket, in order).
+        """
+        if stream is None:
+            return True
+        if self.welcome is not None:
+            return stream == self.welcome.stream
+        return stream != self.conn.last_stream
+
     def _on_error(self, code: ErrorCode, message: str, fatal: bool, stream: int | None) -> None:
-        mine = stream is None or (self.welcome is not None and stream == self.welcome.stream)
-        if not mine:
+        if not self._is_mine(stream):
             return
         where = f"(job {self.hello.job}, rank {self.hello.rank}, epoch {self.epoch}, next batch {self.next_index})"
         if fatal:
