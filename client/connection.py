@@ -83,6 +83,8 @@ class Connection:
     def __init__(self, endpoint: str, heartbeat_s: float = 1.0) -> None:
         self.endpoint = endpoint
         self.transport = endpoint.split("://", 1)[0]
+        #: Stream id of the last Welcome accepted on this socket (see ``EpochStream``).
+        self.last_stream: int | None = None
         self.closed = True
         # Signals wait until the context and socket are made (or undone): a handler raising
         # half-way would leave a context nobody can terminate (see close()).
