@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from shardserve.proto.framing import encode_batch
-from shardserve.proto.jobs import Transport
+from shardserve.proto.endpoints import Delivery
 from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
 
 from .buffers import BufferPool, BufferSet
@@ -72,7 +72,7 @@ def part_headers(parts: BatchParts) -> tuple[PartHeader, ...]:
 class BatchSink(ABC):
     """One stream's way of delivering batches (see the module docstring)."""
 
-    transport: ClassVar[Transport]
+    transport: ClassVar[Delivery]
 
     def __init__(self, route: Route) -> None:
         self.route = route
@@ -122,7 +122,7 @@ class SocketSink(BatchSink):
     so a set goes back to the pool only when the ``MessageTracker`` of its send says so.
     """
 
-    transport: ClassVar[Transport] = "socket"
+    transport: ClassVar[Delivery] = "socket"
 
     def __init__(self, route: Route, pool: BufferPool) -> None:
         super().__init__(route)
@@ -166,7 +166,7 @@ class SlotSink(BatchSink):
     its slot freed at once (counted in :attr:`overflowed`).
     """
 
-    transport: ClassVar[Transport] = "shm"
+    transport: ClassVar[Delivery] = "shm"
 
     def __init__(self, route: Route, slots: ShmSlots, book: RingBook) -> None:
         super().__init__(route)
