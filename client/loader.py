@@ -164,6 +164,9 @@ class Loader:
         self._stats = StatsClock()
         try:
             created = self._api.create_job(self.spec)
+            # The server's id: it covers the dataset version the job pinned (issue 20).
+            self.job_id = created.id
+            pinned = created.status.spec.version
             # The server is up; later calls run inside a stream's own deadline, so no retries.
             self._api.connect_retry_s = 0.0
             self._job_epoch = created.status.epoch
@@ -175,7 +178,7 @@ class Loader:
             raise
         self._conn = Connection(endpoint)
         # The stream calls back into this, not into the Loader: no cycle keeps a dropped Loader alive.
-        self._job = JobHandle(self._api, self.spec)
+        self._job = JobHandle(self._api, self.spec, self.job_id, pinned)
         self._closed = False
         self._copier = DeviceCopier(self.device)
         self._boot_id = read_boot_id()

@@ -47,6 +47,7 @@ from .settings import Settings
 from .store.catalog import Store
 from .store.graphs import check_graph_job
 from .store.remote import RemoteStore, StoreOptions, open_store
+from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
@@ -154,8 +155,10 @@ class Service:
         parts = Parts(self.open_dataset, self.jobs, self.plans, self.board, self.metrics)
         return StreamHandler(sock, assembler, parts, self.streamer.config)
 
-    def open_dataset(self, name: str) -> Any:
+    def open_dataset(self, name: str, version: str | None = None) -> Any:
         """The shared ``Dataset`` for ``name``, verified per ``--verify`` on its first open only.
+
+        With ``version`` (a job's pinned version), that version or ``DatasetChanged``.
 
         ``Store.open(verify="full")`` re-checks a cached dataset every time; a server opens a
         dataset for every stream, so only the first open of each name asks for it.
@@ -164,7 +167,9 @@ class Service:
             first = name not in self._opened
             self._opened.add(name)
         try:
-            return self.store.open(name, verify=self.settings.verify if first else "lazy")
+            return self.store.open(
+                name, verify=self.settings.verify if first else "lazy", version=version
+            )
         except BaseException:
             if first:
                 with self._open_lock:
@@ -195,6 +200,7 @@ class Service:
                 log, "journal.unavailable", level=logging.WARNING, reason=self.journal_problem
             )
         n = self.jobs.load()
+        self.jobs.fail_changed(self.store.version)  # jobs of versions replaced while we were down
         if self.settings.shm:
             # Rings of a server that was killed are nobody's now; a live server's are left alone.
             for name in remove_stale(SHM_DIR):
@@ -254,8 +260,10 @@ class Service:
         return dataset_info(self.store.manifest(name))
 
     def create_job(self, spec: JobSpec) -> CreatedJob:
-        """Create (or find) the job for ``spec``; its dataset and fields must exist."""
+        """Create (or find) the job for ``spec``; its dataset and fields must exist. The job
+        pins the dataset's current version (its id covers it)."""
         manifest = self.store.manifest(spec.dataset)
+        spec = pin_version(spec, manifest)
         known = [f.name for f in manifest.fields]
         unknown = [f for f in spec.fields or () if f not in known]
         if unknown:
@@ -305,7 +313,7 @@ class Service:
         world = job.spec.world_size
         if not 0 <= rank < world:
             raise BadRequest(f"rank {rank} is out of range for job {job_id}: 0 <= rank < {world}")
-        ds = self.open_dataset(job.spec.dataset)
+        ds = self.open_dataset(job.spec.dataset, job.spec.version)
         plan = self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows, env=env)
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
@@ -321,6 +329,7 @@ class Service:
         status = self.status_of(job, "deleted")
         self.board.drop_job(job_id)
         self.plans.forget(job_id)
+        self.store.release_unpinned(self.jobs.pinned_versions())
         return status
 
     # -- lifecycle of jobs --------------------------------------------------------------
