@@ -33,6 +33,7 @@ from shardserve.proto.errors import (
 from .loader import Loader
 from .local import serve_local
 from .resident import ResidentTooLarge
+from .structure import Masked
 from .types import LoaderStats, VarTensor
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "JobNotFound",
     "Loader",
     "LoaderStats",
+    "Masked",
     "ProtocolError",
     "ResidentTooLarge",
     "ServerUnavailable",
