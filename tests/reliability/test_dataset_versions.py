@@ -37,7 +37,13 @@ def _ingest_overwrite(store: Path, tmp: Path, n: int, seed: int) -> str:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    return Store(store).version("cifar")
+    version = Store(store).version("cifar")
+    r = subprocess.run(
+        [sys.executable, "-m", "shardserve.server", "inspect", "--store", str(store), "cifar"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert f"version   {version}" in r.stdout, r.stdout + r.stderr
+    return version
 
 
 def _check(batch: dict, images: np.ndarray) -> list[int]:
