@@ -348,6 +348,7 @@ class Service:
 
     def sweep(self) -> list[str]:
         """Forget jobs that are not live and had no stream for ``job_ttl_s``; their ids."""
+        self.store.release_unpinned(self.jobs.pinned_versions())  # replaced, no job left on it
         now = time.monotonic()
         gone = []
         for job, state, act in self._states():
