@@ -15,7 +15,12 @@ import numpy as np
 
 from shardserve.proto.api import CreatedJob, DatasetInfo, JobStatus, ServerInfo
 from shardserve.proto.endpoints import reaches_this_host
-from shardserve.proto.errors import ServerUnavailable, ShardserveError, error_for_code
+from shardserve.proto.errors import (
+    DatasetChanged,
+    ServerUnavailable,
+    ShardserveError,
+    error_for_code,
+)
 from shardserve.proto.jobs import JobSpec, job_id
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
@@ -152,12 +157,26 @@ class ControlClient:
 class JobHandle:
     """One job as the data-plane stream needs it: re-create it, describe it for an error."""
 
-    def __init__(self, api: ControlClient, spec: JobSpec) -> None:
-        self.api, self.spec, self.id = api, spec, job_id(spec)
+    def __init__(
+        self, api: ControlClient, spec: JobSpec, jid: str | None = None, version: str | None = None
+    ) -> None:
+        self.api, self.spec, self.id = api, spec, jid or job_id(spec)
+        self.version = version  # of the dataset, as the server pinned it
 
     def recreate(self, timeout: float) -> None:
-        """Re-POST the spec (after a server restart the job is unknown until then)."""
-        self.api.create_job(self.spec, timeout=timeout)
+        """Re-POST the spec (after a server restart the job is unknown until then).
+
+        The server pins the dataset's current version; another id than ours means the
+        version this job streamed was replaced, and resuming would mix two versions.
+        """
+        created = self.api.create_job(self.spec, timeout=timeout)
+        if created.id != self.id:
+            raise DatasetChanged(
+                f"dataset {self.spec.dataset!r} changed while the server was away: job "
+                f"{self.id} streams version {self.version}, the store now holds version "
+                f"{created.status.spec.version}; create a new Loader (job {created.id}) to "
+                "train on it"
+            )
 
     def describe(self) -> str:
         """Facts for a DataStallError, each fetched with a short timeout; never raises."""

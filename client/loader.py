@@ -172,7 +172,7 @@ class Loader:
         self._pass = 0  # which iter() the live pass belongs to
         self._conn = Connection(endpoint)
         # The stream calls back into this, not into the Loader: no cycle keeps a dropped Loader alive.
-        self._job = JobHandle(self._api, self.spec)
+        self._job = JobHandle(self._api, self.spec, self.job_id, self._pinned)
         self._closed = False
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
@@ -185,6 +185,9 @@ class Loader:
         )
         try:
             created = self._api.create_job(self.spec)
+            # The server's id: it covers the dataset version the job pinned (issue 20).
+            self.job_id = created.id
+            self._pinned = created.status.spec.version
             # The server is up; later calls run inside a stream's own deadline, so no retries.
             self._api.connect_retry_s = 0.0
             self._pos = Position(created.status.epoch, created.status.batches_per_epoch)

@@ -13,6 +13,7 @@
     ├── DataError                  the data itself is the problem (fatal)
     │   ├── DatasetNotFound
     │   ├── DatasetCorruptError    checksum mismatch, truncated or missing shard
+    │   ├── DatasetChanged         the dataset version a job pinned is gone (``--overwrite``)
     │   └── InvalidDataError       input to ingest that cannot become a dataset
     ├── JobError                   the job cannot go on (fatal)
     │   ├── JobNotFound
@@ -40,6 +41,7 @@ class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"
     DATASET_NOT_FOUND = "dataset_not_found"
     DATASET_CORRUPT = "dataset_corrupt"
+    DATASET_CHANGED = "dataset_changed"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FAILED = "job_failed"
     UNKNOWN_STREAM = "unknown_stream"
@@ -95,6 +97,13 @@ class DatasetCorruptError(DataError):
     code = ErrorCode.DATASET_CORRUPT
 
 
+class DatasetChanged(DataError):
+    """The dataset version a job was created for is gone: ``ingest --overwrite`` replaced it
+    (and the server restarted, or never had it open). The message names both version ids."""
+
+    code = ErrorCode.DATASET_CHANGED
+
+
 class InvalidDataError(DataError, ValueError):
     code = ErrorCode.BAD_REQUEST
 
@@ -134,6 +143,7 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
     ErrorCode.BAD_REQUEST: BadRequest,
     ErrorCode.DATASET_NOT_FOUND: DatasetNotFound,
     ErrorCode.DATASET_CORRUPT: DatasetCorruptError,
+    ErrorCode.DATASET_CHANGED: DatasetChanged,
     ErrorCode.JOB_NOT_FOUND: JobNotFound,
     ErrorCode.JOB_FAILED: JobFailed,
     ErrorCode.UNKNOWN_STREAM: UnknownStream,

@@ -46,6 +46,11 @@ class JobSpec(BaseModel):
     #: See :data:`Collate`; left out of the job id when ``None``, so ids of specs without it
     #: stay what they were.
     collate: Collate | None = None
+    #: The dataset version (content id, see ``server/store/versions.py``) the job serves.
+    #: Clients leave it out; the server pins the version current at creation, so the job id
+    #: covers it and a Loader created after ``ingest --overwrite`` gets a job of its own.
+    #: Left out of the job id when ``None`` (ids of journals from before it stay the same).
+    version: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
 
     @field_validator("dataset")
     @classmethod
@@ -72,6 +77,6 @@ def job_id(spec: JobSpec) -> str:
     >>> job_id(JobSpec(dataset="d", batch_size=2)) == job_id(JobSpec(batch_size=2, dataset="d"))
     True
     """
-    exclude = {"collate"} if spec.collate is None else None
+    exclude = {k for k in ("collate", "version") if getattr(spec, k) is None} or None
     canonical = spec.model_dump_json(exclude_none=False, exclude=exclude).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]

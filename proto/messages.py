@@ -62,21 +62,29 @@ class _Msg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: Bounds of what a peer may report: counts fit a float exactly, seconds are finite and under
+#: ~30 years (``Infinity`` passed ``ge=0`` and reached the status page and metrics).
+MAX_REPORTED_COUNT = 1 << 53
+MAX_REPORTED_S = 1e9
+
+
 class ClientStats(_Msg):
     """What a client reports about its own loop (telemetry for the status page)."""
 
-    batches: int = Field(default=0, ge=0)
-    wait_s: float = Field(default=0.0, ge=0)
-    compute_s: float = Field(default=0.0, ge=0)
+    batches: int = Field(default=0, ge=0, le=MAX_REPORTED_COUNT)
+    wait_s: float = Field(default=0.0, ge=0, le=MAX_REPORTED_S, allow_inf_nan=False)
+    compute_s: float = Field(default=0.0, ge=0, le=MAX_REPORTED_S, allow_inf_nan=False)
 
 
 class Hello(_Msg):
     kind: Literal[Kind.HELLO] = Kind.HELLO
-    protocols: tuple[int, ...] = SUPPORTED_PROTOCOLS
+    protocols: tuple[Annotated[int, Field(ge=0, lt=256)], ...] = Field(
+        default=SUPPORTED_PROTOCOLS, max_length=16
+    )
     job: str = Field(min_length=1, max_length=64)
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, lt=1 << 16)
     epoch: int = Field(ge=0, lt=1 << 31)
-    start_batch: int = Field(default=0, ge=0)
+    start_batch: int = Field(default=0, ge=0, le=MAX_REPORTED_COUNT)
     credit: int = Field(ge=1, le=MAX_CREDIT)
     #: Echoed in Welcome so the client can tell this stream's reply from an older one's.
     nonce: int = Field(default=0, ge=0, lt=1 << 63)
@@ -86,7 +94,7 @@ class Hello(_Msg):
     host: str = Field(default="", max_length=255)
     #: Boot id of the client's kernel; equal boot ids mean one host and one /dev/shm.
     boot_id: str = Field(default="", max_length=64)
-    pid: int = Field(default=0, ge=0)
+    pid: int = Field(default=0, ge=0, lt=1 << 32)
     #: Slots of this client's current ring that it still reads from (batches of an earlier
     #: stream the consumer holds): a server reusing the ring keeps them out of the free list.
     keep: tuple[Annotated[int, Field(ge=0, lt=MAX_CREDIT)], ...] = Field(

@@ -25,6 +25,7 @@ from .metrics import JobsSnapshot, RankSeries
 from .planning import num_batches
 from .settings import Settings
 from .store.graphs import check_graph_job
+from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
@@ -41,22 +42,27 @@ class JobAdmin:
         plans: PlanCache,
         manifest: Callable[[str], Manifest],
         end_streams: Callable[[str, str], None],
+        release_versions: Callable[[], None],
     ) -> None:
         """``manifest(name)``: the dataset's manifest (raising ``DatasetNotFound``);
-        ``end_streams(job_id, message)``: tell the job's open streams it is gone."""
+        ``end_streams(job_id, message)``: tell the job's open streams it is gone;
+        ``release_versions()``: let go of replaced dataset versions no job pins any more."""
         self.settings = settings
         self.jobs = jobs
         self.board = board
         self.plans = plans
         self._manifest = manifest
         self._end_streams = end_streams
+        self._release_versions = release_versions
         # Admission (cap check, eviction, creation) is one step, or two POSTs could both
         # take the last free place.
         self._admit_lock = threading.Lock()
 
     def create_job(self, spec: JobSpec) -> CreatedJob:
-        """Create (or find) the job for ``spec``; its dataset and fields must exist."""
+        """Create (or find) the job for ``spec``; its dataset and fields must exist. The job
+        pins the dataset's current version (its id covers it)."""
         manifest = self._manifest(spec.dataset)
+        spec = pin_version(spec, manifest)
         known = [f.name for f in manifest.fields]
         unknown = [f for f in spec.fields or () if f not in known]
         if unknown:
@@ -109,6 +115,7 @@ class JobAdmin:
         status = self.status_of(job, "deleted")
         self.board.drop_job(job_id)
         self.plans.forget(job_id)
+        self._release_versions()
         return status
 
     # -- lifecycle of jobs --------------------------------------------------------------
@@ -127,6 +134,7 @@ class JobAdmin:
 
     def sweep(self) -> list[str]:
         """Forget jobs that are not live and had no stream for ``job_ttl_s``; their ids."""
+        self._release_versions()  # replaced, no job left on it
         now = time.monotonic()
         gone = []
         for job, state, act in self._states():

@@ -19,15 +19,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardserve.proto.api import JobState
-from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
+from shardserve.proto.errors import (
+    BadRequest,
+    DatasetNotFound,
+    ErrorCode,
+    JobNotFound,
+    ShardserveError,
+)
 from shardserve.proto.jobs import JobSpec, job_id
 
 from .journal import CreateRecord, DeleteRecord, EpochJournal, EpochRecord
 from .logs import log_event
+from .store.versions import changed_error
 
 __all__ = ["MAX_JOBS", "EpochJournal", "Job", "JobRegistry"]
 
@@ -104,6 +112,36 @@ class JobRegistry:
             self._jobs = jobs
         self._journal.rewrite([r for j in jobs.values() for r in _records_of(j)])
         return len(jobs)
+
+    def fail_changed(self, version_of: Callable[[str], str]) -> list[str]:
+        """Fail every job whose pinned dataset version is no longer the current one
+        (``version_of(name)``); called after :meth:`load`, when nothing old is mapped. A
+        dataset gone altogether fails its jobs too; a store that cannot answer now (remote,
+        away) leaves them to fail, or not, when a rank opens its stream. Returns the ids.
+        """
+        failed = []
+        current: dict[str, str | None] = {}
+        for job in self.list():
+            name, pinned = job.spec.dataset, job.spec.version
+            if pinned is None or job.state == "failed":
+                continue
+            if name not in current:
+                try:
+                    current[name] = version_of(name)
+                except DatasetNotFound:
+                    current[name] = None
+                except ShardserveError:
+                    continue
+            if current[name] != pinned:
+                err = changed_error(name, pinned, current[name])
+                self.fail(job.id, err.code, str(err))
+                failed.append(job.id)
+        return failed
+
+    def pinned_versions(self) -> set[tuple[str, str | None]]:
+        """``(dataset, version)`` of every job known: the versions a store must keep."""
+        with self._lock:
+            return {(j.spec.dataset, j.spec.version) for j in self._jobs.values()}
 
     def detach_journal(self) -> None:
         """Keep jobs in memory only from now on (the journal belongs to another server)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -49,7 +50,8 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, Any] = getattr(record, _FIELDS_ATTR, {})
         kv = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
-        line = f"{_timestamp(record)} {record.levelname} {record.name} {record.getMessage()}"
+        msg = _one_line(record.getMessage())
+        line = f"{_timestamp(record)} {record.levelname} {record.name} {msg}"
         if kv:
             line += " " + kv
         if record.exc_info:
@@ -58,9 +60,22 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+#: A value shown bare: printable ASCII other than space, ``"``, ``=`` and ``\\``. Anything else
+#: (a peer's job id with a newline, say) is JSON-quoted, so one record stays one line that
+#: cannot forge another record or another ``k=v``.
+_BARE = re.compile(r"[!#-<>-\[\]-~]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def _text_value(v: Any) -> str:
     s = str(v)
-    return json.dumps(s) if (" " in s or not s or "=" in s) else s
+    return s if _BARE.fullmatch(s) else json.dumps(s)
+
+
+def _one_line(msg: str) -> str:
+    """``msg`` with control characters escaped (other libraries' messages may carry a peer's
+    bytes, e.g. a request path)."""
+    return _CONTROL.sub(lambda m: json.dumps(m.group())[1:-1], msg)
 
 
 class JsonFormatter(logging.Formatter):

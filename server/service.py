@@ -107,7 +107,13 @@ class Service:
         self.plans = PlanCache()
         self.metrics.watch_store_bytes(self._store_bytes)
         self.job_admin = JobAdmin(
-            settings, self.jobs, self.board, self.plans, self.store.manifest, self._end_streams
+            settings,
+            self.jobs,
+            self.board,
+            self.plans,
+            self.store.manifest,
+            self._end_streams,
+            lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
         )
         self.metrics.watch_jobs(self.job_admin.snapshot)
         self.streamer = Streamer(
@@ -137,10 +143,11 @@ class Service:
         )
         return StreamHandler(sock, assembler, deps, self.streamer.config)
 
-    def open_dataset(self, name: str) -> Any:
+    def open_dataset(self, name: str, version: str | None = None) -> Any:
         """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per
-        ``--verify``."""
-        return self.store.open(name)
+        ``--verify``. With ``version`` (a job's pinned version), that version or
+        ``DatasetChanged``."""
+        return self.store.open(name, version=version)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -166,6 +173,7 @@ class Service:
                 log, "journal.unavailable", level=logging.WARNING, reason=self.journal_problem
             )
         n = self.jobs.load()
+        self.jobs.fail_changed(self.store.version)  # jobs of versions replaced while we were down
         if self.settings.shm:
             # Rings of a server that was killed are nobody's now; a live server's are left alone.
             for name in remove_stale(SHM_DIR):
@@ -236,7 +244,7 @@ class Service:
         world = job.spec.world_size
         if not 0 <= rank < world:
             raise BadRequest(f"rank {rank} is out of range for job {job_id}: 0 <= rank < {world}")
-        ds = self.open_dataset(job.spec.dataset)
+        ds = self.open_dataset(job.spec.dataset, job.spec.version)
         plan = self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows, env=env)
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)

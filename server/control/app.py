@@ -20,6 +20,7 @@ from shardserve.proto.api import ErrorBody
 from shardserve.proto.errors import (
     AuthError,
     BadRequest,
+    DatasetChanged,
     DatasetCorruptError,
     DatasetNotFound,
     InvalidDataError,
@@ -44,6 +45,7 @@ STATUS_FOR_ERROR: list[tuple[type[ShardserveError], int]] = [
     (BadRequest, 422),
     (InvalidDataError, 422),
     (DatasetCorruptError, 409),
+    (DatasetChanged, 409),
     (JobFailed, 409),
     (ProtocolError, 409),
     (StoreUnavailable, 503),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from shardserve.proto.errors import DatasetNotFound, InvalidDataError, ShardserveError
@@ -18,6 +19,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from . import layout
 from .dataset import VERIFY_MODES, Dataset
+from .versions import VersionShelf, changed_error, content_id
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +28,8 @@ class Store:
     """A store root. ``open`` returns one shared, thread-safe ``Dataset`` per name.
 
     The cache notices a dataset replaced by ``ingest --overwrite`` (its folder's inode
-    changes) and opens the new version for later callers; holders of the old ``Dataset``
-    keep reading the old files, which stay mapped until they close it.
+    changes) and opens the new version for later callers; the old ``Dataset`` moves to
+    :attr:`shelf`, still mapped, for the jobs pinned to its version (:mod:`.versions`).
 
     ``verify`` (see :mod:`.dataset`) applies when a dataset version is mapped, so each shard
     file is checked once per process however often the dataset is opened.
@@ -40,6 +42,7 @@ class Store:
         self.verify = verify
         self._lock = threading.Lock()
         self._open: dict[str, tuple[int, Dataset]] = {}
+        self.shelf = VersionShelf()
 
     def list(self) -> list[Manifest]:
         """Manifests of every published dataset, sorted by name."""
@@ -78,28 +81,51 @@ class Store:
                 f"no dataset {name!r} in store {self.root} (datasets: {known})"
             ) from None
 
-    def open(self, name: str, verify: str | None = None) -> Dataset:
+    def version(self, name: str) -> str:
+        """The content id of ``name``'s current version (:mod:`.versions`)."""
+        return content_id(self.manifest(name))
+
+    def open(self, name: str, verify: str | None = None, version: str | None = None) -> Dataset:
         """The shared ``Dataset`` for ``name``, mapped on first use.
 
         The first open of a version maps it under ``verify`` (default: the store's mode); a
         later ``verify="full"`` runs a full check on the cached dataset, any other mode none.
+        With ``version`` the dataset must be that version: the current one, or an older one
+        this process still holds (see :mod:`.versions`); otherwise ``DatasetChanged`` names
+        both.
         """
         folder = self._folder(name)
         try:
             inode = folder.stat().st_ino
         except FileNotFoundError:
+            if version is not None and (held := self.shelf.get(name, version)) is not None:
+                return held  # deleted on disk, still mapped here for the jobs that pin it
             self.manifest(name)  # raises DatasetNotFound with the list of datasets
             raise
         with self._lock:
             cached = self._open.get(name)
-            if cached is not None and cached[0] == inode:
-                ds = cached[1]
-                if verify == "full":
-                    ds.verify()
-                return ds
-            ds = Dataset(folder, self.manifest(name), verify=verify or self.verify)
-            self._open[name] = (inode, ds)
+            if cached is None or cached[0] != inode:
+                if cached is not None:
+                    # Replaced on disk: the old version stays mapped while a job pins it.
+                    old = cached[1]
+                    self.shelf.put(name, content_id(old.manifest), old)
+                ds = Dataset(folder, self.manifest(name), verify=verify or self.verify)
+                self._open[name] = cached = (inode, ds)
+                verify = None  # just mapped in the asked mode
+            ds = cached[1]
+            if version is not None and content_id(ds.manifest) != version:
+                held = self.shelf.get(name, version)
+                if held is None:
+                    raise changed_error(name, version, content_id(ds.manifest))
+                return held
+            if verify == "full":
+                ds.verify()
             return ds
+
+    def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:
+        """Let go of old versions no job pins any more (their files were deleted already)."""
+        for name, version in self.shelf.keep_only(pinned):
+            log.info("released dataset %s version %s: no job pins it any more", name, version)
 
     def close(self) -> None:
         """Close every dataset this store opened."""
@@ -107,6 +133,8 @@ class Store:
             for _, ds in self._open.values():
                 ds.close()
             self._open.clear()
+            for ds in self.shelf.pop_all():
+                ds.close()
 
 
 __all__ = ["DatasetNotFound", "InvalidDataError", "Store"]

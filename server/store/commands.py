@@ -19,6 +19,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from shardserve.proto.errors import DataError, DatasetCorruptError, ShardserveError
 
 from .ingest.registry import FORMATS
+from .versions import content_id
 
 ENV_STORE = "SHARDSERVE_STORE"
 _SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
@@ -121,6 +122,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     m = _open_store(args.store).manifest(args.name)
     print(f"dataset   {m.name}")
+    print(f"version   {content_id(m)}")  # what jobs pin (GET /v1/jobs/{id}: spec.version)
     print(f"samples   {m.num_samples}")
     print(f"shards    {len(m.shards)} ({_human(m.total_bytes)})")
     print(f"created   {m.created_at}")

@@ -20,6 +20,7 @@ import os
 import secrets as _secrets
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from .object_fs import (
     scrub,
     uri_secrets,
 )
+from .versions import VersionShelf, changed_error, content_id
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class RemoteStore:
             raise InvalidDataError(self.scrub(f"cannot open store {self.root}: {e}")) from None
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.shelf = VersionShelf()
 
     def reopen_args(self) -> dict[str, Any]:
         """What a process elsewhere (a Ray task) needs to open this store again; credentials
@@ -206,8 +209,17 @@ class RemoteStore:
             )
         return got
 
-    def open(self, name: str, verify: str | None = None) -> Any:
-        """The shared ``RemoteDataset`` for ``name`` (shards come through the cache)."""
+    def version(self, name: str) -> str:
+        """The content id of ``name``'s current version (:mod:`.versions`)."""
+        return content_id(self.manifest(name))
+
+    def open(self, name: str, verify: str | None = None, version: str | None = None) -> Any:
+        """The shared ``RemoteDataset`` for ``name`` (shards come through the cache).
+
+        With ``version``: that version, current or still held for a job that pins it (an
+        upload never deletes the old shards' prefix, so a held version keeps fetching them);
+        otherwise ``DatasetChanged`` names both.
+        """
         from .remote_dataset import RemoteDataset
 
         if self.cache is None:
@@ -221,11 +233,27 @@ class RemoteStore:
             except StoreUnavailable:
                 if ds is None:
                     raise
-                return ds  # the store is away: go on with what we know (the cache may hold it)
+                manifest = ds.manifest  # the store is away: go on with what we know
+            except DatasetNotFound:
+                if version is not None and (held := self.shelf.get(name, version)) is not None:
+                    return held
+                raise
             if ds is None or ds.manifest != manifest:
+                if ds is not None and content_id(ds.manifest) != content_id(manifest):
+                    self.shelf.put(name, content_id(ds.manifest), ds)
                 ds = RemoteDataset(self, manifest, self.cache, verify=verify or self.verify)
                 self._open[name] = ds
+            if version is not None and (current := content_id(ds.manifest)) != version:
+                held = self.shelf.get(name, version)
+                if held is None:
+                    raise changed_error(name, version, current)
+                return held
             return ds
+
+    def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:
+        """Let go of old versions no job pins any more."""
+        for name, version in self.shelf.keep_only(pinned):
+            log.info("released dataset %s version %s: no job pins it any more", name, version)
 
     def opened_bytes(self) -> int:
         """Bytes of the datasets opened so far (listing a bucket per scrape is too dear)."""
@@ -263,7 +291,7 @@ class RemoteStore:
 
     def close(self) -> None:
         with self._lock:
-            for ds in self._open.values():
+            for ds in [*self._open.values(), *self.shelf.pop_all()]:
                 ds.close()
             self._open.clear()
 

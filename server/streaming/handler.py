@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from shardserve.proto.errors import (
+    DatasetChanged,
     DatasetCorruptError,
     ErrorCode,
     ProtocolError,
@@ -60,8 +61,9 @@ log = logging.getLogger("shardserve.streaming")
 class HandlerDeps:
     """What the handler uses and shares with the control plane (all thread-safe)."""
 
-    #: ``open_dataset(name)``: the shared, cached dataset (see ``Service.open_dataset``).
-    open_dataset: Callable[[str], BatchSource]
+    #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job
+    #: pinned, or ``DatasetChanged`` (see ``Service.open_dataset``).
+    open_dataset: Callable[[str, str | None], BatchSource]
     registry: JobRegistry
     plans: PlanCache
     board: StreamBoard
@@ -288,7 +290,7 @@ class StreamHandler:
             log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=eoe.num_batches)
 
     def _stream_failed(self, s: Session, exc: BaseException) -> None:
-        if isinstance(exc, DatasetCorruptError):
+        if isinstance(exc, (DatasetCorruptError, DatasetChanged)):
             # Bad bytes are the job's problem, not this stream's: every rank of it must stop.
             self.deps.registry.fail(s.job_id, exc.code, str(exc))
             self.job_gone(s.job_id, exc.code, str(exc))

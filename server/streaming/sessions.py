@@ -107,7 +107,7 @@ class Session:
 
 def prepare(
     s: Session,
-    open_dataset: Callable[[str], BatchSource],
+    open_dataset: Callable[[str, str | None], BatchSource],
     plans: PlanCache,
     max_batch_bytes: int,
 ) -> Prepared:
@@ -119,7 +119,7 @@ def prepare(
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
     job = s.job
-    source = open_dataset(job.spec.dataset)
+    source = open_dataset(job.spec.dataset, job.spec.version)  # the version the job pinned
     if job.spec.collate == "graph":
         source = GraphCollated(source)  # issue 14: graphs collated for message passing
     m = source.manifest

@@ -34,8 +34,8 @@ from typing import ClassVar
 import numpy as np
 import zmq
 
-from shardserve.proto.framing import encode_batch
 from shardserve.proto.endpoints import Delivery
+from shardserve.proto.framing import encode_batch
 from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
 
 from .buffers import BufferPool, BufferSet
