@@ -127,6 +127,10 @@ class Service:
                 shm_limit_bytes=settings.shm_limit_bytes,
                 boot_id=read_boot_id(),
                 max_batch_bytes=settings.max_batch_bytes,
+                max_streams=settings.max_streams,
+                max_streams_per_job=settings.max_streams_per_job,
+                max_hellos_per_s=settings.max_hellos_per_s,
+                shm_unproven_rings=settings.shm_unproven_rings,
             ),
             self._make_handler,
         )

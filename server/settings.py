@@ -137,6 +137,28 @@ class Settings(BaseSettings):
         description="longest object-store request; with 3 attempts a read of a store that "
         "stopped answering fails within about 3x this",
     )
+    max_streams: int = Field(
+        default=1024,
+        ge=1,
+        le=1 << 20,
+        description="data-plane streams open at once, all jobs (each holds its credit in batches)",
+    )
+    max_streams_per_job: int = Field(
+        default=0, ge=0, description="streams one job may have open (0: its world size)"
+    )
+    max_hellos_per_s: float = Field(
+        default=20.0,
+        gt=0,
+        le=1e6,
+        description="Hellos one data-plane peer may send per second; more are coalesced",
+    )
+    shm_unproven_rings: int = Field(
+        default=16,
+        ge=0,
+        le=1 << 16,
+        description="slot rings that may wait for their client's first Credit (proof it mapped "
+        "them); only proven rings count against --shm-limit-bytes",
+    )
 
     @field_validator("store", mode="before")
     @classmethod

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
@@ -25,7 +23,7 @@ from shardserve.proto.errors import (
     ShardserveError,
     VersionMismatch,
 )
-from shardserve.proto.framing import decode, encode, peek_kind
+from shardserve.proto.framing import decode, peek_kind
 from shardserve.proto.messages import (
     BatchHeader,
     Bye,
@@ -39,38 +37,26 @@ from shardserve.proto.messages import (
 from shardserve.proto.version import foreign_hello, peek_version
 
 from ..assembly import Assembler, Done
-from ..jobs import JobRegistry
 from ..logs import log_event
-from ..metrics import Metrics
 from . import replies
-from .board import StreamBoard
-from .handshake import check_hello, version_reject
+from .admission import (
+    Claim,
+    HelloRate,
+    Limits,
+)
+from .handshake import version_reject
+from .hellos import HelloHandling
 from .notices import StreamNotices
 from .opening import Opener
 from .pipeline import CreditOverflow, Work, WorkKind
-from .plans import PlanCache
 from .pump import AssemblyFailed, PeerGone, Pump
-from .sessions import Assembled, Prepared, Session, prepare
-from .source import BatchSource
+from .sessions import Assembled, HandlerDeps, Prepared, Session
 from .streamer import StreamerConfig, shutdown_error
 
 log = logging.getLogger("shardserve.streaming")
 
 
-@dataclass(frozen=True)
-class HandlerDeps:
-    """What the handler uses and shares with the control plane (all thread-safe)."""
-
-    #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job
-    #: pinned, or ``DatasetChanged`` (see ``Service.open_dataset``).
-    open_dataset: Callable[[str, str | None], BatchSource]
-    registry: JobRegistry
-    plans: PlanCache
-    board: StreamBoard
-    metrics: Metrics
-
-
-class StreamHandler:
+class StreamHandler(HelloHandling):
     """Sessions by routing id, and what to do with each event. Streamer thread only."""
 
     def __init__(
@@ -81,9 +67,13 @@ class StreamHandler:
         self.deps = deps
         self.config = config
         self.sessions: dict[bytes, Session] = {}
+        self.out = replies.Outbox(sock, self._peer_gone)
         self.pump = Pump(assembler, deps.metrics, deps.board)
         self.notices = StreamNotices(deps.board, deps.metrics)
         self.opener = Opener(sock, self.notices, config)
+        self.limits = Limits(config.max_streams, config.max_streams_per_job, 3 * config.heartbeat_s)
+        self.rate = HelloRate(config.max_hellos_per_s)
+        self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds
         self._next_stream = 1
 
     # -- events -------------------------------------------------------------------------
@@ -99,18 +89,20 @@ class StreamHandler:
                 case Heartbeat() as hb:
                     self._on_heartbeat(ident, hb)
                 case Bye():
+                    self.claims.pop(ident, None)
+                    self.rate.deferred.pop(ident, None)
                     if (s := self.sessions.get(ident)) is not None:
                         self._close(s, "bye")
                 case BatchHeader():
-                    self._send(ident, replies.not_accepted("BATCH"))
+                    self.out.send(ident, replies.not_accepted("BATCH"))
                 case other:
-                    self._send(ident, replies.not_accepted(other.kind.name))
+                    self.out.send(ident, replies.not_accepted(other.kind.name))
         except VersionMismatch as e:
             v = peek_version(frames)
-            self._send(ident, version_reject([v] if v is not None else []))
+            self.out.send(ident, version_reject([v] if v is not None else []))
             log_event(log, "peer.version_mismatch", level=logging.WARNING, reason=str(e))
         except ProtocolError as e:
-            self._send(ident, Error(code=e.code, message=str(e), fatal=False))
+            self.out.send(ident, Error(code=e.code, message=str(e), fatal=False))
             log_event(
                 log, "peer.bad_message", level=logging.WARNING, code=e.code.value, reason=str(e)
             )
@@ -119,7 +111,7 @@ class StreamHandler:
             if (s := self.sessions.get(ident)) is not None:
                 self._contain(s, e)  # its state may be half-changed: end it, keep the others
                 return
-            self._try_send(ident, replies.handling_failed())
+            self.out.try_send(ident, replies.handling_failed())
 
     def _decode(self, frames: list[bytes]) -> ControlMessage | BatchHeader:
         if frames and (v := foreign_hello(frames, peek_kind(frames[0]))) is not None:
@@ -159,7 +151,12 @@ class StreamHandler:
             self._pump(s)
 
     def on_tick(self, now: float) -> None:
-        """Heartbeats, liveness probes, idle cleanup, retries of sends that hit the HWM."""
+        """Heartbeats, liveness probes, idle cleanup, retries of sends that hit the HWM, held
+        claims of a rank."""
+        try:
+            self._admission_tick(now)
+        except Exception:  # a bug here must not stop the streams' timers below
+            log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
         for s in list(self.sessions.values()):
             if self.sessions.get(s.ident) is not s:
                 continue  # closed by an earlier one's tick
@@ -175,7 +172,7 @@ class StreamHandler:
                 self._close(s, "idle after end of epoch")
             return
         if now - s.last_send >= c.heartbeat_s:
-            if self._send(s.ident, Heartbeat()) is False:
+            if self.out.send(s.ident, Heartbeat()) is False:
                 return  # peer gone (_send closed the session) or its queue is full
             s.last_send = now
         if s.flow.ready:
@@ -185,7 +182,7 @@ class StreamHandler:
         """Tell every open stream the server is going (transient), then forget them."""
         for s in list(self.sessions.values()):
             try:
-                self._send(s.ident, shutdown_error(s.stream))
+                self.out.send(s.ident, shutdown_error(s.stream))
             except zmq.ZMQError as e:  # the socket is going away; the session must still close
                 log_event(log, "stream.shutdown_send_failed", **s.describe(), reason=str(e))
             if self.sessions.get(s.ident) is s:
@@ -204,40 +201,11 @@ class StreamHandler:
         for s in [s for s in self.sessions.values() if s.job_id == job_id]:
             if self.sessions.get(s.ident) is not s:
                 continue
-            self._try_send(s.ident, Error(code=code, message=message, fatal=True, stream=s.stream))
+            self.out.try_send(
+                s.ident, Error(code=code, message=message, fatal=True, stream=s.stream)
+            )
             if self.sessions.get(s.ident) is s:
                 self._close(s, message, level=logging.WARNING)
-
-    # -- opening a stream ---------------------------------------------------------------
-
-    def _on_hello(self, ident: bytes, hello: Hello) -> None:
-        job = self.deps.registry.find(hello.job)
-        refusal = check_hello(hello, job, self.config.token)
-        if (old := self.sessions.get(ident)) is not None:
-            # The same client's next stream (an epoch, a resume) may take over its ring, unless
-            # a worker may still be writing into one of its slots.
-            self._close(old, "replaced by a new Hello", handover=refusal is None)
-        if refusal is not None or job is None:
-            self.opener.rings.discard(ident)
-            if refusal is not None:
-                self._send(ident, refusal)
-                self.notices.refused(hello, refusal)
-            return
-        s = self.opener.session(ident, self._new_stream_id(), job, hello)
-        if not s.want_shm:
-            self.opener.rings.discard(ident)
-        self.sessions[ident] = s
-        self.deps.registry.note_stream(job.id, s.epoch)
-        # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
-        # Planning has its own lane, so a flood of Hellos cannot starve other jobs' batches;
-        # a Hello replaced (or a peer gone) before its turn costs nothing (see prepare).
-        work = Work(WorkKind.PREPARE, ident, s.stream)
-        d = self.deps
-        self.assembler.plan(work, prepare, s, d.open_dataset, d.plans, self.config.max_batch_bytes)
-
-    def _welcome(self, s: Session) -> None:
-        self._send(s.ident, self.opener.welcome(s))
-        self.notices.opened(s, len(self.sessions))
 
     # -- messages of an open stream -----------------------------------------------------
 
@@ -245,28 +213,34 @@ class StreamHandler:
         s = self._session_or_unknown(ident)
         if s is None:
             return
+        if s.sink is not None and not s.credited:
+            s.credited = True
+            s.sink.mapped()  # the client reads what the sink hands out (see RingBook)
         if s.sink is not None and credit.slots and (bad := s.sink.returned(credit.slots)):
             log_event(log, "shm.bad_return", level=logging.WARNING, **s.describe(), slots=bad)
         try:
             s.flow.grant(credit.grant)
         except CreditOverflow as e:
-            self._send(ident, replies.credit_refused(str(e), s.stream))
+            self.out.send(ident, replies.credit_refused(str(e), s.stream))
             self._close(s, "credit over the limit", level=logging.WARNING)
             return
         self.notices.heard(s, credit.stats)
         self._pump(s)
 
     def _on_heartbeat(self, ident: bytes, hb: Heartbeat) -> None:
+        if ident in self.claims:  # held: "slow, not dead", not "unknown stream"
+            self.out.send(ident, Heartbeat())
+            return
         s = self._session_or_unknown(ident)
         if s is not None:
             self.notices.heard(s, hb.stats)
-            if self._send(ident, Heartbeat()):
+            if self.out.send(ident, Heartbeat()):
                 s.last_send = time.monotonic()
 
     def _session_or_unknown(self, ident: bytes) -> Session | None:
         s = self.sessions.get(ident)
         if s is None:
-            self._send(ident, replies.unknown_stream())
+            self.out.send(ident, replies.unknown_stream())
         return s
 
     # -- moving and ending a stream -----------------------------------------------------
@@ -285,7 +259,7 @@ class StreamHandler:
             self._stream_failed(s, e.__cause__ or e)
             return
         eoe = EndOfEpoch(stream=s.stream, epoch=s.epoch, num_batches=s.flow.num_batches)
-        if unblocked and s.flow.done_sending and not s.ended and self._send(s.ident, eoe):
+        if unblocked and s.flow.done_sending and not s.ended and self.out.send(s.ident, eoe):
             s.ended = True
             log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=eoe.num_batches)
 
@@ -296,7 +270,7 @@ class StreamHandler:
             self.job_gone(s.job_id, exc.code, str(exc))
             return
         reply = replies.stream_failure(exc, s.stream)
-        self._try_send(s.ident, reply)
+        self.out.try_send(s.ident, reply)
         self.notices.failed(s, reply, exc, bug=not isinstance(exc, ShardserveError))
         self._close(s, "failed")
 
@@ -327,27 +301,9 @@ class StreamHandler:
         overflowed = sink.overflowed if sink is not None else 0
         self.notices.closed(s, reason, level, len(self.sessions), overflowed)
 
-    def _send(self, ident: bytes, msg: ControlMessage) -> bool:
-        """Send a control message; ``False`` when the peer is gone or its queue is full."""
-        try:
-            self.sock.send_multipart([ident, *encode(msg)], flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            if (s := self.sessions.get(ident)) is not None:
-                self._close(s, "peer gone", level=logging.WARNING)
-            return False
-
-    def _try_send(self, ident: bytes, msg: ControlMessage) -> bool:
-        """:meth:`_send` that also swallows socket errors (best-effort notices)."""
-        try:
-            return self._send(ident, msg)
-        except zmq.ZMQError as e:
-            log_event(log, "peer.send_failed", level=logging.WARNING, reason=str(e))
-            return False
+    def _peer_gone(self, ident: bytes) -> None:
+        if (s := self.sessions.get(ident)) is not None:
+            self._close(s, "peer gone", level=logging.WARNING)
 
     def _new_stream_id(self) -> int:
         sid = self._next_stream

@@ -19,6 +19,10 @@ from .sessions import LogExtras, Session
 log = logging.getLogger("shardserve.streaming")
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class StreamNotices:
     """Tells the log, the status board and the metrics about streams. Streamer thread only."""
 
@@ -87,6 +91,45 @@ class StreamNotices:
             job=hello.job,
             rank=hello.rank,
             code=refusal.code.value,
+            reason=refusal.message,
+        )
+
+    def rank_conflict(self, holder: Session, claimant: bytes, refusal: Error) -> None:
+        """A second client claimed a live rank and was refused (not an ordinary open)."""
+        self.board.conflict(
+            holder.job_id, holder.rank, f"{_now()}: refused a second client: {refusal.message}"
+        )
+        log_event(
+            log,
+            "stream.rank_conflict",
+            level=logging.WARNING,
+            **holder.describe(),
+            claimant=claimant.hex(),
+            outcome="refused",
+            reason=refusal.message,
+        )
+
+    def fenced(self, holder: Session, claimant: bytes, notice: Error) -> None:
+        """A claimant took a rank whose holder had gone silent."""
+        self.board.conflict(
+            holder.job_id, holder.rank, f"{_now()}: a new client took the rank: {notice.message}"
+        )
+        log_event(
+            log,
+            "stream.rank_conflict",
+            level=logging.WARNING,
+            **holder.describe(),
+            claimant=claimant.hex(),
+            outcome="fenced",
+            reason=notice.message,
+        )
+
+    def hello_limited(self, ident: bytes, refusal: Error) -> None:
+        log_event(
+            log,
+            "peer.hello_limited",
+            level=logging.WARNING,
+            peer=ident.hex(),
             reason=refusal.message,
         )
 

@@ -33,7 +33,11 @@ class Opener:
         self.notices = notices
         self.config = config
         self.pools = IdlePools()
-        self.rings = RingBook(config.shm_dir or Path("/nonexistent"), config.shm_limit_bytes)
+        self.rings = RingBook(
+            config.shm_dir or Path("/nonexistent"),
+            config.shm_limit_bytes,
+            config.shm_unproven_rings,
+        )
 
     def session(self, ident: bytes, stream: int, job: Job, hello: Hello) -> Session:
         """The session a Hello that passed every check opens (not yet prepared)."""
@@ -48,6 +52,7 @@ class Opener:
             flow=Pipeline(hello.start_batch, batches_per_rank(job), hello.credit),
             want_shm=self.wants_shm(hello),
             keep=hello.keep,
+            client=(hello.boot_id, hello.pid),
         )
 
     def wants_shm(self, hello: Hello) -> bool:

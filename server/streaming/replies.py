@@ -1,4 +1,5 @@
-"""The errors the data plane answers with, built in one place. Pure: no socket.
+"""Replies to peers: the errors the data plane answers with (pure functions), and the
+:class:`Outbox` that sends control messages without blocking.
 
 Transient versus fatal is decided here: a known :class:`ShardserveError` is transient when
 it says so, anything else (a bug) is fatal for the stream, with its type in the message.
@@ -6,8 +7,48 @@ it says so, anything else (a bug) is fatal for the stream, with its type in the 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
+import zmq
+
 from shardserve.proto.errors import ErrorCode, ShardserveError, code_for_error
-from shardserve.proto.messages import Error
+from shardserve.proto.framing import encode
+from shardserve.proto.messages import ControlMessage, Error
+
+from ..logs import log_event
+
+log = logging.getLogger("shardserve.streaming")
+
+
+class Outbox:
+    """Control messages to peers on the ROUTER socket; ``on_gone(ident)`` is called when a
+    peer's connection is gone (``EHOSTUNREACH``). Streamer thread only."""
+
+    def __init__(self, sock: zmq.Socket, on_gone: Callable[[bytes], None]) -> None:
+        self.sock = sock
+        self.on_gone = on_gone
+
+    def send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """Send; ``False`` when the peer is gone or its queue is full."""
+        try:
+            self.sock.send_multipart([ident, *encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.on_gone(ident)
+            return False
+
+    def try_send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """:meth:`send` that also swallows socket errors (best-effort notices)."""
+        try:
+            return self.send(ident, msg)
+        except zmq.ZMQError as e:
+            log_event(log, "peer.send_failed", level=logging.WARNING, reason=str(e))
+            return False
 
 
 def stream_failure(exc: BaseException, stream: int) -> Error:

@@ -14,9 +14,11 @@ from typing import TypedDict
 
 from shardserve.proto.endpoints import Delivery as Transport
 
-from ..jobs import Job
+from ..jobs import Job, JobRegistry
+from ..metrics import Metrics
 from ..planning import RankPlan
 from ..store.graphs import GraphCollated
+from .board import StreamBoard
 from .limits import StreamCancelled, check_batch
 from .pipeline import Pipeline
 from .plans import PlanCache
@@ -86,6 +88,12 @@ class Session:
     closed: bool = False
     last_recv: float = field(default_factory=time.monotonic)
     last_send: float = field(default_factory=time.monotonic)
+    #: When the Hello that opened it arrived (monotonic).
+    opened: float = field(default_factory=time.monotonic)
+    #: The client sent a Credit on this stream (so it reads what the sink hands out).
+    credited: bool = False
+    #: Who the client says it is: (kernel boot id, pid); ``("", 0)`` when it did not say.
+    client: tuple[str, int] = ("", 0)
 
     @property
     def job_id(self) -> str:
@@ -134,3 +142,16 @@ def prepare(
     if hint is not None:
         hint(plan)  # a remote dataset prefetches the shards this plan reads next
     return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes)
+
+
+@dataclass(frozen=True)
+class HandlerDeps:
+    """What the handler uses and shares with the control plane (all thread-safe)."""
+
+    #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job
+    #: pinned, or ``DatasetChanged`` (see ``Service.open_dataset``).
+    open_dataset: Callable[[str, str | None], BatchSource]
+    registry: JobRegistry
+    plans: PlanCache
+    board: StreamBoard
+    metrics: Metrics

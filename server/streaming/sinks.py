@@ -39,7 +39,7 @@ from shardserve.proto.framing import encode_batch
 from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
 
 from .buffers import BufferPool, BufferSet
-from .shm import ShmSlots
+from .shm import ShmSlots, ShmUnavailable
 from .source import BatchParts, BatchSource, PartShapes
 
 #: Bytes of buffer pools kept for (job, rank)s between their streams (pools of open streams
@@ -109,6 +109,9 @@ class BatchSink(ABC):
     def ring(self) -> ShmRing | None:
         """What the client maps to read batches in place (the Welcome carries it)."""
         return None
+
+    def mapped(self) -> None:  # noqa: B027 - only sinks with client-mapped memory care
+        """The client proved it reads this sink's memory (its first Credit on the stream)."""
 
     def close(self, handover: bool = False) -> None:  # noqa: B027 - most sinks hold nothing
         """The stream ended; ``handover``: the same client's next stream may take over what
@@ -207,6 +210,9 @@ class SlotSink(BatchSink):
     def ring(self) -> ShmRing:
         return self.slots.info
 
+    def mapped(self) -> None:
+        self._book.prove(self.slots)
+
     def close(self, handover: bool = False) -> None:
         self._book.retire(self.route.ident, self.slots, handover)
 
@@ -251,17 +257,37 @@ class IdlePools:
 
 class RingBook:
     """Every slot ring of this server: the shared limit, and rings handed to a peer's next
-    stream (its epochs reuse one ring: pages faulted in on both sides, no file to zero-fill)."""
+    stream (its epochs reuse one ring: pages faulted in on both sides, no file to zero-fill).
 
-    def __init__(self, shm_dir: Path, limit_bytes: int | None) -> None:
+    A new ring is *unproven* until its client's first Credit on the stream: a client sends
+    Credits only for batches it read out of the ring, and one that cannot map it says Hello
+    again on the socket (which unlinks the ring at once). Only proven rings count against
+    ``limit_bytes``, so a peer that claims this host's boot id and never maps its ring cannot
+    crowd real same-host clients out of shared memory; unproven rings are capped in number
+    (``max_unproven``) instead, each within the limit. Shared memory in use is therefore at
+    most ``limit_bytes + max_unproven x limit_bytes`` (a ring past either is refused and its
+    stream uses the socket). A ring handed to the peer's next stream stays proven.
+    """
+
+    def __init__(self, shm_dir: Path, limit_bytes: int | None, max_unproven: int = 16) -> None:
         self.shm_dir = shm_dir
         self.limit_bytes = limit_bytes
+        self.max_unproven = max_unproven
         self._live: dict[int, ShmSlots] = {}
+        self._unproven: set[int] = set()
         self._handed: dict[bytes, ShmSlots] = {}
 
     @property
     def live_bytes(self) -> int:
-        return sum(x.ring.nbytes for x in self._live.values())
+        """Bytes of proven live rings (what the limit counts)."""
+        return sum(x.ring.nbytes for k, x in self._live.items() if k not in self._unproven)
+
+    @property
+    def unproven(self) -> int:
+        return len(self._unproven)
+
+    def prove(self, slots: ShmSlots) -> None:
+        self._unproven.discard(id(slots))
 
     def open(
         self,
@@ -281,19 +307,26 @@ class RingBook:
                 self._live[id(slots)] = slots
                 return SlotSink(route, slots, self)
             slots.close()
+        if len(self._unproven) >= self.max_unproven:
+            raise ShmUnavailable(
+                f"{len(self._unproven)} rings already wait for their clients' first Credit "
+                "(the proof they mapped them; --shm-unproven-rings)"
+            )
         limit = self.limit_bytes
         if limit is not None:
-            # The limit is for all rings together: many same-host peers cannot fill /dev/shm.
+            # The limit is for all proven rings together: same-host peers cannot fill /dev/shm.
             limit = max(limit - self.live_bytes, 0)
         slots = ShmSlots.create(
             route.stream, credit, source, fields, batch_size, self.shm_dir, limit
         )
         self._live[id(slots)] = slots
+        self._unproven.add(id(slots))
         return SlotSink(route, slots, self)
 
     def retire(self, ident: bytes, slots: ShmSlots, handover: bool) -> None:
         """A stream ended: keep its ring for the peer's next stream, or unlink it."""
         self._live.pop(id(slots), None)
+        self._unproven.discard(id(slots))
         if handover:
             self.discard(ident)
             self._handed[ident] = slots

@@ -132,6 +132,12 @@ class StreamerConfig:
     boot_id: str = ""
     #: Largest batch (bytes, at the dataset's average sample) a stream may ask for.
     max_batch_bytes: int = 1 << 30
+    #: Admission limits (see :mod:`.admission`).
+    max_streams: int = 1024
+    max_streams_per_job: int = 0
+    max_hellos_per_s: float = 20.0
+    #: Rings that may wait for their client's first Credit at once (see ``sinks.RingBook``).
+    shm_unproven_rings: int = 16
 
 
 class Streamer:

@@ -205,11 +205,40 @@ def test_rings_share_one_limit(cifar: Dataset, pair: tuple[zmq.Socket, zmq.Socke
     probe.close()
     book = RingBook(DEFAULT_DIR, limit_bytes=size + size // 2)
     first = book.open(Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, keep=())
+    first.mapped()  # its client's first Credit: from now on the ring counts
     with pytest.raises(ShmUnavailable, match="--shm-limit-bytes"):
         book.open(Route(router, b"b", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
     first.close()
     second = book.open(Route(router, b"b", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+    second.mapped()
     assert book.live_bytes == size
     second.close()
     assert book.live_bytes == 0
     gc.collect()
+
+
+def test_unmapped_rings_do_not_count_against_the_limit_but_are_capped(
+    cifar: Dataset, pair: tuple[zmq.Socket, zmq.Socket]
+) -> None:
+    """Rings whose client never proved it mapped them leave the limit to proven rings, and at
+    most ``max_unproven`` of them exist at once; proof (a Credit) frees a place."""
+    router, _ = pair
+    probe = RingBook(DEFAULT_DIR, None).open(Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, ())
+    size = probe.slots.ring.nbytes
+    probe.close()
+    book = RingBook(DEFAULT_DIR, limit_bytes=size, max_unproven=1)
+    try:
+        ghost = book.open(Route(router, b"ghost", 1, 0), 2, cifar, FIELDS, BATCH, keep=())
+        assert book.live_bytes == 0 and book.unproven == 1
+        with pytest.raises(ShmUnavailable, match="--shm-unproven-rings"):
+            book.open(Route(router, b"real", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+        ghost.close()  # its stream ended (never mapped): the place is free again
+        real = book.open(Route(router, b"real", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+        real.mapped()
+        assert book.live_bytes == size and book.unproven == 0
+        # A new ring must still fit beside the proven ones.
+        with pytest.raises(ShmUnavailable, match="--shm-limit-bytes"):
+            book.open(Route(router, b"ghost2", 3, 0), 2, cifar, FIELDS, BATCH, keep=())
+        real.close()
+    finally:
+        book.close()
