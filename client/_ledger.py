@@ -71,8 +71,9 @@ class SlotLedger:
 
     def lend_to_copy(self, slot: int, done: Event) -> None:
         """A device copy reads ``slot`` until ``done`` completes."""
-        self._take(slot, Hold.DMA)
-        self._events[slot] = done
+        self._check(slot)
+        self._events[slot] = done  # first: a held DMA slot always has its event
+        self._held[slot] = Hold.DMA
 
     def release(self, slot: int) -> None:
         """The client is done with ``slot`` already (copied out, or a duplicate batch)."""

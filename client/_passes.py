@@ -4,6 +4,13 @@ resident data, each handed to the loop exactly once.
 A pass is an iterator object, not a generator, so that the position moves in the last step
 before ``__next__`` returns: a generator resumed after its ``yield`` checks for signals before
 running a line of its own, so a Ctrl-C there would land after the loop already had the batch.
+Between that step and the ``for`` loop's own variable nothing checks for signals, so a batch
+counts as delivered exactly when the loop has it.
+
+An exception out of a step (a Ctrl-C anywhere in the client, a stall, a server error) ends
+the pass, as it would a generator, and gives up its stream: whatever the stream was doing
+(a batch half-read, a Credit half-sent) is left behind, and the next ``iter(loader)`` opens a
+fresh stream at the position, whose Hello re-states credit and held slots from scratch.
 """
 
 from __future__ import annotations
@@ -39,7 +46,12 @@ class _Pass(Iterator[Any]):
         if lo._pass != self.number:
             # Both would read one socket: the newer iterator would lose batches to this one.
             raise RuntimeError("this iterator was replaced by a newer iter(loader); use that one")
-        item = self._step()
+        try:
+            item = self._step()
+        except BaseException:
+            self.finished = True
+            self._abandon()
+            raise
         if item is None:
             self.finished = True
             lo._pos.ended(self.start)
@@ -49,6 +61,9 @@ class _Pass(Iterator[Any]):
 
     def _step(self) -> Any:
         raise NotImplementedError
+
+    def _abandon(self) -> None:
+        self.loader._stats.pause()
 
 
 class StreamPass(_Pass):
@@ -84,6 +99,11 @@ class StreamPass(_Pass):
         lo._pos.received(self.start, header.index)
         return out
 
+    def _abandon(self) -> None:
+        super()._abandon()
+        if self.loader._active is self.stream:
+            self.loader._active = None
+
 
 class ResidentPass(_Pass):
     """The rest of an epoch gathered from resident data, one batch per environment."""
@@ -113,6 +133,6 @@ class ResidentPass(_Pass):
             batches = [self.rebuild(b) for b in batches]
         nbytes = self.resident.sample_nbytes * lo.spec.batch_size * len(batches)
         lo._stats.delivered(t0, nbytes)
-        self.index = i + 1
         lo._pos.received(self.start, i)
+        self.index = i + 1
         return batches if len(batches) > 1 else batches[0]

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit
 
 import zmq
+from pydantic_core import PydanticSerializationError
 
 from shardserve.proto.api import ServerInfo
 from shardserve.proto.endpoints import is_wildcard_host, reaches_this_host
@@ -118,8 +119,9 @@ class Connection:
 
     def send(self, msg: ControlMessage) -> bool:
         """Queue a control message without blocking; False when libzmq's queue is full."""
+        (frame,) = _encode(msg)  # one frame: a send is whole or not at all
         try:
-            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+            self._sock.send(frame, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
             log.debug("send queue full, dropped %s for %s", type(msg).__name__, self.endpoint)
@@ -130,11 +132,29 @@ class Connection:
         return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
 
     def recv(self) -> Sequence[Frame] | None:
-        """One message's frames, or None when none is queued. Frames own their buffers."""
+        """One message's frames, or None when none is queued. Frames own their buffers.
+
+        An exception half-way (a Ctrl-C between two frames of a batch) drops the rest of that
+        message, so the socket's next read starts at a message again, never mid-batch.
+        """
+        frames: list[zmq.Frame] = []
         try:
-            return self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            frames.append(self._sock.recv(flags=zmq.NOBLOCK, copy=False))
+            while frames[-1].more:
+                frames.append(self._sock.recv(flags=zmq.NOBLOCK, copy=False))
         except zmq.Again:
+            if frames:
+                raise
             return None
+        except BaseException:
+            self._drop_rest()
+            raise
+        return frames
+
+    def _drop_rest(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            while self._sock.getsockopt(zmq.RCVMORE):
+                self._sock.recv(flags=zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
         """Say Bye (best effort) and drop the socket and context at once; idempotent.
@@ -160,6 +180,19 @@ class Connection:
                     self._sock.close(linger=BYE_LINGER_MS)
                 finally:
                     self._ctx.term()
+
+
+def _encode(msg: ControlMessage) -> list[bytes]:
+    """``encode``, except that a signal handler's exception raised while pydantic-core
+    serializes (a Ctrl-C) comes back wrapped in ``PydanticSerializationError`` with only its
+    name left: it is raised again as itself, so ``except KeyboardInterrupt`` still works."""
+    try:
+        return encode(msg)
+    except PydanticSerializationError as e:
+        for exc in (KeyboardInterrupt, SystemExit):
+            if f": {exc.__name__}" in str(e):
+                raise exc() from None
+        raise
 
 
 #: Signals whose Python handlers may raise in the middle of a close.

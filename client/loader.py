@@ -9,6 +9,7 @@ import functools
 import os
 import weakref
 from collections.abc import Iterator, Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -139,6 +140,8 @@ class Loader:
             **({"collate": collate} if collate is not None else {}),
         )  # fmt: skip
         self.job_id = job_id(self.spec)
+        # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
+        self._spec_dump = self.spec.model_dump(mode="json")
         self.device = resolve_device(device, self.world.local_rank)
         envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
@@ -216,7 +219,7 @@ class Loader:
         after an epoch's last batch, the start of the next epoch."""
         epoch, nxt = self._pos.state()
         return {
-            "version": STATE_VERSION, "spec": self.spec.model_dump(mode="json"), "epoch": epoch,
+            "version": STATE_VERSION, "spec": deepcopy(self._spec_dump), "epoch": epoch,
             "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
         }  # fmt: skip
 
