@@ -7,7 +7,7 @@ import atexit
 import functools
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +84,10 @@ class Loader:
     token; ``transport`` ``"auto"`` (shared-memory slots on the same host, falling back to
     ipc, then tcp), ``"socket"`` (ipc or tcp, never shared memory), ``"ipc"`` or ``"tcp"``;
     ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
-    :class:`VarTensor`; ``collate="graph"`` has the server collate graphs for message passing
+    :class:`VarTensor`; ``transforms=[{"name": ..., "params": {...}}, ...]`` runs transforms
+    installed on the server on every batch (``on_error="replace"`` swaps a sample whose
+    transform raises for a deterministic other one; a failure raises ``TransformError``);
+    ``collate="graph"`` has the server collate graphs for message passing
     (see :mod:`.graphs`).
 
     Nested datasets come back in the shape their samples were saved in (``batch["params"]
@@ -130,6 +133,8 @@ class Loader:
         envs: int = 1,
         devices: Sequence[str | torch.device] | None = None,
         collate: str | None = None,
+        transforms: Sequence[Mapping[str, Any]] | None = None,
+        on_error: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         if shuffle not in _SHUFFLE:
@@ -144,6 +149,9 @@ class Loader:
             drop_last=drop_last, world_size=self.world.world_size,
             fields=tuple(fields) if fields is not None else None,
             **({"collate": collate} if collate is not None else {}),
+            # Issue 15: transforms installed on the server, named with JSON params.
+            **({"transforms": tuple(transforms)} if transforms is not None else {}),
+            **({"on_error": on_error} if on_error is not None else {}),
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.device = resolve_device(device, self.world.local_rank)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .metrics import Metrics
+from .transforms.bound import TransformedDataset, Transforms
 
 log = logging.getLogger("shardserve.assembly")
 
@@ -37,14 +38,22 @@ class Done:
 
 
 def assemble_batch(
-    ds: Any, indices: np.ndarray, fields: Sequence[str], out: Mapping[str, np.ndarray] | None
+    ds: Any,
+    indices: np.ndarray,
+    fields: Sequence[str],
+    out: Mapping[str, np.ndarray] | None,
+    batch: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
 
     ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
-    variable-size parts come back freshly allocated.
+    variable-size parts come back freshly allocated. A dataset with transforms (issue 15)
+    also gets the batch's index: its batch transforms draw from (seed, epoch, rank, batch).
     """
-    parts = ds.take(indices, fields, out=out)
+    if isinstance(ds, TransformedDataset):
+        parts = ds.take(indices, fields, out=out, batch=-1 if batch is None else batch)
+    else:
+        parts = ds.take(indices, fields, out=out)
     return {name: np.ascontiguousarray(arr) for name, arr in parts.items()}
 
 
@@ -56,7 +65,11 @@ class Assembler:
     """
 
     def __init__(
-        self, threads: int, notify: Callable[[], None], metrics: Metrics | None = None
+        self,
+        threads: int,
+        notify: Callable[[], None],
+        metrics: Metrics | None = None,
+        transforms: Transforms | None = None,
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ss-assembly")
         # Planning (seconds for tens of millions of samples) gets its own lane: a flood of
@@ -66,6 +79,18 @@ class Assembler:
         self._notify = notify
         self._metrics = metrics
         self.threads = threads
+        self.transforms = transforms
+
+    def transformed(self, ds: Any, spec: Any, epoch: int, seed: int, rank: int) -> Any:
+        """``ds`` with the job's transform chain bound to this stream (``ds`` if none)."""
+        if self.transforms is None or not spec.transforms:
+            return ds
+        return self.transforms.bind(ds, spec, epoch, seed, rank)
+
+    @staticmethod
+    def inline_ok(ds: Any) -> bool:
+        """Transforms may take long (or hang until their deadline): never on the streamer."""
+        return not isinstance(ds, TransformedDataset)
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
@@ -85,10 +110,11 @@ class Assembler:
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
         place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        batch: int | None = None,
     ) -> None:
         """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` moves
         the result where it is sent from (a shared-memory slot), still on the worker."""
-        self.submit(tag, self.assemble_now, ds, indices, fields, out, place)
+        self.submit(tag, self.assemble_now, ds, indices, fields, out, place, batch)
 
     def assemble_now(
         self,
@@ -97,11 +123,12 @@ class Assembler:
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
         place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        batch: int | None = None,
     ) -> dict[str, np.ndarray]:
         """What :meth:`gather` runs on a worker, run on the calling thread instead: a small
         batch of a lone stream costs less than the two thread hand-offs of the pool."""
         t0 = time.perf_counter()
-        parts = assemble_batch(ds, indices, fields, out)
+        parts = assemble_batch(ds, indices, fields, out, batch)
         if place is not None:
             parts = place(parts)
         if self._metrics is not None:

@@ -152,6 +152,15 @@ def add_serve_command(sub: Any) -> None:
         metavar="S",
         help="longest object-store request, 3 attempts each (default 10)",
     )
+    p.add_argument(
+        "--transforms",
+        action="append",
+        metavar="MODULE",
+        help="a module of transforms jobs may name, repeatable (SHARDSERVE_TRANSFORMS)",
+    )
+    p.add_argument("--transform-workers", type=int, metavar="N", help="transform pool size")
+    p.add_argument("--transform-pool", choices=["auto", "thread", "process"])
+    p.add_argument("--transform-timeout-s", type=float, metavar="S")
     p.set_defaults(func=run_serve)
 
 
@@ -182,6 +191,10 @@ _FLAGS = (
     "cache_limit_bytes",
     "store_endpoint",
     "store_timeout_s",
+    "transforms",
+    "transform_workers",
+    "transform_pool",
+    "transform_timeout_s",
 )
 
 

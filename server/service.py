@@ -47,6 +47,7 @@ from .settings import Settings
 from .store.catalog import Store
 from .store.graphs import check_graph_job
 from .store.remote import RemoteStore, StoreOptions, open_store
+from .transforms.bound import Transforms
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
@@ -145,12 +146,22 @@ class Service:
             ),
             self._make_handler,
         )
+        # Issue 15: loaded at start so a bad --transforms module stops the server at once.
+        self.transforms = Transforms(
+            settings.transforms,
+            settings.transform_workers,
+            settings.transform_pool,
+            settings.transform_timeout_s,
+            self.metrics.registry,
+        )
         self.version = _version()
         self._opened: set[str] = set()
         self._open_lock = threading.Lock()
 
     def _make_handler(self, sock: Any, waker: Any) -> StreamHandler:
-        assembler = Assembler(self.settings.assembly_threads, waker.wake, self.metrics)
+        assembler = Assembler(
+            self.settings.assembly_threads, waker.wake, self.metrics, self.transforms
+        )
         parts = Parts(self.open_dataset, self.jobs, self.plans, self.board, self.metrics)
         return StreamHandler(sock, assembler, parts, self.streamer.config)
 
@@ -211,6 +222,7 @@ class Service:
 
     def stop(self) -> None:
         self.streamer.stop()
+        self.transforms.close()
         self.journal.release()
         if isinstance(self.store, RemoteStore) and self.store.cache is not None:
             self.store.cache.close()  # no prefetch outlives the service
@@ -257,6 +269,8 @@ class Service:
         """Create (or find) the job for ``spec``; its dataset and fields must exist."""
         manifest = self.store.manifest(spec.dataset)
         known = [f.name for f in manifest.fields]
+        if spec.transforms:  # the fields served are the chain's outputs
+            known = list(self.transforms.compile(spec, manifest).outputs)
         unknown = [f for f in spec.fields or () if f not in known]
         if unknown:
             raise BadRequest(

@@ -94,6 +94,14 @@ class Settings(BaseSettings):
     #: Seconds one object-store request may take; with 3 attempts a read of a store that
     #: stopped answering fails within about 3x this, inside a client's default 60 s deadline.
     store_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    #: Modules whose transforms jobs may name (besides the built-ins and entry points).
+    transforms: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    #: Threads or worker processes that run transforms; ``transform_pool`` picks which
+    #: (``auto``: what each transform declares).
+    transform_workers: int = Field(default=2, ge=1, le=256)
+    transform_pool: Literal["auto", "thread", "process"] = "auto"
+    #: Seconds one batch's transforms may take before the job fails (a hung worker is killed).
+    transform_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("store", mode="before")
     @classmethod
@@ -135,6 +143,13 @@ class Settings(BaseSettings):
 
                 return json.loads(v)
             return [e.strip() for e in v.split(",") if e.strip()]
+        return v
+
+    @field_validator("transforms", mode="before")
+    @classmethod
+    def _split_transforms(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [m.strip() for m in v.split(",") if m.strip()]
         return v
 
     @field_validator("allowed_hosts", mode="before")

@@ -31,7 +31,7 @@ from shardserve.proto.jobs import ErrorBody
 
 from ..service import Service
 from ..store.remote import StoreUnavailable
-from . import datasets, health, jobs, status_page
+from . import datasets, health, jobs, status_page, transforms
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts
 from .limits import BodyLimit
@@ -128,6 +128,7 @@ def create_app(service: Service) -> FastAPI:
         datasets.router,
         jobs.router,
         status_page.router,
+        transforms.router,
     ):
         app.include_router(router)
 

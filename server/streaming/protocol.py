@@ -23,6 +23,7 @@ from shardserve.proto.errors import (
     ErrorCode,
     ProtocolError,
     ShardserveError,
+    TransformError,
     VersionMismatch,
     code_for_error,
 )
@@ -405,6 +406,7 @@ class StreamHandler:
         ds = self.p.open_dataset(job.spec.dataset)
         if job.spec.collate == "graph":
             ds = GraphCollated(ds)  # issue 14: graphs collated for message passing
+        ds = self.assembler.transformed(ds, job.spec, s.epoch, s.seed, s.rank)  # issue 15
         fields = tuple(job.spec.fields or (f.name for f in ds.manifest.fields))
         m = ds.manifest
         batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
@@ -511,6 +513,8 @@ class StreamHandler:
         prep = s.prepared
         if prep is None or prep.batch_bytes > INLINE_MAX_BYTES or s.next_submit < s.pool_until:
             return False
+        if not self.assembler.inline_ok(prep.dataset):
+            return False
         # Another stream with work to do would wait behind this one's gathers.
         return not any(x is not s and not x.ended for x in self.sessions.values())
 
@@ -540,11 +544,14 @@ class StreamHandler:
                 prep.fields,
                 out,
                 place,
+                batch=index,
             )
             return True
         t0 = time.perf_counter()
         try:
-            parts = self.assembler.assemble_now(prep.dataset, indices, prep.fields, out, place)
+            parts = self.assembler.assemble_now(
+                prep.dataset, indices, prep.fields, out, place, batch=index
+            )
         except Exception as e:
             if bufs is not None:
                 pool.release(bufs)
@@ -611,8 +618,9 @@ class StreamHandler:
         return True
 
     def _stream_failed(self, s: Session, exc: BaseException) -> None:
-        if isinstance(exc, DatasetCorruptError):
-            # Bad bytes are the job's problem, not this stream's: every rank of it must stop.
+        if isinstance(exc, (DatasetCorruptError, TransformError)):
+            # Bad bytes (or a failing transform) are the job's problem, not this stream's:
+            # every rank of it must stop.
             self.p.registry.fail(s.job_id, exc.code, str(exc))
             self.job_gone(s.job_id, exc.code, str(exc))
             return
