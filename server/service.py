@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -90,6 +91,7 @@ def dataset_info(m: Manifest) -> DatasetInfo:
         ],
         created_at=m.created_at,
         structure=m.structure,
+        classes=json.loads(m.source["classes"]) if "classes" in m.source else None,
     )
 
 

@@ -134,6 +134,7 @@ class TransformPool:
             "size": self.size,
             "kind": self.kind,
             "processes": sum(w.proc.is_alive() for w in self._all),
+            "pids": self.pids(),
             "waiting": self._waiting,
             "timeout_s": self.timeout_s,
         }

@@ -23,6 +23,7 @@ SUFFIXES: dict[str, tuple[str, ...]] = {
     "arrow": (".arrow", ".feather", ".ipc"),
     "webdataset": (".tar",),
     "hdf5": (".h5", ".hdf5"),
+    "imagefolder": (".jpg", ".jpeg", ".png"),  # CLASS/IMAGE.jpg (issue 15)
 }
 #: Formats recognised by a marker file in the source folder.
 FOLDER_FORMATS = ("hf", "lmdb")
@@ -67,6 +68,7 @@ def _readers() -> dict[str, Callable[..., Source]]:
     from .arrow_files import open_arrow, open_parquet
     from .hdf5_files import open_hdf5
     from .hf_folder import open_hf
+    from .image_folder import open_image_folder
     from .lmdb_env import open_lmdb
     from .numpy_files import open_numpy
     from .pt_files import open_pt
@@ -75,6 +77,7 @@ def _readers() -> dict[str, Callable[..., Source]]:
     return {
         "pt": open_pt, "npz": open_numpy, "parquet": open_parquet, "arrow": open_arrow,
         "webdataset": open_webdataset, "hdf5": open_hdf5, "hf": open_hf, "lmdb": open_lmdb,
+        "imagefolder": open_image_folder,
     }  # fmt: skip
 
 
