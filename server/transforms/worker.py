@@ -21,10 +21,22 @@ from .schema import Field
 from .spec import Chain, compile_chain
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the server dies (even by kill -9) mid-transform."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere a worker still ends when its pipe closes (between batches)
+
+
 def main(conn: Connection, modules: list[str]) -> None:
     """Serve requests on ``conn`` until it closes."""
     # The server's Ctrl-C reaches the whole process group; the server ends its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     registry = TransformRegistry.load(modules)
     chains: dict[str, Chain] = {}
     conn.send_bytes(b"ready")
