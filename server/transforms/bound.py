@@ -7,8 +7,9 @@ so buffers and slots are laid out before the first batch, and its ``take`` reads
 fields, runs the chain on the pool and writes the results into the stream's buffers.
 
 With ``on_error="replace"`` a sample whose transform raises is swapped for a deterministic
-other one (:func:`~.rng.replacement`) and the batch is run again, at most
-``MAX_REPLACEMENTS`` times per batch; batch sizes stay equal across ranks.
+other one (:func:`~.rng.replacement`; every failing sample of the step at once) and the
+batch is run again; a place that fails ``MAX_REPLACEMENTS`` times in a row fails the job.
+Batch sizes stay equal across ranks.
 """
 
 from __future__ import annotations
@@ -145,15 +146,16 @@ class TransformedDataset:
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()
                 self._rt.metrics.count("errors")
-                replace = self._spec.on_error == "replace" and e.replaceable
-                if not replace or e.position is None or sum(attempts.values()) >= MAX_REPLACEMENTS:
+                replace = self._spec.on_error == "replace" and e.replaceable and e.all
+                if not replace or any(attempts.get(p, 0) >= MAX_REPLACEMENTS for p, _ in e.all):
                     raise transform_error(name, self._epoch, e) from None
-                attempt = attempts[e.position] = attempts.get(e.position, 0) + 1
                 idx = idx.copy()
-                idx[e.position] = replacement(self._seed, self._epoch, int(e.index or 0),
-                                              attempt, self.manifest.num_samples)  # fmt: skip
-                self._rt.metrics.replaced.inc()
-                self._rt.metrics.count("replaced")
+                for pos, failed in e.all:
+                    attempt = attempts[pos] = attempts.get(pos, 0) + 1
+                    idx[pos] = replacement(self._seed, self._epoch, failed, attempt,
+                                           self.manifest.num_samples)  # fmt: skip
+                self._rt.metrics.replaced.inc(len(e.all))
+                self._rt.metrics.count("replaced", len(e.all))
             except TransformError:
                 self._rt.metrics.errors.labels(",".join(chain_names)).inc()
                 self._rt.metrics.count("errors")

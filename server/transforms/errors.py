@@ -21,6 +21,11 @@ class StepFailed(Exception):
         self.text = text
         #: A sample transform's own exception may be replaced; a wrong output schema may not.
         self.replaceable = replaceable
+        #: Every (position, index) of the batch this step raised on (``on_error="replace"``
+        #: replaces them all at once); the first is this error's own.
+        self.all: list[tuple[int, int]] = (
+            [(position, index)] if position is not None and index is not None else []
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -29,11 +34,14 @@ class StepFailed(Exception):
             "index": self.index,
             "text": self.text,
             "replaceable": self.replaceable,
+            "all": self.all,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StepFailed:
-        return cls(d["transform"], d["position"], d["index"], d["text"], d["replaceable"])
+        e = cls(d["transform"], d["position"], d["index"], d["text"], d["replaceable"])
+        e.all = [(int(p), int(i)) for p, i in d.get("all", [])]
+        return e
 
 
 def transform_error(dataset: str, epoch: int, failed: StepFailed) -> TransformError:

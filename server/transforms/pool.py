@@ -115,6 +115,7 @@ class TransformPool:
                     p.cancel()
                 if isinstance(e, StepFailed) and e.position is not None:
                     e.position += lo
+                    e.all = [(p + lo, i) for p, i in e.all]
                 raise e
         if pending:
             self._metrics.count("hung")

@@ -94,6 +94,8 @@ def _stack(items: list[np.ndarray], f: Field) -> np.ndarray:
 def _check(step: Step, name: str, f: Field, arr: Any, position: int | None, index: int | None,
            batch: int | None) -> np.ndarray:  # fmt: skip
     t = step.transform.name
+    if isinstance(arr, np.generic):  # a scalar field's value, e.g. sample["label"]
+        arr = np.asarray(arr)
     if not isinstance(arr, np.ndarray):
         raise StepFailed(t, position, index, f"returned {type(arr).__name__} for field {name!r}, "
                          f"declared a numpy array {f.describe()}", replaceable=False)  # fmt: skip
@@ -113,13 +115,21 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
     n = len(indices)
     written: dict[str, list[np.ndarray]] = {k: [] for k in step.writes}
     names = list(cols)
+    failed: StepFailed | None = None
     for i in range(n):
         idx = int(indices[i])
         sample = {k: cols[k][i] for k in names}
         try:
             got = t.fn(sample, step.params, sample_rng(where.seed, where.epoch, idx, si))
         except Exception as e:
-            raise StepFailed(t.name, i, idx, f"{type(e).__name__}: {e}") from e
+            # Go on through the step: a replacing job then swaps every failing sample at once.
+            if failed is None:
+                failed = StepFailed(t.name, i, idx, f"{type(e).__name__}: {e}")
+            else:
+                failed.all.append((i, idx))
+            continue
+        if failed is not None:
+            continue
         if not isinstance(got, Mapping) or set(got) - set(step.writes):
             extra = sorted(set(got) - set(step.writes)) if isinstance(got, Mapping) else got
             raise StepFailed(t.name, i, idx, f"returned {extra!r}; it declares only "
@@ -129,6 +139,8 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
                 raise StepFailed(t.name, i, idx, f"did not return declared field {k!r}",
                                  replaceable=False)  # fmt: skip
             written[k].append(_check(step, k, f, got[k], i, idx, None))
+    if failed is not None:
+        raise failed
     for k, f in step.writes.items():
         cols[k] = _stack(written[k], f) if f.fixed else written[k]
 
