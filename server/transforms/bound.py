@@ -15,6 +15,7 @@ Batch sizes stay equal across ranks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,9 @@ class Transforms:
         when the job has no transforms."""
         if not spec.transforms:
             return ds
-        return TransformedDataset(ds, self.compile(spec, ds.manifest), self, spec, epoch, seed, rank)
+        return TransformedDataset(
+            ds, self.compile(spec, ds.manifest), self, spec, epoch, seed, rank
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -140,7 +143,7 @@ class TransformedDataset:
             try:
                 return self._rt.pool.run(
                     self.chain, stored, idx, where, names,
-                    lambda what, i=idx: pool_error(name, self._epoch, chain_names, i, what),
+                    partial(pool_error, name, self._epoch, chain_names, idx),
                     out,
                 )  # fmt: skip
             except StepFailed as e:

@@ -48,7 +48,9 @@ def _image_field(inputs: Schema, p: _ImageParams, fixed: bool) -> F:
     if f.binary or len(f.shape) not in (2, 3):
         raise ValueError(f"field {p.field!r} is {f.describe()}, not an image (HW, HWC or CHW)")
     if fixed and not f.fixed:
-        raise ValueError(f"field {p.field!r} is {f.describe()}: resize or crop it to a fixed size first")
+        raise ValueError(
+            f"field {p.field!r} is {f.describe()}: resize or crop it to a fixed size first"
+        )
     return f
 
 
@@ -240,8 +242,8 @@ def random_resized_crop(sample: dict[str, Any], p: RandomResizedCrop,
     for _ in range(10):
         target = area * rng.uniform(p.scale[0], p.scale[1])
         aspect = math.exp(rng.uniform(*log_r))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
         if 0 < w <= W and 0 < h <= H:
             y0 = int(rng.integers(0, H - h + 1))
             x0 = int(rng.integers(0, W - w + 1))
@@ -249,9 +251,9 @@ def random_resized_crop(sample: dict[str, Any], p: RandomResizedCrop,
     else:
         r = W / H
         if r < p.ratio[0]:
-            w, h = W, int(round(W / p.ratio[0]))
+            w, h = W, round(W / p.ratio[0])
         elif r > p.ratio[1]:
-            h, w = H, int(round(H * p.ratio[1]))
+            h, w = H, round(H * p.ratio[1])
         else:
             h, w = H, W
         y0, x0 = (H - h) // 2, (W - w) // 2
@@ -272,12 +274,16 @@ def _subset_outputs(p: RandomSubset, inputs: Schema) -> dict[str, F]:
         raise ValueError(f"no field {p.field!r}")
     f = inputs[p.field]
     if f.binary or not f.shape or -1 in f.shape[1:]:
-        raise ValueError(f"field {p.field!r} is {f.describe()}; rows need shape [-1 or N, fixed...]")
+        raise ValueError(
+            f"field {p.field!r} is {f.describe()}; rows need shape [-1 or N, fixed...]"
+        )
     return {p.field: F(f.dtype, (p.n, *f.shape[1:]))}
 
 
 @sample_transform(params=RandomSubset, outputs=_subset_outputs)
-def random_subset(sample: dict[str, Any], p: RandomSubset, rng: np.random.Generator) -> dict[str, Any]:
+def random_subset(
+    sample: dict[str, Any], p: RandomSubset, rng: np.random.Generator
+) -> dict[str, Any]:
     """``n`` random rows of a field with a variable first dimension (query points of a latent)."""
     x = sample[p.field]
     if not p.replace and x.shape[0] < p.n:

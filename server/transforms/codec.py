@@ -21,11 +21,13 @@ def send(conn: Connection, meta: Mapping[str, Any], arrays: Mapping[str, np.ndar
     arrs = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     head = {
         "meta": dict(meta),
-        "arrays": [{"name": k, "dtype": v.dtype.str, "shape": list(v.shape)} for k, v in arrs.items()],
+        "arrays": [
+            {"name": k, "dtype": v.dtype.str, "shape": list(v.shape)} for k, v in arrs.items()
+        ],
     }
     conn.send_bytes(json.dumps(head).encode())
     for v in arrs.values():
-        conn.send_bytes(memoryview(v).cast("B") if v.size else b"")
+        conn.send_bytes(v.reshape(-1).view(np.uint8).data if v.size else b"")
 
 
 def recv(conn: Connection) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

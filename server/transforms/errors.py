@@ -53,7 +53,9 @@ def transform_error(dataset: str, epoch: int, failed: StepFailed) -> TransformEr
     )
 
 
-def pool_error(dataset: str, epoch: int, chain: list[str], indices: Any, what: str) -> TransformError:
+def pool_error(
+    dataset: str, epoch: int, chain: list[str], indices: Any, what: str
+) -> TransformError:
     """A worker hung or died: the chain, dataset and samples it was on."""
     lo, hi = (int(min(indices)), int(max(indices))) if len(indices) else (0, 0)
     return TransformError(

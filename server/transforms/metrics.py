@@ -63,4 +63,7 @@ class TransformMetrics:
     def snapshot(self) -> dict[str, Any]:
         """Counts since start: samples, batches, errors, replaced, restarts, seconds per transform."""
         with self._lock:
-            return {**dict(self._tally), "seconds": {k: round(v, 6) for k, v in self._spent.items()}}
+            return {
+                **dict(self._tally),
+                "seconds": {k: round(v, 6) for k, v in self._spent.items()},
+            }

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 import numpy as np
@@ -107,7 +106,7 @@ class TransformPool:
             fn = self._remote if remote else self._local
             futs.append(self._threads.submit(fn, chain, sub, indices[lo:hi], where, names,
                                              deadline, describe))  # fmt: skip
-        done, pending = wait(futs, timeout=max(deadline - time.monotonic(), 0) + 1.0,
+        _, pending = wait(futs, timeout=max(deadline - time.monotonic(), 0) + 1.0,
                              return_when=FIRST_EXCEPTION)  # fmt: skip
         for (lo, _), f in zip(pieces, futs, strict=True):
             if f.done() and (e := f.exception()) is not None:

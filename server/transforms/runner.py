@@ -81,9 +81,9 @@ def join_parts(
         )
         parts[name + ".offsets"] = offsets
         if not f.binary:
-            parts[name + ".shapes"] = np.array(
-                [a.shape for a in items], dtype=np.int64
-            ).reshape(len(items), len(f.shape))
+            parts[name + ".shapes"] = np.array([a.shape for a in items], dtype=np.int64).reshape(
+                len(items), len(f.shape)
+            )
     return parts
 
 

@@ -87,7 +87,9 @@ def compile_chain(
                 f"at that step are {have}"
             ) from None
         if t.shape == "batch" and any(not f.fixed for f in writes.values()):
-            raise BadRequest(f"transforms[{i}] {step.name!r}: a batch transform writes fixed shapes")
+            raise BadRequest(
+                f"transforms[{i}] {step.name!r}: a batch transform writes fixed shapes"
+            )
         fields.update(writes)
         out.append(Step(t, params, writes))
     return Chain(tuple(out), dict(inputs), fields)

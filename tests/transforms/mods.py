@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from shardserve.server.transforms import Field, batch_transform, sample_transform
+from shardserve.server.transforms import Field, sample_transform
 
 
 class _Noise(BaseModel):
