@@ -57,7 +57,9 @@ def pool_error(
     dataset: str, epoch: int, chain: list[str], indices: Any, what: str
 ) -> TransformError:
     """A worker hung or died: the chain, dataset and samples it was on."""
-    lo, hi = (int(min(indices)), int(max(indices))) if len(indices) else (0, 0)
+    shown = ", ".join(str(int(i)) for i in list(indices)[:8])
+    more = f", ... ({len(indices)} in all)" if len(indices) > 8 else ""
     return TransformError(
-        f"transform chain {chain} on dataset {dataset!r} samples {lo}..{hi} (epoch {epoch}): {what}"
+        f"transform chain {chain} on dataset {dataset!r} samples {shown}{more} (epoch {epoch}): "
+        f"{what}"
     )

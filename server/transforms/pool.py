@@ -106,8 +106,11 @@ class TransformPool:
             fn = self._remote if remote else self._local
             futs.append(self._threads.submit(fn, chain, sub, indices[lo:hi], where, names,
                                              deadline, describe))  # fmt: skip
-        _, pending = wait(futs, timeout=max(deadline - time.monotonic(), 0) + 1.0,
-                             return_when=FIRST_EXCEPTION)  # fmt: skip
+        # A worker process's own wait ends at the deadline; the grace covers the hand-off.
+        grace = 5.0 if remote else 1.0
+        _, pending = wait(
+            futs, timeout=max(deadline - time.monotonic(), 0) + grace, return_when=FIRST_EXCEPTION
+        )
         for (lo, _), f in zip(pieces, futs, strict=True):
             if f.done() and (e := f.exception()) is not None:
                 for p in pending:
@@ -177,7 +180,7 @@ class TransformPool:
             try:
                 codec.send(w.conn, meta, arrays)
                 if not w.conn.poll(max(deadline - time.monotonic(), 0)):
-                    self._replace(w, "hung")
+                    self._replace_soon(w, "hung")
                     raise describe(
                         f"worker pid {w.proc.pid} did not finish within {self.timeout_s} s; "
                         "it was killed and replaced"
@@ -186,7 +189,7 @@ class TransformPool:
             except (EOFError, OSError, BrokenPipeError):
                 w.proc.join(1.0)
                 code = w.proc.exitcode
-                self._replace(w, "died")
+                self._replace_soon(w, "died")
                 if attempt == 2 or time.monotonic() >= deadline:
                     raise describe(
                         f"worker pid {w.proc.pid} died (exit code {code}) twice on these "
@@ -228,6 +231,14 @@ class TransformPool:
                 self._idle.put(w)
             self._started = True
             self._metrics.workers.set(len(self._all))
+
+    def _replace_soon(self, w: _Worker, reason: str) -> None:
+        """Kill ``w`` now; its successor starts in the background (importing the transform
+        modules takes seconds), so the error reaches the client at the deadline."""
+        w.stop()
+        threading.Thread(
+            target=self._replace, args=(w, reason), name="ss-transform-restart", daemon=True
+        ).start()
 
     def _replace(self, w: _Worker, reason: str) -> None:
         w.stop()

@@ -9,7 +9,10 @@ Compiled chains are cached by their JSON. It exits when its pipe closes.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -20,16 +23,22 @@ from .runner import Where, run_chain
 from .schema import Field
 from .spec import Chain, compile_chain
 
+#: Seconds between checks that the server still runs.
+PARENT_POLL_S = 0.5
+
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the server dies (even by kill -9) mid-transform."""
-    try:
-        import ctypes
+    """End this worker when the server is gone (even by kill -9) while a transform runs:
+    a daemon thread watches the parent pid. (``PR_SET_PDEATHSIG`` would fire when the
+    server *thread* that started the worker ends, which pool threads do.)"""
+    parent = os.getppid()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere a worker still ends when its pipe closes (between batches)
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ss-parent-watch", daemon=True).start()
 
 
 def main(conn: Connection, modules: list[str]) -> None:
