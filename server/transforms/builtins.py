@@ -193,11 +193,14 @@ def _bilinear(img: np.ndarray, y0: float, x0: float, h: float, w: float, oh: int
     yi, xi = np.floor(ys).astype(np.intp), np.floor(xs).astype(np.intp)
     yj, xj = np.minimum(yi + 1, H - 1), np.minimum(xi + 1, W - 1)
     wy, wx = (ys - yi).astype(np.float32), (xs - xi).astype(np.float32)
-    a = np.moveaxis(img, (ah, aw), (0, 1)).astype(np.float32)
+    a = np.moveaxis(img, (ah, aw), (0, 1))
     extra = (1,) * (a.ndim - 2)
     wy, wx = wy.reshape(-1, 1, *extra), wx.reshape(1, -1, *extra)
-    top = a[yi][:, xi] * (1 - wx) + a[yi][:, xj] * wx
-    bot = a[yj][:, xi] * (1 - wx) + a[yj][:, xj] * wx
+    # Gather the few source pixels first, convert only those (not the whole image).
+    top_rows, bot_rows = a[yi], a[yj]
+    f32 = np.float32
+    top = top_rows[:, xi].astype(f32) * (1 - wx) + top_rows[:, xj].astype(f32) * wx
+    bot = bot_rows[:, xi].astype(f32) * (1 - wx) + bot_rows[:, xj].astype(f32) * wx
     out = top * (1 - wy) + bot * wy
     if np.issubdtype(img.dtype, np.integer):
         info = np.iinfo(img.dtype)
@@ -205,13 +208,43 @@ def _bilinear(img: np.ndarray, y0: float, x0: float, h: float, w: float, oh: int
     return np.ascontiguousarray(np.moveaxis(out.astype(img.dtype), (0, 1), (ah, aw)))
 
 
+def _resample(x: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
+              ah: int, aw: int, method: str) -> np.ndarray:  # fmt: skip
+    """Box ``(y0, x0, h, w)`` of ``x`` resized to ``size`` (bilinear) by ``method``."""
+    y0, x0, h, w = box
+    if method == "numpy":
+        return _bilinear(x, y0, x0, h, w, size[0], size[1], ah, aw)
+    from .images import _pil  # Pillow's C resampler: several times faster, releases the GIL
+
+    image = _pil()
+    im = image.fromarray(x)
+    out = im.resize((size[1], size[0]), image.BILINEAR, box=(x0, y0, x0 + w, y0 + h))
+    return np.asarray(out)
+
+
 class Resize(_ImageParams):
     size: int | list[int] = Field(description="output N or [H, W]")
+    #: ``numpy`` (the default: bilinear without antialiasing, like torch's ``interpolate``;
+    #: same bytes wherever numpy runs) or ``pillow`` (Pillow's antialiased bilinear, faster;
+    #: uint8 HWC/HW only, needs the ``images`` extra; bytes may differ between Pillow versions).
+    method: Literal["numpy", "pillow"] = "numpy"
 
 
 def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
     """{field: same dtype, [H, W] = size}"""
     f = _image_field(inputs, p, fixed=False)
+    if p.method == "pillow":
+        if (
+            f.dtype != "uint8"
+            or p.layout != "HWC"
+            or (len(f.shape) == 3 and f.shape[2] not in (-1, 3, 4))
+        ):
+            raise ValueError(
+                f"method 'pillow' resizes uint8 HWC images; {p.field!r} is {f.describe()}"
+            )
+        from .images import _pil
+
+        _pil()
     return {p.field: _with_hw(f, p.layout, *_size2(p.size))}
 
 
@@ -220,8 +253,8 @@ def resize(sample: dict[str, Any], p: Resize, rng: np.random.Generator) -> dict[
     """Bilinear resize to ``size``."""
     x = sample[p.field]
     ah, aw = _spatial(F(str(x.dtype), x.shape), p.layout)
-    oh, ow = _size2(p.size)
-    return {p.field: _bilinear(x, 0, 0, x.shape[ah], x.shape[aw], oh, ow, ah, aw)}
+    box = (0.0, 0.0, float(x.shape[ah]), float(x.shape[aw]))
+    return {p.field: _resample(x, box, _size2(p.size), ah, aw, p.method)}
 
 
 class RandomResizedCrop(Resize):
@@ -257,8 +290,7 @@ def random_resized_crop(sample: dict[str, Any], p: RandomResizedCrop,
         else:
             h, w = H, W
         y0, x0 = (H - h) // 2, (W - w) // 2
-    oh, ow = _size2(p.size)
-    return {p.field: _bilinear(x, y0, x0, h, w, oh, ow, ah, aw)}
+    return {p.field: _resample(x, (y0, x0, h, w), _size2(p.size), ah, aw, p.method)}
 
 
 # -- random subset of rows (query sampling) ---------------------------------------------------

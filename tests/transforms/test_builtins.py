@@ -166,3 +166,19 @@ def test_two_transforms_with_one_name_refuse_to_load() -> None:
     clash = b.hflip.__class__(**{**b.hflip.__dict__, "module": "elsewhere"})
     with pytest.raises(ValueError, match=r"two transforms are named 'hflip'.*elsewhere"):
         reg.add(clash)
+
+
+def test_pillow_resize_method_is_pillows_own() -> None:
+    """method="pillow" gives exactly Pillow's antialiased bilinear box resize."""
+    x = np.random.default_rng(6).integers(0, 255, (40, 50, 3), dtype=np.uint8)
+    r = _ragged([x])
+    out = _run([{"name": "resize", "params": {"size": [16, 12], "method": "pillow"}}],
+               {"image": Field("uint8", (-1, -1, 3))},
+               {"image": r["values"], "image.offsets": r["offsets"], "image.shapes": r["shapes"]},
+               1)["image"]  # fmt: skip
+    want = np.asarray(Image.fromarray(x).resize((12, 16), Image.BILINEAR))
+    assert (out[0] == want).all()
+    with pytest.raises(BadRequest, match="uint8 HWC"):
+        compile_chain([{"name": "resize", "params": {"size": 8, "method": "pillow",
+                                                     "layout": "CHW"}}],
+                      REG, {"image": Field("uint8", (3, 32, 32))}, "d")  # fmt: skip
