@@ -149,6 +149,10 @@ class Settings(BaseSettings):
     @classmethod
     def _split_transforms(cls, v: object) -> object:
         if isinstance(v, str):
+            if v.strip().startswith("["):
+                import json
+
+                return json.loads(v)
             return [m.strip() for m in v.split(",") if m.strip()]
         return v
 
