@@ -143,6 +143,8 @@ class Loader:
             raise BadRequest(f"prefetch={prefetch} is out of range 1 <= prefetch <= {MAX_CREDIT}")
         if not timeout > 0:
             raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
+        if transforms is not None and resident is not None:
+            raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         self.world = resolve_world(rank, world_size)
         self.spec = JobSpec(
             dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],

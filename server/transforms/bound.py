@@ -48,6 +48,10 @@ class Transforms:
 
     def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
         """The job's checked chain (``BadRequest`` when it does not fit)."""
+        if spec.collate is not None:
+            raise BadRequest(
+                f"transforms cannot be combined with collate={spec.collate!r} (yet): leave one out"
+            )
         nullable = [f.name for f in manifest.fields if f.nullable]
         if nullable:
             raise BadRequest(

@@ -63,6 +63,12 @@ def test_unknown_transform_and_bad_params_are_422_listing_what_exists(srv: Serve
     assert r.status_code == 422 and "not encoded bytes" in r.text
     with pytest.raises(BadRequest, match="no transform named 'nope'"):
         Loader(srv.http_url, "cifar", batch_size=8, transforms=[{"name": "nope"}], timeout=10)
+    r = httpx.post(f"{srv.http_url}/v1/jobs", timeout=10, json={
+        "dataset": "cifar", "batch_size": 8, "collate": "graph",
+        "transforms": [{"name": "hflip", "params": {"layout": "CHW"}}]})  # fmt: skip
+    assert r.status_code == 422 and "cannot be combined with collate" in r.text
+    with pytest.raises(BadRequest, match="resident mode"):
+        Loader(srv.http_url, "cifar", batch_size=8, resident="cpu", transforms=[{"name": "hflip"}])
     listing = pool_status(srv.http_url)["transforms"]
     crop = next(t for t in listing if t["name"] == "random_crop")
     assert "padding" in crop["params"]["properties"] and crop["shape"] == "batch"
