@@ -17,8 +17,10 @@
     ├── JobError                   the job cannot go on (fatal)
     │   ├── JobNotFound
     │   ├── JobFailed              the server marked the job failed; the reason is in the message
+    │   ├── RankInUse              another live client streams this (job, rank)
     │   └── TransformError         a server-side transform failed (names transform, dataset, sample)
     ├── BadRequest                 a request with fields that cannot be served
+    │   └── StreamLimitExceeded    a data-plane limit (streams, Hellos a second) refused a stream
     └── AuthError                  missing or wrong token
 
 Every error that crosses the wire carries an :class:`ErrorCode`; :func:`error_for_code`
@@ -47,6 +49,8 @@ class ErrorCode(str, Enum):
     UNKNOWN_STREAM = "unknown_stream"
     SERVER_SHUTDOWN = "server_shutdown"
     INTERNAL = "internal"
+    RANK_IN_USE = "rank_in_use"
+    STREAM_LIMIT = "stream_limit"
 
 
 class ShardserveError(Exception):
@@ -131,6 +135,16 @@ class BadRequest(ShardserveError, ValueError):
     code = ErrorCode.BAD_REQUEST
 
 
+class RankInUse(JobError):
+    """Another live client already streams this (job, rank): two processes claim one rank."""
+
+    code = ErrorCode.RANK_IN_USE
+
+
+class StreamLimitExceeded(BadRequest):
+    code = ErrorCode.STREAM_LIMIT
+
+
 class AuthError(ShardserveError, PermissionError):
     code = ErrorCode.UNAUTHORIZED
 
@@ -149,6 +163,8 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
     ErrorCode.UNKNOWN_STREAM: UnknownStream,
     ErrorCode.SERVER_SHUTDOWN: ServerUnavailable,
     ErrorCode.INTERNAL: ShardserveError,
+    ErrorCode.RANK_IN_USE: RankInUse,
+    ErrorCode.STREAM_LIMIT: StreamLimitExceeded,
 }
 
 

@@ -138,6 +138,8 @@ class RankStatus(BaseModel):
     stall_now: float | None = None
     #: Why this rank's stream uses the socket although it asked for shared memory.
     shm_fallback: str | None = None
+    #: The last time two clients claimed this rank, and what the server did about it.
+    conflict: str | None = None
     wait_s: float = 0.0
     compute_s: float = 0.0
     last_seen_s: float | None = None

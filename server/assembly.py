@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .metrics import Metrics
+from .streaming.source import BatchParts, BatchSource
 from .transforms.bound import TransformedDataset, Transforms
 
 log = logging.getLogger("shardserve.assembly")
@@ -38,16 +39,16 @@ class Done:
 
 
 def assemble_batch(
-    ds: Any,
+    ds: BatchSource,
     indices: np.ndarray,
     fields: Sequence[str],
     out: Mapping[str, np.ndarray] | None,
     batch: int | None = None,
-) -> dict[str, np.ndarray]:
+) -> BatchParts:
     """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
 
     ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
-    variable-size parts come back freshly allocated. A dataset with transforms (issue 15)
+    variable-size parts come back freshly allocated. A source with transforms (issue 15)
     also gets the batch's index: its batch transforms draw from (seed, epoch, rank, batch).
     """
     if isinstance(ds, TransformedDataset):
@@ -61,7 +62,7 @@ class Assembler:
     """A bounded pool whose results are collected by one consumer thread.
 
     ``notify`` is called (from a worker thread) after each result is queued; it must be
-    cheap and thread-safe — the streamer passes its :class:`~.streaming.buffers.Waker`.
+    cheap and thread-safe — the streamer passes its :class:`~.streaming.streamer.Waker`.
     """
 
     def __init__(
@@ -81,16 +82,17 @@ class Assembler:
         self.threads = threads
         self.transforms = transforms
 
-    def transformed(self, ds: Any, spec: Any, epoch: int, seed: int, rank: int) -> Any:
-        """``ds`` with the job's transform chain bound to this stream (``ds`` if none)."""
-        if self.transforms is None or not spec.transforms:
-            return ds
-        return self.transforms.bind(ds, spec, epoch, seed, rank)
+    def bind_transforms(self, source: BatchSource, s: Any) -> BatchSource:
+        """``source`` with the job's transform chain bound to stream ``s`` (its seed, epoch
+        and rank); ``source`` itself when the job has none."""
+        if self.transforms is None or not s.job.spec.transforms:
+            return source
+        return self.transforms.bind(source, s.job.spec, s.epoch, s.seed, s.rank)
 
     @staticmethod
-    def inline_ok(ds: Any) -> bool:
+    def inline_ok(source: BatchSource) -> bool:
         """Transforms may take long (or hang until their deadline): never on the streamer."""
-        return not isinstance(ds, TransformedDataset)
+        return not isinstance(source, TransformedDataset)
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
@@ -105,7 +107,7 @@ class Assembler:
     def gather(
         self,
         tag: Any,
-        ds: Any,
+        ds: BatchSource,
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
@@ -118,7 +120,7 @@ class Assembler:
 
     def assemble_now(
         self,
-        ds: Any,
+        ds: BatchSource,
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,

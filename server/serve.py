@@ -131,6 +131,30 @@ def add_serve_command(sub: Any) -> None:
         help="live jobs the server tracks at most (default 4096)",
     )
     p.add_argument(
+        "--max-streams",
+        type=int,
+        metavar="N",
+        help="data-plane streams open at once, all jobs (default 1024)",
+    )
+    p.add_argument(
+        "--max-streams-per-job",
+        type=int,
+        metavar="N",
+        help="streams one job may have open (default 0: its world size)",
+    )
+    p.add_argument(
+        "--max-hellos-per-s",
+        type=float,
+        metavar="R",
+        help="Hellos one data-plane peer may send per second (default 20)",
+    )
+    p.add_argument(
+        "--shm-unproven-rings",
+        type=int,
+        metavar="N",
+        help="slot rings that may wait for their client to map them (default 16)",
+    )
+    p.add_argument(
         "--cache-dir",
         metavar="DIR",
         help="local shard cache of a remote --store (SHARDSERVE_CACHE_DIR)",
@@ -187,6 +211,10 @@ _FLAGS = (
     "idle_after_s",
     "job_ttl_s",
     "max_jobs",
+    "max_streams",
+    "max_streams_per_job",
+    "max_hellos_per_s",
+    "shm_unproven_rings",
     "cache_dir",
     "cache_limit_bytes",
     "store_endpoint",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 from prometheus_client import CollectorRegistry
 
 from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
@@ -48,15 +49,15 @@ from .settings import Settings
 from .store.catalog import Store
 from .store.graphs import check_graph_job
 from .store.remote import RemoteStore, StoreOptions, open_store
-from .transforms.bound import Transforms
 from .streaming.board import JobActivity, StreamBoard
+from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
-from .streaming.protocol import Parts, StreamHandler
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
-from .streaming.streamer import Streamer, StreamerConfig
+from .streaming.streamer import Streamer, StreamerConfig, Waker
+from .transforms.bound import Transforms
 
 log = logging.getLogger("shardserve.service")
 
@@ -145,6 +146,10 @@ class Service:
                 shm_limit_bytes=settings.shm_limit_bytes,
                 boot_id=boot_id(),
                 max_batch_bytes=settings.max_batch_bytes,
+                max_streams=settings.max_streams,
+                max_streams_per_job=settings.max_streams_per_job,
+                max_hellos_per_s=settings.max_hellos_per_s,
+                shm_unproven_rings=settings.shm_unproven_rings,
             ),
             self._make_handler,
         )
@@ -160,12 +165,18 @@ class Service:
         self._opened: set[str] = set()
         self._open_lock = threading.Lock()
 
-    def _make_handler(self, sock: Any, waker: Any) -> StreamHandler:
+    def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
         assembler = Assembler(
             self.settings.assembly_threads, waker.wake, self.metrics, self.transforms
         )
-        parts = Parts(self.open_dataset, self.jobs, self.plans, self.board, self.metrics)
-        return StreamHandler(sock, assembler, parts, self.streamer.config)
+        deps = HandlerDeps(
+            open_dataset=self.open_dataset,
+            registry=self.jobs,
+            plans=self.plans,
+            board=self.board,
+            metrics=self.metrics,
+        )
+        return StreamHandler(sock, assembler, deps, self.streamer.config)
 
     def open_dataset(self, name: str) -> Any:
         """The shared ``Dataset`` for ``name``, verified per ``--verify`` on its first open only.

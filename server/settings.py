@@ -72,6 +72,15 @@ class Settings(BaseSettings):
     shm: bool = True
     #: Bytes all slot rings together may take; a stream past it falls back to the socket path.
     shm_limit_bytes: ByteSize = Field(default=ByteSize(4 << 30), ge=0)
+    #: Data-plane streams open at once, all jobs together (a stream holds its credit in batches).
+    max_streams: int = Field(default=1024, ge=1, le=1 << 20)
+    #: Streams one job may have open; 0 means its world size (never more than that).
+    max_streams_per_job: int = Field(default=0, ge=0)
+    #: Hellos one data-plane peer may send per second; more are answered with an error.
+    max_hellos_per_s: float = Field(default=20.0, gt=0, le=1e6)
+    #: Slot rings that may wait for their client's first Credit (proof it mapped the ring)
+    #: at once; only proven rings count against ``shm_limit_bytes``.
+    shm_unproven_rings: int = Field(default=16, ge=0, le=1 << 16)
     #: Largest batch a job may ask for (bytes, at the dataset's average sample); more is 422.
     max_batch_bytes: int = Field(default=1 << 30, ge=1)
     #: ``Host`` header values the control plane answers besides the loopback names and the

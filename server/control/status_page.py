@@ -68,6 +68,8 @@ def _rank_row(r: RankStatus) -> str:
     if bound:
         cell += " <span class='marker'>data-bound</span>"
     state = "connected" if r.connected else "<span class='off'>disconnected</span>"
+    if r.conflict:
+        state += f" <span class='fallback' title='{_e(r.conflict)}'>(rank conflict)</span>"
     seen = "—" if r.last_seen_s is None else f"{r.last_seen_s:.1f} s ago"
     transport = _e(r.transport or "—")
     if r.shm_fallback:
@@ -96,6 +98,10 @@ def _job_section(j: JobStatus) -> str:
     fallback = "".join(
         f"<p class='fallback'>shared memory fallback: {_e(f)}; this job's streams use the socket</p>"
         for f in fallbacks
+    ) + "".join(
+        f"<p class='fallback conflict'>rank conflict: {_e(r.conflict)}</p>"
+        for r in j.ranks
+        if r.conflict
     )
     head = (
         f"<h3 class='job' id='job-{_e(j.id)}'>job {_e(j.id)} — {state}</h3><p class='meta'>"

@@ -48,6 +48,8 @@ class RankRecord:
     client_batches_total: int = 0
     #: Why the current stream fell back from shared memory to the socket, if it did.
     shm_fallback: str | None = None
+    #: The last claim of this rank by a second client, and its outcome (kept until deleted).
+    conflict: str | None = None
     #: ``(t, sent, client batches, wait_total, compute_total)`` over the last window.
     samples: deque[tuple[float, int, int, float, float]] = field(default_factory=deque)
 
@@ -196,6 +198,11 @@ class StreamBoard:
             if rec is not None:
                 rec.shm_fallback = reason
 
+    def conflict(self, job: str, rank: int, what: str) -> None:
+        """A second client claimed the rank (refused, or it fenced the silent holder)."""
+        with self._lock:
+            self._ranks.setdefault((job, rank), RankRecord()).conflict = what
+
     def closed(self, job: str, rank: int, stream: int) -> None:
         """Stream ``stream`` of that rank ended; a newer stream of the rank stays connected."""
         with self._lock:
@@ -285,6 +292,7 @@ def _status(rank: int, rec: RankRecord, now: float) -> RankStatus:
         stall_fraction=rec.stall_fraction,
         stall_now=stall_now if rec.connected else None,
         shm_fallback=rec.shm_fallback,
+        conflict=rec.conflict,
         wait_s=rec.wait_s,
         compute_s=rec.compute_s,
         last_seen_s=None if rec.last_seen is None else now - rec.last_seen,
