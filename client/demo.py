@@ -201,7 +201,7 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
             def epoch_batches() -> Iterable[Iterable[tuple[torch.Tensor, torch.Tensor]]]:
                 for e in range(epochs):
                     loader.set_epoch(e)
-                    yield ((b["image"], b["label"]) for b in loader)  # type: ignore[misc]
+                    yield ((b["image"], b["label"]) for b in loader)
 
             ours = _run(epoch_batches())
             transport = loader.stats().transport

@@ -8,7 +8,7 @@ import atexit
 import functools
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from copy import deepcopy
 from typing import Any
 
@@ -83,7 +83,10 @@ class Loader:
     token; ``transport`` ``"auto"`` (shared-memory slots on the same host, falling back to
     ipc, then tcp), ``"socket"`` (ipc or tcp, never shared memory), ``"ipc"`` or ``"tcp"``;
     ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
-    :class:`VarTensor`; ``collate="graph"`` has the server collate graphs for message passing
+    :class:`VarTensor`; ``transforms=[{"name": ..., "params": {...}}, ...]`` runs transforms
+    installed on the server on every batch (``on_error="replace"`` swaps a sample whose
+    transform raises for a deterministic other one; a failure raises ``TransformError``);
+    ``collate="graph"`` has the server collate graphs for message passing
     (see :mod:`.graphs`).
 
     Nested datasets come back in the shape their samples were saved in (``batch["params"]
@@ -129,16 +132,24 @@ class Loader:
         envs: int = 1,
         devices: Sequence[str | torch.device] | None = None,
         collate: str | None = None,
+        transforms: Sequence[Mapping[str, Any]] | None = None,
+        on_error: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         _check_args(shuffle, prefetch, timeout)
+        if transforms is not None and resident is not None:
+            raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         self.world = resolve_world(rank, world_size)
-        self.spec = JobSpec(
-            dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],
-            drop_last=drop_last, world_size=self.world.world_size,
-            fields=tuple(fields) if fields is not None else None,
-            **({"collate": collate} if collate is not None else {}),
-        )  # fmt: skip
+        self.spec = JobSpec.model_validate({
+            "dataset": dataset, "batch_size": batch_size, "seed": seed,
+            "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last,
+            "world_size": self.world.world_size,
+            "fields": tuple(fields) if fields is not None else None,
+            "collate": collate,
+            # Transforms installed on the server, named with JSON params (never code).
+            "transforms": tuple(transforms) if transforms is not None else None,
+            "on_error": on_error,
+        })  # fmt: skip
         self.job_id = job_id(self.spec)
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")

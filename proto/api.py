@@ -83,6 +83,8 @@ class DatasetInfo(BaseModel):
     created_at: str = ""
     #: The tree nested samples were saved as (:data:`~.manifest.Tree`); absent when flat.
     structure: Any = None
+    #: Class names of an image folder, by label (issue 15); absent for other datasets.
+    classes: list[str] | None = None
 
 
 class ErrorBody(BaseModel):

@@ -18,7 +18,8 @@
     ├── JobError                   the job cannot go on (fatal)
     │   ├── JobNotFound
     │   ├── JobFailed              the server marked the job failed; the reason is in the message
-    │   └── RankInUse              another live client streams this (job, rank)
+    │   ├── RankInUse              another live client streams this (job, rank)
+    │   └── TransformError         a server-side transform failed (names transform, dataset, sample)
     ├── BadRequest                 a request with fields that cannot be served
     │   └── StreamLimitExceeded    a data-plane limit (streams, Hellos a second) refused a stream
     └── AuthError                  missing or wrong token
@@ -46,6 +47,7 @@ class ErrorCode(str, Enum):
     DATASET_CHANGED = "dataset_changed"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FAILED = "job_failed"
+    TRANSFORM_FAILED = "transform_failed"
     UNKNOWN_STREAM = "unknown_stream"
     SERVER_SHUTDOWN = "server_shutdown"
     INTERNAL = "internal"
@@ -124,6 +126,13 @@ class JobFailed(JobError):
     code = ErrorCode.JOB_FAILED
 
 
+class TransformError(JobError):
+    """A server-side transform raised, returned the wrong fields, hung or killed its worker;
+    the message names the transform, the dataset, the sample index and what went wrong."""
+
+    code = ErrorCode.TRANSFORM_FAILED
+
+
 class UnknownStream(JobError):
     """The server has no stream for this peer (reclaimed, or the server restarted)."""
 
@@ -160,6 +169,7 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
     ErrorCode.DATASET_CHANGED: DatasetChanged,
     ErrorCode.JOB_NOT_FOUND: JobNotFound,
     ErrorCode.JOB_FAILED: JobFailed,
+    ErrorCode.TRANSFORM_FAILED: TransformError,
     ErrorCode.UNKNOWN_STREAM: UnknownStream,
     ErrorCode.SERVER_SHUTDOWN: ServerUnavailable,
     ErrorCode.INTERNAL: ShardserveError,

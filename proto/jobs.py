@@ -9,7 +9,8 @@ one stopped without a coordinator.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -23,8 +24,31 @@ ShuffleMode = Literal["global", "block", "none"]
 #: offset, a ``batch`` vector), as ``torch_geometric`` does.
 Collate = Literal["graph"]
 
+#: What a failing sample transform does: fail the job, or serve a deterministic other sample.
+OnError = Literal["fail", "replace"]
+
 MAX_BATCH_SIZE = 1 << 20
 MAX_WORLD_SIZE = 1 << 16
+
+
+class TransformStep(BaseModel):
+    """One step of a job's transform chain: a transform installed on the server, by name,
+    with JSON parameters (checked by the server against the transform's own schema)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("params")
+    @classmethod
+    def _canonical(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # Key order must not change the job id: {"a":1,"b":2} and {"b":2,"a":1} are one chain.
+        out: dict[str, Any] = json.loads(json.dumps(v, sort_keys=True))
+        return out
+
+    def __hash__(self) -> int:  # params is a dict; the JSON form is the identity
+        return hash(self.model_dump_json())
 
 
 class JobSpec(BaseModel):
@@ -51,6 +75,11 @@ class JobSpec(BaseModel):
     #: covers it and a Loader created after ``ingest --overwrite`` gets a job of its own.
     #: Left out of the job id when ``None`` (ids of journals from before it stay the same).
     version: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    #: Server-side transforms applied to every batch, in order (issue 15); like ``collate``,
+    #: left out of the job id when ``None``.
+    transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
+    #: ``"replace"``: a sample whose transform raises is replaced by a deterministic other one.
+    on_error: OnError | None = None
 
     @field_validator("dataset")
     @classmethod
@@ -77,6 +106,8 @@ def job_id(spec: JobSpec) -> str:
     >>> job_id(JobSpec(dataset="d", batch_size=2)) == job_id(JobSpec(batch_size=2, dataset="d"))
     True
     """
-    exclude = {k for k in ("collate", "version") if getattr(spec, k) is None} or None
+    exclude = {
+        k for k in ("collate", "version", "transforms", "on_error") if getattr(spec, k) is None
+    } or None
     canonical = spec.model_dump_json(exclude_none=False, exclude=exclude).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]

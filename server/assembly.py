@@ -24,6 +24,7 @@ import numpy as np
 
 from .metrics import Metrics
 from .streaming.source import BatchParts, BatchSource
+from .transforms.bound import TransformedDataset, Transforms
 
 log = logging.getLogger("shardserve.assembly")
 
@@ -42,13 +43,18 @@ def assemble_batch(
     indices: np.ndarray,
     fields: Sequence[str],
     out: Mapping[str, np.ndarray] | None,
+    batch: int | None = None,
 ) -> BatchParts:
     """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
 
     ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
-    variable-size parts come back freshly allocated.
+    variable-size parts come back freshly allocated. A source with transforms (issue 15)
+    also gets the batch's index: its batch transforms draw from (seed, epoch, rank, batch).
     """
-    parts = ds.take(indices, fields, out=out)
+    if isinstance(ds, TransformedDataset):
+        parts = ds.take(indices, fields, out=out, batch=-1 if batch is None else batch)
+    else:
+        parts = ds.take(indices, fields, out=out)
     return {name: np.ascontiguousarray(arr) for name, arr in parts.items()}
 
 
@@ -60,7 +66,11 @@ class Assembler:
     """
 
     def __init__(
-        self, threads: int, notify: Callable[[], None], metrics: Metrics | None = None
+        self,
+        threads: int,
+        notify: Callable[[], None],
+        metrics: Metrics | None = None,
+        transforms: Transforms | None = None,
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ss-assembly")
         # Planning (seconds for tens of millions of samples) gets its own lane: a flood of
@@ -69,6 +79,19 @@ class Assembler:
         self._results: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._notify = notify
         self._metrics = metrics
+        self.transforms = transforms
+
+    def bind_transforms(self, source: BatchSource, s: Any) -> BatchSource:
+        """``source`` with the job's transform chain bound to stream ``s`` (its seed, epoch
+        and rank); ``source`` itself when the job has none."""
+        if self.transforms is None or not s.job.spec.transforms:
+            return source
+        return self.transforms.bind(source, s.job.spec, s.epoch, s.seed, s.rank)
+
+    @staticmethod
+    def inline_ok(source: BatchSource) -> bool:
+        """Transforms may take long (or hang until their deadline): never on the streamer."""
+        return not isinstance(source, TransformedDataset)
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
@@ -88,10 +111,11 @@ class Assembler:
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
         place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        batch: int | None = None,
     ) -> None:
         """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` moves
         the result where it is sent from (a shared-memory slot), still on the worker."""
-        self.submit(tag, self.assemble_now, ds, indices, fields, out, place)
+        self.submit(tag, self.assemble_now, ds, indices, fields, out, place, batch)
 
     def assemble_now(
         self,
@@ -100,11 +124,12 @@ class Assembler:
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
         place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        batch: int | None = None,
     ) -> dict[str, np.ndarray]:
         """What :meth:`gather` runs on a worker, run on the calling thread instead: a small
         batch of a lone stream costs less than the two thread hand-offs of the pool."""
         t0 = time.perf_counter()
-        parts = assemble_batch(ds, indices, fields, out)
+        parts = assemble_batch(ds, indices, fields, out, batch)
         if place is not None:
             parts = place(parts)
         if self._metrics is not None:

@@ -29,6 +29,7 @@ from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
+from .transforms.bound import Transforms
 
 
 class JobAdmin:
@@ -43,10 +44,12 @@ class JobAdmin:
         manifest: Callable[[str], Manifest],
         end_streams: Callable[[str, str], None],
         release_versions: Callable[[], None],
+        transforms: Transforms,
     ) -> None:
         """``manifest(name)``: the dataset's manifest (raising ``DatasetNotFound``);
         ``end_streams(job_id, message)``: tell the job's open streams it is gone;
-        ``release_versions()``: let go of replaced dataset versions no job pins any more."""
+        ``release_versions()``: let go of replaced dataset versions no job pins any more;
+        ``transforms``: the installed transforms a job's chain is checked against."""
         self.settings = settings
         self.jobs = jobs
         self.board = board
@@ -54,6 +57,7 @@ class JobAdmin:
         self._manifest = manifest
         self._end_streams = end_streams
         self._release_versions = release_versions
+        self._transforms = transforms
         # Admission (cap check, eviction, creation) is one step, or two POSTs could both
         # take the last free place.
         self._admit_lock = threading.Lock()
@@ -64,6 +68,8 @@ class JobAdmin:
         manifest = self._manifest(spec.dataset)
         spec = pin_version(spec, manifest)
         known = [f.name for f in manifest.fields]
+        if spec.transforms:  # the fields served are the chain's outputs
+            known = list(self._transforms.compile(spec, manifest).outputs)
         unknown = [f for f in spec.fields or () if f not in known]
         if unknown:
             raise BadRequest(

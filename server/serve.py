@@ -88,7 +88,11 @@ def _serve(settings: Settings, early: list[int]) -> int:
     from .service import Service
 
     configure_logging(settings.log_format, settings.log_level)
-    service = Service(settings)
+    try:
+        service = Service(settings)
+    except ValueError as e:  # e.g. a --transforms module that does not import
+        log_event(log, "serve.start_failed", level=logging.ERROR, reason=str(e))
+        return 1
     try:
         endpoints = service.start()
     except Exception as e:

@@ -9,6 +9,7 @@ plane only by queueing a command on the streamer (never by waiting on it). Start
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -42,6 +43,7 @@ from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig, Waker
+from .transforms.bound import Transforms
 
 log = logging.getLogger("shardserve.service")
 
@@ -68,6 +70,7 @@ def dataset_info(m: Manifest) -> DatasetInfo:
         ],
         created_at=m.created_at,
         structure=m.structure,
+        classes=json.loads(m.source["classes"]) if "classes" in m.source else None,
     )
 
 
@@ -106,6 +109,14 @@ class Service:
         self.board = StreamBoard()
         self.plans = PlanCache()
         self.metrics.watch_store_bytes(self._store_bytes)
+        # Loaded at start so a bad --transforms module stops the server at once.
+        self.transforms = Transforms(
+            settings.transforms,
+            settings.transform_workers,
+            settings.transform_pool,
+            settings.transform_timeout_s,
+            self.metrics.registry,
+        )
         self.job_admin = JobAdmin(
             settings,
             self.jobs,
@@ -114,6 +125,7 @@ class Service:
             self.store.manifest,
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
+            self.transforms,
         )
         self.metrics.watch_jobs(self.job_admin.snapshot)
         self.streamer = Streamer(
@@ -137,7 +149,9 @@ class Service:
         self.version = _version()
 
     def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
-        assembler = Assembler(self.settings.assembly_threads, waker.wake, self.metrics)
+        assembler = Assembler(
+            self.settings.assembly_threads, waker.wake, self.metrics, self.transforms
+        )
         deps = HandlerDeps(
             open_dataset=self.open_dataset,
             registry=self.jobs,
@@ -194,6 +208,7 @@ class Service:
 
     def stop(self) -> None:
         self.streamer.stop()
+        self.transforms.close()
         self.journal.release()
         self.store.close()
         if isinstance(self.store, RemoteStore) and self.store.cache is not None:

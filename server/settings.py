@@ -159,6 +159,26 @@ class Settings(BaseSettings):
         description="slot rings that may wait for their client's first Credit (proof it mapped "
         "them); only proven rings count against --shm-limit-bytes",
     )
+    transforms: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="a module of transforms jobs may name, besides the built-ins and the "
+        "shardserve.transforms entry points; repeatable",
+        json_schema_extra={"metavar": "MODULE"},
+    )
+    transform_workers: int = Field(
+        default=2, ge=1, le=256, description="threads or worker processes that run transforms"
+    )
+    transform_pool: Literal["auto", "thread", "process"] = Field(
+        default="auto",
+        description="what runs transforms (auto: what each transform declares)",
+    )
+    transform_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="seconds one batch's transforms may take before the job fails (a hung "
+        "worker is killed)",
+    )
 
     @field_validator("store", mode="before")
     @classmethod
@@ -200,6 +220,17 @@ class Settings(BaseSettings):
 
                 return json.loads(v)
             return [e.strip() for e in v.split(",") if e.strip()]
+        return v
+
+    @field_validator("transforms", mode="before")
+    @classmethod
+    def _split_transforms(cls, v: object) -> object:
+        if isinstance(v, str):
+            if v.strip().startswith("["):
+                import json
+
+                return json.loads(v)
+            return [m.strip() for m in v.split(",") if m.strip()]
         return v
 
     @field_validator("allowed_hosts", mode="before")

@@ -32,7 +32,7 @@ from shardserve.proto.errors import (
 
 from ..service import Service
 from ..store.object_fs import StoreUnavailable
-from . import datasets, health, job_routes, status_page
+from . import datasets, health, job_routes, status_page, transforms
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts
 from .limits import BodyLimit
@@ -130,6 +130,7 @@ def create_app(service: Service) -> FastAPI:
         datasets.router,
         job_routes.router,
         status_page.router,
+        transforms.router,
     ):
         app.include_router(router)
 

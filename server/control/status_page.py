@@ -25,6 +25,7 @@ from shardserve.proto.api import DatasetInfo, JobStatus, RankStatus
 from shardserve.proto.errors import ShardserveError
 
 from .deps import Authorized, ServiceDep
+from .transforms import status_section as transforms_section
 
 router = APIRouter(tags=["status"], dependencies=Authorized)
 
@@ -186,7 +187,7 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         ranks_connected=ranks,
         stall_now=_pct(service.board.stall_now()),
         dataset_rows=_dataset_rows(service),
-        job_sections=_jobs_html(jobs) + _cache_section(service),
+        job_sections=_jobs_html(jobs) + _cache_section(service) + transforms_section(service),
         warnings=(
             f"<p class='failed' id='journal'>{_e(service.journal_problem)}</p>"
             if service.journal_problem

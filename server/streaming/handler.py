@@ -21,6 +21,7 @@ from shardserve.proto.errors import (
     ErrorCode,
     ProtocolError,
     ShardserveError,
+    TransformError,
     VersionMismatch,
 )
 from shardserve.proto.framing import decode, peek_kind
@@ -264,8 +265,9 @@ class StreamHandler(HelloHandling):
             log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=eoe.num_batches)
 
     def _stream_failed(self, s: Session, exc: BaseException) -> None:
-        if isinstance(exc, (DatasetCorruptError, DatasetChanged)):
-            # Bad bytes are the job's problem, not this stream's: every rank of it must stop.
+        if isinstance(exc, (DatasetCorruptError, DatasetChanged, TransformError)):
+            # Bad bytes (or a failing transform) are the job's problem, not this stream's:
+            # every rank of it must stop.
             self.deps.registry.fail(s.job_id, exc.code, str(exc))
             self.job_gone(s.job_id, exc.code, str(exc))
             return

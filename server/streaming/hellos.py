@@ -137,7 +137,10 @@ class HelloHandling:
         # a Hello replaced (or a peer gone) before its turn costs nothing (see prepare).
         work = Work(WorkKind.PREPARE, ident, s.stream)
         d = self.deps
-        self.assembler.plan(work, prepare, s, d.open_dataset, d.plans, self.config.max_batch_bytes)
+        self.assembler.plan(
+            work, prepare, s, d.open_dataset, d.plans, self.config.max_batch_bytes,
+            self.assembler.bind_transforms,
+        )  # fmt: skip
 
     def _welcome(self, s: Session) -> None:
         self.out.send(s.ident, self.opener.welcome(s))

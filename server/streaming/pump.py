@@ -42,7 +42,10 @@ class Pump:
         prep, sink, flow = s.prepared, s.sink, s.flow
         if prep is None or sink is None:
             return False  # not welcomed yet: nothing may be sent
-        inline = flow.inline(prep.batch_bytes, others_busy)
+        # A source with transforms (issue 15) is never assembled on the streamer thread.
+        inline = self.assembler.inline_ok(prep.source) and flow.inline(
+            prep.batch_bytes, others_busy
+        )
         while flow.wants_work():
             ticket = sink.acquire()
             if ticket is None:
@@ -61,11 +64,13 @@ class Pump:
         if not inline:
             s.flow.offloaded()
             work = Work(WorkKind.BATCH, s.ident, s.stream, index, ticket, sink)
-            self.assembler.gather(work, prep.source, indices, prep.fields, out, place)
+            self.assembler.gather(work, prep.source, indices, prep.fields, out, place, index)
             return
         t0 = time.perf_counter()
         try:
-            parts = self.assembler.assemble_now(prep.source, indices, prep.fields, out, place)
+            parts = self.assembler.assemble_now(
+                prep.source, indices, prep.fields, out, place, index
+            )
         except Exception as e:
             sink.release(ticket)
             raise AssemblyFailed(str(e)) from e

@@ -118,6 +118,7 @@ def prepare(
     open_dataset: Callable[[str, str | None], BatchSource],
     plans: PlanCache,
     max_batch_bytes: int,
+    bind: Callable[[BatchSource, Session], BatchSource] | None = None,
 ) -> Prepared:
     """On the planning lane: open the dataset and plan this rank's epoch.
 
@@ -130,6 +131,8 @@ def prepare(
     source = open_dataset(job.spec.dataset, job.spec.version)  # the version the job pinned
     if job.spec.collate == "graph":
         source = GraphCollated(source)  # issue 14: graphs collated for message passing
+    if bind is not None:
+        source = bind(source, s)  # issue 15: the job's transform chain for this stream
     m = source.manifest
     fields = tuple(job.spec.fields or (f.name for f in m.fields))
     batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)

@@ -14,7 +14,16 @@ from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
 
-from . import arrow_files, hdf5_files, hf_folder, lmdb_env, numpy_files, pt_files, webdataset_tar
+from . import (
+    arrow_files,
+    hdf5_files,
+    hf_folder,
+    image_folder,
+    lmdb_env,
+    numpy_files,
+    pt_files,
+    webdataset_tar,
+)
 from .source import Reader, Source
 
 #: Every reader; those known by a folder are tried first, in this order.
@@ -27,6 +36,7 @@ READERS: tuple[Reader, ...] = (
     hdf5_files.READER,
     hf_folder.READER,
     lmdb_env.READER,
+    image_folder.READER,
 )
 _BY_NAME = {r.name: r for r in READERS}
 FORMATS = ("auto", *_BY_NAME)

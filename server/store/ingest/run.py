@@ -89,6 +89,7 @@ def ingest(
         "path": str(src_path.resolve()),
         "format": source.format,
         "files": str(len(source.files)),
+        **source.info,
     }
     with (
         tqdm(

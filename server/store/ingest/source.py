@@ -40,6 +40,8 @@ class Source:
     #: For columnar sources whose column names are flattened paths: the tree they form
     #: (:data:`shardserve.proto.manifest.Tree`); ``None`` when flat.
     structure: object = None
+    #: Facts for the manifest's ``source`` (e.g. an image folder's class names as JSON).
+    info: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

@@ -1,0 +1,341 @@
+"""Server-side transforms (issue 15): shardserve with transforms vs. DataLoader workers.
+
+    python bench/bench_transforms.py [--quick] [--workdir DIR] [--images N]
+
+Three rows, each measured in this one run (ratios, not absolute numbers, are the point):
+
+1. CIFAR-like, N=50,000 (``uint8[3,32,32]`` + label), batch 256: random crop (padding 4) +
+   horizontal flip + normalize to float32. shardserve runs the built-ins on the server
+   (``random_crop``, ``hflip``, ``normalize``); the baseline is ``DataLoader`` over a
+   ``TensorDataset`` with the same per-sample transforms written in torch, ``num_workers``
+   0 and 2. Also the trainer's CPU seconds per batch, with and without server transforms.
+   Target: >= 5x the best DataLoader; trainer CPU per batch no higher than without.
+2. ImageFolder of ``--images`` (default 10,000) generated JPEGs of varied sizes (48..160 px a
+   side), batch 64: decode + random resized crop to 64x64. shardserve (``decode_image`` +
+   ``random_resized_crop`` with ``method="pillow"`` on the server; the numpy resampler too)
+   vs ``DataLoader`` with PIL per sample
+   (``Image.open`` + a box resize), ``num_workers`` 2. Target: >= 1x its throughput with
+   the trainer spending <= 10% of DataLoader's CPU (main process + workers).
+3. Transform throughput with 1 and 2 server workers, thread vs process pool: 10,000 CIFAR
+   samples through a per-sample ``resize`` (a sample transform: batches are split across
+   the workers).
+
+Each configuration runs a warm-up epoch then a measured one. Writes
+``bench/results/transforms.json``. ``--quick``: N/10 and 1,000 images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shardserve.client import Loader  # noqa: E402
+from tests.support.data import make_cifar_like  # noqa: E402
+from tests.support.server import run_server  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "transforms.json"
+MEAN, STD = [0.4914, 0.4822, 0.4465], [0.247, 0.243, 0.261]
+CIFAR_CHAIN = [
+    {"name": "random_crop", "params": {"size": 32, "padding": 4, "layout": "CHW"}},
+    {"name": "hflip", "params": {"layout": "CHW"}},
+    {"name": "normalize", "params": {"layout": "CHW", "scale": 1 / 255, "mean": MEAN, "std": STD}},
+]
+IMAGE_CHAIN = [
+    {"name": "decode_image"},
+    # Pillow's resampler, as the DataLoader baseline uses (the numpy one is measured too).
+    {"name": "random_resized_crop", "params": {"size": 64, "method": "pillow"}},
+]
+IMAGE_CHAIN_NUMPY = [IMAGE_CHAIN[0], {"name": "random_resized_crop", "params": {"size": 64}}]
+RESIZE_CHAIN = [{"name": "resize", "params": {"size": 24, "layout": "CHW"}}]
+
+
+def cpu_self() -> float:
+    return time.process_time()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def tree_cpu(pid: int, include_self: bool = True) -> float:
+    """CPU seconds of ``pid``'s live descendants (and of ``pid`` itself)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, ([pid] if include_self else _children(pid))
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError):
+            continue
+        todo += _children(p)
+    return total
+
+
+def measure(
+    epoch_iter: Callable[[int], Iterable[dict[str, torch.Tensor]]], n: int
+) -> dict[str, float]:
+    """Warm-up epoch, then a measured one: samples/s, trainer CPU s per batch."""
+    for e in range(2):
+        t0, c0 = time.perf_counter(), cpu_self()
+        count = batches = 0
+        for b in epoch_iter(e):
+            float(next(iter(b.values())).reshape(-1)[-1])  # the batch exists
+            count += len(b["label"])
+            batches += 1
+        dt, cpu = time.perf_counter() - t0, cpu_self() - c0
+    assert count >= n * 0.99, f"epoch delivered {count} of {n}"
+    return {"samples_s": count / dt, "epoch_s": dt, "trainer_cpu_s_per_batch": cpu / batches}
+
+
+def loader_epochs(
+    url: str, name: str, batch: int, chain: list | None, copy: bool = True
+) -> Callable[[int], Iterable]:
+    loader = Loader(url, name, batch_size=batch, seed=0, transforms=chain, timeout=120, copy=copy)
+
+    def epoch(e: int) -> Iterable[dict[str, torch.Tensor]]:
+        loader.set_epoch(e)
+        return loader
+
+    return epoch
+
+
+# -- row 1: CIFAR in torch ---------------------------------------------------------------------
+class CifarTorch(Dataset):
+    """TensorDataset + per-sample crop/flip/normalize, as a torchvision recipe would do."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+        self.mean = torch.tensor(MEAN).view(3, 1, 1)
+        self.std = torch.tensor(STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        img = torch.nn.functional.pad(self.images[i], (4, 4, 4, 4))
+        y, x = torch.randint(0, 9, (2,)).tolist()
+        img = img[:, y : y + 32, x : x + 32]
+        if torch.rand(()) < 0.5:
+            img = img.flip(-1)
+        img = (img.float() / 255 - self.mean) / self.std
+        return {"image": img, "label": self.labels[i]}
+
+
+def dataloader(ds: Dataset, workers: int, batch: int) -> Callable[[int], Iterable]:
+    dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
+                    persistent_workers=workers > 0)  # fmt: skip
+    return lambda e: dl
+
+
+# -- row 2: images -----------------------------------------------------------------------------
+def make_images(root: Path, n: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(10):
+        (root / f"class{c}").mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        h, w = rng.integers(48, 161, 2)
+        # Smooth content (JPEG of noise is unrealistically large and slow to decode).
+        base = rng.integers(0, 255, (4, 4, 3), dtype=np.uint8)
+        img = Image.fromarray(base).resize((int(w), int(h)), Image.BILINEAR)
+        img.save(root / f"class{i % 10}" / f"{i:06d}.jpg", quality=90)
+
+
+class FolderPIL(Dataset):
+    """ImageFolder with PIL: decode + RandomResizedCrop (scale 0.08..1, ratio 3/4..4/3)."""
+
+    def __init__(self, root: Path) -> None:
+        classes = sorted(p.name for p in root.iterdir())
+        self.items = [
+            (p, c) for c, name in enumerate(classes) for p in sorted((root / name).iterdir())
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        path, label = self.items[i]
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            W, H = im.size
+            rng = np.random.default_rng()
+            for _ in range(10):
+                area = W * H * rng.uniform(0.08, 1.0)
+                ar = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+                w, h = round(np.sqrt(area * ar)), round(np.sqrt(area / ar))
+                if 0 < w <= W and 0 < h <= H:
+                    x0, y0 = rng.integers(0, W - w + 1), rng.integers(0, H - h + 1)
+                    break
+            else:
+                x0, y0, w, h = 0, 0, W, H
+            out = im.resize((64, 64), Image.BILINEAR, box=(x0, y0, x0 + w, y0 + h))
+        return {"image": torch.from_numpy(np.asarray(out).copy()), "label": torch.tensor(label)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--images", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    n = 5_000 if args.quick else 50_000
+    n_img = args.images or (1_000 if args.quick else 10_000)
+    torch.set_num_threads(1)
+    rows: dict[str, dict[str, float]] = {}
+
+    def record(label: str, res: dict[str, float]) -> None:
+        rows[label] = res
+        print(f"{label:<44} {res['samples_s']:>10,.0f} samples/s   trainer CPU "
+              f"{res['trainer_cpu_s_per_batch'] * 1000:7.2f} ms/batch"
+              + (f"   (workers CPU {res['workers_cpu_s_per_batch'] * 1000:.2f} ms/batch)"
+                 if "workers_cpu_s_per_batch" in res else ""), flush=True)  # fmt: skip
+
+    with tempfile.TemporaryDirectory(prefix="ss-bench-tf-") as tmp:
+        work = args.workdir or Path(tmp)
+        store = work / "store"
+        if not (store / "cifar" / "manifest.json").exists():
+            make_cifar_like(store, "cifar", n=n, shard_bytes=64 << 20)
+        n_small = n // 5  # row 3 runs four servers: a fifth of the samples keeps it short
+        if not (store / "cifar_small" / "manifest.json").exists():
+            make_cifar_like(store, "cifar_small", n=n_small, shard_bytes=64 << 20)
+        folder = work / "images"
+        if not (store / "images" / "manifest.json").exists():
+            t0 = time.perf_counter()
+            make_images(folder, n_img)
+            subprocess.run([sys.executable, "-m", "shardserve.server", "ingest", str(folder),
+                            "--store", str(store), "--name", "images", "--quiet"], check=True)  # fmt: skip
+            print(
+                f"made and ingested {n_img} JPEGs in {time.perf_counter() - t0:.1f} s", flush=True
+            )
+
+        print("\n-- 1. CIFAR-like: random crop (pad 4) + flip + normalize, batch 256")
+        with run_server(store, "--transform-workers", "2", timeout=60) as srv:
+            record(
+                "shardserve, no transforms (uint8)",
+                measure(loader_epochs(srv.http_url, "cifar", 256, None), n),
+            )
+            record(
+                "shardserve, server transforms",
+                measure(loader_epochs(srv.http_url, "cifar", 256, CIFAR_CHAIN), n),
+            )
+            record(
+                "shardserve, server transforms, copy=False",
+                measure(loader_epochs(srv.http_url, "cifar", 256, CIFAR_CHAIN, copy=False), n),
+            )
+        from shardserve.server.store.catalog import Store
+
+        ds = Store(store).open("cifar")
+        arr = ds.take(np.arange(n), ["image", "label"])
+        images, labels = (
+            torch.from_numpy(arr["image"].copy()),
+            torch.from_numpy(arr["label"].copy()),
+        )
+        for w in (0, 2):
+            res = measure(dataloader(CifarTorch(images, labels), w, 256), n)
+            record(f"DataLoader num_workers={w}, torch transforms", res)
+
+        print(f"\n-- 2. ImageFolder of {n_img} JPEGs: decode + random resized crop 64, batch 64")
+        with run_server(store, "--transform-workers", "2", timeout=60) as srv:
+            record(
+                "shardserve, server decode + crop",
+                measure(loader_epochs(srv.http_url, "images", 64, IMAGE_CHAIN), n_img),
+            )
+            record(
+                "shardserve, same with numpy resize",
+                measure(loader_epochs(srv.http_url, "images", 64, IMAGE_CHAIN_NUMPY), n_img),
+            )
+        epochs = dataloader(FolderPIL(folder), 2, 64)
+        c0 = tree_cpu(os.getpid(), include_self=False)
+        dl_res = measure(epochs, n_img)
+        # Persistent workers (still alive) over both epochs, per measured batch: halved.
+        spent = tree_cpu(os.getpid(), include_self=False) - c0
+        dl_res["workers_cpu_s_per_batch"] = spent / 2 / max(1, n_img // 64)
+        record("DataLoader num_workers=2, PIL", dl_res)
+
+        print("\n-- 3. transform pool scaling: per-sample resize of the CIFAR samples, batch 256")
+        for kind in ("thread", "process"):
+            for workers in (1, 2):
+                with run_server(
+                    store, "--transform-pool", kind, "--transform-workers", str(workers), timeout=60
+                ) as srv:
+                    record(
+                        f"{kind} pool, {workers} worker(s)",
+                        measure(
+                            loader_epochs(srv.http_url, "cifar_small", 256, RESIZE_CHAIN), n_small
+                        ),
+                    )
+
+    best_dl = max(
+        rows[f"DataLoader num_workers={w}, torch transforms"]["samples_s"] for w in (0, 2)
+    )
+    tr = rows["shardserve, server transforms"]
+    img, dl = rows["shardserve, server decode + crop"], rows["DataLoader num_workers=2, PIL"]
+    dl_cpu = dl["trainer_cpu_s_per_batch"]
+    ratios = {
+        "cifar_vs_best_dataloader": tr["samples_s"] / best_dl,
+        "cifar_trainer_cpu_vs_no_transforms": tr["trainer_cpu_s_per_batch"]
+        / rows["shardserve, no transforms (uint8)"]["trainer_cpu_s_per_batch"],
+        "cifar_trainer_cpu_copy_false_vs_no_transforms": rows[
+            "shardserve, server transforms, copy=False"
+        ]["trainer_cpu_s_per_batch"]
+        / rows["shardserve, no transforms (uint8)"]["trainer_cpu_s_per_batch"],
+        "images_vs_dataloader": img["samples_s"] / dl["samples_s"],
+        "images_trainer_cpu_vs_dataloader_main": img["trainer_cpu_s_per_batch"] / dl_cpu,
+        "images_trainer_cpu_vs_dataloader_all": img["trainer_cpu_s_per_batch"]
+        / (dl_cpu + dl.get("workers_cpu_s_per_batch", 0.0)),
+        "thread_2_vs_1": rows["thread pool, 2 worker(s)"]["samples_s"]
+        / rows["thread pool, 1 worker(s)"]["samples_s"],
+        "process_2_vs_1": rows["process pool, 2 worker(s)"]["samples_s"]
+        / rows["process pool, 1 worker(s)"]["samples_s"],
+    }
+    print("\nratios:")
+    for k, v in ratios.items():
+        print(f"  {k:<40} {v:6.2f}")
+    report = {
+        "bench": "transforms",
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "config": {"cifar_n": n, "images": n_img, "quick": args.quick},
+        "rows": rows,
+        "ratios": ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

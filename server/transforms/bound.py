@@ -1,0 +1,169 @@
+"""A stream's dataset with its job's transform chain applied: what the streamer takes from.
+
+:class:`Transforms` is the server's one runtime (registry, pool, metrics), made by the
+service from settings. :meth:`Transforms.bind` wraps a dataset for one stream (seed, epoch,
+rank); the wrapper's ``part_shapes`` and ``manifest.fields`` are the chain's declared outputs,
+so buffers and slots are laid out before the first batch, and its ``take`` reads the stored
+fields, runs the chain on the pool and writes the results into the stream's buffers.
+
+With ``on_error="replace"`` a sample whose transform raises is swapped for a deterministic
+other one (:func:`~.rng.replacement`; every failing sample of the step at once) and the
+batch is run again; a place that fails ``MAX_REPLACEMENTS`` times in a row fails the job.
+Batch sizes stay equal across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from shardserve.proto.errors import BadRequest, TransformError
+from shardserve.proto.jobs import JobSpec
+from shardserve.proto.manifest import Manifest
+
+from .errors import StepFailed, pool_error, transform_error
+from .metrics import TransformMetrics
+from .pool import PoolSetting, TransformPool
+from .registry import TransformRegistry
+from .rng import replacement
+from .runner import Where
+from .schema import from_field_spec, to_field_spec
+from .spec import Chain, compile_chain
+
+MAX_REPLACEMENTS = 8
+
+
+class Transforms:
+    """The server's transforms: what is installed, where chains run, what they cost."""
+
+    def __init__(self, modules: Sequence[str], workers: int, pool: PoolSetting,
+                 timeout_s: float, registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+        self.registry = TransformRegistry.load(modules)
+        self.metrics = TransformMetrics(registry)
+        self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics)
+
+    def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
+        """The job's checked chain (``BadRequest`` when it does not fit)."""
+        if spec.collate is not None:
+            raise BadRequest(
+                f"transforms cannot be combined with collate={spec.collate!r} (yet): leave one out"
+            )
+        nullable = [f.name for f in manifest.fields if f.nullable]
+        if nullable:
+            raise BadRequest(
+                f"transforms need a value in every sample; dataset {manifest.name!r} has fields "
+                f"missing in some: {nullable}"
+            )
+        inputs = {f.name: from_field_spec(f) for f in manifest.fields}
+        return compile_chain(spec.transforms or (), self.registry, inputs, manifest.name)
+
+    def bind(self, ds: Any, spec: JobSpec, epoch: int, seed: int, rank: int) -> Any:
+        """``ds`` as the stream of (``seed``, ``epoch``, ``rank``) sees it; ``ds`` itself
+        when the job has no transforms."""
+        if not spec.transforms:
+            return ds
+        return TransformedDataset(
+            ds, self.compile(spec, ds.manifest), self, spec, epoch, seed, rank
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "transforms": self.registry.describe(),
+            "pool": self.pool.status(),
+            "counts": self.metrics.snapshot(),
+        }
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class TransformedDataset:
+    """A dataset whose ``take`` runs a chain; everything else is the wrapped dataset's."""
+
+    def __init__(self, ds: Any, chain: Chain, runtime: Transforms, spec: JobSpec, epoch: int,
+                 seed: int, rank: int) -> None:  # fmt: skip
+        self._ds = ds
+        self.chain = chain
+        self._rt = runtime
+        self._spec = spec
+        self._epoch, self._seed, self._rank = epoch, seed, rank
+        self.fields = tuple(to_field_spec(n, f) for n, f in chain.outputs.items())
+        m = ds.manifest
+        per_sample = sum(
+            int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in chain.outputs.values()
+            if f.fixed
+        )  # fmt: skip
+        total = max(m.total_bytes, per_sample * m.num_samples)
+        self.manifest = m.model_copy(update={"fields": self.fields, "total_bytes": total})
+        self._specs = {f.name: f for f in self.fields}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ds, name)
+
+    def _names(self, fields: Sequence[str] | None) -> list[str]:
+        names = list(fields) if fields is not None else list(self.chain.outputs)
+        unknown = [n for n in names if n not in self.chain.outputs]
+        if unknown:
+            raise BadRequest(f"no field(s) {unknown} after the transforms; fields are "
+                             f"{list(self.chain.outputs)}")  # fmt: skip
+        return names
+
+    def part_shapes(self, fields: Sequence[str] | None = None) -> dict[str, Any]:
+        parts: dict[str, Any] = {}
+        for n in self._names(fields):
+            f = self.chain.outputs[n]
+            if f.fixed:
+                parts[n] = (f.dtype, f.shape)
+            else:
+                parts[n] = parts[n + ".offsets"] = None
+                if not f.binary:
+                    parts[n + ".shapes"] = None
+        return parts
+
+    def batch_nbytes(self, fields: Sequence[str] | None, batch_size: int) -> int | None:
+        total = 0
+        for n in self._names(fields):
+            f = self.chain.outputs[n]
+            if not f.fixed:
+                return None
+            total += int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize * batch_size
+        return total
+
+    def take(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None,
+             out: Mapping[str, np.ndarray] | None = None, batch: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
+        """Batch ``batch`` of this stream: stored fields of ``indices`` through the chain."""
+        names = self._names(fields)
+        idx = np.array(indices, dtype=np.int64).reshape(-1)
+        where = Where(self._seed, self._epoch, self._rank, batch)
+        name = self.manifest.name
+        chain_names = self.chain.names
+        attempts: dict[int, int] = {}
+        while True:
+            stored = self._ds.take(idx, list(self.chain.inputs))
+            try:
+                return self._rt.pool.run(
+                    self.chain, stored, idx, where, names,
+                    partial(pool_error, name, self._epoch, chain_names, idx),
+                    out,
+                )  # fmt: skip
+            except StepFailed as e:
+                self._rt.metrics.errors.labels(e.transform).inc()
+                self._rt.metrics.count("errors")
+                replace = self._spec.on_error == "replace" and e.replaceable and e.all
+                if not replace or any(attempts.get(p, 0) >= MAX_REPLACEMENTS for p, _ in e.all):
+                    raise transform_error(name, self._epoch, e) from None
+                idx = idx.copy()
+                for pos, failed in e.all:
+                    attempt = attempts[pos] = attempts.get(pos, 0) + 1
+                    idx[pos] = replacement(self._seed, self._epoch, failed, attempt,
+                                           self.manifest.num_samples)  # fmt: skip
+                self._rt.metrics.replaced.inc(len(e.all))
+                self._rt.metrics.count("replaced", len(e.all))
+            except TransformError:
+                self._rt.metrics.errors.labels(",".join(chain_names)).inc()
+                self._rt.metrics.count("errors")
+                raise

@@ -1,0 +1,359 @@
+"""Built-in transforms, numpy only: enough for a CIFAR recipe (random crop with padding,
+horizontal flip, normalize) and an ImageNet-style one (with :mod:`.images`' decode: random
+resized crop, resize, normalize), plus query sampling and bit-unpacking.
+
+Images are ``HWC`` (what decoders give) unless ``layout="CHW"``; 2-d arrays are ``HW``.
+Crop and flip are batch transforms (one vectorised gather per batch, a generator per batch);
+resize and random resized crop run per sample (images of different sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .registry import batch_transform, sample_transform
+from .schema import Field as F
+from .schema import Schema
+
+Layout = Literal["HWC", "CHW"]
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: The field to transform.
+    field: str = "image"
+
+
+class _ImageParams(_Params):
+    layout: Layout = "HWC"
+
+
+def _size2(v: int | list[int]) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    if len(v) != 2:
+        raise ValueError(f"size must be N or [H, W], got {v}")
+    return (int(v[0]), int(v[1]))
+
+
+def _image_field(inputs: Schema, p: _ImageParams, fixed: bool) -> F:
+    if p.field not in inputs:
+        raise ValueError(f"no field {p.field!r}")
+    f = inputs[p.field]
+    if f.binary or len(f.shape) not in (2, 3):
+        raise ValueError(f"field {p.field!r} is {f.describe()}, not an image (HW, HWC or CHW)")
+    if fixed and not f.fixed:
+        raise ValueError(
+            f"field {p.field!r} is {f.describe()}: resize or crop it to a fixed size first"
+        )
+    return f
+
+
+def _spatial(f: F, layout: Layout) -> tuple[int, int]:
+    """Axes of height and width in one sample."""
+    return (1, 2) if len(f.shape) == 3 and layout == "CHW" else (0, 1)
+
+
+def _with_hw(f: F, layout: Layout, h: int, w: int, dtype: str | None = None) -> F:
+    shape = list(f.shape)
+    ah, aw = _spatial(f, layout)
+    shape[ah], shape[aw] = h, w
+    return F(dtype or f.dtype, tuple(shape))
+
+
+# -- random crop ------------------------------------------------------------------------------
+class RandomCrop(_ImageParams):
+    size: int | list[int] = Field(description="output N or [H, W]")
+    padding: int = Field(default=0, ge=0, le=1024)
+    fill: float = 0
+
+    @field_validator("size")
+    @classmethod
+    def _check(cls, v: int | list[int]) -> int | list[int]:
+        if min(_size2(v)) < 1:
+            raise ValueError("size must be positive")
+        return v
+
+
+def _crop_outputs(p: RandomCrop, inputs: Schema) -> dict[str, F]:
+    """{field: same dtype, [size, size] in place of H, W}"""
+    f = _image_field(inputs, p, fixed=True)
+    h, w = _size2(p.size)
+    ah, aw = _spatial(f, p.layout)
+    if h > f.shape[ah] + 2 * p.padding or w > f.shape[aw] + 2 * p.padding:
+        raise ValueError(f"size {[h, w]} is larger than {f.describe()} padded by {p.padding}")
+    return {p.field: _with_hw(f, p.layout, h, w)}
+
+
+@batch_transform(params=RandomCrop, outputs=_crop_outputs)
+def random_crop(batch: dict[str, Any], p: RandomCrop, rng: np.random.Generator) -> dict[str, Any]:
+    """Pad by ``padding`` then crop ``size`` at a random place per sample (torchvision RandomCrop)."""
+    x = batch[p.field]
+    ah, aw = (a + 1 for a in _spatial(F(str(x.dtype), x.shape[1:]), p.layout))
+    h, w = _size2(p.size)
+    if p.padding:
+        pad = [(0, 0)] * x.ndim
+        pad[ah] = pad[aw] = (p.padding, p.padding)
+        x = np.pad(x, pad, constant_values=np.asarray(p.fill).astype(x.dtype))
+    b = x.shape[0]
+    oy = rng.integers(0, x.shape[ah] - h + 1, size=b)
+    ox = rng.integers(0, x.shape[aw] - w + 1, size=b)
+    windows = np.lib.stride_tricks.sliding_window_view(x, (h, w), axis=(ah, aw))
+    # windows: [B, ..., Y, ..., X, ..., h, w]; pick (oy, ox) per sample, then put h, w back.
+    moved = np.moveaxis(windows, (ah, aw), (1, 2))[np.arange(b), oy, ox]  # [B, rest..., h, w]
+    rest = [a for a in range(1, x.ndim) if a not in (ah, aw)]
+    order = [0] * x.ndim
+    for dst, src in zip(rest, range(1, 1 + len(rest)), strict=True):
+        order[dst] = src
+    order[ah], order[aw] = x.ndim - 2, x.ndim - 1
+    return {p.field: np.ascontiguousarray(np.transpose(moved, order))}
+
+
+# -- horizontal flip --------------------------------------------------------------------------
+class HFlip(_ImageParams):
+    p: float = Field(default=0.5, ge=0, le=1)
+
+
+def _same(p: _ImageParams, inputs: Schema) -> dict[str, F]:
+    """{field: unchanged}"""
+    return {p.field: _image_field(inputs, p, fixed=True)}
+
+
+@batch_transform(params=HFlip, outputs=_same)
+def hflip(batch: dict[str, Any], p: HFlip, rng: np.random.Generator) -> dict[str, Any]:
+    """Mirror each sample left-right with probability ``p``."""
+    x = batch[p.field]
+    aw = _spatial(F(str(x.dtype), x.shape[1:]), p.layout)[1] + 1
+    flip = rng.random(x.shape[0]) < p.p
+    out = x.copy()
+    out[flip] = np.flip(x[flip], axis=aw)
+    return {p.field: out}
+
+
+# -- normalize / dtype ------------------------------------------------------------------------
+class Normalize(_ImageParams):
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    #: Multiplied first (``1/255`` maps uint8 to [0, 1]).
+    scale: float = 1.0
+    dtype: Literal["float32", "float16", "float64"] = "float32"
+    #: Turn HWC into CHW (what torch models take) while at it.
+    to_chw: bool = False
+
+
+def _norm_outputs(p: Normalize, inputs: Schema) -> dict[str, F]:
+    """{field: dtype, same shape (CHW if to_chw)}"""
+    f = _image_field(inputs, p, fixed=True)
+    shape = f.shape
+    if p.to_chw:
+        if len(shape) != 3 or p.layout != "HWC":
+            raise ValueError("to_chw needs an HWC image")
+        shape = (shape[2], shape[0], shape[1])
+    chans = shape[0] if len(shape) == 3 and (p.to_chw or p.layout == "CHW") else (
+        shape[2] if len(shape) == 3 else 1)  # fmt: skip
+    for name, v in (("mean", p.mean), ("std", p.std)):
+        if v is not None and len(v) not in (1, chans):
+            raise ValueError(f"{name} has {len(v)} values for {chans} channels")
+    if p.std is not None and any(s == 0 for s in p.std):
+        raise ValueError("std must not be 0")
+    return {p.field: F(p.dtype, shape)}
+
+
+@batch_transform(params=Normalize, outputs=_norm_outputs)
+def normalize(batch: dict[str, Any], p: Normalize, rng: np.random.Generator) -> dict[str, Any]:
+    """``(x * scale - mean) / std`` per channel, as ``dtype``."""
+    x = batch[p.field]
+    if p.to_chw:
+        x = np.transpose(x, (0, 3, 1, 2))
+    chw = p.to_chw or p.layout == "CHW"
+    dt = np.dtype(p.dtype)
+    out = x.astype(dt) if p.scale == 1.0 else x.astype(dt) * dt.type(p.scale)
+    view = [1] * out.ndim
+    if out.ndim == 4:
+        view[1 if chw else 3] = -1
+    if p.mean is not None:
+        out -= np.asarray(p.mean, dtype=dt).reshape(view if len(p.mean) > 1 else [1])
+    if p.std is not None:
+        out /= np.asarray(p.std, dtype=dt).reshape(view if len(p.std) > 1 else [1])
+    return {p.field: np.ascontiguousarray(out)}
+
+
+# -- resize and random resized crop (per sample) -----------------------------------------------
+def _bilinear(img: np.ndarray, y0: float, x0: float, h: float, w: float, oh: int, ow: int,
+              ah: int, aw: int) -> np.ndarray:  # fmt: skip
+    """The box (y0, x0, h, w) of ``img`` resampled to ``oh`` x ``ow`` (half-pixel centres)."""
+    H, W = img.shape[ah], img.shape[aw]
+    ys = np.clip(y0 + (np.arange(oh) + 0.5) * (h / oh) - 0.5, 0, H - 1)
+    xs = np.clip(x0 + (np.arange(ow) + 0.5) * (w / ow) - 0.5, 0, W - 1)
+    yi, xi = np.floor(ys).astype(np.intp), np.floor(xs).astype(np.intp)
+    yj, xj = np.minimum(yi + 1, H - 1), np.minimum(xi + 1, W - 1)
+    wy, wx = (ys - yi).astype(np.float32), (xs - xi).astype(np.float32)
+    a = np.moveaxis(img, (ah, aw), (0, 1))
+    extra = (1,) * (a.ndim - 2)
+    wy, wx = wy.reshape(-1, 1, *extra), wx.reshape(1, -1, *extra)
+    # Gather the few source pixels first, convert only those (not the whole image).
+    top_rows, bot_rows = a[yi], a[yj]
+    f32 = np.float32
+    top = top_rows[:, xi].astype(f32) * (1 - wx) + top_rows[:, xj].astype(f32) * wx
+    bot = bot_rows[:, xi].astype(f32) * (1 - wx) + bot_rows[:, xj].astype(f32) * wx
+    out = top * (1 - wy) + bot * wy
+    if np.issubdtype(img.dtype, np.integer):
+        info = np.iinfo(img.dtype)
+        out = np.clip(np.rint(out), info.min, info.max)
+    return np.ascontiguousarray(np.moveaxis(out.astype(img.dtype), (0, 1), (ah, aw)))
+
+
+def _resample(x: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
+              ah: int, aw: int, method: str) -> np.ndarray:  # fmt: skip
+    """Box ``(y0, x0, h, w)`` of ``x`` resized to ``size`` (bilinear) by ``method``."""
+    y0, x0, h, w = box
+    if method == "numpy":
+        return _bilinear(x, y0, x0, h, w, size[0], size[1], ah, aw)
+    from .images import _pil  # Pillow's C resampler: several times faster, releases the GIL
+
+    image = _pil()
+    im = image.fromarray(x)
+    out = im.resize((size[1], size[0]), image.BILINEAR, box=(x0, y0, x0 + w, y0 + h))
+    return np.asarray(out)
+
+
+class Resize(_ImageParams):
+    size: int | list[int] = Field(description="output N or [H, W]")
+    #: ``numpy`` (the default: bilinear without antialiasing, like torch's ``interpolate``;
+    #: same bytes wherever numpy runs) or ``pillow`` (Pillow's antialiased bilinear, faster;
+    #: uint8 HWC/HW only, needs the ``images`` extra; bytes may differ between Pillow versions).
+    method: Literal["numpy", "pillow"] = "numpy"
+
+
+def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
+    """{field: same dtype, [H, W] = size}"""
+    f = _image_field(inputs, p, fixed=False)
+    if p.method == "pillow":
+        if (
+            f.dtype != "uint8"
+            or p.layout != "HWC"
+            or (len(f.shape) == 3 and f.shape[2] not in (-1, 3, 4))
+        ):
+            raise ValueError(
+                f"method 'pillow' resizes uint8 HWC images; {p.field!r} is {f.describe()}"
+            )
+        from .images import _pil
+
+        _pil()
+    return {p.field: _with_hw(f, p.layout, *_size2(p.size))}
+
+
+@sample_transform(params=Resize, outputs=_resize_outputs)
+def resize(sample: dict[str, Any], p: Resize, rng: np.random.Generator) -> dict[str, Any]:
+    """Bilinear resize to ``size``."""
+    x = sample[p.field]
+    ah, aw = _spatial(F(str(x.dtype), x.shape), p.layout)
+    box = (0.0, 0.0, float(x.shape[ah]), float(x.shape[aw]))
+    return {p.field: _resample(x, box, _size2(p.size), ah, aw, p.method)}
+
+
+class RandomResizedCrop(Resize):
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+
+@sample_transform(params=RandomResizedCrop, outputs=_resize_outputs)
+def random_resized_crop(sample: dict[str, Any], p: RandomResizedCrop,
+                        rng: np.random.Generator) -> dict[str, Any]:  # fmt: skip
+    """A random box of ``scale`` of the area and ``ratio`` aspect, resized to ``size``
+    (torchvision RandomResizedCrop: 10 tries, then the centre crop)."""
+    x = sample[p.field]
+    ah, aw = _spatial(F(str(x.dtype), x.shape), p.layout)
+    H, W = x.shape[ah], x.shape[aw]
+    area = H * W
+    log_r = (math.log(p.ratio[0]), math.log(p.ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(p.scale[0], p.scale[1])
+        aspect = math.exp(rng.uniform(*log_r))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= W and 0 < h <= H:
+            y0 = int(rng.integers(0, H - h + 1))
+            x0 = int(rng.integers(0, W - w + 1))
+            break
+    else:
+        r = W / H
+        if r < p.ratio[0]:
+            w, h = W, round(W / p.ratio[0])
+        elif r > p.ratio[1]:
+            h, w = H, round(H * p.ratio[1])
+        else:
+            h, w = H, W
+        y0, x0 = (H - h) // 2, (W - w) // 2
+    return {p.field: _resample(x, (y0, x0, h, w), _size2(p.size), ah, aw, p.method)}
+
+
+# -- random subset of rows (query sampling) ---------------------------------------------------
+class RandomSubset(_Params):
+    n: int = Field(ge=1, le=1 << 24)
+    #: Draw with replacement (a sample with fewer than ``n`` rows then still works).
+    replace: bool = False
+
+
+def _subset_outputs(p: RandomSubset, inputs: Schema) -> dict[str, F]:
+    """{field: same dtype, [n, rest...]}"""
+    if p.field not in inputs:
+        raise ValueError(f"no field {p.field!r}")
+    f = inputs[p.field]
+    if f.binary or not f.shape or -1 in f.shape[1:]:
+        raise ValueError(
+            f"field {p.field!r} is {f.describe()}; rows need shape [-1 or N, fixed...]"
+        )
+    return {p.field: F(f.dtype, (p.n, *f.shape[1:]))}
+
+
+@sample_transform(params=RandomSubset, outputs=_subset_outputs)
+def random_subset(
+    sample: dict[str, Any], p: RandomSubset, rng: np.random.Generator
+) -> dict[str, Any]:
+    """``n`` random rows of a field with a variable first dimension (query points of a latent)."""
+    x = sample[p.field]
+    if not p.replace and x.shape[0] < p.n:
+        raise ValueError(f"field {p.field!r} has {x.shape[0]} rows, fewer than n={p.n}; "
+                         "pass replace=true to draw with replacement")  # fmt: skip
+    rows = rng.choice(x.shape[0], size=p.n, replace=p.replace)
+    return {p.field: np.ascontiguousarray(x[np.sort(rows)] if not p.replace else x[rows])}
+
+
+# -- bit unpacking ----------------------------------------------------------------------------
+class UnpackBits(_Params):
+    #: Per-sample shape of the planes, e.g. ``[104, 9, 9]``; its product bits are read.
+    shape: list[int] = Field(min_length=1)
+    dtype: Literal["uint8", "bool", "float32", "float16"] = "uint8"
+    bitorder: Literal["big", "little"] = "big"
+    #: Write the planes to this field (default: replace ``field``).
+    to: str | None = None
+
+
+def _unpack_outputs(p: UnpackBits, inputs: Schema) -> dict[str, F]:
+    """{to or field: dtype, shape}"""
+    if p.field not in inputs:
+        raise ValueError(f"no field {p.field!r}")
+    f = inputs[p.field]
+    if f.dtype != "uint8" or not f.fixed:
+        raise ValueError(f"field {p.field!r} is {f.describe()}; packed records are fixed uint8")
+    bits = int(np.prod(f.shape, dtype=np.int64)) * 8
+    need = int(np.prod(p.shape, dtype=np.int64))
+    if need > bits or min(p.shape) < 1:
+        raise ValueError(f"shape {p.shape} needs {need} bits; a record holds {bits}")
+    return {p.to or p.field: F(p.dtype, tuple(p.shape))}
+
+
+@batch_transform(params=UnpackBits, outputs=_unpack_outputs)
+def unpack_bits(batch: dict[str, Any], p: UnpackBits, rng: np.random.Generator) -> dict[str, Any]:
+    """Packed bit records (uint8) into planes of ``shape`` (``numpy.unpackbits``)."""
+    x = batch[p.field]
+    b = x.shape[0]
+    need = int(np.prod(p.shape, dtype=np.int64))
+    bits = np.unpackbits(x.reshape(b, -1), axis=1, count=need, bitorder=p.bitorder)
+    return {p.to or p.field: bits.reshape(b, *p.shape).astype(p.dtype, copy=False)}

@@ -1,0 +1,65 @@
+"""Cutting a batch's parts into row ranges and putting the results back together, so that
+one batch's samples can run on several workers at once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .schema import Field
+
+
+def bounds(n: int, pieces: int) -> list[tuple[int, int]]:
+    """``pieces`` contiguous, near-equal row ranges covering ``0..n`` (none empty)."""
+    pieces = max(1, min(pieces, n))
+    cuts = [n * k // pieces for k in range(pieces + 1)]
+    return [(cuts[k], cuts[k + 1]) for k in range(pieces)]
+
+
+def slice_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field], lo: int,
+                hi: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """Rows ``lo..hi`` of store-layout ``parts`` (ragged offsets rebased to 0)."""
+    out: dict[str, np.ndarray] = {}
+    for name, f in schema.items():
+        if name not in parts:
+            continue
+        if f.fixed:
+            out[name] = parts[name][lo:hi]
+            continue
+        offsets = parts[name + ".offsets"]
+        a, b = int(offsets[lo]), int(offsets[hi])
+        out[name] = parts[name][a:b]
+        out[name + ".offsets"] = offsets[lo : hi + 1] - a
+        if name + ".shapes" in parts:
+            out[name + ".shapes"] = parts[name + ".shapes"][lo:hi]
+    return out
+
+
+def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str, Field],
+                 names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
+                 ) -> dict[str, np.ndarray]:  # fmt: skip
+    """The inverse of :func:`slice_parts` over consecutive pieces (fixed fields into ``out``)."""
+    if len(pieces) == 1 and out is None:
+        return dict(pieces[0])
+    joined: dict[str, np.ndarray] = {}
+    for name in names:
+        f = schema[name]
+        if f.fixed:
+            dest = out.get(name) if out is not None else None
+            rows = sum(len(p[name]) for p in pieces)
+            if dest is None or dest.shape[0] != rows or dest.dtype != pieces[0][name].dtype:
+                dest = np.empty((rows, *pieces[0][name].shape[1:]), pieces[0][name].dtype)
+            np.concatenate([p[name] for p in pieces], out=dest)
+            joined[name] = dest
+            continue
+        joined[name] = np.concatenate([p[name] for p in pieces])
+        offs = [pieces[0][name + ".offsets"]]
+        base = int(offs[0][-1])
+        for p in pieces[1:]:
+            offs.append(p[name + ".offsets"][1:] + base)
+            base += int(p[name + ".offsets"][-1])
+        joined[name + ".offsets"] = np.concatenate(offs)
+        if name + ".shapes" in pieces[0]:
+            joined[name + ".shapes"] = np.concatenate([p[name + ".shapes"] for p in pieces])
+    return joined

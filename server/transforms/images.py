@@ -1,0 +1,50 @@
+"""Decoding encoded images (JPEG, PNG, ...) with Pillow, from the ``images`` extra.
+
+Pillow releases the GIL while it decodes, so this runs well on the thread pool. It is
+imported when a chain that decodes runs, not when the server starts: a server without the
+extra lists the transform and refuses it at job creation with the extra's name.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Literal
+
+import numpy as np
+
+from .builtins import _Params
+from .registry import sample_transform
+from .schema import Field, Schema
+
+
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError(
+            "decoding images needs Pillow: install the images extra "
+            "(pip install 'shardserve[images]') on the server"
+        ) from None
+    return Image
+
+
+class Decode(_Params):
+    mode: Literal["RGB", "L"] = "RGB"
+
+
+def _decode_outputs(p: Decode, inputs: Schema) -> dict[str, Field]:
+    """{field: uint8 [-1, -1, 3] (RGB) or [-1, -1] (L)}"""
+    if p.field not in inputs:
+        raise ValueError(f"no field {p.field!r}")
+    if not inputs[p.field].binary:
+        raise ValueError(f"field {p.field!r} is {inputs[p.field].describe()}, not encoded bytes")
+    _pil()
+    return {p.field: Field("uint8", (-1, -1, 3) if p.mode == "RGB" else (-1, -1))}
+
+
+@sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image")
+def decode_image(sample: dict[str, Any], p: Decode, rng: np.random.Generator) -> dict[str, Any]:
+    """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L)."""
+    image = _pil()
+    with image.open(io.BytesIO(sample[p.field].tobytes())) as im:
+        return {p.field: np.asarray(im.convert(p.mode))}

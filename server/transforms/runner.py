@@ -1,0 +1,176 @@
+"""Running a chain on one batch: pure, the same on a thread and in a worker process.
+
+Input and output are batch *parts* in the store's layout (fixed field ``x`` ``[B, ...]``;
+variable ``x`` values + ``x.offsets`` + ``x.shapes``; binary ``x`` bytes + ``x.offsets``).
+In between, a field is a ``[B, ...]`` array (fixed) or a list of per-sample arrays.
+Every output is checked against its declaration; a mismatch names the field and both shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import StepFailed
+from .rng import batch_rng, sample_rng
+from .schema import Field
+from .spec import Chain, Step
+
+Column = np.ndarray | list[np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Which batch this is: everything the generators are derived from."""
+
+    seed: int
+    epoch: int
+    rank: int
+    batch: int
+
+
+def split_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field]) -> dict[str, Column]:
+    """Store-layout parts -> columns (fixed arrays stay views; ragged become per-sample views)."""
+    cols: dict[str, Column] = {}
+    for name, f in schema.items():
+        if name not in parts:
+            continue
+        values = parts[name]
+        if f.fixed:
+            cols[name] = values
+            continue
+        offsets = parts[name + ".offsets"]
+        shapes = parts.get(name + ".shapes")
+        items = []
+        for i in range(len(offsets) - 1):
+            v = values[int(offsets[i]) : int(offsets[i + 1])]
+            items.append(v.reshape(tuple(int(d) for d in shapes[i])) if shapes is not None else v)
+        cols[name] = items
+    return cols
+
+
+def join_parts(
+    cols: Mapping[str, Column], schema: Mapping[str, Field], names: Sequence[str],
+    out: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Columns -> store-layout parts of ``names`` (fixed ones written into ``out`` if it fits)."""
+    parts: dict[str, np.ndarray] = {}
+    for name in names:
+        f, col = schema[name], cols[name]
+        if f.fixed:
+            arr = col if isinstance(col, np.ndarray) else _stack(col, f)
+            dest = out.get(name) if out is not None else None
+            if dest is not None and dest.shape == arr.shape and dest.dtype == arr.dtype:
+                np.copyto(dest, arr)
+                arr = dest
+            parts[name] = np.ascontiguousarray(arr)
+            continue
+        items = list(col)
+        sizes = np.fromiter((a.size for a in items), dtype=np.int64, count=len(items))
+        offsets = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        dt = np.dtype(f.dtype)
+        parts[name] = (
+            np.concatenate([a.reshape(-1) for a in items]).astype(dt, copy=False)
+            if items
+            else np.empty(0, dt)
+        )
+        parts[name + ".offsets"] = offsets
+        if not f.binary:
+            parts[name + ".shapes"] = np.array([a.shape for a in items], dtype=np.int64).reshape(
+                len(items), len(f.shape)
+            )
+    return parts
+
+
+def _stack(items: list[np.ndarray], f: Field) -> np.ndarray:
+    return np.stack(items) if items else np.empty((0, *f.shape), dtype=f.dtype)
+
+
+def _check(step: Step, name: str, f: Field, arr: Any, position: int | None, index: int | None,
+           batch: int | None) -> np.ndarray:  # fmt: skip
+    t = step.transform.name
+    if isinstance(arr, np.generic):  # a scalar field's value, e.g. sample["label"]
+        arr = np.asarray(arr)
+    if not isinstance(arr, np.ndarray):
+        raise StepFailed(t, position, index, f"returned {type(arr).__name__} for field {name!r}, "
+                         f"declared a numpy array {f.describe()}", replaceable=False)  # fmt: skip
+    want = f if batch is None else Field(f.dtype, (batch, *f.shape))
+    if not want.matches(arr):
+        raise StepFailed(
+            t, position, index,
+            f"returned field {name!r} as {arr.dtype}{list(arr.shape)}, declared "
+            f"{want.dtype}{list(want.shape)}", replaceable=False,
+        )  # fmt: skip
+    return arr
+
+
+def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndarray,
+                  where: Where) -> None:  # fmt: skip
+    t = step.transform
+    n = len(indices)
+    written: dict[str, list[np.ndarray]] = {k: [] for k in step.writes}
+    names = list(cols)
+    failed: StepFailed | None = None
+    for i in range(n):
+        idx = int(indices[i])
+        sample = {k: cols[k][i] for k in names}
+        try:
+            got = t.fn(sample, step.params, sample_rng(where.seed, where.epoch, idx, si))
+        except Exception as e:
+            # Go on through the step: a replacing job then swaps every failing sample at once.
+            if failed is None:
+                failed = StepFailed(t.name, i, idx, f"{type(e).__name__}: {e}")
+            else:
+                failed.all.append((i, idx))
+            continue
+        if failed is not None:
+            continue
+        if not isinstance(got, Mapping) or set(got) - set(step.writes):
+            extra = sorted(set(got) - set(step.writes)) if isinstance(got, Mapping) else got
+            raise StepFailed(t.name, i, idx, f"returned {extra!r}; it declares only "
+                             f"{sorted(step.writes)}", replaceable=False)  # fmt: skip
+        for k, f in step.writes.items():
+            if k not in got:
+                raise StepFailed(t.name, i, idx, f"did not return declared field {k!r}",
+                                 replaceable=False)  # fmt: skip
+            written[k].append(_check(step, k, f, got[k], i, idx, None))
+    if failed is not None:
+        raise failed
+    for k, f in step.writes.items():
+        cols[k] = _stack(written[k], f) if f.fixed else written[k]
+
+
+def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Where) -> None:
+    t = step.transform
+    rng = batch_rng(where.seed, where.epoch, where.rank, where.batch, si)
+    try:
+        got = t.fn(dict(cols), step.params, rng)
+    except Exception as e:
+        raise StepFailed(t.name, None, None, f"{type(e).__name__}: {e}") from e
+    for k, f in step.writes.items():
+        if not isinstance(got, Mapping) or k not in got:
+            raise StepFailed(t.name, None, None, f"did not return declared field {k!r}",
+                             replaceable=False)  # fmt: skip
+        cols[k] = _check(step, k, f, got[k], None, None, n)
+
+
+def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray, where: Where,
+              names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
+              ) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
+    """``(parts of names, seconds per transform)``; raises :class:`StepFailed`."""
+    cols = split_parts(parts, chain.inputs)
+    spent: dict[str, float] = {}
+    for si, step in enumerate(chain.steps):
+        t0 = time.perf_counter()
+        if step.transform.shape == "sample":
+            _apply_sample(step, si, cols, indices, where)
+        else:
+            _apply_batch(step, si, cols, len(indices), where)
+        name = step.transform.name
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    return join_parts(cols, chain.outputs, names, out), spent

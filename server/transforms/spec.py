@@ -1,0 +1,95 @@
+"""A job's chain checked against the installed transforms and the dataset's fields.
+
+:func:`compile_chain` turns ``[{"name", "params"}, ...]`` into :class:`Chain`: each step's
+transform and validated parameters, and the fields after every step, so buffers and slots
+are laid out before the first batch. Anything wrong is a ``BadRequest`` (HTTP 422) that
+lists what exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from shardserve.proto.errors import BadRequest
+from shardserve.proto.jobs import TransformStep
+
+from .registry import Transform, TransformRegistry
+from .schema import Field
+
+
+@dataclass(frozen=True)
+class Step:
+    transform: Transform
+    params: BaseModel
+    #: Fields this step writes, as declared for these params and inputs.
+    writes: dict[str, Field]
+
+
+@dataclass(frozen=True)
+class Chain:
+    steps: tuple[Step, ...]
+    inputs: dict[str, Field]
+    #: Every field after the last step (input fields not written pass through).
+    outputs: dict[str, Field]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.transform.name for s in self.steps]
+
+    @property
+    def wants_process(self) -> bool:
+        return any(s.transform.pool == "process" for s in self.steps)
+
+    @property
+    def batch_steps(self) -> bool:
+        return any(s.transform.shape == "batch" for s in self.steps)
+
+
+def _problems(e: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()
+    )
+
+
+def compile_chain(
+    steps: Sequence[TransformStep | Mapping[str, Any]], registry: TransformRegistry,
+    inputs: Mapping[str, Field], dataset: str,
+) -> Chain:  # fmt: skip
+    """The checked chain, or ``BadRequest`` naming the step and what to change."""
+    fields = dict(inputs)
+    out: list[Step] = []
+    for i, raw in enumerate(steps):
+        step = raw if isinstance(raw, TransformStep) else TransformStep.model_validate(raw)
+        t = registry.get(step.name)
+        if t is None:
+            raise BadRequest(
+                f"transforms[{i}]: no transform named {step.name!r} on this server; installed: "
+                f"{registry.names()} (GET /v1/transforms describes them)"
+            )
+        try:
+            params = t.params.model_validate(step.params)
+        except ValidationError as e:
+            schema = t.params.model_json_schema().get("properties", {})
+            raise BadRequest(
+                f"transforms[{i}] {step.name!r}: bad params: {_problems(e)}; its params are "
+                f"{ {k: v.get('type', v.get('anyOf', '?')) for k, v in schema.items()} }"
+            ) from None
+        try:
+            writes = t.output_fields(params, fields)
+        except (ValueError, KeyError) as e:
+            have = {n: f.describe() for n, f in fields.items()}
+            raise BadRequest(
+                f"transforms[{i}] {step.name!r} does not fit dataset {dataset!r}: {e}; the fields "
+                f"at that step are {have}"
+            ) from None
+        if t.shape == "batch" and any(not f.fixed for f in writes.values()):
+            raise BadRequest(
+                f"transforms[{i}] {step.name!r}: a batch transform writes fixed shapes"
+            )
+        fields.update(writes)
+        out.append(Step(t, params, writes))
+    return Chain(tuple(out), dict(inputs), fields)

@@ -1,0 +1,86 @@
+"""Transforms the tests name through ``--transforms tests.transforms.mods``.
+
+Each does something a test can check from the bytes it returns, or fails in one documented
+way (raises, returns the wrong shape, hangs, kills its worker).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from shardserve.server.transforms import Field, sample_transform
+
+
+class _Noise(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scale: float = 1.0
+
+
+def _noise_out(p: _Noise, inputs: Any) -> dict[str, Field]:
+    """{noise: float64 [4]}"""
+    return {"noise": Field("float64", (4,))}
+
+
+@sample_transform(params=_Noise, outputs=_noise_out, pool="process")
+def py_noise(sample: dict[str, Any], p: _Noise, rng: np.random.Generator) -> dict[str, Any]:
+    """Pure Python per sample (a process-pool transform): 4 draws from the sample's rng."""
+    vals = [rng.random() * p.scale for _ in range(4)]
+    return {"noise": np.array(vals, dtype=np.float64)}
+
+
+class _Fail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: Samples whose index is divisible by this raise.
+    every: int = 7
+
+
+@sample_transform(params=_Fail, outputs={"label": Field("int64", ())})
+def fail_on(sample: dict[str, Any], p: _Fail, rng: np.random.Generator) -> dict[str, Any]:
+    """Raises ValueError on samples whose label (= index % 10 in the test data) ... index."""
+    first4 = sample["image"].reshape(-1)[:4].view("<u4")[0]
+    if int(first4) % p.every == 0:
+        raise ValueError(f"sample {int(first4)} is cursed")
+    return {"label": sample["label"]}
+
+
+@sample_transform(outputs={"label": Field("int64", (2,))})
+def wrong_shape(sample: dict[str, Any], p: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """Declares label int64[2] but returns a scalar."""
+    return {"label": sample["label"]}
+
+
+class _Hang(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seconds: float = 3600.0
+
+
+@sample_transform(params=_Hang, outputs={"label": Field("int64", ())}, pool="process")
+def hang(sample: dict[str, Any], p: _Hang, rng: np.random.Generator) -> dict[str, Any]:
+    """Sleeps (in a worker process) far past any deadline."""
+    time.sleep(p.seconds)
+    return {"label": sample["label"]}
+
+
+@sample_transform(outputs={"label": Field("int64", ())}, pool="process")
+def suicide(sample: dict[str, Any], p: Any, rng: np.random.Generator) -> dict[str, Any]:
+    """Kills its own worker process."""
+    os._exit(3)
+
+
+class _Slow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seconds: float = 0.01
+
+
+@sample_transform(params=_Slow, outputs={"label": Field("int64", ())}, pool="process")
+def slow(sample: dict[str, Any], p: _Slow, rng: np.random.Generator) -> dict[str, Any]:
+    """A little pure-Python busy work per sample, so a test can kill a worker mid-batch."""
+    end = time.perf_counter() + p.seconds
+    while time.perf_counter() < end:
+        pass
+    return {"label": sample["label"]}
