@@ -32,6 +32,7 @@ from shardserve.proto.errors import (
 
 from .loader import Loader
 from .local import serve_local
+from .plan import plan
 from .resident import ResidentTooLarge
 from .types import LoaderStats, VarTensor
 
@@ -50,5 +51,6 @@ __all__ = [
     "ServerUnavailable",
     "ShardserveError",
     "VarTensor",
+    "plan",
     "serve_local",
 ]

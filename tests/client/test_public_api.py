@@ -14,7 +14,7 @@ def test_all_is_pinned() -> None:
         "AuthError", "BadRequest", "DataStallError", "DatasetCorruptError", "DatasetNotFound",
         "JobFailed", "JobNotFound", "Loader", "LoaderStats", "ProtocolError", "ResidentTooLarge",
         "ServerUnavailable",
-        "ShardserveError", "VarTensor", "serve_local",
+        "ShardserveError", "VarTensor", "plan", "serve_local",
     ]  # fmt: skip
     for name in client.__all__:
         assert getattr(client, name) is not None
