@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["bench_plan", "bench_store", "bench_server", "bench_e2e", "bench_load", "bench_remote"]
+ORDER = [
+    "bench_plan", "bench_store", "bench_server", "bench_e2e", "bench_load", "bench_remote", "bench_small",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
