@@ -34,6 +34,7 @@ from .loader import Loader
 from .local import serve_local
 from .plan import plan
 from .resident import ResidentTooLarge
+from .structure import Masked
 from .types import LoaderStats, VarTensor
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "JobNotFound",
     "Loader",
     "LoaderStats",
+    "Masked",
     "ProtocolError",
     "ResidentTooLarge",
     "ServerUnavailable",

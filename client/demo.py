@@ -206,6 +206,21 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
             ours = _run(epoch_batches())
             transport = loader.stats().transport
     ours["acc"] = _accuracy(ours["model"], test_x, test_y)
+    _report(rows, ours, transport, epochs, n, batch_size, len(test_y), ingest_s, store)
+    return 0
+
+
+def _report(
+    rows: list[tuple[str, dict[str, Any]]],
+    ours: dict[str, Any],
+    transport: str,
+    epochs: int,
+    n: int,
+    batch_size: int,
+    n_test: int,
+    ingest_s: float,
+    store: str | Path | None,
+) -> None:
     print(f"\n{'':38}{'samples/s':>10}{'stall':>7}  shardserve faster by")
     for label, r in rows:
         ratio = ours["samples_s"] / r["samples_s"]
@@ -215,7 +230,7 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
     )
     print(
         f"\nheld-out accuracy after {epochs} epochs through the Loader: {ours['acc']:.3f} "
-        f"({len(test_y)} digits never trained on)"
+        f"({n_test} digits never trained on)"
     )
     print(
         f"What this measures: how fast one training loop, with a model too small to hide input "
@@ -223,4 +238,3 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
         f"{os.cpu_count()} cores from a warm page cache; ingest ({ingest_s:.1f} s, once) and "
         f"server start-up are not in the shardserve row. Store {'kept' if store else 'removed'}."
     )
-    return 0

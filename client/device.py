@@ -20,11 +20,12 @@ import torch
 
 from shardserve.proto.errors import BadRequest
 
-from .buffers import Event, PinnedPool, assemble, pack_into
+from ._frames import assemble
+from ._ledger import Event
+from ._staging import PinnedPool, pack_into
 from .types import Batch
 
 log = logging.getLogger(__name__)
-
 
 
 def resolve_device(device: str | torch.device, local_rank: int) -> torch.device:

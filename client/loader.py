@@ -1,5 +1,6 @@
 """``Loader``: the iterator a training loop uses. Small on purpose; the wire protocol is in
-:mod:`.stream`, tensors in :mod:`.buffers` and :mod:`.device`, HTTP in :mod:`.control`."""
+:mod:`.stream`, one iteration in :mod:`._passes`, how a batch becomes tensors in
+:mod:`._delivery`, slot ownership in :mod:`._ledger`, HTTP in :mod:`.control`."""
 
 from __future__ import annotations
 
@@ -14,19 +15,17 @@ import torch
 
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
-from shardserve.proto.messages import MAX_CREDIT, BatchHeader, Hello
+from shardserve.proto.messages import MAX_CREDIT, Hello
 
-from .buffers import COUNTS_USERS, CopyBlocks, assemble, tensor_from_frame
+from ._delivery import Delivery, Unpacking
+from ._passes import ResidentPass, StreamPass
+from ._position import Position, Start
+from ._staging import CopyBlocks
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
-from .device import (
-    DeviceCopier,
-    register_host_memory,
-    resolve_device,
-    unregister_host_memory,
-)
+from .device import DeviceCopier, resolve_device
 from .distributed import resolve_world
-from .resident import Resident, field_layout, resident_nbytes
+from .resident import Resident, env_devices, field_layout, resident_nbytes
 from .shm import RingCache
 from .state import parse_state
 from .stats import StatsClock
@@ -38,7 +37,6 @@ STATE_VERSION = 1
 #: Resident mode loads the dataset in batches of about this many bytes.
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
-MAX_ENVS = 1024
 #: Where ``Loader(None, ...)`` looks without ``SHARDSERVE_URL``: the node-local sidecar.
 DEFAULT_URL = "http://127.0.0.1:7070"
 _SHUFFLE: dict[object, ShuffleMode] = {
@@ -132,12 +130,7 @@ class Loader:
         collate: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
-        if shuffle not in _SHUFFLE:
-            raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
-        if not 1 <= prefetch <= MAX_CREDIT:
-            raise BadRequest(f"prefetch={prefetch} is out of range 1 <= prefetch <= {MAX_CREDIT}")
-        if not timeout > 0:
-            raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
+        _check_args(shuffle, prefetch, timeout)
         self.world = resolve_world(rank, world_size)
         self.spec = JobSpec(
             dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],
@@ -147,60 +140,60 @@ class Loader:
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.device = resolve_device(device, self.world.local_rank)
-        env_devices = _env_devices(resident, envs, devices, self.device, self.world.local_rank)
+        envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
-        self.copy = copy
+        self.copy, self.envs = copy, envs
         self._shm = transport == "auto"
-        self._held_slot: tuple[EpochStream, int] | None = None
-        self._rings = RingCache()
-        self._blocks = CopyBlocks()
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
         # None: this node's sidecar, as the launcher set it (SHARDSERVE_URL) or the default.
         url = url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
-        # A server that is restarting refuses connections for a moment: retry within timeout.
-        self._api = ControlClient(
-            url, self._token or None, timeout=min(timeout, 10.0), connect_retry_s=timeout
-        )
         self._stats = StatsClock()
-        try:
-            created = self._api.create_job(self.spec)
-            # The server is up; later calls run inside a stream's own deadline, so no retries.
-            self._api.connect_retry_s = 0.0
-            self._job_epoch = created.status.epoch
-            self._num_batches = created.status.batches_per_epoch
-            endpoint = choose_endpoint(self._api.info(), self._api.host, transport)
-            self._rebuild = rebuild_for(self._api, self.spec, pad_variable)
-        except BaseException:
-            self._api.close()
-            raise
-        self._conn = Connection(endpoint)
-        # The stream calls back into this, not into the Loader: no cycle keeps a dropped Loader alive.
-        self._job = JobHandle(self._api, self.spec)
-        self._closed = False
-        self._copier = DeviceCopier(self.device)
-        self._boot_id = read_boot_id()
-        # (epoch, start batch) for the next iteration, from set_epoch / load_state_dict, or
-        # that of an iteration which has not yielded yet (an iter() that moved nothing).
-        self._pending: tuple[int, int] | None = None
-        self._epoch: int | None = None  # epoch of the current or last iteration
-        self._next_batch = 0
-        self._epoch_done = False
-        self._pass = 0  # which iter() the live generator belongs to
         self._resident: Resident | None = None
-        self.envs = envs
         self._active: EpochStream | None = None
         self._stream: EpochStream | None = None
-        self._atexit = functools.partial(_close_ref, weakref.ref(self))
-        atexit.register(self._atexit)
-        if env_devices:
+        self._connect(self._create_job(url, transport))
+        if envs_on:
             try:
-                self._resident = self._load_resident(url, env_devices)
+                self._resident = self._load_resident(url, envs_on)
             except BaseException:
                 self.close()
                 raise
         else:
             # Open the first epoch's stream now: batches are on their way before the loop asks.
-            self._stream = self._open(self._job_epoch, 0)
+            self._stream = self._open(self._pos.job_epoch, 0)
+
+    def _connect(self, endpoint: str) -> None:
+        """The data-plane socket and what delivering batches needs; close() works after it."""
+        self._rings = RingCache()
+        self._copier = DeviceCopier(self.device)
+        unpacking = Unpacking(self._copier, CopyBlocks(), self._stats, self.pad_variable)
+        self._delivery = Delivery(unpacking, self.copy)
+        self._boot_id = read_boot_id()
+        self._pass = 0  # which iter() the live pass belongs to
+        self._conn = Connection(endpoint)
+        # The stream calls back into this, not into the Loader: no cycle keeps a dropped Loader alive.
+        self._job = JobHandle(self._api, self.spec)
+        self._closed = False
+        self._atexit = functools.partial(_close_ref, weakref.ref(self))
+        atexit.register(self._atexit)
+
+    def _create_job(self, url: str, transport: str) -> str:
+        """Create (or find) the job over HTTP; the data endpoint to connect to."""
+        # A server that is restarting refuses connections for a moment: retry within timeout.
+        self._api = ControlClient(
+            url, self._token or None, timeout=min(self.timeout, 10.0), connect_retry_s=self.timeout
+        )
+        try:
+            created = self._api.create_job(self.spec)
+            # The server is up; later calls run inside a stream's own deadline, so no retries.
+            self._api.connect_retry_s = 0.0
+            self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
+            endpoint = choose_endpoint(self._api.info(), self._api.host, transport)
+            self._rebuild = rebuild_for(self._api, self.spec, self.pad_variable)
+        except BaseException:
+            self._api.close()
+            raise
+        return endpoint
 
     # -- epochs and resume -----------------------------------------------------------------
 
@@ -209,26 +202,16 @@ class Loader:
 
         A position restored by ``load_state_dict`` for the same epoch is kept.
         """
-        if epoch < 0:
-            raise BadRequest(f"epoch {epoch} must be >= 0")
-        start = self._pending[1] if self._pending and self._pending[0] == epoch else 0
-        self._pending = (epoch, start)
+        self._pos.set_epoch(epoch)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        return self._num_batches
+        return self._pos.num_batches
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loop is: the epoch in progress and the next batch it has not received;
         after an epoch's last batch, the start of the next epoch."""
-        if self._pending is not None:
-            epoch, nxt = self._pending
-        elif self._epoch is None:
-            epoch, nxt = self._job_epoch, 0
-        elif self._epoch_done or self._next_batch >= self._num_batches:
-            epoch, nxt = self._epoch + 1, 0
-        else:
-            epoch, nxt = self._epoch, self._next_batch
+        epoch, nxt = self._pos.state()
         return {
             "version": STATE_VERSION, "spec": self.spec.model_dump(mode="json"), "epoch": epoch,
             "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
@@ -248,21 +231,7 @@ class Loader:
                 f"state is for rank {st.rank} of {st.world_size}, this loader is rank "
                 f"{self.world.rank} of {self.world.world_size}"
             )
-        if st.next_batch > self._num_batches:
-            raise BadRequest(
-                f"state next_batch {st.next_batch} out of range 0 <= next_batch <= "
-                f"{self._num_batches} (batches per epoch of this rank)"
-            )
-        self._pending = (st.epoch, st.next_batch)
-
-    def _next_position(self) -> tuple[int, int]:
-        # Kept until the iteration yields: an iter() that is dropped unused moves nothing.
-        if self._pending is None:
-            if self._epoch is None:
-                self._pending = (self._job_epoch, 0)
-            else:  # the last iteration yielded batches or ended its epoch
-                self._pending = (self._epoch + 1, 0)
-        return self._pending
+        self._pos.restore(st.epoch, st.next_batch)
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -277,7 +246,7 @@ class Loader:
             recreate_job=self._job.recreate, describe=self._job.describe, rings=self._rings,
         )  # fmt: skip
 
-    def _load_resident(self, url: str, env_devices: list[torch.device]) -> Resident:
+    def _load_resident(self, url: str, envs_on: list[torch.device]) -> Resident:
         """Stream the dataset once in store order (its own job) into resident tensors."""
         info = self._api.dataset(self.spec.dataset, timeout=self.timeout)
         layout = field_layout(info, self.spec.fields)
@@ -296,154 +265,35 @@ class Loader:
 
         return Resident.load(
             self._api, self.job_id, self.world.rank, self.spec.batch_size, info, layout,
-            env_devices, one_pass, self.timeout,
+            envs_on, one_pass, self.timeout,
         )  # fmt: skip
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        epoch, start = self._next_position()
+        start = self._pos.next_start()
+        self._stats.pause()  # an earlier pass that was dropped stopped its compute clock
+        self._pass += 1
         if self._resident is not None:
-            self._epoch, self._next_batch, self._epoch_done = epoch, start, False
-            self._pass += 1
-            return self._run_resident(self._resident, self._pass, (epoch, start))
-        # The stream opened ahead, or that of an iteration that never delivered (an iter() to
-        # check the object): both still hold their batches for the loop.
+            self._pos.begin(start)
+            return ResidentPass(self, self._pass, start, self._resident, self._rebuild)
+        self._active = self._stream_for(start)
+        self._pos.begin(start)
+        return StreamPass(self, self._pass, start, self._active, self._rebuild)
+
+    def _stream_for(self, start: Start) -> EpochStream:
+        """The stream opened ahead, or that of an iteration that never delivered (an iter() to
+        check the object), when it starts at ``start``; else a new one."""
         stream = self._stream or self._active
         self._stream = None
         if (
             stream is None
-            or stream.epoch != epoch
-            or stream.hello.start_batch != start
-            or stream.next_index != start
+            or stream.epoch != start[0]
+            or stream.hello.start_batch != start[1]
+            or stream.next_index != start[1]
         ):
-            stream = self._open(epoch, start)
-        self._epoch, self._next_batch, self._epoch_done = epoch, start, False
-        self._active = stream
-        self._pass += 1
-        return self._run(stream, self._pass, (epoch, start))
-
-    def _run(self, stream: EpochStream, this_pass: int, pos: tuple[int, int]) -> Iterator[Batch]:
-        try:
-            while True:
-                if self._closed:
-                    raise RuntimeError("this Loader was closed while iterating")
-                if self._pass != this_pass:
-                    # Both would read one socket: the newer iterator would lose batches to this one.
-                    raise RuntimeError(
-                        "this iterator was replaced by a newer iter(loader); use that one"
-                    )
-                self._return_held_slot(stream)
-                t0 = self._stats.start_wait()
-                item = stream.next()
-                if item is None:
-                    break
-                header, frames = item
-                if stream.welcome is not None:
-                    self._num_batches = stream.welcome.num_batches
-                if header.slot >= 0:
-                    batch = self._from_slot(stream, header)
-                else:
-                    parts = {
-                        p.name: tensor_from_frame(p, f)
-                        for p, f in zip(header.parts, frames, strict=True)
-                    }
-                    batch = self._copier.to_device(parts, self.pad_variable)
-                self._next_batch = header.index + 1
-                self._stats.delivered(t0, header.nbytes)
-                stream.consumed()
-                if self._pending == pos:
-                    self._pending = None  # begun: the next iter() moves on
-                yield self._rebuild(batch) if self._rebuild is not None else batch
-            if self._pending == pos:
-                self._pending = None
-            self._epoch_done = True
-        finally:
-            self._stats.pause()
-
-    def _run_resident(
-        self, resident: Resident, this_pass: int, pos: tuple[int, int]
-    ) -> Iterator[Any]:
-        epoch, start = pos
-        plans = resident.epoch(epoch)
-        self._num_batches = plans[0].num_batches
-        nbytes = resident.sample_nbytes * self.spec.batch_size * len(plans)
-        try:
-            for i in range(start, self._num_batches):
-                if self._closed:
-                    raise RuntimeError("this Loader was closed while iterating")
-                if self._pass != this_pass:
-                    raise RuntimeError(
-                        "this iterator was replaced by a newer iter(loader); use that one"
-                    )
-                t0 = self._stats.start_wait()
-                batches = [p.batch(i) for p in plans]
-                if self._rebuild is not None:
-                    batches = [self._rebuild(b) for b in batches]
-                self._next_batch = i + 1
-                self._stats.delivered(t0, nbytes)
-                if self._pending == pos:
-                    self._pending = None  # begun: the next iter() moves on
-                yield batches if self.envs > 1 else batches[0]
-            if self._pending == pos:
-                self._pending = None
-            self._epoch_done = True
-        finally:
-            self._stats.pause()
-
-    def _from_slot(self, stream: EpochStream, header: BatchHeader) -> Batch:
-        """A batch read from its shared-memory slot: lent in place until its tensors are gone,
-        copied out (slot back at once) when half the ring is lent, or, with ``copy=False``,
-        views kept until the next batch is requested."""
-        ring = stream.ring
-        assert ring is not None
-        views = ring.views(header.slot, header.parts)
-        if self.copy and not self._copier.cuda:
-            # At most half the ring is lent, so the server always has a slot to fill (a
-            # ring of one is never lent).
-            if len(ring.owned) < ring.ring.slots // 2 and COUNTS_USERS:
-                # Lent in place: the batch owns the slot until its last tensor is gone.
-                ring.owned.add(header.slot)
-                return assemble(views, self.pad_variable)
-            self._stats.copied += 1
-            copied = self._blocks.copy_slot(ring.slot_tensor(header.slot), header.parts)
-            if copied is not None:
-                stream.release_slot(header.slot)
-                return assemble(copied, self.pad_variable)
-        if self._copier.cuda:
-            if ring.registered is None:
-                ring.registered = register_host_memory(ring.slot_memory())
-                if ring.registered:
-                    ring.on_close = unregister_host_memory
-            if ring.registered:
-                batch, done = self._copier.to_device_direct(views, self.pad_variable)
-                # Owned until the copy is done, so a new stream (next epoch) keeps it too.
-                ring.lend_to_copy(header.slot, done)
-                return batch
-            # Staging into pinned memory is synchronous: the slot is free once it returns.
-            batch = self._copier.to_device(views, self.pad_variable)
-        elif self.copy:
-            batch = assemble(self._blocks.copy_out(views), self.pad_variable)
-        else:
-            self._held_slot = (stream, header.slot)
-            return assemble(views, self.pad_variable)
-        stream.release_slot(header.slot)
-        return batch
-
-    def _return_held_slot(self, stream: EpochStream) -> None:
-        ring = stream.ring
-        if ring is not None and ring.owned:
-            if len(ring.owned) >= ring.ring.slots:
-                # Every slot is held, some by device copies still queued behind the consumer's
-                # stream: the server has none to fill, so wait for the oldest copy.
-                ring.wait_oldest_copy()
-            for slot in [k for k in ring.owned if not ring.in_use(k)]:
-                ring.owned.discard(slot)
-                stream.release_slot(slot)
-        if self._held_slot is not None:
-            stream, slot = self._held_slot
-            self._held_slot = None
-            stream.release_slot(slot)
+            stream = self._open(*start)
+        return stream
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -463,7 +313,6 @@ class Loader:
             if s is not None:
                 s.close()
         self._stream = self._active = None
-        self._held_slot = None
         if self._resident is not None:
             self._resident.close()
         self._rings.close()
@@ -484,35 +333,17 @@ class Loader:
     def __repr__(self) -> str:
         return (
             f"Loader(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
-            f"{self.world.world_size}, epoch={self._epoch}, endpoint={self._conn.endpoint!r})"
+            f"{self.world.world_size}, epoch={self._pos.epoch}, endpoint={self._conn.endpoint!r})"
         )
 
 
-def _env_devices(
-    resident: str | None,
-    envs: int,
-    devices: Sequence[str | torch.device] | None,
-    device: torch.device,
-    local_rank: int,
-) -> list[torch.device]:
-    """The device of every environment in resident mode; empty when streaming."""
-    if not 1 <= envs <= MAX_ENVS:
-        raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
-    if resident is None:
-        if envs > 1 or devices is not None:
-            raise BadRequest(
-                "envs and devices need resident='cuda' or resident='cpu' (the data held by the "
-                "trainer); streaming hands out one batch per step"
-            )
-        return []
-    if resident not in ("cuda", "cpu"):
-        raise BadRequest(f"resident={resident!r}: use 'cuda', 'cpu' or None (streaming)")
-    default = device if device.type == resident else torch.device(resident)
-    resolved = [resolve_device(d, local_rank) for d in (devices or [default])]
-    wrong = [str(d) for d in resolved if d.type != resident]
-    if wrong:
-        raise BadRequest(f"devices {wrong} do not match resident={resident!r}")
-    return [resolved[e % len(resolved)] for e in range(envs)]
+def _check_args(shuffle: object, prefetch: int, timeout: float) -> None:
+    if shuffle not in _SHUFFLE:
+        raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
+    if not 1 <= prefetch <= MAX_CREDIT:
+        raise BadRequest(f"prefetch={prefetch} is out of range 1 <= prefetch <= {MAX_CREDIT}")
+    if not timeout > 0:
+        raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
 
 
 def _close_ref(ref: weakref.ReferenceType[Loader]) -> None:

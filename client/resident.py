@@ -26,18 +26,47 @@ import torch
 from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import DatasetInfo
 
-from .buffers import torch_dtype
+from ._frames import torch_dtype
 from .control import ControlClient
+from .device import resolve_device
 from .types import Batch, VarTensor
 
 #: Resident data may take at most this share of the memory free on its device.
 FIT_SHARE = 0.9
+MAX_ENVS = 1024
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 class ResidentTooLarge(BadRequest):
     """The dataset's fields do not fit in the memory free on the resident device."""
+
+
+def env_devices(
+    resident: str | None,
+    envs: int,
+    devices: Sequence[str | torch.device] | None,
+    device: torch.device,
+    local_rank: int,
+) -> list[torch.device]:
+    """The device of every environment in resident mode; empty when streaming."""
+    if not 1 <= envs <= MAX_ENVS:
+        raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
+    if resident is None:
+        if envs > 1 or devices is not None:
+            raise BadRequest(
+                "envs and devices need resident='cuda' or resident='cpu' (the data held by the "
+                "trainer); streaming hands out one batch per step"
+            )
+        return []
+    if resident not in ("cuda", "cpu"):
+        raise BadRequest(f"resident={resident!r}: use 'cuda', 'cpu' or None (streaming)")
+    default = device if device.type == resident else torch.device(resident)
+    resolved = [resolve_device(d, local_rank) for d in (devices or [default])]
+    wrong = [str(d) for d in resolved if d.type != resident]
+    if wrong:
+        raise BadRequest(f"devices {wrong} do not match resident={resident!r}")
+    return [resolved[e % len(resolved)] for e in range(envs)]
 
 
 def field_layout(info: DatasetInfo, fields: Sequence[str] | None) -> Layout:
@@ -123,13 +152,12 @@ def load_fields(
     }  # fmt: skip
     pos = 0
     for batch in batches:
-        parts = {name: batch[name] for name in layout}
+        parts = {name: _fixed(batch, name) for name in layout}
         size = next(iter(parts.values())).shape[0] if parts else 0
         if pos + size > num_samples:
             raise DataError(f"loading resident data: server sent more than {num_samples} samples")
         for res in out.values():
             for name, part in parts.items():
-                assert isinstance(part, torch.Tensor)  # field_layout refused variable fields
                 res.tensors[name][pos : pos + size].copy_(part)
         pos += size
     if pos != num_samples:
@@ -138,6 +166,13 @@ def load_fields(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     return out
+
+
+def _fixed(batch: Mapping[str, torch.Tensor | VarTensor], name: str) -> torch.Tensor:
+    part = batch[name]
+    if not isinstance(part, torch.Tensor):  # field_layout refused variable fields
+        raise DataError(f"loading resident data: field {name!r} arrived variable-shaped")
+    return part
 
 
 @dataclass

@@ -1,11 +1,8 @@
 """The client's side of a shared-memory slot ring: attach, read a slot in place, detach.
 
-The server owns the ring (it creates and unlinks the file); the client only maps it. A slot
-is the server's until the batch header names it, the client's until it is handed back in a
-``Credit``. With ``copy=True`` (the default) the slot is lent to the batch: it is handed back
-once no tensor of the batch is left (:meth:`AttachedRing.in_use`), so every delivered batch
-owns its storage without a copy; with ``copy=False`` the tensors are the slot and stay valid
-only until the next batch is requested.
+The server owns the ring (it creates and unlinks the file); the client only maps it. Which
+slots the client holds, and when each goes back, is the ring's :class:`~._ledger.SlotLedger`;
+how a batch is read out of its slot is :mod:`._delivery`.
 """
 
 from __future__ import annotations
@@ -21,7 +18,9 @@ import torch
 
 from shardserve.proto.messages import PartHeader, ShmRing
 
-from .buffers import Event, storage_users, views_at
+from ._frames import views_at
+from ._ledger import SlotLedger
+from ._staging import storage_users
 
 DEFAULT_DIR = Path("/dev/shm")
 
@@ -56,15 +55,11 @@ class AttachedRing:
             os.close(fd)
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         self._slots: dict[int, torch.Tensor] = {}
-        #: Slots whose batch the consumer holds (delivered in place; see ``Loader``): they
-        #: go back to the server once :meth:`in_use` turns false.
-        self.owned: set[int] = set()
-        #: Owned slots that a device copy still reads, with the event recorded after it: such
-        #: a slot stays owned (and in ``Hello.keep``) until the event has completed.
-        self.copying: dict[int, Event] = {}
+        #: Which slots the client holds and which go back with the next Credit.
+        self.ledger = SlotLedger(ring.slots, self.in_use)
         #: Whether the mapping is registered with CUDA (None: not tried yet).
         self.registered: bool | None = None
-        #: Runs before unmapping (the Loader's CUDA unregistration, after in-flight copies).
+        #: Runs before unmapping (the CUDA unregistration, after in-flight copies).
         self.on_close: Callable[[np.ndarray], None] | None = None
 
     def views(self, slot: int, parts: Sequence[PartHeader]) -> dict[str, torch.Tensor]:
@@ -89,26 +84,21 @@ class AttachedRing:
             t = self._slots[slot] = torch.from_numpy(self._buf[slot * size : (slot + 1) * size])
         return t
 
-    def lend_to_copy(self, slot: int, done: Event) -> None:
-        """``slot`` is read by a device copy until ``done`` completes."""
-        self.owned.add(slot)
-        self.copying[slot] = done
-
-    def wait_oldest_copy(self) -> None:
-        """Block until the longest-running device copy out of the ring has finished."""
-        if self.copying:
-            next(iter(self.copying.values())).synchronize()
-
     def in_use(self, slot: int) -> bool:
-        """Whether a device copy or a tensor other than the ring's own still reads ``slot``
-        (True when torch cannot say)."""
-        done = self.copying.get(slot)
-        if done is not None:
-            if not done.query():
-                return True
-            del self.copying[slot]
+        """Whether a tensor other than the ring's own still reads ``slot`` (True when torch
+        cannot say)."""
         users = storage_users(self.slot_tensor(slot))
         return users is None or users > 1
+
+    def pin(
+        self, register: Callable[[np.ndarray], bool], unregister: Callable[[np.ndarray], None]
+    ) -> bool:
+        """Register the mapping for DMA once (``register``); ``unregister`` runs at close."""
+        if self.registered is None:
+            self.registered = register(self._buf)
+            if self.registered:
+                self.on_close = unregister
+        return self.registered
 
     def slot_memory(self) -> np.ndarray:
         """The whole mapping as bytes (for registering it with CUDA once per stream)."""
@@ -120,8 +110,7 @@ class AttachedRing:
             self.on_close = None
         self._buf = np.empty(0, dtype=np.uint8)
         self._slots.clear()
-        self.owned.clear()
-        self.copying.clear()
+        self.ledger.clear()
         if self._mm is not None:
             # A zero-copy tensor may still point into the ring; the mapping then dies with it.
             with contextlib.suppress(BufferError):

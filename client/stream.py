@@ -102,8 +102,6 @@ class EpochStream:
         self.ring: AttachedRing | None = None
         self._rings = rings if rings is not None else RingCache()
         self.transport = conn.transport
-        #: Slots the consumer is done with, handed back with the next Credit.
-        self._returns: list[int] = []
         self._send_hello(self.next_index)
 
     # -- the two calls the Loader makes ---------------------------------------------------
@@ -150,10 +148,6 @@ class EpochStream:
         self._pending_grant += 1
         if self._pending_grant >= self._grant_every:
             self._flush_grant()
-
-    def release_slot(self, slot: int) -> None:
-        """The consumer is done reading ``slot``; it goes back with the next Credit."""
-        self._returns.append(slot)
 
     def close(self) -> None:
         """Forget the slot ring; its mapping belongs to the ring cache (the Loader's)."""
@@ -244,8 +238,8 @@ class EpochStream:
             )
         self.credit_outstanding = max(0, self.credit_outstanding - 1)
         if header.index < self.next_index:
-            if header.slot >= 0:
-                self.release_slot(header.slot)
+            if header.slot >= 0 and self.ring is not None:
+                self.ring.ledger.release(header.slot)
             return None  # already delivered before a reconnect
         if header.index > self.next_index:
             self._recover(f"batch {header.index} arrived while waiting for batch {self.next_index}")
@@ -269,31 +263,28 @@ class EpochStream:
 
     def _send_hello(self, start: int) -> None:
         # Slots the consumer still holds must stay lent if the server hands this client's
-        # ring to the new stream; the others come back free with it.
+        # ring to the new stream; the others (those on their way back too) come back free.
         ring = self._rings.ring
-        if ring is not None:
-            ring.owned = {k for k in ring.owned if ring.in_use(k)}
-        keep = tuple(sorted(ring.owned)) if ring is not None else ()
+        keep = ring.ledger.keep() if ring is not None else ()
         self.hello = self.hello.model_copy(
             update={"start_batch": start, "nonce": secrets.randbits(62), "keep": keep}
         )
         self.welcome = None
         self._hello_at = time.monotonic()
         self._pending_grant = 0
-        self._returns = []  # slots of the stream being replaced die with its ring
         self.credit_outstanding = self.hello.credit
         self.conn.send(self.hello)
 
     def _flush_grant(self) -> None:
-        if not (self._pending_grant or self._returns) or self.welcome is None:
+        returns = self.ring.ledger.returns() if self.ring is not None else ()
+        if not (self._pending_grant or returns) or self.welcome is None:
             return
-        credit = Credit(
-            grant=self._pending_grant, slots=tuple(self._returns), stats=self.stats.due_report()
-        )
+        credit = Credit(grant=self._pending_grant, slots=returns, stats=self.stats.due_report())
         if self.conn.send(credit):
             self.credit_outstanding += self._pending_grant
             self._pending_grant = 0
-            self._returns = []
+            if self.ring is not None:
+                self.ring.ledger.returned(returns)
 
     def _recover(self, reason: str) -> None:
         """Re-create the job (idempotent) and re-open the stream at the next undelivered batch.

@@ -105,7 +105,7 @@ def test_a_slow_consumer_stream_never_sees_an_overwritten_batch(
                     torch.cuda._sleep(20_000_000)
                 got.append(batch["image"].view(len(batch["image"]), -1).to(torch.int64).sum(1))
                 ring = loader._rings.ring
-                deferred = max(deferred, len(ring.copying) if ring is not None else 0)
+                deferred = max(deferred, ring.ledger.copies_in_flight if ring is not None else 0)
             expected += [image_sums[torch.tensor(ids)] for ids in _plan_ids(8, epoch)]
         torch.cuda.synchronize()
     assert len(got) == len(expected)

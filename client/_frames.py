@@ -1,0 +1,94 @@
+"""Tensors over received bytes: a frame or a shared-memory slot becomes typed tensors, and a
+batch's parts become its fields.
+
+Ownership: each payload frame is its own libzmq message, allocated for that message alone
+(or a disjoint slice of libzmq's receive buffer for small ones), so wrapping it with
+``torch.frombuffer`` gives a tensor that shares memory with no other batch. The tensor keeps
+the frame alive; the frame is writable, so torch has nothing to warn about. Small frames
+that are misaligned for their dtype are copied instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shardserve.proto.framing import ITEMSIZE, Frame
+from shardserve.proto.messages import BatchHeader, PartHeader
+
+from .types import Batch, VarTensor
+
+OFFSETS, SHAPES = ".offsets", ".shapes"
+COMPANIONS = ("offsets", "shapes")
+#: Companion key a padded variable field gets with ``pad_variable=True``.
+LENGTHS = ".lengths"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name (``"float32"`` -> ``torch.float32``)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise TypeError(f"wire dtype {name!r} has no torch equivalent")
+    return dt
+
+
+def tensor_from_frame(part: PartHeader, frame: Frame) -> torch.Tensor:
+    """A tensor over ``frame``'s memory (no copy), shaped as the header says."""
+    dtype = torch_dtype(part.dtype)
+    if part.nbytes == 0:
+        return torch.empty(part.shape, dtype=dtype)
+    t = torch.frombuffer(frame, dtype=torch.uint8)
+    if t.data_ptr() % ITEMSIZE[part.dtype]:
+        t = t.clone()  # unaligned: a typed view would be undefined behaviour for some kernels
+    return t.view(dtype).view(part.shape)
+
+
+def parts_from_frames(header: BatchHeader, frames: Sequence[Frame]) -> dict[str, torch.Tensor]:
+    """Each part of a socket batch as a tensor over its own frame."""
+    return {p.name: tensor_from_frame(p, f) for p, f in zip(header.parts, frames, strict=True)}
+
+
+def views_at(
+    base: torch.Tensor, parts: Sequence[PartHeader], start: int = 0
+) -> dict[str, torch.Tensor]:
+    """Typed tensors over ``base`` (uint8) for each part, found at its offset minus ``start``."""
+    return {
+        p.name: base[p.offset - start : p.offset - start + p.nbytes]
+        .view(torch_dtype(p.dtype))
+        .view(p.shape)
+        for p in parts
+    }
+
+
+def assemble(parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batch:
+    """Group a batch's parts into fields: fixed tensors as they are, variable and binary
+    fields (``x`` + ``x.offsets`` [+ ``x.shapes``]) as :class:`VarTensor` or, padded, as a
+    dense tensor plus ``x.lengths``."""
+    out: Batch = {}
+    for name, t in parts.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix in COMPANIONS and base in parts:
+            continue  # travels with its field (a nested field's name has dots of its own)
+        offsets = parts.get(name + OFFSETS)
+        if offsets is None:
+            out[name] = t
+            continue
+        shapes = parts.get(name + SHAPES)
+        if shapes is None:  # binary: each sample's length in bytes
+            shapes = (offsets[1:] - offsets[:-1]).unsqueeze(1)
+        var = VarTensor(t, offsets, shapes)
+        if pad_variable:
+            dense, true_shapes = var.pad()
+            out[name] = dense
+            out[name + LENGTHS] = true_shapes[:, 0] if true_shapes.shape[1] == 1 else true_shapes
+        else:
+            out[name] = var
+    return out
+
+
+def batch_from_frames(
+    header: BatchHeader, frames: Sequence[Frame], pad_variable: bool = False
+) -> Batch:
+    """CPU tensors for a received batch, each owning (a reference to) its own frame."""
+    return assemble(parts_from_frames(header, frames), pad_variable)

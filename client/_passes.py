@@ -1,0 +1,118 @@
+"""One iteration of a Loader (``iter(loader)``): an epoch's batches from a stream or from
+resident data, each handed to the loop exactly once.
+
+A pass is an iterator object, not a generator, so that the position moves in the last step
+before ``__next__`` returns: a generator resumed after its ``yield`` checks for signals before
+running a line of its own, so a Ctrl-C there would land after the loop already had the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._position import Start
+from .resident import EnvPlan, Resident
+from .stream import EpochStream
+from .types import Batch
+
+if TYPE_CHECKING:
+    from .loader import Loader
+
+
+class _Pass(Iterator[Any]):
+    """What both passes share: the checks before each step, and the end of the epoch."""
+
+    def __init__(self, loader: Loader, number: int, start: Start) -> None:
+        self.loader, self.number, self.start = loader, number, start
+        self.finished = False
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> Any:
+        if self.finished:
+            raise StopIteration
+        lo = self.loader
+        if lo._closed:
+            raise RuntimeError("this Loader was closed while iterating")
+        if lo._pass != self.number:
+            # Both would read one socket: the newer iterator would lose batches to this one.
+            raise RuntimeError("this iterator was replaced by a newer iter(loader); use that one")
+        item = self._step()
+        if item is None:
+            self.finished = True
+            lo._pos.ended(self.start)
+            lo._stats.pause()
+            raise StopIteration
+        return item
+
+    def _step(self) -> Any:
+        raise NotImplementedError
+
+
+class StreamPass(_Pass):
+    """The rest of an epoch from its stream."""
+
+    def __init__(
+        self,
+        loader: Loader,
+        number: int,
+        start: Start,
+        stream: EpochStream,
+        rebuild: Callable[[Batch], Any] | None,
+    ) -> None:
+        super().__init__(loader, number, start)
+        self.stream, self.rebuild = stream, rebuild
+
+    def _step(self) -> Any:
+        lo, stream = self.loader, self.stream
+        ring = lo._rings.ring
+        if ring is not None:
+            ring.ledger.collect()  # slots of batches the loop has dropped go back
+        t0 = lo._stats.start_wait()
+        item = stream.next()
+        if item is None:
+            return None
+        header, frames = item
+        if stream.welcome is not None:
+            lo._pos.num_batches = stream.welcome.num_batches
+        batch = lo._delivery(stream.ring, header, frames)
+        out = self.rebuild(batch) if self.rebuild is not None else batch
+        lo._stats.delivered(t0, header.nbytes)
+        stream.consumed()
+        lo._pos.received(self.start, header.index)
+        return out
+
+
+class ResidentPass(_Pass):
+    """The rest of an epoch gathered from resident data, one batch per environment."""
+
+    def __init__(
+        self,
+        loader: Loader,
+        number: int,
+        start: Start,
+        resident: Resident,
+        rebuild: Callable[[Batch], Any] | None,
+    ) -> None:
+        super().__init__(loader, number, start)
+        self.resident, self.rebuild, self.index = resident, rebuild, start[1]
+        self.plans: list[EnvPlan] | None = None  # fetched at the first next(), not at iter()
+
+    def _step(self) -> Any:
+        lo, i = self.loader, self.index
+        if self.plans is None:
+            self.plans = self.resident.epoch(self.start[0])
+            lo._pos.num_batches = self.plans[0].num_batches
+        if i >= lo._pos.num_batches:
+            return None
+        t0 = lo._stats.start_wait()
+        batches = [p.batch(i) for p in self.plans]
+        if self.rebuild is not None:
+            batches = [self.rebuild(b) for b in batches]
+        nbytes = self.resident.sample_nbytes * lo.spec.batch_size * len(batches)
+        lo._stats.delivered(t0, nbytes)
+        self.index = i + 1
+        lo._pos.received(self.start, i)
+        return batches if len(batches) > 1 else batches[0]
