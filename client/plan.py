@@ -31,10 +31,12 @@ import torch
 from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import JobSpec, job_id
 
+from ._position import Position
 from .control import ControlClient
 from .device import resolve_device
 from .distributed import resolve_world
-from .loader import _SHUFFLE, DEFAULT_URL, MAX_ENVS, STATE_VERSION
+from .loader import _SHUFFLE, DEFAULT_URL, STATE_VERSION
+from .resident import MAX_ENVS
 from .state import parse_state
 
 IdBatch = torch.Tensor
@@ -92,12 +94,7 @@ class IndexPlan:
             self._api.close()
             raise
         self._api.connect_retry_s = 0.0
-        self._job_epoch = created.status.epoch
-        self._num_batches = created.status.batches_per_epoch
-        self._pending: tuple[int, int] | None = None
-        self._epoch: int | None = None
-        self._next_batch = 0
-        self._epoch_done = False
+        self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
         self._pass = 0
 
     # -- the ids -----------------------------------------------------------------------------
@@ -114,7 +111,7 @@ class IndexPlan:
                 f"plan of job {self.job_id} epoch {epoch} env {env}: {len(ids)} ids make {want} "
                 f"batches of {self.spec.batch_size}, the server said {batches}"
             )
-        self._num_batches = batches
+        self._pos.num_batches = batches
         return ids
 
     def _epoch_batches(self, epoch: int) -> list[tuple[IdBatch, ...]]:
@@ -127,25 +124,15 @@ class IndexPlan:
     # -- epochs and resume (a Loader's rules and state) --------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration plans; a position restored for it is kept."""
-        if epoch < 0:
-            raise BadRequest(f"epoch {epoch} must be >= 0")
-        start = self._pending[1] if self._pending and self._pending[0] == epoch else 0
-        self._pending = (epoch, start)
+        self._pos.set_epoch(epoch)
 
     def __len__(self) -> int:
         """Batches (steps) per epoch for this rank."""
-        return self._num_batches
+        return self._pos.num_batches
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch in progress and the next step not yet received (a ``Loader`` state)."""
-        if self._pending is not None:
-            epoch, nxt = self._pending
-        elif self._epoch is None:
-            epoch, nxt = self._job_epoch, 0
-        elif self._epoch_done or self._next_batch >= self._num_batches:
-            epoch, nxt = self._epoch + 1, 0
-        else:
-            epoch, nxt = self._epoch, self._next_batch
+        epoch, nxt = self._pos.state()
         return {
             "version": STATE_VERSION, "spec": self.spec.model_dump(mode="json"), "epoch": epoch,
             "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
@@ -161,36 +148,24 @@ class IndexPlan:
                 f"state is for rank {st.rank} of {st.world_size}, this plan is rank "
                 f"{self.world.rank} of {self.world.world_size}"
             )
-        if st.next_batch > self._num_batches:
-            raise BadRequest(
-                f"state next_batch {st.next_batch} out of range 0 <= next_batch <= "
-                f"{self._num_batches} (batches per epoch of this rank)"
-            )
-        self._pending = (st.epoch, st.next_batch)
+        self._pos.restore(st.epoch, st.next_batch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._api is None:
             raise RuntimeError("this plan is closed")
-        if self._pending is None:
-            self._pending = (self._job_epoch, 0) if self._epoch is None else (self._epoch + 1, 0)
-        pos = self._pending
-        self._epoch, self._next_batch, self._epoch_done = pos[0], pos[1], False
+        start = self._pos.next_start()
+        self._pos.begin(start)
         self._pass += 1
-        return self._run(self._pass, pos)
+        return self._run(self._pass, start)
 
-    def _run(self, this_pass: int, pos: tuple[int, int]) -> Iterator[Any]:
-        epoch, start = pos
-        per_env = self._epoch_batches(epoch)
-        for i in range(start, len(per_env[0])):
+    def _run(self, this_pass: int, start: tuple[int, int]) -> Iterator[Any]:
+        per_env = self._epoch_batches(start[0])
+        for i in range(start[1], len(per_env[0])):
             if self._pass != this_pass:
                 raise RuntimeError("this iterator was replaced by a newer iter(plan); use that one")
-            self._next_batch = i + 1
-            if self._pending == pos:
-                self._pending = None  # begun: the next iter() moves on
+            self._pos.received(start, i)
             yield [b[i] for b in per_env] if self.envs > 1 else per_env[0][i]
-        if self._pending == pos:
-            self._pending = None
-        self._epoch_done = True
+        self._pos.ended(start)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -212,7 +187,7 @@ class IndexPlan:
     def __repr__(self) -> str:
         return (
             f"IndexPlan(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
-            f"{self.world.world_size}, envs={self.envs}, epoch={self._epoch})"
+            f"{self.world.world_size}, envs={self.envs}, epoch={self._pos.epoch})"
         )
 
 
