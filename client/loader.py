@@ -25,7 +25,8 @@ from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
 from .device import DeviceCopier, resolve_device
 from .distributed import resolve_world
-from .resident import Resident, env_devices, field_layout, resident_nbytes
+from .envs import check_env_fields
+from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
 from .shm import RingCache
 from .state import parse_state
 from .stats import StatsClock
@@ -132,17 +133,28 @@ class Loader:
         self._closed = True  # until the sockets exist, close() has nothing to do
         _check_args(shuffle, prefetch, timeout)
         self.world = resolve_world(rank, world_size)
-        self.spec = JobSpec(
-            dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],
-            drop_last=drop_last, world_size=self.world.world_size,
-            fields=tuple(fields) if fields is not None else None,
-            **({"collate": collate} if collate is not None else {}),
-        )  # fmt: skip
-        self.job_id = job_id(self.spec)
         self.device = resolve_device(device, self.world.local_rank)
         envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
+        # Streaming envs (issue 22): one job whose batches are steps of `envs` env batches.
+        self._step_envs = (
+            stream_env_devices(envs, devices, self.device, self.world.local_rank)
+            if resident is None and envs > 1
+            else []
+        )
+        per_step = len(self._step_envs) or 1
+        self.spec = JobSpec(
+            dataset=dataset, batch_size=batch_size * per_step, seed=seed,
+            shuffle=_SHUFFLE[shuffle], drop_last=drop_last, world_size=self.world.world_size,
+            fields=tuple(fields) if fields is not None else None,
+            **({"collate": collate} if collate is not None else {}),
+            **({"envs": per_step} if per_step > 1 else {}),
+        )  # fmt: skip
+        self.job_id = job_id(self.spec)
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
-        self.copy, self.envs = copy, envs
+        # Env batches are copied into storage of their own (client/envs.py): the slot can go
+        # back at the next batch instead of being lent or copied out first.
+        self.copy = copy and not (self._step_envs and self.device.type == "cpu")
+        self.envs = envs
         self._shm = transport == "auto"
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
         # None: this node's sidecar, as the launcher set it (SHARDSERVE_URL) or the default.
@@ -184,6 +196,8 @@ class Loader:
             url, self._token or None, timeout=min(self.timeout, 10.0), connect_retry_s=self.timeout
         )
         try:
+            if self._step_envs:
+                check_env_fields(self._api.dataset(self.spec.dataset), self.spec.fields)
             created = self._api.create_job(self.spec)
             # The server is up; later calls run inside a stream's own deadline, so no retries.
             self._api.connect_retry_s = 0.0
