@@ -19,7 +19,8 @@ One run, ratios within it (the machine is shared and noisy: compare rows of one 
   the store's own ``take`` in this process into reused buffers (in-process Arrow take).
   Targets: batch 256 >= 0.8x, batch 32 >= 0.5x.
 
-Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
+Loader rows of small batches (envs, graphs, CIFAR batch 32) run with ``prefetch=32``. Each
+row is the best of 3 epochs after a warm-up one. Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
 the batches; the server runs in its own process) and, for shardserve rows, the server's CPU
 per batch. Writes ``bench/results/small.json``.
 """
@@ -47,8 +48,14 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.store.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small.json"
+#: Credit for the small-batch Loader rows: batches of a few KiB need more in flight to hide a
+#: round trip (each costs a wake-up of both processes on a loaded machine).
+PREFETCH = 32
 ENVS, ENV_BATCH, GRAPH_BATCH = 4, 32, 64
-CIFAR = (FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)), FieldSpec(name="label", dtype="int64", shape=()))
+CIFAR = (
+    FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
+    FieldSpec(name="label", dtype="int64", shape=()),
+)
 GRAPH = (
     FieldSpec(name="x", dtype="float32", shape=(-1, 16)),
     FieldSpec(name="pos", dtype="float32", shape=(-1, 3)),
@@ -61,7 +68,10 @@ Step = Any  # a batch (dict of tensors) or a list of them
 # -- data ----------------------------------------------------------------------------------
 def make_cifar(root: Path, n: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    arrays = {"image": rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8), "label": np.arange(n) % 10}
+    arrays = {
+        "image": rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+        "label": np.arange(n) % 10,
+    }
     with ShardWriter(root, "cifar", fields=CIFAR, shard_bytes=64 << 20) as w:
         w.add_batch(arrays)
     return arrays
@@ -117,22 +127,33 @@ def cpu_of(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(epoch: Callable[[int], Iterable[Step]], per_step: int, server: int | None = None) -> dict[str, float]:
-    """Samples/s, trainer CPU and server CPU per batch over the 2nd epoch (the 1st warms up)."""
+def measure(
+    epoch: Callable[[int], Iterable[Step]],
+    per_step: int,
+    server: int | None = None,
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Samples/s, trainer CPU and server CPU per batch: the best of ``repeats`` epochs after a
+    warm-up epoch (the machine is shared: the best epoch is the least disturbed one)."""
     for b in epoch(0):
         touch(b)
-    s0, c0, w0 = cpu_of(server), time.process_time(), time.perf_counter()
-    steps = 0
-    for b in epoch(1):
-        touch(b)
-        steps += 1
-    wall, cpu, srv = time.perf_counter() - w0, time.process_time() - c0, cpu_of(server) - s0
-    batches = steps * (len(b) if isinstance(b, list) else 1)
-    return {
-        "samples_s": steps * per_step / wall, "steps_s": steps / wall,
-        "client_cpu_us_per_batch": cpu / batches * 1e6,
-        "server_cpu_us_per_batch": srv / batches * 1e6,
-    }  # fmt: skip
+    best: dict[str, float] = {}
+    for e in range(1, repeats + 1):
+        s0, c0, w0 = cpu_of(server), time.process_time(), time.perf_counter()
+        steps = 0
+        for b in epoch(e):
+            touch(b)
+            steps += 1
+        wall, cpu, srv = time.perf_counter() - w0, time.process_time() - c0, cpu_of(server) - s0
+        batches = steps * (len(b) if isinstance(b, list) else 1)
+        row = {
+            "samples_s": steps * per_step / wall, "steps_s": steps / wall,
+            "client_cpu_us_per_batch": cpu / batches * 1e6,
+            "server_cpu_us_per_batch": srv / batches * 1e6,
+        }  # fmt: skip
+        if row["samples_s"] > best.get("samples_s", 0.0):
+            best = row
+    return best
 
 
 def storages(step: list[dict[str, torch.Tensor]]) -> list[int]:
@@ -155,7 +176,9 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
     per_step = ENVS * ENV_BATCH
 
     def perms(e: int) -> list[torch.Tensor]:
-        return [torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)]
+        return [
+            torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)
+        ]
 
     def select_stack(e: int) -> Iterator[Step]:
         ps = [p.tolist() for p in perms(e)]
@@ -167,7 +190,10 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
         ps = perms(e)
         for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
             idx = [p[s : s + ENV_BATCH] for p in ps]
-            yield [{"image": images.index_select(0, i), "label": labels.index_select(0, i)} for i in idx]
+            yield [
+                {"image": images.index_select(0, i), "label": labels.index_select(0, i)}
+                for i in idx
+            ]
 
     rows = {
         "select/stack loop (RAM)": measure(select_stack, per_step),
@@ -176,7 +202,7 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
     pid = server_pid(store)
     kw = dict(seed=0, rank=0, world_size=1, drop_last=True)
     try:
-        with Loader(url, "cifar", ENV_BATCH, envs=ENVS, **kw) as ld:  # type: ignore[arg-type]
+        with Loader(url, "cifar", ENV_BATCH, envs=ENVS, prefetch=PREFETCH, **kw) as ld:  # type: ignore[arg-type]
             ld.set_epoch(5)
             assert_no_aliasing(ld)
             rows["shardserve Loader(envs=4) streaming"] = measure(_epochs(ld), per_step, pid)
@@ -191,7 +217,10 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
         def planned(e: int) -> Iterator[Step]:
             p.set_epoch(e)
             for ids in p:
-                yield [{"image": images.index_select(0, i), "label": labels.index_select(0, i)} for i in ids]
+                yield [
+                    {"image": images.index_select(0, i), "label": labels.index_select(0, i)}
+                    for i in ids
+                ]
 
         rows["shardserve plan(envs=4) + index_select"] = measure(planned, per_step, pid)
     return rows
@@ -222,7 +251,9 @@ def collate_graphs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, dict[str, float]]:
     held = [{k: torch.from_numpy(np.asarray(v)) for k, v in g.items()} for g in graphs(n)]
-    dl = DataLoader(held, batch_size=GRAPH_BATCH, shuffle=True, num_workers=0, collate_fn=collate_graphs)  # type: ignore[arg-type]
+    dl = DataLoader(
+        held, batch_size=GRAPH_BATCH, shuffle=True, num_workers=0, collate_fn=collate_graphs
+    )  # type: ignore[arg-type]
 
     def dataloader(e: int) -> Iterable[Step]:
         torch.manual_seed(e)
@@ -231,8 +262,12 @@ def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, d
     rows = {"DataLoader(list in RAM, workers 0)": measure(dataloader, GRAPH_BATCH)}
     pid = server_pid(store)
     for name in names:
-        with Loader(url, name, GRAPH_BATCH, collate="graph", seed=0, rank=0, world_size=1) as ld:
-            rows[f"shardserve Loader(collate='graph'), {name}"] = measure(_epochs(ld), GRAPH_BATCH, pid)
+        with Loader(
+            url, name, GRAPH_BATCH, collate="graph", seed=0, rank=0, world_size=1, prefetch=PREFETCH
+        ) as ld:
+            rows[f"shardserve Loader(collate='graph'), {name}"] = measure(
+                _epochs(ld), GRAPH_BATCH, pid
+            )
     return rows
 
 
@@ -248,7 +283,8 @@ def bench_cifar(url: str, store: Path, n: int, batch: int) -> dict[str, dict[str
             yield {k: torch.from_numpy(a) for k, a in ds.take(idx, None, out=views).items()}
 
     rows = {"in-process Arrow take": measure(arrow_take, batch)}
-    with Loader(url, "cifar", batch, seed=0, rank=0, world_size=1) as ld:
+    prefetch = PREFETCH if batch < 256 else 4
+    with Loader(url, "cifar", batch, seed=0, rank=0, world_size=1, prefetch=prefetch) as ld:
         rows["shardserve Loader (shm)"] = measure(_epochs(ld), batch, server_pid(store))
     ds.close()
     return rows
@@ -260,9 +296,13 @@ def ratio(rows: dict[str, dict[str, float]], a: str, b: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="smaller data, about a minute")
-    p.add_argument("--workdir", type=Path, default=None, help="where to write the data (default: a temp dir)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the data (default: a temp dir)"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     n_cifar, n_graphs = (8_000, 4_000) if args.quick else (50_000, 20_000)
@@ -294,7 +334,11 @@ def main() -> None:
                           f"{r['samples_s'] / rows[first]['samples_s']:>7.2f}"
                           f"{r['client_cpu_us_per_batch']:>16,.0f}{r['server_cpu_us_per_batch']:>16,.0f}")  # fmt: skip
     rows = res["rows"]
-    g, g2, g15 = rows["graphs (batch 64)"], f"shardserve Loader(collate='graph'), {names[0]}", f"shardserve Loader(collate='graph'), {names[1]}"
+    g, g2, g15 = (
+        rows["graphs (batch 64)"],
+        f"shardserve Loader(collate='graph'), {names[0]}",
+        f"shardserve Loader(collate='graph'), {names[1]}",
+    )
     res["targets"] = [
         ("envs streaming / select-stack loop", ratio(rows["envs (4 x 32)"], "shardserve Loader(envs=4) streaming", "select/stack loop (RAM)"), 5.0),
         ("graphs 2 shards / DataLoader list", ratio(g, g2, "DataLoader(list in RAM, workers 0)"), 1.0),
