@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import MalformedFrame, UnknownMessage, VersionMismatch
+from .errors import MalformedFrame, UnknownMessage
 from .messages import (
     CONTROL_MODELS,
     MAX_NDIM,
@@ -46,6 +46,7 @@ from .messages import (
     Message,
     PartHeader,
 )
+from .version import check_version
 
 MAGIC = b"SS"
 _PREFIX = struct.Struct("<2sBB")
@@ -111,9 +112,7 @@ def peek_kind(frame: Frame) -> Kind:
         k = Kind(kind)
     except ValueError:
         raise UnknownMessage(f"unknown message kind {kind}; this side knows {[int(x) for x in Kind]}") from None
-    if version != PROTOCOL_VERSION and k not in (Kind.HELLO, Kind.REJECT):
-        # Hello and Reject carry their versions in the body so a mismatch can be explained.
-        raise VersionMismatch(f"peer speaks protocol {version}, this side speaks {PROTOCOL_VERSION}")
+    check_version(version, k)
     return k
 
 

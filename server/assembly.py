@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .metrics import Metrics
+from .streaming.source import BatchParts, BatchSource
 
 log = logging.getLogger("shardserve.assembly")
 
@@ -37,8 +38,11 @@ class Done:
 
 
 def assemble_batch(
-    ds: Any, indices: np.ndarray, fields: Sequence[str], out: Mapping[str, np.ndarray] | None
-) -> dict[str, np.ndarray]:
+    ds: BatchSource,
+    indices: np.ndarray,
+    fields: Sequence[str],
+    out: Mapping[str, np.ndarray] | None,
+) -> BatchParts:
     """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
 
     ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
@@ -52,7 +56,7 @@ class Assembler:
     """A bounded pool whose results are collected by one consumer thread.
 
     ``notify`` is called (from a worker thread) after each result is queued; it must be
-    cheap and thread-safe — the streamer passes its :class:`~.streaming.buffers.Waker`.
+    cheap and thread-safe — the streamer passes its :class:`~.streaming.streamer.Waker`.
     """
 
     def __init__(
@@ -80,7 +84,7 @@ class Assembler:
     def gather(
         self,
         tag: Any,
-        ds: Any,
+        ds: BatchSource,
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
@@ -92,7 +96,7 @@ class Assembler:
 
     def assemble_now(
         self,
-        ds: Any,
+        ds: BatchSource,
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,

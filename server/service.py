@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 from prometheus_client import CollectorRegistry
 
 from shardserve.proto.errors import BadRequest, ErrorCode, JobNotFound
@@ -48,13 +49,13 @@ from .store.catalog import Store
 from .store.graphs import check_graph_job
 from .store.remote import RemoteStore, StoreOptions, open_store
 from .streaming.board import JobActivity, StreamBoard
+from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.limits import check_batch
 from .streaming.plans import PlanCache
-from .streaming.protocol import Parts, StreamHandler
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
-from .streaming.streamer import Streamer, StreamerConfig
+from .streaming.streamer import Streamer, StreamerConfig, Waker
 
 log = logging.getLogger("shardserve.service")
 
@@ -149,10 +150,16 @@ class Service:
         self._opened: set[str] = set()
         self._open_lock = threading.Lock()
 
-    def _make_handler(self, sock: Any, waker: Any) -> StreamHandler:
+    def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
         assembler = Assembler(self.settings.assembly_threads, waker.wake, self.metrics)
-        parts = Parts(self.open_dataset, self.jobs, self.plans, self.board, self.metrics)
-        return StreamHandler(sock, assembler, parts, self.streamer.config)
+        deps = HandlerDeps(
+            open_dataset=self.open_dataset,
+            registry=self.jobs,
+            plans=self.plans,
+            board=self.board,
+            metrics=self.metrics,
+        )
+        return StreamHandler(sock, assembler, deps, self.streamer.config)
 
     def open_dataset(self, name: str) -> Any:
         """The shared ``Dataset`` for ``name``, verified per ``--verify`` on its first open only.

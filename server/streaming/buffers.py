@@ -1,6 +1,6 @@
-"""Reusable per-stream batch buffers, and the wake-up pipe of the streamer's poll loop.
+"""Reusable per-stream batch buffers for the socket path (:class:`~.sinks.SocketSink`).
 
-Buffer reuse: a stream's batches are gathered into preallocated arrays (``out=`` of the
+A stream's batches are gathered into preallocated arrays (``out=`` of the
 store's ``take``) so the steady state allocates nothing and touches already-faulted pages.
 An array sent with ``copy=False`` still belongs to libzmq until its I/O thread has written
 it, so a buffer set goes back to the free list only when the ``zmq.MessageTracker`` of its
@@ -16,18 +16,15 @@ is therefore bounded by the client's credit either way.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
+from .source import PartShapes
+
 #: Bytes of reusable buffers one stream may keep (the pool is 2..8 sets within this).
 POOL_BUDGET_BYTES = 64 << 20
-
-PartShapes = Mapping[str, "tuple[np.dtype, tuple[int, ...]] | None"]
 
 
 @dataclass(eq=False)
@@ -102,34 +99,3 @@ class BufferPool:
                 else:
                     still.append((tracker, bufs))
             self._pending = still
-
-
-class Waker:
-    """A self-pipe another thread writes to so the streamer's ``zmq.Poller`` wakes up.
-
-    Equivalent to an inproc PUSH/PULL pair without a socket per worker thread: ``wake`` is
-    one non-blocking ``write`` that any thread may call; a full pipe already means "wake up".
-    """
-
-    def __init__(self) -> None:
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._r, False)
-        os.set_blocking(self._w, False)
-
-    def fileno(self) -> int:
-        return self._r
-
-    def wake(self) -> None:
-        # A full pipe means the reader is already due to wake; a closed one, shutting down.
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._w, b"\0")
-
-    def drain(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._r, 4096):
-                pass
-
-    def close(self) -> None:
-        for fd in (self._r, self._w):
-            with contextlib.suppress(OSError):
-                os.close(fd)

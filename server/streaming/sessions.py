@@ -1,52 +1,69 @@
 """Per-stream state on the server: one :class:`Session` per client DEALER (job, rank).
 
-Counters, all in batch indices of the epoch's plan for that rank::
-
-    start_batch <= next_send <= next_submit <= num_batches
-                   |<- in flight ->|            in flight = assembling or assembled, unsent
-    credit    = batches granted that are not yet submitted for assembly
-    owed      = credit + in flight        (what the client may still receive; its credit)
-
-The streamer submits work only while ``credit > 0``, so ``owed`` never exceeds what the client
-granted: a consumer that stops reading holds at most its credit in memory on both sides.
-Batches are sent strictly in index order; results that finish out of order wait in ``ready``.
+A session's batch counters live in its :class:`~.pipeline.Pipeline` (credit, in-order
+release); where its batches are assembled and how they leave, in its
+:class:`~.sinks.BatchSink`, made once the stream is :class:`Prepared`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TypedDict
 
 from shardserve.proto.jobs import Transport
 
 from ..jobs import Job
-from .buffers import BufferPool, BufferSet
+from ..planning import RankPlan
+from ..store.graphs import GraphCollated
+from .limits import StreamCancelled, check_batch
+from .pipeline import Pipeline
+from .plans import PlanCache
+from .sinks import BatchSink
+from .source import BatchParts, BatchSource, PartShapes
 
-#: Assemblies one stream may have queued at once: enough to keep the pool busy, few enough
-#: that one greedy stream does not starve the others of assembly threads.
-MAX_INFLIGHT_PER_STREAM = 4
+
+class StreamFacts(TypedDict):
+    """What every log line about a stream names."""
+
+    job: str
+    rank: int
+    stream: int
+    epoch: int
 
 
-@dataclass(eq=False)
+class LogExtras(TypedDict, total=False):
+    """Facts some stream log lines add."""
+
+    repeat: bool
+    asked: str
+    socket_batches: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """A batch ready to send: its parts, and the sink's ticket for the memory they lie in."""
+
+    parts: BatchParts
+    ticket: int
+
+
+@dataclass(frozen=True, eq=False)
 class Prepared:
-    """What a stream needs before its first batch (built on the assembly pool; the buffer
-    pool is attached on the streamer thread, which alone touches pools)."""
+    """What a stream needs before its first batch (built on the planning lane)."""
 
-    dataset: Any
-    plan: Any
+    source: BatchSource
+    plan: RankPlan
     fields: tuple[str, ...]
-    part_shapes: dict[str, Any]
-    pool: BufferPool | None = None
+    part_shapes: PartShapes
     #: Expected bytes of one full batch (variable fields at the dataset's average).
-    batch_bytes: int = 0
+    batch_bytes: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Session:
-    """One open stream: who it is for, where it is, what it may send."""
+    """One open stream: who it is for, where it is, how its batches leave."""
 
     ident: bytes
     stream: int
@@ -55,71 +72,65 @@ class Session:
     epoch: int
     seed: int
     nonce: int
-    start_batch: int
-    num_batches: int
-    credit: int
-    transport: Transport = "socket"
-    prepared: Prepared | None = None
-    #: Asked for shared memory from this host; ``shm`` is its ring once made.
+    flow: Pipeline[Assembled]
+    #: Asked for shared memory from this host (same kernel boot id, transport "auto").
     want_shm: bool = False
-    shm: Any = None
+    #: Slots of the previous stream's ring the client still reads (it may take that ring over).
+    keep: tuple[int, ...] = ()
+    prepared: Prepared | None = None
+    sink: BatchSink | None = None
     #: Why the ring was refused (the stream then uses the socket).
     shm_fallback: str | None = None
-    #: Batches of an shm stream too big for their slot, sent over the socket instead.
-    socket_batches: int = 0
-    #: The previous stream's ring, handed over by a new Hello from the same client, and the
-    #: slots of it the client still reads from.
-    reuse_shm: Any = None
-    keep: tuple[int, ...] = ()
-    next_submit: int = 0
-    next_send: int = 0
-    #: Assembled batches waiting for their turn: index -> (parts, buffer set or None).
-    ready: dict[int, tuple[dict[str, np.ndarray], BufferSet | None]] = field(default_factory=dict)
-    #: Batches handed to the assembly pool whose result has not come back.
-    assembling: int = 0
-    #: Batch index before which assembly stays on the pool (set after a slow inline take).
-    pool_until: int = 0
     ended: bool = False
     #: Set when the session is closed; read by its pending planning work (any thread).
     closed: bool = False
     last_recv: float = field(default_factory=time.monotonic)
     last_send: float = field(default_factory=time.monotonic)
 
-    def __post_init__(self) -> None:
-        self.next_submit = self.next_send = self.start_batch
-
     @property
     def job_id(self) -> str:
         return self.job.id
 
     @property
-    def in_flight(self) -> int:
-        return self.next_submit - self.next_send
+    def transport(self) -> Transport:
+        """How this stream's batches leave (``socket`` until its sink is made)."""
+        return self.sink.transport if self.sink is not None else "socket"
 
     @property
-    def owed(self) -> int:
-        """Batches the client has granted and not yet received."""
-        return self.credit + self.in_flight
+    def assembling(self) -> int:
+        return self.flow.assembling
 
-    @property
-    def done_sending(self) -> bool:
-        return self.next_send >= self.num_batches
-
-    def wants_work(self) -> bool:
-        """Whether one more batch may be submitted for assembly now."""
-        return (
-            self.prepared is not None
-            and self.credit > 0
-            and self.next_submit < self.num_batches
-            and self.assembling < MAX_INFLIGHT_PER_STREAM
-        )
-
-    def unsent_buffers(self) -> list[BufferSet]:
-        """Buffer sets of assembled batches that will now never be sent (stream closing)."""
-        sets = [bufs for _, bufs in self.ready.values() if bufs is not None]
-        self.ready.clear()
-        return sets
-
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> StreamFacts:
         """Facts for log lines."""
         return {"job": self.job_id, "rank": self.rank, "stream": self.stream, "epoch": self.epoch}
+
+
+def prepare(
+    s: Session,
+    open_dataset: Callable[[str], BatchSource],
+    plans: PlanCache,
+    max_batch_bytes: int,
+) -> Prepared:
+    """On the planning lane: open the dataset and plan this rank's epoch.
+
+    Reads only immutable facts of ``s`` and its ``closed`` flag (a replaced or closed stream
+    is skipped: its result would be dropped anyway).
+    """
+    if s.closed:
+        raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
+    job = s.job
+    source = open_dataset(job.spec.dataset)
+    if job.spec.collate == "graph":
+        source = GraphCollated(source)  # issue 14: graphs collated for message passing
+    m = source.manifest
+    fields = tuple(job.spec.fields or (f.name for f in m.fields))
+    batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
+    # A job journaled before the limits existed is refused here, before any allocation.
+    check_batch(job.spec.batch_size, m.num_samples, batch_bytes, max_batch_bytes)
+    if s.closed:
+        raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
+    plan = plans.rank_plan(job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows)
+    hint: Callable[[RankPlan], None] | None = getattr(source, "plan_hint", None)
+    if hint is not None:
+        hint(plan)  # a remote dataset prefetches the shards this plan reads next
+    return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes)

@@ -14,7 +14,7 @@ Rules this thread keeps:
 
 * It alone touches the socket (zmq sockets are not thread-safe). Assembly runs on the
   :class:`~shardserve.server.assembly.Assembler` pool, which wakes this thread through a
-  :class:`~.buffers.Waker` fd in the same ``zmq.Poller``; HTTP threads reach it only through
+  :class:`Waker` fd in the same ``zmq.Poller``; HTTP threads reach it only through
   a command queue (e.g. a deleted job) and read its state from the :class:`~.board.StreamBoard`.
 * Nothing is assembled past a stream's credit (see :mod:`.sessions`), so a slow consumer bounds
   memory; batches leave strictly in index order, payload frames sent zero-copy.
@@ -36,14 +36,16 @@ Rules this thread keeps:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import zmq
 
@@ -51,7 +53,6 @@ from shardserve.proto.errors import ErrorCode
 from shardserve.proto.messages import Error
 
 from ..logs import log_event
-from .buffers import Waker
 
 log = logging.getLogger("shardserve.streaming")
 
@@ -59,6 +60,60 @@ log = logging.getLogger("shardserve.streaming")
 MAX_INCOMING_BYTES = 1 << 20
 #: Messages handled per wake-up before timers and results get their turn.
 RECV_BURST = 256
+
+
+class Handler(Protocol):
+    """What the streamer thread calls; it owns the streams (see :mod:`.handler`)."""
+
+    def on_message(self, ident: bytes, frames: list[bytes]) -> None:
+        """One message from peer ``ident``; bad input is answered, never raised."""
+
+    def on_results(self) -> None:
+        """Apply finished assembly work."""
+
+    def on_tick(self, now: float) -> None:
+        """Timers: heartbeats, idle streams, retries of sends that hit the HWM."""
+
+    def shutdown(self) -> None:
+        """The server is stopping: tell every stream, release everything."""
+
+    def job_gone(self, job_id: str, code: ErrorCode, message: str) -> None:
+        """End every stream of a job (a command from the control plane, see :meth:`Streamer.call`)."""
+
+
+#: ``factory(socket, waker) -> handler``, called on the streamer thread once bound.
+HandlerFactory = Callable[[zmq.Socket, "Waker"], Handler]
+
+
+class Waker:
+    """A self-pipe another thread writes to so the streamer's ``zmq.Poller`` wakes up.
+
+    Equivalent to an inproc PUSH/PULL pair without a socket per worker thread: ``wake`` is
+    one non-blocking ``write`` that any thread may call; a full pipe already means "wake up".
+    """
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def wake(self) -> None:
+        # A full pipe means the reader is already due to wake; a closed one, shutting down.
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._w, b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._r, 4096):
+                pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -82,13 +137,11 @@ class StreamerConfig:
 class Streamer:
     """Owns the ROUTER socket and its thread; see the module docstring."""
 
-    def __init__(
-        self, config: StreamerConfig, handler_factory: Callable[[zmq.Socket, Waker], Any]
-    ) -> None:
+    def __init__(self, config: StreamerConfig, handler_factory: HandlerFactory) -> None:
         self.config = config
         self._factory = handler_factory
         self._waker = Waker()
-        self._commands: queue.SimpleQueue[Callable[[Any], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[Handler], None]] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._bound_event = threading.Event()
         self._bind_error: BaseException | None = None
@@ -127,7 +180,7 @@ class Streamer:
             raise self._bind_error
         return self.endpoints
 
-    def call(self, fn: Callable[[Any], None]) -> None:
+    def call(self, fn: Callable[[Handler], None]) -> None:
         """Run ``fn(handler)`` on the streamer thread (from any thread); returns at once."""
         self._commands.put(fn)
         self._waker.wake()
@@ -147,7 +200,6 @@ class Streamer:
     def _run(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
-        handler = None
         try:
             self._configure(sock)
             for ep in self.config.endpoints:
@@ -195,14 +247,14 @@ class Streamer:
         # TTL is in deciseconds on the wire, at most 6553.5 s.
         sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms // 100 * 100, 6_553_500))
 
-    def _loop(self, sock: zmq.Socket, handler: Any) -> None:
+    def _loop(self, sock: zmq.Socket, handler: Handler) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._waker.fileno(), zmq.POLLIN)
         tick_s = min(self.config.heartbeat_s, self.config.stream_timeout_s) / 4
         next_tick = time.monotonic() + tick_s
         while not self._stopping.is_set():
-            wait_ms = max(0.0, next_tick - time.monotonic()) * 1000
+            wait_ms = int(max(0.0, next_tick - time.monotonic()) * 1000)
             events = dict(poller.poll(wait_ms))
             if sock in events:
                 for _ in range(RECV_BURST):
@@ -220,7 +272,7 @@ class Streamer:
                 handler.on_tick(now)
                 next_tick = now + tick_s
 
-    def _run_commands(self, handler: Any) -> None:
+    def _run_commands(self, handler: Handler) -> None:
         while True:
             try:
                 fn = self._commands.get_nowait()

@@ -1,0 +1,353 @@
+"""The server's half of the stream protocol, run on the streamer thread: dispatch and the
+life of each session.
+
+:class:`StreamHandler` reacts to three things — a message from a peer, finished assembly work,
+a timer tick — opens, welcomes and closes :class:`~.sessions.Session` s, and lets the
+:class:`~.pump.Pump` move them (assemble within credit, send in order). The
+:class:`~.streamer.Streamer` owns the thread and the socket and calls in here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from shardserve.proto.errors import (
+    DatasetCorruptError,
+    ErrorCode,
+    ProtocolError,
+    ShardserveError,
+    VersionMismatch,
+)
+from shardserve.proto.framing import decode, encode, peek_kind
+from shardserve.proto.messages import (
+    BatchHeader,
+    Bye,
+    ControlMessage,
+    Credit,
+    EndOfEpoch,
+    Error,
+    Heartbeat,
+    Hello,
+)
+from shardserve.proto.version import foreign_hello, peek_version
+
+from ..assembly import Assembler, Done
+from ..jobs import JobRegistry
+from ..logs import log_event
+from ..metrics import Metrics
+from . import replies
+from .board import StreamBoard
+from .handshake import check_hello, version_reject
+from .notices import StreamNotices
+from .opening import Opener
+from .pipeline import CreditOverflow, Work, WorkKind
+from .plans import PlanCache
+from .pump import AssemblyFailed, PeerGone, Pump
+from .sessions import Assembled, Prepared, Session, prepare
+from .source import BatchSource
+from .streamer import StreamerConfig, shutdown_error
+
+log = logging.getLogger("shardserve.streaming")
+
+
+@dataclass(frozen=True)
+class HandlerDeps:
+    """What the handler uses and shares with the control plane (all thread-safe)."""
+
+    #: ``open_dataset(name)``: the shared, cached dataset (see ``Service.open_dataset``).
+    open_dataset: Callable[[str], BatchSource]
+    registry: JobRegistry
+    plans: PlanCache
+    board: StreamBoard
+    metrics: Metrics
+
+
+class StreamHandler:
+    """Sessions by routing id, and what to do with each event. Streamer thread only."""
+
+    def __init__(
+        self, sock: zmq.Socket, assembler: Assembler, deps: HandlerDeps, config: StreamerConfig
+    ) -> None:
+        self.sock = sock
+        self.assembler = assembler
+        self.deps = deps
+        self.config = config
+        self.sessions: dict[bytes, Session] = {}
+        self.pump = Pump(assembler, deps.metrics, deps.board)
+        self.notices = StreamNotices(deps.board, deps.metrics)
+        self.opener = Opener(sock, self.notices, config)
+        self._next_stream = 1
+
+    # -- events -------------------------------------------------------------------------
+
+    def on_message(self, ident: bytes, frames: list[bytes]) -> None:
+        """One message from peer ``ident``; bad input is answered, never raised."""
+        try:
+            match self._decode(frames):
+                case Hello() as hello:
+                    self._on_hello(ident, hello)
+                case Credit() as credit:
+                    self._on_credit(ident, credit)
+                case Heartbeat() as hb:
+                    self._on_heartbeat(ident, hb)
+                case Bye():
+                    if (s := self.sessions.get(ident)) is not None:
+                        self._close(s, "bye")
+                case BatchHeader():
+                    self._send(ident, replies.not_accepted("BATCH"))
+                case other:
+                    self._send(ident, replies.not_accepted(other.kind.name))
+        except VersionMismatch as e:
+            v = peek_version(frames)
+            self._send(ident, version_reject([v] if v is not None else []))
+            log_event(log, "peer.version_mismatch", level=logging.WARNING, reason=str(e))
+        except ProtocolError as e:
+            self._send(ident, Error(code=e.code, message=str(e), fatal=False))
+            log_event(
+                log, "peer.bad_message", level=logging.WARNING, code=e.code.value, reason=str(e)
+            )
+        except Exception as e:
+            log_event(log, "peer.message_failed", level=logging.ERROR, exc_info=True)
+            if (s := self.sessions.get(ident)) is not None:
+                self._contain(s, e)  # its state may be half-changed: end it, keep the others
+                return
+            self._try_send(ident, replies.handling_failed())
+
+    def _decode(self, frames: list[bytes]) -> ControlMessage | BatchHeader:
+        if frames and (v := foreign_hello(frames, peek_kind(frames[0]))) is not None:
+            # A Hello of another protocol version may have another body: explain, do not parse.
+            raise VersionMismatch(f"Hello of protocol {v}")
+        return decode(frames)
+
+    def on_results(self) -> None:
+        """Apply finished assembly work (prepared streams, assembled batches)."""
+        for done in self.assembler.results():
+            work: Work = done.tag
+            s = self.sessions.get(work.ident)
+            live = s is not None and s.stream == work.stream
+            if work.kind is WorkKind.BATCH:
+                if s is not None and live:
+                    s.flow.returned()
+                if not live or done.error is not None:
+                    work.abandon()  # never to be sent, and the worker is done with its memory
+            if s is None or not live:
+                continue  # the stream was replaced or closed while this ran
+            try:
+                self._apply(s, work, done)
+            except Exception as e:
+                self._contain(s, e)
+
+    def _apply(self, s: Session, work: Work, done: Done) -> None:
+        if done.error is not None:
+            self._stream_failed(s, done.error)
+        elif work.kind is WorkKind.PREPARE:
+            prepared: Prepared = done.value
+            s.prepared = prepared
+            s.sink = self.opener.sink_for(s, prepared, self.sessions.values())
+            self._welcome(s)
+            self._pump(s)
+        else:
+            s.flow.assembled(work.index, Assembled(done.value, work.ticket))
+            self._pump(s)
+
+    def on_tick(self, now: float) -> None:
+        """Heartbeats, liveness probes, idle cleanup, retries of sends that hit the HWM."""
+        for s in list(self.sessions.values()):
+            if self.sessions.get(s.ident) is not s:
+                continue  # closed by an earlier one's tick
+            try:
+                self._tick(s, now)
+            except Exception as e:
+                self._contain(s, e)
+
+    def _tick(self, s: Session, now: float) -> None:
+        c = self.config
+        if s.ended:
+            if now - s.last_recv > c.stream_timeout_s:
+                self._close(s, "idle after end of epoch")
+            return
+        if now - s.last_send >= c.heartbeat_s:
+            if self._send(s.ident, Heartbeat()) is False:
+                return  # peer gone (_send closed the session) or its queue is full
+            s.last_send = now
+        if s.flow.ready:
+            self._pump(s)
+
+    def shutdown(self) -> None:
+        """Tell every open stream the server is going (transient), then forget them."""
+        for s in list(self.sessions.values()):
+            try:
+                self._send(s.ident, shutdown_error(s.stream))
+            except zmq.ZMQError as e:  # the socket is going away; the session must still close
+                log_event(log, "stream.shutdown_send_failed", **s.describe(), reason=str(e))
+            if self.sessions.get(s.ident) is s:
+                try:
+                    self._close(s, "server shutdown")
+                except Exception:  # one session's trouble must not keep the others' rings
+                    log_event(log, "stream.close_failed", level=logging.ERROR, exc_info=True)
+                    self.sessions.pop(s.ident, None)
+        self.opener.rings.close()
+        self.assembler.close()
+
+    def job_gone(self, job_id: str, code: ErrorCode, message: str) -> None:
+        """End every stream of a job with a fatal error (job deleted or failed)."""
+        self.opener.forget_job(job_id)
+        self.notices.forget_job(job_id)
+        for s in [s for s in self.sessions.values() if s.job_id == job_id]:
+            if self.sessions.get(s.ident) is not s:
+                continue
+            self._try_send(s.ident, Error(code=code, message=message, fatal=True, stream=s.stream))
+            if self.sessions.get(s.ident) is s:
+                self._close(s, message, level=logging.WARNING)
+
+    # -- opening a stream ---------------------------------------------------------------
+
+    def _on_hello(self, ident: bytes, hello: Hello) -> None:
+        job = self.deps.registry.find(hello.job)
+        refusal = check_hello(hello, job, self.config.token)
+        if (old := self.sessions.get(ident)) is not None:
+            # The same client's next stream (an epoch, a resume) may take over its ring, unless
+            # a worker may still be writing into one of its slots.
+            self._close(old, "replaced by a new Hello", handover=refusal is None)
+        if refusal is not None or job is None:
+            self.opener.rings.discard(ident)
+            if refusal is not None:
+                self._send(ident, refusal)
+                self.notices.refused(hello, refusal)
+            return
+        s = self.opener.session(ident, self._new_stream_id(), job, hello)
+        if not s.want_shm:
+            self.opener.rings.discard(ident)
+        self.sessions[ident] = s
+        self.deps.registry.note_stream(job.id, s.epoch)
+        # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
+        # Planning has its own lane, so a flood of Hellos cannot starve other jobs' batches;
+        # a Hello replaced (or a peer gone) before its turn costs nothing (see prepare).
+        work = Work(WorkKind.PREPARE, ident, s.stream)
+        d = self.deps
+        self.assembler.plan(work, prepare, s, d.open_dataset, d.plans, self.config.max_batch_bytes)
+
+    def _welcome(self, s: Session) -> None:
+        self._send(s.ident, self.opener.welcome(s))
+        self.notices.opened(s, len(self.sessions))
+
+    # -- messages of an open stream -----------------------------------------------------
+
+    def _on_credit(self, ident: bytes, credit: Credit) -> None:
+        s = self._session_or_unknown(ident)
+        if s is None:
+            return
+        if s.sink is not None and credit.slots and (bad := s.sink.returned(credit.slots)):
+            log_event(log, "shm.bad_return", level=logging.WARNING, **s.describe(), slots=bad)
+        try:
+            s.flow.grant(credit.grant)
+        except CreditOverflow as e:
+            self._send(ident, replies.credit_refused(str(e), s.stream))
+            self._close(s, "credit over the limit", level=logging.WARNING)
+            return
+        self.notices.heard(s, credit.stats)
+        self._pump(s)
+
+    def _on_heartbeat(self, ident: bytes, hb: Heartbeat) -> None:
+        s = self._session_or_unknown(ident)
+        if s is not None:
+            self.notices.heard(s, hb.stats)
+            if self._send(ident, Heartbeat()):
+                s.last_send = time.monotonic()
+
+    def _session_or_unknown(self, ident: bytes) -> Session | None:
+        s = self.sessions.get(ident)
+        if s is None:
+            self._send(ident, replies.unknown_stream())
+        return s
+
+    # -- moving and ending a stream -----------------------------------------------------
+
+    def _pump(self, s: Session) -> None:
+        """Submit work within credit, send what is ready in order, end the epoch."""
+        if self.sessions.get(s.ident) is not s:
+            return  # closed meanwhile (e.g. its peer vanished while being welcomed)
+        others_busy = any(x is not s and not x.ended for x in self.sessions.values())
+        try:
+            unblocked = self.pump.run(s, others_busy)
+        except PeerGone:
+            self._close(s, "peer gone", level=logging.WARNING)
+            return
+        except AssemblyFailed as e:
+            self._stream_failed(s, e.__cause__ or e)
+            return
+        eoe = EndOfEpoch(stream=s.stream, epoch=s.epoch, num_batches=s.flow.num_batches)
+        if unblocked and s.flow.done_sending and not s.ended and self._send(s.ident, eoe):
+            s.ended = True
+            log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=eoe.num_batches)
+
+    def _stream_failed(self, s: Session, exc: BaseException) -> None:
+        if isinstance(exc, DatasetCorruptError):
+            # Bad bytes are the job's problem, not this stream's: every rank of it must stop.
+            self.deps.registry.fail(s.job_id, exc.code, str(exc))
+            self.job_gone(s.job_id, exc.code, str(exc))
+            return
+        reply = replies.stream_failure(exc, s.stream)
+        self._try_send(s.ident, reply)
+        self.notices.failed(s, reply, exc, bug=not isinstance(exc, ShardserveError))
+        self._close(s, "failed")
+
+    def _contain(self, s: Session, exc: BaseException) -> None:
+        """Whatever went wrong serving ``s`` ends ``s`` alone (never the streamer thread)."""
+        try:
+            self._stream_failed(s, exc)
+        except Exception:
+            log_event(log, "stream.fail_failed", level=logging.ERROR, exc_info=True)
+            with contextlib.suppress(Exception):
+                self._close(s, "failed", level=logging.ERROR)
+            if self.sessions.get(s.ident) is s:
+                del self.sessions[s.ident]
+
+    def _close(
+        self, s: Session, reason: str, level: int = logging.INFO, handover: bool = False
+    ) -> None:
+        s.closed = True
+        if self.sessions.get(s.ident) is s:
+            del self.sessions[s.ident]
+        sink = s.sink
+        if sink is None:  # closed before its Welcome: the ring it was to take over goes
+            self.opener.rings.discard(s.ident)
+        else:
+            for batch in s.flow.drain():
+                sink.release(batch.ticket)
+            sink.close(handover=handover and s.flow.assembling == 0)
+        overflowed = sink.overflowed if sink is not None else 0
+        self.notices.closed(s, reason, level, len(self.sessions), overflowed)
+
+    def _send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """Send a control message; ``False`` when the peer is gone or its queue is full."""
+        try:
+            self.sock.send_multipart([ident, *encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            if (s := self.sessions.get(ident)) is not None:
+                self._close(s, "peer gone", level=logging.WARNING)
+            return False
+
+    def _try_send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """:meth:`_send` that also swallows socket errors (best-effort notices)."""
+        try:
+            return self._send(ident, msg)
+        except zmq.ZMQError as e:
+            log_event(log, "peer.send_failed", level=logging.WARNING, reason=str(e))
+            return False
+
+    def _new_stream_id(self) -> int:
+        sid = self._next_stream
+        self._next_stream = sid % 0xFFFF_FFFF + 1
+        return sid

@@ -1,0 +1,93 @@
+"""Opening a stream: which sink delivers it and what its Welcome says.
+
+The one place that chooses a :class:`~.sinks.BatchSink`: shared memory when the client asked
+for it from this host and a ring could be had, else the socket (the reason is told through
+:meth:`~.notices.StreamNotices.fell_back`). A new way to deliver adds its class in
+:mod:`.sinks` and its branch in :meth:`Opener.sink_for`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import zmq
+
+from shardserve.proto.messages import MAX_CREDIT, Hello, Welcome
+
+from ..jobs import Job
+from .handshake import batches_per_rank
+from .notices import StreamNotices
+from .pipeline import Pipeline
+from .sessions import Prepared, Session
+from .shm import ShmUnavailable
+from .sinks import BatchSink, IdlePools, RingBook, Route, SocketSink
+from .streamer import StreamerConfig
+
+
+class Opener:
+    """Which sink, and what the Welcome says. Streamer thread only."""
+
+    def __init__(self, sock: zmq.Socket, notices: StreamNotices, config: StreamerConfig) -> None:
+        self.sock = sock
+        self.notices = notices
+        self.config = config
+        self.pools = IdlePools()
+        self.rings = RingBook(config.shm_dir or Path("/nonexistent"), config.shm_limit_bytes)
+
+    def session(self, ident: bytes, stream: int, job: Job, hello: Hello) -> Session:
+        """The session a Hello that passed every check opens (not yet prepared)."""
+        return Session(
+            ident=ident,
+            stream=stream,
+            job=job,
+            rank=hello.rank,
+            epoch=hello.epoch,
+            seed=job.seed,
+            nonce=hello.nonce,
+            flow=Pipeline(hello.start_batch, batches_per_rank(job), hello.credit),
+            want_shm=self.wants_shm(hello),
+            keep=hello.keep,
+        )
+
+    def wants_shm(self, hello: Hello) -> bool:
+        """Same kernel boot id: the client shares our host, so it can map our /dev/shm rings."""
+        c = self.config
+        return (
+            hello.transport == "auto"
+            and c.shm_dir is not None
+            and bool(hello.boot_id)
+            and hello.boot_id == c.boot_id
+        )
+
+    def sink_for(self, s: Session, prep: Prepared, sessions: Iterable[Session]) -> BatchSink:
+        """The stream's sink: its slot ring if it wants one and can have one, else the socket."""
+        route = Route(self.sock, s.ident, s.stream, s.epoch)
+        batch_size = s.job.spec.batch_size
+        if s.want_shm:
+            credit = min(s.flow.credit, MAX_CREDIT)
+            try:
+                return self.rings.open(route, credit, prep.source, prep.fields, batch_size, s.keep)
+            except ShmUnavailable as e:
+                self.notices.fell_back(s, str(e))
+        live = {(x.job_id, x.rank) for x in sessions}
+        pool = self.pools.get((s.job_id, s.rank), prep.part_shapes, batch_size, live)
+        return SocketSink(route, pool)
+
+    def welcome(self, s: Session) -> Welcome:
+        return Welcome(
+            stream=s.stream,
+            nonce=s.nonce,
+            job=s.job_id,
+            rank=s.rank,
+            epoch=s.epoch,
+            seed=s.seed,
+            start_batch=s.flow.start_batch,
+            num_batches=s.flow.num_batches,
+            heartbeat_s=self.config.heartbeat_s,
+            transport=s.transport,
+            shm=s.sink.ring if s.sink is not None else None,
+        )
+
+    def forget_job(self, job_id: str) -> None:
+        self.pools.forget_job(job_id)

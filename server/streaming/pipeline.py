@@ -1,0 +1,178 @@
+"""One stream's batch flow as pure bookkeeping: credit, what to assemble next, in-order release.
+
+No sockets, no threads, no clocks: the handler feeds events in (a Credit, an assembled batch,
+a send) and asks what to do next. Counters, in batch indices of the rank's epoch plan::
+
+    start_batch <= next_send <= next_submit <= num_batches
+                   |<- in flight ->|            in flight = assembling or assembled, unsent
+    credit    = batches granted that are not yet submitted for assembly
+    owed      = credit + in flight        (what the client may still receive: its credit)
+
+Work is taken only while ``credit > 0``, so ``owed`` never exceeds what the client granted:
+a consumer that stops reading holds at most its credit in memory on both sides. Batches are
+released strictly in index order; results that finish out of order wait in ``ready``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
+
+from shardserve.proto.messages import MAX_CREDIT
+
+#: Assemblies one stream may have queued at once: enough to keep the pool busy, few enough
+#: that one greedy stream does not starve the others of assembly threads.
+MAX_INFLIGHT_PER_STREAM = 4
+#: A lone stream's batches up to this size are assembled on the streamer thread itself: for
+#: a CIFAR batch the pool's two thread hand-offs (submit, wake with the result) cost more
+#: CPU than the gather. Bigger batches, or several streams, use the pool.
+INLINE_MAX_BYTES = 4 << 20
+#: An inline gather slower than this (pages not cached: the disk is being read) blocks the
+#: streamer's heartbeats, so that stream's next ``INLINE_BACKOFF`` batches go to the pool.
+INLINE_MAX_S = 0.01
+INLINE_BACKOFF = 64
+
+T = TypeVar("T")
+
+
+class WorkKind(Enum):
+    PREPARE = "prepare"
+    BATCH = "batch"
+
+
+class TicketOwner(Protocol):
+    """Who lent a batch's memory (a :class:`~.sinks.BatchSink`): told when it is not needed."""
+
+    def release(self, ticket: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a job on the assembler is for; it comes back with the result, so a result of a
+    stream that was replaced or closed meanwhile is recognised (``stream`` differs) and dropped.
+
+    Batches carry their ``index`` and the ``ticket`` of the memory they are assembled into,
+    with its ``owner``, so a batch that will never be sent still gives its memory back.
+    """
+
+    kind: WorkKind
+    ident: bytes
+    stream: int
+    index: int = -1
+    ticket: int = -1
+    owner: TicketOwner | None = None
+
+    def abandon(self) -> None:
+        """The batch will not be sent (failed, or its stream is gone): free its memory."""
+        if self.owner is not None:
+            self.owner.release(self.ticket)
+
+
+class CreditOverflow(ValueError):
+    """A Credit would let a stream hold more than ``MAX_CREDIT`` batches."""
+
+
+@dataclass
+class Pipeline(Generic[T]):
+    """The counters of one stream (see the module docstring); ``T`` is an assembled batch."""
+
+    start_batch: int
+    num_batches: int
+    credit: int
+    next_submit: int = field(init=False)
+    next_send: int = field(init=False)
+    #: Batches handed to the assembly pool whose result has not come back.
+    assembling: int = 0
+    #: Batch index before which assembly stays on the pool (set after a slow inline take).
+    pool_until: int = 0
+    #: Assembled batches waiting for their turn, by index.
+    ready: dict[int, T] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.next_submit = self.next_send = self.start_batch
+
+    @property
+    def in_flight(self) -> int:
+        return self.next_submit - self.next_send
+
+    @property
+    def owed(self) -> int:
+        """Batches the client has granted and not yet received."""
+        return self.credit + self.in_flight
+
+    @property
+    def done_sending(self) -> bool:
+        return self.next_send >= self.num_batches
+
+    def grant(self, n: int) -> None:
+        """Add a Credit's grant; raises :class:`CreditOverflow` (nothing changed) past the cap."""
+        if self.owed + n > MAX_CREDIT:
+            raise CreditOverflow(
+                f"credit would reach {self.owed + n}, over the {MAX_CREDIT} a stream may hold"
+            )
+        self.credit += n
+
+    def wants_work(self) -> bool:
+        """Whether one more batch may be taken for assembly now."""
+        return (
+            self.credit > 0
+            and self.next_submit < self.num_batches
+            and self.assembling < MAX_INFLIGHT_PER_STREAM
+        )
+
+    def take(self) -> int:
+        """The index of the next batch to assemble, spending one credit (check
+        :meth:`wants_work` first)."""
+        if not self.wants_work():
+            raise RuntimeError(
+                f"no work to take: credit {self.credit}, next {self.next_submit} of "
+                f"{self.num_batches}, {self.assembling} assembling"
+            )
+        index = self.next_submit
+        self.next_submit += 1
+        self.credit -= 1
+        return index
+
+    def offloaded(self) -> None:
+        """The batch just taken went to the assembly pool."""
+        self.assembling += 1
+
+    def returned(self) -> None:
+        """A batch came back from the pool (assembled, failed, or for a closed stream)."""
+        self.assembling -= 1
+
+    def assembled(self, index: int, batch: T) -> None:
+        self.ready[index] = batch
+
+    def next_ready(self) -> T | None:
+        """The batch to send now (the next in order), if it is assembled."""
+        return self.ready.get(self.next_send)
+
+    def released(self) -> int:
+        """The batch from :meth:`next_ready` was sent; returns its index."""
+        index = self.next_send
+        del self.ready[index]
+        self.next_send += 1
+        return index
+
+    def drain(self) -> list[T]:
+        """Assembled batches that will now never be sent (the stream is closing)."""
+        batches = list(self.ready.values())
+        self.ready.clear()
+        return batches
+
+    # -- where the next batch is assembled -----------------------------------------------
+
+    def inline(self, batch_bytes: int, others_busy: bool) -> bool:
+        """Whether the next batch is assembled on the streamer thread rather than the pool:
+        only small batches of a lone stream, and not during a backoff after a slow one."""
+        if batch_bytes > INLINE_MAX_BYTES or self.next_submit < self.pool_until:
+            return False
+        return not others_busy  # another stream's work would wait behind this one's gathers
+
+    def timed_inline(self, index: int, seconds: float) -> None:
+        """An inline gather of ``index`` took ``seconds``; a slow one (a disk read) sends the
+        next ``INLINE_BACKOFF`` batches to the pool, so heartbeats keep flowing."""
+        if seconds > INLINE_MAX_S:
+            self.pool_until = index + INLINE_BACKOFF

@@ -1,0 +1,92 @@
+"""Moving one stream: assemble within credit (inline or on the pool), send in index order.
+
+The decisions are the :class:`~.pipeline.Pipeline`'s; the memory and the sending are the
+session's :class:`~.sinks.BatchSink`'s; this module only joins them to the assembler, the
+metrics and the board. Streamer thread only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from ..assembly import Assembler
+from ..metrics import Metrics
+from .board import StreamBoard
+from .pipeline import Work, WorkKind
+from .sessions import Assembled, Prepared, Session
+from .sinks import BatchSink
+
+
+class PeerGone(Exception):
+    """The peer's connection is gone (``EHOSTUNREACH``): its stream must close."""
+
+
+class AssemblyFailed(Exception):
+    """An inline assembly raised (its cause); the stream fails, others go on."""
+
+
+class Pump:
+    """Submits and sends batches of sessions; see the module docstring."""
+
+    def __init__(self, assembler: Assembler, metrics: Metrics, board: StreamBoard) -> None:
+        self.assembler = assembler
+        self.metrics = metrics
+        self.board = board
+
+    def run(self, s: Session, others_busy: bool) -> bool:
+        """Submit work within credit, send what is ready in order. ``False`` when the peer's
+        queue is full (retried on the next tick); raises :class:`PeerGone` or
+        :class:`AssemblyFailed`."""
+        prep, sink, flow = s.prepared, s.sink, s.flow
+        if prep is None or sink is None:
+            return False  # not welcomed yet: nothing may be sent
+        inline = flow.inline(prep.batch_bytes, others_busy)
+        while flow.wants_work():
+            ticket = sink.acquire()
+            if ticket is None:
+                break  # every slot is being filled or is with the client; a Credit frees one
+            self._assemble(s, prep, sink, flow.take(), ticket, inline)
+            if inline and not self._send_ready(s, sink):
+                return False
+        return self._send_ready(s, sink)
+
+    def _assemble(
+        self, s: Session, prep: Prepared, sink: BatchSink, index: int, ticket: int, inline: bool
+    ) -> None:
+        indices = prep.plan.batch(index)
+        out = sink.out(ticket, len(indices))
+        place = sink.placer(ticket)
+        if not inline:
+            s.flow.offloaded()
+            work = Work(WorkKind.BATCH, s.ident, s.stream, index, ticket, sink)
+            self.assembler.gather(work, prep.source, indices, prep.fields, out, place)
+            return
+        t0 = time.perf_counter()
+        try:
+            parts = self.assembler.assemble_now(prep.source, indices, prep.fields, out, place)
+        except Exception as e:
+            sink.release(ticket)
+            raise AssemblyFailed(str(e)) from e
+        s.flow.timed_inline(index, time.perf_counter() - t0)
+        s.flow.assembled(index, Assembled(parts, ticket))
+
+    def _send_ready(self, s: Session, sink: BatchSink) -> bool:
+        """Send assembled batches in index order; ``False`` once the peer's queue is full."""
+        flow = s.flow
+        while (batch := flow.next_ready()) is not None:
+            try:
+                nbytes = sink.send(batch.ticket, flow.next_send, batch.parts)
+            except zmq.Again:
+                return False  # kept in order; the next tick sends it again
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    raise PeerGone(str(e)) from e
+                raise
+            flow.released()
+            s.last_send = time.monotonic()
+            self.metrics.batches_sent.inc()
+            self.metrics.bytes_sent.inc(nbytes)
+            self.board.sent(s.job_id, s.rank, nbytes, flow.next_send, flow.owed)
+        return True

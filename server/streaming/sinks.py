@@ -1,0 +1,311 @@
+"""Where a stream's batches are assembled and how they leave: one :class:`BatchSink` per stream.
+
+A sink hands out *tickets* — an ``int`` naming the memory one batch is assembled into — and
+sends an assembled batch by its ticket. Every ticket ends exactly once: :meth:`~BatchSink.send`
+or :meth:`~BatchSink.release` (never sent: failed, or its stream closed)::
+
+    acquire -> ticket --out()/placer() on the worker--> send (ok) -> done
+                  |                                      | zmq.Again: kept, sent again later
+                  +--------------- release --------------+  (assembly failed, stream closed)
+
+* :class:`SocketSink` gathers into the rank's reusable :class:`~.buffers.BufferPool` and sends
+  the arrays zero-copy; :class:`IdlePools` keeps pools of (job, rank)s between their streams
+  (epochs), least recently used dropped past a byte budget.
+* :class:`SlotSink` gathers straight into a shared-memory slot (:class:`~.shm.ShmSlots`) and
+  sends only the slot number; the client reads the slot in place and returns it in a Credit.
+  :class:`RingBook` holds the server-wide ring limit and hands a peer's ring to its next
+  stream.
+
+A third way to deliver (say, GPU memory) is one more subclass; the handler picks a sink when a
+stream is welcomed (``StreamHandler._open_sink``). Streamer thread only, except ``out`` arrays
+and the ``placer`` callable, which the assembly worker holding the ticket uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import zmq
+
+from shardserve.proto.framing import encode_batch
+from shardserve.proto.jobs import Transport
+from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
+
+from .buffers import BufferPool, BufferSet
+from .shm import ShmSlots
+from .source import BatchParts, BatchSource, PartShapes
+
+#: Bytes of buffer pools kept for (job, rank)s between their streams (pools of open streams
+#: always stay); past it the least recently used idle pools are dropped.
+IDLE_POOL_BYTES = 1 << 30
+
+Placer = Callable[[BatchParts], BatchParts]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one stream's batches go: the server's ROUTER socket and the peer's routing id."""
+
+    sock: zmq.Socket
+    ident: bytes
+    stream: int
+    epoch: int
+
+    def send(self, header: BatchHeader, payload: list[zmq.Frame] | list[bytes]) -> None:
+        """Send without blocking; raises ``zmq.Again`` (peer's queue full: nothing was sent)
+        or ``zmq.ZMQError`` (``EHOSTUNREACH``: the peer is gone)."""
+        frames = [self.ident, *encode_batch(header, payload)]
+        self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+
+
+def part_headers(parts: BatchParts) -> tuple[PartHeader, ...]:
+    return tuple(PartHeader(n, a.dtype.name, a.shape, a.nbytes) for n, a in parts.items())
+
+
+class BatchSink(ABC):
+    """One stream's way of delivering batches (see the module docstring)."""
+
+    transport: ClassVar[Transport]
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        #: Batches that did not fit the sink's memory and went over the socket as a copy.
+        self.overflowed = 0
+
+    @abstractmethod
+    def acquire(self) -> int | None:
+        """A ticket for one batch's memory, or ``None`` when none is free (the client holds
+        it; a Credit returns some)."""
+
+    @abstractmethod
+    def out(self, ticket: int, rows: int) -> Mapping[str, np.ndarray] | None:
+        """Arrays the store's ``take`` writes the fixed-size parts into, if the sink has any."""
+
+    def placer(self, ticket: int) -> Placer | None:
+        """What moves a gathered batch where it is sent from (on the worker), if anything."""
+        return None
+
+    @abstractmethod
+    def send(self, ticket: int, index: int, parts: BatchParts) -> int:
+        """Send batch ``index`` and end its ticket; returns the payload bytes. On ``zmq.Again``
+        the ticket stays held, to be sent again."""
+
+    @abstractmethod
+    def release(self, ticket: int) -> None:
+        """End a ticket whose batch will never be sent."""
+
+    def returned(self, slots: Iterable[int]) -> list[int]:
+        """Slots a Credit gives back; returns those the client did not hold (ignored)."""
+        return list(slots)
+
+    @property
+    def ring(self) -> ShmRing | None:
+        """What the client maps to read batches in place (the Welcome carries it)."""
+        return None
+
+    def close(self, handover: bool = False) -> None:  # noqa: B027 - most sinks hold nothing
+        """The stream ended; ``handover``: the same client's next stream may take over what
+        it held (no assembly still writes into it)."""
+
+
+class SocketSink(BatchSink):
+    """Batches gathered into reusable buffer sets and sent as zero-copy frames.
+
+    An array sent with ``copy=False`` belongs to libzmq until its I/O thread has written it,
+    so a set goes back to the pool only when the ``MessageTracker`` of its send says so.
+    """
+
+    transport: ClassVar[Transport] = "socket"
+
+    def __init__(self, route: Route, pool: BufferPool) -> None:
+        super().__init__(route)
+        self.pool = pool
+        self._sets: dict[int, BufferSet] = {}
+        self._next_ticket = 0
+
+    def acquire(self) -> int:
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        bufs = self.pool.acquire()
+        if bufs is not None:  # None: every part is variable-size, take allocates them
+            self._sets[ticket] = bufs
+        return ticket
+
+    def out(self, ticket: int, rows: int) -> Mapping[str, np.ndarray] | None:
+        bufs = self._sets.get(ticket)
+        return None if bufs is None else bufs.views(rows)
+
+    def send(self, ticket: int, index: int, parts: BatchParts) -> int:
+        r = self.route
+        header = BatchHeader(r.stream, r.epoch, index, part_headers(parts))
+        bufs = self._sets.get(ticket)
+        frames = [zmq.Frame(a, track=bufs is not None) for a in parts.values()]
+        r.send(header, frames)
+        if bufs is not None:
+            del self._sets[ticket]
+            self.pool.release(bufs, zmq.MessageTracker(*frames))
+        return header.nbytes
+
+    def release(self, ticket: int) -> None:
+        bufs = self._sets.pop(ticket, None)
+        if bufs is not None:
+            self.pool.release(bufs)
+
+
+class SlotSink(BatchSink):
+    """Batches gathered into shared-memory slots; the socket carries only slot numbers.
+
+    A batch whose variable-size parts outgrow the slot is copied out and sent on the socket,
+    its slot freed at once (counted in :attr:`overflowed`).
+    """
+
+    transport: ClassVar[Transport] = "shm"
+
+    def __init__(self, route: Route, slots: ShmSlots, book: RingBook) -> None:
+        super().__init__(route)
+        self.slots = slots
+        self._book = book
+
+    def acquire(self) -> int | None:
+        return self.slots.acquire()
+
+    def out(self, ticket: int, rows: int) -> Mapping[str, np.ndarray]:
+        return self.slots.out(ticket, rows)
+
+    def placer(self, ticket: int) -> Placer:
+        return partial(self.slots.place, ticket)
+
+    def send(self, ticket: int, index: int, parts: BatchParts) -> int:
+        r = self.route
+        in_slot = self.slots.headers(ticket, parts)
+        if in_slot is not None:
+            header = BatchHeader(r.stream, r.epoch, index, in_slot, ticket)
+            r.send(header, [])
+            self.slots.lend(ticket)  # the client hands it back in a Credit
+            return header.nbytes
+        header = BatchHeader(r.stream, r.epoch, index, part_headers(parts))
+        r.send(header, [a.tobytes() for a in parts.values()])
+        self.slots.release(ticket)
+        self.overflowed += 1
+        return header.nbytes
+
+    def release(self, ticket: int) -> None:
+        with contextlib.suppress(Exception):  # a closed ring: nothing to release
+            self.slots.release(ticket)
+
+    def returned(self, slots: Iterable[int]) -> list[int]:
+        return self.slots.give_back(slots)
+
+    @property
+    def ring(self) -> ShmRing:
+        return self.slots.info
+
+    def close(self, handover: bool = False) -> None:
+        self._book.retire(self.route.ident, self.slots, handover)
+
+
+class IdlePools:
+    """Buffer pools by (job, rank), kept across that rank's streams: a new stream then writes
+    into pages already faulted in instead of fresh ones (~0.1 s per GB). Idle pools past
+    ``max_idle_bytes`` go, least recently used first."""
+
+    def __init__(self, max_idle_bytes: int = IDLE_POOL_BYTES) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._pools: dict[tuple[str, int], BufferPool] = {}  # in least-recently-used order
+
+    def get(
+        self,
+        key: tuple[str, int],
+        part_shapes: PartShapes,
+        batch_size: int,
+        live: set[tuple[str, int]],
+    ) -> BufferPool:
+        """The pool for ``key`` (made, or remade if its shapes changed); ``live`` keys are
+        never dropped."""
+        pool = self._pools.pop(key, None)
+        if pool is None or pool.part_shapes != dict(part_shapes):
+            pool = BufferPool(part_shapes, batch_size)
+        self._pools[key] = pool
+        total = sum(p.nbytes for p in self._pools.values())
+        for k in [k for k in self._pools if k not in live and k != key]:
+            if total <= self.max_idle_bytes:
+                break
+            total -= self._pools.pop(k).nbytes
+        return pool
+
+    def forget_job(self, job_id: str) -> None:
+        for key in [k for k in self._pools if k[0] == job_id]:
+            del self._pools[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._pools.values())
+
+
+class RingBook:
+    """Every slot ring of this server: the shared limit, and rings handed to a peer's next
+    stream (its epochs reuse one ring: pages faulted in on both sides, no file to zero-fill)."""
+
+    def __init__(self, shm_dir: Path, limit_bytes: int | None) -> None:
+        self.shm_dir = shm_dir
+        self.limit_bytes = limit_bytes
+        self._live: dict[int, ShmSlots] = {}
+        self._handed: dict[bytes, ShmSlots] = {}
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(x.ring.nbytes for x in self._live.values())
+
+    def open(
+        self,
+        route: Route,
+        credit: int,
+        source: BatchSource,
+        fields: tuple[str, ...],
+        batch_size: int,
+        keep: tuple[int, ...],
+    ) -> SlotSink:
+        """A ring holding exactly ``credit`` batches: the peer's previous ring if its layout
+        fits, else a new one within the limit (raises :class:`~.shm.ShmUnavailable`)."""
+        slots = self._handed.pop(route.ident, None)
+        if slots is not None:
+            if slots.key == ShmSlots.key_for(credit, source, fields, batch_size):
+                slots.reset(keep)
+                self._live[id(slots)] = slots
+                return SlotSink(route, slots, self)
+            slots.close()
+        limit = self.limit_bytes
+        if limit is not None:
+            # The limit is for all rings together: many same-host peers cannot fill /dev/shm.
+            limit = max(limit - self.live_bytes, 0)
+        slots = ShmSlots.create(
+            route.stream, credit, source, fields, batch_size, self.shm_dir, limit
+        )
+        self._live[id(slots)] = slots
+        return SlotSink(route, slots, self)
+
+    def retire(self, ident: bytes, slots: ShmSlots, handover: bool) -> None:
+        """A stream ended: keep its ring for the peer's next stream, or unlink it."""
+        self._live.pop(id(slots), None)
+        if handover:
+            self.discard(ident)
+            self._handed[ident] = slots
+        else:
+            slots.close()  # unlinks the ring; a client still mapping it keeps its pages
+
+    def discard(self, ident: bytes) -> None:
+        """Unlink a ring left for ``ident``'s next stream that will not take it."""
+        slots = self._handed.pop(ident, None)
+        if slots is not None:
+            slots.close()
+
+    def close(self) -> None:
+        for ident in list(self._handed):
+            self.discard(ident)
