@@ -67,7 +67,7 @@ _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def own_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (1-d, contiguous, on the CPU) as a tensor whose storage is exactly its bytes.
+    """``view`` (contiguous, on the CPU) as a tensor whose storage is exactly its bytes.
 
     A batch's fields then share no storage: ``torch.save`` of a label writes the label, not
     the slot, and ``untyped_storage()`` of one field says nothing about another. The memory is

@@ -9,10 +9,11 @@ step, instead of ``n`` of each.
 
 :func:`split_steps` cuts that batch into ``n`` batches; each tensor is copied into storage of
 its own (on its environment's device), so no two environments, and no two fields, share
-memory: holding or saving one environment's labels keeps or writes nothing else. The copy
-is one memcpy per field (into a fresh array whose ranges the environments' tensors cover,
-one storage each), the price of that guarantee; it replaces the copy-out a
-single-environment batch would have made.
+a storage: holding or saving one environment's labels keeps or writes nothing else. On the
+CPU this costs no copy: each environment's rows of a field are a ``torch.from_numpy`` view of
+their range of the batch's memory (:func:`._frames.own_storage`), and the slot goes back once
+the last of them is gone (over the slot ring's usual lending; copied out instead while half
+the ring is lent). On a GPU each environment's part is copied to its device.
 
 Only fixed-shape fields can be cut into equal parts: variable and binary fields are refused
 when the Loader is made, with the way out (``fields=[...]``).
@@ -27,6 +28,7 @@ import torch
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import DatasetInfo
 
+from ._frames import own_storage
 from .types import Batch
 
 
@@ -63,12 +65,11 @@ def split_steps(
             )
         r = rows // envs
         if t.device.type == "cpu" and all(d.type == "cpu" for d in devices):
-            # One memcpy of the field into a fresh array; each env's rows then get a tensor
-            # over their own range of it (torch.from_numpy makes a storage per call, exactly
-            # that range): no two storages overlap, and a torch op per piece is saved.
-            whole = t.numpy().copy()
+            # No copy: each env's rows become a tensor with a storage of its own over its
+            # range of the batch's memory (own_storage), which keeps the slot (or block) held
+            # until the last env tensor of the step is gone, as a whole batch would.
             for e in range(envs):
-                out[e][name] = torch.from_numpy(whole[e * r : (e + 1) * r])
+                out[e][name] = own_storage(t[e * r : (e + 1) * r])
             continue
         for e in range(envs):
             part, dev = t[e * r : (e + 1) * r], devices[e]

@@ -151,9 +151,7 @@ class Loader:
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
-        # Env batches are copied into storage of their own (client/envs.py): the slot can go
-        # back at the next batch instead of being lent or copied out first.
-        self.copy = copy and not (self._step_envs and self.device.type == "cpu")
+        self.copy = copy
         self.envs = envs
         self._shm = transport == "auto"
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
