@@ -16,7 +16,8 @@ The job is the one a ``Loader`` with the same arguments streams (same spec, same
 the ids are the samples that Loader would deliver, in its order; ``state_dict()`` is a
 Loader's state, and either resumes from the other's. ``envs=n`` yields a list of ``n`` id
 batches per step, environment ``e`` from its own plan (``SeedSequence([seed, epoch, e])`` on
-the server; environment 0 is the job's own plan).
+the server; environment 0 is the job's own plan): the job of ``Loader(envs=n)``, whose steps
+the server plans as the environments' batches side by side.
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ class IndexPlan:
         if not timeout > 0:
             raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
         self.world = resolve_world(rank, world_size)
+        # The job a Loader with these arguments streams (with envs: steps of envs batches).
         self.spec = JobSpec(
-            dataset=dataset, batch_size=batch_size, seed=seed, shuffle=_SHUFFLE[shuffle],
+            dataset=dataset, batch_size=batch_size * envs, seed=seed, shuffle=_SHUFFLE[shuffle],
             drop_last=drop_last, world_size=self.world.world_size,
             fields=tuple(fields) if fields is not None else None,
             **({"collate": collate} if collate is not None else {}),
+            **({"envs": envs} if envs > 1 else {}),
         )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.envs, self.timeout = envs, timeout
@@ -102,24 +105,34 @@ class IndexPlan:
         """Every id of this rank's ``epoch`` (environment ``env``) in batch order, int64."""
         if not 0 <= env < self.envs:
             raise BadRequest(f"env {env} out of range 0 <= env < {self.envs}")
-        ids, batches = self._api.plan(
-            self.job_id, epoch, self.world.rank, env, timeout=self.timeout
+        return (
+            np.concatenate([s[env] for s in self._steps(epoch)])
+            if len(self)
+            else np.empty(0, np.int64)
         )
+
+    def _steps(self, epoch: int) -> list[list[np.ndarray]]:
+        """Each step's id batch per environment (one request: a step is the envs' batches
+        side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
+        ids, batches = self._api.plan(self.job_id, epoch, self.world.rank, 0, timeout=self.timeout)
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:
             raise DataError(
-                f"plan of job {self.job_id} epoch {epoch} env {env}: {len(ids)} ids make {want} "
-                f"batches of {self.spec.batch_size}, the server said {batches}"
+                f"plan of job {self.job_id} epoch {epoch}: {len(ids)} ids make {want} "
+                f"steps of {self.spec.batch_size}, the server said {batches}"
             )
         self._pos.num_batches = batches
-        return ids
+        steps = np.split(ids, np.arange(self.spec.batch_size, len(ids), self.spec.batch_size))
+        return [np.split(step, self.envs) for step in steps if len(step)]
 
-    def _epoch_batches(self, epoch: int) -> list[tuple[IdBatch, ...]]:
-        per_env = []
-        for env in range(self.envs):
-            ids = torch.from_numpy(self.epoch_ids(epoch, env).copy()).to(self.device)
-            per_env.append(ids.split(self.spec.batch_size))
-        return per_env
+    def _epoch_batches(self, epoch: int) -> list[list[IdBatch]]:
+        steps = self._steps(epoch)
+        flat = torch.from_numpy(
+            np.concatenate([i for s in steps for i in s]) if steps else np.empty(0, np.int64)
+        )
+        sizes = [len(i) for s in steps for i in s]
+        parts = iter(flat.to(self.device).split(sizes))
+        return [[next(parts) for _ in range(self.envs)] for _ in steps]
 
     # -- epochs and resume (a Loader's rules and state) --------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -159,12 +172,12 @@ class IndexPlan:
         return self._run(self._pass, start)
 
     def _run(self, this_pass: int, start: tuple[int, int]) -> Iterator[Any]:
-        per_env = self._epoch_batches(start[0])
-        for i in range(start[1], len(per_env[0])):
+        steps = self._epoch_batches(start[0])
+        for i in range(start[1], len(steps)):
             if self._pass != this_pass:
                 raise RuntimeError("this iterator was replaced by a newer iter(plan); use that one")
             self._pos.received(start, i)
-            yield [b[i] for b in per_env] if self.envs > 1 else per_env[0][i]
+            yield steps[i] if self.envs > 1 else steps[i][0]
         self._pos.ended(start)
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -75,7 +75,15 @@ def test_streaming_envs_is_deterministic_and_equals_the_plan_api(server) -> None
             x.set_epoch(2)
         got = [_step_ids(s) for s in a]
         assert got == [_step_ids(s) for s in b]
+        assert p.job_id == a.job_id, "plan(envs=n) and Loader(envs=n) are one job"
         assert got == [tuple(tuple(i.tolist()) for i in s) for s in p]
+        assert p.epoch_ids(2, env=3).tolist() == [i for s in got for i in s[3]]
+        # A Loader's state resumes the plan at the same step, and back.
+        b.set_epoch(3)
+        it = iter(b)
+        next(it), next(it)
+        p.load_state_dict(b.state_dict())
+        assert [tuple(tuple(i.tolist()) for i in s) for s in p] == [_step_ids(s) for s in it]
 
 
 def test_streaming_envs_resumes_exactly(server) -> None:
