@@ -144,6 +144,7 @@ class RaggedChunks(list[pa.Array]):
         self.value_dtype = value_dtype
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._joined: tuple[np.ndarray, np.ndarray] | None = None
+        self._units: dict[tuple[int, int], np.ndarray] = {}
 
     def views(self, c: int) -> tuple[np.ndarray, np.ndarray]:
         """``(offsets, values)`` views of chunk ``c`` (see :func:`_chunk_parts`)."""
@@ -151,6 +152,14 @@ class RaggedChunks(list[pa.Array]):
         if v is None:
             v = self._views[c] = _chunk_parts(self[c], _values_dtype(self[c], self.value_dtype))
         return v
+
+    def units(self, c: int, item: np.dtype) -> np.ndarray:
+        """Chunk ``c``'s values seen as items of ``item`` (rows of the fixed dims), made once."""
+        key = (c, item.itemsize)
+        u = self._units.get(key)
+        if u is None:
+            u = self._units[key] = _as_units(self.views(c)[1], item)
+        return u
 
     def joined_offsets(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Every chunk's offsets end to end (int32, 4 bytes a sample, made on first use) and
@@ -165,6 +174,12 @@ class RaggedChunks(list[pa.Array]):
             np.cumsum([p.size for p in parts[:-1]], out=base[1:])
             self._joined = (np.concatenate(parts) if parts else np.zeros(0, np.int32), base)
         return self._joined
+
+
+def _as_units(values: np.ndarray, item: np.dtype) -> np.ndarray:
+    """``values`` (1-d) as opaque items of ``item``'s size (a trailing partial item dropped)."""
+    per = item.itemsize // values.itemsize
+    return values[: values.size - values.size % per].view(item)
 
 
 def _values_dtype(arr: pa.Array, value_dtype: str) -> np.dtype:
@@ -236,9 +251,9 @@ def take_ragged(
     ucuts = np.zeros(len(cuts), dtype=np.int64)
     np.cumsum(np.add.reduceat(ulens, cuts[:-1]) if b else [], out=ucuts[1:])
     moved = out.view(item) if order is None else np.empty(n_units, dtype=item)
+    cached = arrays.units if isinstance(arrays, RaggedChunks) else None
     for (c, _), a, z in zip(chunk_groups, ucuts[:-1].tolist(), ucuts[1:].tolist(), strict=True):
-        src = views[c][1]
-        units = src[: src.size - src.size % unit].view(item)
+        units = cached(c, item) if cached is not None else _as_units(views[c][1], item)
         np.take(units, src_idx[a:z], out=moved[a:z], mode="clip")
     if order is not None:
         # Back to batch order: each sample's units go to its place in the output, one scatter.
