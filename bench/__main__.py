@@ -16,8 +16,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["bench_plan", "bench_store", "bench_server", "bench_e2e", "bench_load", "bench_remote",
-         "bench_transforms"]  # fmt: skip
+ORDER = [
+    "bench_plan",
+    "bench_store",
+    "bench_server",
+    "bench_e2e",
+    "bench_load",
+    "bench_remote",
+    "bench_small",
+    "bench_transforms",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, under ~2 minutes")
     parser.add_argument("--only", nargs="*", default=None, help=f"subset of {ORDER}")
     args = parser.parse_args(argv)
-    names = [n for n in ORDER if (HERE / f"{n}.py").exists() and (args.only is None or n in args.only)]
+    names = [
+        n for n in ORDER if (HERE / f"{n}.py").exists() and (args.only is None or n in args.only)
+    ]
     failed = []
     for name in names:
         print(f"\n=== {name} {'(quick)' if args.quick else ''}", flush=True)

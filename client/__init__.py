@@ -32,6 +32,7 @@ from shardserve.proto.errors import (
 
 from .loader import Loader
 from .local import serve_local
+from .plan import plan
 from .resident import ResidentTooLarge
 from .structure import Masked
 from .types import LoaderStats, VarTensor
@@ -52,5 +53,6 @@ __all__ = [
     "ServerUnavailable",
     "ShardserveError",
     "VarTensor",
+    "plan",
     "serve_local",
 ]

@@ -52,13 +52,36 @@ def parts_from_frames(header: BatchHeader, frames: Sequence[Frame]) -> dict[str,
 def views_at(
     base: torch.Tensor, parts: Sequence[PartHeader], start: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Typed tensors over ``base`` (uint8) for each part, found at its offset minus ``start``."""
+    """Typed tensors over ``base`` (uint8) for each part, found at its offset minus ``start``,
+    each with a storage of its own (see :func:`own_storage`)."""
     return {
-        p.name: base[p.offset - start : p.offset - start + p.nbytes]
-        .view(torch_dtype(p.dtype))
-        .view(p.shape)
+        p.name: own_storage(
+            base[p.offset - start : p.offset - start + p.nbytes].view(torch_dtype(p.dtype))
+        ).view(p.shape)
         for p in parts
     }
+
+
+#: Same-size integer dtypes for dtypes numpy lacks (bfloat16, float8 ...).
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous, on the CPU) as a tensor whose storage is exactly its bytes.
+
+    A batch's fields then share no storage: ``torch.save`` of a label writes the label, not
+    the slot, and ``untyped_storage()`` of one field says nothing about another. The memory is
+    the same (no copy): ``torch.from_numpy`` makes a storage per call, and that storage keeps
+    the numpy array, hence ``view`` and the slot or block under it, alive, so the slot's
+    user count (how a lent slot is known to be free) still counts this field.
+    """
+    if view.device.type != "cpu" or view.numel() == 0:
+        return view
+    try:
+        return torch.from_numpy(view.numpy())
+    except TypeError:  # a dtype numpy does not have: through an integer of the same size
+        as_int = _AS_INT[view.element_size()]
+        return torch.from_numpy(view.view(as_int).numpy()).view(view.dtype)
 
 
 def assemble(parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batch:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._position import Start
+from .envs import split_steps
 from .resident import EnvPlan, Resident
 from .stream import EpochStream
 from .types import Batch
@@ -93,7 +94,11 @@ class StreamPass(_Pass):
         if stream.welcome is not None:
             lo._pos.num_batches = stream.welcome.num_batches
         batch = lo._delivery(stream.ring, header, frames)
-        out = self.rebuild(batch) if self.rebuild is not None else batch
+        if lo._step_envs:  # a step of several environments' batches (client/envs.py)
+            envs = split_steps(batch, len(lo._step_envs), lo._step_envs)
+            out: Any = [self.rebuild(b) for b in envs] if self.rebuild is not None else envs
+        else:
+            out = self.rebuild(batch) if self.rebuild is not None else batch
         lo._stats.delivered(t0, header.nbytes)
         stream.consumed()
         lo._pos.received(self.start, header.index)

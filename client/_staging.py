@@ -16,7 +16,7 @@ import torch
 
 from shardserve.proto.messages import PartHeader
 
-from ._frames import views_at
+from ._frames import own_storage, views_at
 from ._ledger import Event
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class CopyBlocks:
 
     def copy_out(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One block holding a copy of every part."""
-        return pack_into(self.acquire, views)[1]
+        return pack_into(self.acquire, views, own=True)[1]
 
     def copy_slot(
         self, slot: torch.Tensor, parts: Sequence[PartHeader]
@@ -166,17 +166,18 @@ class CopyBlocks:
 
 
 def pack_into(
-    acquire: Callable[[int], torch.Tensor], parts: dict[str, torch.Tensor]
+    acquire: Callable[[int], torch.Tensor], parts: dict[str, torch.Tensor], own: bool = False
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Copy every part into one uint8 block from ``acquire(nbytes)``, each part starting on a
-    64-byte boundary; returns the block and the parts' views into it."""
+    64-byte boundary; returns the block and the parts' views into it (``own``: each with a
+    storage of its own, see :func:`._frames.own_storage`)."""
     sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in parts.values()]
     block = acquire(sum(sizes))
     packed, pos = {}, 0
     for (name, t), size in zip(parts.items(), sizes, strict=True):
         n = t.numel() * t.element_size()
-        dst = block[pos : pos + n].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        packed[name] = dst
+        dst = block[pos : pos + n].view(t.dtype)
+        dst.copy_(t.reshape(-1))
+        packed[name] = (own_storage(dst) if own else dst).view(t.shape)
         pos += size
     return block, packed

@@ -26,7 +26,8 @@ from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
 from .device import DeviceCopier, resolve_device
 from .distributed import resolve_world
-from .resident import Resident, env_devices, field_layout, resident_nbytes
+from .envs import check_env_fields
+from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
 from .shm import RingCache
 from .state import parse_state
 from .stats import StatsClock
@@ -140,12 +141,21 @@ class Loader:
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         self.world = resolve_world(rank, world_size)
+        self.device = resolve_device(device, self.world.local_rank)
+        envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
+        # Streaming envs (issue 22): one job whose batches are steps of `envs` env batches.
+        self._step_envs = (
+            stream_env_devices(envs, devices, self.device, self.world.local_rank)
+            if resident is None and envs > 1
+            else []
+        )
+        per_step = len(self._step_envs) or 1
         self.spec = JobSpec.model_validate({
-            "dataset": dataset, "batch_size": batch_size, "seed": seed,
+            "dataset": dataset, "batch_size": batch_size * per_step, "seed": seed,
             "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last,
             "world_size": self.world.world_size,
             "fields": tuple(fields) if fields is not None else None,
-            "collate": collate,
+            "collate": collate, "envs": per_step,
             # Transforms installed on the server, named with JSON params (never code).
             "transforms": tuple(transforms) if transforms is not None else None,
             "on_error": on_error,
@@ -153,10 +163,9 @@ class Loader:
         self.job_id = job_id(self.spec)
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
-        self.device = resolve_device(device, self.world.local_rank)
-        envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
-        self.copy, self.envs = copy, envs
+        self.copy = copy
+        self.envs = envs
         self._shm = transport == "auto"
         self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
         # None: this node's sidecar, as the launcher set it (SHARDSERVE_URL) or the default.
@@ -198,6 +207,8 @@ class Loader:
             url, self._token or None, timeout=min(self.timeout, 10.0), connect_retry_s=self.timeout
         )
         try:
+            if self._step_envs:
+                check_env_fields(self._api.dataset(self.spec.dataset), self.spec.fields)
             created = self._api.create_job(self.spec)
             # The server's id: it covers the dataset version the job pinned (issue 20).
             self.job_id = created.id

@@ -53,12 +53,7 @@ def env_devices(
     if not 1 <= envs <= MAX_ENVS:
         raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
     if resident is None:
-        if envs > 1 or devices is not None:
-            raise BadRequest(
-                "envs and devices need resident='cuda' or resident='cpu' (the data held by the "
-                "trainer); streaming hands out one batch per step"
-            )
-        return []
+        return []  # streaming: client/envs.py cuts each step into its environments
     if resident not in ("cuda", "cpu"):
         raise BadRequest(f"resident={resident!r}: use 'cuda', 'cpu' or None (streaming)")
     default = device if device.type == resident else torch.device(resident)
@@ -66,6 +61,14 @@ def env_devices(
     wrong = [str(d) for d in resolved if d.type != resident]
     if wrong:
         raise BadRequest(f"devices {wrong} do not match resident={resident!r}")
+    return [resolved[e % len(resolved)] for e in range(envs)]
+
+
+def stream_env_devices(
+    envs: int, devices: Sequence[str | torch.device] | None, device: torch.device, local_rank: int
+) -> list[torch.device]:
+    """The device of every environment when streaming: ``devices[e % len]``, else ``device``."""
+    resolved = [resolve_device(d, local_rank) for d in (devices or [device])]
     return [resolved[e % len(resolved)] for e in range(envs)]
 
 

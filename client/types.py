@@ -58,11 +58,15 @@ class VarTensor:
         """
         n = len(self)
         ndim = int(self.shapes.shape[1]) if self.shapes.dim() == 2 else 1
-        max_shape = self.shapes.amax(dim=0).tolist() if n else [0] * ndim
+        shapes = self.shapes.reshape(n, ndim)
+        max_shape = shapes.amax(dim=0).tolist() if n else [0] * ndim
         out = torch.full((n, *max_shape), value, dtype=self.values.dtype, device=self.values.device)
-        for i, sample in enumerate(self.unbind()):
-            index: tuple[int | slice, ...] = (i, *(slice(0, d) for d in sample.shape))
-            out[index] = sample
+        if out.numel() and self.values.numel():
+            mask, block = _valid_mask(shapes, max_shape)
+            if block == 1:
+                out.view(mask.shape).masked_scatter_(mask, self.values)
+            else:  # rows of a block each: boolean indexing moves rows (masked_scatter would not)
+                out.view(*mask.shape, block)[mask] = self.values.view(-1, block)
         return out, self.shapes
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> VarTensor:
@@ -72,6 +76,45 @@ class VarTensor:
             self.offsets.to(device, non_blocking=non_blocking),
             self.shapes.to(device, non_blocking=non_blocking),
         )
+
+
+def _valid_mask(shapes: torch.Tensor, max_shape: list[int]) -> tuple[torch.Tensor, int]:
+    """``True`` where a value of a :class:`VarTensor` lands in its ``[B, *max_shape]``
+    padding, and the size of the blocks each ``True`` stands for.
+
+    Filling a padded tensor through this mask (row-major, as ``values`` are laid out) puts
+    every sample in place with one op, no loop over samples. Trailing dims every sample
+    shares (``F`` of ``x[N, F]``) are left out of the mask and move as blocks.
+    """
+    n, ndim = shapes.shape
+    full = (
+        (shapes == torch.tensor(max_shape, device=shapes.device)).all(dim=0).tolist()
+        if n
+        else [True] * ndim
+    )
+    lead = ndim
+    while lead and full[lead - 1]:
+        lead -= 1
+    block = 1
+    for d in max_shape[lead:]:
+        block *= d
+    mask: torch.Tensor | None = None
+    for d in range(lead):
+        if full[d]:
+            continue  # every sample spans this dim: nothing to mask
+        view = [n] + [1] * lead
+        view[d + 1] = max_shape[d]
+        m = (
+            torch.arange(max_shape[d], device=shapes.device)[None, :] < shapes[:, d : d + 1]
+        ).reshape(view)
+        mask = m if mask is None else mask & m
+    shape = (n, *max_shape[:lead])
+    mask = (
+        torch.ones(shape, dtype=torch.bool, device=shapes.device)
+        if mask is None
+        else mask.expand(shape)
+    )
+    return mask, block
 
 
 Batch = dict[str, "torch.Tensor | VarTensor"]

@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .manifest import validate_dataset_name
 
@@ -29,6 +29,8 @@ OnError = Literal["fail", "replace"]
 
 MAX_BATCH_SIZE = 1 << 20
 MAX_WORLD_SIZE = 1 << 16
+#: Most environments one step of a job may carry (``JobSpec.envs``).
+MAX_ENVS = 1024
 
 
 class TransformStep(BaseModel):
@@ -81,6 +83,26 @@ class JobSpec(BaseModel):
     #: ``"replace"``: a sample whose transform raises is replaced by a deterministic other one.
     on_error: OnError | None = None
 
+    #: Environments per step (issue 22): each batch carries ``envs`` environment batches of
+    #: ``batch_size // envs`` samples, environment ``e`` from the plan of
+    #: ``SeedSequence([seed, epoch, e])`` (environment 0: the job's own plan); env ``e``'s rows
+    #: are the ``e``-th of ``envs`` equal parts. Left out of the job id when 1.
+    envs: int = Field(default=1, ge=1, le=MAX_ENVS)
+
+    @model_validator(mode="after")
+    def _check_envs(self) -> JobSpec:
+        if self.envs > 1:
+            if self.batch_size % self.envs:
+                raise ValueError(
+                    f"batch_size {self.batch_size} must be a multiple of envs {self.envs} "
+                    "(a step holds envs batches of equal size)"
+                )
+            if self.collate is not None:
+                raise ValueError(
+                    f"collate={self.collate!r} needs envs=1: each env batch would be cut out of one collated batch"
+                )
+        return self
+
     @field_validator("dataset")
     @classmethod
     def _check_dataset(cls, v: str) -> str:
@@ -106,8 +128,17 @@ def job_id(spec: JobSpec) -> str:
     >>> job_id(JobSpec(dataset="d", batch_size=2)) == job_id(JobSpec(batch_size=2, dataset="d"))
     True
     """
+    # Fields added later are left out at their defaults: ids of older specs stay what they were.
     exclude = {
-        k for k in ("collate", "version", "transforms", "on_error") if getattr(spec, k) is None
-    } or None
-    canonical = spec.model_dump_json(exclude_none=False, exclude=exclude).encode()
+        k
+        for k, unset in (
+            ("collate", spec.collate is None),
+            ("version", spec.version is None),
+            ("transforms", spec.transforms is None),
+            ("on_error", spec.on_error is None),
+            ("envs", spec.envs == 1),
+        )
+        if unset
+    }
+    canonical = spec.model_dump_json(exclude_none=False, exclude=exclude or None).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest
 
-from .gather import ALL, Positions, groups, ragged_parts, take_arrow, take_fixed
+from .gather import ALL, Positions, RaggedChunks, groups, take_fixed, take_ragged
 from .index import as_indices, check_bounds, chunk_of, chunk_starts, locate, shard_of_chunk
 from .shards import MappedShard
 
@@ -67,7 +67,9 @@ class Dataset:
         ragged = [f.name for f in self.fields if f.kind in ("variable", "binary")]
         variable = [f.name for f in self.fields if f.kind == "variable"]
         self._fixed = {n: [c.fixed[n] for c in chunks] for n in fixed}
-        self._arrays = {n: [c.arrays[n] for c in chunks] for n in ragged}
+        self._arrays = {
+            n: RaggedChunks([c.arrays[n] for c in chunks], self._specs[n].dtype) for n in ragged
+        }
         self._shapes = {n: [c.shapes[n] for c in chunks] for n in variable}
         nullable = [f.name for f in self.fields if f.nullable]
         self._valid = {n: [c.valid[n] for c in chunks] for n in nullable}
@@ -153,8 +155,8 @@ class Dataset:
                 parts[n] = take_fixed(self._fixed[n], g, rows, dest) if b else dest
                 continue
             if b:
-                parts[n], parts[n + ".offsets"] = ragged_parts(
-                    take_arrow(self._arrays[n], g, rows), spec.dtype
+                parts[n], parts[n + ".offsets"] = take_ragged(
+                    self._arrays[n], g, rows, spec.dtype, spec.shape
                 )
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)

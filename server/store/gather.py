@@ -6,12 +6,21 @@ are over the chunks a batch touches, not over samples, except for big rows (belo
 * fixed fields: one ``np.take`` straight into the output when the batch lies in one chunk
   (one copy), else one ``np.take`` per touched chunk, scattered into place (rows of 16 KiB
   and more: one copy per row into place, the one loop over samples here);
-* variable / binary fields: ``pyarrow.compute.take`` per touched chunk (a C++ memcpy per
-  row), then, if several chunks were touched, one more take to restore the requested order.
+* variable / binary fields (:func:`take_ragged`): each touched chunk's offsets are read with
+  one fancy index, the batch's offsets are one ``cumsum``, and the values of every sample are
+  moved by one ``np.take`` per touched chunk over an index of *units* (the row of the fixed
+  dims: ``x[-1, 16]`` moves 64-byte rows), built with ``repeat``/``cumsum``, straight into
+  their place in one output. No Python runs per sample, and the values are copied once
+  whatever number of shards the batch touches. Samples of many units each (encoded images,
+  long sequences as bytes) and bit-packed bools go through ``pyarrow.compute.take`` instead
+  (a C++ memcpy per row, then one reordering take when several chunks were touched), where an
+  index per unit would cost more than the copy.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,3 +111,159 @@ def ragged_parts(arr: pa.Array, value_dtype: str) -> tuple[np.ndarray, np.ndarra
         return child.slice(lo, hi - lo).to_numpy(zero_copy_only=False), offsets
     dt = np.dtype(value_dtype)
     return _buffer_view(child.buffers()[1], dt, child.offset + lo, child.offset + hi), offsets
+
+
+#: Average units per sample above which :func:`take_ragged` copies rows with Arrow instead of
+#: building an index per unit (an index entry costs about as much as copying 8-16 bytes).
+MAX_UNITS_PER_SAMPLE = 256
+#: Rows up to which :class:`RaggedChunks` keeps a joined copy of its offsets (4 bytes a row).
+JOIN_MAX_ROWS = 1 << 26
+
+
+def _chunk_parts(arr: pa.Array, dt: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets int32 [len+1], values 1-d of dt)`` views of a list or binary chunk (no copy)."""
+    n = len(arr)
+    offsets = _buffer_view(arr.buffers()[1], np.dtype(np.int32), arr.offset, arr.offset + n + 1)
+    if pa.types.is_binary(arr.type):
+        buf = arr.buffers()[2]
+        start = 0
+    else:
+        child = arr.values
+        buf, start = child.buffers()[1], child.offset
+    values = np.frombuffer(buf, dtype=dt)[start:] if buf is not None else np.empty(0, dt)
+    return offsets, values
+
+
+class RaggedChunks(list[pa.Array]):
+    """The chunks of one list or binary field, with their numpy views made once (a list, so
+    anything that reads the chunks still can). :func:`take_ragged` takes a plain list too and
+    then makes the views of the chunks it touches on every call."""
+
+    def __init__(self, arrays: Sequence[pa.Array], value_dtype: str) -> None:
+        super().__init__(arrays)
+        self.value_dtype = value_dtype
+        self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._joined: tuple[np.ndarray, np.ndarray] | None = None
+        self._units: dict[tuple[int, int], np.ndarray] = {}
+
+    def views(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(offsets, values)`` views of chunk ``c`` (see :func:`_chunk_parts`)."""
+        v = self._views.get(c)
+        if v is None:
+            v = self._views[c] = _chunk_parts(self[c], _values_dtype(self[c], self.value_dtype))
+        return v
+
+    def units(self, c: int, item: np.dtype) -> np.ndarray:
+        """Chunk ``c``'s values seen as items of ``item`` (rows of the fixed dims), made once."""
+        key = (c, item.itemsize)
+        u = self._units.get(key)
+        if u is None:
+            u = self._units[key] = _as_units(self.views(c)[1], item)
+        return u
+
+    def joined_offsets(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every chunk's offsets end to end (int32, 4 bytes a sample, made on first use) and
+        where each chunk's begin, so that a batch reads all its offsets in one ``take``
+        whatever the number of chunks; ``None`` past :data:`JOIN_MAX_ROWS` rows."""
+        if self._joined is None:
+            rows = sum(len(a) for a in self)
+            if rows > JOIN_MAX_ROWS:
+                return None
+            parts = [self.views(c)[0] for c in range(len(self))]
+            base = np.zeros(len(parts), dtype=np.int64)
+            np.cumsum([p.size for p in parts[:-1]], out=base[1:])
+            self._joined = (np.concatenate(parts) if parts else np.zeros(0, np.int32), base)
+        return self._joined
+
+
+def _as_units(values: np.ndarray, item: np.dtype) -> np.ndarray:
+    """``values`` (1-d) as opaque items of ``item``'s size (a trailing partial item dropped)."""
+    per = item.itemsize // values.itemsize
+    return values[: values.size - values.size % per].view(item)
+
+
+def _values_dtype(arr: pa.Array, value_dtype: str) -> np.dtype:
+    return np.dtype(np.uint8) if pa.types.is_binary(arr.type) else np.dtype(value_dtype)
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray, total: int) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])`` without a loop."""
+    ends = np.cumsum(lens)
+    return np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int64)
+
+
+def take_ragged(
+    arrays: Sequence[pa.Array],
+    chunk_groups: list[tuple[int, Positions]],
+    rows: np.ndarray,
+    value_dtype: str,
+    shape: Sequence[int] = (-1,),
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(values 1-d, offsets int64 [B+1] from 0)`` of rows of list or binary chunks, in batch
+    order, in fresh memory (see the module docstring). ``shape`` is the field's declared
+    shape; the product of its fixed dims is the unit one index entry moves."""
+    if not chunk_groups or value_dtype == "bool":  # bool values are bit-packed: no views
+        return ragged_parts(take_arrow(arrays, chunk_groups, rows), value_dtype)
+    first = arrays[chunk_groups[0][0]]
+    binary = pa.types.is_binary(first.type)
+    unit = 1 if binary else max(1, math.prod(d for d in shape if d != -1))
+    dtype = _values_dtype(first, value_dtype)
+    if isinstance(arrays, RaggedChunks):
+        views = {c: arrays.views(c) for c, _ in chunk_groups}
+    else:
+        views = {c: _chunk_parts(arrays[c], dtype) for c, _ in chunk_groups}
+    b = rows.size
+    single = len(chunk_groups) == 1
+    # Work in chunk order (the groups' order): each chunk then reads and writes one
+    # contiguous slice of every array below; ``order`` maps back to the batch order.
+    order = None if single else np.concatenate([p for _, p in chunk_groups])  # type: ignore[misc]
+    rs = rows if order is None else rows[order]
+    sizes = [b] if single else [len(p) for _, p in chunk_groups]  # type: ignore[arg-type]
+    cuts = [0, *itertools.accumulate(sizes)]
+    joined = arrays.joined_offsets() if isinstance(arrays, RaggedChunks) and not single else None
+    if joined is not None:
+        off_all, base = joined
+        at = rs + np.repeat(base[[c for c, _ in chunk_groups]], sizes)
+        starts, ends = off_all[at], off_all[at + 1]
+    else:
+        starts = np.empty(b, dtype=np.int32)  # the chunks' own offsets are int32
+        ends = np.empty(b, dtype=np.int32)
+        for (c, _), a, z in zip(chunk_groups, cuts[:-1], cuts[1:], strict=True):
+            off = views[c][0]
+            np.take(off, rs[a:z], out=starts[a:z], mode="clip")
+            np.take(off, rs[a:z] + 1, out=ends[a:z], mode="clip")
+    lens = (ends - starts).astype(np.int64)
+    offsets = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lens if order is None else _scatter(lens, order), out=offsets[1:])
+    total = int(offsets[-1])
+    if total // unit > MAX_UNITS_PER_SAMPLE * b:
+        return ragged_parts(take_arrow(arrays, chunk_groups, rows), value_dtype)
+    if unit > 1 and ((starts % unit).any() or (lens % unit).any()):
+        unit = 1  # values that do not start on a unit (not written by our writer)
+    out = np.empty(total, dtype=dtype)
+    if total == 0:
+        return out, offsets
+    # Whole units (rows of the fixed dims) move as opaque items: fewer, wider index entries.
+    item = np.dtype((np.void, unit * dtype.itemsize))
+    ulens = lens // unit
+    n_units = total // unit
+    src_idx = _ranges((starts // unit).astype(np.int64), ulens, n_units)
+    ucuts = np.zeros(len(cuts), dtype=np.int64)
+    np.cumsum(np.add.reduceat(ulens, cuts[:-1]) if b else [], out=ucuts[1:])
+    moved = out.view(item) if order is None else np.empty(n_units, dtype=item)
+    cached = arrays.units if isinstance(arrays, RaggedChunks) else None
+    for (c, _), a, z in zip(chunk_groups, ucuts[:-1].tolist(), ucuts[1:].tolist(), strict=True):
+        units = cached(c, item) if cached is not None else _as_units(views[c][1], item)
+        np.take(units, src_idx[a:z], out=moved[a:z], mode="clip")
+    if order is not None:
+        # Back to batch order: each sample's units go to its place in the output, one scatter.
+        dst = _ranges((offsets[:-1] // unit)[order], ulens, n_units)
+        out.view(item)[dst] = moved
+    return out, offsets
+
+
+def _scatter(sorted_values: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``x`` with ``x[order] = sorted_values``."""
+    x = np.empty_like(sorted_values)
+    x[order] = sorted_values
+    return x

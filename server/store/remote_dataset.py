@@ -28,7 +28,7 @@ from shardserve.proto.manifest import Manifest
 
 from .cache import Lease, ShardCache
 from .dataset import Dataset
-from .gather import ALL, Positions, groups, ragged_parts, take_arrow, take_fixed
+from .gather import ALL, Positions, groups, take_fixed, take_ragged
 from .index import as_indices, check_bounds, chunk_starts, locate
 from .shards import MappedShard
 
@@ -252,8 +252,8 @@ class RemoteDataset(Dataset):
                 continue
             if b:
                 arrays = [c.arrays[n] for c in chunks]
-                parts[n], parts[n + ".offsets"] = ragged_parts(
-                    take_arrow(arrays, g, rows), spec.dtype
+                parts[n], parts[n + ".offsets"] = take_ragged(
+                    arrays, g, rows, spec.dtype, spec.shape
                 )
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)

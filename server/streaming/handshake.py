@@ -42,7 +42,7 @@ def token_ok(expected: str | None, given: str) -> bool:
 
 def batches_per_rank(job: Job) -> int:
     s = job.spec
-    return num_batches(job.num_samples, s.world_size, s.batch_size, s.drop_last)
+    return num_batches(job.num_samples, s.world_size, s.batch_size // s.envs, s.drop_last)
 
 
 def check_hello(hello: Hello, job: Job | None, token: str | None) -> Reject | Error | None:

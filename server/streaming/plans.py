@@ -18,6 +18,7 @@ from collections import OrderedDict
 import numpy as np
 
 from shardserve.server.planning import RankPlan, epoch_order
+from shardserve.server.planning.envs import EnvSteps
 
 from ..jobs import Job
 
@@ -84,9 +85,13 @@ class PlanCache:
         rank: int,
         shard_rows: np.ndarray | None = None,
         env: int = 0,
-    ) -> RankPlan:
+    ) -> RankPlan | EnvSteps:
         """One rank's batches of the epoch (a strided view of the shared order)."""
         spec = job.spec
+        if spec.envs > 1:  # steps of several environments (issue 22)
+            orders = [self.order(job, epoch, seed, shard_rows, e) for e in range(spec.envs)]
+            b = spec.batch_size // spec.envs
+            return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last)
         order = self.order(job, epoch, seed, shard_rows, env)
         return RankPlan.from_order(order, spec.world_size, rank, spec.batch_size, spec.drop_last)
 

@@ -17,7 +17,7 @@ def test_all_is_pinned() -> None:
         "JobFailed", "JobNotFound", "Loader", "LoaderStats", "Masked", "ProtocolError",
         "ResidentTooLarge",
         "ServerUnavailable",
-        "ShardserveError", "VarTensor", "serve_local",
+        "ShardserveError", "VarTensor", "plan", "serve_local",
     ]  # fmt: skip
     for name in client.__all__:
         assert getattr(client, name) is not None

@@ -101,8 +101,6 @@ def test_resident_refuses_variable_fields_and_bad_arguments(server) -> None:
         Loader(server.http_url, "graphs", 8, resident="cpu", rank=0, world_size=1)
     with pytest.raises(BadRequest, match="resident='gpu'"):
         Loader(server.http_url, "cifar", 8, resident="gpu", rank=0, world_size=1)
-    with pytest.raises(BadRequest, match="envs and devices need resident"):
-        Loader(server.http_url, "cifar", 8, envs=2, rank=0, world_size=1)
     with pytest.raises(BadRequest, match="envs=0"):
         Loader(server.http_url, "cifar", 8, resident="cpu", envs=0, rank=0, world_size=1)
     with pytest.raises(BadRequest, match="is_available"):

@@ -1,0 +1,361 @@
+"""Small batches, many environments and graphs (issue 22): shardserve against in-process loops.
+
+    python bench/bench_small.py [--quick] [--workdir DIR]
+
+One run, ratios within it (the machine is shared and noisy: compare rows of one run only):
+
+* ``envs``: a PPO-like step of 4 environments x 32 CIFAR-like samples, each environment
+  from its own shuffle, against the per-sample ``select``/``stack`` loop over tensors held in
+  RAM (what the user wanted gone) and an in-process ``index_select`` per environment (the
+  floor). shardserve rows: ``Loader(envs=4)`` streaming, resident (``resident="cpu"``), and
+  ``plan(envs=4)`` + ``index_select``. Env batches are checked never to share storage.
+  Target: streaming >= 5x the select/stack loop.
+* ``graphs``: 20k variable-size graphs (2-200 atoms: ``x[N,16]``, ``pos[N,3]``,
+  ``edge_index[2,2N]``, ``y``), batch 64, ``Loader(collate="graph")`` over a 2-shard and a
+  15-shard store, against a ``DataLoader`` (``num_workers=0``) over the same graphs held in a
+  Python list, collated like PyG (``cat`` with shifted ``edge_index``, ``batch``, ``ptr``).
+  Targets: >= 1x the DataLoader; 15 shards within 20% of 2.
+* ``cifar``: CIFAR-like batches of 256 and of 32 through ``Loader`` (shared memory) against
+  the store's own ``take`` in this process into reused buffers (in-process Arrow take).
+  Targets: batch 256 >= 0.8x, batch 32 >= 0.5x.
+
+Loader rows of small batches (envs, graphs, CIFAR batch 32) run with ``prefetch=32``. Each
+row is the best of 3 epochs after a warm-up one. Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
+the batches; the server runs in its own process) and, for shardserve rows, the server's CPU
+per batch. Writes ``bench/results/small.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from shardserve.client import BadRequest, Loader, plan, serve_local
+from shardserve.proto.manifest import FieldSpec
+from shardserve.server.store.catalog import Store
+from shardserve.server.store.writer import ShardWriter
+
+RESULTS = Path(__file__).resolve().parent / "results" / "small.json"
+#: Credit for the small-batch Loader rows: batches of a few KiB need more in flight to hide a
+#: round trip (each costs a wake-up of both processes on a loaded machine).
+PREFETCH = 32
+ENVS, ENV_BATCH, GRAPH_BATCH = 4, 32, 64
+CIFAR = (
+    FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
+    FieldSpec(name="label", dtype="int64", shape=()),
+)
+GRAPH = (
+    FieldSpec(name="x", dtype="float32", shape=(-1, 16)),
+    FieldSpec(name="pos", dtype="float32", shape=(-1, 3)),
+    FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
+    FieldSpec(name="y", dtype="float32", shape=()),
+)  # fmt: skip
+Step = Any  # a batch (dict of tensors) or a list of them
+
+
+# -- data ----------------------------------------------------------------------------------
+def make_cifar(root: Path, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    arrays = {
+        "image": rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
+        "label": np.arange(n) % 10,
+    }
+    with ShardWriter(root, "cifar", fields=CIFAR, shard_bytes=64 << 20) as w:
+        w.add_batch(arrays)
+    return arrays
+
+
+def graphs(n: int) -> Iterator[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        a = int(rng.integers(2, 201))
+        yield {
+            "x": rng.standard_normal((a, 16), dtype=np.float32),
+            "pos": rng.standard_normal((a, 3), dtype=np.float32),
+            "edge_index": rng.integers(0, a, (2, 2 * a)).astype(np.int64),
+            "y": np.float32(i),
+        }
+
+
+def make_graphs(root: Path, n: int, shards: int) -> str:
+    name = f"graphs{shards}"
+    approx = n * 101 * (16 * 4 + 3 * 4 + 2 * 2 * 8)  # mean atoms x bytes per atom
+    with ShardWriter(root, name, fields=GRAPH, shard_bytes=approx // shards + 1) as w:
+        for g in graphs(n):
+            w.add(g)
+    got = len(w.manifest.shards) if w.manifest else 0
+    print(f"  {name}: {got} shards")
+    return name
+
+
+# -- measuring -----------------------------------------------------------------------------
+def touch(step: Step) -> None:
+    # Reads one element of every tensor: the batch must exist, the loop adds no real work.
+    for b in step if isinstance(step, list) else [step]:
+        for t in b.values():
+            float(t.reshape(-1)[-1])
+
+
+def server_pid(store: Path) -> int | None:
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in cmd and str(store).encode() in cmd:
+                return int(proc.name)
+    return None
+
+
+def cpu_of(pid: int | None) -> float:
+    if pid is None:
+        return float("nan")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    epoch: Callable[[int], Iterable[Step]],
+    per_step: int,
+    server: int | None = None,
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Samples/s, trainer CPU and server CPU per batch: the best of ``repeats`` epochs after a
+    warm-up epoch (the machine is shared: the best epoch is the least disturbed one)."""
+    for b in epoch(0):
+        touch(b)
+    best: dict[str, float] = {}
+    for e in range(1, repeats + 1):
+        s0, c0, w0 = cpu_of(server), time.process_time(), time.perf_counter()
+        steps = 0
+        for b in epoch(e):
+            touch(b)
+            steps += 1
+        wall, cpu, srv = time.perf_counter() - w0, time.process_time() - c0, cpu_of(server) - s0
+        batches = steps * (len(b) if isinstance(b, list) else 1)
+        row = {
+            "samples_s": steps * per_step / wall, "steps_s": steps / wall,
+            "client_cpu_us_per_batch": cpu / batches * 1e6,
+            "server_cpu_us_per_batch": srv / batches * 1e6,
+        }  # fmt: skip
+        if row["samples_s"] > best.get("samples_s", 0.0):
+            best = row
+    return best
+
+
+def storages(step: list[dict[str, torch.Tensor]]) -> list[int]:
+    return [t.untyped_storage().data_ptr() for b in step for t in b.values()]
+
+
+def assert_no_aliasing(epoch: Iterable[Step]) -> int:
+    n = 0
+    for step in epoch:
+        ptrs = storages(step)
+        assert len(set(ptrs)) == len(ptrs), "env batches of one step share storage"
+        n += 1
+    return n
+
+
+# -- rows ----------------------------------------------------------------------------------
+def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str, dict[str, float]]:
+    n = len(arrays["label"])
+    images, labels = torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["label"])
+    per_step = ENVS * ENV_BATCH
+
+    def perms(e: int) -> list[torch.Tensor]:
+        return [
+            torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)
+        ]
+
+    def select_stack(e: int) -> Iterator[Step]:
+        ps = [p.tolist() for p in perms(e)]
+        for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
+            yield [{"image": torch.stack([images[i] for i in p[s : s + ENV_BATCH]]),
+                    "label": torch.stack([labels[i] for i in p[s : s + ENV_BATCH]])} for p in ps]  # fmt: skip
+
+    def index_select(e: int) -> Iterator[Step]:
+        ps = perms(e)
+        for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
+            idx = [p[s : s + ENV_BATCH] for p in ps]
+            yield [
+                {"image": images.index_select(0, i), "label": labels.index_select(0, i)}
+                for i in idx
+            ]
+
+    rows = {
+        "select/stack loop (RAM)": measure(select_stack, per_step),
+        "index_select in process (RAM)": measure(index_select, per_step),
+    }
+    pid = server_pid(store)
+    kw = dict(seed=0, rank=0, world_size=1, drop_last=True)
+    try:
+        with Loader(url, "cifar", ENV_BATCH, envs=ENVS, prefetch=PREFETCH, **kw) as ld:  # type: ignore[arg-type]
+            ld.set_epoch(5)
+            assert_no_aliasing(ld)
+            rows["shardserve Loader(envs=4) streaming"] = measure(_epochs(ld), per_step, pid)
+    except BadRequest as e:
+        print(f"  streaming envs: not available in this tree ({e})")
+    with Loader(url, "cifar", ENV_BATCH, envs=ENVS, resident="cpu", **kw) as ld:  # type: ignore[arg-type]
+        ld.set_epoch(5)
+        assert_no_aliasing(ld)
+        rows["shardserve Loader(envs=4, resident='cpu')"] = measure(_epochs(ld), per_step, pid)
+    with plan(url, "cifar", ENV_BATCH, envs=ENVS, **kw) as p:  # type: ignore[arg-type]
+
+        def planned(e: int) -> Iterator[Step]:
+            p.set_epoch(e)
+            for ids in p:
+                yield [
+                    {"image": images.index_select(0, i), "label": labels.index_select(0, i)}
+                    for i in ids
+                ]
+
+        rows["shardserve plan(envs=4) + index_select"] = measure(planned, per_step, pid)
+    return rows
+
+
+def _epochs(loader: Loader) -> Callable[[int], Iterable[Step]]:
+    def epoch(e: int) -> Iterable[Step]:
+        loader.set_epoch(e)
+        return loader
+
+    return epoch
+
+
+def collate_graphs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PyG's ``Batch.from_data_list`` for these fields, in torch."""
+    counts = torch.tensor([g["x"].shape[0] for g in items])
+    ptr = torch.zeros(len(items) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=ptr[1:])
+    return {
+        "x": torch.cat([g["x"] for g in items]),
+        "pos": torch.cat([g["pos"] for g in items]),
+        "edge_index": torch.cat([g["edge_index"] + int(o) for g, o in zip(items, ptr[:-1], strict=True)], 1),
+        "y": torch.stack([g["y"] for g in items]),
+        "batch": torch.repeat_interleave(torch.arange(len(items)), counts),
+        "ptr": ptr,
+    }  # fmt: skip
+
+
+def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, dict[str, float]]:
+    held = [{k: torch.from_numpy(np.asarray(v)) for k, v in g.items()} for g in graphs(n)]
+    dl = DataLoader(
+        held, batch_size=GRAPH_BATCH, shuffle=True, num_workers=0, collate_fn=collate_graphs
+    )  # type: ignore[arg-type]
+
+    def dataloader(e: int) -> Iterable[Step]:
+        torch.manual_seed(e)
+        return dl
+
+    rows = {"DataLoader(list in RAM, workers 0)": measure(dataloader, GRAPH_BATCH)}
+    pid = server_pid(store)
+    for name in names:
+        with Loader(
+            url, name, GRAPH_BATCH, collate="graph", seed=0, rank=0, world_size=1, prefetch=PREFETCH
+        ) as ld:
+            rows[f"shardserve Loader(collate='graph'), {name}"] = measure(
+                _epochs(ld), GRAPH_BATCH, pid
+            )
+    return rows
+
+
+def bench_cifar(url: str, store: Path, n: int, batch: int) -> dict[str, dict[str, float]]:
+    ds = Store(store).open("cifar")
+    out = {k: np.empty((batch, *s[1]), dtype=s[0]) for k, s in ds.part_shapes(None).items()}  # type: ignore[index]
+
+    def arrow_take(e: int) -> Iterator[Step]:
+        perm = np.random.default_rng(e).permutation(n)
+        for i in range(0, n, batch):
+            idx = perm[i : i + batch]
+            views = {k: v[: len(idx)] for k, v in out.items()}
+            yield {k: torch.from_numpy(a) for k, a in ds.take(idx, None, out=views).items()}
+
+    rows = {"in-process Arrow take": measure(arrow_take, batch)}
+    prefetch = PREFETCH if batch < 256 else 4
+    with Loader(url, "cifar", batch, seed=0, rank=0, world_size=1, prefetch=prefetch) as ld:
+        rows["shardserve Loader (shm)"] = measure(_epochs(ld), batch, server_pid(store))
+    ds.close()
+    return rows
+
+
+# -- report --------------------------------------------------------------------------------
+def ratio(rows: dict[str, dict[str, float]], a: str, b: str) -> float:
+    return rows[a]["samples_s"] / rows[b]["samples_s"] if a in rows and b in rows else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="smaller data, about a minute")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the data (default: a temp dir)"
+    )
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    n_cifar, n_graphs = (8_000, 4_000) if args.quick else (50_000, 20_000)
+    res: dict[str, Any] = {
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} cpus={os.cpu_count()}", "torch": torch.__version__,
+        "quick": args.quick, "load_before": os.getloadavg(), "rows": {},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="ss-bench-small-", dir=args.workdir) as tmp:
+        store = Path(tmp) / "store"
+        print(f"writing {n_cifar} CIFAR-like samples and {n_graphs} graphs twice ...", flush=True)
+        arrays = make_cifar(store, n_cifar)
+        names = [make_graphs(store, n_graphs, s) for s in (2, 15)]
+        with serve_local(store) as url:
+            sections = {
+                "envs (4 x 32)": lambda: bench_envs(url, arrays, store),
+                "graphs (batch 64)": lambda: bench_graphs(url, store, names, n_graphs),
+                "cifar batch 256": lambda: bench_cifar(url, store, n_cifar, 256),
+                "cifar batch 32": lambda: bench_cifar(url, store, n_cifar, 32),
+            }
+            for title, run in sections.items():
+                print(f"\n{title}", flush=True)
+                rows = res["rows"][title] = run()
+                first = next(iter(rows))
+                print(f"  {'configuration':48}{'samples/s':>11}{'steps/s':>9}{'ratio':>7}"
+                      f"{'client us/batch':>16}{'server us/batch':>16}")  # fmt: skip
+                for label, r in rows.items():
+                    print(f"  {label:48}{r['samples_s']:>11,.0f}{r['steps_s']:>9,.0f}"
+                          f"{r['samples_s'] / rows[first]['samples_s']:>7.2f}"
+                          f"{r['client_cpu_us_per_batch']:>16,.0f}{r['server_cpu_us_per_batch']:>16,.0f}")  # fmt: skip
+    rows = res["rows"]
+    g, g2, g15 = (
+        rows["graphs (batch 64)"],
+        f"shardserve Loader(collate='graph'), {names[0]}",
+        f"shardserve Loader(collate='graph'), {names[1]}",
+    )
+    res["targets"] = [
+        ("envs streaming / select-stack loop", ratio(rows["envs (4 x 32)"], "shardserve Loader(envs=4) streaming", "select/stack loop (RAM)"), 5.0),
+        ("graphs 2 shards / DataLoader list", ratio(g, g2, "DataLoader(list in RAM, workers 0)"), 1.0),
+        ("graphs 15 shards / DataLoader list", ratio(g, g15, "DataLoader(list in RAM, workers 0)"), 1.0),
+        ("graphs 15 shards / 2 shards", ratio(g, g15, g2), 0.8),
+        ("cifar 256 / Arrow take", ratio(rows["cifar batch 256"], "shardserve Loader (shm)", "in-process Arrow take"), 0.8),
+        ("cifar 32 / Arrow take", ratio(rows["cifar batch 32"], "shardserve Loader (shm)", "in-process Arrow take"), 0.5),
+    ]  # fmt: skip
+    res["load_after"] = os.getloadavg()
+    print(f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
+          f"({os.cpu_count()} cpus)")  # fmt: skip
+    for name, value, goal in res["targets"]:
+        print(f"  target {name} >= {goal}: {value:.2f} {'met' if value >= goal else 'MISSED'}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Index-only plans: the ids the server would stream, for data the trainer already holds.
+
+A trainer that preloaded its dataset (GPU tensors, a NumPy array in RAM) needs no bytes from
+the server, only the order: which sample ids make each batch of each epoch for its rank, the
+same on every machine, resumable mid-epoch. :func:`plan` asks the server for exactly that
+(``GET /v1/jobs/{id}/plan``, one request per epoch and environment) and hands out the ids
+batch by batch::
+
+    ids = plan("http://127.0.0.1:7070", "cifar10", batch_size=256, seed=0, device="cuda")
+    for epoch in range(10):
+        ids.set_epoch(epoch)
+        for batch_ids in ids:                     # int64 [B] on the device
+            x = images.index_select(0, batch_ids)  # images preloaded on that device
+
+The job is the one a ``Loader`` with the same arguments streams (same spec, same job id), so
+the ids are the samples that Loader would deliver, in its order; ``state_dict()`` is a
+Loader's state, and either resumes from the other's. ``envs=n`` yields a list of ``n`` id
+batches per step, environment ``e`` from its own plan (``SeedSequence([seed, epoch, e])`` on
+the server; environment 0 is the job's own plan): the job of ``Loader(envs=n)``, whose steps
+the server plans as the environments' batches side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardserve.proto.errors import BadRequest, DataError
+from shardserve.proto.jobs import JobSpec, job_id
+
+from ._position import Position
+from .control import ControlClient
+from .device import resolve_device
+from .distributed import resolve_world
+from .loader import _SHUFFLE, DEFAULT_URL, STATE_VERSION
+from .resident import MAX_ENVS
+from .state import parse_state
+
+IdBatch = torch.Tensor
+
+
+class IndexPlan:
+    """Batches of sample ids of one job for one rank (see the module docstring and :func:`plan`).
+
+    Each step yields an int64 tensor ``[B]`` on ``device`` (a list of ``envs`` of them when
+    ``envs > 1``). The tensors of one epoch are views of that epoch's id tensor: read them,
+    do not write into them. Epochs behave as a ``Loader``'s: ``set_epoch`` picks the next
+    iteration's epoch; without it a new plan starts at the job's epoch and ``iter()`` moves on
+    only after a pass that yielded.
+    """
+
+    def __init__(
+        self,
+        url: str | None,
+        dataset: str,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool | str = True,
+        drop_last: bool = False,
+        fields: Sequence[str] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        envs: int = 1,
+        device: str | torch.device = "cpu",
+        timeout: float = 60.0,
+        token: str | None = None,
+        collate: str | None = None,
+    ) -> None:
+        if shuffle not in _SHUFFLE:
+            raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
+        if not 1 <= envs <= MAX_ENVS:
+            raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
+        if not timeout > 0:
+            raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
+        self.world = resolve_world(rank, world_size)
+        # The job a Loader with these arguments streams (with envs: steps of envs batches).
+        self.spec = JobSpec(
+            dataset=dataset, batch_size=batch_size * envs, seed=seed, shuffle=_SHUFFLE[shuffle],
+            drop_last=drop_last, world_size=self.world.world_size,
+            fields=tuple(fields) if fields is not None else None,
+            **({"collate": collate} if collate is not None else {}),
+            **({"envs": envs} if envs > 1 else {}),
+        )  # fmt: skip
+        self.job_id = job_id(self.spec)
+        self.envs, self.timeout = envs, timeout
+        self.device = resolve_device(device, self.world.local_rank)
+        url = url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
+        token = token or os.environ.get("SHARDSERVE_TOKEN") or None
+        self._api = ControlClient(url, token, timeout=min(timeout, 10.0), connect_retry_s=timeout)
+        try:
+            created = self._api.create_job(self.spec)
+        except BaseException:
+            self._api.close()
+            raise
+        self._api.connect_retry_s = 0.0
+        self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
+        self._pass = 0
+
+    # -- the ids -----------------------------------------------------------------------------
+    def epoch_ids(self, epoch: int, env: int = 0) -> np.ndarray:
+        """Every id of this rank's ``epoch`` (environment ``env``) in batch order, int64."""
+        if not 0 <= env < self.envs:
+            raise BadRequest(f"env {env} out of range 0 <= env < {self.envs}")
+        return (
+            np.concatenate([s[env] for s in self._steps(epoch)])
+            if len(self)
+            else np.empty(0, np.int64)
+        )
+
+    def _steps(self, epoch: int) -> list[list[np.ndarray]]:
+        """Each step's id batch per environment (one request: a step is the envs' batches
+        side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
+        ids, batches = self._api.plan(self.job_id, epoch, self.world.rank, 0, timeout=self.timeout)
+        want = -(-len(ids) // self.spec.batch_size)
+        if want != batches:
+            raise DataError(
+                f"plan of job {self.job_id} epoch {epoch}: {len(ids)} ids make {want} "
+                f"steps of {self.spec.batch_size}, the server said {batches}"
+            )
+        self._pos.num_batches = batches
+        steps = np.split(ids, np.arange(self.spec.batch_size, len(ids), self.spec.batch_size))
+        return [np.split(step, self.envs) for step in steps if len(step)]
+
+    def _epoch_batches(self, epoch: int) -> list[list[IdBatch]]:
+        steps = self._steps(epoch)
+        flat = torch.from_numpy(
+            np.concatenate([i for s in steps for i in s]) if steps else np.empty(0, np.int64)
+        )
+        sizes = [len(i) for s in steps for i in s]
+        parts = iter(flat.to(self.device).split(sizes))
+        return [[next(parts) for _ in range(self.envs)] for _ in steps]
+
+    # -- epochs and resume (a Loader's rules and state) --------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration plans; a position restored for it is kept."""
+        self._pos.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches (steps) per epoch for this rank."""
+        return self._pos.num_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch in progress and the next step not yet received (a ``Loader`` state)."""
+        epoch, nxt = self._pos.state()
+        return {
+            "version": STATE_VERSION, "spec": self.spec.model_dump(mode="json"), "epoch": epoch,
+            "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next iteration where ``state`` (this plan's or a ``Loader``'s) left off."""
+        st = parse_state(state, STATE_VERSION)
+        if st.spec != self.spec:
+            raise BadRequest(f"state is for job {st.spec!r}, this plan is for {self.spec!r}")
+        if st.world_size != self.world.world_size:
+            raise BadRequest(
+                f"state is for rank {st.rank} of {st.world_size}, this plan is rank "
+                f"{self.world.rank} of {self.world.world_size}"
+            )
+        self._pos.restore(st.epoch, st.next_batch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._api is None:
+            raise RuntimeError("this plan is closed")
+        start = self._pos.next_start()
+        self._pos.begin(start)
+        self._pass += 1
+        return self._run(self._pass, start)
+
+    def _run(self, this_pass: int, start: tuple[int, int]) -> Iterator[Any]:
+        steps = self._epoch_batches(start[0])
+        for i in range(start[1], len(steps)):
+            if self._pass != this_pass:
+                raise RuntimeError("this iterator was replaced by a newer iter(plan); use that one")
+            self._pos.received(start, i)
+            yield steps[i] if self.envs > 1 else steps[i][0]
+        self._pos.ended(start)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the HTTP client; idempotent."""
+        api, self._api = self._api, None  # type: ignore[assignment]
+        if api is not None:
+            api.close()
+
+    def __enter__(self) -> IndexPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_api", None) is not None:
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexPlan(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
+            f"{self.world.world_size}, envs={self.envs}, epoch={self._pos.epoch})"
+        )
+
+
+def plan(
+    url: str | None,
+    dataset: str,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool | str = True,
+    drop_last: bool = False,
+    fields: Sequence[str] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    envs: int = 1,
+    device: str | torch.device = "cpu",
+    timeout: float = 60.0,
+    token: str | None = None,
+    collate: str | None = None,
+) -> IndexPlan:
+    """The sample ids a ``Loader`` with these arguments would stream, batch by batch (see the
+    module docstring): an :class:`IndexPlan` to iterate, ``set_epoch`` and resume."""
+    return IndexPlan(
+        url, dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, fields=fields,
+        rank=rank, world_size=world_size, envs=envs, device=device, timeout=timeout, token=token,
+        collate=collate,
+    )  # fmt: skip

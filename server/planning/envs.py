@@ -1,0 +1,85 @@
+"""Steps of several environments: one batch carries ``envs`` environment batches (issue 22).
+
+A PPO-style trainer wants ``n`` batches a step, each from its own deterministic plan, and
+wants them in one round trip. A job with ``envs=n`` (``JobSpec.envs``) streams steps: step
+``i`` is environment 0's batch ``i``, then environment 1's, and so on, one after the other in
+one batch of ``n * b`` samples (``b = batch_size // envs``). Environment ``e`` follows the
+order of ``SeedSequence([seed, epoch, e])`` (environment 0: the job's own order, see
+:func:`~.order.epoch_order`), partitioned across ranks like any plan, so each environment's
+batches are exactly those of ``GET /v1/jobs/{id}/plan?env=e`` for a job of batch size ``b``.
+
+Every environment plans the same number of samples, so each has the same number of batches,
+and a short last batch is equally short in each: the client cuts a step into ``n`` equal parts.
+
+>>> import numpy as np
+>>> orders = [np.arange(6, dtype=np.uint32), np.arange(6, dtype=np.uint32)[::-1].copy()]
+>>> s = EnvSteps.from_orders(orders, world_size=1, rank=0, env_batch=4, drop_last=False)
+>>> len(s), [b.tolist() for b in s]
+(2, [[0, 1, 2, 3, 5, 4, 3, 2], [4, 5, 1, 0]])
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .partition import RankPlan, num_batches
+
+
+def step_batches(
+    n_samples: int, world_size: int, batch_size: int, drop_last: bool, envs: int
+) -> int:
+    """Steps per epoch of a job whose ``batch_size`` holds ``envs`` environment batches."""
+    return num_batches(n_samples, world_size, batch_size // envs, drop_last)
+
+
+@dataclass(frozen=True, eq=False)
+class EnvSteps:
+    """One rank's steps of one epoch, ``envs`` environment plans side by side; random access
+    by step index like :class:`~.partition.RankPlan` (``batch(i)``, ``len``, iteration)."""
+
+    plans: tuple[RankPlan, ...]
+
+    @classmethod
+    def from_orders(
+        cls,
+        orders: Sequence[np.ndarray],
+        world_size: int,
+        rank: int,
+        env_batch: int,
+        drop_last: bool,
+    ) -> EnvSteps:
+        """Partition each environment's epoch order for ``rank``, batches of ``env_batch``."""
+        if not orders:
+            raise ValueError("an EnvSteps needs at least one environment's order")
+        plans = tuple(
+            RankPlan.from_order(o, world_size, rank, env_batch, drop_last) for o in orders
+        )
+        if len({p.num_batches for p in plans}) != 1:  # orders of different lengths
+            raise ValueError(
+                f"environment plans differ in length: {[p.num_batches for p in plans]}"
+            )
+        return cls(plans)
+
+    @property
+    def num_batches(self) -> int:
+        return self.plans[0].num_batches
+
+    @property
+    def num_samples(self) -> int:
+        return sum(p.num_samples for p in self.plans)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, i: int) -> np.ndarray:
+        """Step ``i``: every environment's batch ``i``, env 0 first, as one new int64 array."""
+        i = operator.index(i)
+        return np.concatenate([p.batch(i) for p in self.plans])
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(self.num_batches):
+            yield self.batch(i)

@@ -1,0 +1,124 @@
+"""``Loader(envs=n)`` while streaming, against a real server: one batch per step carries every
+environment's batch; each environment follows its own plan, owns its storage, and resumes."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from shardserve.client import BadRequest, Loader, plan
+from shardserve.server.planning import epoch_order
+from tests.client.conftest import N_CIFAR, ids
+from tests.support.resume import assert_resumes_exactly
+
+ENVS, BS = 4, 32
+
+
+def _step_ids(step: list[dict[str, torch.Tensor]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(ids(b) for b in step)
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_each_env_follows_its_own_plan_in_storage_of_its_own(server, transport: str) -> None:
+    """env e's batches are the order of SeedSequence([seed, epoch, e]) cut in 32s (env 0 the
+    single-env Loader's), and no two tensors of a step share storage or memory."""
+    with Loader(server.http_url, "cifar", BS, seed=11, envs=ENVS, rank=0, world_size=1,
+                transport=transport) as ld:  # fmt: skip
+        ld.set_epoch(6)
+        steps = list(ld)
+        assert len(steps) == len(ld) == -(-N_CIFAR // BS)
+    assert all(isinstance(s, list) and len(s) == ENVS for s in steps)
+    for env in range(ENVS):
+        got = [i for s in steps for i in ids(s[env])]
+        assert got == epoch_order(N_CIFAR, 11, 6, "global", env=env).tolist()
+    for s in steps:
+        storages = [t.untyped_storage().data_ptr() for b in s for t in b.values()]
+        assert len(set(storages)) == len(storages), "env batches (or fields) share storage"
+        tensors = [t for b in s for t in b.values()]
+        for i, a in enumerate(tensors):
+            for b in tensors[i + 1 :]:
+                assert not np.shares_memory(a.numpy(), b.numpy())
+    with Loader(server.http_url, "cifar", BS, seed=11, rank=0, world_size=1) as one:
+        one.set_epoch(6)
+        assert [ids(b) for b in one] == [ids(s[0]) for s in steps]
+
+
+def test_env_batches_outlive_later_steps(server) -> None:
+    """Batches kept across many steps (more than the ring has slots) keep their bytes."""
+    with Loader(
+        server.http_url, "cifar", BS, seed=2, envs=3, rank=0, world_size=1, prefetch=2
+    ) as ld:
+        ld.set_epoch(0)
+        kept = [(s, _step_ids(s)) for s in ld]
+    assert [_step_ids(s) for s, _ in kept] == [k for _, k in kept]
+
+
+def test_one_env_label_saves_alone(server) -> None:
+    """torch.save of one env's 32 labels writes about 32 int64s, not the step or the slot."""
+    with Loader(server.http_url, "cifar", BS, seed=0, envs=ENVS, rank=0, world_size=1) as ld:
+        step = next(iter(ld))
+    buf = io.BytesIO()
+    torch.save(step[2]["label"], buf)
+    assert buf.tell() < 32 * 8 + 2048, f"{buf.tell()} bytes saved for a 32-label tensor"
+
+
+def test_streaming_envs_is_deterministic_and_equals_the_plan_api(server) -> None:
+    """Two Loaders agree step for step; plan(envs=4) gives the same ids in the same order."""
+    kw = dict(seed=5, rank=0, world_size=1)
+    with Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as a, \
+         Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as b, \
+         plan(server.http_url, "cifar", BS, envs=ENVS, **kw) as p:  # fmt: skip
+        for x in (a, b, p):
+            x.set_epoch(2)
+        got = [_step_ids(s) for s in a]
+        assert got == [_step_ids(s) for s in b]
+        assert p.job_id == a.job_id, "plan(envs=n) and Loader(envs=n) are one job"
+        assert got == [tuple(tuple(i.tolist()) for i in s) for s in p]
+        assert p.epoch_ids(2, env=3).tolist() == [i for s in got for i in s[3]]
+        # A Loader's state resumes the plan at the same step, and back.
+        b.set_epoch(3)
+        it = iter(b)
+        next(it), next(it)
+        p.load_state_dict(b.state_dict())
+        assert [tuple(tuple(i.tolist()) for i in s) for s in p] == [_step_ids(s) for s in it]
+
+
+def test_streaming_envs_resumes_exactly(server) -> None:
+    def make_iter(state):
+        ld = Loader(server.http_url, "cifar", BS, seed=1, envs=3, rank=0, world_size=1)
+        if state is not None:
+            ld.load_state_dict(state)
+        else:
+            ld.set_epoch(4)
+        return iter(ld), ld.state_dict
+
+    assert_resumes_exactly(make_iter, midpoint=7, key=_step_ids)
+
+
+def test_streaming_envs_across_ranks_and_devices(server) -> None:
+    """Two ranks split each env's order; devices=[...] places env e on devices[e % len]."""
+    seen: dict[int, list[int]] = {e: [] for e in range(2)}
+    for rank in range(2):
+        with Loader(server.http_url, "cifar", 25, seed=3, envs=2, rank=rank, world_size=2,
+                    devices=["cpu"], drop_last=True) as ld:  # fmt: skip
+            ld.set_epoch(1)
+            for s in ld:
+                assert all(b["image"].device.type == "cpu" and len(b["label"]) == 25 for b in s)
+                for e in range(2):
+                    seen[e] += ids(s[e])
+    for e in range(2):
+        order = epoch_order(N_CIFAR, 3, 1, "global", env=e).tolist()
+        assert sorted(seen[e]) == sorted(order), f"env {e}: the ranks do not cover its order once"
+
+
+def test_streaming_envs_refuses_what_it_cannot_cut(server) -> None:
+    with pytest.raises(BadRequest, match=r"fixed-shape fields.*'x'"):
+        Loader(server.http_url, "graphs", 8, envs=2, rank=0, world_size=1)
+    with pytest.raises(BadRequest, match="envs=0"):
+        Loader(server.http_url, "cifar", 8, envs=0, rank=0, world_size=1)
+    with Loader(server.http_url, "graphs", 8, envs=2, fields=["y"], rank=0, world_size=1) as ld:
+        ys = [y for s in ld for b in s for y in b["y"].tolist()]
+    assert sorted(ys[: len(ys) // 2]) != [] and len(ys) == 2 * 8 * -(-120 // 8)
