@@ -70,7 +70,9 @@ def make_arrays(case: str, n: int) -> dict[str, np.ndarray]:
     return {"image": image, "label": np.arange(n, dtype=np.int64) % 10}
 
 
-def write_files(arrays: dict[str, np.ndarray], root: Path, name: str, pt_files: bool = True) -> None:
+def write_files(
+    arrays: dict[str, np.ndarray], root: Path, name: str, pt_files: bool = True
+) -> None:
     """The same samples as a shardserve dataset and (``pt_files``) one .pt per sample and
     chunked .pt files."""
     n = len(arrays["label"])
@@ -144,7 +146,9 @@ def run_epochs(
     return out
 
 
-def floor(arrays: dict[str, np.ndarray], batch: int) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
+def floor(
+    arrays: dict[str, np.ndarray], batch: int
+) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
     n = len(arrays["label"])
 
     def epoch(e: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -158,9 +162,13 @@ def floor(arrays: dict[str, np.ndarray], batch: int) -> Callable[[int], Iterable
     return epoch
 
 
-def arrow_take(store: Path, name: str, n: int, batch: int) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
+def arrow_take(
+    store: Path, name: str, n: int, batch: int
+) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
     ds = Store(store).open(name)
-    out = {k: np.empty((batch, *shape[1]), dtype=shape[0]) for k, shape in ds.part_shapes(None).items()}
+    out = {
+        k: np.empty((batch, *shape[1]), dtype=shape[0]) for k, shape in ds.part_shapes(None).items()
+    }
 
     def epoch(e: int) -> Iterator[dict[str, torch.Tensor]]:
         perm = np.random.default_rng(e).permutation(n)
@@ -172,7 +180,9 @@ def arrow_take(store: Path, name: str, n: int, batch: int) -> Callable[[int], It
     return epoch
 
 
-def memcpy(arrays: dict[str, np.ndarray], batch: int) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
+def memcpy(
+    arrays: dict[str, np.ndarray], batch: int
+) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
     n = len(arrays["label"])
     dst = {k: np.empty((batch, *v.shape[1:]), v.dtype) for k, v in arrays.items()}
 
@@ -213,10 +223,12 @@ def rss_mb(pid: int) -> float:
 
 def rss_jobs(url: str, name: str, pid: int, batch: int) -> dict[str, float]:
     """Server RSS after an epoch with 1 job, then with 4 more jobs of the same dataset."""
+
     def epoch(seed: int) -> None:
         with Loader(url, name, batch, seed=seed, rank=0, world_size=1) as loader:
             for _ in loader:
                 pass
+
     epoch(500)
     time.sleep(1.0)  # let the server handle the Bye and drop that stream's buffers
     one = rss_mb(pid)
@@ -231,7 +243,9 @@ def rss_jobs(url: str, name: str, pid: int, batch: int) -> dict[str, float]:
     return {"rss_1_job_mb": one, "rss_4_jobs_mb": rss_mb(pid)}
 
 
-def dataloader(ds: Dataset, workers: int, batch: int) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
+def dataloader(
+    ds: Dataset, workers: int, batch: int
+) -> Callable[[int], Iterable[dict[str, torch.Tensor]]]:
     shuffle = not isinstance(ds, IterableDataset)
     dl = DataLoader(
         ds, batch_size=batch, shuffle=shuffle, num_workers=workers, persistent_workers=workers > 0
@@ -264,7 +278,10 @@ def tf_data(tf_python: str, n: int, batch: int, work: Path) -> dict[str, dict[st
     rows = json.loads(out.read_text())["rows"]
     result = {}
     for label, r in rows.items():
-        result[label] = {"samples_s": r["samples_s"], "first_batch_epoch1_s": r["first_batch_s"][-1]}
+        result[label] = {
+            "samples_s": r["samples_s"],
+            "first_batch_epoch1_s": r["first_batch_s"][-1],
+        }
         print(f"  {label:32} {r['samples_s']:>12,.0f} samples/s", flush=True)
     return result
 
@@ -310,9 +327,13 @@ def bench_case(case: str, n: int, work: Path, tf_python: str | None = None) -> d
         if full:
             ttfb = time_to_first_batch(url, case, batch)
             rss = rss_jobs(url, case, pid, batch) if pid else {}
-            rss["dataset_mb"] = sum(p.stat().st_size for p in (work / "store" / case).rglob("*.arrow")) / 2**20
+            rss["dataset_mb"] = (
+                sum(p.stat().st_size for p in (work / "store" / case).rglob("*.arrow")) / 2**20
+            )
     if full:
-        tensors = TensorDataset(torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["label"]))
+        tensors = TensorDataset(
+            torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["label"])
+        )
 
         class Dicts(Dataset):
             def __len__(self) -> int:
@@ -357,13 +378,29 @@ def targets(
                     "met": value >= goal if higher else value <= goal})  # fmt: skip
 
     if case == "cifar":
-        add("shm vs DataLoader .pt per sample w=2", ours / rows["DataLoader .pt per sample w=2"]["samples_s"], 30)
-        add("shm vs DataLoader TensorDataset w=0", ours / rows["DataLoader TensorDataset w=0"]["samples_s"], 2)
-        add("shm vs Arrow mmap take in process", ours / rows["Arrow mmap take (in process)"]["samples_s"], 0.5)
+        add(
+            "shm vs DataLoader .pt per sample w=2",
+            ours / rows["DataLoader .pt per sample w=2"]["samples_s"],
+            30,
+        )
+        add(
+            "shm vs DataLoader TensorDataset w=0",
+            ours / rows["DataLoader TensorDataset w=0"]["samples_s"],
+            2,
+        )
+        add(
+            "shm vs Arrow mmap take in process",
+            ours / rows["Arrow mmap take (in process)"]["samples_s"],
+            0.5,
+        )
         if "tf.data service" in rows:
             add("shm vs tf.data service", ours / rows["tf.data service"]["samples_s"], 15)
     if case == "64k":
-        add("shm vs single-thread memcpy (GB/s)", ours / rows["memcpy (same bytes)"]["samples_s"], 0.5)
+        add(
+            "shm vs single-thread memcpy (GB/s)",
+            ours / rows["memcpy (same bytes)"]["samples_s"],
+            0.5,
+        )
     if ttfb:
         add("time to first batch, ms", ttfb["median_s"] * 1000, 50, higher=False)
     if rss:
@@ -401,7 +438,9 @@ def main() -> None:
             results["cases"][case] = bench_case(case, n, Path(tmp) / case, args.tf_python)  # type: ignore[index]
     for case, res in results["cases"].items():  # type: ignore[attr-defined]
         print(f"\n{case}: N={res['n']}, batch {res['batch']} (2nd epoch; ratios within this run)")
-        print(f"  {'configuration':34}{'samples/s':>12}{'GB/s':>8}{'vs floor':>10}{'shm is x faster':>17}")
+        print(
+            f"  {'configuration':34}{'samples/s':>12}{'GB/s':>8}{'vs floor':>10}{'shm is x faster':>17}"
+        )
         for label, r in res["rows"].items():
             print(
                 f"  {label:34}{r['samples_s']:>12,.0f}{r['gb_s']:>8.2f}{r['vs_floor']:>10.2f}"
@@ -418,7 +457,7 @@ def main() -> None:
                   f"{'met' if t['met'] else 'MISSED'}")  # fmt: skip
         if res["rss"]:
             print(f"  RSS: {res['rss']}")
-        if (t := res["time_to_first_batch"]):
+        if t := res["time_to_first_batch"]:
             print(
                 f"  time to first batch from Loader construction: median {t['median_s'] * 1000:.1f} ms "
                 f"(min {t['min_s'] * 1000:.1f}, max {t['max_s'] * 1000:.1f})"

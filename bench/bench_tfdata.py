@@ -120,15 +120,19 @@ def start_service(tmp: Path) -> tuple[subprocess.Popen, int]:
     with open(tmp / "service.log", "wb") as log:  # the child keeps its own copy of the fd
         proc = subprocess.Popen(
             [sys.executable, __file__, "--serve-service", str(portfile)],
-            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + PORT_WAIT_S
     while not portfile.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_service(proc)
             msg = (tmp / "service.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"no dispatcher port in {portfile} after {PORT_WAIT_S:.0f} s "
-                               f"(service rc={proc.returncode}); its log:\n{msg}")
+            raise RuntimeError(
+                f"no dispatcher port in {portfile} after {PORT_WAIT_S:.0f} s "
+                f"(service rc={proc.returncode}); its log:\n{msg}"
+            )
         time.sleep(0.1)
     return proc, int(portfile.read_text())
 
@@ -169,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
         proc, port = start_service(tmp)
         try:
-            dist = ds.apply(tf.data.experimental.service.distribute(
-                processing_mode="parallel_epochs", service=f"grpc://localhost:{port}"))
+            dist = ds.apply(
+                tf.data.experimental.service.distribute(
+                    processing_mode="parallel_epochs", service=f"grpc://localhost:{port}"
+                )
+            )
             rows["tf.data service"] = run_epochs(dist, args.n, args.epochs, args.epoch_timeout)
         finally:
             stop_service(proc)

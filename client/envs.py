@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from shardserve.proto.api import DatasetInfo
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import DatasetInfo
 
 from ._frames import own_storage
 from .types import Batch

@@ -78,13 +78,13 @@ class IndexPlan:
             raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
         self.world = resolve_world(rank, world_size)
         # The job a Loader with these arguments streams (with envs: steps of envs batches).
-        self.spec = JobSpec(
-            dataset=dataset, batch_size=batch_size * envs, seed=seed, shuffle=_SHUFFLE[shuffle],
-            drop_last=drop_last, world_size=self.world.world_size,
-            fields=tuple(fields) if fields is not None else None,
-            **({"collate": collate} if collate is not None else {}),
-            **({"envs": envs} if envs > 1 else {}),
-        )  # fmt: skip
+        self.spec = JobSpec.model_validate({
+            "dataset": dataset, "batch_size": batch_size * envs, "seed": seed,
+            "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last,
+            "world_size": self.world.world_size,
+            "fields": tuple(fields) if fields is not None else None,
+            "collate": collate, "envs": envs,
+        })  # fmt: skip
         self.job_id = job_id(self.spec)
         self.envs, self.timeout = envs, timeout
         self.device = resolve_device(device, self.world.local_rank)

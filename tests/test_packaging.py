@@ -9,11 +9,17 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"shardserve.proto": "proto", "shardserve.server": "server", "shardserve.client": "client"}
+FOLDERS = {
+    "shardserve.proto": "proto",
+    "shardserve.server": "server",
+    "shardserve.client": "client",
+}
 
 
 def _listed_packages() -> set[str]:
-    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    return set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
 
 
 def _package_folders() -> set[str]:
@@ -59,8 +65,15 @@ def test_client_never_imports_server_stack() -> None:
 
 def test_nothing_unpickles() -> None:
     """No module of ours imports pickle-like loaders or turns weights_only off."""
-    bad = ("import pickle", "from pickle", "import marshal", "import dill", "import cloudpickle",
-           "weights_only=False", "pickle.load")
+    bad = (
+        "import pickle",
+        "from pickle",
+        "import marshal",
+        "import dill",
+        "import cloudpickle",
+        "weights_only=False",
+        "pickle.load",
+    )
     for folder in FOLDERS.values():
         for path in (ROOT / folder).rglob("*.py"):
             text = path.read_text()

@@ -216,7 +216,7 @@ def take_ragged(
     single = len(chunk_groups) == 1
     # Work in chunk order (the groups' order): each chunk then reads and writes one
     # contiguous slice of every array below; ``order`` maps back to the batch order.
-    order = None if single else np.concatenate([p for _, p in chunk_groups])  # type: ignore[misc]
+    order = None if single else np.concatenate([p for _, p in chunk_groups])
     rs = rows if order is None else rows[order]
     sizes = [b] if single else [len(p) for _, p in chunk_groups]  # type: ignore[arg-type]
     cuts = [0, *itertools.accumulate(sizes)]

@@ -17,6 +17,7 @@ from shardserve.proto.endpoints import Delivery as Transport
 from ..jobs import Job, JobRegistry
 from ..metrics import Metrics
 from ..planning import RankPlan
+from ..planning.envs import EnvSteps
 from ..store.graphs import GraphCollated
 from .board import StreamBoard
 from .limits import StreamCancelled, check_batch
@@ -56,7 +57,8 @@ class Prepared:
     """What a stream needs before its first batch (built on the planning lane)."""
 
     source: BatchSource
-    plan: RankPlan
+    #: The rank's batches; with ``envs > 1`` each is one step of every env's batch.
+    plan: RankPlan | EnvSteps
     fields: tuple[str, ...]
     part_shapes: PartShapes
     #: Expected bytes of one full batch (variable fields at the dataset's average).
@@ -141,7 +143,7 @@ def prepare(
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
     plan = plans.rank_plan(job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows)
-    hint: Callable[[RankPlan], None] | None = getattr(source, "plan_hint", None)
+    hint: Callable[[RankPlan | EnvSteps], None] | None = getattr(source, "plan_hint", None)
     if hint is not None:
         hint(plan)  # a remote dataset prefetches the shards this plan reads next
     return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes)

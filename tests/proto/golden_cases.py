@@ -28,32 +28,66 @@ from shardserve.proto.messages import (
 GOLDEN = Path(__file__).parent / "golden"
 
 CONTROL = {
-    "hello": Hello(job="2f43ada9a6216ad9", rank=1, epoch=3, start_batch=7, credit=4, nonce=42,
-                   token="t0k", host="node-1", boot_id="b00t", pid=1234, keep=(1, 3)),
-    "welcome": Welcome(stream=5, nonce=42, job="2f43ada9a6216ad9", rank=1, epoch=3, seed=0,
-                       start_batch=7, num_batches=196, heartbeat_s=1.0, transport="shm",
-                       shm=ShmRing(name="/shardserve-1234-5", slots=4, slot_bytes=1 << 20)),
-    "reject": Reject(code=ErrorCode.VERSION_MISMATCH, message="client speaks [9], server speaks [1]",
-                     nonce=42),
-    "credit": Credit(grant=2, slots=(0, 3), stats=ClientStats(batches=10, wait_s=0.5, compute_s=2.0)),
+    "hello": Hello(
+        job="2f43ada9a6216ad9",
+        rank=1,
+        epoch=3,
+        start_batch=7,
+        credit=4,
+        nonce=42,
+        token="t0k",
+        host="node-1",
+        boot_id="b00t",
+        pid=1234,
+        keep=(1, 3),
+    ),
+    "welcome": Welcome(
+        stream=5,
+        nonce=42,
+        job="2f43ada9a6216ad9",
+        rank=1,
+        epoch=3,
+        seed=0,
+        start_batch=7,
+        num_batches=196,
+        heartbeat_s=1.0,
+        transport="shm",
+        shm=ShmRing(name="/shardserve-1234-5", slots=4, slot_bytes=1 << 20),
+    ),
+    "reject": Reject(
+        code=ErrorCode.VERSION_MISMATCH, message="client speaks [9], server speaks [1]", nonce=42
+    ),
+    "credit": Credit(
+        grant=2, slots=(0, 3), stats=ClientStats(batches=10, wait_s=0.5, compute_s=2.0)
+    ),
     "end_of_epoch": EndOfEpoch(stream=5, epoch=3, num_batches=196),
     "heartbeat": Heartbeat(stats=ClientStats(batches=1)),
-    "error": Error(code=ErrorCode.DATASET_CORRUPT, message="shard-00000.arrow: checksum mismatch",
-                   stream=5),
+    "error": Error(
+        code=ErrorCode.DATASET_CORRUPT, message="shard-00000.arrow: checksum mismatch", stream=5
+    ),
     "bye": Bye(),
 }
 
 BATCHES = {
     "batch_socket": BatchHeader(
-        stream=5, epoch=3, index=7,
-        parts=(PartHeader("image", "uint8", (2, 3, 4, 4), 96),
-               PartHeader("label", "int64", (2,), 16)),
+        stream=5,
+        epoch=3,
+        index=7,
+        parts=(
+            PartHeader("image", "uint8", (2, 3, 4, 4), 96),
+            PartHeader("label", "int64", (2,), 16),
+        ),
     ),
     "batch_slot": BatchHeader(
-        stream=5, epoch=3, index=8, slot=2,
-        parts=(PartHeader("x", "float32", (5,), 20, 0),
-               PartHeader("x.offsets", "int64", (3,), 24, 64),
-               PartHeader("x.shapes", "int64", (2, 1), 16, 128)),
+        stream=5,
+        epoch=3,
+        index=8,
+        slot=2,
+        parts=(
+            PartHeader("x", "float32", (5,), 20, 0),
+            PartHeader("x.offsets", "int64", (3,), 24, 64),
+            PartHeader("x.shapes", "int64", (2, 1), 16, 128),
+        ),
     ),
 }
 

@@ -24,7 +24,9 @@ def _manifest(**kw: object) -> dict:
         "name": "cifar",
         "num_samples": 3,
         "fields": [{"name": "image", "dtype": "uint8", "shape": [3, 32, 32]}],
-        "shards": [{"path": "shards/shard-00000.arrow", "rows": 3, "bytes": 10, "checksum": "xxh3_64:00"}],
+        "shards": [
+            {"path": "shards/shard-00000.arrow", "rows": 3, "bytes": 10, "checksum": "xxh3_64:00"}
+        ],
     }
     base.update(kw)
     return base
@@ -73,7 +75,9 @@ def test_field_kinds() -> None:
     with pytest.raises(ValidationError, match="binary fields"):
         FieldSpec(name="b", dtype="binary", shape=(3,))
     with pytest.raises(ValidationError, match="duplicate"):
-        Manifest(name="d", num_samples=0, shards=(), fields=(FieldSpec(name="a", dtype="int8"),) * 2)
+        Manifest(
+            name="d", num_samples=0, shards=(), fields=(FieldSpec(name="a", dtype="int8"),) * 2
+        )
 
 
 def test_job_id_is_stable_and_spec_sensitive() -> None:
@@ -81,14 +85,28 @@ def test_job_id_is_stable_and_spec_sensitive() -> None:
     a = JobSpec(dataset="cifar", batch_size=256, seed=1)
     assert job_id(a) == job_id(JobSpec(seed=1, batch_size=256, dataset="cifar"))
     assert job_id(a) == f"{job_id(JobSpec.model_validate_json(a.model_dump_json()))}"
-    for change in ({"seed": 2}, {"batch_size": 128}, {"world_size": 2}, {"shuffle": "none"},
-                   {"drop_last": True}, {"fields": ("image",)}):
+    for change in (
+        {"seed": 2},
+        {"batch_size": 128},
+        {"world_size": 2},
+        {"shuffle": "none"},
+        {"drop_last": True},
+        {"fields": ("image",)},
+    ):
         assert job_id(a.model_copy(update=change)) != job_id(a)
 
 
 @pytest.mark.parametrize(
-    "bad", [{"batch_size": 0}, {"world_size": 0}, {"shuffle": "random"}, {"dataset": "../x"},
-            {"fields": []}, {"fields": ["a", "a"]}, {"extra": 1}],
+    "bad",
+    [
+        {"batch_size": 0},
+        {"world_size": 0},
+        {"shuffle": "random"},
+        {"dataset": "../x"},
+        {"fields": []},
+        {"fields": ["a", "a"]},
+        {"extra": 1},
+    ],
 )
 def test_job_spec_rejects_bad_fields(bad: dict) -> None:
     """A spec with a bad field is refused with a message about that field."""
@@ -98,8 +116,15 @@ def test_job_spec_rejects_bad_fields(bad: dict) -> None:
 
 def test_error_codes_round_trip() -> None:
     """Every error class maps to a code that maps back to the same class."""
-    for cls in (errors.DatasetCorruptError, errors.JobNotFound, errors.VersionMismatch,
-                errors.AuthError, errors.BadRequest, errors.UnknownStream, errors.JobFailed):
+    for cls in (
+        errors.DatasetCorruptError,
+        errors.JobNotFound,
+        errors.VersionMismatch,
+        errors.AuthError,
+        errors.BadRequest,
+        errors.UnknownStream,
+        errors.JobFailed,
+    ):
         exc = errors.error_for_code(errors.code_for_error(cls("m")), "m")
         assert type(exc) is cls and str(exc) == "m"
     assert type(errors.error_for_code("no-such-code", "m")) is errors.ShardserveError
