@@ -9,25 +9,32 @@ Errors (all from :mod:`shardserve.proto.errors`)::
 
     ShardserveError
     ├── TransportError: ServerUnavailable, DataStallError     transient: retrying may help
-    ├── DataError: DatasetNotFound, DatasetCorruptError        the data is the problem
-    ├── JobError: JobNotFound, JobFailed                       the server gave up the job
+    ├── DataError: DatasetNotFound, DatasetCorruptError,       the data is the problem
+    │              DatasetChanged                              (replaced under a pinned job)
+    ├── JobError: JobNotFound, JobFailed, TransformError,      the server gave up the job
+    │             RankInUse                                    (or another client holds the rank)
     ├── ProtocolError: VersionMismatch, ...                    client and server disagree
     ├── BadRequest                                             arguments that cannot be served
-    │   └── ResidentTooLarge                                   resident data would not fit
+    │   ├── ResidentTooLarge                                   resident data would not fit
+    │   └── StreamLimitExceeded                                the server's stream limits
     └── AuthError                                              missing or wrong token
 """
 
 from shardserve.proto.errors import (
     AuthError,
     BadRequest,
+    DatasetChanged,
     DatasetCorruptError,
     DatasetNotFound,
     DataStallError,
     JobFailed,
     JobNotFound,
     ProtocolError,
+    RankInUse,
     ServerUnavailable,
     ShardserveError,
+    StreamLimitExceeded,
+    TransformError,
 )
 
 from .loader import Loader
@@ -41,6 +48,7 @@ __all__ = [
     "AuthError",
     "BadRequest",
     "DataStallError",
+    "DatasetChanged",
     "DatasetCorruptError",
     "DatasetNotFound",
     "JobFailed",
@@ -49,9 +57,12 @@ __all__ = [
     "LoaderStats",
     "Masked",
     "ProtocolError",
+    "RankInUse",
     "ResidentTooLarge",
     "ServerUnavailable",
     "ShardserveError",
+    "StreamLimitExceeded",
+    "TransformError",
     "VarTensor",
     "plan",
     "serve_local",

@@ -151,6 +151,9 @@ class RankInUse(JobError):
 
 
 class StreamLimitExceeded(BadRequest):
+    """The server's stream limits (``--max-streams``, ``--max-streams-per-job``) are reached;
+    the message names the flag."""
+
     code = ErrorCode.STREAM_LIMIT
 
 

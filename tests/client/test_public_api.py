@@ -13,11 +13,11 @@ import shardserve.client as client
 def test_all_is_pinned() -> None:
     """`shardserve.client.__all__` lists exactly the documented public names."""
     assert sorted(client.__all__) == [
-        "AuthError", "BadRequest", "DataStallError", "DatasetCorruptError", "DatasetNotFound",
-        "JobFailed", "JobNotFound", "Loader", "LoaderStats", "Masked", "ProtocolError",
-        "ResidentTooLarge",
-        "ServerUnavailable",
-        "ShardserveError", "VarTensor", "plan", "serve_local",
+        "AuthError", "BadRequest", "DataStallError", "DatasetChanged", "DatasetCorruptError",
+        "DatasetNotFound", "JobFailed", "JobNotFound", "Loader", "LoaderStats", "Masked",
+        "ProtocolError", "RankInUse", "ResidentTooLarge", "ServerUnavailable",
+        "ShardserveError", "StreamLimitExceeded", "TransformError", "VarTensor", "plan",
+        "serve_local",
     ]  # fmt: skip
     for name in client.__all__:
         assert getattr(client, name) is not None
