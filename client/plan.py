@@ -96,6 +96,8 @@ class IndexPlan:
         except BaseException:
             self._api.close()
             raise
+        # The server's id: it covers the dataset version the job pinned, as a Loader's does.
+        self.job_id = created.id
         self._api.connect_retry_s = 0.0
         self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
         self._pass = 0

@@ -30,7 +30,7 @@ from shardserve.client.connection import Connection
 from shardserve.client.control import ControlClient
 from shardserve.client.stats import StatsClock
 from shardserve.client.stream import EpochStream
-from shardserve.proto.jobs import JobSpec, job_id
+from shardserve.proto.jobs import JobSpec
 from shardserve.proto.messages import PROTOCOL_VERSION, Hello
 from tests.reliability.test_restart import _Restarter
 from tests.support.data import make_cifar_like, sample_id_of
@@ -141,8 +141,8 @@ def _stream(srv: ServerProc, *, recreate: Callable[[float], None] | None = None,
     """Open one stream with a hand-made Hello (what a Loader would never send) and read it."""
     spec = JobSpec(dataset="cifar", batch_size=50, world_size=2)
     with ControlClient(srv.http_url, "s3cret", timeout=10) as api:
-        api.create_job(spec)
-    fields = {"job": job_id(spec), "rank": 0, "epoch": 0, "credit": 2, "token": "s3cret"}
+        job = api.create_job(spec).id  # the server's id covers the dataset version it pinned
+    fields = {"job": job, "rank": 0, "epoch": 0, "credit": 2, "token": "s3cret"}
     conn = Connection(srv.ipc_endpoint or srv.tcp_endpoint)
     try:
         stream = EpochStream(

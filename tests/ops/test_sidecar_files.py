@@ -345,7 +345,13 @@ def image_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
             else:
                 shutil.copy(ROOT / src, target)
     run = [a for a in build.all("RUN") if "pip wheel" in a]
-    assert run and '".[server]"' in run[0], f'build stage should `pip wheel ".[server]"`: {run}'
+    assert run and '".[${EXTRAS}]"' in run[0], (
+        f'build stage should `pip wheel ".[${{EXTRAS}}]"`: {run}'
+    )
+    # The extras default to the server's alone: no image decoder unless asked for.
+    assert re.search(r"^ARG EXTRAS=server$", DOCKERFILE.read_text(), re.M), (
+        "EXTRAS must default to server"
+    )
     wheels = tmp_path_factory.mktemp("wheels")
     site = tmp_path_factory.mktemp("site")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
