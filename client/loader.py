@@ -98,8 +98,9 @@ class Loader:
     store-order pass through the server; refused up front when it does not fit), after which
     the server sends only each epoch's plan and every batch is an ``index_select`` into fresh
     storage: the same batches, order and ``state_dict`` as streaming, for data that fits.
-    ``envs=n`` (resident only) yields a list of ``n`` batches per step, environment ``e`` from
-    its own deterministic plan, on ``devices[e % len(devices)]``.
+    ``envs=n`` yields a list of ``n`` batches per step, environment ``e`` from its own
+    deterministic plan, on ``devices[e % len(devices)]``, each with storage of its own; while
+    streaming, one step is one message (fixed-shape fields only).
 
     ``copy`` (shared-memory transport only): by default each delivered batch owns its storage.
     It is handed out in place, in its shared-memory slot, and the slot goes back to the server
