@@ -84,6 +84,7 @@ class Connection:
     def __init__(self, endpoint: str, heartbeat_s: float = 1.0) -> None:
         self.endpoint = endpoint
         self.transport = endpoint.split("://", 1)[0]
+        self._heartbeat_s = heartbeat_s
         #: Stream id of the last Welcome accepted on this socket (see ``EpochStream``).
         self.last_stream: int | None = None
         self.closed = True
@@ -155,6 +156,21 @@ class Connection:
         with contextlib.suppress(zmq.ZMQError):
             while self._sock.getsockopt(zmq.RCVMORE):
                 self._sock.recv(flags=zmq.NOBLOCK, copy=False)
+
+    def reopen(self) -> None:
+        """Replace the socket with a fresh one to the same endpoint (a new peer identity).
+
+        For a server that keeps not answering while it is up: libzmq reconnects on its own, but
+        a fresh socket also rules out a connection it keeps without delivering on it.
+        """
+        with _signals_deferred():
+            if self.closed:
+                return
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self.closed = True
+            self.last_stream = None  # nothing of an old stream can arrive on a new socket
+        self._open(self.endpoint, self._heartbeat_s)
 
     def close(self) -> None:
         """Say Bye (best effort) and drop the socket and context at once; idempotent.

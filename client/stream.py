@@ -98,6 +98,8 @@ class EpochStream:
         self._last_beat = 0.0
         self._backoff = 0.1
         self._next_recover = 0.0
+        #: Hellos in a row that got no Welcome within ``WELCOME_WAIT_S``.
+        self._unwelcomed = 0
         #: The server's slot ring when the stream runs over shared memory.
         self.ring: AttachedRing | None = None
         self._rings = rings if rings is not None else RingCache()
@@ -126,7 +128,16 @@ class EpochStream:
                     self._last_beat = now
                 if now - self._last_heard > 3 * self._heartbeat_s:
                     self._recover(f"no message from the server for {now - self._last_heard:.1f} s")
-                elif self.welcome is None and now - self._hello_at > WELCOME_WAIT_S:
+                elif (
+                    self.welcome is None
+                    and now - self._hello_at > WELCOME_WAIT_S
+                    and now >= self._next_recover  # within the backoff _recover does nothing
+                ):
+                    self._unwelcomed += 1
+                    if self._unwelcomed >= 2:
+                        # Seen once after a server container restart: Hellos kept going out
+                        # and no Welcome came back. A new socket is a new connection.
+                        self.conn.reopen()
                     self._recover(f"no Welcome {now - self._hello_at:.1f} s after the Hello")
                 wake = min(
                     deadline,
@@ -198,6 +209,7 @@ class EpochStream:
     def _on_welcome(self, msg: Welcome) -> None:
         if msg.nonce != self.hello.nonce:
             return  # the answer to a Hello we have since replaced
+        self._unwelcomed = 0
         self.close()
         if msg.transport == "shm":
             if msg.shm is None or self.hello.transport != "auto":

@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shardserve.client import Loader
@@ -131,7 +131,6 @@ def test_random_interrupts_neither_lose_nor_repeat_a_sample(
     )  # fmt: skip
     with _CtrlC() as ctrl_c:
         got, fired = _train(server, random.Random(seed), kw, ctrl_c)
-    assert fired > 0, "no interrupt landed: the test proved nothing"
     for epoch in range(EPOCHS):
         want = _planned(seed % 5, epoch, world_size, rank)
         lost = sorted(set(want) - set(got[epoch]))
@@ -140,6 +139,9 @@ def test_random_interrupts_neither_lose_nor_repeat_a_sample(
             f"epoch {epoch} rank {rank}: {len(lost)} lost {lost[:10]}, {repeated} repeated "
             f"({fired} interrupts)"
         )
+    # An example where every alarm came after its batch proved nothing: hypothesis draws
+    # another (it fails as Unsatisfiable only if no example at all was interrupted).
+    assume(fired > 0)
 
 
 def _interrupt_on_call(obj: Any, name: str, nth: int) -> list[int]:

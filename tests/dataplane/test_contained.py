@@ -196,9 +196,10 @@ def test_readyz_is_503_with_the_reason_once_the_data_plane_is_dead(store: Path) 
     t.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a loaded 2-core machine starts uvicorn slowly
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)  # waiting for uvicorn's readiness flag with a deadline
+        assert server.started, "uvicorn did not start within 30 s"
         assert httpx.get(f"{url}/readyz").status_code == 200
         died = threading.Event()
         svc.streamer.on_death = lambda reason: died.set()
