@@ -96,6 +96,8 @@ class IndexPlan:
         except BaseException:
             self._api.close()
             raise
+        # The server's id, as the Loader's: it covers the dataset version the job pinned.
+        self.job_id = created.id
         self._api.connect_retry_s = 0.0
         self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
         self._pass = 0
