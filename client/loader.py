@@ -151,16 +151,11 @@ class Loader:
             else []
         )
         per_step = len(self._step_envs) or 1
-        self.spec = JobSpec.model_validate({
-            "dataset": dataset, "batch_size": batch_size * per_step, "seed": seed,
-            "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last,
-            "world_size": self.world.world_size,
-            "fields": tuple(fields) if fields is not None else None,
-            "collate": collate, "envs": per_step,
-            # Transforms installed on the server, named with JSON params (never code).
-            "transforms": tuple(transforms) if transforms is not None else None,
-            "on_error": on_error,
-        })  # fmt: skip
+        self.spec = loader_spec(
+            dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+            world_size=self.world.world_size, fields=fields, collate=collate, envs=per_step,
+            transforms=transforms, on_error=on_error,
+        )  # fmt: skip
         self.job_id = job_id(self.spec)
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
@@ -364,6 +359,33 @@ class Loader:
             f"Loader(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
             f"{self.world.world_size}, epoch={self._pos.epoch}, endpoint={self._conn.endpoint!r})"
         )
+
+
+def loader_spec(
+    dataset: str,
+    batch_size: int,
+    *,
+    seed: int,
+    shuffle: bool | str,
+    drop_last: bool,
+    world_size: int,
+    fields: Sequence[str] | None,
+    collate: str | None,
+    envs: int = 1,
+    transforms: Sequence[Mapping[str, Any]] | None = None,
+    on_error: str | None = None,
+) -> JobSpec:
+    """The job a ``Loader`` (or ``plan``) with these arguments streams; with ``envs > 1`` each
+    of its batches is one step of ``envs`` batches of ``batch_size``."""
+    return JobSpec.model_validate({
+        "dataset": dataset, "batch_size": batch_size * envs, "seed": seed,
+        "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last, "world_size": world_size,
+        "fields": tuple(fields) if fields is not None else None,
+        "collate": collate, "envs": envs,
+        # Transforms installed on the server, named with JSON params (never code).
+        "transforms": tuple(transforms) if transforms is not None else None,
+        "on_error": on_error,
+    })  # fmt: skip
 
 
 def _check_args(shuffle: object, prefetch: int, timeout: float) -> None:

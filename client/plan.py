@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from shardserve.proto.errors import BadRequest, DataError
-from shardserve.proto.jobs import JobSpec, job_id
+from shardserve.proto.jobs import job_id
 
 from ._position import Position
 from .control import ControlClient
 from .device import resolve_device
 from .distributed import resolve_world
-from .loader import _SHUFFLE, DEFAULT_URL, STATE_VERSION
+from .loader import _SHUFFLE, DEFAULT_URL, STATE_VERSION, loader_spec
 from .resident import MAX_ENVS
 from .state import parse_state
 
@@ -78,13 +78,10 @@ class IndexPlan:
             raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
         self.world = resolve_world(rank, world_size)
         # The job a Loader with these arguments streams (with envs: steps of envs batches).
-        self.spec = JobSpec.model_validate({
-            "dataset": dataset, "batch_size": batch_size * envs, "seed": seed,
-            "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last,
-            "world_size": self.world.world_size,
-            "fields": tuple(fields) if fields is not None else None,
-            "collate": collate, "envs": envs,
-        })  # fmt: skip
+        self.spec = loader_spec(
+            dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+            world_size=self.world.world_size, fields=fields, collate=collate, envs=envs,
+        )  # fmt: skip
         self.job_id = job_id(self.spec)
         self.envs, self.timeout = envs, timeout
         self.device = resolve_device(device, self.world.local_rank)

@@ -96,32 +96,24 @@ class StreamNotices:
 
     def rank_conflict(self, holder: Session, claimant: bytes, refusal: Error) -> None:
         """A second client claimed a live rank and was refused (not an ordinary open)."""
-        self.board.conflict(
-            holder.job_id, holder.rank, f"{_now()}: refused a second client: {refusal.message}"
-        )
-        log_event(
-            log,
-            "stream.rank_conflict",
-            level=logging.WARNING,
-            **holder.describe(),
-            claimant=claimant.hex(),
-            outcome="refused",
-            reason=refusal.message,
-        )
+        self._conflict(holder, claimant, "refused", "refused a second client", refusal)
 
     def fenced(self, holder: Session, claimant: bytes, notice: Error) -> None:
         """A claimant took a rank whose holder had gone silent."""
-        self.board.conflict(
-            holder.job_id, holder.rank, f"{_now()}: a new client took the rank: {notice.message}"
-        )
+        self._conflict(holder, claimant, "fenced", "a new client took the rank", notice)
+
+    def _conflict(
+        self, holder: Session, claimant: bytes, outcome: str, what: str, msg: Error
+    ) -> None:
+        self.board.conflict(holder.job_id, holder.rank, f"{_now()}: {what}: {msg.message}")
         log_event(
             log,
             "stream.rank_conflict",
             level=logging.WARNING,
             **holder.describe(),
             claimant=claimant.hex(),
-            outcome="fenced",
-            reason=notice.message,
+            outcome=outcome,
+            reason=msg.message,
         )
 
     def hello_limited(self, ident: bytes, refusal: Error) -> None:
