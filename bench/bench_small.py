@@ -19,7 +19,8 @@ One run, ratios within it (the machine is shared and noisy: compare rows of one 
   the store's own ``take`` in this process into reused buffers (in-process Arrow take).
   Targets: batch 256 >= 0.8x, batch 32 >= 0.5x.
 
-Loader rows of small batches (envs, graphs, CIFAR batch 32) run with ``prefetch=32``. Each
+Loader rows run with the default ``prefetch`` (credit for about 8 MiB of small batches, which
+the server sends several to a message; each row notes the batches per message). Each
 row is the best of 3 epochs after a warm-up one. Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
 the batches; the server runs in its own process) and, for shardserve rows, the server's CPU
 per batch. Writes ``bench/results/small.json``.
@@ -48,9 +49,6 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.store.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small.json"
-#: Credit for the small-batch Loader rows: batches of a few KiB need more in flight to hide a
-#: round trip (each costs a wake-up of both processes on a loaded machine).
-PREFETCH = 32
 ENVS, ENV_BATCH, GRAPH_BATCH = 4, 32, 64
 CIFAR = (
     FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
@@ -132,24 +130,29 @@ def measure(
     per_step: int,
     server: int | None = None,
     repeats: int = 3,
+    loader: Loader | None = None,
 ) -> dict[str, float]:
-    """Samples/s, trainer CPU and server CPU per batch: the best of ``repeats`` epochs after a
-    warm-up epoch (the machine is shared: the best epoch is the least disturbed one)."""
+    """Samples/s, trainer CPU and server CPU per batch (and a Loader's steps per message):
+    the best of ``repeats`` epochs after a warm-up epoch (the machine is shared: the best
+    epoch is the least disturbed one)."""
     for b in epoch(0):
         touch(b)
     best: dict[str, float] = {}
     for e in range(1, repeats + 1):
         s0, c0, w0 = cpu_of(server), time.process_time(), time.perf_counter()
+        m0 = loader.stats().messages if loader is not None else 0
         steps = 0
         for b in epoch(e):
             touch(b)
             steps += 1
         wall, cpu, srv = time.perf_counter() - w0, time.process_time() - c0, cpu_of(server) - s0
         batches = steps * (len(b) if isinstance(b, list) else 1)
+        messages = loader.stats().messages - m0 if loader is not None else 0
         row = {
             "samples_s": steps * per_step / wall, "steps_s": steps / wall,
             "client_cpu_us_per_batch": cpu / batches * 1e6,
             "server_cpu_us_per_batch": srv / batches * 1e6,
+            "steps_per_message": steps / messages if messages else float("nan"),
         }  # fmt: skip
         if row["samples_s"] > best.get("samples_s", 0.0):
             best = row
@@ -202,10 +205,12 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
     pid = server_pid(store)
     kw = dict(seed=0, rank=0, world_size=1, drop_last=True)
     try:
-        with Loader(url, "cifar", ENV_BATCH, envs=ENVS, prefetch=PREFETCH, **kw) as ld:  # type: ignore[arg-type]
+        with Loader(url, "cifar", ENV_BATCH, envs=ENVS, **kw) as ld:  # type: ignore[arg-type]
             ld.set_epoch(5)
             assert_no_aliasing(ld)
-            rows["shardserve Loader(envs=4) streaming"] = measure(_epochs(ld), per_step, pid)
+            rows["shardserve Loader(envs=4) streaming"] = measure(
+                _epochs(ld), per_step, pid, loader=ld
+            )
     except BadRequest as e:
         print(f"  streaming envs: not available in this tree ({e})")
     with Loader(url, "cifar", ENV_BATCH, envs=ENVS, resident="cpu", **kw) as ld:  # type: ignore[arg-type]
@@ -262,11 +267,9 @@ def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, d
     rows = {"DataLoader(list in RAM, workers 0)": measure(dataloader, GRAPH_BATCH)}
     pid = server_pid(store)
     for name in names:
-        with Loader(
-            url, name, GRAPH_BATCH, collate="graph", seed=0, rank=0, world_size=1, prefetch=PREFETCH
-        ) as ld:
+        with Loader(url, name, GRAPH_BATCH, collate="graph", seed=0, rank=0, world_size=1) as ld:
             rows[f"shardserve Loader(collate='graph'), {name}"] = measure(
-                _epochs(ld), GRAPH_BATCH, pid
+                _epochs(ld), GRAPH_BATCH, pid, loader=ld
             )
     return rows
 
@@ -283,9 +286,8 @@ def bench_cifar(url: str, store: Path, n: int, batch: int) -> dict[str, dict[str
             yield {k: torch.from_numpy(a) for k, a in ds.take(idx, None, out=views).items()}
 
     rows = {"in-process Arrow take": measure(arrow_take, batch)}
-    prefetch = PREFETCH if batch < 256 else 4
-    with Loader(url, "cifar", batch, seed=0, rank=0, world_size=1, prefetch=prefetch) as ld:
-        rows["shardserve Loader (shm)"] = measure(_epochs(ld), batch, server_pid(store))
+    with Loader(url, "cifar", batch, seed=0, rank=0, world_size=1) as ld:
+        rows["shardserve Loader (shm)"] = measure(_epochs(ld), batch, server_pid(store), loader=ld)
     ds.close()
     return rows
 
@@ -328,11 +330,12 @@ def main() -> None:
                 rows = res["rows"][title] = run()
                 first = next(iter(rows))
                 print(f"  {'configuration':48}{'samples/s':>11}{'steps/s':>9}{'ratio':>7}"
-                      f"{'client us/batch':>16}{'server us/batch':>16}")  # fmt: skip
+                      f"{'client us/batch':>16}{'server us/batch':>16}{'steps/msg':>10}")  # fmt: skip
                 for label, r in rows.items():
                     print(f"  {label:48}{r['samples_s']:>11,.0f}{r['steps_s']:>9,.0f}"
                           f"{r['samples_s'] / rows[first]['samples_s']:>7.2f}"
-                          f"{r['client_cpu_us_per_batch']:>16,.0f}{r['server_cpu_us_per_batch']:>16,.0f}")  # fmt: skip
+                          f"{r['client_cpu_us_per_batch']:>16,.0f}{r['server_cpu_us_per_batch']:>16,.0f}"
+                          f"{r.get('steps_per_message', float('nan')):>10.1f}")  # fmt: skip
     rows = res["rows"]
     g, g2, g15 = (
         rows["graphs (batch 64)"],

@@ -69,7 +69,7 @@ def lend_in_place(u: Unpacking, ring: AttachedRing, header: BatchHeader) -> Batc
 def copy_out(u: Unpacking, ring: AttachedRing, header: BatchHeader) -> Batch:
     """A copy in a reused host block (one memcpy of the slot's span when the parts lie close
     together); the slot goes back at once."""
-    u.stats.copied += 1
+    u.stats.copied += header.count  # batches, however many the message holds
     copied = u.blocks.copy_slot(ring.slot_tensor(header.slot), header.parts)
     if copied is None:
         copied = u.blocks.copy_out(ring.views(header.slot, header.parts))

@@ -15,11 +15,13 @@ fresh stream at the position, whose Hello re-states credit and held slots from s
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._cut import cut_rows
 from ._position import Start
-from .envs import split_steps
+from .envs import cut_steps
 from .resident import EnvPlan, Resident
 from .stream import EpochStream
 from .types import Batch
@@ -68,7 +70,8 @@ class _Pass(Iterator[Any]):
 
 
 class StreamPass(_Pass):
-    """The rest of an epoch from its stream."""
+    """The rest of an epoch from its stream; a message of several batches is cut into them
+    (:mod:`._cut`) and handed out one per step."""
 
     def __init__(
         self,
@@ -80,32 +83,55 @@ class StreamPass(_Pass):
     ) -> None:
         super().__init__(loader, number, start)
         self.stream, self.rebuild = stream, rebuild
+        #: Steps of the last message not handed out yet: (index, batch or env batches).
+        self.pending: deque[tuple[int, Batch | list[Batch]]] = deque()
+        self._batch_bytes = 0
 
     def _step(self) -> Any:
         lo, stream = self.loader, self.stream
+        t0 = lo._stats.start_wait()
+        if not self.pending and not self._receive():
+            return None
+        index, step = self.pending.popleft()
+        rebuild = self.rebuild
+        if isinstance(step, list):  # several environments' batches (client/envs.py)
+            out: Any = [rebuild(b) for b in step] if rebuild is not None else step
+        else:
+            out = rebuild(step) if rebuild is not None else step
+        lo._stats.delivered(t0, self._batch_bytes)
+        stream.consumed()
+        lo._pos.received(self.start, index)
+        return out
+
+    def _receive(self) -> bool:
+        """The next message's steps into ``pending``; ``False`` at the end of the epoch."""
+        lo, stream = self.loader, self.stream
         ring = lo._rings.ring
         if ring is not None:
-            ring.ledger.collect()  # slots of batches the loop has dropped go back
-        t0 = lo._stats.start_wait()
+            # Slots of batches the loop has dropped go back. Only between messages: batches
+            # of the last one may still be waiting in ``pending``, over its slot.
+            ring.ledger.collect()
         item = stream.next()
         if item is None:
-            return None
+            return False
         header, frames = item
         if stream.welcome is not None:
             lo._pos.num_batches = stream.welcome.num_batches
         batch = lo._delivery(stream.ring, header, frames)
-        if lo._step_envs:  # a step of several environments' batches (client/envs.py)
-            envs = split_steps(batch, len(lo._step_envs), lo._step_envs)
-            out: Any = [self.rebuild(b) for b in envs] if self.rebuild is not None else envs
+        lo._stats.messages += 1
+        steps: list[Batch] | list[list[Batch]]
+        if lo._step_envs:
+            steps = cut_steps(batch, header.rows, header.count, lo._step_envs)
         else:
-            out = self.rebuild(batch) if self.rebuild is not None else batch
-        lo._stats.delivered(t0, header.nbytes)
-        stream.consumed()
-        lo._pos.received(self.start, header.index)
-        return out
+            steps = cut_rows(batch, header.rows, header.count)
+        first = header.index
+        self.pending.extend(zip(range(first, first + header.count), steps, strict=True))
+        self._batch_bytes = header.nbytes // header.count
+        return True
 
     def _abandon(self) -> None:
         super()._abandon()
+        self.pending.clear()
         if self.loader._active is self.stream:
             self.loader._active = None
 

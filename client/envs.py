@@ -28,6 +28,7 @@ import torch
 from shardserve.proto.api import DatasetInfo
 from shardserve.proto.errors import BadRequest
 
+from ._cut import cut_rows
 from ._frames import own_storage
 from .types import Batch
 
@@ -45,6 +46,24 @@ def check_env_fields(info: DatasetInfo, fields: Sequence[str] | None) -> None:
                 f"envs>1 streams fixed-shape fields; {info.name!r} field {name!r} is "
                 f"{f['dtype']}{shape}: leave it out with fields=[...]"
             )
+
+
+def cut_steps(
+    batch: Batch, rows: int, count: int, devices: Sequence[torch.device]
+) -> list[list[Batch]]:
+    """The ``count`` steps of one message (see :mod:`._cut`), each as its environments'
+    batches, one per device of ``devices``. On the CPU, with every step full, each
+    environment batch is cut straight out of the message (one view per field, not two)."""
+    envs = len(devices)
+    on_cpu = all(d.type == "cpu" for d in devices) and all(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in batch.values()
+    )
+    first = next(iter(batch.values()), None)
+    full = isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] == rows * count
+    if on_cpu and full and rows % envs == 0:
+        flat = cut_rows(batch, rows // envs, count * envs)
+        return [flat[i * envs : (i + 1) * envs] for i in range(count)]
+    return [split_steps(step, envs, devices) for step in cut_rows(batch, rows, count)]
 
 
 def split_steps(

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from shardserve.proto.api import DatasetInfo
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
-from shardserve.proto.messages import MAX_CREDIT, Hello
+from shardserve.proto.messages import GROUP_BYTES, MAX_CREDIT, MAX_GROUP, Hello
 
 from ._delivery import Delivery, Unpacking
 from ._passes import ResidentPass, StreamPass
@@ -36,6 +37,9 @@ from .structure import rebuild_for
 from .types import Batch, LoaderStats
 
 STATE_VERSION = 1
+#: ``prefetch=None`` grants credit for about this many bytes of small batches: two messages
+#: of ``GROUP_BYTES`` (see :func:`auto_prefetch`).
+AUTO_PREFETCH_BYTES = 2 * GROUP_BYTES
 #: Resident mode loads the dataset in batches of about this many bytes.
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
@@ -79,7 +83,9 @@ class Loader:
     limits and orders the fields served; ``rank``/``world_size`` default to
     ``torch.distributed``, then ``RANK``/``WORLD_SIZE``, then 0/1; ``device="cuda"`` copies
     through pinned buffers on a side stream to this rank's GPU (``LOCAL_RANK``); ``prefetch``
-    is the credit: batches in flight or queued, bounding memory on both sides; ``timeout``
+    is the credit: batches in flight or queued, bounding memory on both sides (default: 4,
+    or up to 64 small batches, about 8 MiB; small batches then travel several to a message,
+    see ``stats().messages``); ``timeout``
     the longest wait for one batch; ``token`` (or ``SHARDSERVE_TOKEN``) the server's bearer
     token; ``transport`` ``"auto"`` (shared-memory slots on the same host, falling back to
     ipc, then tcp), ``"socket"`` (ipc or tcp, never shared memory), ``"ipc"`` or ``"tcp"``;
@@ -124,7 +130,7 @@ class Loader:
         rank: int | None = None,
         world_size: int | None = None,
         device: str | torch.device = "cpu",
-        prefetch: int = 4,
+        prefetch: int | None = None,
         timeout: float = 60.0,
         token: str | None = None,
         transport: str = "auto",
@@ -159,7 +165,8 @@ class Loader:
         self.job_id = job_id(self.spec)
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
-        self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
+        self.prefetch = prefetch or 4  # None: set from the dataset by _create_job
+        self.timeout, self.pad_variable = timeout, pad_variable
         self.copy = copy
         self.envs = envs
         self._shm = transport == "auto"
@@ -170,7 +177,7 @@ class Loader:
         self._resident: Resident | None = None
         self._active: EpochStream | None = None
         self._stream: EpochStream | None = None
-        self._connect(self._create_job(url, transport))
+        self._connect(self._create_job(url, transport, auto=prefetch is None))
         if envs_on:
             try:
                 self._resident = self._load_resident(url, envs_on)
@@ -196,15 +203,20 @@ class Loader:
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
 
-    def _create_job(self, url: str, transport: str) -> str:
-        """Create (or find) the job over HTTP; the data endpoint to connect to."""
+    def _create_job(self, url: str, transport: str, auto: bool) -> str:
+        """Create (or find) the job over HTTP; the data endpoint to connect to. ``auto``: set
+        ``prefetch`` from the dataset's sample size."""
         # A server that is restarting refuses connections for a moment: retry within timeout.
         self._api = ControlClient(
             url, self._token or None, timeout=min(self.timeout, 10.0), connect_retry_s=self.timeout
         )
         try:
-            if self._step_envs:
-                check_env_fields(self._api.dataset(self.spec.dataset), self.spec.fields)
+            if self._step_envs or auto:
+                info = self._api.dataset(self.spec.dataset)
+                if self._step_envs:
+                    check_env_fields(info, self.spec.fields)
+                if auto:
+                    self.prefetch = auto_prefetch(info, self.spec.batch_size)
             created = self._api.create_job(self.spec)
             # The server's id: it covers the dataset version the job pinned (issue 20).
             self.job_id = created.id
@@ -264,6 +276,8 @@ class Loader:
             job=self.job_id, rank=self.world.rank, epoch=epoch, start_batch=start, credit=self.prefetch,
             token=self._token, transport="auto" if self._shm else "socket",
             boot_id=self._boot_id, pid=os.getpid(),
+            # Padding is per batch: a message of several would be padded to its longest.
+            group=1 if self.pad_variable else MAX_GROUP,
         )  # fmt: skip
         return EpochStream(
             self._conn, hello=hello, timeout=self.timeout, stats=self._stats,
@@ -388,10 +402,23 @@ def loader_spec(
     })  # fmt: skip
 
 
-def _check_args(shuffle: object, prefetch: int, timeout: float) -> None:
+def auto_prefetch(info: DatasetInfo, batch_size: int) -> int:
+    """``prefetch=None``: 4 batches, or as many as about ``AUTO_PREFETCH_BYTES`` of stored
+    samples hold (at most 64), so that small batches travel several to a message with one
+    message in flight while the loop reads another.
+
+    >>> info = DatasetInfo(name="c", num_samples=1000, num_shards=1, bytes=3_000_000, fields=[])
+    >>> auto_prefetch(info, 32), auto_prefetch(info, 4096)
+    (64, 4)
+    """
+    batch_bytes = info.bytes / max(info.num_samples, 1) * batch_size
+    return int(max(4, min(64, AUTO_PREFETCH_BYTES // max(batch_bytes, 1))))
+
+
+def _check_args(shuffle: object, prefetch: int | None, timeout: float) -> None:
     if shuffle not in _SHUFFLE:
         raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
-    if not 1 <= prefetch <= MAX_CREDIT:
+    if prefetch is not None and not 1 <= prefetch <= MAX_CREDIT:
         raise BadRequest(f"prefetch={prefetch} is out of range 1 <= prefetch <= {MAX_CREDIT}")
     if not timeout > 0:
         raise BadRequest(f"timeout={timeout} must be a positive number of seconds")

@@ -28,6 +28,7 @@ class StatsClock:
         self.first_batch_s: float | None = None
         self.reconnects = 0
         self.copied = 0
+        self.messages = 0
         self._handed_out: float | None = None
         self._last_report = 0.0
 
@@ -74,4 +75,5 @@ class StatsClock:
             first_batch_s=self.first_batch_s,
             reconnects=self.reconnects,
             copied=self.copied,
+            messages=self.messages,
         )

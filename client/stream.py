@@ -109,7 +109,8 @@ class EpochStream:
     # -- the two calls the Loader makes ---------------------------------------------------
 
     def next(self) -> tuple[BatchHeader, list[Frame]] | None:
-        """The next batch's header and frames, or None after ``EndOfEpoch``."""
+        """The next message's header and frames (``header.count`` batches from
+        ``header.index``), or None after ``EndOfEpoch``."""
         if self.done:
             return None
         started = time.monotonic()
@@ -155,7 +156,8 @@ class EpochStream:
                 return None
 
     def consumed(self) -> None:
-        """The Loader handed a batch out: give its credit back (coalesced, never starving)."""
+        """The Loader handed a batch out: give its credit back (coalesced, never starving).
+        Credit counts batches, however many travel in one message."""
         self._pending_grant += 1
         if self._pending_grant >= self._grant_every:
             self._flush_grant()
@@ -249,7 +251,7 @@ class EpochStream:
             raise MalformedFrame(
                 f"batch {header.index} arrived in shm slot {header.slot} on a socket stream"
             )
-        self.credit_outstanding = max(0, self.credit_outstanding - 1)
+        self.credit_outstanding = max(0, self.credit_outstanding - header.count)
         if header.index < self.next_index:
             if header.slot >= 0 and self.ring is not None:
                 self.ring.ledger.release(header.slot)
@@ -257,7 +259,11 @@ class EpochStream:
         if header.index > self.next_index:
             self._recover(f"batch {header.index} arrived while waiting for batch {self.next_index}")
             return None
-        self.next_index += 1
+        if header.count > self.welcome.group:
+            raise ProtocolError(
+                f"a message of {header.count} batches on a stream of at most {self.welcome.group}"
+            )
+        self.next_index += header.count
         return header, frames
 
     def _is_mine(self, stream: int | None) -> bool:

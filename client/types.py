@@ -145,6 +145,8 @@ class LoaderStats:
     #: Shared-memory batches copied out because the loop still held half the ring's earlier
     #: batches (0 for a loop that keeps only the current batch: every batch stays in place).
     copied: int = 0
+    #: Messages received: small batches travel several to a message (``batches / messages``).
+    messages: int = 0
 
     @property
     def stall_fraction(self) -> float:

@@ -12,7 +12,7 @@ For control messages the body is the model's JSON. For ``BATCH`` the body is pac
 little-endian, then one raw frame per part follows (none when ``slot >= 0``: the payload
 is in shared memory)::
 
-    u32 stream | u32 epoch | u32 index | i32 slot | u16 nparts
+    u32 stream | u32 epoch | u32 index | i32 slot | u16 count | u32 rows | u16 nparts
     nparts x ( u8 name_len | name (utf-8) | u8 dtype code | u8 ndim
                | ndim x i64 dim | u64 nbytes | u64 offset )
 
@@ -37,6 +37,7 @@ from .dtypes import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE
 from .errors import MalformedFrame, UnknownMessage
 from .messages import (
     CONTROL_MODELS,
+    MAX_GROUP,
     MAX_NDIM,
     MAX_PART_BYTES,
     MAX_PARTS,
@@ -52,7 +53,7 @@ from .version import check_version
 MAGIC = b"SS"
 #: magic, protocol version, kind: the first 4 bytes of every message.
 PREFIX = struct.Struct("<2sBB")
-_BATCH = struct.Struct("<IIIiH")
+_BATCH = struct.Struct("<IIIiHIH")
 _PART_TAIL = struct.Struct("<QQ")
 _MAX_HEADER = 1 << 20
 
@@ -81,7 +82,10 @@ def encode_batch(header: BatchHeader, payload: Sequence[Frame] = ()) -> list[Fra
             f"payload frames, got {len(payload)}"
         )
     out = bytearray(_prefix(Kind.BATCH))
-    out += _BATCH.pack(header.stream, header.epoch, header.index, header.slot, len(header.parts))
+    out += _BATCH.pack(
+        header.stream, header.epoch, header.index, header.slot, header.count, header.rows,
+        len(header.parts),
+    )  # fmt: skip
     for p in header.parts:
         name = p.name.encode()
         out += struct.pack("<B", len(name)) + name
@@ -150,8 +154,10 @@ def decode_batch(frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]]:
     buf = memoryview(frames[0])
     pos = PREFIX.size
     try:
-        stream, epoch, index, slot, nparts = _BATCH.unpack_from(buf, pos)
+        stream, epoch, index, slot, count, rows, nparts = _BATCH.unpack_from(buf, pos)
         pos += _BATCH.size
+        if not 1 <= count <= MAX_GROUP:
+            raise MalformedFrame(f"batch claims {count} batches, allowed 1 to {MAX_GROUP}")
         if nparts > MAX_PARTS:
             raise MalformedFrame(f"batch claims {nparts} parts, more than the {MAX_PARTS} allowed")
         parts = []
@@ -162,7 +168,7 @@ def decode_batch(frames: Sequence[Frame]) -> tuple[BatchHeader, list[Frame]]:
         raise MalformedFrame(f"truncated or garbled batch header: {e}") from None
     if pos != len(buf):
         raise MalformedFrame(f"batch header has {len(buf) - pos} trailing bytes")
-    header = BatchHeader(stream, epoch, index, tuple(parts), slot)
+    header = BatchHeader(stream, epoch, index, tuple(parts), slot, count, rows)
     payload = list(frames[1:])
     _check_payload(header, payload)
     return header, payload

@@ -76,6 +76,11 @@ def _counts_only(specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
     return {"num_nodes": specs["num_nodes"]} if "num_nodes" in specs else {}
 
 
+#: Average edges per graph from which each graph's rows are copied as slices (a Python step
+#: each) rather than through an index per value.
+SLICE_MIN_EDGES = 16
+
+
 def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np.ndarray:
     """Concatenate ``[k, E_g]`` blocks (flat, row-major, one per graph) into ``[k, sum E]``."""
     b = len(shapes)
@@ -84,6 +89,16 @@ def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np
     k = int(shapes[0, 0])
     e = shapes[:, -1]
     total = int(e.sum())
+    if total >= SLICE_MIN_EDGES * b:
+        # Row r of graph g is one slice: k * B slices, no index of sum-E entries to build.
+        out = np.empty((k, total), dtype=values.dtype)
+        starts, counts = offsets[:-1].tolist(), e.tolist()
+        for r in range(k):
+            pieces = [
+                values[o + r * n : o + (r + 1) * n] for o, n in zip(starts, counts, strict=True)
+            ]
+            np.concatenate(pieces, out=out[r])
+        return out
     start = np.repeat(offsets[:-1], e)
     col = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(e) - e, e)
     rows = np.repeat(e, e)
@@ -152,9 +167,10 @@ class GraphCollated:
         if spec.kind == "variable":
             values, offsets, shapes = parts[n], parts[n + ".offsets"], parts[n + ".shapes"]
             if index:
-                cat = _cat_last(values, offsets, shapes)
+                cat = _cat_last(values, offsets, shapes)  # fresh memory: shifted in place
                 e = shapes[:, -1] if b else np.zeros(0, np.int64)
-                return cat + np.repeat(ptr[:-1], e)[None, :].astype(cat.dtype)
+                cat += np.repeat(ptr[:-1], e)[None, :].astype(cat.dtype)
+                return cat
             rest = (
                 tuple(int(d) for d in shapes[0, 1:])
                 if b

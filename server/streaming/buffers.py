@@ -47,6 +47,7 @@ class BufferPool:
         self, part_shapes: PartShapes, batch_size: int, capacity: int | None = None
     ) -> None:
         self.part_shapes = dict(part_shapes)
+        self.batch_size = batch_size
         # Variable-size parts (None) are allocated by take itself, batch by batch.
         self._shapes = {
             name: (np.dtype(s[0]), (batch_size, *s[1]))

@@ -18,7 +18,7 @@ from shardserve.proto.messages import MAX_CREDIT, Hello, Welcome
 from ..jobs import Job
 from .handshake import batches_per_rank
 from .notices import StreamNotices
-from .pipeline import Pipeline
+from .pipeline import Pipeline, choose_group, ring_slots
 from .sessions import Prepared, Session
 from .shm import ShmUnavailable
 from .sinks import BatchSink, IdlePools, RingBook, Route, SocketSink
@@ -52,6 +52,7 @@ class Opener:
             flow=Pipeline(hello.start_batch, batches_per_rank(job), hello.credit),
             want_shm=self.wants_shm(hello),
             keep=hello.keep,
+            max_group=hello.group,
             client=(hello.boot_id, hello.pid),
         )
 
@@ -66,17 +67,22 @@ class Opener:
         )
 
     def sink_for(self, s: Session, prep: Prepared, sessions: Iterable[Session]) -> BatchSink:
-        """The stream's sink: its slot ring if it wants one and can have one, else the socket."""
-        route = Route(self.sock, s.ident, s.stream, s.epoch)
+        """The stream's sink: its slot ring if it wants one and can have one, else the socket.
+        Also settles how many batches go in one message (``s.group``)."""
         batch_size = s.job.spec.batch_size
+        credit = min(s.flow.credit, MAX_CREDIT)
+        most = s.max_group if prep.groupable else 1
+        s.group = choose_group(prep.batch_bytes, credit, most)
+        route = Route(self.sock, s.ident, s.stream, s.epoch, batch_size)
+        rows = batch_size * s.group  # what one message's memory holds
         if s.want_shm:
-            credit = min(s.flow.credit, MAX_CREDIT)
+            slots = ring_slots(credit, s.group)
             try:
-                return self.rings.open(route, credit, prep.source, prep.fields, batch_size, s.keep)
+                return self.rings.open(route, slots, prep.source, prep.fields, rows, s.keep)
             except ShmUnavailable as e:
                 self.notices.fell_back(s, str(e))
         live = {(x.job_id, x.rank) for x in sessions}
-        pool = self.pools.get((s.job_id, s.rank), prep.part_shapes, batch_size, live)
+        pool = self.pools.get((s.job_id, s.rank), prep.part_shapes, rows, live)
         return SocketSink(route, pool)
 
     def welcome(self, s: Session) -> Welcome:
@@ -92,6 +98,7 @@ class Opener:
             heartbeat_s=self.config.heartbeat_s,
             transport=s.transport,
             shm=s.sink.ring if s.sink is not None else None,
+            group=s.group,
         )
 
     def forget_job(self, job_id: str) -> None:

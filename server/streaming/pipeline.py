@@ -11,6 +11,10 @@ a send) and asks what to do next. Counters, in batch indices of the rank's epoch
 Work is taken only while ``credit > 0``, so ``owed`` never exceeds what the client granted:
 a consumer that stops reading holds at most its credit in memory on both sides. Batches are
 released strictly in index order; results that finish out of order wait in ``ready``.
+
+Small batches go several to a message (issue 22): :meth:`Pipeline.take` hands out a *span*
+of up to ``most`` consecutive batches, assembled, sent and released as one; every counter
+still counts batches.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
-from shardserve.proto.messages import MAX_CREDIT
+from shardserve.proto.messages import GROUP_BYTES, MAX_CREDIT
 
 #: Assemblies one stream may have queued at once: enough to keep the pool busy, few enough
 #: that one greedy stream does not starve the others of assembly threads.
@@ -34,6 +38,30 @@ INLINE_MAX_S = 0.01
 INLINE_BACKOFF = 64
 
 T = TypeVar("T")
+
+
+def choose_group(batch_bytes: int, credit: int, most: int) -> int:
+    """Batches per message for a stream: as many as fit ``GROUP_BYTES``, at most ``most``
+    (the client's cap) and half the credit, so that one message is in flight while the
+    client reads the other.
+
+    >>> choose_group(100_000, credit=32, most=64), choose_group(8 << 20, 32, 64)
+    (16, 1)
+    """
+    return max(1, min(most, credit // 2, GROUP_BYTES // max(batch_bytes, 1)))
+
+
+def ring_slots(credit: int, group: int) -> int:
+    """Shared-memory slots for a stream of ``group`` batches per slot: one per batch of
+    credit when a slot is one batch; else enough for the messages credit allows in flight,
+    plus one the client's loop still holds and one being refilled.
+
+    >>> ring_slots(32, 1), ring_slots(32, 16), ring_slots(4, 2)
+    (32, 4, 4)
+    """
+    if group == 1:
+        return credit
+    return min(credit, -(-credit // group) + 2)
 
 
 class WorkKind(Enum):
@@ -52,8 +80,9 @@ class Work:
     """What a job on the assembler is for; it comes back with the result, so a result of a
     stream that was replaced or closed meanwhile is recognised (``stream`` differs) and dropped.
 
-    Batches carry their ``index`` and the ``ticket`` of the memory they are assembled into,
-    with its ``owner``, so a batch that will never be sent still gives its memory back.
+    Batches carry their ``index`` (the first of the span) and the ``ticket`` of the memory
+    they are assembled into, with its ``owner``, so a batch that will never be sent still
+    gives its memory back.
     """
 
     kind: WorkKind
@@ -88,6 +117,8 @@ class Pipeline(Generic[T]):
     pool_until: int = 0
     #: Assembled batches waiting for their turn, by index.
     ready: dict[int, T] = field(default_factory=dict)
+    #: Batches in each span taken and not yet released, by its first index.
+    spans: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.next_submit = self.next_send = self.start_batch
@@ -121,18 +152,25 @@ class Pipeline(Generic[T]):
             and self.assembling < MAX_INFLIGHT_PER_STREAM
         )
 
-    def take(self) -> int:
-        """The index of the next batch to assemble, spending one credit (check
-        :meth:`wants_work` first)."""
+    def take(self, most: int = 1) -> tuple[int, int]:
+        """The first index and the count of the next span to assemble as one message: up to
+        ``most`` batches, as many as the credit and the epoch allow, each spending one credit
+        (check :meth:`wants_work` first)."""
         if not self.wants_work():
             raise RuntimeError(
                 f"no work to take: credit {self.credit}, next {self.next_submit} of "
                 f"{self.num_batches}, {self.assembling} assembling"
             )
         index = self.next_submit
-        self.next_submit += 1
-        self.credit -= 1
-        return index
+        count = max(1, min(most, self.credit, self.num_batches - index))
+        self.next_submit += count
+        self.credit -= count
+        self.spans[index] = count
+        return index, count
+
+    def span(self, index: int) -> int:
+        """How many batches the span starting at ``index`` holds."""
+        return self.spans[index]
 
     def offloaded(self) -> None:
         """The batch just taken went to the assembly pool."""
@@ -150,16 +188,17 @@ class Pipeline(Generic[T]):
         return self.ready.get(self.next_send)
 
     def released(self) -> int:
-        """The batch from :meth:`next_ready` was sent; returns its index."""
+        """The span from :meth:`next_ready` was sent; returns its first index."""
         index = self.next_send
         del self.ready[index]
-        self.next_send += 1
+        self.next_send += self.spans.pop(index)
         return index
 
     def drain(self) -> list[T]:
         """Assembled batches that will now never be sent (the stream is closing)."""
         batches = list(self.ready.values())
         self.ready.clear()
+        self.spans.clear()
         return batches
 
     # -- where the next batch is assembled -----------------------------------------------

@@ -44,21 +44,29 @@ class Pump:
             return False  # not welcomed yet: nothing may be sent
         # A source with transforms (issue 15) is never assembled on the streamer thread.
         inline = self.assembler.inline_ok(prep.source) and flow.inline(
-            prep.batch_bytes, others_busy
+            prep.batch_bytes * s.group, others_busy
         )
         while flow.wants_work():
             ticket = sink.acquire()
             if ticket is None:
                 break  # every slot is being filled or is with the client; a Credit frees one
-            self._assemble(s, prep, sink, flow.take(), ticket, inline)
+            index, count = flow.take(s.group)
+            self._assemble(s, prep, sink, index, count, ticket, inline)
             if inline and not self._send_ready(s, sink):
                 return False
         return self._send_ready(s, sink)
 
     def _assemble(
-        self, s: Session, prep: Prepared, sink: BatchSink, index: int, ticket: int, inline: bool
+        self,
+        s: Session,
+        prep: Prepared,
+        sink: BatchSink,
+        index: int,
+        count: int,
+        ticket: int,
+        inline: bool,
     ) -> None:
-        indices = prep.plan.batch(index)
+        indices = prep.indices(index, count)
         out = sink.out(ticket, len(indices))
         place = sink.placer(ticket)
         if not inline:
@@ -81,8 +89,9 @@ class Pump:
         """Send assembled batches in index order; ``False`` once the peer's queue is full."""
         flow = s.flow
         while (batch := flow.next_ready()) is not None:
+            count = flow.span(flow.next_send)
             try:
-                nbytes = sink.send(batch.ticket, flow.next_send, batch.parts)
+                nbytes = sink.send(batch.ticket, flow.next_send, batch.parts, count)
             except zmq.Again:
                 return False  # kept in order; the next tick sends it again
             except zmq.ZMQError as e:
@@ -91,7 +100,7 @@ class Pump:
                 raise
             flow.released()
             s.last_send = time.monotonic()
-            self.metrics.batches_sent.inc()
+            self.metrics.batches_sent.inc(count)
             self.metrics.bytes_sent.inc(nbytes)
             self.board.sent(s.job_id, s.rank, nbytes, flow.next_send, flow.owed)
         return True

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+import numpy as np
+
 from shardserve.proto.endpoints import Delivery as Transport
 
 from ..jobs import Job, JobRegistry
@@ -63,6 +65,16 @@ class Prepared:
     part_shapes: PartShapes
     #: Expected bytes of one full batch (variable fields at the dataset's average).
     batch_bytes: int
+    #: Whether several batches may go in one message: each batch is gathered on its own
+    #: terms (no batch transforms, no per-batch collation), so a span is its batches' rows
+    #: one after the other.
+    groupable: bool = True
+
+    def indices(self, index: int, count: int = 1) -> np.ndarray:
+        """The samples of batches ``index`` to ``index + count - 1``, in order."""
+        if count == 1:
+            return self.plan.batch(index)
+        return np.concatenate([self.plan.batch(i) for i in range(index, index + count)])
 
 
 @dataclass(eq=False, kw_only=True)
@@ -81,6 +93,10 @@ class Session:
     want_shm: bool = False
     #: Slots of the previous stream's ring the client still reads (it may take that ring over).
     keep: tuple[int, ...] = ()
+    #: Most batches per message the client takes (its Hello), and what this stream sends
+    #: (chosen with its sink, see ``Opener.sink_for``).
+    max_group: int = 1
+    group: int = 1
     prepared: Prepared | None = None
     sink: BatchSink | None = None
     #: Why the ring was refused (the stream then uses the socket).
@@ -146,7 +162,9 @@ def prepare(
     hint: Callable[[RankPlan | EnvSteps], None] | None = getattr(source, "plan_hint", None)
     if hint is not None:
         hint(plan)  # a remote dataset prefetches the shards this plan reads next
-    return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes)
+    # A graph collation or a batch transform works on each batch as a whole (issue 22).
+    groupable = job.spec.collate is None and not getattr(source, "batch_level", False)
+    return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, groupable)
 
 
 @dataclass(frozen=True)

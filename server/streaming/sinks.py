@@ -51,12 +51,19 @@ Placer = Callable[[BatchParts], BatchParts]
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where one stream's batches go: the server's ROUTER socket and the peer's routing id."""
+    """Where one stream's batches go: the server's ROUTER socket and the peer's routing id;
+    ``rows`` is the batch size the headers tell the client to cut messages by."""
 
     sock: zmq.Socket
     ident: bytes
     stream: int
     epoch: int
+    rows: int = 0
+
+    def header(
+        self, index: int, count: int, parts: tuple[PartHeader, ...], slot: int = -1
+    ) -> BatchHeader:
+        return BatchHeader(self.stream, self.epoch, index, parts, slot, count, self.rows)
 
     def send(self, header: BatchHeader, payload: list[zmq.Frame] | list[bytes]) -> None:
         """Send without blocking; raises ``zmq.Again`` (peer's queue full: nothing was sent)
@@ -93,9 +100,9 @@ class BatchSink(ABC):
         return None
 
     @abstractmethod
-    def send(self, ticket: int, index: int, parts: BatchParts) -> int:
-        """Send batch ``index`` and end its ticket; returns the payload bytes. On ``zmq.Again``
-        the ticket stays held, to be sent again."""
+    def send(self, ticket: int, index: int, parts: BatchParts, count: int = 1) -> int:
+        """Send batches ``index`` to ``index + count - 1`` (one message) and end its ticket;
+        returns the payload bytes. On ``zmq.Again`` the ticket stays held, to be sent again."""
 
     @abstractmethod
     def release(self, ticket: int) -> None:
@@ -145,9 +152,9 @@ class SocketSink(BatchSink):
         bufs = self._sets.get(ticket)
         return None if bufs is None else bufs.views(rows)
 
-    def send(self, ticket: int, index: int, parts: BatchParts) -> int:
+    def send(self, ticket: int, index: int, parts: BatchParts, count: int = 1) -> int:
         r = self.route
-        header = BatchHeader(r.stream, r.epoch, index, part_headers(parts))
+        header = r.header(index, count, part_headers(parts))
         bufs = self._sets.get(ticket)
         frames = [zmq.Frame(a, track=bufs is not None) for a in parts.values()]
         r.send(header, frames)
@@ -185,15 +192,15 @@ class SlotSink(BatchSink):
     def placer(self, ticket: int) -> Placer:
         return partial(self.slots.place, ticket)
 
-    def send(self, ticket: int, index: int, parts: BatchParts) -> int:
+    def send(self, ticket: int, index: int, parts: BatchParts, count: int = 1) -> int:
         r = self.route
         in_slot = self.slots.headers(ticket, parts)
         if in_slot is not None:
-            header = BatchHeader(r.stream, r.epoch, index, in_slot, ticket)
+            header = r.header(index, count, in_slot, ticket)
             r.send(header, [])
             self.slots.lend(ticket)  # the client hands it back in a Credit
             return header.nbytes
-        header = BatchHeader(r.stream, r.epoch, index, part_headers(parts))
+        header = r.header(index, count, part_headers(parts))
         r.send(header, [a.tobytes() for a in parts.values()])
         self.slots.release(ticket)
         self.overflowed += 1
@@ -233,10 +240,11 @@ class IdlePools:
         batch_size: int,
         live: set[tuple[str, int]],
     ) -> BufferPool:
-        """The pool for ``key`` (made, or remade if its shapes changed); ``live`` keys are
+        """The pool for ``key`` (made, or remade if its layout changed); ``live`` keys are
         never dropped."""
         pool = self._pools.pop(key, None)
-        if pool is None or pool.part_shapes != dict(part_shapes):
+        # Remade when the shapes changed, or the rows (batches per message, issue 22).
+        if pool is None or pool.part_shapes != dict(part_shapes) or pool.batch_size != batch_size:
             pool = BufferPool(part_shapes, batch_size)
         self._pools[key] = pool
         total = sum(p.nbytes for p in self._pools.values())
@@ -292,17 +300,17 @@ class RingBook:
     def open(
         self,
         route: Route,
-        credit: int,
+        nslots: int,
         source: BatchSource,
         fields: tuple[str, ...],
         batch_size: int,
         keep: tuple[int, ...],
     ) -> SlotSink:
-        """A ring holding exactly ``credit`` batches: the peer's previous ring if its layout
-        fits, else a new one within the limit (raises :class:`~.shm.ShmUnavailable`)."""
+        """A ring of ``nslots`` slots of ``batch_size`` rows each: the peer's previous ring if
+        its layout fits, else a new one within the limit (raises :class:`~.shm.ShmUnavailable`)."""
         slots = self._handed.pop(route.ident, None)
         if slots is not None:
-            if slots.key == ShmSlots.key_for(credit, source, fields, batch_size):
+            if slots.key == ShmSlots.key_for(nslots, source, fields, batch_size):
                 slots.reset(keep)
                 self._live[id(slots)] = slots
                 return SlotSink(route, slots, self)
@@ -317,7 +325,7 @@ class RingBook:
             # The limit is for all proven rings together: same-host peers cannot fill /dev/shm.
             limit = max(limit - self.live_bytes, 0)
         slots = ShmSlots.create(
-            route.stream, credit, source, fields, batch_size, self.shm_dir, limit
+            route.stream, nslots, source, fields, batch_size, self.shm_dir, limit
         )
         self._live[id(slots)] = slots
         self._unproven.add(id(slots))

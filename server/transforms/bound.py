@@ -104,6 +104,12 @@ class TransformedDataset:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)
 
+    @property
+    def batch_level(self) -> bool:
+        """Whether a step sees whole batches (its numbers are drawn per batch): such batches
+        are never sent several to a message, which would change what a step sees."""
+        return self.chain.batch_steps
+
     def _names(self, fields: Sequence[str] | None) -> list[str]:
         names = list(fields) if fields is not None else list(self.chain.outputs)
         unknown = [n for n in names if n not in self.chain.outputs]

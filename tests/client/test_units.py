@@ -32,7 +32,7 @@ def test_world_out_of_range_is_refused(rank: int, world: int) -> None:
 
 
 def _info(*endpoints: str, boot_id: str = "boot-a") -> ServerInfo:
-    return ServerInfo(version="0", protocols=[1], data_endpoints=list(endpoints), host="h",
+    return ServerInfo(version="0", protocols=[2], data_endpoints=list(endpoints), host="h",
                       boot_id=boot_id, auth_required=False)  # fmt: skip
 
 

@@ -40,6 +40,7 @@ CONTROL = {
         boot_id="b00t",
         pid=1234,
         keep=(1, 3),
+        group=16,
     ),
     "welcome": Welcome(
         stream=5,
@@ -53,9 +54,10 @@ CONTROL = {
         heartbeat_s=1.0,
         transport="shm",
         shm=ShmRing(name="/shardserve-1234-5", slots=4, slot_bytes=1 << 20),
+        group=8,
     ),
     "reject": Reject(
-        code=ErrorCode.VERSION_MISMATCH, message="client speaks [9], server speaks [1]", nonce=42
+        code=ErrorCode.VERSION_MISMATCH, message="client speaks [9], server speaks [2]", nonce=42
     ),
     "credit": Credit(
         grant=2, slots=(0, 3), stats=ClientStats(batches=10, wait_s=0.5, compute_s=2.0)
@@ -83,6 +85,8 @@ BATCHES = {
         epoch=3,
         index=8,
         slot=2,
+        count=2,
+        rows=1,
         parts=(
             PartHeader("x", "float32", (5,), 20, 0),
             PartHeader("x.offsets", "int64", (3,), 24, 64),

@@ -21,6 +21,7 @@ from shardserve.proto.framing import (
 )
 from shardserve.proto.messages import (
     MAX_CREDIT,
+    PROTOCOL_VERSION,
     BatchHeader,
     Credit,
     Hello,
@@ -66,7 +67,7 @@ def test_version_mismatch_named() -> None:
     """A data message from a peer on another protocol version is refused, naming both versions."""
     frame = bytearray(encode(Credit(grant=1))[0])
     frame[2] = 9
-    with pytest.raises(VersionMismatch, match=r"protocol 9.*speaks 1"):
+    with pytest.raises(VersionMismatch, match=rf"protocol 9.*speaks {PROTOCOL_VERSION}"):
         decode([bytes(frame)])
 
 
@@ -84,10 +85,10 @@ def test_hello_of_other_version_still_decodes() -> None:
         ([], MalformedFrame, "empty"),
         ([b"S"], MalformedFrame, "shorter"),
         ([b"XX\x01\x01{}"], MalformedFrame, "magic"),
-        ([b"SS\x01\x63{}"], UnknownMessage, "kind 99"),
-        ([b"SS\x01\x04not json"], MalformedFrame, "CREDIT"),
-        ([b"SS\x01\x04{}", b"extra"], MalformedFrame, "one frame"),
-        ([b"SS\x01\x05\x00\x00"], MalformedFrame, "truncated"),
+        ([b"SS\x02\x63{}"], UnknownMessage, "kind 99"),
+        ([b"SS\x02\x04not json"], MalformedFrame, "CREDIT"),
+        ([b"SS\x02\x04{}", b"extra"], MalformedFrame, "one frame"),
+        ([b"SS\x02\x05\x00\x00"], MalformedFrame, "truncated"),
     ],
 )
 def test_malformed_frames_rejected(frames: list[bytes], error: type, match: str) -> None:
@@ -100,11 +101,11 @@ def test_absurd_credit_refused() -> None:
     """Credit above MAX_CREDIT is refused at decode time rather than clamped."""
     body = b'{"kind":4,"grant":%d}' % (MAX_CREDIT + 1)
     with pytest.raises(MalformedFrame, match="grant"):
-        decode([b"SS\x01\x04" + body])
+        decode([b"SS\x02\x04" + body])
 
 
 def _batch_frame(nparts: int, parts: bytes) -> bytes:
-    return b"SS\x01\x05" + struct.pack("<IIIiH", 0, 0, 0, -1, nparts) + parts
+    return b"SS\x02\x05" + struct.pack("<IIIiHIH", 0, 0, 0, -1, 1, 0, nparts) + parts
 
 
 def test_batch_header_claiming_huge_size_refused() -> None:
@@ -186,7 +187,7 @@ def test_mutated_batch_headers_only_protocol_errors(h: BatchHeader, data: st.Dat
 def test_control_bodies_fuzz(kind: Kind, body: bytes) -> None:
     """Any body under any kind decodes or raises a ProtocolError."""
     try:
-        peek_kind(b"SS\x01" + bytes([kind]))
-        decode([b"SS\x01" + bytes([kind]) + body])
+        peek_kind(b"SS\x02" + bytes([kind]))
+        decode([b"SS\x02" + bytes([kind]) + body])
     except ProtocolError:
         pass

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.framing import MAGIC, encode
 from shardserve.proto.messages import (
+    PROTOCOL_VERSION,
     Credit,
     EndOfEpoch,
     Error,
@@ -95,8 +96,8 @@ def _hello_frame(**kw: object) -> bytes:
 
 
 def _batch_header(nparts: int, shape: tuple[int, ...], nbytes: int) -> bytes:
-    out = bytearray(MAGIC + bytes([1, int(Kind.BATCH)]))
-    out += struct.pack("<IIIiH", 1, 0, 0, -1, nparts)
+    out = bytearray(MAGIC + bytes([PROTOCOL_VERSION, int(Kind.BATCH)]))
+    out += struct.pack("<IIIiHIH", 1, 0, 0, -1, 1, 0, nparts)
     for _ in range(nparts):
         out += struct.pack("<B", 1) + b"x" + struct.pack("<BB", 3, len(shape))
         out += struct.pack(f"<{len(shape)}q", *shape) + struct.pack("<QQ", nbytes, 0)
@@ -105,51 +106,51 @@ def _batch_header(nparts: int, shape: tuple[int, ...], nbytes: int) -> bytes:
 
 HOSTILE: list[tuple[str, list[bytes], set[ErrorCode]]] = [
     ("empty frame", [b""], {ErrorCode.MALFORMED}),
-    ("prefix only, 3 bytes", [b"SS\x01"], {ErrorCode.MALFORMED}),
+    ("prefix only, 3 bytes", [b"SS\x02"], {ErrorCode.MALFORMED}),
     ("Hello truncated mid-JSON", [_hello_frame()[:20]], {ErrorCode.MALFORMED}),
     ("Hello with a trailing extra frame", [_hello_frame(), b"extra"], {ErrorCode.MALFORMED}),
     (
         "Hello JSON with unknown field",
         [
-            b"SS\x01\x01"
+            b"SS\x02\x01"
             + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 1, "evil": 1}).encode()
         ],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with negative rank",
-        [b"SS\x01\x01" + json.dumps({"job": "x", "rank": -1, "epoch": 0, "credit": 1}).encode()],
+        [b"SS\x02\x01" + json.dumps({"job": "x", "rank": -1, "epoch": 0, "credit": 1}).encode()],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with rank 10**40",
         [
-            b"SS\x01\x01"
+            b"SS\x02\x01"
             + json.dumps({"job": "x", "rank": 10**40, "epoch": 0, "credit": 1}).encode()
         ],
         {ErrorCode.MALFORMED, ErrorCode.JOB_NOT_FOUND},
     ),
     (
         "Hello with credit 0",
-        [b"SS\x01\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 0}).encode()],
+        [b"SS\x02\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 0}).encode()],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with credit 10**9",
-        [b"SS\x01\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 10**9}).encode()],
+        [b"SS\x02\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 10**9}).encode()],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with a 100 KiB job name",
         [
-            b"SS\x01\x01"
+            b"SS\x02\x01"
             + json.dumps({"job": "j" * 100_000, "rank": 0, "epoch": 0, "credit": 1}).encode()
         ],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello nested 10k deep",
-        [b"SS\x01\x01" + b'{"job":' + b"[" * 10_000 + b"]" * 10_000 + b"}"],
+        [b"SS\x02\x01" + b'{"job":' + b"[" * 10_000 + b"]" * 10_000 + b"}"],
         {ErrorCode.MALFORMED},
     ),
     (
@@ -160,13 +161,13 @@ HOSTILE: list[tuple[str, list[bytes], set[ErrorCode]]] = [
     ("Heartbeat with version 0", [b"SS\x00\x07{}"], {ErrorCode.VERSION_MISMATCH}),
     (
         "Credit with 10k slots",
-        [b"SS\x01\x04" + json.dumps({"grant": 1, "slots": list(range(10_000))}).encode()],
+        [b"SS\x02\x04" + json.dumps({"grant": 1, "slots": list(range(10_000))}).encode()],
         {ErrorCode.MALFORMED},
     ),
-    ("Credit with negative grant", [b"SS\x01\x04" + b'{"grant":-5}'], {ErrorCode.MALFORMED}),
-    ("Credit with non-UTF-8 body", [b"SS\x01\x04\xff\xfe\xfd"], {ErrorCode.MALFORMED}),
-    ("kind 0", [b"SS\x01\x00{}"], {ErrorCode.UNKNOWN_MESSAGE}),
-    ("kind 255", [b"SS\x01\xff{}"], {ErrorCode.UNKNOWN_MESSAGE}),
+    ("Credit with negative grant", [b"SS\x02\x04" + b'{"grant":-5}'], {ErrorCode.MALFORMED}),
+    ("Credit with non-UTF-8 body", [b"SS\x02\x04\xff\xfe\xfd"], {ErrorCode.MALFORMED}),
+    ("kind 0", [b"SS\x02\x00{}"], {ErrorCode.UNKNOWN_MESSAGE}),
+    ("kind 255", [b"SS\x02\xff{}"], {ErrorCode.UNKNOWN_MESSAGE}),
     (
         "batch header claiming 16 GiB, no payload",
         [_batch_header(1, (1 << 34,), 1 << 34)],
@@ -240,7 +241,7 @@ def test_over_limit_frame_drops_only_that_peer(rel_server: ServerProc, baseline_
     """A 4 MiB message (over the 1 MiB incoming limit) drops that peer's connection; the server stays up and serves others."""
     with zmq_context() as ctx:
         evil = RawStream(ctx, rel_server.tcp_endpoint)
-        evil.send_raw([b"SS\x01\x04" + b" " * (4 << 20)])
+        evil.send_raw([b"SS\x02\x04" + b" " * (4 << 20)])
         # The peer gets no answer for it (libzmq refuses the message before Python sees it).
         assert not evil.sock.poll(500)
         assert_serves_an_epoch(rel_server, ctx)
@@ -254,7 +255,7 @@ def test_flood_of_1000_garbage_messages(rel_server: ServerProc, baseline_rss: in
     kinds = [
         lambda: rng.bytes(int(rng.integers(0, 200))),
         lambda: (
-            b"SS\x01" + bytes([int(rng.integers(0, 256))]) + rng.bytes(int(rng.integers(0, 200)))
+            b"SS\x02" + bytes([int(rng.integers(0, 256))]) + rng.bytes(int(rng.integers(0, 200)))
         ),
         lambda: _batch_header(1, (1 << 34,), 1 << 34),
         lambda: _hello_frame(job=f"nope-{rng.integers(1 << 30)}"),

@@ -139,7 +139,9 @@ def test_cache_smaller_than_the_dataset_serves_identical_bytes(s3: S3, tmp_path:
         env=s3.env,
     ) as srv:
         for e in (0, 1):
-            assert epoch_bytes(srv.http_url, e, shuffle="block") == want[e]
+            # A window of 4 batches: the default credit (about 8 MiB) would hold this whole
+            # 3.6 MB dataset in flight, every shard leased, none evictable.
+            assert epoch_bytes(srv.http_url, e, shuffle="block", prefetch=4) == want[e]
         assert metric(srv.http_url, "shardserve_cache_misses_total") >= len(m.shards)
         assert metric(srv.http_url, "shardserve_cache_evictions_total") > 0
         assert metric(srv.http_url, "shardserve_cache_hits_total") > 0

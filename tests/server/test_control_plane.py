@@ -7,6 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardserve.proto.api import CreatedJob, DatasetInfo, JobStatus, ServerInfo
+from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 from tests.server.conftest import CIFAR_N
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.server import ServerProc
@@ -23,7 +24,9 @@ def test_health_ready_and_info(http: httpx.Client, server: ServerProc) -> None:
     assert http.get("/healthz").status_code == 200
     assert http.get("/readyz").json() == {"ready": True, "reason": "ready"}
     info = ServerInfo.model_validate(http.get("/v1/info").json())
-    assert info.data_endpoints == server.data_endpoints and info.protocols == [1]
+    assert info.data_endpoints == server.data_endpoints and info.protocols == list(
+        SUPPORTED_PROTOCOLS
+    )
     assert not info.auth_required and all(":0" not in e for e in info.data_endpoints)
 
 

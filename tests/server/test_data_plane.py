@@ -10,7 +10,16 @@ import pytest
 
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.framing import encode
-from shardserve.proto.messages import Bye, EndOfEpoch, Error, Heartbeat, Hello, Reject, Welcome
+from shardserve.proto.messages import (
+    PROTOCOL_VERSION,
+    Bye,
+    EndOfEpoch,
+    Error,
+    Heartbeat,
+    Hello,
+    Reject,
+    Welcome,
+)
 from shardserve.server.planning import RankPlan, epoch_order
 from shardserve.server.store.catalog import Store
 from tests.server.conftest import CIFAR_N
@@ -152,11 +161,19 @@ def test_protocol_version_mismatch_names_both_versions(server: ServerProc) -> No
         s = RawStream(ctx, server.tcp_endpoint)
         s.hello(job, protocols=(7, 9))
         r = s.recv_kind(Reject)
-        assert r.code == ErrorCode.VERSION_MISMATCH and "[7, 9]" in r.message and "[1]" in r.message
+        assert (
+            r.code == ErrorCode.VERSION_MISMATCH
+            and "[7, 9]" in r.message
+            and f"[{PROTOCOL_VERSION}]" in r.message
+        )
         frame = encode(Hello(job=job, rank=0, epoch=0, credit=1))[0]
         s.send_raw([frame[:2] + bytes([42]) + frame[3:]])  # the header's version byte says 42
         r = s.recv_kind(Reject)
-        assert r.code == ErrorCode.VERSION_MISMATCH and "[42]" in r.message and "[1]" in r.message
+        assert (
+            r.code == ErrorCode.VERSION_MISMATCH
+            and "[42]" in r.message
+            and f"[{PROTOCOL_VERSION}]" in r.message
+        )
         s.close()
 
 
@@ -167,9 +184,9 @@ def test_bad_input_is_answered_and_the_server_keeps_serving(server: ServerProc) 
         s = RawStream(ctx, server.tcp_endpoint)
         s.send_raw([b"garbage"])
         assert s.recv_kind(Error).code == ErrorCode.MALFORMED
-        s.send_raw([b"SS\x01\x63{}"])
+        s.send_raw([b"SS\x02\x63{}"])
         assert s.recv_kind(Error).code == ErrorCode.UNKNOWN_MESSAGE
-        s.send_raw([b"SS\x01\x04{not json"])
+        s.send_raw([b"SS\x02\x04{not json"])
         assert s.recv_kind(Error).code == ErrorCode.MALFORMED
         s.grant(1)
         e = s.recv_kind(Error)

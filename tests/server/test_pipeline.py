@@ -53,7 +53,7 @@ def test_credit_is_never_exceeded_and_batches_leave_in_order(
                 flow.grant(arg)
                 granted += arg
         elif kind == "take" and flow.wants_work():
-            index = flow.take()
+            index = flow.take()[0]
             if arg:  # assembled inline: ready at once
                 flow.assembled(index, index * 10)
             else:
@@ -86,12 +86,12 @@ def test_credit_is_never_exceeded_and_batches_leave_in_order(
 def test_take_refuses_without_credit_and_past_the_end() -> None:
     """No credit, or no batches left: there is no next work, and taking anyway raises."""
     flow: Pipeline[str] = Pipeline(0, 2, 1)
-    assert flow.take() == 0
+    assert flow.take()[0] == 0
     assert not flow.wants_work()  # credit spent
     with pytest.raises(RuntimeError, match="credit 0"):
-        flow.take()
+        flow.take()[0]
     flow.grant(5)
-    assert flow.take() == 1
+    assert flow.take()[0] == 1
     assert not flow.wants_work()  # both batches taken
     assert flow.owed == 1 + 5  # everything granted: 2 in flight, 4 unused
 
@@ -100,7 +100,7 @@ def test_pool_work_is_capped_per_stream() -> None:
     """A stream keeps at most MAX_INFLIGHT_PER_STREAM batches on the pool at once."""
     flow: Pipeline[str] = Pipeline(0, 100, 50)
     for _ in range(MAX_INFLIGHT_PER_STREAM):
-        flow.take()
+        flow.take()[0]
         flow.offloaded()
     assert not flow.wants_work()
     flow.returned()
@@ -110,7 +110,7 @@ def test_pool_work_is_capped_per_stream() -> None:
 def test_release_waits_for_the_next_index() -> None:
     """A later batch that finished first is held until every earlier one is released."""
     flow: Pipeline[str] = Pipeline(3, 10, 3)
-    a, b, c = flow.take(), flow.take(), flow.take()
+    a, b, c = flow.take()[0], flow.take()[0], flow.take()[0]
     flow.assembled(c, "c")
     flow.assembled(b, "b")
     assert flow.next_ready() is None
@@ -127,7 +127,7 @@ def test_drain_returns_what_will_never_be_sent() -> None:
     """Closing a stream hands back every assembled, unsent batch (their memory is freed)."""
     flow: Pipeline[str] = Pipeline(0, 10, 3)
     for _ in range(3):
-        i = flow.take()
+        i = flow.take()[0]
         flow.assembled(i, f"b{i}")
     flow.released()
     assert sorted(flow.drain()) == ["b1", "b2"] and not flow.ready
@@ -145,12 +145,12 @@ def test_a_slow_inline_gather_sends_the_next_batches_to_the_pool() -> None:
     """After an inline gather slower than INLINE_MAX_S, the next INLINE_BACKOFF batches use the
     pool; a fast one changes nothing."""
     flow: Pipeline[str] = Pipeline(0, 1000, 1000)
-    i = flow.take()
+    i = flow.take()[0]
     flow.timed_inline(i, INLINE_MAX_S / 2)
     assert flow.inline(1024, others_busy=False)
     flow.timed_inline(i, INLINE_MAX_S * 2)
     for _ in range(INLINE_BACKOFF - 1):
         assert not flow.inline(1024, others_busy=False)
-        flow.take()
+        flow.take()[0]
     assert flow.next_submit == INLINE_BACKOFF
     assert flow.inline(1024, others_busy=False)

@@ -114,3 +114,39 @@ def test_values_match_samples(stores: tuple[Dataset, Dataset]) -> None:
         if want["maybe"] is not None:
             off = parts["maybe.offsets"]
             np.testing.assert_array_equal(parts["maybe"][off[j] : off[j + 1]], want["maybe"])
+
+
+@pytest.mark.parametrize("slice_min", [0, 10**9])
+def test_slices_and_unit_index_gather_the_same(
+    stores: tuple[Dataset, Dataset], monkeypatch: pytest.MonkeyPatch, slice_min: int
+) -> None:
+    """Long samples move as one slice each, short ones through an index per unit: forced
+    each way, every batch is still Arrow's (repeats, one chunk, many chunks)."""
+    monkeypatch.setattr(gather, "SLICE_MIN_UNITS", slice_min)
+    perm = np.random.default_rng(5).permutation(N)
+    for ds in stores:
+        for s in range(0, N, 37):
+            _assert_same(ds, perm[s : s + 37])
+        _assert_same(ds, np.array([7, 7, 0, 299]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(edges=st.lists(st.integers(0, 40), min_size=1, max_size=30), k=st.integers(1, 3))
+def test_cat_last_slices_equal_the_index_path(edges: list[int], k: int) -> None:
+    """``collate="graph"`` joins ``[k, E_g]`` blocks into ``[k, sum E]`` the same both ways."""
+    from shardserve.server.store import graphs
+
+    e = np.array(edges, dtype=np.int64)
+    offsets = np.zeros(len(e) + 1, dtype=np.int64)
+    np.cumsum(e * k, out=offsets[1:])
+    values = np.arange(int(offsets[-1]), dtype=np.int64)
+    shapes = np.stack([np.full(len(e), k), e], 1)
+    want = np.concatenate(
+        [values[o : o + k * n].reshape(k, n) for o, n in zip(offsets[:-1], e, strict=True)], 1
+    )
+    for slice_min in (0, 10**9):
+        old, graphs.SLICE_MIN_EDGES = graphs.SLICE_MIN_EDGES, slice_min
+        try:
+            np.testing.assert_array_equal(graphs._cat_last(values, offsets, shapes), want)
+        finally:
+            graphs.SLICE_MIN_EDGES = old

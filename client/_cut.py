@@ -1,0 +1,73 @@
+"""Cutting a message of several batches into those batches (issue 22).
+
+Small batches travel several to a message: ``count`` consecutive batches of ``rows`` samples
+each (the last of an epoch may be short), one after the other in every field. Each batch
+cut out is a tensor of its own over its rows (:func:`._frames.own_storage`: no copy on the
+CPU), so batches share no storage with each other or with another field, and the slot or
+frame under them is free once the last of them is gone. On a device the batches are views
+of the message's tensor there.
+
+>>> import torch
+>>> parts = cut_rows({"y": torch.arange(5)}, rows=2, count=3)
+>>> [p["y"].tolist() for p in parts]
+[[0, 1], [2, 3], [4]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shardserve.proto.errors import ProtocolError
+
+from ._frames import own_storage
+from .types import Batch, VarTensor
+
+
+def cut_rows(batch: Batch, rows: int, count: int) -> list[Batch]:
+    """The ``count`` batches of ``rows`` samples each that ``batch`` holds, in order."""
+    if count == 1:
+        return [batch]
+    out: list[Batch] = [{} for _ in range(count)]
+    for name, t in batch.items():
+        pieces: Sequence[torch.Tensor | VarTensor]
+        if isinstance(t, VarTensor):
+            pieces = _cut_var(name, t, rows, count)
+        elif isinstance(t, torch.Tensor):
+            total = int(t.shape[0]) if t.dim() else -1
+            _check(name, total, rows, count)
+            pieces = [own_storage(t[lo:hi]) for lo, hi in _bounds(total, rows, count)]
+        else:
+            raise ProtocolError(f"field {name!r} of a message of {count} batches has no rows")
+        for b, piece in zip(out, pieces, strict=True):
+            b[name] = piece
+    return out
+
+
+def _bounds(total: int, rows: int, count: int) -> list[tuple[int, int]]:
+    return [(j * rows, min((j + 1) * rows, total)) for j in range(count)]
+
+
+def _check(name: str, total: int, rows: int, count: int) -> None:
+    """A message of ``count`` batches has more than ``count - 1`` full batches of rows and at
+    most ``count``: anything else is a server bug or a hostile peer."""
+    if rows < 1 or not (count - 1) * rows < total <= count * rows:
+        raise ProtocolError(f"field {name!r}: {total} rows do not make {count} batches of {rows}")
+
+
+def _cut_var(name: str, v: VarTensor, rows: int, count: int) -> list[VarTensor]:
+    """Each batch's samples of a variable-size field: its values, its offsets from 0."""
+    total = len(v)
+    _check(name, total, rows, count)
+    bounds = _bounds(total, rows, count)
+    # Where each batch's values start and end, read in one go.
+    edges = v.offsets[[lo for lo, _ in bounds] + [total]].tolist()
+    pieces = []
+    for j, (lo, hi) in enumerate(bounds):
+        start, end = edges[j], edges[j + 1]
+        offsets = v.offsets[lo : hi + 1] - start  # a new tensor: rebased to this batch
+        pieces.append(
+            VarTensor(own_storage(v.values[start:end]), offsets, own_storage(v.shapes[lo:hi]))
+        )
+    return pieces
