@@ -15,11 +15,13 @@ of the message's tensor there.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from shardserve.proto.errors import ProtocolError
+from shardserve.proto.graphs import SPLITS, concat_dim
 
 from ._frames import own_storage
 from .types import Batch, VarTensor
@@ -29,6 +31,8 @@ def cut_rows(batch: Batch, rows: int, count: int) -> list[Batch]:
     """The ``count`` batches of ``rows`` samples each that ``batch`` holds, in order."""
     if count == 1:
         return [batch]
+    if SPLITS in batch:
+        return cut_graphs(batch, count)
     out: list[Batch] = [{} for _ in range(count)]
     for name, t in batch.items():
         pieces: Sequence[torch.Tensor | VarTensor]
@@ -71,3 +75,30 @@ def _cut_var(name: str, v: VarTensor, rows: int, count: int) -> list[VarTensor]:
             VarTensor(own_storage(v.values[start:end]), offsets, own_storage(v.shapes[lo:hi]))
         )
     return pieces
+
+
+def cut_graphs(batch: Batch, count: int) -> list[Batch]:
+    """The ``count`` graph batches (``collate="graph"``) of one message, cut where its
+    ``.splits`` part says, each part along the dimension it joins graphs in. Index fields
+    cut along their last dimension are copied (a column range is not one block of memory)."""
+    splits_t = batch[SPLITS]
+    names = [n for n in batch if n != SPLITS]
+    if not isinstance(splits_t, torch.Tensor) or tuple(splits_t.shape) != (len(names), count + 1):
+        raise ProtocolError(
+            f"a message of {count} graph batches needs {SPLITS} of shape "
+            f"[{len(names)}, {count + 1}]"
+        )
+    splits = splits_t.tolist()
+    out: list[Batch] = [{} for _ in range(count)]
+    for name, cuts in zip(names, splits, strict=True):
+        t = batch[name]
+        dim = concat_dim(name)
+        if not isinstance(t, torch.Tensor) or not t.dim():
+            raise ProtocolError(f"graph part {name!r} has no dimension to cut")
+        size = int(t.shape[dim])
+        if cuts[0] != 0 or cuts[-1] != size or any(a > b for a, b in itertools.pairwise(cuts)):
+            raise ProtocolError(f"{SPLITS} of {name!r} {cuts} do not cut its {size} rows")
+        for b, lo, hi in zip(out, cuts[:-1], cuts[1:], strict=True):
+            piece = t.narrow(dim, lo, hi - lo)
+            b[name] = own_storage(piece) if piece.is_contiguous() else piece.contiguous()
+    return out

@@ -22,7 +22,15 @@ from tqdm import tqdm
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest
 
-from .gather import ALL, Positions, RaggedChunks, groups, take_fixed, take_ragged
+from .gather import (
+    ALL,
+    JoinedColumns,
+    Positions,
+    RaggedChunks,
+    groups,
+    take_fixed,
+    take_ragged,
+)
 from .index import as_indices, check_bounds, chunk_of, chunk_starts, locate, shard_of_chunk
 from .shards import MappedShard
 
@@ -73,6 +81,7 @@ class Dataset:
         self._shapes = {n: [c.shapes[n] for c in chunks] for n in variable}
         nullable = [f.name for f in self.fields if f.nullable]
         self._valid = {n: [c.valid[n] for c in chunks] for n in nullable}
+        self._joined = JoinedColumns()
         self._verified = [verify != "lazy"] * len(self._shards)
         self._failed: dict[int, DatasetCorruptError] = {}
         self._all_verified = all(self._verified)
@@ -143,16 +152,24 @@ class Dataset:
             g = groups(chunk)
             self._check_shards(self._chunk_shard[chunk])
         parts: dict[str, np.ndarray] = {}
+
+        def small(kind: str, n: str, chunks: list[np.ndarray], dest: np.ndarray) -> np.ndarray:
+            if not b:
+                return dest
+            joined = self._joined.get((kind, n), chunks) if len(g) > 1 else None
+            if joined is None:
+                return take_fixed(chunks, g, rows, dest)
+            return np.take(joined, idx, axis=0, out=dest, mode="clip")  # ids are checked
+
         for n in names:
             spec = self._specs[n]
             if spec.nullable:
                 mask = out.get(n + MASK) if out is not None else None
                 if mask is None or mask.shape != (b,):
                     mask = np.empty(b, dtype=bool)
-                parts[n + MASK] = take_fixed(self._valid[n], g, rows, mask) if b else mask
+                parts[n + MASK] = small("valid", n, self._valid[n], mask)
             if spec.kind in ("scalar", "tensor"):
-                dest = self._out_array(spec, b, out)
-                parts[n] = take_fixed(self._fixed[n], g, rows, dest) if b else dest
+                parts[n] = small("fixed", n, self._fixed[n], self._out_array(spec, b, out))
                 continue
             if b:
                 parts[n], parts[n + ".offsets"] = take_ragged(
@@ -163,7 +180,7 @@ class Dataset:
                 parts[n + ".offsets"] = np.zeros(1, dtype=np.int64)
             if spec.kind == "variable":
                 shapes = np.empty((b, len(spec.shape)), dtype=np.int64)
-                parts[n + ".shapes"] = take_fixed(self._shapes[n], g, rows, shapes) if b else shapes
+                parts[n + ".shapes"] = small("shapes", n, self._shapes[n], shapes)
         return parts
 
     @staticmethod

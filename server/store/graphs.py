@@ -26,16 +26,12 @@ from typing import Any
 import numpy as np
 
 from shardserve.proto.errors import BadRequest
+from shardserve.proto.graphs import SPLITS, is_index_field
 from shardserve.proto.manifest import FieldSpec, Manifest
 
 #: Parts a graph batch adds; no field may have these names.
 ADDED = ("batch", "ptr")
 NODE_FIELDS = ("x", "pos")
-
-
-def _is_index(name: str) -> bool:
-    last = name.rsplit(".", 1)[-1]
-    return "index" in last or last == "face"
 
 
 def _node_source(specs: Mapping[str, FieldSpec]) -> str | None:
@@ -64,10 +60,10 @@ def check_graph_job(manifest: Manifest, fields: Sequence[str] | None) -> None:
         if s.kind == "binary" or s.nullable:
             why = "holds bytes" if s.kind == "binary" else "is missing in some samples"
             raise BadRequest(f"{where}: field {n!r} {why}; leave it out with fields=")
-        if s.kind == "variable" and -1 in (s.shape[:-1] if _is_index(n) else s.shape[1:]):
+        if s.kind == "variable" and -1 in (s.shape[:-1] if is_index_field(n) else s.shape[1:]):
             raise BadRequest(
                 f"{where}: field {n!r} has shape {list(s.shape)}; only its "
-                f"{'last' if _is_index(n) else 'first'} dimension may vary to be concatenated"
+                f"{'last' if is_index_field(n) else 'first'} dimension may vary to be concatenated"
             )
 
 
@@ -108,11 +104,20 @@ def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np
 
 class GraphCollated:
     """A dataset whose ``take`` returns graph batches (see module docstring); everything
-    else is the wrapped dataset's."""
+    else is the wrapped dataset's.
 
-    def __init__(self, ds: Any) -> None:
+    A take of more than ``batch_size`` graphs is a message of several batches (issue 22):
+    each batch of ``batch_size`` consecutive graphs is collated on its own terms (``batch``,
+    ``ptr`` and index fields count from that batch's first graph and node), the batches lie
+    one after the other in every part, and a ``.splits`` part (int64 ``[parts, batches + 1]``)
+    says where each batch's rows begin in each part, along the dimension the part
+    concatenates (:func:`~shardserve.proto.graphs.concat_dim`).
+    """
+
+    def __init__(self, ds: Any, batch_size: int = 0) -> None:
         self._ds = ds
         self._specs = {f.name: f for f in ds.fields}
+        self.batch_size = batch_size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)
@@ -146,42 +151,74 @@ class GraphCollated:
             counts = np.full(b, self._specs[source].shape[0], dtype=np.int64)
         else:
             raise BadRequest("graph collation needs a num_nodes, x or pos field")
-        ptr = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(counts, out=ptr[1:])
+        bs = self.batch_size if 0 < self.batch_size < b else b
+        first = np.arange(0, b, bs, dtype=np.int64)  # each batch's first graph
+        node = np.zeros(b + 1, dtype=np.int64)  # the first node of each graph, in its message
+        np.cumsum(counts, out=node[1:])
+        # Each graph's first node within its own batch: what its index fields are shifted by.
+        base = node[:-1] - np.repeat(node[first], np.diff(np.append(first, b)))
         out_parts: dict[str, np.ndarray] = {}
+        rows: dict[str, np.ndarray] = {}  # rows of each part per graph, along its concat dim
         for n in names:
             if n == "num_nodes":
                 continue
-            spec = self._specs[n]
-            out_parts[n] = self._field(n, spec, parts, b, ptr, counts)
-        out_parts["batch"] = np.repeat(np.arange(b, dtype=np.int64), counts)
-        out_parts["ptr"] = ptr
+            out_parts[n], rows[n] = self._field(n, self._specs[n], parts, b, base)
+        out_parts["batch"] = np.arange(b, dtype=np.int64).repeat(counts)
+        out_parts["ptr"] = _ptrs(node, first, b)
+        if bs == b:
+            return out_parts
+        # Several batches: graph numbers count from each batch's first graph, and the cuts.
+        out_parts["batch"] -= np.repeat(first, np.diff(np.append(first, b))).repeat(counts)
+        rows["batch"] = counts
+        edges = np.append(first, b)
+        splits = [_cuts(rows[n], edges) for n in out_parts if n != "ptr"]
+        splits.insert(list(out_parts).index("ptr"), edges + np.arange(len(edges)))
+        out_parts[SPLITS] = np.stack(splits)
         return out_parts
 
     @staticmethod
     def _field(
-        n: str, spec: FieldSpec, parts: Mapping[str, np.ndarray], b: int, ptr: np.ndarray,
-        counts: np.ndarray,
-    ) -> np.ndarray:  # fmt: skip
-        index = _is_index(n)
+        n: str, spec: FieldSpec, parts: Mapping[str, np.ndarray], b: int, base: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Field ``n`` collated, and its rows per graph along the dimension it concatenates."""
+        index = is_index_field(n)
         if spec.kind == "variable":
             values, offsets, shapes = parts[n], parts[n + ".offsets"], parts[n + ".shapes"]
             if index:
                 cat = _cat_last(values, offsets, shapes)  # fresh memory: shifted in place
                 e = shapes[:, -1] if b else np.zeros(0, np.int64)
-                cat += np.repeat(ptr[:-1], e)[None, :].astype(cat.dtype)
-                return cat
+                cat += np.repeat(base, e)[None, :].astype(cat.dtype)
+                return cat, e
             rest = (
                 tuple(int(d) for d in shapes[0, 1:])
                 if b
                 else tuple(max(d, 0) for d in spec.shape[1:])
             )
-            return values.reshape(-1, *rest)
+            return values.reshape(-1, *rest), shapes[:, 0] if b else np.zeros(0, np.int64)
         arr = parts[n]
         if spec.kind == "scalar":
-            return arr
+            return arr, np.ones(b, dtype=np.int64)
         if index:
             width = spec.shape[-1]
             cat = np.moveaxis(arr, 0, -2).reshape(*spec.shape[:-1], b * width)
-            return cat + np.repeat(ptr[:-1], width).astype(cat.dtype)
-        return arr.reshape(b * spec.shape[0], *spec.shape[1:])
+            return cat + np.repeat(base, width).astype(cat.dtype), np.full(b, width, np.int64)
+        per = spec.shape[0]
+        return arr.reshape(b * per, *spec.shape[1:]), np.full(b, per, np.int64)
+
+
+def _ptrs(node: np.ndarray, first: np.ndarray, b: int) -> np.ndarray:
+    """``ptr`` of each batch (its graphs' first nodes from 0, and its node count), end to end:
+    ``node`` itself for a single batch."""
+    if len(first) == 1:
+        return node
+    out = []
+    for lo, hi in zip(first.tolist(), [*first[1:].tolist(), b], strict=True):
+        out.append(node[lo : hi + 1] - node[lo])
+    return np.concatenate(out)
+
+
+def _cuts(per_graph: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Where each batch's rows begin in a part with ``per_graph`` rows per graph."""
+    at = np.zeros(len(per_graph) + 1, dtype=np.int64)
+    np.cumsum(per_graph, out=at[1:])
+    return at[edges]

@@ -72,7 +72,8 @@ class Opener:
         batch_size = s.job.spec.batch_size
         credit = min(s.flow.credit, MAX_CREDIT)
         most = s.max_group if prep.groupable else 1
-        s.group = choose_group(prep.batch_bytes, credit, most)
+        ragged = any(shape is None for shape in prep.part_shapes.values())
+        s.group = choose_group(prep.batch_bytes, credit, most, ragged)
         route = Route(self.sock, s.ident, s.stream, s.epoch, batch_size)
         rows = batch_size * s.group  # what one message's memory holds
         if s.want_shm:

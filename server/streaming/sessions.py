@@ -66,7 +66,7 @@ class Prepared:
     #: Expected bytes of one full batch (variable fields at the dataset's average).
     batch_bytes: int
     #: Whether several batches may go in one message: each batch is gathered on its own
-    #: terms (no batch transforms, no per-batch collation), so a span is its batches' rows
+    #: terms (no batch transforms; graphs are collated per batch), so a span is its batches
     #: one after the other.
     groupable: bool = True
 
@@ -148,7 +148,8 @@ def prepare(
     job = s.job
     source = open_dataset(job.spec.dataset, job.spec.version)  # the version the job pinned
     if job.spec.collate == "graph":
-        source = GraphCollated(source)  # issue 14: graphs collated for message passing
+        # Issue 14: graphs collated for message passing, each batch on its own (issue 22).
+        source = GraphCollated(source, job.spec.batch_size)
     if bind is not None:
         source = bind(source, s)  # issue 15: the job's transform chain for this stream
     m = source.manifest
@@ -162,8 +163,8 @@ def prepare(
     hint: Callable[[RankPlan | EnvSteps], None] | None = getattr(source, "plan_hint", None)
     if hint is not None:
         hint(plan)  # a remote dataset prefetches the shards this plan reads next
-    # A graph collation or a batch transform works on each batch as a whole (issue 22).
-    groupable = job.spec.collate is None and not getattr(source, "batch_level", False)
+    # A batch transform draws its numbers per batch: such batches go one per message.
+    groupable = not getattr(source, "batch_level", False)
     return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, groupable)
 
 

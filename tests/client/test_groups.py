@@ -154,3 +154,35 @@ def test_cut_rows_refuses_rows_that_do_not_make_the_batches(
 ) -> None:
     with pytest.raises(ProtocolError, match="rows do not make"):
         cut_rows({"f": torch.zeros(total, 2)}, rows, count)
+
+
+def test_graph_batches_cut_from_one_message_equal_those_sent_alone(server) -> None:
+    """collate="graph": each batch of a message is collated on its own terms (batch, ptr and
+    edge_index count from its own first graph and node), exactly as when sent alone."""
+
+    def epoch(prefetch: int | None) -> tuple[list[dict], int]:
+        with Loader(server.http_url, "graphs", 9, seed=4, rank=0, world_size=1, prefetch=prefetch,
+                    collate="graph", fields=["x", "edge_index", "y"]) as ld:  # fmt: skip
+            return list(ld), ld.stats().messages
+
+    one, n_one = epoch(1)
+    many, n_many = epoch(None)
+    assert n_many < n_one == len(one) == len(many)
+    for a, b in zip(one, many, strict=True):
+        assert sorted(a) == sorted(b) == ["batch", "edge_index", "ptr", "x", "y"]
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+        assert int(b["ptr"][0]) == 0 and int(b["batch"].max()) == len(b["y"]) - 1
+        ptrs = _storages(b)
+        assert len(set(ptrs)) == len(ptrs), "two parts of a graph batch share a storage"
+
+
+@pytest.mark.parametrize(
+    "splits",
+    [[[0, 2, 5], [0, 1, 3]], [[0, 3, 2], [0, 1, 2]], [[0, 2], [0, 2]], [[1, 2, 4], [0, 1, 2]]],
+    ids=["past the end", "backwards", "wrong count", "not from 0"],
+)
+def test_graph_cuts_that_do_not_fit_are_refused(splits: list[list[int]]) -> None:
+    batch = {"x": torch.zeros(4, 3), "y": torch.zeros(2), ".splits": torch.tensor(splits)}
+    with pytest.raises(ProtocolError, match="splits"):
+        cut_rows(batch, 1, 2)

@@ -79,9 +79,16 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     moto_server = pytest.importorskip(
         "moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')"
     )
-    s = _serving_bucket(moto_server)
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    s = S3(server, "127.0.0.1", port)
     for k, v in s.env.items():
         monkeypatch.setenv(k, v)
+    # moto builds its S3 backend on the first request, which on a loaded machine takes longer
+    # than pyarrow's 3 s low-speed limit: create the bucket over plain HTTP, with a deadline.
+    r = httpx.put(f"{s.endpoint}/{BUCKET}", timeout=60)
+    assert r.status_code == 200, f"moto did not create bucket {BUCKET!r}: {r.status_code} {r.text}"
     try:
         yield s
     finally:
@@ -90,29 +97,3 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
             httpx.post(f"{s.endpoint}/moto-api/reset", timeout=5)
         with contextlib.suppress(Exception):
             s.stop()
-
-
-def _serving_bucket(moto_server: object, attempts: int = 3) -> S3:
-    """A moto server that answered the bucket's creation. moto builds its S3 backend on the
-    first request, which on a loaded machine takes longer than pyarrow's 3 s low-speed limit,
-    so the bucket is made over plain HTTP with a deadline. Twice in CI that first request
-    got no answer at all within 60 s (the server had bound its port, so something else on the
-    machine had stalled it): a fresh server on a fresh port is then tried, its imports warm."""
-    failures = []
-    for _ in range(attempts):
-        port = free_port()
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)  # type: ignore[attr-defined]
-        server.start()
-        s = S3(server, "127.0.0.1", port)
-        try:
-            r = httpx.put(f"{s.endpoint}/{BUCKET}", timeout=30)
-        except httpx.TransportError as e:
-            failures.append(f"port {port}: {type(e).__name__}: {e}")
-            with contextlib.suppress(Exception):
-                s.stop()
-            continue
-        assert r.status_code == 200, (
-            f"moto did not create bucket {BUCKET!r}: {r.status_code} {r.text}"
-        )
-        return s
-    raise AssertionError(f"moto never created bucket {BUCKET!r}: {failures}")
