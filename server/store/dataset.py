@@ -249,6 +249,7 @@ class Dataset:
     def close(self) -> None:
         """Unmap every shard; later ``take`` calls raise ``ValueError``."""
         self._closed = True
+        self._joined = JoinedColumns()  # the joined copies are this dataset's own memory
         for s in self._shards:
             s.close()
         self._shards = []
