@@ -89,8 +89,12 @@ build=(podman build --quiet --pull=never --format docker --network host
   -v /etc/ssl/certs:/etc/ssl/certs:ro)
 [ -f /etc/pip.conf ] && build+=(-v /etc/pip.conf:/etc/pip.conf:ro)
 
-step "building $SERVER_IMAGE"
-"${build[@]}" -f docker/Dockerfile -t "$SERVER_IMAGE" . >/dev/null
+# The sources' hash: the server image's last stage installs from a bind mount, which podman's
+# layer cache does not look into (see docker/Dockerfile, SOURCE_ID).
+source_id=$(tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --exclude=__pycache__ \
+  -cf - pyproject.toml README.md proto server client | sha256sum | cut -c1-16)
+step "building $SERVER_IMAGE (sources $source_id)"
+"${build[@]}" --build-arg "SOURCE_ID=$source_id" -f docker/Dockerfile -t "$SERVER_IMAGE" . >/dev/null
 
 # A local CPU torch wheel: look where this machine's pip looks (PIP_FIND_LINKS, pip config).
 wheels=""
