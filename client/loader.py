@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from shardserve.proto.api import DatasetInfo
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import JobSpec, ShuffleMode, job_id
-from shardserve.proto.messages import GROUP_BYTES, MAX_CREDIT, MAX_GROUP, Hello
+from shardserve.proto.jobs import job_id
+from shardserve.proto.messages import MAX_GROUP, Hello
 
 from ._delivery import Delivery, Unpacking
 from ._passes import ResidentPass, StreamPass
 from ._position import Position, Start
+from ._spec import auto_prefetch, check_args, loader_spec
 from ._staging import CopyBlocks
 from .connection import Connection, choose_endpoint, read_boot_id
 from .control import ControlClient, JobHandle
@@ -37,21 +37,11 @@ from .structure import rebuild_for
 from .types import Batch, LoaderStats
 
 STATE_VERSION = 1
-#: ``prefetch=None`` grants credit for about this many bytes of small batches: two messages
-#: of ``GROUP_BYTES`` (see :func:`auto_prefetch`).
-AUTO_PREFETCH_BYTES = 2 * GROUP_BYTES
 #: Resident mode loads the dataset in batches of about this many bytes.
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
 #: Where ``Loader(None, ...)`` looks without ``SHARDSERVE_URL``: the node-local sidecar.
 DEFAULT_URL = "http://127.0.0.1:7070"
-_SHUFFLE: dict[object, ShuffleMode] = {
-    True: "global",
-    False: "none",
-    "global": "global",
-    "block": "block",
-    "none": "none",
-}
 
 
 class Loader:
@@ -144,7 +134,7 @@ class Loader:
         on_error: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
-        _check_args(shuffle, prefetch, timeout)
+        check_args(shuffle, prefetch, timeout)
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         self.world = resolve_world(rank, world_size)
@@ -373,55 +363,6 @@ class Loader:
             f"Loader(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
             f"{self.world.world_size}, epoch={self._pos.epoch}, endpoint={self._conn.endpoint!r})"
         )
-
-
-def loader_spec(
-    dataset: str,
-    batch_size: int,
-    *,
-    seed: int,
-    shuffle: bool | str,
-    drop_last: bool,
-    world_size: int,
-    fields: Sequence[str] | None,
-    collate: str | None,
-    envs: int = 1,
-    transforms: Sequence[Mapping[str, Any]] | None = None,
-    on_error: str | None = None,
-) -> JobSpec:
-    """The job a ``Loader`` (or ``plan``) with these arguments streams; with ``envs > 1`` each
-    of its batches is one step of ``envs`` batches of ``batch_size``."""
-    return JobSpec.model_validate({
-        "dataset": dataset, "batch_size": batch_size * envs, "seed": seed,
-        "shuffle": _SHUFFLE[shuffle], "drop_last": drop_last, "world_size": world_size,
-        "fields": tuple(fields) if fields is not None else None,
-        "collate": collate, "envs": envs,
-        # Transforms installed on the server, named with JSON params (never code).
-        "transforms": tuple(transforms) if transforms is not None else None,
-        "on_error": on_error,
-    })  # fmt: skip
-
-
-def auto_prefetch(info: DatasetInfo, batch_size: int) -> int:
-    """``prefetch=None``: 4 batches, or as many as about ``AUTO_PREFETCH_BYTES`` of stored
-    samples hold (at most 64), so that small batches travel several to a message with one
-    message in flight while the loop reads another.
-
-    >>> info = DatasetInfo(name="c", num_samples=1000, num_shards=1, bytes=3_000_000, fields=[])
-    >>> auto_prefetch(info, 32), auto_prefetch(info, 4096)
-    (64, 4)
-    """
-    batch_bytes = info.bytes / max(info.num_samples, 1) * batch_size
-    return int(max(4, min(64, AUTO_PREFETCH_BYTES // max(batch_bytes, 1))))
-
-
-def _check_args(shuffle: object, prefetch: int | None, timeout: float) -> None:
-    if shuffle not in _SHUFFLE:
-        raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
-    if prefetch is not None and not 1 <= prefetch <= MAX_CREDIT:
-        raise BadRequest(f"prefetch={prefetch} is out of range 1 <= prefetch <= {MAX_CREDIT}")
-    if not timeout > 0:
-        raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
 
 
 def _close_ref(ref: weakref.ReferenceType[Loader]) -> None:

@@ -33,10 +33,11 @@ from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import job_id
 
 from ._position import Position
+from ._spec import SHUFFLE, loader_spec
 from .control import ControlClient
 from .device import resolve_device
 from .distributed import resolve_world
-from .loader import _SHUFFLE, DEFAULT_URL, STATE_VERSION, loader_spec
+from .loader import DEFAULT_URL, STATE_VERSION
 from .resident import MAX_ENVS
 from .state import parse_state
 
@@ -70,7 +71,7 @@ class IndexPlan:
         token: str | None = None,
         collate: str | None = None,
     ) -> None:
-        if shuffle not in _SHUFFLE:
+        if shuffle not in SHUFFLE:
             raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
         if not 1 <= envs <= MAX_ENVS:
             raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
