@@ -21,6 +21,7 @@ from shardserve.proto.framing import (
 )
 from shardserve.proto.messages import (
     MAX_CREDIT,
+    MAX_GROUP,
     PROTOCOL_VERSION,
     BatchHeader,
     Credit,
@@ -114,6 +115,14 @@ def test_batch_header_claiming_huge_size_refused() -> None:
     part += struct.pack("<QQ", 1 << 40, 0)
     with pytest.raises(MalformedFrame, match="header says"):
         decode_batch([_batch_frame(1, part), b"\x00" * 10])
+
+
+@pytest.mark.parametrize("count", [0, MAX_GROUP + 1])
+def test_batch_header_with_an_impossible_batch_count_refused(count: int) -> None:
+    """A message holds 1 to MAX_GROUP batches; anything else is refused at decode."""
+    frame = b"SS\x02\x05" + struct.pack("<IIIiHIH", 0, 0, 0, 0, count, 4, 0)
+    with pytest.raises(MalformedFrame, match=f"claims {count} batches"):
+        decode_batch([frame])
 
 
 def test_batch_frame_length_mismatch_refused() -> None:
