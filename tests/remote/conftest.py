@@ -85,8 +85,11 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     s = S3(server, "127.0.0.1", port)
     for k, v in s.env.items():
         monkeypatch.setenv(k, v)
-    # moto builds its S3 backend on the first request, which on a loaded machine takes longer
-    # than pyarrow's 3 s low-speed limit: create the bucket over plain HTTP, with a deadline.
+    # moto keeps buckets in process-global state, and a test that failed with the endpoint
+    # stopped could not empty them: start from nothing. moto builds its S3 backend on the first
+    # request, which on a loaded machine takes longer than pyarrow's 3 s low-speed limit, so
+    # both go over plain HTTP with a deadline.
+    httpx.post(f"{s.endpoint}/moto-api/reset", timeout=60)
     r = httpx.put(f"{s.endpoint}/{BUCKET}", timeout=60)
     assert r.status_code == 200, f"moto did not create bucket {BUCKET!r}: {r.status_code} {r.text}"
     try:

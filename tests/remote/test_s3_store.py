@@ -205,6 +205,7 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(
     """When the S3 endpoint stops (connections refused) or hangs (accepts, never answers)
     mid-epoch, the loop gets a clear error naming the store within its deadline; once the
     endpoint is back, a resumed loop gives exactly the rest."""
+    import contextlib
     import socket
 
     root = tmp_path / "local"
@@ -213,18 +214,22 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(
     with run_server(root) as local:
         want = epoch_bytes(local.http_url, 0, shuffle="none")
     smallest = max(s.bytes for s in m.shards)
-    with run_server(
-        s3.uri("store"),  # type: ignore[arg-type]
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        "--cache-limit-bytes",
-        str(2 * smallest),
-        "--store-timeout-s",
-        "1",
-        env=s3.env,
-    ) as srv:
+    with (
+        contextlib.ExitStack() as stack,
+        run_server(
+            s3.uri("store"),  # type: ignore[arg-type]
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--cache-limit-bytes",
+            str(2 * smallest),
+            "--store-timeout-s",
+            "1",
+            env=s3.env,
+        ) as srv,
+    ):
         got: list[bytes] = []
         black_hole = socket.socket()
+        stack.callback(black_hole.close)  # also when an assertion below fails
         loader = Loader(
             srv.http_url,
             "cifar",
