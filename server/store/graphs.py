@@ -20,6 +20,7 @@ refused when the job is created, as is a dataset with no way to count nodes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -152,11 +153,12 @@ class GraphCollated:
         else:
             raise BadRequest("graph collation needs a num_nodes, x or pos field")
         bs = self.batch_size if 0 < self.batch_size < b else b
-        first = np.arange(0, b, bs, dtype=np.int64)  # each batch's first graph
+        edges = np.append(np.arange(0, b, bs, dtype=np.int64), b)  # where each batch begins
+        first, sizes = edges[:-1], np.diff(edges)
         node = np.zeros(b + 1, dtype=np.int64)  # the first node of each graph, in its message
         np.cumsum(counts, out=node[1:])
         # Each graph's first node within its own batch: what its index fields are shifted by.
-        base = node[:-1] - np.repeat(node[first], np.diff(np.append(first, b)))
+        base = node[:-1] - np.repeat(node[first], sizes)
         out_parts: dict[str, np.ndarray] = {}
         rows: dict[str, np.ndarray] = {}  # rows of each part per graph, along its concat dim
         for n in names:
@@ -164,13 +166,12 @@ class GraphCollated:
                 continue
             out_parts[n], rows[n] = self._field(n, self._specs[n], parts, b, base)
         out_parts["batch"] = np.arange(b, dtype=np.int64).repeat(counts)
-        out_parts["ptr"] = _ptrs(node, first, b)
+        out_parts["ptr"] = _ptrs(node, edges)
         if bs == b:
             return out_parts
         # Several batches: graph numbers count from each batch's first graph, and the cuts.
-        out_parts["batch"] -= np.repeat(first, np.diff(np.append(first, b))).repeat(counts)
+        out_parts["batch"] -= np.repeat(first, sizes).repeat(counts)
         rows["batch"] = counts
-        edges = np.append(first, b)
         splits = [_cuts(rows[n], edges) for n in out_parts if n != "ptr"]
         splits.insert(list(out_parts).index("ptr"), edges + np.arange(len(edges)))
         out_parts[SPLITS] = np.stack(splits)
@@ -206,15 +207,13 @@ class GraphCollated:
         return arr.reshape(b * per, *spec.shape[1:]), np.full(b, per, np.int64)
 
 
-def _ptrs(node: np.ndarray, first: np.ndarray, b: int) -> np.ndarray:
+def _ptrs(node: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """``ptr`` of each batch (its graphs' first nodes from 0, and its node count), end to end:
     ``node`` itself for a single batch."""
-    if len(first) == 1:
+    if len(edges) == 2:
         return node
-    out = []
-    for lo, hi in zip(first.tolist(), [*first[1:].tolist(), b], strict=True):
-        out.append(node[lo : hi + 1] - node[lo])
-    return np.concatenate(out)
+    lo_hi = edges.tolist()
+    return np.concatenate([node[lo : hi + 1] - node[lo] for lo, hi in itertools.pairwise(lo_hi)])
 
 
 def _cuts(per_graph: np.ndarray, edges: np.ndarray) -> np.ndarray:
