@@ -86,6 +86,7 @@ def open_source(
     threads: int = 2,
     stacked: bool = False,
     only: Sequence[Path] | None = None,
+    max_sample_bytes: int | None = None,
 ) -> Source:
     """Open ``src`` as format ``fmt`` (``"auto"`` detects it); ``stacked`` is for ``.pt``;
     ``only``: read just these files of ``src`` (one split of it).
@@ -107,4 +108,6 @@ def open_source(
         if not reader.suffixes:
             raise InvalidDataError(f"source {src}: a {fmt} source is a whole folder, not files")
         kw["only"] = list(only)
+    if max_sample_bytes is not None and reader.bounded:
+        kw["max_sample_bytes"] = max_sample_bytes
     return reader.open(src, **kw)

@@ -14,6 +14,10 @@ from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
 
+#: The default ``--max-sample-bytes``: no real sample is this large, and a hostile source
+#: (a sparse tar member, a decompression bomb) is stopped here before it costs memory.
+MAX_SAMPLE_BYTES = 256 << 20
+
 
 @dataclass
 class Piece:
@@ -62,6 +66,9 @@ class Reader:
     open: Callable[..., Source]
     suffixes: tuple[str, ...] = ()
     claims: Callable[[Path], bool] | None = None
+    #: Whether ``open`` takes ``max_sample_bytes`` (a container whose members say their
+    #: sizes before they are read: the bound is checked there, before any allocation).
+    bounded: bool = False
 
 
 def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:

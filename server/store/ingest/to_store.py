@@ -60,6 +60,7 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestRepor
             map_fn=args.map,
             workers=args.workers,
             split=args.split,
+            max_sample_bytes=args.max_sample_bytes,
         )
         out = []
         for s in report.summaries:
