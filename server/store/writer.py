@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardserve.proto.errors import InvalidDataError
-from shardserve.proto.manifest import FieldSpec, Manifest, validate_dataset_name
+from shardserve.proto.manifest import FieldSpec, Manifest, TextEncoding, validate_dataset_name
 
 from . import layout
 from .column_input import checked_column, first_value
@@ -87,6 +87,8 @@ class ShardWriter:
         self._tree = TreeBuilder()
         #: Set by a columnar source whose column names are already flattened paths.
         self.structure: object = None
+        #: Set by a columnar source: its binary fields that hold text (Arrow strings).
+        self.encodings: dict[str, TextEncoding] = {}
         #: Fields found to vary in shape (name -> first shape seen), and found to be missing
         #: in some samples; for the ingest summary.
         self.promoted: dict[str, tuple[int, ...]] = {}
@@ -372,5 +374,8 @@ class ShardWriter:
                 spec = FieldSpec(
                     name=spec.name, dtype=spec.dtype, shape=shape, nullable=spec.nullable
                 )
+            enc = self.encodings.get(spec.name)
+            if enc is not None and spec.kind == "binary":
+                spec = spec.model_copy(update={"encoding": enc})
             out.append(spec)
         return tuple(out)

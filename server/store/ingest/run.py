@@ -164,6 +164,7 @@ def ingest(
     ):
         # A map returns samples of its own making: their tree is the writer's to find.
         writer.structure = source.structure if fn is None else None
+        writer.encodings = source.text if fn is None else {}  # filled as pieces are read
         files, read = _write(pieces, writer, bar, len(source.files), progress)
         if writer.num_samples == 0:
             raise InvalidDataError(f"source {src_path} holds no samples; nothing to ingest")
