@@ -100,6 +100,7 @@ def ingest(
     workers: int = 0,
     split: str | None = None,
     max_sample_bytes: int = MAX_SAMPLE_BYTES,
+    value_format: str = "auto",
 ) -> IngestSummary:
     """Ingest ``src`` into dataset ``name`` of ``store``; nothing is published on any error.
 
@@ -129,7 +130,7 @@ def ingest(
     started = time.perf_counter()
     source = open_source(
         src_path, fmt, threads=threads, stacked=stacked, only=only,
-        max_sample_bytes=max_sample_bytes,
+        max_sample_bytes=max_sample_bytes, value_format=value_format,
     )  # fmt: skip
     if workers < 0:
         raise InvalidDataError(f"--workers must be 0 or more, got {workers}")

@@ -72,6 +72,8 @@ class Reader:
     #: Whether ``open`` takes ``max_sample_bytes`` (a container whose members say their
     #: sizes before they are read: the bound is checked there, before any allocation).
     bounded: bool = False
+    #: Whether ``open`` takes ``value_format`` (values stored as bytes: an LMDB environment).
+    valued: bool = False
 
 
 def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:

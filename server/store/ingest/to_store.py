@@ -61,6 +61,7 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestRepor
             workers=args.workers,
             split=args.split,
             max_sample_bytes=args.max_sample_bytes,
+            value_format=args.value_format,
         )
         out = []
         for s in report.summaries:
