@@ -21,6 +21,7 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, ShmSlots, create_ring
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pytestmark = pytest.mark.skipif(not DEFAULT_DIR.is_dir(), reason="no /dev/shm on this host")
 
@@ -98,7 +99,9 @@ def test_copied_batches_own_their_storage(server: ServerProc) -> None:
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_small_rings_never_run_dry(server: ServerProc, prefetch: int) -> None:
     """Lending stops at half the ring, so a loop keeping every batch still gets them all."""
-    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=prefetch, timeout=5) as ld:
+    with Loader(
+        server.http_url, "cifar", 50, shuffle="none", prefetch=prefetch, timeout=scaled(5.0)
+    ) as ld:
         batches = [b["image"] for b in ld]
         assert ld.stats().copied == len(batches) - prefetch // 2
     ids = [sample_id_of({"image": t.numpy()}) for t in batches]
