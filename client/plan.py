@@ -114,7 +114,7 @@ class IndexPlan:
     def _steps(self, epoch: int) -> list[list[np.ndarray]]:
         """Each step's id batch per environment (one request: a step is the envs' batches
         side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
-        ids, batches = self._api.plan(self.job_id, epoch, self.world.rank, 0, timeout=self.timeout)
+        ids, batches = self._api.plan(self.job_id, epoch, self.world.rank, timeout=self.timeout)
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:
             raise DataError(

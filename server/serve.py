@@ -4,7 +4,9 @@ Threads: uvicorn's event loop in the main thread (it owns the signals, through
 :func:`_make_server`), the streamer thread owning the ROUTER socket, and the assembly pool.
 Order: settings -> logging -> service (journal replay, data plane bound) -> HTTP listening ->
 ready file. SIGTERM/SIGINT: uvicorn stops accepting and drains HTTP (2 s at most), then the
-service tells open streams ``SERVER_SHUTDOWN`` and closes its socket; exit code 0.
+service tells open streams ``SERVER_SHUTDOWN`` and closes its socket; exit code 0. A watchdog
+armed by the signal ends the process with status 1 once ``--shutdown-timeout-s`` has passed,
+whatever is still running (a hung transform thread, a fetch, a stuck join).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ log = logging.getLogger("shardserve.serve")
 HTTP_GRACE_S = 2.0
 #: Exit status when the data plane thread died (EX_SOFTWARE: an internal error).
 EXIT_DATA_PLANE_DIED = 70
+#: Exit status when the shutdown did not finish within ``--shutdown-timeout-s``.
+EXIT_SHUTDOWN_FORCED = 1
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -126,6 +130,31 @@ def serve(settings: Settings) -> int:
             signal.signal(s, h)
 
 
+class _Watchdog:
+    """Ends the process ``seconds`` after :meth:`arm` unless it exited first."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._timer: threading.Timer | None = None
+
+    def arm(self, reason: str) -> None:
+        if self._timer is not None:
+            return
+        self._timer = threading.Timer(self.seconds, self._fire, args=(reason,))
+        self._timer.daemon = True
+        self._timer.name = "ss-shutdown-watchdog"
+        self._timer.start()
+
+    def _fire(self, reason: str) -> None:
+        stuck = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        log_event(log, "serve.shutdown_forced", level=logging.ERROR, after_s=self.seconds,
+                  reason=reason, threads=",".join(stuck))  # fmt: skip
+        for h in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        os._exit(EXIT_SHUTDOWN_FORCED)
+
+
 def _serve(settings: Settings, early: list[int]) -> int:
     from .logs import configure_logging
     from .service import Service
@@ -151,9 +180,11 @@ def _serve(settings: Settings, early: list[int]) -> int:
         )
         service.stop()
         return 1
+    watchdog = _Watchdog(settings.shutdown_timeout_s)
     try:
-        exit_signal = _run_http(settings, service, endpoints, http_sock, early)
+        exit_signal = _run_http(settings, service, endpoints, http_sock, early, watchdog)
     finally:
+        watchdog.arm("stopping")
         service.stop()
         http_sock.close()
         if settings.ready_file is not None:
@@ -172,6 +203,7 @@ def _run_http(
     endpoints: list[str],
     http_sock: socket.socket,
     early: list[int],
+    watchdog: _Watchdog,
 ) -> str:
     """Serve HTTP on ``http_sock`` until a signal or the data plane's death; the name of the
     signal that stopped it (``""`` for none)."""
@@ -200,7 +232,7 @@ def _run_http(
                 {"http": http_url, "data_endpoints": endpoints, "pid": os.getpid()},
             )
 
-    server = _make_server(config, on_ready)
+    server = _make_server(config, on_ready, watchdog.arm)
 
     def on_data_plane_death(reason: str) -> None:
         # A server whose data plane is gone must not look alive: stop, exit non-zero, and let
@@ -212,13 +244,15 @@ def _run_http(
     if service.streamer.failure is not None:
         on_data_plane_death(service.streamer.failure)
     if early:
+        watchdog.arm(signal.Signals(early[0]).name)
         server.should_exit = True
         server.exit_signal = signal.Signals(early[0]).name
     server.run(sockets=[http_sock])
     return str(server.exit_signal or "")
 
 
-def _make_server(config: Any, on_ready: Callable[[], None]) -> Any:
+def _make_server(config: Any, on_ready: Callable[[], None],
+                 on_signal: Callable[[str], None]) -> Any:  # fmt: skip
     """A uvicorn ``Server`` whose signals are owned here, calling ``on_ready`` once HTTP listens.
 
     uvicorn re-raises a caught SIGTERM after its shutdown, which would kill the process with
@@ -246,6 +280,7 @@ def _make_server(config: Any, on_ready: Callable[[], None]) -> Any:
                 self.force_exit = True
             self.should_exit = True
             self.exit_signal = signal.Signals(sig).name
+            on_signal(self.exit_signal)
             log_event(log, "serve.signal", signal=self.exit_signal)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -188,6 +188,21 @@ class Settings(BaseSettings):
         "worker is killed)",
     )
 
+    max_decoded_pixels: int = Field(
+        default=1 << 26,
+        ge=1,
+        le=1 << 40,
+        description="most pixels (width x height, read from its header before decoding) one "
+        "image a transform decodes may have; a larger one fails its job naming the sample",
+    )
+    shutdown_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="seconds from SIGTERM/SIGINT to exit: what has not stopped by then (a hung "
+        "transform, a fetch) is abandoned and the process exits with status 1",
+    )
+
     @field_validator("store", mode="before")
     @classmethod
     def _store_path_or_uri(cls, v: object) -> object:

@@ -115,13 +115,13 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
         summary = ingest_anywhere(args, _open_store(args.store) if is_uri(args.store) else None)
     else:
-        from .ingest.run import ingest
+        from .ingest.run import ingest_all
 
-        summary = ingest(
+        summary = ingest_all(
             args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
             overwrite=args.overwrite, variable=args.variable, threads=args.threads,
             progress=not args.quiet, stacked=args.stacked, map_fn=args.map,
-            workers=args.workers,
+            workers=args.workers, split=args.split,
         )  # fmt: skip
     print(summary.line())
     return 0
@@ -258,6 +258,12 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workers", type=int, default=0, help="processes for --map (default 0: in this process)"
+    )
+    p.add_argument(
+        "--split",
+        metavar="SPLIT",
+        help="a source laid out as splits (train/, data/test-*.parquet, a DatasetDict): ingest "
+        "only this one (default: each split as its own dataset NAME-SPLIT)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
