@@ -25,6 +25,7 @@ import torch
 
 from shardserve.proto.api import DatasetInfo
 from shardserve.proto.errors import BadRequest, DataError
+from shardserve.proto.jobs import MAX_ENVS
 
 from ._frames import torch_dtype
 from .control import ControlClient
@@ -33,7 +34,6 @@ from .types import Batch, VarTensor
 
 #: Resident data may take at most this share of the memory free on its device.
 FIT_SHARE = 0.9
-MAX_ENVS = 1024
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
