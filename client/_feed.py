@@ -78,6 +78,9 @@ class Feed:
         return EpochStream(
             self.conn, hello=hello, timeout=self.timeout, stats=self.ctx.stats,
             recreate_job=self.job.recreate, describe=self.job.describe, rings=self.ctx.rings,
+            # What every message and the Welcome are checked against: the job's own plan.
+            rows=self.job.spec.batch_size, num_batches=self.ctx.pos.num_batches,
+            graphs=self.job.spec.collate == "graph",
         )  # fmt: skip
 
     def pass_(

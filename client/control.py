@@ -136,16 +136,18 @@ class ControlClient:
         )
 
     def plan(
-        self, job_id: str, epoch: int, rank: int, env: int = 0, timeout: float | None = None
+        self,
+        job_id: str,
+        epoch: int,
+        rank: int,
+        env: int | None = None,
+        timeout: float | None = None,
     ) -> tuple[np.ndarray, int]:
         """``GET /v1/jobs/{id}/plan``: ``rank``'s sample ids of ``epoch`` in batch order (int64)
-        and the number of batches they make, exactly as the data plane would stream them."""
-        r = self._request(
-            "GET",
-            f"/v1/jobs/{job_id}/plan",
-            params={"epoch": epoch, "rank": rank, "env": env},
-            timeout=timeout,
-        )
+        and the number of batches they make, exactly as the data plane would stream them
+        (``env``: that environment's own ids; ``None``: the job's steps as streamed)."""
+        params = {"epoch": epoch, "rank": rank} | ({} if env is None else {"env": env})
+        r = self._request("GET", f"/v1/jobs/{job_id}/plan", params=params, timeout=timeout)
         try:
             batches = int(r.headers[PLAN_BATCHES_HEADER])
         except (KeyError, ValueError):

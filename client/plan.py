@@ -86,7 +86,7 @@ class IndexPlan:
         """Each step's id batch per environment (one request: a step is the envs' batches
         side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
         job = self._live()
-        ids, batches = job.api.plan(job.id, epoch, self.world.rank, 0, timeout=self.timeout)
+        ids, batches = job.api.plan(job.id, epoch, self.world.rank, timeout=self.timeout)
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:
             raise DataError(
