@@ -44,6 +44,7 @@ from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig, Waker
 from .transforms.bound import Transforms
+from .transforms.runner import Limits
 
 log = logging.getLogger("shardserve.service")
 
@@ -116,6 +117,7 @@ class Service:
             settings.transform_pool,
             settings.transform_timeout_s,
             self.metrics.registry,
+            Limits(settings.max_batch_bytes, settings.max_decoded_pixels),
         )
         self.job_admin = JobAdmin(
             settings,

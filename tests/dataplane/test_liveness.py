@@ -17,9 +17,10 @@ import pytest
 from shardserve.client import Loader
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = scaled(0.5)
 N = 200
 KW = {"seed": 21, "rank": 0, "world_size": 2, "timeout": 60.0, "transport": "socket"}
 
