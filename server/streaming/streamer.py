@@ -119,12 +119,18 @@ class Waker:
                 os.close(fd)
 
 
+#: Least ZMTP heartbeat timeout (ms): a live process whose I/O thread a loaded machine starves
+#: for a second or two must not look dead.
+MIN_ZMTP_TIMEOUT_MS = 3000
+
+
 def zmtp_heartbeat(heartbeat_s: float) -> tuple[int, int]:
     """ZMTP ``HEARTBEAT_IVL`` and ``HEARTBEAT_TIMEOUT`` (ms) of the ROUTER: a PING every
     heartbeat, and a connection that sends nothing (not even a PONG, which libzmq's I/O thread
-    sends on its own) for three heartbeats after one is dropped."""
+    sends on its own) for three heartbeats (at least :data:`MIN_ZMTP_TIMEOUT_MS`) after one
+    is dropped."""
     ivl = max(100, int(heartbeat_s * 1000))
-    return ivl, 3 * ivl
+    return ivl, max(3 * ivl, MIN_ZMTP_TIMEOUT_MS)
 
 
 def liveness_s(heartbeat_s: float) -> float:
