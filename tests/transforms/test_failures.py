@@ -162,6 +162,16 @@ def test_worker_that_dies_fails_with_its_exit_code(srv: ServerProc) -> None:
         _run(srv.http_url, [{"name": "suicide"}])
 
 
+def test_a_failed_chain_is_counted_under_a_bounded_label(srv: ServerProc) -> None:
+    """A chain that fails as a whole is counted as ``transform="(chain)"``: label values are
+    installed transforms' names, never the client's chain spelled out."""
+    with pytest.raises(TransformError, match=r"died \(exit code 3\)"):
+        _run(srv.http_url, [{"name": "slow", "params": {"seconds": 0.001}}, {"name": "suicide"}])
+    text = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
+    assert 'shardserve_transform_errors_total{transform="(chain)"}' in text
+    assert "slow,suicide" not in text
+
+
 def test_worker_killed_from_outside_is_replaced_and_nothing_served_twice(srv: ServerProc) -> None:
     """kill -9 of a worker mid-epoch: its piece is retried on a fresh worker; the epoch has
     every sample exactly once and the same bytes as an undisturbed run."""
