@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .metrics import Metrics
+from .store.remote_dataset import RemoteDataset
 from .streaming.source import BatchParts, BatchSource
 from .transforms.bound import TransformedDataset, Transforms
 
@@ -90,8 +91,9 @@ class Assembler:
 
     @staticmethod
     def inline_ok(source: BatchSource) -> bool:
-        """Transforms may take long (or hang until their deadline): never on the streamer."""
-        return not isinstance(source, TransformedDataset)
+        """Transforms may take long (or hang until their deadline), a remote dataset may wait
+        on a fetch: never on the streamer."""
+        return not isinstance(source, (TransformedDataset, RemoteDataset))
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
