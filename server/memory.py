@@ -12,16 +12,15 @@ True
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 from typing import Any
 
 
 @functools.cache
 def _libc() -> Any | None:
-    name = ctypes.util.find_library("c")
+    # The process's own symbols: no library search (ctypes.util.find_library runs programs).
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
+        libc = ctypes.CDLL(None)
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
         libc.malloc_trim.restype = ctypes.c_int
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim

@@ -312,6 +312,15 @@ class RemoteStore:
             raise InvalidDataError(
                 f"store {self.root} is remote: serving it needs a local cache (--cache-dir)"
             )
+        if version is not None:
+            # The version a job pinned, already open: nothing to ask the store (which may be
+            # slow or away; a stream of a cached dataset must not wait on it).
+            with self._lock:
+                ds = self._open.get(name)
+                if ds is not None and content_id(ds.manifest) == version:
+                    return ds
+            if (held := self.shelf.get(name, version)) is not None:
+                return held
         # Read outside the lock: a slow store must not hold up opening another dataset.
         away: StoreUnavailable | None = None
         try:

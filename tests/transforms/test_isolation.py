@@ -90,8 +90,10 @@ def test_hung_thread_fails_its_job_alone_and_sigterm_still_stops(
     assert r.status_code == 200, r.text
     t0 = time.monotonic()
     code = srv.terminate(timeout=SHUTDOWN_S + 5)
-    assert time.monotonic() - t0 < SHUTDOWN_S + 1, srv.log_tail()
-    assert code in (0, 1), (code, srv.log_tail())
+    took = time.monotonic() - t0
+    print(f"SIGTERM after the hang: exit {code} after {took:.2f} s")
+    assert took < SHUTDOWN_S + 1, srv.log_tail()
+    assert code == 0, (code, srv.log_tail())  # a clean stop: the watchdog was not needed
 
 
 def test_sigterm_during_a_hung_transform_exits_within_the_timeout(two_datasets: Path) -> None:
@@ -111,5 +113,7 @@ def test_sigterm_during_a_hung_transform_exits_within_the_timeout(two_datasets: 
             assert time.monotonic() < deadline, s.log_tail()
             time.sleep(0.05)
         t0 = time.monotonic()
-        s.terminate(timeout=20)
-        assert time.monotonic() - t0 < 3 + 2, s.log_tail()
+        code = s.terminate(timeout=20)
+        took = time.monotonic() - t0
+        print(f"SIGTERM during a hung transform: exit {code} after {took:.2f} s")
+        assert took < 3 + 2, s.log_tail()
