@@ -116,7 +116,15 @@ class Assembler:
         batch: int | None = None,
     ) -> None:
         """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` moves
-        the result where it is sent from (a shared-memory slot), still on the worker."""
+        the result where it is sent from (a shared-memory slot), still on the worker. A batch
+        with transforms is assembled on its job's own lane: one that waits on a hung transform
+        until its deadline never holds a thread another job's batches need."""
+        if isinstance(ds, TransformedDataset) and self.transforms is not None:
+            fut = self.transforms.on_job_lane(
+                ds.lane, self.assemble_now, ds, indices, fields, out, place, batch
+            )
+            fut.add_done_callback(lambda f: self._finish(tag, f))
+            return
         self.submit(tag, self.assemble_now, ds, indices, fields, out, place, batch)
 
     def assemble_now(

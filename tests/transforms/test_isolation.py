@@ -96,9 +96,13 @@ def test_hung_thread_fails_its_job_alone_and_sigterm_still_stops(
     assert code == 0, (code, srv.log_tail())  # a clean stop: the watchdog was not needed
 
 
-def test_sigterm_during_a_hung_transform_exits_within_the_timeout(two_datasets: Path) -> None:
-    """SIGTERM while a thread transform hangs (and its deadline is far off) still exits
-    within --shutdown-timeout-s."""
+def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
+    two_datasets: Path, expected: list[str]
+) -> None:
+    """While a thread transform hangs with its deadline 600 s away (so the batches waiting on
+    it are stuck that long), the hflip job on the other dataset streams every batch exactly
+    (its client would raise DataStallError after 20 s); then SIGTERM still exits within
+    --shutdown-timeout-s."""
     with run_server(two_datasets, *MODS, "--transform-timeout-s", "600",
                     "--transform-pool", "thread", "--shutdown-timeout-s", "3") as s:  # fmt: skip
 
@@ -109,9 +113,16 @@ def test_sigterm_during_a_hung_transform_exits_within_the_timeout(two_datasets: 
         t = threading.Thread(target=hang, daemon=True)
         t.start()
         deadline = time.monotonic() + 30
-        while pool_status(s.http_url)["pool"]["lane_threads"] < 1:  # the hang has begun
+        while pool_status(s.http_url)["pool"]["lane_threads"] < 2:  # the hang has begun
             assert time.monotonic() < deadline, s.log_tail()
             time.sleep(0.05)
+        with Loader(s.http_url, "other", batch_size=20, seed=5, timeout=20,
+                    transforms=HFLIP) as ld:  # fmt: skip
+            got = []
+            for epoch in range(2):
+                ld.set_epoch(epoch)
+                got += [digest(b) for b in ld]
+        assert got == expected
         t0 = time.monotonic()
         code = s.terminate(timeout=20)
         took = time.monotonic() - t0
