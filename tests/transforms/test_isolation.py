@@ -32,9 +32,9 @@ def two_datasets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _digests(url: str, dataset: str, chain: list, epochs: int = 1) -> list[str]:
+def _digests(url: str, dataset: str, chain: list, epochs: int = 1, **kw: object) -> list[str]:
     out = []
-    with Loader(url, dataset, batch_size=20, seed=5, timeout=30, transforms=chain) as ld:
+    with Loader(url, dataset, batch_size=20, seed=5, timeout=30, transforms=chain, **kw) as ld:
         for epoch in range(epochs):
             ld.set_epoch(epoch)
             out += [digest(b) for b in ld]
@@ -99,19 +99,19 @@ def test_hung_thread_fails_its_job_alone_and_sigterm_still_stops(
 def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
     two_datasets: Path, expected: list[str]
 ) -> None:
-    """While a thread transform hangs with its deadline 600 s away (so the batches waiting on
-    it are stuck that long), the hflip job on the other dataset streams every batch exactly
-    (its client would raise DataStallError after 20 s); then SIGTERM still exits within
-    --shutdown-timeout-s."""
+    """While a thread transform hangs on both ranks of a job with its deadline 600 s away (so
+    a batch of each rank waits that long: as many as the server has assembly threads), the
+    hflip job on the other dataset streams every batch exactly (its client would raise
+    DataStallError after 20 s); then SIGTERM still exits within --shutdown-timeout-s."""
     with run_server(two_datasets, *MODS, "--transform-timeout-s", "600",
                     "--transform-pool", "thread", "--shutdown-timeout-s", "3") as s:  # fmt: skip
 
-        def hang() -> None:
+        def hang(rank: int) -> None:
             with contextlib.suppress(BaseException):
-                _digests(s.http_url, "cifar", [{"name": "hang_thread"}])
+                _digests(s.http_url, "cifar", [{"name": "hang_thread"}], rank=rank, world_size=2)
 
-        t = threading.Thread(target=hang, daemon=True)
-        t.start()
+        for rank in (0, 1):
+            threading.Thread(target=hang, args=(rank,), daemon=True).start()
         deadline = time.monotonic() + 30
         while pool_status(s.http_url)["pool"]["lane_threads"] < 2:  # the hang has begun
             assert time.monotonic() < deadline, s.log_tail()
