@@ -98,6 +98,7 @@ def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | Remo
         StoreOptions.from_env(os.environ, settings.store_endpoint),
         request_timeout_s=settings.store_timeout_s,
         connect_timeout_s=min(5.0, settings.store_timeout_s),
+        min_bytes_per_s=settings.store_min_bytes_per_s,
     )
     return open_store(
         settings.store,
