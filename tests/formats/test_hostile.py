@@ -12,6 +12,8 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -156,5 +158,28 @@ def test_samples_past_max_sample_bytes_are_refused(tmp_path: Path) -> None:
                                                r"--max-sample-bytes 1024"):  # fmt: skip
         ingest(tmp_path / "pt", tmp_path / "store", "p", progress=False, max_sample_bytes=1024)
     np.savez(tmp_path / "a.npz", x=np.zeros((8, 4096), dtype=np.float32))
-    with pytest.raises(InvalidDataError, match=r"a\.npz rows 0\.\.7 row 0: the sample is 16384"):
+    with pytest.raises(InvalidDataError, match=r"a\.npz: one sample is 16384 bytes"):
         ingest(tmp_path / "a.npz", tmp_path / "store", "n", progress=False, max_sample_bytes=1024)
+    rows = [[0.0] * (10 if i != 5 else 4096) for i in range(8)]
+    pq.write_table(pa.table({"x": rows}), tmp_path / "a.parquet")
+    with pytest.raises(InvalidDataError, match=r"a\.parquet rows 0\.\.7 row 5: the sample is 32"):
+        ingest(tmp_path / "a.parquet", tmp_path / "store", "q", progress=False,
+               max_sample_bytes=1024)  # fmt: skip
+
+
+def test_npz_declaring_a_huge_row_is_refused_before_reading(tmp_path: Path) -> None:
+    """A compressed .npz whose one row is 400 MB: refused from its header, RSS stays low."""
+    (tmp_path / "src").mkdir()
+    np.savez_compressed(tmp_path / "src" / "b.npz", x=np.zeros((1, 100 << 20), dtype=np.float32))
+    assert (tmp_path / "src" / "b.npz").stat().st_size < 2_000_000
+    rss, err = _measured(tmp_path / "src", tmp_path / "store")
+    assert "one sample is 419430400 bytes ('x': 419430400), more than --max-sample-bytes" in err
+    assert rss < RSS_BOUND_MB, rss
+
+
+def test_hdf5_declaring_a_huge_row_is_refused_before_reading(tmp_path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "b.h5", "w") as h:  # 1 GiB per row, nothing written
+        h.create_dataset("x", shape=(2, 1 << 28), dtype="f4", chunks=(1, 1 << 16))
+    with pytest.raises(InvalidDataError, match=r"b\.h5: one sample is 1073741824 bytes"):
+        ingest(tmp_path / "b.h5", tmp_path / "store", "h", progress=False)

@@ -22,7 +22,15 @@ from shardserve.proto.errors import InvalidDataError
 
 from .extras import require
 from .numpy_files import BLOCK_BYTES, _unpack
-from .source import Piece, Reader, Source, put_field, require_files, source_files
+from .source import (
+    MAX_SAMPLE_BYTES,
+    Piece,
+    Reader,
+    Source,
+    put_field,
+    require_files,
+    source_files,
+)
 
 SUFFIXES = (".h5", ".hdf5")
 
@@ -87,7 +95,7 @@ def _metadata(f: Any, sets: dict[str, Any], n: int, path: Path, source: Source) 
             source.metadata[f"@{key}"] = f"{path.name}: attribute, skipped"
 
 
-def _pieces(files: list[Path], source: Source) -> Iterator[Piece]:
+def _pieces(files: list[Path], source: Source, limit: int) -> Iterator[Piece]:
     h5 = require("h5py", "HDF5")
     for path in files:
         try:
@@ -104,6 +112,11 @@ def _pieces(files: list[Path], source: Source) -> Iterator[Piece]:
                 raise InvalidDataError(f"{path}: holds no per-sample datasets")
             row = max(1, sum(int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize
                              for d in sets.values()))  # fmt: skip
+            if row > limit:
+                raise InvalidDataError(
+                    f"{path}: one sample is {row} bytes, more than --max-sample-bytes {limit}; "
+                    "raise the limit if this sample is real"
+                )
             step = max(1, BLOCK_BYTES // row)
             size = path.stat().st_size
             for start in range(0, n, step):
@@ -121,13 +134,18 @@ def _pieces(files: list[Path], source: Source) -> Iterator[Piece]:
                 yield Piece(where=str(path), files=1, nbytes=size)
 
 
-def open_hdf5(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+def open_hdf5(
+    src: Path,
+    threads: int = 1,
+    only: list[Path] | None = None,
+    max_sample_bytes: int = MAX_SAMPLE_BYTES,
+) -> Source:
     """A source over the HDF5 file(s) at ``src`` (see module docstring)."""
     require("h5py", "HDF5")  # fail before anything is read
     files = require_files(source_files(src, SUFFIXES, only), src, ".h5/.hdf5")
     source = Source(format="hdf5", files=files, pieces=iter(()))
-    source.pieces = _pieces(files, source)
+    source.pieces = _pieces(files, source, max_sample_bytes)
     return source
 
 
-READER = Reader("hdf5", open_hdf5, suffixes=SUFFIXES)
+READER = Reader("hdf5", open_hdf5, suffixes=SUFFIXES, bounded=True)

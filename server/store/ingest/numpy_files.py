@@ -27,7 +27,15 @@ import numpy as np
 
 from shardserve.proto.errors import InvalidDataError
 
-from .source import Piece, Reader, Source, put_field, require_files, source_files
+from .source import (
+    MAX_SAMPLE_BYTES,
+    Piece,
+    Reader,
+    Source,
+    put_field,
+    require_files,
+    source_files,
+)
 
 SUFFIXES = (".npz", ".npy")
 
@@ -131,7 +139,19 @@ def _open_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> _Memb
     return _Member(f, dtype, tuple(shape))
 
 
-def _npz_pieces(files: list[Path]) -> Iterator[Piece]:
+def _check_rows(row_bytes: dict[str, int], where: str, limit: int) -> None:
+    """A sample's bytes, known from the headers, against ``--max-sample-bytes`` before any
+    row is read (one row of a declared ``(1, 10**10)`` array would be read whole)."""
+    total = sum(row_bytes.values())
+    if total > limit:
+        big = max(row_bytes, key=lambda k: row_bytes[k])
+        raise InvalidDataError(
+            f"{where}: one sample is {total} bytes ({big!r}: {row_bytes[big]}), more than "
+            f"--max-sample-bytes {limit}; raise the limit if this sample is real"
+        )
+
+
+def _npz_pieces(files: list[Path], limit: int) -> Iterator[Piece]:
     for path in files:
         try:
             z = zipfile.ZipFile(path)
@@ -145,6 +165,7 @@ def _npz_pieces(files: list[Path]) -> Iterator[Piece]:
             try:
                 for info in infos:
                     members[info.filename[: -len(".npy")]] = _open_member(z, info, path)
+                _check_rows({k: m.row_bytes for k, m in members.items()}, str(path), limit)
                 yield from _member_blocks(members, str(path), path.stat().st_size)
             finally:
                 for m in members.values():
@@ -172,7 +193,7 @@ def _member_blocks(members: dict[str, _Member], where: str, nbytes: int) -> Iter
         )
 
 
-def _npy_pieces(files: list[Path], src: Path) -> Iterator[Piece]:
+def _npy_pieces(files: list[Path], src: Path, limit: int) -> Iterator[Piece]:
     arrays = {}
     for path in files:
         arr = _load(path, mmap=True)
@@ -181,18 +202,26 @@ def _npy_pieces(files: list[Path], src: Path) -> Iterator[Piece]:
         if path.stem in arrays:
             raise InvalidDataError(f"{path}: two .npy files are named {path.stem!r}")
         arrays[path.stem] = arr
+    row_bytes = {k: int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
+                 for k, a in arrays.items()}  # fmt: skip
+    _check_rows(row_bytes, str(src), limit)
     yield from _blocks(arrays, str(src), sum(p.stat().st_size for p in files))
 
 
-def open_numpy(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+def open_numpy(
+    src: Path,
+    threads: int = 1,
+    only: list[Path] | None = None,
+    max_sample_bytes: int = MAX_SAMPLE_BYTES,
+) -> Source:
     """A source over the ``.npz`` / ``.npy`` files at ``src`` (see module docstring)."""
     files = require_files(source_files(src, SUFFIXES, only), src, ".npz/.npy")
     kinds = {p.suffix.lower() for p in files}
     if len(kinds) > 1:
         raise InvalidDataError(f"source {src} mixes .npy and .npz files; keep one kind per source")
     if kinds == {".npz"}:
-        return Source(format="npz", files=files, pieces=_npz_pieces(files))
-    return Source(format="npz", files=files, pieces=_npy_pieces(files, src))
+        return Source(format="npz", files=files, pieces=_npz_pieces(files, max_sample_bytes))
+    return Source(format="npz", files=files, pieces=_npy_pieces(files, src, max_sample_bytes))
 
 
-READER = Reader("npz", open_numpy, suffixes=SUFFIXES)
+READER = Reader("npz", open_numpy, suffixes=SUFFIXES, bounded=True)
