@@ -255,3 +255,17 @@ def test_pt_absurd_num_nodes_is_one_clear_line(tmp_path: Path, store: Path) -> N
                tmp_path / "g.pt")  # fmt: skip
     with pytest.raises(InvalidDataError, match=r"g\.pt: num_nodes is 1099511627776"):
         ingest(tmp_path / "g.pt", store, "nn", progress=False)
+
+
+def test_image_folder_with_train_and_test_is_two_datasets(tmp_path: Path, store: Path) -> None:
+    """``train/CLASS/x.jpg`` + ``test/CLASS/x.jpg`` was one dataset whose classes were
+    "test" and "train"; now each split is an image folder of its own classes."""
+    for split, n in (("train", 3), ("test", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / "src" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                (tmp_path / "src" / split / cls / f"{i}.jpg").write_bytes(b"\xff\xd8" + bytes([i]))
+    report = ingest_all(tmp_path / "src", store, "pics", progress=False)
+    got = {s.manifest.name: s.manifest for s in report.summaries}
+    assert {k: m.num_samples for k, m in got.items()} == {"pics-test": 4, "pics-train": 6}
+    assert all(json.loads(m.source["classes"]) == ["cat", "dog"] for m in got.values())
