@@ -25,8 +25,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from .logs import log_event
 
 if TYPE_CHECKING:
@@ -43,23 +41,45 @@ EXIT_SHUTDOWN_FORCED = 1
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+#: ``serve``'s line in ``shardserve --help``.
+SERVE_SUMMARY = "serve the datasets of a store to trainers (HTTP control plane + ZeroMQ data)"
+
+_EXAMPLES = """examples:
+  shardserve serve --store ./store                      loopback, ports 7070 (HTTP) and 7071
+  shardserve serve --store ./new --create               start on an empty store
+  shardserve serve --store ./store --http 0.0.0.0:7070 --data tcp://0.0.0.0:7071 \\
+      --token "$SHARDSERVE_TOKEN"                       other hosts (a token is required)
+  shardserve serve --store s3://bucket/store --cache-dir /var/cache/shardserve
+  SHARDSERVE_STORE=./store shardserve serve --transforms mymod   a module of your transforms
+
+Every flag can also be set as SHARDSERVE_<NAME> in the environment (--max-jobs:
+SHARDSERVE_MAX_JOBS); flags win over the environment."""
+
+
 def add_serve_command(sub: Any) -> None:
-    """Register ``serve`` on the CLI's subparsers: one flag per :class:`Settings` field;
+    """Register ``serve`` on the CLI's subparsers (see :func:`configure_serve`)."""
+    configure_serve(sub.add_parser("serve", help=SERVE_SUMMARY))
+
+
+def configure_serve(p: argparse.ArgumentParser) -> None:
+    """Give ``serve``'s parser one flag per :class:`Settings` field, grouped, with examples;
     flags override ``SHARDSERVE_*`` variables."""
     from .flags import add_settings_flags
 
-    p = sub.add_parser(
-        "serve",
-        help="serve the datasets of a store to trainers",
-        description="Serve pre-collated batches over ZeroMQ and a FastAPI control plane. Every "
-        "flag can also be set as SHARDSERVE_<NAME> in the environment; flags win.",
+    p.description = (
+        "Serve pre-collated batches over ZeroMQ and a FastAPI control plane, from a store "
+        "folder (or object storage) filled by `shardserve ingest`."
     )
+    p.epilog = _EXAMPLES
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_settings_flags(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``shardserve serve``; returns the process exit code."""
+    from pydantic import ValidationError
+
     from .flags import given_settings
     from .settings import Settings
 
@@ -71,7 +91,30 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         print(f"shardserve serve: {problems}", file=sys.stderr)
         return 2
+    problem = _local_store_problem(settings)
+    if problem is not None:
+        print(f"shardserve serve: {problem}", file=sys.stderr)
+        return 2
     return serve(settings)
+
+
+def _local_store_problem(settings: Settings) -> str | None:
+    """Why a local ``--store`` cannot be served (``None``: it can); creates it under
+    ``--create``. A typo must not start a server that reports ready on an empty store."""
+    if settings.store_is_remote:
+        return None
+    store = Path(settings.store)
+    if store.is_dir():
+        return None
+    if store.exists():
+        return f"store {store} is not a folder; pass the folder that ingest wrote"
+    if settings.create:
+        store.mkdir(parents=True, exist_ok=True)
+        return None
+    return (
+        f"store {store} does not exist; check the path (`shardserve ls --store PATH` lists a "
+        "store's datasets), or pass --create (SHARDSERVE_CREATE=true) to start on an empty one"
+    )
 
 
 def serve(settings: Settings) -> int:

@@ -439,19 +439,37 @@ class RemoteStore:
     def _put(self, src: Path, rel: str) -> None:
         started = time.monotonic()
         try:
-            with open(src, "rb") as f, self.fs.open_output_stream(self.path(rel)) as out:
+            with open(src, "rb") as f, self._output(rel) as out:
                 while chunk := f.read(_COPY_CHUNK):
                     out.write(chunk)
+            self._settle(rel)
         except OSError as e:
             raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
 
     def _put_bytes(self, data: bytes, rel: str) -> None:
         started = time.monotonic()
         try:
-            with self.fs.open_output_stream(self.path(rel)) as out:
+            with self._output(rel) as out:
                 out.write(data)
+            self._settle(rel)
         except OSError as e:
             raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
+
+    # A file:// store is a real file system: folders must exist before a file is written
+    # in them, and a written file is not atomic as an object PUT is, so it is written
+    # beside its place and renamed there (what readers of the manifest rely on).
+    _PARTIAL = ".partial"
+
+    def _output(self, rel: str) -> Any:
+        if self.fs.type_name != "local":
+            return self.fs.open_output_stream(self.path(rel))
+        target = self.path(rel)
+        self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        return self.fs.open_output_stream(target + self._PARTIAL)
+
+    def _settle(self, rel: str) -> None:
+        if self.fs.type_name == "local":
+            self.fs.move(self.path(rel) + self._PARTIAL, self.path(rel))
 
     def delete_prefix(self, rel: str) -> None:
         """Remove everything under ``rel`` (best effort: leftovers are unreferenced anyway)."""

@@ -28,7 +28,7 @@ from shardserve.proto.manifest import Manifest
 
 from ..lanes import Lanes
 from .errors import StepFailed, pool_error, transform_error
-from .metrics import TransformMetrics
+from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
 from .registry import TransformRegistry
 from .rng import replacement
@@ -198,6 +198,7 @@ class TransformedDataset:
                 self._rt.metrics.replaced.inc(len(e.all))
                 self._rt.metrics.count("replaced", len(e.all))
             except TransformError:
-                self._rt.metrics.errors.labels(",".join(chain_names)).inc()
+                # Not the chain's names: chains are the client's to choose, labels must stay few.
+                self._rt.metrics.errors.labels(CHAIN_FAILED).inc()
                 self._rt.metrics.count("errors")
                 raise
