@@ -159,6 +159,12 @@ class TransformPool:
                 p.cancel()
             raise describe("another batch of this job hung on its transform threads; the "
                            "job fails with it")  # fmt: skip
+        if pending and remote:  # a worker's own wait ends at the deadline: a stuck hand-off
+            for p in pending:
+                p.cancel()
+            self._metrics.count("hung")
+            raise describe(f"did not come back from a worker process within {self.timeout_s} s "
+                           f"and {grace} s more")  # fmt: skip
         if pending:
             return self._hung_run(chain, job_lane, generation, futs, progress, describe)
         results = [f.result() for f in futs]
