@@ -154,7 +154,7 @@ class ResidentPass(_Pass):
     def _step(self) -> Any:
         lo, i = self.loader, self.index
         if self.plans is None:
-            self.plans = self.resident.epoch(self.start[0])
+            self.plans = self.resident.epoch(self.start[0], self.start.offset)
             lo._pos.num_batches = self.plans[0].num_batches
         if i >= lo._pos.num_batches:
             return None

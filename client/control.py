@@ -25,6 +25,7 @@ from shardserve.proto.jobs import JobSpec, job_id
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
 PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
+PLAN_OFFSET_HEADER = "X-Shardserve-Offset"
 
 
 class ControlClient:
@@ -114,16 +115,27 @@ class ControlClient:
         )
 
     def plan(
-        self, job_id: str, epoch: int, rank: int, env: int = 0, timeout: float | None = None
+        self,
+        job_id: str,
+        epoch: int,
+        rank: int,
+        env: int = 0,
+        timeout: float | None = None,
+        offset: int = 0,
     ) -> tuple[np.ndarray, int]:
         """``GET /v1/jobs/{id}/plan``: ``rank``'s sample ids of ``epoch`` in batch order (int64)
-        and the number of batches they make, exactly as the data plane would stream them."""
-        r = self._request(
-            "GET",
-            f"/v1/jobs/{job_id}/plan",
-            params={"epoch": epoch, "rank": rank, "env": env},
-            timeout=timeout,
-        )
+        and the number of batches they make, exactly as the data plane would stream them;
+        ``offset``: the plan dealt from there (an elastic resume, see ``proto.resume``)."""
+        params = {"epoch": epoch, "rank": rank, "env": env}
+        if offset:
+            params["offset"] = offset
+        r = self._request("GET", f"/v1/jobs/{job_id}/plan", params=params, timeout=timeout)
+        if offset and r.headers.get(PLAN_OFFSET_HEADER) != str(offset):
+            raise ShardserveError(
+                f"GET /v1/jobs/{job_id}/plan: asked for the plan dealt from offset {offset}, "
+                f"the server answered {PLAN_OFFSET_HEADER}={r.headers.get(PLAN_OFFSET_HEADER)!r}; "
+                "an elastic resume needs a server that has it (upgrade the server)"
+            )
         try:
             batches = int(r.headers[PLAN_BATCHES_HEADER])
         except (KeyError, ValueError):

@@ -30,13 +30,12 @@ from .distributed import resolve_world
 from .envs import check_env_fields
 from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
 from .shm import RingCache
-from .state import parse_state
+from .state import check_same_job, make_state, parse_states, start_for
 from .stats import StatsClock
 from .stream import EpochStream
 from .structure import rebuild_for
 from .types import Batch, LoaderStats
 
-STATE_VERSION = 1
 #: Resident mode loads the dataset in batches of about this many bytes.
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
@@ -176,7 +175,7 @@ class Loader:
                 raise
         else:
             # Open the first epoch's stream now: batches are on their way before the loop asks.
-            self._stream = self._open(self._pos.job_epoch, 0)
+            self._stream = self._open(Start(self._pos.job_epoch, 0))
 
     def _connect(self, endpoint: str) -> None:
         """The data-plane socket and what delivering batches needs; close() works after it."""
@@ -214,6 +213,9 @@ class Loader:
             # The server is up; later calls run inside a stream's own deadline, so no retries.
             self._api.connect_retry_s = 0.0
             self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
+            self._num_samples = created.status.num_samples
+            #: (epoch, job id): the epoch resumed from a state of another world size.
+            self._origin: tuple[int, str] | None = None
             endpoint = choose_endpoint(self._api.info(), self._api.host, transport)
             self._rebuild = rebuild_for(self._api, self.spec, self.pad_variable)
         except BaseException:
@@ -235,35 +237,38 @@ class Loader:
         return self._pos.num_batches
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loop is: the epoch in progress and the next batch it has not received;
-        after an epoch's last batch, the start of the next epoch."""
-        epoch, nxt = self._pos.state()
-        return {
-            "version": STATE_VERSION, "spec": deepcopy(self._spec_dump), "epoch": epoch,
-            "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
-        }  # fmt: skip
+        """Where the loop is: the epoch in progress, the next batch it has not received and
+        the epoch's global ``position`` (ids of the epoch's order every rank together has
+        consumed, see :mod:`.state`); after an epoch's last batch, the start of the next."""
+        return make_state(
+            deepcopy(self._spec_dump), self.job_id, self.world.rank, self.world.world_size,
+            self._pos.state(),
+        )  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next iteration start where ``state`` left off: a state of any rank of the
-        same world size (DDP ranks share their position); ``BadRequest`` naming the problem if
-        ``state`` is damaged or belongs to another job, world size or version."""
-        st = parse_state(state, STATE_VERSION)
-        if st.spec != self.spec:
-            raise BadRequest(f"state is for job {st.spec!r}, this loader serves {self.spec!r}")
-        # Another rank's state of the same world is accepted: DDP ranks step together, so
-        # their positions are equal, and a checkpoint (Lightning's) holds rank 0's only.
-        if st.world_size != self.world.world_size:
-            raise BadRequest(
-                f"state is for rank {st.rank} of {st.world_size}, this loader is rank "
-                f"{self.world.rank} of {self.world.world_size}"
-            )
-        self._pos.restore(st.epoch, st.next_batch)
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Make the next iteration start where ``state`` left off, on this world size or any
+        other (elastic resume: the samples no rank consumed are dealt over this job's ranks).
+
+        ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
+        same position; Lightning and Accelerate checkpoint rank 0's), or a list of every
+        rank's, which must agree. ``BadRequest`` naming the problem if ``state`` is damaged,
+        inconsistent, or belongs to another job or version."""
+        st = parse_states(state)
+        check_same_job(st, self.spec, "loader")
+        start, origin = start_for(
+            st, self.world.world_size, self._num_samples, self._pos.num_batches
+        )
+        self._pos.restore(*start)
+        self._origin = (start.epoch, origin) if origin else None
 
     # -- iteration -------------------------------------------------------------------------
 
-    def _open(self, epoch: int, start: int) -> EpochStream:
+    def _open(self, start: Start) -> EpochStream:
+        epoch = start.epoch
+        origin = self._origin[1] if self._origin and self._origin[0] == epoch else ""
         hello = Hello(
-            job=self.job_id, rank=self.world.rank, epoch=epoch, start_batch=start, credit=self.prefetch,
+            job=self.job_id, rank=self.world.rank, epoch=epoch, start_batch=start.batch,
+            offset=start.offset, origin=origin, credit=self.prefetch,
             token=self._token, transport="auto" if self._shm else "socket",
             boot_id=self._boot_id, pid=os.getpid(),
             # Padding is per batch: a message of several would be padded to its longest.
@@ -318,9 +323,10 @@ class Loader:
             stream is None
             or stream.epoch != start[0]
             or stream.hello.start_batch != start[1]
+            or stream.hello.offset != start.offset
             or stream.next_index != start[1]
         ):
-            stream = self._open(*start)
+            stream = self._open(start)
         return stream
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -32,14 +32,14 @@ import torch
 from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import job_id
 
-from ._position import Position
+from ._position import Position, Start
 from ._spec import SHUFFLE, loader_spec
 from .control import ControlClient
 from .device import resolve_device
 from .distributed import resolve_world
-from .loader import DEFAULT_URL, STATE_VERSION
+from .loader import DEFAULT_URL
 from .resident import MAX_ENVS
-from .state import parse_state
+from .state import check_same_job, make_state, parse_states, start_for
 
 IdBatch = torch.Tensor
 
@@ -98,6 +98,7 @@ class IndexPlan:
         self.job_id = created.id
         self._api.connect_retry_s = 0.0
         self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
+        self._num_samples = created.status.num_samples
         self._pass = 0
 
     # -- the ids -----------------------------------------------------------------------------
@@ -106,15 +107,18 @@ class IndexPlan:
         if not 0 <= env < self.envs:
             raise BadRequest(f"env {env} out of range 0 <= env < {self.envs}")
         return (
-            np.concatenate([s[env] for s in self._steps(epoch)])
+            np.concatenate([s[env] for s in self._steps(epoch, 0)])
             if len(self)
             else np.empty(0, np.int64)
         )
 
-    def _steps(self, epoch: int) -> list[list[np.ndarray]]:
+    def _steps(self, epoch: int, offset: int) -> list[list[np.ndarray]]:
         """Each step's id batch per environment (one request: a step is the envs' batches
-        side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
-        ids, batches = self._api.plan(self.job_id, epoch, self.world.rank, 0, timeout=self.timeout)
+        side by side, env ``e`` the ``e``-th of ``envs`` equal parts); ``offset``: the
+        plan dealt from there (an elastic resume)."""
+        ids, batches = self._api.plan(
+            self.job_id, epoch, self.world.rank, 0, timeout=self.timeout, offset=offset
+        )
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:
             raise DataError(
@@ -125,8 +129,8 @@ class IndexPlan:
         steps = np.split(ids, np.arange(self.spec.batch_size, len(ids), self.spec.batch_size))
         return [np.split(step, self.envs) for step in steps if len(step)]
 
-    def _epoch_batches(self, epoch: int) -> list[list[IdBatch]]:
-        steps = self._steps(epoch)
+    def _epoch_batches(self, epoch: int, offset: int) -> list[list[IdBatch]]:
+        steps = self._steps(epoch, offset)
         flat = torch.from_numpy(
             np.concatenate([i for s in steps for i in s]) if steps else np.empty(0, np.int64)
         )
@@ -145,23 +149,18 @@ class IndexPlan:
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch in progress and the next step not yet received (a ``Loader`` state)."""
-        epoch, nxt = self._pos.state()
-        return {
-            "version": STATE_VERSION, "spec": self.spec.model_dump(mode="json"), "epoch": epoch,
-            "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
-        }  # fmt: skip
+        return make_state(
+            self.spec.model_dump(mode="json"), self.job_id, self.world.rank,
+            self.world.world_size, self._pos.state(),
+        )  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start the next iteration where ``state`` (this plan's or a ``Loader``'s) left off."""
-        st = parse_state(state, STATE_VERSION)
-        if st.spec != self.spec:
-            raise BadRequest(f"state is for job {st.spec!r}, this plan is for {self.spec!r}")
-        if st.world_size != self.world.world_size:
-            raise BadRequest(
-                f"state is for rank {st.rank} of {st.world_size}, this plan is rank "
-                f"{self.world.rank} of {self.world.world_size}"
-            )
-        self._pos.restore(st.epoch, st.next_batch)
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Start the next iteration where ``state`` (this plan's or a ``Loader``'s, of any
+        world size, or a list of every rank's) left off; a ``Loader``'s rules."""
+        st = parse_states(state)
+        check_same_job(st, self.spec, "plan")
+        start, _ = start_for(st, self.world.world_size, self._num_samples, self._pos.num_batches)
+        self._pos.restore(*start)
 
     def __iter__(self) -> Iterator[Any]:
         if self._api is None:
@@ -171,8 +170,8 @@ class IndexPlan:
         self._pass += 1
         return self._run(self._pass, start)
 
-    def _run(self, this_pass: int, start: tuple[int, int]) -> Iterator[Any]:
-        steps = self._epoch_batches(start[0])
+    def _run(self, this_pass: int, start: Start) -> Iterator[Any]:
+        steps = self._epoch_batches(start.epoch, start.offset)
         for i in range(start[1], len(steps)):
             if self._pass != this_pass:
                 raise RuntimeError("this iterator was replaced by a newer iter(plan); use that one")

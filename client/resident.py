@@ -235,11 +235,14 @@ class Resident:
         first = next(iter(self.data.values()))
         return sum(t[0].numel() * t.element_size() for t in first.tensors.values())
 
-    def epoch(self, epoch: int) -> list[EnvPlan]:
-        """Every environment's plan for ``epoch``, its ids already on its device."""
+    def epoch(self, epoch: int, offset: int = 0) -> list[EnvPlan]:
+        """Every environment's plan for ``epoch`` (dealt from ``offset``: an elastic resume),
+        its ids already on its device."""
         plans = []
         for env, dev in enumerate(self.env_devices):
-            ids, batches = self.api.plan(self.job_id, epoch, self.rank, env, timeout=self.timeout)
+            ids, batches = self.api.plan(
+                self.job_id, epoch, self.rank, env, timeout=self.timeout, offset=offset
+            )
             cut = torch.from_numpy(ids.copy()).to(dev).split(self.batch_size)
             if len(cut) != batches:
                 raise DataError(

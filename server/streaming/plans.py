@@ -85,15 +85,19 @@ class PlanCache:
         rank: int,
         shard_rows: np.ndarray | None = None,
         env: int = 0,
+        offset: int = 0,
     ) -> RankPlan | EnvSteps:
-        """One rank's batches of the epoch (a strided view of the shared order)."""
+        """One rank's batches of the epoch (a strided view of the shared order); ``offset``:
+        dealt from that position of the order on (elastic resume)."""
         spec = job.spec
         if spec.envs > 1:  # steps of several environments (issue 22)
             orders = [self.order(job, epoch, seed, shard_rows, e) for e in range(spec.envs)]
             b = spec.batch_size // spec.envs
-            return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last)
+            return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last, offset)
         order = self.order(job, epoch, seed, shard_rows, env)
-        return RankPlan.from_order(order, spec.world_size, rank, spec.batch_size, spec.drop_last)
+        return RankPlan.from_order(
+            order, spec.world_size, rank, spec.batch_size, spec.drop_last, offset
+        )
 
     def forget(self, job_id: str) -> None:
         """Drop a deleted job's orders."""
