@@ -8,10 +8,13 @@ the RSS after imports is what planning itself cost. Cases:
 - ``global`` / ``block``: ``epoch_order`` for the epoch (block: 64 MiB shards of
   3 KiB samples, i.e. 21,845 rows, window 4), then ``RankPlan.from_order`` for rank 0
   of 8 and every one of its batches of 256 (``int64`` ids, as the assembler gets them);
+- ``mixture``: ``mixture_order`` of three sources of 50 / 30 / 20 % of the samples, weights
+  0.5 / 0.3 / 0.2 changed to 0.2 / 0.3 / 0.5 half way (a schedule), ``n`` positions; then
+  rank 0's batches as for ``global``; compared with ``global`` in the same run;
 - ``naive``: ``rng.shuffle(np.arange(n, dtype=np.uint32))``, the obvious global
   shuffle, for scale (``numpy.random.Generator.shuffle`` misses cache on every swap).
 
-Target (issue 8): 40M samples plan in <= 2 s and <= 400 MB. Prints a table and
+Target (issues 8 and 30): 40M samples plan in <= 2 s and <= 400 MB. Prints a table and
 writes ``bench/results/plan.json``.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -34,7 +38,7 @@ TARGET_MB = 400.0
 WORLD_SIZE = 8
 BATCH_SIZE = 256
 SHARD_ROWS = (64 << 20) // 3072  # a 64 MiB shard of 3 KiB (CIFAR-like) samples
-CASES = ["global", "block", "naive"]
+CASES = ["global", "block", "mixture", "naive"]
 
 
 def peak_mb() -> float:
@@ -54,6 +58,14 @@ def child(case: str, n: int) -> dict[str, float]:
     if case == "naive":
         order = np.arange(n, dtype=np.uint32)
         np.random.default_rng(np.random.SeedSequence([0, 1])).shuffle(order)
+    elif case == "mixture":
+        from shardserve.server.planning.mixture import MixSource, Segment, mixture_order
+
+        sizes = [n // 2, n * 3 // 10, n - n // 2 - n * 3 // 10]
+        order = mixture_order(
+            [MixSource(k) for k in sizes], seed=0, epoch=1, length=n, world_size=WORLD_SIZE,
+            segments=[Segment(0, (0.5, 0.3, 0.2)), Segment(n // 2, (0.2, 0.3, 0.5))],
+        )  # fmt: skip
     else:
         order = epoch_order(n, seed=0, epoch=1, shuffle=case, shard_rows=shard_rows)  # type: ignore[arg-type]
     plan_s = time.perf_counter() - t0
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     repeats = args.repeats or (1 if args.quick else 3)
     rows = {}
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for case in CASES:
         runs = [run_case(case, args.n) for _ in range(repeats)]
         rows[case] = {
@@ -117,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     speedup = rows["naive"]["plan_s"] / rows["global"]["plan_s"]
     print(f"global vs naive rng.shuffle: {speedup:.2f}x faster")
+    mix_ratio = rows["mixture"]["plan_s"] / rows["global"]["plan_s"]
+    print(f"mixture vs global (same n): {mix_ratio:.2f}x the time; load average {load}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "plan",
@@ -130,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": {"plan_s": TARGET_S, "plan_peak_mb": TARGET_MB},
         "cases": rows,
         "global_vs_naive_speedup": speedup,
+        "mixture_vs_global_time": mix_ratio,
+        "load_average": load,
     }
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -20,6 +20,7 @@ Errors (all from :mod:`shardserve.proto.errors`)::
     └── AuthError                                              missing or wrong token
 """
 
+from shardserve.proto.distribution import __version__ as __version__
 from shardserve.proto.errors import (
     AuthError,
     BadRequest,

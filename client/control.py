@@ -119,14 +119,15 @@ class ControlClient:
         job_id: str,
         epoch: int,
         rank: int,
-        env: int = 0,
+        env: int | None = None,
         timeout: float | None = None,
         offset: int = 0,
     ) -> tuple[np.ndarray, int]:
         """``GET /v1/jobs/{id}/plan``: ``rank``'s sample ids of ``epoch`` in batch order (int64)
-        and the number of batches they make, exactly as the data plane would stream them;
+        and the number of batches they make, exactly as the data plane would stream them
+        (``env``: that environment's own ids; ``None``: the job's steps as streamed);
         ``offset``: the plan dealt from there (an elastic resume, see ``proto.resume``)."""
-        params = {"epoch": epoch, "rank": rank, "env": env}
+        params = {"epoch": epoch, "rank": rank} | ({} if env is None else {"env": env})
         if offset:
             params["offset"] = offset
         r = self._request("GET", f"/v1/jobs/{job_id}/plan", params=params, timeout=timeout)

@@ -277,6 +277,8 @@ class Loader:
         return EpochStream(
             self._conn, hello=hello, timeout=self.timeout, stats=self._stats,
             recreate_job=self._job.recreate, describe=self._job.describe, rings=self._rings,
+            rows=self.spec.batch_size, num_batches=self._pos.num_batches,
+            graphs=self.spec.collate == "graph",
         )  # fmt: skip
 
     def _load_resident(self, url: str, envs_on: list[torch.device]) -> Resident:

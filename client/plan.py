@@ -117,7 +117,7 @@ class IndexPlan:
         side by side, env ``e`` the ``e``-th of ``envs`` equal parts); ``offset``: the
         plan dealt from there (an elastic resume)."""
         ids, batches = self._api.plan(
-            self.job_id, epoch, self.world.rank, 0, timeout=self.timeout, offset=offset
+            self.job_id, epoch, self.world.rank, timeout=self.timeout, offset=offset
         )
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:

@@ -45,6 +45,7 @@ from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig, Waker
 from .transforms.bound import Transforms
+from .transforms.runner import Limits
 
 log = logging.getLogger("shardserve.service")
 
@@ -117,6 +118,7 @@ class Service:
             settings.transform_pool,
             settings.transform_timeout_s,
             self.metrics.registry,
+            Limits(settings.max_batch_bytes, settings.max_decoded_pixels),
         )
         self.job_admin = JobAdmin(
             settings,
@@ -257,10 +259,12 @@ class Service:
         self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
 
     def plan(
-        self, job_id: str, epoch: int, rank: int, env: int = 0, offset: int = 0
+        self, job_id: str, epoch: int, rank: int, env: int | None = None, offset: int = 0
     ) -> tuple[np.ndarray, int]:
         """``rank``'s sample ids of ``epoch`` in batch order (int64) and its batch count: what
         the data plane would stream, for clients that hold the data themselves (resident mode).
+        ``env``: that environment's own ids and batches (:meth:`PlanCache.env_plan`); ``None``:
+        the job's batches as streamed (a job of several environments: whole steps).
         ``offset``: dealt from that position of the order, as a ``Hello.offset`` streams it.
         """
         job = self.jobs.get(job_id)
@@ -274,8 +278,14 @@ class Service:
                 f"batch of every rank, within its {job.num_samples} samples)"
             )
         ds = self.open_dataset(job.spec.dataset, job.spec.version)
-        plan = self.plans.rank_plan(
-            job, epoch, job.seed, rank, shard_rows=ds.shard_rows, env=env, offset=offset
+        plan = (
+            self.plans.rank_plan(
+                job, epoch, job.seed, rank, shard_rows=ds.shard_rows, offset=offset
+            )
+            if env is None
+            else self.plans.env_plan(
+                job, epoch, job.seed, rank, env, shard_rows=ds.shard_rows, offset=offset
+            )
         )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from shardserve.proto.errors import BadRequest
 from shardserve.server.planning import RankPlan, epoch_order
 from shardserve.server.planning.envs import EnvSteps
 
@@ -98,6 +99,30 @@ class PlanCache:
         return RankPlan.from_order(
             order, spec.world_size, rank, spec.batch_size, spec.drop_last, offset
         )
+
+    def env_plan(
+        self,
+        job: Job,
+        epoch: int,
+        seed: int,
+        rank: int,
+        env: int,
+        shard_rows: np.ndarray | None = None,
+        offset: int = 0,
+    ) -> RankPlan:
+        """Environment ``env``'s own batches of the epoch for ``rank``: of a job that streams
+        steps of several environments (``envs > 1``), the ``env``-th part of every step
+        (batches of ``batch_size // envs``); of any other job, ``env``'s order cut into
+        batches of ``batch_size`` (resident environments); ``offset``: dealt from there."""
+        spec = job.spec
+        if spec.envs > 1 and not 0 <= env < spec.envs:
+            raise BadRequest(
+                f"env {env} is out of range for job {job.id}: it streams steps of "
+                f"{spec.envs} environments, 0 <= env < {spec.envs}"
+            )
+        order = self.order(job, epoch, seed, shard_rows, env)
+        size = spec.batch_size // spec.envs
+        return RankPlan.from_order(order, spec.world_size, rank, size, spec.drop_last, offset)
 
     def forget(self, job_id: str) -> None:
         """Drop a deleted job's orders."""

@@ -20,7 +20,7 @@ import pyarrow.dataset as pads
 
 from shardserve.proto.errors import InvalidDataError
 
-from .source import Piece, Reader, Source, list_files, require_files
+from .source import Piece, Reader, Source, require_files, source_files
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
@@ -90,6 +90,14 @@ def _ragged(arr: pa.Array, where: str, name: str) -> list[object]:
 def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, object]:
     """A record batch as writer columns (see module docstring)."""
     cols: dict[str, object] = {}
+    names = batch.schema.names
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        origins = [o for o, n in zip(_origins(batch.schema), names, strict=True) if n == dup]
+        raise InvalidDataError(
+            f"{where}: {' and '.join(repr(o) for o in origins)} both become the field {dup!r}; "
+            "rename one of them in the source (or drop one with --map)"
+        )
     for name, arr in zip(batch.schema.names, batch.columns, strict=True):
         if name.startswith("__index_level_"):
             continue  # pandas' saved index is not a field
@@ -122,12 +130,21 @@ def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, 
     return cols
 
 
+def _origins(schema: pa.Schema) -> list[str]:
+    """Where each (flattened) column came from: its metadata note, else its name."""
+    out = []
+    for f in schema:
+        meta = f.metadata or {}
+        out.append(meta.get(b"origin", f.name.encode()).decode())
+    return out
+
+
 def _variable_columns(schema: pa.Schema) -> set[str]:
     return {f.name for f in schema if pa.types.is_list(f.type) or pa.types.is_large_list(f.type)}
 
 
-def _open(src: Path, fmt: str, suffixes: tuple[str, ...]) -> Source:
-    files = require_files(list_files(src, suffixes), src, "/".join(suffixes))
+def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | None) -> Source:
+    files = require_files(source_files(src, suffixes, only), src, "/".join(suffixes))
     try:
         dataset = pads.dataset([str(f) for f in files], format=fmt)
     except (pa.ArrowException, OSError) as e:
@@ -155,14 +172,14 @@ def _open(src: Path, fmt: str, suffixes: tuple[str, ...]) -> Source:
     )
 
 
-def open_parquet(src: Path, threads: int = 1) -> Source:
-    """A source over the Parquet file(s) at ``src``."""
-    return _open(src, "parquet", PARQUET_SUFFIXES)
+def open_parquet(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+    """A source over the Parquet file(s) at ``src`` (``only``: these of them)."""
+    return _open(src, "parquet", PARQUET_SUFFIXES, only)
 
 
-def open_arrow(src: Path, threads: int = 1) -> Source:
-    """A source over the Arrow IPC (file / Feather v2) file(s) at ``src``."""
-    return _open(src, "ipc", ARROW_SUFFIXES)
+def open_arrow(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+    """A source over the Arrow IPC (file / Feather v2) file(s) at ``src`` (``only``: these)."""
+    return _open(src, "ipc", ARROW_SUFFIXES, only)
 
 
 PARQUET = Reader("parquet", open_parquet, suffixes=PARQUET_SUFFIXES)

@@ -41,18 +41,22 @@ def _files(src: Path) -> list[Path]:
 
 
 def _flatten(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Struct columns as one column per member, named ``parent.member``."""
+    """Struct columns as one column per member, named ``parent.member`` (each remembers the
+    struct path it came from, so a clash with a column named ``parent.member`` names both)."""
     while any(pa.types.is_struct(f.type) for f in batch.schema):
-        arrays, names = [], []
+        arrays, fields = [], []
         for f, col in zip(batch.schema, batch.columns, strict=True):
             if pa.types.is_struct(f.type):
+                origin = (f.metadata or {}).get(b"origin", f.name.encode()).decode()
                 for i in range(f.type.num_fields):
-                    names.append(f"{f.name}.{f.type.field(i).name}")
+                    sub = f.type.field(i)
+                    meta = {b"origin": f"{origin}[{sub.name!r}]".encode()}
+                    fields.append(pa.field(f"{f.name}.{sub.name}", sub.type, metadata=meta))
                     arrays.append(col.field(i) if not col.null_count else pc.struct_field(col, [i]))
             else:
-                names.append(f.name)
+                fields.append(f)
                 arrays.append(col)
-        batch = pa.RecordBatch.from_arrays(arrays, names=names)
+        batch = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
     return batch
 
 

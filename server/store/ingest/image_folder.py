@@ -68,8 +68,13 @@ def _pieces(items: list[tuple[Path, int]]) -> Iterator[Piece]:
         yield Piece(where=where, columns=cols, files=len(block), nbytes=size)
 
 
-def open_image_folder(src: Path, threads: int = 1) -> Source:
+def open_image_folder(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
     """A source over ``src`` laid out as ``CLASS/IMAGE.jpg`` (see module docstring)."""
+    if only is not None:
+        raise InvalidDataError(
+            f"source {src}: an image folder's splits are folders (train/CLASS/IMAGE.jpg), "
+            "not file names"
+        )
     classes, items = _layout(src)
     source = Source(format="imagefolder", files=[p for p, _ in items], pieces=_pieces(items))
     source.info["classes"] = json.dumps(classes)

@@ -15,7 +15,7 @@ from pathlib import Path
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import by_extension
-from .source import Piece, Reader, Source, list_files, require_files
+from .source import Piece, Reader, Source, require_files, source_files
 
 SUFFIXES = (".tar",)
 
@@ -62,9 +62,9 @@ def _pieces(files: list[Path]) -> Iterator[Piece]:
             yield Piece(where=str(path), files=1, nbytes=size)
 
 
-def open_webdataset(src: Path, threads: int = 1) -> Source:
+def open_webdataset(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
     """A source over the WebDataset ``.tar`` shard(s) at ``src`` (see module docstring)."""
-    files = require_files(list_files(src, SUFFIXES), src, ".tar")
+    files = require_files(source_files(src, SUFFIXES, only), src, ".tar")
     return Source(format="webdataset", files=files, pieces=_pieces(files))
 
 

@@ -1,0 +1,364 @@
+"""The epoch order of a mixture job: several sources, weighted per position, steerable.
+
+A mixture epoch is one canonical global order of ``length`` positions over the *concatenated
+id space* (source ``s``'s sample ``i`` is ``offsets[s] + i``), dealt to ranks like any epoch
+order (:meth:`~.partition.RankPlan.from_order`), so position ``q`` is in batch ``q // (W*B)``.
+
+1. **Which source.** Position ``q`` draws a uint32 from a counter-based generator: half
+   ``q % 2`` (low first) of output ``(q % MIX_CHUNK) // 2`` of ``Philox(key, counter=(0,
+   q // MIX_CHUNK, 0, 0))``, the key from ``SeedSequence([seed, epoch],
+   spawn_key=(MIX_KEY,))``. Its source is the first ``s`` whose cumulative weight (in units
+   of ``2**-32``) exceeds the draw, for the weights in force at ``q``. The draw never depends on the weights: a change at position ``k``
+   changes nothing before ``k``.
+2. **Which sample.** Each source has a stream, its passes one after the other; pass ``p`` is
+   the job's shuffle of the source drawn from ``SeedSequence([seed, epoch],
+   spawn_key=(SOURCE_KEY, s, p))``. The ``c``-th position drawing ``s`` takes the ``c``-th
+   element of the stream, except that elements quarantined at that position are skipped.
+   Chunks are walked in order with one cursor per source: counts per chunk, never a Python
+   loop per sample.
+3. **Exhaustion.** A ``repeat`` source wraps into its next pass; a ``stop`` source that runs
+   out ends the epoch before the position that would need one more of its samples, cut to a
+   multiple of ``world_size`` so every rank gets the same number of samples.
+
+Memory: the order (4 bytes a sample below 2**32 ids), each source's current pass (4 bytes a
+source sample) and ~10 MB of chunk temporaries.
+
+>>> sources = [MixSource(1000), MixSource(500)]
+>>> order = mixture_order(sources, seed=0, epoch=0, length=600,
+...                       segments=[Segment(0, (0.5, 0.5))], world_size=2)
+>>> src, _ = split_ids(order, source_offsets(sources))
+>>> len(order), 250 < int((src == 0).sum()) < 350
+(600, True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from shardserve.proto.jobs import ShuffleMode
+
+from .order import SHUFFLES, shard_sizes
+from .partition import RankPlan
+from .rng import order_dtype
+
+#: Positions per counter block of the source draws. Part of the plan's definition: changing
+#: it changes every mixture plan.
+MIX_CHUNK = 1 << 16
+#: ``spawn_key`` words that keep the mixture's generators apart from every other plan's.
+MIX_KEY = 0x6D6978  # "mix"
+SOURCE_KEY = 0x737263  # "src"
+#: Bits of a draw compared against the cumulative weights: each uint64 of the generator
+#: gives two draws (low half first), so a weight is resolved to 2**-32.
+DRAW_BITS = 32
+#: Most sources a mixture may have: source ids travel as int16 and the labels as uint8.
+MAX_SOURCES = 64
+#: Up to this many sources, positions are grouped by one mask per source, else by a sort.
+SCAN_SOURCES = 8
+
+Exhaustion = Literal["repeat", "stop"]
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One source of a mixture as the planner sees it: its size and what happens at its end."""
+
+    size: int
+    on_exhausted: Exhaustion = "repeat"
+    #: Rows per shard, for ``shuffle="block"`` (default: fixed-size shards).
+    shard_rows: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The weights in force from epoch position ``at`` until the next segment."""
+
+    at: int
+    weights: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """Ids of source ``source`` skipped by every position from ``at`` on."""
+
+    source: int
+    at: int
+    ids: np.ndarray = field(repr=False)  # sorted, unique, int64
+
+
+def source_offsets(sources: Sequence[MixSource]) -> np.ndarray:
+    """First id of each source in the concatenated id space, plus the total at the end.
+
+    >>> source_offsets([MixSource(3), MixSource(5)]).tolist()
+    [0, 3, 8]
+    """
+    out = np.zeros(len(sources) + 1, dtype=np.int64)
+    np.cumsum([s.size for s in sources], out=out[1:])
+    return out
+
+
+def split_ids(ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(source int16, id within the source int64)`` of concatenated ids.
+
+    >>> s, i = split_ids(np.array([0, 3, 7]), np.array([0, 3, 8]))
+    >>> s.tolist(), i.tolist()
+    ([0, 1, 1], [0, 0, 4])
+    """
+    src = np.searchsorted(offsets, ids, side="right") - 1
+    return src.astype(np.int16), ids.astype(np.int64) - offsets[src]
+
+
+def thresholds(weights: Sequence[float]) -> np.ndarray:
+    """Cumulative weights as uint64 thresholds on a ``DRAW_BITS``-bit draw (last one omitted).
+
+    >>> thresholds([1, 0, 1]).tolist() == [2**31, 2**31]
+    True
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or not len(w):
+        raise ValueError(f"weights must be a non-empty 1-D sequence, got shape {w.shape}")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"weights must be finite and >= 0, got {w.tolist()}")
+    total = float(w.sum())
+    if total <= 0:
+        raise ValueError(f"weights must sum to more than 0, got {w.tolist()}")
+    cum = np.round(np.cumsum(w) / total * float(1 << DRAW_BITS))
+    # A threshold of 2**32 (weight 0 at the end) is never reached by a uint32 draw.
+    return np.minimum(cum, float(1 << DRAW_BITS)).astype(np.uint64)[:-1]
+
+
+def mix_key(seed: int, epoch: int) -> np.ndarray:
+    """The Philox key of an epoch's source draws."""
+    ss = np.random.SeedSequence([seed, epoch], spawn_key=(MIX_KEY,))
+    key: np.ndarray = ss.generate_state(2, np.uint64)
+    return key
+
+
+def chunk_draws(key: np.ndarray, chunk: int, n: int) -> np.ndarray:
+    """The first ``n`` raw uint64 draws of counter block ``chunk`` (positions
+    ``chunk * MIX_CHUNK ...``) under ``key``: a pure function of its arguments."""
+    gen = np.random.Philox(key=key, counter=np.array([0, chunk, 0, 0], dtype=np.uint64))
+    out: np.ndarray = gen.random_raw(n)
+    return out
+
+
+def draw_sources(key: np.ndarray, lo: int, segments: Sequence[Segment]) -> np.ndarray:
+    """Source labels (uint8) of positions ``lo .. lo + MIX_CHUNK``, ``lo`` a chunk start,
+    under ``segments`` (sorted by ``at``, the first at or before ``lo``)."""
+    chunk, rest = divmod(lo, MIX_CHUNK)
+    if rest:
+        raise ValueError(f"lo {lo} is not a multiple of MIX_CHUNK {MIX_CHUNK}")
+    top = chunk_draws(key, chunk, MIX_CHUNK // 2).view("<u4")
+    labels = np.zeros(MIX_CHUNK, dtype=np.uint8)
+    ats = [s.at for s in segments]
+    for k, seg in enumerate(segments):
+        a = max(seg.at - lo, 0)
+        b = MIX_CHUNK if k + 1 == len(segments) else min(max(ats[k + 1] - lo, 0), MIX_CHUNK)
+        if a < b:
+            # label = how many thresholds the draw reaches: the first s with u < cum[s]
+            for t in thresholds(seg.weights).tolist():
+                if t < 1 << DRAW_BITS:  # 2**32: only zero weights follow, never reached
+                    labels[a:b] += top[a:b] >= np.uint32(t)
+    return labels
+
+
+class _Stream:
+    """A source's stream of sample ids: pass after pass, each its own permutation."""
+
+    def __init__(
+        self,
+        index: int,
+        source: MixSource,
+        seed: int,
+        epoch: int,
+        shuffle: ShuffleMode,
+        block_window: int,
+    ) -> None:
+        self.index = index
+        self.source = source
+        self.cursor = 0  # stream elements consumed so far
+        self._seed, self._epoch = seed, epoch
+        self._shuffle, self._window = shuffle, block_window
+        self._pass = -1
+        self._perm = np.empty(0, dtype=np.uint32)
+
+    def _permutation(self, p: int) -> np.ndarray:
+        if p != self._pass:
+            n = self.source.size
+            ss = np.random.SeedSequence(
+                [self._seed, self._epoch], spawn_key=(SOURCE_KEY, self.index, p)
+            )
+            rng = np.random.Generator(np.random.PCG64(ss))
+            rows = shard_sizes(n, self.source.shard_rows)
+            self._perm = SHUFFLES[self._shuffle](
+                n, rng, dtype=order_dtype(n), shard_rows=rows, block_window=self._window
+            )
+            self._pass = p
+        return self._perm
+
+    def available(self) -> int | None:
+        """Elements left before a ``stop`` source runs out; ``None`` for ``repeat``."""
+        if self.source.on_exhausted == "repeat":
+            return None
+        return max(self.source.size - self.cursor, 0)
+
+    def peek(self, count: int) -> np.ndarray:
+        """The next ``count`` elements (fewer if a ``stop`` source runs out), not consumed."""
+        n = self.source.size
+        stop = self.cursor + count
+        if self.source.on_exhausted == "stop":
+            stop = min(stop, n)
+        out = np.empty(max(stop - self.cursor, 0), dtype=np.int64)
+        i = self.cursor
+        while i < stop:  # one step per pass spanned
+            p, j = divmod(i, n)
+            k = min(n - j, stop - i)
+            out[i - self.cursor : i - self.cursor + k] = self._permutation(p)[j : j + k]
+            i += k
+        return out
+
+    def take(self, count: int, banned: np.ndarray | None) -> tuple[np.ndarray, bool]:
+        """The next ``count`` ids not in ``banned`` (sorted); ``(ids, ran_out)``: fewer ids
+        and ``ran_out`` when a ``stop`` source has no more."""
+        if self.source.size == 0:
+            return np.empty(0, dtype=np.int64), True
+        if banned is None or not len(banned):
+            ids = self.peek(count)
+            self.cursor += len(ids)
+            return ids, len(ids) < count
+        if self.source.on_exhausted == "repeat" and len(banned) >= self.source.size:
+            raise ValueError(
+                f"every sample of mixture source {self.index} ({self.source.size}) is quarantined"
+            )
+        got: list[np.ndarray] = []
+        need = count
+        while need:
+            cand = self.peek(need + need // 8 + 16)
+            if not len(cand):
+                break  # a stop source ran out
+            pos = np.searchsorted(banned, cand)
+            ok = banned[np.minimum(pos, len(banned) - 1)] != cand
+            keep = np.flatnonzero(ok)[:need]
+            # Consumed: up to and including the last id kept, or every candidate looked at.
+            self.cursor += int(keep[-1]) + 1 if len(keep) == need else len(cand)
+            got.append(cand[keep])
+            need -= len(keep)
+        ids = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+        return ids, len(ids) < count
+
+
+def _check(sources: Sequence[MixSource], length: int, world_size: int) -> None:
+    if not 1 <= len(sources) <= MAX_SOURCES:
+        raise ValueError(f"a mixture has 1 to {MAX_SOURCES} sources, got {len(sources)}")
+    for k, s in enumerate(sources):
+        if s.size < 0:
+            raise ValueError(f"source {k} size must be >= 0, got {s.size}")
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+
+def _banned(quarantine: Sequence[Quarantine], source: int, at: int) -> np.ndarray | None:
+    """The ids of ``source`` quarantined at position ``at``."""
+    parts = [q.ids for q in quarantine if q.source == source and q.at <= at]
+    if not parts:
+        return None
+    return np.unique(np.concatenate(parts)) if len(parts) > 1 else parts[0]
+
+
+def mixture_order(
+    sources: Sequence[MixSource],
+    seed: int,
+    epoch: int,
+    length: int,
+    segments: Sequence[Segment],
+    world_size: int = 1,
+    quarantine: Sequence[Quarantine] = (),
+    shuffle: ShuffleMode = "global",
+    block_window: int = 4,
+) -> np.ndarray:
+    """Return the epoch's global mixture order over concatenated ids (see the module doc).
+
+    ``segments``: the weights in force from each position on (the first at 0), sorted by
+    position, one weight per source. ``quarantine``: ids skipped from a position on. The
+    order is ``length`` long unless a ``stop`` source runs out first; it is then cut to a
+    multiple of ``world_size``. Pure: the same arguments give the same order.
+    """
+    length, world_size = operator.index(length), operator.index(world_size)
+    _check(sources, length, world_size)
+    segs = sorted(segments, key=lambda s: s.at)
+    if not segs or segs[0].at != 0:
+        raise ValueError("segments must start at position 0")
+    for s in segs:
+        if len(s.weights) != len(sources):
+            raise ValueError(
+                f"segment at {s.at} has {len(s.weights)} weights for {len(sources)} sources"
+            )
+        thresholds(s.weights)  # refuse bad weights up front
+    offsets = source_offsets(sources)
+    streams = [_Stream(k, s, seed, epoch, shuffle, block_window) for k, s in enumerate(sources)]
+    out = np.empty(length, dtype=order_dtype(int(offsets[-1])))
+    # Positions where something changes: chunks are cut there so that within a piece the
+    # quarantine sets are constant (weights are applied per position by draw_sources).
+    key = mix_key(seed, epoch)
+    cuts = sorted({q.at for q in quarantine if 0 < q.at < length})
+    end = length
+    for lo in range(0, length, MIX_CHUNK):
+        hi = min(lo + MIX_CHUNK, length)
+        labels = draw_sources(key, lo, segs)[: hi - lo]
+        bounds = [lo, *(c for c in cuts if lo < c < hi), hi]
+        for a, b in itertools.pairwise(bounds):
+            piece = labels[a - lo : b - lo]
+            # Few sources: one mask each beats a sort; many: one stable sort.
+            if len(sources) <= SCAN_SOURCES:
+                groups = [np.flatnonzero(piece == k) for k in range(len(sources))]
+            else:
+                by_source = np.argsort(piece, kind="stable")
+                ends = np.cumsum(np.bincount(piece, minlength=len(sources)))
+                groups = np.split(by_source, ends[:-1])
+            for k, where in enumerate(groups):
+                if not len(where):
+                    continue
+                where += a
+                ids, ran_out = streams[k].take(len(where), _banned(quarantine, k, a))
+                ids += offsets[k]
+                out[where[: len(ids)]] = ids
+                if ran_out:  # the position that found no sample ends the epoch
+                    end = min(end, int(where[len(ids)]))
+            if end < length:
+                break
+        if end < length:
+            break
+    if end < length:
+        return out[: end - end % world_size].copy()
+    return out
+
+
+def mixture_plan(
+    sources: Sequence[MixSource],
+    seed: int,
+    epoch: int,
+    length: int,
+    segments: Sequence[Segment],
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    drop_last: bool = False,
+    quarantine: Sequence[Quarantine] = (),
+    shuffle: ShuffleMode = "global",
+) -> RankPlan:
+    """``rank``'s batches of a mixture epoch: :func:`mixture_order` dealt by ``RankPlan``.
+
+    >>> p = mixture_plan([MixSource(8), MixSource(8)], 0, 0, 16, [Segment(0, (1, 1))],
+    ...                  world_size=2, rank=0, batch_size=4)
+    >>> len(p), p.num_samples
+    (2, 8)
+    """
+    order = mixture_order(sources, seed, epoch, length, segments, world_size, quarantine, shuffle)
+    return RankPlan.from_order(order, world_size, rank, batch_size, drop_last)
