@@ -46,6 +46,9 @@ class Position:
     def __init__(self, job_epoch: int, num_batches: int) -> None:
         self.job_epoch = job_epoch
         self.num_batches = num_batches
+        #: Batches of a whole epoch (``num_batches`` is that of the current iteration's plan,
+        #: fewer in an epoch resumed on another world size).
+        self.per_epoch = num_batches
         self.marks = Marks(pending=None, epoch=None, next_batch=0, epoch_done=False)
 
     @property
@@ -65,10 +68,10 @@ class Position:
     def restore(self, epoch: int, next_batch: int, offset: int = 0) -> None:
         """``load_state_dict``: the next iteration starts at batch ``next_batch`` of ``epoch``
         (of the plan dealt from ``offset``)."""
-        if next_batch > self.num_batches:
+        if next_batch > self.per_epoch:
             raise BadRequest(
                 f"state next_batch {next_batch} out of range 0 <= next_batch <= "
-                f"{self.num_batches} (batches per epoch of this rank)"
+                f"{self.per_epoch} (batches per epoch of this rank)"
             )
         self.marks = replace(self.marks, pending=Start(epoch, next_batch, offset))
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import job_id
+from shardserve.proto.jobs import job_id, rank_plan_size
 from shardserve.proto.messages import MAX_GROUP, Hello
 
 from ._delivery import Delivery, Unpacking
@@ -255,9 +255,7 @@ class Loader:
         inconsistent, or belongs to another job or version."""
         st = parse_states(state)
         check_same_job(st, self.spec, "loader")
-        start, origin = start_for(
-            st, self.world.world_size, self._num_samples, self._pos.num_batches
-        )
+        start, origin = start_for(st, self.world.world_size, self._num_samples, self._pos.per_epoch)
         self._pos.restore(*start)
         self._origin = (start.epoch, origin) if origin else None
 
@@ -277,9 +275,17 @@ class Loader:
         return EpochStream(
             self._conn, hello=hello, timeout=self.timeout, stats=self._stats,
             recreate_job=self._job.recreate, describe=self._job.describe, rings=self._rings,
-            rows=self.spec.batch_size, num_batches=self._pos.num_batches,
+            rows=self.spec.batch_size, num_batches=self._batches(start.offset),
             graphs=self.spec.collate == "graph",
         )  # fmt: skip
+
+    def _batches(self, offset: int) -> int:
+        """Batches of this rank's plan of an epoch dealt from ``offset``."""
+        if offset == 0:
+            return self._pos.per_epoch
+        s = self.spec
+        rest = self._num_samples - offset
+        return rank_plan_size(rest, s.world_size, s.batch_size // s.envs, s.drop_last)[1]
 
     def _load_resident(self, url: str, envs_on: list[torch.device]) -> Resident:
         """Stream the dataset once in store order (its own job) into resident tensors."""

@@ -159,7 +159,7 @@ class IndexPlan:
         world size, or a list of every rank's) left off; a ``Loader``'s rules."""
         st = parse_states(state)
         check_same_job(st, self.spec, "plan")
-        start, _ = start_for(st, self.world.world_size, self._num_samples, self._pos.num_batches)
+        start, _ = start_for(st, self.world.world_size, self._num_samples, self._pos.per_epoch)
         self._pos.restore(*start)
 
     def __iter__(self) -> Iterator[Any]:

@@ -50,28 +50,6 @@ def resume_point(position: int, world_size: int, batch_size: int) -> ResumePoint
     return ResumePoint(offset, start_batch)
 
 
-def rank_length(n_samples: int, world_size: int, drop_last: bool) -> int:
-    """How many ids each rank's sampler yields (``len(DistributedSampler)``).
-
-    >>> rank_length(10, 3, drop_last=False), rank_length(10, 3, drop_last=True)
-    (4, 3)
-    """
-    return n_samples // world_size if drop_last else -(-n_samples // world_size)
-
-
-def rank_batches(
-    n_samples: int, world_size: int, batch_size: int, drop_last: bool, offset: int = 0
-) -> int:
-    """Batches every rank gets of an epoch of ``n_samples`` dealt from ``offset``; arithmetic
-    only (the planner checks its arguments; this trusts them).
-
-    >>> rank_batches(1000, 3, 64, False), rank_batches(1000, 3, 64, True, offset=100)
-    (6, 4)
-    """
-    per_rank = rank_length(n_samples - offset, world_size, drop_last)
-    return per_rank // batch_size if drop_last else -(-per_rank // batch_size)
-
-
 def position_of(point: ResumePoint, world_size: int, batch_size: int) -> int:
     """The epoch position after every rank received the batches before ``point.start_batch``
     of the deal from ``point.offset``."""
