@@ -153,3 +153,35 @@ def test_resume_across_a_server_killed_with_sigkill(store: Path, shuffle: str) -
     with run_server(store) as second:
         per_rank, _ = _resume(second.http_url, 3, shuffle, False, states[0])
     _check(before, per_rank, 3, False)
+
+
+def test_env_steps_resume_on_another_world_size(server: ServerProc) -> None:
+    """envs=2: a step holds one batch of each environment; one position resumes both orders,
+    each environment's samples exactly once over the save on 4 ranks and the resume on 3."""
+
+    def loaders(world: int) -> list[Loader]:
+        return [
+            Loader(server.http_url, "cifar", BATCH, seed=5, envs=2, rank=r, world_size=world)
+            for r in range(world)
+        ]
+
+    before: list[list[int]] = [[], []]
+    states = []
+    for ld in loaders(SAVED_ON):
+        with ld:
+            ld.set_epoch(EPOCH)
+            for step in itertools.islice(iter(ld), K):
+                for e, b in enumerate(step):
+                    before[e].extend(ids(b))
+            states.append(ld.state_dict())
+    assert states[0]["position"] == SAVED_ON * BATCH * K
+    per_env: list[list[list[tuple[int, ...]]]] = [[], []]
+    for ld in loaders(3):
+        with ld:
+            ld.load_state_dict(states[0])
+            steps = list(ld)
+            for e in range(2):
+                per_env[e].append([ids(s[e]) for s in steps])
+    for e in range(2):
+        _check(before[e], per_env[e], 3, False)
+    assert before[0] != before[1]  # two orders, not one twice
