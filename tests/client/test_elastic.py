@@ -95,6 +95,9 @@ def test_state_of_4_ranks_resumes_on_2_3_4_6(server: ServerProc, shuffle: str, w
     status = httpx.get(f"{server.http_url}/v1/jobs/{job_ids[0]}", timeout=10).json()
     saved_by = states[0]["job"]
     assert status["resumed_from"] == (None if world == SAVED_ON else saved_by)
+    if world != SAVED_ON:  # the link is on the status page too
+        page = httpx.get(f"{server.http_url}/", timeout=10).text
+        assert f"resumed from job <a href='#job-{saved_by}'>" in page
 
 
 @pytest.mark.parametrize("world", [3, 6])
