@@ -16,7 +16,7 @@ from shardserve.client import Loader
 from shardserve.client.plan import plan as index_plan
 from shardserve.server.planning import plan
 from tests.client.conftest import N_CIFAR, ids
-from tests.support.server import ServerProc, run_server
+from tests.support.server import ServerProc, free_port, run_server
 
 BATCH = 10
 SAVED_ON = 4
@@ -188,3 +188,30 @@ def test_env_steps_resume_on_another_world_size(server: ServerProc) -> None:
     for e in range(2):
         _check(before[e], per_env[e], 3, False)
     assert before[0] != before[1]  # two orders, not one twice
+
+
+def test_resumed_epoch_survives_a_kill9_while_streaming(store: Path, tmp_path: Path) -> None:
+    """A server killed with SIGKILL in the middle of the resumed epoch (restarted on the same
+    ports): each rank's stream re-opens at its next batch of the same deal, the job link is
+    stated again, and the epoch is still every sample exactly once."""
+    http, data = free_port(), free_port()
+    args = ("--state-dir", str(tmp_path / "state"))
+    with run_server(store, *args, http_port=http, data_port=data, workdir=tmp_path / "w") as srv:
+        states, before = _save(srv.http_url, "global", False)
+        resumed = _loaders(srv.http_url, 3, "global", False)
+        for ld in resumed:
+            ld.load_state_dict(states[0])
+        first = iter(resumed[0])  # one pass across the crash: a new iter() is the next epoch
+        per_rank = [[ids(b) for b in itertools.islice(first, 5)]]
+        srv.kill()
+    with run_server(store, *args, http_port=http, data_port=data, workdir=tmp_path / "w") as srv:
+        per_rank[0] += [ids(b) for b in first]
+        per_rank += [[ids(b) for b in ld] for ld in resumed[1:]]
+        status = httpx.get(f"{srv.http_url}/v1/jobs/{resumed[0].job_id}", timeout=10).json()
+        for ld in resumed:
+            ld.close()
+    _check(before, per_rank, 3, False)
+    for r, got in enumerate(per_rank):
+        want = plan(N_CIFAR, 5, EPOCH, 3, r, BATCH, "global", position=80)
+        assert got == [tuple(int(i) for i in b) for b in want]
+    assert status["resumed_from"] == states[0]["job"]
