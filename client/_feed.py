@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardserve.proto.jobs import rank_plan_size
 from shardserve.proto.messages import MAX_GROUP, Hello
 
 from ._delivery import Delivery, Unpacking
@@ -64,10 +65,13 @@ class Feed:
             self.ctx.rings.close()
             raise
 
-    def open(self, epoch: int, start: int) -> EpochStream:
-        """A stream of ``epoch`` from batch ``start``; its batches start on their way now."""
+    def open(self, epoch: int, start: int, offset: int = 0, origin: str = "") -> EpochStream:
+        """A stream of ``epoch`` from batch ``start``; its batches start on their way now.
+        ``offset``/``origin``: an epoch resumed on another world size (``Hello.offset``: the
+        plan is dealt from there; ``Hello.origin``: the job the state was saved by)."""
         hello = Hello(
-            job=self.job.id, rank=self.rank, epoch=epoch, start_batch=start, credit=self.prefetch,
+            job=self.job.id, rank=self.rank, epoch=epoch, start_batch=start, offset=offset,
+            origin=origin, credit=self.prefetch,
             token=self.job.token or "", transport="auto" if self.shm else "socket",
             boot_id=self._boot_id, pid=os.getpid(),
             # Padding is per batch: a message of several would be padded to its longest.
@@ -79,9 +83,17 @@ class Feed:
             self.conn, hello=hello, timeout=self.timeout, stats=self.ctx.stats,
             recreate_job=self.job.recreate, describe=self.job.describe, rings=self.ctx.rings,
             # What every message and the Welcome are checked against: the job's own plan.
-            rows=self.job.spec.batch_size, num_batches=self.ctx.pos.num_batches,
+            rows=self.job.spec.batch_size, num_batches=self._batches(offset),
             graphs=self.job.spec.collate == "graph",
         )  # fmt: skip
+
+    def _batches(self, offset: int) -> int:
+        """Batches of this rank's plan of an epoch dealt from ``offset``."""
+        if offset == 0:
+            return self.ctx.pos.per_epoch
+        s = self.job.spec
+        rest = self.job.num_samples - offset
+        return rank_plan_size(rest, s.world_size, s.batch_size // s.envs, s.drop_last)[1]
 
     def pass_(
         self, start: Start, stream: EpochStream, rebuild: Callable[[Batch], Any] | None
@@ -119,6 +131,6 @@ def store_order(
         batch_size=job.spec.batch_size,
     )  # fmt: skip
     try:
-        yield from feed.pass_((0, 0), feed.open(0, 0), None)
+        yield from feed.pass_(Start(0, 0), feed.open(0, 0), None)
     finally:
         feed.close()

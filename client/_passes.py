@@ -210,7 +210,7 @@ class ResidentPass(_Pass):
     def _step(self) -> Any:
         ctx, i = self.ctx, self.index
         if self.plans is None:
-            self.plans = self.resident.epoch(self.start[0])
+            self.plans = self.resident.epoch(self.start[0], self.start.offset)
             ctx.pos.num_batches = self.plans[0].num_batches
         if i >= ctx.pos.num_batches:
             return None

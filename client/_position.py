@@ -8,11 +8,19 @@ server, so a state taken at any moment resumes exactly the batches the loop has 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from shardserve.proto.errors import BadRequest
 
-#: (epoch, first batch) of an iteration.
-Start = tuple[int, int]
+
+class Start(NamedTuple):
+    """Where an iteration begins: its epoch, first batch, and the offset its plan is dealt
+    from (non-zero only in an epoch resumed on another world size, see
+    :mod:`shardserve.proto.resume`)."""
+
+    epoch: int
+    batch: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,8 @@ class Marks:
     epoch: int | None
     next_batch: int
     epoch_done: bool
+    #: The offset the current iteration's plan is dealt from.
+    offset: int = 0
 
 
 class Position:
@@ -36,6 +46,9 @@ class Position:
     def __init__(self, job_epoch: int, num_batches: int) -> None:
         self.job_epoch = job_epoch
         self.num_batches = num_batches
+        #: Batches of a whole epoch (``num_batches`` is that of the current iteration's plan,
+        #: fewer in an epoch resumed on another world size).
+        self.per_epoch = num_batches
         self.marks = Marks(pending=None, epoch=None, next_batch=0, epoch_done=False)
 
     @property
@@ -48,30 +61,34 @@ class Position:
         if epoch < 0:
             raise BadRequest(f"epoch {epoch} must be >= 0")
         pending = self.marks.pending
-        start = pending[1] if pending and pending[0] == epoch else 0
-        self.marks = replace(self.marks, pending=(epoch, start))
+        same = pending is not None and pending.epoch == epoch
+        start = Start(epoch, pending.batch, pending.offset) if pending and same else Start(epoch, 0)
+        self.marks = replace(self.marks, pending=start)
 
-    def restore(self, epoch: int, next_batch: int) -> None:
-        """``load_state_dict``: the next iteration starts at batch ``next_batch`` of ``epoch``."""
-        if next_batch > self.num_batches:
+    def restore(self, epoch: int, next_batch: int, offset: int = 0) -> None:
+        """``load_state_dict``: the next iteration starts at batch ``next_batch`` of ``epoch``
+        (of the plan dealt from ``offset``)."""
+        if next_batch > self.per_epoch:
             raise BadRequest(
                 f"state next_batch {next_batch} out of range 0 <= next_batch <= "
-                f"{self.num_batches} (batches per epoch of this rank)"
+                f"{self.per_epoch} (batches per epoch of this rank)"
             )
-        self.marks = replace(self.marks, pending=(epoch, next_batch))
+        self.marks = replace(self.marks, pending=Start(epoch, next_batch, offset))
 
     def next_start(self) -> Start:
         """Where the next iteration begins; kept pending until that iteration yields."""
         m = self.marks
         if m.pending is None:
             epoch = self.job_epoch if m.epoch is None else m.epoch + 1
-            self.marks = replace(m, pending=(epoch, 0))
+            self.marks = replace(m, pending=Start(epoch, 0))
         assert self.marks.pending is not None
         return self.marks.pending
 
     def begin(self, start: Start) -> None:
         """An iteration from ``start`` was created (nothing received yet)."""
-        self.marks = replace(self.marks, epoch=start[0], next_batch=start[1], epoch_done=False)
+        self.marks = replace(
+            self.marks, epoch=start[0], next_batch=start[1], epoch_done=False, offset=start.offset
+        )
 
     def received(self, start: Start, index: int) -> None:
         """Batch ``index`` of the iteration from ``start`` reached the loop."""
@@ -84,12 +101,12 @@ class Position:
         self.marks = replace(self.marks, pending=pending, epoch_done=True)
 
     def state(self) -> Start:
-        """(epoch, next batch) as ``state_dict`` reports them."""
+        """(epoch, next batch, offset) as ``state_dict`` reports them."""
         m = self.marks
         if m.pending is not None:
             return m.pending
         if m.epoch is None:
-            return self.job_epoch, 0
+            return Start(self.job_epoch, 0)
         if m.epoch_done or m.next_batch >= self.num_batches:
-            return m.epoch + 1, 0
-        return m.epoch, m.next_batch
+            return Start(m.epoch + 1, 0)
+        return Start(m.epoch, m.next_batch, m.offset)

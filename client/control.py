@@ -32,6 +32,8 @@ from .distributed import World, agree_with_rank0
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
 PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
+#: Header of ``GET /v1/jobs/{id}/plan``: the offset the plan was dealt from (elastic resume).
+PLAN_OFFSET_HEADER = "X-Shardserve-Offset"
 #: Where a Loader whose ``url`` is ``None`` looks without ``SHARDSERVE_URL``: the node-local
 #: sidecar.
 DEFAULT_URL = "http://127.0.0.1:7070"
@@ -142,12 +144,22 @@ class ControlClient:
         rank: int,
         env: int | None = None,
         timeout: float | None = None,
+        offset: int = 0,
     ) -> tuple[np.ndarray, int]:
         """``GET /v1/jobs/{id}/plan``: ``rank``'s sample ids of ``epoch`` in batch order (int64)
         and the number of batches they make, exactly as the data plane would stream them
-        (``env``: that environment's own ids; ``None``: the job's steps as streamed)."""
+        (``env``: that environment's own ids; ``None``: the job's steps as streamed);
+        ``offset``: the plan dealt from there (an elastic resume, see ``proto.resume``)."""
         params = {"epoch": epoch, "rank": rank} | ({} if env is None else {"env": env})
+        if offset:
+            params["offset"] = offset
         r = self._request("GET", f"/v1/jobs/{job_id}/plan", params=params, timeout=timeout)
+        if offset and r.headers.get(PLAN_OFFSET_HEADER) != str(offset):
+            raise ShardserveError(
+                f"GET /v1/jobs/{job_id}/plan: asked for the plan dealt from offset {offset}, "
+                f"the server answered {PLAN_OFFSET_HEADER}={r.headers.get(PLAN_OFFSET_HEADER)!r}; "
+                "an elastic resume needs a server that has it (upgrade the server)"
+            )
         try:
             batches = int(r.headers[PLAN_BATCHES_HEADER])
         except (KeyError, ValueError):

@@ -28,12 +28,11 @@ from .distributed import resolve_world
 from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
 from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
-from .state import parse_state
+from .state import check_same_job, make_state, parse_states, start_for
 from .stream import EpochStream
 from .structure import rebuild_for
 from .types import LoaderStats
 
-STATE_VERSION = 1
 #: Resident mode loads the dataset in batches of about this many bytes.
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
@@ -215,6 +214,8 @@ class Loader:
         )  # fmt: skip
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
+        #: (epoch, job id): the epoch resumed from a state of another world size.
+        self._origin: tuple[int, str] | None = None
         self.batch_timeout, self.pad_variable, self.copy = timeout, pad_variable, copy
         self.envs = envs
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -286,37 +287,35 @@ class Loader:
         >>> loader.set_epoch(3); loader.skip_to(10)   # doctest: +SKIP
         >>> next(iter(loader))                        # batch 10 of epoch 3
         """
-        epoch, _ = self._ctx.pos.next_start()
-        self._ctx.pos.restore(epoch, batch)
+        self._ctx.pos.restore(self._ctx.pos.next_start().epoch, batch)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
         return self._ctx.pos.num_batches
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loop is: the epoch in progress and the next batch it has not received;
-        after an epoch's last batch, the start of the next epoch."""
-        epoch, nxt = self._ctx.pos.state()
-        return {
-            "version": STATE_VERSION, "spec": deepcopy(self._spec_dump), "epoch": epoch,
-            "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
-        }  # fmt: skip
+        """Where the loop is: the epoch in progress, the next batch it has not received and
+        the epoch's global ``position`` (ids of the epoch's order every rank together has
+        consumed, see :mod:`.state`); after an epoch's last batch, the start of the next."""
+        return make_state(
+            deepcopy(self._spec_dump), self.job_id, self.world.rank, self.world.world_size,
+            self._ctx.pos.state(),
+        )  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next iteration start where ``state`` left off: a state of any rank of the
-        same world size (DDP ranks share their position); ``BadRequest`` naming the problem if
-        ``state`` is damaged or belongs to another job, world size or version."""
-        st = parse_state(state, STATE_VERSION)
-        if st.spec != self.spec:
-            raise BadRequest(f"state is for job {st.spec!r}, this loader serves {self.spec!r}")
-        # Another rank's state of the same world is accepted: DDP ranks step together, so
-        # their positions are equal, and a checkpoint (Lightning's) holds rank 0's only.
-        if st.world_size != self.world.world_size:
-            raise BadRequest(
-                f"state is for rank {st.rank} of {st.world_size}, this loader is rank "
-                f"{self.world.rank} of {self.world.world_size}"
-            )
-        self._ctx.pos.restore(st.epoch, st.next_batch)
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Make the next iteration start where ``state`` left off, on this world size or any
+        other (elastic resume: the samples no rank consumed are dealt over this job's ranks).
+
+        ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
+        same position; Lightning and Accelerate checkpoint rank 0's), or a list of every
+        rank's, which must agree. ``BadRequest`` naming the problem if ``state`` is damaged,
+        inconsistent, or belongs to another job or version."""
+        st = parse_states(state)
+        check_same_job(st, self.spec, "loader")
+        pos = self._ctx.pos
+        start, origin = start_for(st, self.world.world_size, self._job.num_samples, pos.per_epoch)
+        pos.restore(*start)
+        self._origin = (start.epoch, origin) if origin else None
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -367,9 +366,11 @@ class Loader:
             stream is None
             or stream.epoch != start[0]
             or stream.hello.start_batch != start[1]
+            or stream.hello.offset != start.offset
             or stream.next_index != start[1]
         ):
-            stream = self._feed.open(*start)
+            origin = self._origin[1] if self._origin and self._origin[0] == start.epoch else ""
+            stream = self._feed.open(start.epoch, start.batch, start.offset, origin)
         return stream
 
     # -- lifecycle -------------------------------------------------------------------------

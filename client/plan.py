@@ -31,12 +31,11 @@ import torch
 from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import Collate, OnError
 
-from ._position import Position
+from ._position import Position, Start
 from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import World, resolve_world
-from .loader import STATE_VERSION
-from .state import parse_state
+from .state import check_same_job, make_state, parse_states, start_for
 
 IdBatch = torch.Tensor
 
@@ -77,16 +76,19 @@ class IndexPlan:
         if not 0 <= env < self.envs:
             raise BadRequest(f"env {env} out of range 0 <= env < {self.envs}")
         return (
-            np.concatenate([s[env] for s in self._steps(epoch)])
+            np.concatenate([s[env] for s in self._steps(epoch, 0)])
             if len(self)
             else np.empty(0, np.int64)
         )
 
-    def _steps(self, epoch: int) -> list[list[np.ndarray]]:
+    def _steps(self, epoch: int, offset: int) -> list[list[np.ndarray]]:
         """Each step's id batch per environment (one request: a step is the envs' batches
-        side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
+        side by side, env ``e`` the ``e``-th of ``envs`` equal parts); ``offset``: the plan
+        dealt from there (an elastic resume)."""
         job = self._live()
-        ids, batches = job.api.plan(job.id, epoch, self.world.rank, timeout=self.timeout)
+        ids, batches = job.api.plan(
+            job.id, epoch, self.world.rank, timeout=self.timeout, offset=offset
+        )
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:
             raise DataError(
@@ -97,8 +99,8 @@ class IndexPlan:
         steps = np.split(ids, np.arange(self.spec.batch_size, len(ids), self.spec.batch_size))
         return [np.split(step, self.envs) for step in steps if len(step)]
 
-    def _epoch_batches(self, epoch: int) -> list[list[IdBatch]]:
-        steps = self._steps(epoch)
+    def _epoch_batches(self, epoch: int, offset: int) -> list[list[IdBatch]]:
+        steps = self._steps(epoch, offset)
         flat = torch.from_numpy(
             np.concatenate([i for s in steps for i in s]) if steps else np.empty(0, np.int64)
         )
@@ -117,23 +119,19 @@ class IndexPlan:
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch in progress and the next step not yet received (a ``Loader`` state)."""
-        epoch, nxt = self._pos.state()
-        return {
-            "version": STATE_VERSION, "spec": self.spec.model_dump(mode="json"), "epoch": epoch,
-            "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
-        }  # fmt: skip
+        return make_state(
+            self.spec.model_dump(mode="json"), self.job_id, self.world.rank,
+            self.world.world_size, self._pos.state(),
+        )  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start the next iteration where ``state`` (this plan's or a ``Loader``'s) left off."""
-        st = parse_state(state, STATE_VERSION)
-        if st.spec != self.spec:
-            raise BadRequest(f"state is for job {st.spec!r}, this plan is for {self.spec!r}")
-        if st.world_size != self.world.world_size:
-            raise BadRequest(
-                f"state is for rank {st.rank} of {st.world_size}, this plan is rank "
-                f"{self.world.rank} of {self.world.world_size}"
-            )
-        self._pos.restore(st.epoch, st.next_batch)
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Start the next iteration where ``state`` (this plan's or a ``Loader``'s, of any
+        world size, or a list of every rank's) left off; a ``Loader``'s rules."""
+        st = parse_states(state)
+        check_same_job(st, self.spec, "plan")
+        n = self._live().num_samples
+        start, _ = start_for(st, self.world.world_size, n, self._pos.per_epoch)
+        self._pos.restore(*start)
 
     def __iter__(self) -> Iterator[Any]:
         self._live()
@@ -142,8 +140,8 @@ class IndexPlan:
         self._pass += 1
         return self._run(self._pass, start)
 
-    def _run(self, this_pass: int, start: tuple[int, int]) -> Iterator[Any]:
-        steps = self._epoch_batches(start[0])
+    def _run(self, this_pass: int, start: Start) -> Iterator[Any]:
+        steps = self._epoch_batches(start.epoch, start.offset)
         for i in range(start[1], len(steps)):
             if self._pass != this_pass:
                 raise RuntimeError("this iterator was replaced by a newer iter(plan); use that one")

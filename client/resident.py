@@ -237,17 +237,21 @@ class Resident:
         first = next(iter(self.data.values()))
         return sum(t[0].numel() * t.element_size() for t in first.tensors.values())
 
-    def epoch(self, epoch: int) -> list[EnvPlan]:
-        """Every environment's plan for ``epoch``, its ids already on its device."""
+    def epoch(self, epoch: int, offset: int = 0) -> list[EnvPlan]:
+        """Every environment's plan for ``epoch`` (dealt from ``offset``: an elastic resume),
+        its ids already on its device."""
         plans = []
         for env, dev in enumerate(self.env_devices):
-            ids, batches = self.api.plan(self.job_id, epoch, self.rank, env, timeout=self.timeout)
-            self._check_plan(ids, batches, f"plan of job {self.job_id} epoch {epoch} env {env}")
+            ids, batches = self.api.plan(
+                self.job_id, epoch, self.rank, env, timeout=self.timeout, offset=offset
+            )
+            what = f"plan of job {self.job_id} epoch {epoch} env {env}"
+            self._check_plan(ids, batches, what, offset)
             cut = torch.from_numpy(ids.copy()).to(dev).split(self.batch_size)
             plans.append(EnvPlan(cut, self.data[dev]))
         return plans
 
-    def _check_plan(self, ids: np.ndarray, batches: int, what: str) -> None:
+    def _check_plan(self, ids: np.ndarray, batches: int, what: str, offset: int = 0) -> None:
         """Refuse a plan before any id reaches a device: its length must be the job's (every
         rank plans the same number of ids, see :func:`~shardserve.proto.jobs.rank_plan_size`)
         and every id a row of the resident data (on CUDA an id out of range is a device-side
@@ -256,7 +260,7 @@ class Resident:
             self._job = self.api.job(self.job_id, timeout=self.timeout)
         spec, rows = self._job.spec, self.num_samples
         want_ids, want_batches = rank_plan_size(
-            self._job.num_samples, spec.world_size, self.batch_size, spec.drop_last
+            self._job.num_samples - offset, spec.world_size, self.batch_size, spec.drop_last
         )
         if self._job.num_samples != rows:
             raise ProtocolError(

@@ -1,13 +1,22 @@
-"""Checking a ``Loader.state_dict()`` before resuming from it.
+"""Checking a ``Loader.state_dict()`` before resuming from it, on any world size.
 
 A state dict comes back from a checkpoint file that may be from another version, another job,
 hand-edited or damaged. Every problem is one ``BadRequest`` that names the key, what it held
 and what was expected, instead of a ``KeyError`` or a raw pydantic dump.
+
+What a state says (version 2): the epoch in progress and its **position**, how many ids of the
+epoch's one global order every rank together has consumed (see :mod:`shardserve.proto.resume`),
+plus the world size and spec it was saved with. Under DDP every rank has received the same
+number of batches, so every rank's state says the same position and any one of them (rank
+0's, all that Lightning and Accelerate checkpoint) resumes the whole job, on the same or any
+other world size. A list of every rank's states is accepted too: it must be one state per rank
+``0 .. N-1`` of one world size, all at the same epoch and position, else it is refused.
+Version 1 states (no position) are read as ``position = next_batch * batch * world_size``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +24,17 @@ from pydantic import ValidationError
 
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec
+from shardserve.proto.messages import MAX_REPORTED_COUNT
+from shardserve.proto.resume import ResumePoint, resume_point
 
+from ._position import Start
+
+#: What ``state_dict()`` writes; every version in :data:`READS` loads.
+VERSION = 2
+READS = (1, 2)
 KEYS = ("version", "spec", "epoch", "next_batch", "rank", "world_size")
+#: Epochs a Hello can carry.
+MAX_EPOCH = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -28,17 +46,29 @@ class ResumeState:
     next_batch: int
     rank: int
     world_size: int
+    #: Ids of the epoch's order consumed by every rank together (see the module docstring).
+    position: int
+    #: The server's id of the job that saved it (``""`` in version 1 states).
+    job: str = ""
+
+    @property
+    def batch(self) -> int:
+        """Samples of one rank's batch of one environment: the unit of the position."""
+        return self.spec.batch_size // self.spec.envs
 
 
-def _int(state: Mapping[str, Any], key: str, low: int = 0) -> int:
+def _int(state: Mapping[str, Any], key: str, low: int = 0, high: int = MAX_REPORTED_COUNT) -> int:
     v = state[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise BadRequest(f"state dict key {key!r} is {v!r}; expected an integer >= {low}")
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise BadRequest(
+            f"state dict key {key!r} is {v!r}; expected an integer {low} <= {key} <= {high}"
+        )
     return v
 
 
-def parse_state(state: object, version: int) -> ResumeState:
-    """The checked state, or ``BadRequest`` saying what is wrong with it."""
+def parse_state(state: object, version: int = VERSION) -> ResumeState:
+    """The checked state, or ``BadRequest`` saying what is wrong with it. ``version``: the
+    newest this reader writes (any of :data:`READS` up to it loads)."""
     if not isinstance(state, Mapping):
         raise BadRequest(
             f"a state dict must be the dict Loader.state_dict() returned, got {type(state).__name__}"
@@ -48,8 +78,10 @@ def parse_state(state: object, version: int) -> ResumeState:
         raise BadRequest(
             f"state dict lacks key(s) {missing}; pass the dict Loader.state_dict() returned"
         )
-    if state["version"] != version:
-        raise BadRequest(f"state version {state['version']!r}; this client reads {version}")
+    got = state["version"]
+    if isinstance(got, bool) or got not in READS or got > version:
+        readable = [v for v in READS if v <= version]
+        raise BadRequest(f"state version {got!r}; this client reads versions {readable}")
     if not isinstance(state["spec"], Mapping):
         raise BadRequest(f"state dict key 'spec' is {state['spec']!r}; expected the job spec dict")
     try:
@@ -59,8 +91,105 @@ def parse_state(state: object, version: int) -> ResumeState:
             f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()
         )
         raise BadRequest(f"state dict key 'spec' is not a valid job spec: {problems}") from None
-    world_size = _int(state, "world_size", 1)
+    world_size = _int(state, "world_size", 1, MAX_REPORTED_COUNT)
     rank = _int(state, "rank")
     if rank >= world_size:
         raise BadRequest(f"state dict rank {rank} out of range 0 <= rank < {world_size}")
-    return ResumeState(spec, _int(state, "epoch"), _int(state, "next_batch"), rank, world_size)
+    if world_size != spec.world_size:
+        raise BadRequest(
+            f"state dict key 'world_size' is {world_size} but its spec says world_size "
+            f"{spec.world_size}; the state was edited or mixed up"
+        )
+    epoch = _int(state, "epoch", 0, MAX_EPOCH)
+    next_batch = _int(state, "next_batch")
+    step = spec.batch_size // spec.envs * world_size
+    if got == 1:
+        position = next_batch * step
+        job = ""
+    else:
+        position = _int(state, "position")
+        if position // step != next_batch:
+            raise BadRequest(
+                f"state dict keys 'position' ({position}) and 'next_batch' ({next_batch}) "
+                f"disagree: position {position} is batch {position // step} of {world_size} "
+                f"ranks of {step // world_size}; pass the dict Loader.state_dict() returned"
+            )
+        job = state.get("job", "")
+        if not isinstance(job, str) or len(job) > 64:
+            raise BadRequest(f"state dict key 'job' is {job!r}; expected a job id string")
+    return ResumeState(spec, epoch, next_batch, rank, world_size, position, job)
+
+
+def parse_states(states: object, version: int = VERSION) -> ResumeState:
+    """One state, or the states of every rank of one job (a list): checked to agree, since
+    resuming from ranks that consumed different numbers of batches would lose or repeat
+    samples. ``BadRequest`` names the first disagreement."""
+    if isinstance(states, Mapping):
+        return parse_state(states, version)
+    if not isinstance(states, Sequence) or isinstance(states, (str, bytes)) or not states:
+        raise BadRequest(
+            "a state dict must be the dict Loader.state_dict() returned (or a non-empty list "
+            f"of every rank's), got {type(states).__name__}"
+        )
+    parsed = [parse_state(s, version) for s in states]
+    first = parsed[0]
+    ranks = sorted(p.rank for p in parsed)
+    if ranks != list(range(first.world_size)):
+        raise BadRequest(
+            f"a list of states must hold one state of each rank 0..{first.world_size - 1} of "
+            f"the world it was saved on; got ranks {ranks}"
+        )
+    for p in parsed[1:]:
+        for key in ("spec", "world_size", "epoch", "position", "job"):
+            if getattr(p, key) != getattr(first, key):
+                raise BadRequest(
+                    f"the states disagree on {key!r}: rank {first.rank} has "
+                    f"{getattr(first, key)!r}, rank {p.rank} has {getattr(p, key)!r}; the ranks "
+                    "of one job must be saved at the same step (as DDP keeps them)"
+                )
+    return first
+
+
+def check_same_job(st: ResumeState, spec: JobSpec, what: str) -> None:
+    """``BadRequest`` unless ``st`` was saved by ``spec``'s job at some world size."""
+    if st.spec.model_copy(update={"world_size": spec.world_size}) != spec:
+        raise BadRequest(f"state is for job {st.spec!r}, this {what} serves {spec!r}")
+
+
+def resume_at(st: ResumeState, world_size: int) -> ResumePoint:
+    """Where a rank of ``world_size`` starts: ``st.position`` dealt over ``world_size`` ranks."""
+    return resume_point(st.position, world_size, st.batch)
+
+
+def make_state(
+    spec_dump: dict[str, Any], job: str, rank: int, world_size: int, start: Start
+) -> dict[str, Any]:
+    """The dict ``state_dict()`` returns for a rank whose next iteration starts at ``start``.
+    ``spec_dump`` is used as is: the caller passes a copy of its own."""
+    step = spec_dump["batch_size"] // spec_dump.get("envs", 1) * world_size
+    return {
+        "version": VERSION, "spec": spec_dump, "job": job, "epoch": start.epoch,
+        "next_batch": start.batch, "position": start.offset + start.batch * step,
+        "rank": rank, "world_size": world_size,
+    }  # fmt: skip
+
+
+def start_for(
+    st: ResumeState, world_size: int, num_samples: int, num_batches: int
+) -> tuple[Start, str]:
+    """Where a rank of ``world_size`` resumes ``st`` (of a job of ``num_samples`` samples and
+    ``num_batches`` batches a rank) and the saving job's id when the world size changed (the
+    link a resumed job shows), else ``""``."""
+    step = st.batch * st.world_size
+    if st.world_size == world_size:  # the plan it was streaming, at the batch it was at
+        return Start(st.epoch, st.next_batch, st.position - st.next_batch * step), ""
+    # An honest position is below n + 2 * step (at most one round of batches past the end).
+    if st.position >= num_samples + 2 * step:
+        raise BadRequest(
+            f"state dict key 'position' is {st.position}, beyond the {num_samples} samples of "
+            "an epoch of this job; pass the dict Loader.state_dict() returned"
+        )
+    if st.position >= num_samples:  # every sample of the epoch was consumed: nothing is left
+        return Start(st.epoch, num_batches), st.job
+    point = resume_at(st, world_size)
+    return Start(st.epoch, point.start_batch, point.offset), st.job

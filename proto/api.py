@@ -66,6 +66,9 @@ class JobStatus(BaseModel):
     #: Ranks that have opened a stream (a rank never seen is absent), by rank.
     ranks: list[RankStatus]
     error: str | None = None
+    #: Elastic resume: the id of the job, of another world size, whose ``state_dict`` a rank
+    #: of this job resumed (that job's metrics and status end where this one's begin).
+    resumed_from: str | None = None
 
 
 class CreatedJob(BaseModel):

@@ -42,9 +42,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from .endpoints import Delivery
 from .errors import ErrorCode
 
-#: The data-plane protocol version this code speaks.
-PROTOCOL_VERSION = 2
-SUPPORTED_PROTOCOLS = (2,)
+#: The data-plane protocol version this code speaks (3: ``Hello.offset`` and ``Hello.origin``,
+#: elastic resume).
+PROTOCOL_VERSION = 3
+SUPPORTED_PROTOCOLS = (3,)
 
 #: Upper bound on credit one stream may hold; more is refused, not clamped silently.
 MAX_CREDIT = 1024
@@ -115,6 +116,12 @@ class Hello(_Msg):
     )
     #: Most batches this client takes in one message (1: one batch per message).
     group: int = Field(default=1, ge=1, le=MAX_GROUP)
+    #: Elastic resume (:mod:`.resume`): positions of the epoch's order dealt before this
+    #: stream's plan (``< batch size * world size``); ``start_batch`` counts in that deal.
+    offset: int = Field(default=0, ge=0, le=MAX_REPORTED_COUNT)
+    #: The job whose state this epoch resumes when that job had another world size (its
+    #: id), shown on this job's status as the link between the two; ``""`` otherwise.
+    origin: str = Field(default="", max_length=64)
 
 
 class ShmRing(_Msg):

@@ -234,4 +234,5 @@ class JobAdmin:
             ),
             ranks=self.board.ranks(job.id),
             error=job.error,
+            resumed_from=job.resumed_from,
         )

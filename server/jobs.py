@@ -63,6 +63,9 @@ class Job:
     touched: float = field(default=0.0, compare=False)
     #: Replayed from the journal and not streamed since: not live until a rank comes back.
     restored: bool = field(default=False, compare=False)
+    #: The job of another world size whose state a rank of this one resumed (elastic resume,
+    #: from ``Hello.origin``); kept in memory, said again by each stream of the resumed epoch.
+    resumed_from: str | None = None
 
 
 class JobRegistry:
@@ -214,8 +217,9 @@ class JobRegistry:
         log_event(log, "job.epoch_set", job=jid, epoch=job.epoch, seed=job.seed)
         return job
 
-    def note_stream(self, jid: str, epoch: int) -> None:
-        """A rank opened a stream of ``epoch``: the job is in use.
+    def note_stream(self, jid: str, epoch: int, origin: str = "") -> None:
+        """A rank opened a stream of ``epoch``: the job is in use; ``origin``: the job (of
+        another world size) whose state that stream resumes, linked on this job's status.
 
         The job's own epoch is left alone: it changes only through :meth:`set_epoch`, so what
         one run streamed never becomes the next run's starting point.
@@ -223,7 +227,12 @@ class JobRegistry:
         with self._lock:
             job = self._jobs.get(jid)
             if job is not None:
-                self._jobs[jid] = replace(job, touched=time.monotonic(), restored=False)
+                linked = origin or job.resumed_from
+                self._jobs[jid] = replace(
+                    job, touched=time.monotonic(), restored=False, resumed_from=linked
+                )
+        if origin and (job is None or job.resumed_from != origin):
+            log_event(log, "job.resumed_from", job=jid, origin=origin, epoch=epoch)
 
     def fail(self, jid: str, code: ErrorCode, message: str) -> Job | None:
         """Mark a job failed with a reason (kept in memory: a restart re-checks the data)."""

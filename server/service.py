@@ -38,6 +38,7 @@ from .store.object_fs import StoreOptions
 from .store.remote import RemoteStore, open_store
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
+from .streaming.handshake import offset_bound
 from .streaming.plans import PlanCache
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import PREFIX as SHM_PREFIX
@@ -272,22 +273,33 @@ class Service:
         self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
 
     def plan(
-        self, job_id: str, epoch: int, rank: int, env: int | None = None
+        self, job_id: str, epoch: int, rank: int, env: int | None = None, offset: int = 0
     ) -> tuple[np.ndarray, int]:
         """``rank``'s sample ids of ``epoch`` in batch order (int64) and its batch count: what
         the data plane would stream, for clients that hold the data themselves (resident mode).
         ``env``: that environment's own ids and batches (:meth:`PlanCache.env_plan`); ``None``:
         the job's batches as streamed (a job of several environments: whole steps).
+        ``offset``: dealt from that position of the order, as a ``Hello.offset`` streams it.
         """
         job = self.jobs.get(job_id)
         world = job.spec.world_size
         if not 0 <= rank < world:
             raise BadRequest(f"rank {rank} is out of range for job {job_id}: 0 <= rank < {world}")
+        bound = offset_bound(job)
+        if offset >= bound:
+            raise BadRequest(
+                f"offset {offset} out of range 0 <= offset < {bound} for job {job_id} (one "
+                f"batch of every rank, within its {job.num_samples} samples)"
+            )
         ds = self.open_dataset(job.spec.dataset, job.spec.version)
         plan = (
-            self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows)
+            self.plans.rank_plan(
+                job, epoch, job.seed, rank, shard_rows=ds.shard_rows, offset=offset
+            )
             if env is None
-            else self.plans.env_plan(job, epoch, job.seed, rank, env, shard_rows=ds.shard_rows)
+            else self.plans.env_plan(
+                job, epoch, job.seed, rank, env, shard_rows=ds.shard_rows, offset=offset
+            )
         )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)

@@ -55,6 +55,9 @@ def set_epoch(job_id: JobId, update: EpochUpdate, service: ServiceDep) -> JobSta
 
 #: Header of ``GET .../plan`` responses: how many batches the ids are cut into.
 NUM_BATCHES_HEADER = "X-Shardserve-Num-Batches"
+#: Header of ``GET .../plan`` responses: the ``offset`` the plan was dealt from (a client
+#: asking for one checks it came back: a server without elastic resume ignores the query).
+OFFSET_HEADER = "X-Shardserve-Offset"
 
 
 @router.get(
@@ -75,17 +78,20 @@ def get_plan(
     epoch: Annotated[int, Query(ge=0, lt=1 << 31)],
     rank: Annotated[int, Query(ge=0, lt=1 << 16)] = 0,
     env: Annotated[int | None, Query(ge=0, lt=1 << 16)] = None,
+    offset: Annotated[int, Query(ge=0, lt=1 << 53)] = 0,
 ) -> Response:
     """One rank's sample ids of one epoch, in batch order: exactly what the data plane streams.
     With ``env``: that environment's own plan (of a job with ``envs`` > 1, the ``env``-th
     part of every step, batches of ``batch_size // envs``; 422 past its environments).
     Batches are ``batch_size`` ids each, the last one possibly short; the header
-    ``X-Shardserve-Num-Batches`` gives their number."""
-    ids, batches = service.plan(job_id, epoch, rank, env)
+    ``X-Shardserve-Num-Batches`` gives their number. ``offset`` (elastic resume): the plan
+    dealt from that position of the epoch's order, as a ``Hello`` with that offset streams
+    it; echoed in ``X-Shardserve-Offset``."""
+    ids, batches = service.plan(job_id, epoch, rank, env, offset)
     return Response(
         content=ids.tobytes(),
         media_type="application/octet-stream",
-        headers={NUM_BATCHES_HEADER: str(batches)},
+        headers={NUM_BATCHES_HEADER: str(batches), OFFSET_HEADER: str(offset)},
     )
 
 

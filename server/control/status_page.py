@@ -111,6 +111,11 @@ def _job_section(j: JobStatus) -> str:
         f"<span class='seen'>{sum(r.connected for r in j.ranks)} of {s.world_size} ranks "
         f"connected</span></p>{fallback}"
     )
+    if j.resumed_from:  # elastic resume: the job of another world size this one continues
+        head += (
+            f"<p class='meta resumed'>resumed from job <a href='#job-{_e(j.resumed_from)}'>"
+            f"{_e(j.resumed_from)}</a> (another world size)</p>"
+        )
     if not j.ranks:
         return head + "<p class='meta'>no rank has opened a stream yet</p>"
     rows = "\n".join(_rank_row(r) for r in j.ranks)

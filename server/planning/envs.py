@@ -51,12 +51,16 @@ class EnvSteps:
         rank: int,
         env_batch: int,
         drop_last: bool,
+        offset: int = 0,
     ) -> EnvSteps:
-        """Partition each environment's epoch order for ``rank``, batches of ``env_batch``."""
+        """Partition each environment's epoch order for ``rank``, batches of ``env_batch``;
+        ``offset``: deal each order from there on (elastic resume: every environment has
+        consumed the same number of positions of its own order, since a step holds one
+        batch of each)."""
         if not orders:
             raise ValueError("an EnvSteps needs at least one environment's order")
         plans = tuple(
-            RankPlan.from_order(o, world_size, rank, env_batch, drop_last) for o in orders
+            RankPlan.from_order(o, world_size, rank, env_batch, drop_last, offset) for o in orders
         )
         if len({p.num_batches for p in plans}) != 1:  # orders of different lengths
             raise ValueError(

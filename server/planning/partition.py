@@ -12,6 +12,12 @@ Padding is never more than one id a rank (its last), so a rank keeps a strided v
 of the shared order plus at most one extra id: no copy of the order per rank.
 Every rank gets the same number of batches: a DDP rank that ran out early would
 hang the others.
+
+Elastic resume (see :mod:`shardserve.proto.resume`): ``offset`` deals only the rest of the
+order, ``order[offset:]``, by the same rule; padding still repeats the order cyclically from
+its start (position ``offset + i`` of the padded deal is ``order[(offset + i) % n]``), so a
+deal from ``offset = k * batch_size * world_size`` is exactly the plan from offset 0 without
+its first ``k`` batches, padding ids included.
 """
 
 from __future__ import annotations
@@ -82,20 +88,42 @@ class RankPlan:
 
     @classmethod
     def from_order(
-        cls, order: np.ndarray, world_size: int, rank: int, batch_size: int, drop_last: bool
+        cls,
+        order: np.ndarray,
+        world_size: int,
+        rank: int,
+        batch_size: int,
+        drop_last: bool,
+        offset: int = 0,
     ) -> RankPlan:
-        """Partition ``order`` (the epoch order every rank shares) for ``rank`` of ``world_size``."""
+        """Partition ``order`` (the epoch order every rank shares) for ``rank`` of ``world_size``;
+        ``offset``: deal only ``order[offset:]``, the rest of an epoch resumed elastically.
+
+        >>> o = np.arange(10, dtype=np.uint32)
+        >>> [b.tolist() for b in RankPlan.from_order(o, 3, 2, 2, False, offset=5)]  # pads with o[0]
+        [[7, 0]]
+        """
         world_size, rank, batch_size = map(operator.index, (world_size, rank, batch_size))
+        offset = operator.index(offset)
         if order.ndim != 1:
             raise ValueError(f"order must be 1-D, got shape {order.shape}")
         n = len(order)
         _check(n, world_size, rank, batch_size)
-        per_rank = rank_length(n, world_size, drop_last)
-        batches = num_batches(n, world_size, batch_size, drop_last)
+        if not 0 <= offset <= n:
+            raise ValueError(
+                f"offset {offset} out of range 0 <= offset <= {n} (the order's length)"
+            )
+        rest = n - offset
+        per_rank = rank_length(rest, world_size, drop_last)
+        batches = num_batches(rest, world_size, batch_size, drop_last)
         num_samples = batches * batch_size if drop_last else per_rank
-        ids = order[rank:n:world_size][:num_samples]
+        ids = order[offset + rank : n : world_size][:num_samples]
         # Only the last id can be padding: the padded tail is shorter than world_size.
-        pad = int(order[(rank + (per_rank - 1) * world_size) % n]) if len(ids) < num_samples else 0
+        pad = (
+            int(order[(offset + rank + (per_rank - 1) * world_size) % n])
+            if len(ids) < num_samples
+            else 0
+        )
         return cls(world_size, rank, batch_size, drop_last, num_samples, batches, ids, pad)
 
     def __len__(self) -> int:

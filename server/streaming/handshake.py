@@ -8,7 +8,8 @@ Pure decision, no socket: :func:`check_hello` returns the reply that refuses the
 3. job known          -> ``Error(JOB_NOT_FOUND, fatal=False)``: the client re-POSTs its
                          spec (job ids are hashes of specs) and says Hello again
 4. job not failed     -> ``Error(<the failure's code>, reason, fatal=True)``
-5. rank, start batch  -> ``Reject(BAD_REQUEST)`` with the bound in the message
+5. rank, offset, start batch -> ``Reject(BAD_REQUEST)`` with the bound in the message
+   (``offset``: an elastic resume's deal, see :mod:`shardserve.proto.resume`)
 """
 
 from __future__ import annotations
@@ -40,9 +41,18 @@ def token_ok(expected: str | None, given: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def batches_per_rank(job: Job) -> int:
+def batches_per_rank(job: Job, offset: int = 0) -> int:
+    """Batches of each rank's plan dealt from ``offset`` (0: the whole epoch)."""
     s = job.spec
-    return num_batches(job.num_samples, s.world_size, s.batch_size // s.envs, s.drop_last)
+    rest = job.num_samples - offset
+    return num_batches(rest, s.world_size, s.batch_size // s.envs, s.drop_last)
+
+
+def offset_bound(job: Job) -> int:
+    """One more than the largest ``Hello.offset`` of ``job``: below one batch of every rank
+    (the canonical form of a resume point) and within the epoch."""
+    s = job.spec
+    return min(s.batch_size // s.envs * s.world_size, job.num_samples + 1)
 
 
 def check_hello(hello: Hello, job: Job | None, token: str | None) -> Reject | Error | None:
@@ -76,7 +86,15 @@ def check_hello(hello: Hello, job: Job | None, token: str | None) -> Reject | Er
             nonce=hello.nonce,
             message=f"rank {hello.rank} out of range 0 <= rank < {ws} (world_size of job {job.id})",
         )
-    nb = batches_per_rank(job)
+    bound = offset_bound(job)
+    if hello.offset >= bound:
+        return Reject(
+            code=ErrorCode.BAD_REQUEST,
+            nonce=hello.nonce,
+            message=f"offset {hello.offset} out of range 0 <= offset < {bound} (one batch of "
+            f"every rank, within the {job.num_samples} samples of job {job.id})",
+        )
+    nb = batches_per_rank(job, hello.offset)
     if hello.start_batch > nb:
         return Reject(
             code=ErrorCode.BAD_REQUEST,

@@ -134,7 +134,7 @@ class HelloHandling:
         if not s.want_shm:
             self.opener.rings.discard(ident)
         self.sessions[ident] = s
-        self.deps.registry.note_stream(job.id, s.epoch)
+        self.deps.registry.note_stream(job.id, s.epoch, hello.origin)
         # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
         # Planning has its own lane, so a flood of Hellos cannot starve other jobs' batches;
         # a Hello replaced (or a peer gone) before its turn costs nothing (see prepare).

@@ -86,15 +86,19 @@ class PlanCache:
         rank: int,
         shard_rows: np.ndarray | None = None,
         env: int = 0,
+        offset: int = 0,
     ) -> RankPlan | EnvSteps:
-        """One rank's batches of the epoch (a strided view of the shared order)."""
+        """One rank's batches of the epoch (a strided view of the shared order); ``offset``:
+        dealt from that position of the order on (elastic resume)."""
         spec = job.spec
         if spec.envs > 1:  # steps of several environments (issue 22)
             orders = [self.order(job, epoch, seed, shard_rows, e) for e in range(spec.envs)]
             b = spec.batch_size // spec.envs
-            return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last)
+            return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last, offset)
         order = self.order(job, epoch, seed, shard_rows, env)
-        return RankPlan.from_order(order, spec.world_size, rank, spec.batch_size, spec.drop_last)
+        return RankPlan.from_order(
+            order, spec.world_size, rank, spec.batch_size, spec.drop_last, offset
+        )
 
     def env_plan(
         self,
@@ -104,11 +108,12 @@ class PlanCache:
         rank: int,
         env: int,
         shard_rows: np.ndarray | None = None,
+        offset: int = 0,
     ) -> RankPlan:
         """Environment ``env``'s own batches of the epoch for ``rank``: of a job that streams
         steps of several environments (``envs > 1``), the ``env``-th part of every step
         (batches of ``batch_size // envs``); of any other job, ``env``'s order cut into
-        batches of ``batch_size`` (resident environments)."""
+        batches of ``batch_size`` (resident environments); ``offset``: dealt from there."""
         spec = job.spec
         if spec.envs > 1 and not 0 <= env < spec.envs:
             raise BadRequest(
@@ -117,7 +122,7 @@ class PlanCache:
             )
         order = self.order(job, epoch, seed, shard_rows, env)
         size = spec.batch_size // spec.envs
-        return RankPlan.from_order(order, spec.world_size, rank, size, spec.drop_last)
+        return RankPlan.from_order(order, spec.world_size, rank, size, spec.drop_last, offset)
 
     def forget(self, job_id: str) -> None:
         """Drop a deleted job's orders."""

@@ -89,6 +89,8 @@ class Session:
     seed: int
     nonce: int
     flow: Pipeline[Assembled]
+    #: Positions of the epoch's order dealt before this stream's plan (elastic resume).
+    offset: int = 0
     #: Asked for shared memory from this host (same kernel boot id, transport "auto").
     want_shm: bool = False
     #: Slots of the previous stream's ring the client still reads (it may take that ring over).
@@ -159,7 +161,9 @@ def prepare(
     check_batch(job.spec.batch_size, m.num_samples, batch_bytes, max_batch_bytes)
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
-    plan = plans.rank_plan(job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows)
+    plan = plans.rank_plan(
+        job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows, offset=s.offset
+    )
     hint: Callable[[RankPlan | EnvSteps], None] | None = getattr(source, "plan_hint", None)
     if hint is not None:
         hint(plan)  # a remote dataset prefetches the shards this plan reads next

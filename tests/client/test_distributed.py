@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    # ROOT for `tests`; the caller's path after it, so the workers import the same shardserve.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None) if k not in extra else None
     return env

@@ -209,7 +209,7 @@ def test_ctrl_c_in_iter_right_after_load_state_dict_keeps_the_position(
     """load_state_dict, then a Ctrl-C while iter() opens the stream: the restored position
     is still what state_dict reports, and the next iteration starts there."""
     with Loader(server.http_url, "cifar", BATCH, seed=2, shuffle=False) as loader:
-        state = {**loader.state_dict(), "epoch": 1, "next_batch": 7}
+        state = {**loader.state_dict(), "epoch": 1, "next_batch": 7, "position": 7 * BATCH}
         loader.load_state_dict(state)
         _interrupt_on_call(loader._feed, "open", 0)
         with pytest.raises(KeyboardInterrupt):

@@ -74,9 +74,11 @@ def test_state_dict_after_an_epoch_points_at_the_next(server) -> None:
         for _ in loader:
             pass
         st = loader.state_dict()
-        assert (st["epoch"], st["next_batch"], st["version"]) == (5, 0, 1)
-        with pytest.raises(ValueError, match="rank 1 of 2"):
+        assert (st["epoch"], st["next_batch"], st["position"], st["version"]) == (5, 0, 0, 2)
+        with pytest.raises(ValueError, match="'world_size' is 2 but its spec says world_size 1"):
             loader.load_state_dict({**st, "rank": 1, "world_size": 2})
+        with pytest.raises(ValueError, match="state is for job"):
+            loader.load_state_dict({**st, "spec": {**st["spec"], "seed": 1}})
 
 
 def test_variable_fields_arrive_as_vartensor_or_padded(server) -> None:

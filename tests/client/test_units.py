@@ -9,6 +9,7 @@ from shardserve.client import BadRequest, VarTensor
 from shardserve.client.connection import choose_endpoint
 from shardserve.client.distributed import resolve_world
 from shardserve.proto.api import ServerInfo
+from shardserve.proto.messages import PROTOCOL_VERSION
 
 
 def test_world_explicit_beats_env() -> None:
@@ -32,7 +33,7 @@ def test_world_out_of_range_is_refused(rank: int, world: int) -> None:
 
 
 def _info(*endpoints: str, boot_id: str = "boot-a") -> ServerInfo:
-    return ServerInfo(version="0", protocols=[2], data_endpoints=list(endpoints), host="h",
+    return ServerInfo(version="0", protocols=[PROTOCOL_VERSION], data_endpoints=list(endpoints), host="h",
                       boot_id=boot_id, auth_required=False)  # fmt: skip
 
 

@@ -41,6 +41,8 @@ CONTROL = {
         pid=1234,
         keep=(1, 3),
         group=16,
+        offset=8,
+        origin="0123456789abcdef",
     ),
     "welcome": Welcome(
         stream=5,
@@ -57,7 +59,7 @@ CONTROL = {
         group=8,
     ),
     "reject": Reject(
-        code=ErrorCode.VERSION_MISMATCH, message="client speaks [9], server speaks [2]", nonce=42
+        code=ErrorCode.VERSION_MISMATCH, message="client speaks [9], server speaks [3]", nonce=42
     ),
     "credit": Credit(
         grant=2, slots=(0, 3), stats=ClientStats(batches=10, wait_s=0.5, compute_s=2.0)

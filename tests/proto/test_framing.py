@@ -32,6 +32,9 @@ from shardserve.proto.messages import (
 
 from .golden_cases import BATCHES, CONTROL, GOLDEN, header_bytes, names
 
+#: What every message's header frame starts with: the magic and this protocol's version.
+HEAD = b"SS" + bytes([PROTOCOL_VERSION])
+
 
 @pytest.mark.parametrize("name", names())
 def test_golden_bytes(name: str) -> None:
@@ -86,10 +89,10 @@ def test_hello_of_other_version_still_decodes() -> None:
         ([], MalformedFrame, "empty"),
         ([b"S"], MalformedFrame, "shorter"),
         ([b"XX\x01\x01{}"], MalformedFrame, "magic"),
-        ([b"SS\x02\x63{}"], UnknownMessage, "kind 99"),
-        ([b"SS\x02\x04not json"], MalformedFrame, "CREDIT"),
-        ([b"SS\x02\x04{}", b"extra"], MalformedFrame, "one frame"),
-        ([b"SS\x02\x05\x00\x00"], MalformedFrame, "truncated"),
+        ([HEAD + b"\x63{}"], UnknownMessage, "kind 99"),
+        ([HEAD + b"\x04not json"], MalformedFrame, "CREDIT"),
+        ([HEAD + b"\x04{}", b"extra"], MalformedFrame, "one frame"),
+        ([HEAD + b"\x05\x00\x00"], MalformedFrame, "truncated"),
     ],
 )
 def test_malformed_frames_rejected(frames: list[bytes], error: type, match: str) -> None:
@@ -102,11 +105,11 @@ def test_absurd_credit_refused() -> None:
     """Credit above MAX_CREDIT is refused at decode time rather than clamped."""
     body = b'{"kind":4,"grant":%d}' % (MAX_CREDIT + 1)
     with pytest.raises(MalformedFrame, match="grant"):
-        decode([b"SS\x02\x04" + body])
+        decode([HEAD + b"\x04" + body])
 
 
 def _batch_frame(nparts: int, parts: bytes) -> bytes:
-    return b"SS\x02\x05" + struct.pack("<IIIiHIH", 0, 0, 0, -1, 1, 0, nparts) + parts
+    return HEAD + b"\x05" + struct.pack("<IIIiHIH", 0, 0, 0, -1, 1, 0, nparts) + parts
 
 
 def test_batch_header_claiming_huge_size_refused() -> None:
@@ -120,7 +123,7 @@ def test_batch_header_claiming_huge_size_refused() -> None:
 @pytest.mark.parametrize("count", [0, MAX_GROUP + 1])
 def test_batch_header_with_an_impossible_batch_count_refused(count: int) -> None:
     """A message holds 1 to MAX_GROUP batches; anything else is refused at decode."""
-    frame = b"SS\x02\x05" + struct.pack("<IIIiHIH", 0, 0, 0, 0, count, 4, 0)
+    frame = HEAD + b"\x05" + struct.pack("<IIIiHIH", 0, 0, 0, 0, count, 4, 0)
     with pytest.raises(MalformedFrame, match=f"claims {count} batches"):
         decode_batch([frame])
 
@@ -196,7 +199,7 @@ def test_mutated_batch_headers_only_protocol_errors(h: BatchHeader, data: st.Dat
 def test_control_bodies_fuzz(kind: Kind, body: bytes) -> None:
     """Any body under any kind decodes or raises a ProtocolError."""
     try:
-        peek_kind(b"SS\x02" + bytes([kind]))
-        decode([b"SS\x02" + bytes([kind]) + body])
+        peek_kind(HEAD + bytes([kind]))
+        decode([HEAD + bytes([kind]) + body])
     except ProtocolError:
         pass

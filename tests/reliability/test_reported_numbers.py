@@ -14,11 +14,14 @@ import httpx
 import pytest
 
 from shardserve.proto.errors import ErrorCode
-from shardserve.proto.messages import ClientStats, Error, Welcome
+from shardserve.proto.messages import PROTOCOL_VERSION, ClientStats, Error, Welcome
 from tests.reliability.conftest import make_job, wait_until
 from tests.reliability.test_wire_hostile import replies_until_barrier
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.server import ServerProc
+
+#: What every message's header frame starts with: the magic and this protocol's version.
+HEAD = b"SS" + bytes([PROTOCOL_VERSION])
 
 BAD_STATS = [
     b'{"batches": 1, "wait_s": Infinity, "compute_s": 1.0}',
@@ -44,7 +47,7 @@ def test_non_finite_or_absurd_stats_are_refused(rel_server: ServerProc, kind: by
                 if kind == b"\x04"
                 else b'{"stats": ' + stats + b"}"
             )
-            s.send_raw([b"SS\x02" + kind + body])
+            s.send_raw([HEAD + kind + body])
             replies = [r for r in replies_until_barrier(s) if isinstance(r, Error)]
             assert len(replies) == 1 and replies[0].code == ErrorCode.MALFORMED, (stats, replies)
             assert (
@@ -74,7 +77,7 @@ def test_job_id_with_newline_is_escaped_in_the_text_log(rel_server: ServerProc) 
     evil = "x\n2099-01-01T00:00:00.000Z\tERROR\tshardserve.fake\tforged"
     with zmq_context() as ctx:
         s = RawStream(ctx, rel_server.tcp_endpoint)
-        s.send_raw([b"SS\x02\x01" + json.dumps(
+        s.send_raw([HEAD + b"\x01" + json.dumps(
             {"job": evil, "rank": 0, "epoch": 0, "credit": 1, "transport": "socket"}
         ).encode()])  # fmt: skip
         reply = s.recv(what="the refusal of the evil Hello")

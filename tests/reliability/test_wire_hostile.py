@@ -39,6 +39,9 @@ from tests.support.data import sample_id_of
 from tests.support.server import ServerProc
 from tests.support.slowness import scaled
 
+#: What every message's header frame starts with: the magic and this protocol's version.
+HEAD = b"SS" + bytes([PROTOCOL_VERSION])
+
 #: Growth of the server's RSS over the whole hostile module that still counts as "bounded".
 RSS_SLACK = 100 << 20
 FUZZ_CASES: dict[str, int] = {}
@@ -107,51 +110,58 @@ def _batch_header(nparts: int, shape: tuple[int, ...], nbytes: int) -> bytes:
 
 HOSTILE: list[tuple[str, list[bytes], set[ErrorCode]]] = [
     ("empty frame", [b""], {ErrorCode.MALFORMED}),
-    ("prefix only, 3 bytes", [b"SS\x02"], {ErrorCode.MALFORMED}),
+    ("prefix only, 3 bytes", [HEAD], {ErrorCode.MALFORMED}),
     ("Hello truncated mid-JSON", [_hello_frame()[:20]], {ErrorCode.MALFORMED}),
     ("Hello with a trailing extra frame", [_hello_frame(), b"extra"], {ErrorCode.MALFORMED}),
     (
         "Hello JSON with unknown field",
         [
-            b"SS\x02\x01"
+            HEAD
+            + b"\x01"
             + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 1, "evil": 1}).encode()
         ],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with negative rank",
-        [b"SS\x02\x01" + json.dumps({"job": "x", "rank": -1, "epoch": 0, "credit": 1}).encode()],
+        [HEAD + b"\x01" + json.dumps({"job": "x", "rank": -1, "epoch": 0, "credit": 1}).encode()],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with rank 10**40",
         [
-            b"SS\x02\x01"
+            HEAD
+            + b"\x01"
             + json.dumps({"job": "x", "rank": 10**40, "epoch": 0, "credit": 1}).encode()
         ],
         {ErrorCode.MALFORMED, ErrorCode.JOB_NOT_FOUND},
     ),
     (
         "Hello with credit 0",
-        [b"SS\x02\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 0}).encode()],
+        [HEAD + b"\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 0}).encode()],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with credit 10**9",
-        [b"SS\x02\x01" + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 10**9}).encode()],
+        [
+            HEAD
+            + b"\x01"
+            + json.dumps({"job": "x", "rank": 0, "epoch": 0, "credit": 10**9}).encode()
+        ],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello with a 100 KiB job name",
         [
-            b"SS\x02\x01"
+            HEAD
+            + b"\x01"
             + json.dumps({"job": "j" * 100_000, "rank": 0, "epoch": 0, "credit": 1}).encode()
         ],
         {ErrorCode.MALFORMED},
     ),
     (
         "Hello nested 10k deep",
-        [b"SS\x02\x01" + b'{"job":' + b"[" * 10_000 + b"]" * 10_000 + b"}"],
+        [HEAD + b"\x01" + b'{"job":' + b"[" * 10_000 + b"]" * 10_000 + b"}"],
         {ErrorCode.MALFORMED},
     ),
     (
@@ -162,13 +172,13 @@ HOSTILE: list[tuple[str, list[bytes], set[ErrorCode]]] = [
     ("Heartbeat with version 0", [b"SS\x00\x07{}"], {ErrorCode.VERSION_MISMATCH}),
     (
         "Credit with 10k slots",
-        [b"SS\x02\x04" + json.dumps({"grant": 1, "slots": list(range(10_000))}).encode()],
+        [HEAD + b"\x04" + json.dumps({"grant": 1, "slots": list(range(10_000))}).encode()],
         {ErrorCode.MALFORMED},
     ),
-    ("Credit with negative grant", [b"SS\x02\x04" + b'{"grant":-5}'], {ErrorCode.MALFORMED}),
-    ("Credit with non-UTF-8 body", [b"SS\x02\x04\xff\xfe\xfd"], {ErrorCode.MALFORMED}),
-    ("kind 0", [b"SS\x02\x00{}"], {ErrorCode.UNKNOWN_MESSAGE}),
-    ("kind 255", [b"SS\x02\xff{}"], {ErrorCode.UNKNOWN_MESSAGE}),
+    ("Credit with negative grant", [HEAD + b"\x04" + b'{"grant":-5}'], {ErrorCode.MALFORMED}),
+    ("Credit with non-UTF-8 body", [HEAD + b"\x04\xff\xfe\xfd"], {ErrorCode.MALFORMED}),
+    ("kind 0", [HEAD + b"\x00{}"], {ErrorCode.UNKNOWN_MESSAGE}),
+    ("kind 255", [HEAD + b"\xff{}"], {ErrorCode.UNKNOWN_MESSAGE}),
     (
         "batch header claiming 16 GiB, no payload",
         [_batch_header(1, (1 << 34,), 1 << 34)],
@@ -242,7 +252,7 @@ def test_over_limit_frame_drops_only_that_peer(rel_server: ServerProc, baseline_
     """A 4 MiB message (over the 1 MiB incoming limit) drops that peer's connection; the server stays up and serves others."""
     with zmq_context() as ctx:
         evil = RawStream(ctx, rel_server.tcp_endpoint)
-        evil.send_raw([b"SS\x02\x04" + b" " * (4 << 20)])
+        evil.send_raw([HEAD + b"\x04" + b" " * (4 << 20)])
         # The peer gets no answer for it (libzmq refuses the message before Python sees it).
         assert not evil.sock.poll(500)
         assert_serves_an_epoch(rel_server, ctx)
@@ -255,9 +265,7 @@ def test_flood_of_1000_garbage_messages(rel_server: ServerProc, baseline_rss: in
     rng = np.random.default_rng(0)
     kinds = [
         lambda: rng.bytes(int(rng.integers(0, 200))),
-        lambda: (
-            b"SS\x02" + bytes([int(rng.integers(0, 256))]) + rng.bytes(int(rng.integers(0, 200)))
-        ),
+        lambda: HEAD + bytes([int(rng.integers(0, 256))]) + rng.bytes(int(rng.integers(0, 200))),
         lambda: _batch_header(1, (1 << 34,), 1 << 34),
         lambda: _hello_frame(job=f"nope-{rng.integers(1 << 30)}"),
         lambda: encode(Credit(grant=1))[0],

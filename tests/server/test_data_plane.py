@@ -27,6 +27,9 @@ from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import sample_id_of
 from tests.support.server import ServerProc, job_status, make_job
 
+#: What every message's header frame starts with: the magic and this protocol's version.
+HEAD = b"SS" + bytes([PROTOCOL_VERSION])
+
 
 def planned(
     store: Path, seed: int, epoch: int, world_size: int, rank: int, batch_size: int
@@ -184,9 +187,9 @@ def test_bad_input_is_answered_and_the_server_keeps_serving(server: ServerProc) 
         s = RawStream(ctx, server.tcp_endpoint)
         s.send_raw([b"garbage"])
         assert s.recv_kind(Error).code == ErrorCode.MALFORMED
-        s.send_raw([b"SS\x02\x63{}"])
+        s.send_raw([HEAD + b"\x63{}"])
         assert s.recv_kind(Error).code == ErrorCode.UNKNOWN_MESSAGE
-        s.send_raw([b"SS\x02\x04{not json"])
+        s.send_raw([HEAD + b"\x04{not json"])
         assert s.recv_kind(Error).code == ErrorCode.MALFORMED
         s.grant(1)
         e = s.recv_kind(Error)
