@@ -32,6 +32,7 @@ from .jobs import EpochJournal, JobRegistry
 from .journal import JournalLocked
 from .logs import log_event
 from .metrics import Metrics
+from .mixture_admin import MixtureAdmin
 from .settings import Settings
 from .store.catalog import Store
 from .store.object_fs import StoreOptions
@@ -128,6 +129,7 @@ class Service:
             self.transforms,
         )
         self.metrics.watch_jobs(self.job_admin.snapshot)
+        self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest)
         self.streamer = Streamer(
             StreamerConfig(
                 endpoints=settings.data_endpoints,
@@ -263,6 +265,8 @@ class Service:
         world = job.spec.world_size
         if not 0 <= rank < world:
             raise BadRequest(f"rank {rank} is out of range for job {job_id}: 0 <= rank < {world}")
+        if job.spec.mixture is not None:  # ids over the sources concatenated in order
+            return self.mixture_admin.plan(job, epoch, rank)
         ds = self.open_dataset(job.spec.dataset, job.spec.version)
         plan = self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows, env=env)
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
