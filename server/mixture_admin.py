@@ -20,6 +20,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from . import mixtures
 from .jobs import Job, JobRegistry
+from .metrics import JobsSnapshot
 from .streaming.board import StreamBoard
 
 
@@ -90,6 +91,22 @@ class MixtureAdmin:
         plan = self.plans.rank_plan(job, epoch, job.seed, rank)
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
+
+    def add_to(self, snap: JobsSnapshot) -> JobsSnapshot:
+        """``snap`` with the mixture series of every job it exports, and the quarantine counts."""
+        for jid in snap.connected:  # the jobs whose series are exported (not ended)
+            job = self.jobs.find(jid)
+            if job is None or job.spec.mixture is None:
+                continue
+            weights = mixtures.weights_at(job.schedule(), self.frontier(job))
+            total = sum(weights)
+            for src, w in zip(job.spec.mixture, weights, strict=True):
+                snap.mixture_weights.append((jid, src.name, w / total))
+        for name in self.jobs.quarantine.datasets():
+            snap.quarantined[name] = len(
+                {i for e in self.jobs.quarantine.entries(name) for i in e.ids}
+            )
+        return snap
 
     # -- quarantine ---------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from shardserve.proto.api import DatasetInfo, ServerInfo
 from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
+from shardserve.proto.jobs import MIXTURE_PREFIX
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
@@ -128,8 +129,8 @@ class Service:
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
             self.transforms,
         )
-        self.metrics.watch_jobs(self.job_admin.snapshot)
         self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest)
+        self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
         self.streamer = Streamer(
             StreamerConfig(
                 endpoints=settings.data_endpoints,
@@ -167,6 +168,11 @@ class Service:
         """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per
         ``--verify``. With ``version`` (a job's pinned version), that version or
         ``DatasetChanged``."""
+        if name.startswith(MIXTURE_PREFIX):  # a mixture job's label, not a dataset
+            raise BadRequest(
+                f"{name!r} is a mixture job: this server plans mixtures (GET /v1/jobs/{{id}}/plan) "
+                "but does not stream them yet; read its plan, or stream each dataset on its own"
+            )
         return self.store.open(name, version=version)
 
     # -- lifecycle ----------------------------------------------------------------------

@@ -270,3 +270,20 @@ def test_client_steers_every_rank_the_same(srv: ServerProc) -> None:
         assert now.schedule[0] == {"at_step": 0, "weights": [1.0, 1.0, 1.0]}  # replaces step 0
         listed = api.quarantine("math", [1, 2, 2], "duplicate")
         assert listed.total_ids == 2 and listed.entries[-1].at == {job.id: 0}
+
+
+def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
+    """/metrics has each source's share in force for a live mixture job and the number of
+    quarantined ids per dataset."""
+    job = post_job(srv, SPEC).json()["id"]
+    assert put_mixture(srv, job, {"weights": [2, 1, 1]}).status_code == 200
+    r = httpx.post(
+        f"{srv.http_url}/v1/datasets/web/quarantine",
+        json={"ids": [5, 6, 7], "reason": "bad"},
+        headers=srv.headers,
+    )
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+    assert f'shardserve_mixture_weight{{job_id="{job}",source="web"}} 0.5' in text
+    assert f'shardserve_mixture_weight{{job_id="{job}",source="math"}} 0.25' in text
+    assert 'shardserve_quarantined_samples{dataset="web"} 3.0' in text
