@@ -27,6 +27,7 @@ from .jobs import Job
 from .planning import RankPlan, num_batches
 from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from .quarantine import Quarantines
+from .store.mixture_take import SOURCE_PART
 from .store.versions import content_id
 from .streaming.limits import check_batch
 
@@ -62,6 +63,11 @@ def admit(
                     f"{g.dtype}{list(g.shape)}{' nullable' if g.nullable else ''}: sources must "
                     "agree on every field served (leave the field out with fields=[...])"
                 )
+    if SOURCE_PART in first:
+        raise BadRequest(
+            f"mixture sources serve a field named {SOURCE_PART!r}, the part that says which "
+            "source each sample came from: leave it out with fields=[...]"
+        )
     sizes = tuple(m.num_samples for m in manifests)
     pinned: list[MixtureSource] = []
     for src, m in zip(spec.mixture, manifests, strict=True):
