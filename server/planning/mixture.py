@@ -178,8 +178,10 @@ class _Stream:
         epoch: int,
         shuffle: ShuffleMode,
         block_window: int,
+        dtype: np.dtype,
     ) -> None:
         self.index = index
+        self.dtype = dtype  # of the ids it hands out: the order's
         self.source = source
         self.cursor = 0  # stream elements consumed so far
         self._seed, self._epoch = seed, epoch
@@ -213,7 +215,7 @@ class _Stream:
         stop = self.cursor + count
         if self.source.on_exhausted == "stop":
             stop = min(stop, n)
-        out = np.empty(max(stop - self.cursor, 0), dtype=np.int64)
+        out = np.empty(max(stop - self.cursor, 0), dtype=self.dtype)
         i = self.cursor
         while i < stop:  # one step per pass spanned
             p, j = divmod(i, n)
@@ -226,7 +228,7 @@ class _Stream:
         """The next ``count`` ids not in ``banned`` (sorted); ``(ids, ran_out)``: fewer ids
         and ``ran_out`` when a ``stop`` source has no more."""
         if self.source.size == 0:
-            return np.empty(0, dtype=np.int64), True
+            return np.empty(0, dtype=self.dtype), True
         if banned is None or not len(banned):
             ids = self.peek(count)
             self.cursor += len(ids)
@@ -248,7 +250,7 @@ class _Stream:
             self.cursor += int(keep[-1]) + 1 if len(keep) == need else len(cand)
             got.append(cand[keep])
             need -= len(keep)
-        ids = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+        ids = np.concatenate(got) if got else np.empty(0, dtype=self.dtype)
         return ids, len(ids) < count
 
 
@@ -302,8 +304,11 @@ def mixture_order(
             )
         thresholds(s.weights)  # refuse bad weights up front
     offsets = source_offsets(sources)
-    streams = [_Stream(k, s, seed, epoch, shuffle, block_window) for k, s in enumerate(sources)]
-    out = np.empty(length, dtype=order_dtype(int(offsets[-1])))
+    dtype = order_dtype(int(offsets[-1]))
+    streams = [
+        _Stream(k, s, seed, epoch, shuffle, block_window, dtype) for k, s in enumerate(sources)
+    ]
+    out = np.empty(length, dtype=dtype)
     # Positions where something changes: chunks are cut there so that within a piece the
     # quarantine sets are constant (weights are applied per position by draw_sources).
     key = mix_key(seed, epoch)
@@ -327,7 +332,7 @@ def mixture_order(
                     continue
                 where += a
                 ids, ran_out = streams[k].take(len(where), _banned(quarantine, k, a))
-                ids += offsets[k]
+                ids += dtype.type(offsets[k])  # fits: the order's dtype holds every id
                 out[where[: len(ids)]] = ids
                 if ran_out:  # the position that found no sample ends the epoch
                     end = min(end, int(where[len(ids)]))
