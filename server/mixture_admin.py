@@ -14,7 +14,7 @@ import numpy as np
 
 from shardserve.proto.api import MixtureStatus, MixtureUpdate, QuarantineList, QuarantineRequest
 from shardserve.proto.api import QuarantineEntry as QuarantineBody
-from shardserve.proto.errors import BadRequest
+from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import WeightChange, check_weights
 from shardserve.proto.manifest import Manifest, validate_dataset_name
 
@@ -82,6 +82,12 @@ class MixtureAdmin:
         except ValueError as e:
             raise BadRequest(f"job {job_id}: {e}") from None
         front = self.frontier(job)
+        if update.at_step is None and job.restored and not self.board.ranks(job.id):
+            raise StepInThePast(
+                f"job {job_id} was restored after a restart and no rank has reconnected, so the "
+                "server does not know which steps its ranks were sent: name at_step (every rank "
+                "agrees on, e.g., the next epoch's first step)"
+            )
         at = front if update.at_step is None else update.at_step
         self.jobs.set_mixture(job_id, WeightChange(at_step=at, weights=weights), front)
         return self.status(job_id)

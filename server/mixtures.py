@@ -12,6 +12,7 @@ turns a job's journaled facts (spec, weight changes, quarantines, sizes) into it
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -171,7 +172,7 @@ class MixturePlans:
         quar = quarantines(job, epoch, self._quarantine)
         key = (
             job.id, epoch, seed, tuple((g.at, g.weights) for g in segs),
-            tuple((q.source, q.at, len(q.ids), int(q.ids.sum())) for q in quar),
+            tuple((q.source, q.at, hashlib.blake2b(q.ids.tobytes()).hexdigest()) for q in quar),
         )  # fmt: skip
         with self._lock:
             if key in self._orders:

@@ -367,3 +367,16 @@ def mixture_plan(
     """
     order = mixture_order(sources, seed, epoch, length, segments, world_size, quarantine, shuffle)
     return RankPlan.from_order(order, world_size, rank, batch_size, drop_last)
+
+
+def source_counts(order: np.ndarray, offsets: np.ndarray, upto: int) -> list[int]:
+    """Samples each source gave the first ``upto`` positions of ``order``: what a resume
+    state records per source (``upto`` = steps consumed x world size x batch size), and
+    what a server recomputes to check it.
+
+    >>> source_counts(np.array([0, 5, 1, 6]), np.array([0, 5, 9]), upto=3)
+    [2, 1]
+    """
+    src, _ = split_ids(order[: max(upto, 0)], offsets)
+    counts: list[int] = np.bincount(src, minlength=len(offsets) - 1).tolist()
+    return counts

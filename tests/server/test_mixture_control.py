@@ -151,6 +151,8 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
         with run_server(
             mix_store, "--state-dir", str(state), http_port=http, data_port=data
         ) as restarted:
+            r = put_mixture(restarted, job, {"weights": [1, 1, 1]})  # frontier unknown
+            assert r.status_code == 409 and "name at_step" in r.text
             assert put_mixture(restarted, job, {"weights": [1, 1, 1], "at_step": 10**6}).status_code == 200  # fmt: skip
             again = [plan(restarted, job, r) for r in range(WORLD)]
             got = httpx.get(
