@@ -289,3 +289,5 @@ def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
     assert f'shardserve_mixture_weight{{job_id="{job}",source="web"}} 0.5' in text
     assert f'shardserve_mixture_weight{{job_id="{job}",source="math"}} 0.25' in text
     assert 'shardserve_quarantined_samples{dataset="web"} 3.0' in text
+    page = httpx.get(f"{srv.http_url}/", headers=srv.headers).text
+    assert "mixture at step 0: web 50% · code 25% · math 25%" in page
