@@ -32,7 +32,7 @@ from shardserve.proto.errors import (
     ShardserveError,
     StepInThePast,
 )
-from shardserve.proto.jobs import JobSpec, WeightChange, job_id
+from shardserve.proto.jobs import JobSpec, WeightChange, check_weights, job_id
 
 from .journal import (
     CreateRecord,
@@ -123,6 +123,14 @@ class JobRegistry:
                 jobs.pop(rec.id, None)
             elif isinstance(rec, MixtureRecord) and rec.id in jobs:
                 job = jobs[rec.id]
+                try:
+                    check_weights(rec.weights, len(job.spec.mixture or ()), "weights")
+                except ValueError as e:  # a hand edit: the job keeps the schedule it had
+                    log_event(
+                        log, "journal.mixture_skipped", level=logging.WARNING, job=rec.id,
+                        reason=str(e),
+                    )  # fmt: skip
+                    continue
                 change = WeightChange(at_step=rec.at_step, weights=rec.weights)
                 jobs[rec.id] = replace(job, changes=(*job.changes, change))
             elif isinstance(rec, QuarantineRecord):

@@ -291,3 +291,55 @@ def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
     assert 'shardserve_quarantined_samples{dataset="web"} 3.0' in text
     page = httpx.get(f"{srv.http_url}/", headers=srv.headers).text
     assert "mixture at step 0: web 50% · code 25% · math 25%" in page
+
+
+def test_spec_schedule_and_stop_over_http(srv: ServerProc) -> None:
+    """A job created with a schedule plans exactly what the planner plans with that schedule
+    in positions; a ``stop`` source ends the epoch early, equally on every rank."""
+    k = 30
+    body = {**SPEC, "schedule": [{"at_step": k, "weights": [0, 1, 1]}]}
+    job = post_job(srv, body).json()["id"]
+    order = global_order([plan(srv, job, r) for r in range(WORLD)])
+    expected = mixture_order(
+        [MixSource(n) for n in SIZES.values()], 11, 0, EPOCH_SAMPLES,
+        [Segment(0, WEIGHTS), Segment(k * WORLD * BATCH, (0, 1, 1))], world_size=WORLD,
+    )  # fmt: skip
+    assert np.array_equal(order, expected)
+    src, _ = split_ids(order[k * WORLD * BATCH :], OFFSETS)
+    assert not (src == 0).any()  # web has weight 0 from step k on
+    stop = {**SPEC, "mixture": [*SPEC["mixture"][:2], {"name": "math", "weight": 0.2, "on_exhausted": "stop"}]}  # fmt: skip
+    job = post_job(srv, stop).json()["id"]
+    lengths = []
+    for r in range(WORLD):
+        resp = httpx.get(
+            f"{srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
+            headers=srv.headers, timeout=60,
+        )  # fmt: skip
+        ids = np.frombuffer(resp.content, dtype="<i8")
+        lengths.append((len(ids), resp.headers["X-Shardserve-Num-Batches"]))
+        math = split_ids(ids, OFFSETS)[1][split_ids(ids, OFFSETS)[0] == 2]
+        assert len(set(math.tolist())) == len(math)  # never wrapped
+    assert lengths[0] == lengths[1] and lengths[0][0] < EPOCH_SAMPLES // WORLD
+
+
+def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
+    """Weight changes and quarantines come back from the journal in order; a change whose
+    weights do not fit the job (a hand edit) is skipped, not turned into a failing plan."""
+    from shardserve.server.journal import EpochJournal
+
+    spec = JobSpec(
+        mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=1)),
+        batch_size=4, world_size=2,
+    )  # fmt: skip
+    reg = JobRegistry(EpochJournal(tmp_path / "jobs.jsonl"))
+    job, _ = reg.create(spec, 80, (40, 40))
+    reg.set_mixture(job.id, WeightChange(at_step=5, weights=(1, 3)), 0)
+    reg.add_quarantine("a", [3, 4], "bad", {job.id: 5})
+    with open(tmp_path / "jobs.jsonl", "a") as f:
+        f.write(f'{{"op":"mixture","id":"{job.id}","at_step":9,"weights":[1,2,3]}}\n')
+    again = JobRegistry(EpochJournal(tmp_path / "jobs.jsonl"))
+    assert again.load() == 1
+    restored = again.get(job.id)
+    assert [c.at_step for c in restored.schedule()] == [0, 5]
+    assert restored.source_sizes == (40, 40)
+    assert again.quarantine.from_step("a", job.id, 40) == [(5, (3, 4))]
