@@ -33,6 +33,7 @@ source sample) and ~10 MB of chunk temporaries.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -132,6 +133,13 @@ def thresholds(weights: Sequence[float]) -> np.ndarray:
     return np.minimum(cum, float(1 << DRAW_BITS)).astype(np.uint64)[:-1]
 
 
+@functools.lru_cache(maxsize=256)
+def _thresholds(weights: tuple[float, ...]) -> tuple[int, ...]:
+    """:func:`thresholds` as ints, computed once per set of weights."""
+    out: tuple[int, ...] = tuple(thresholds(weights).tolist())
+    return out
+
+
 def mix_key(seed: int, epoch: int) -> np.ndarray:
     """The Philox key of an epoch's source draws."""
     ss = np.random.SeedSequence([seed, epoch], spawn_key=(MIX_KEY,))
@@ -161,7 +169,7 @@ def draw_sources(key: np.ndarray, lo: int, segments: Sequence[Segment]) -> np.nd
         b = MIX_CHUNK if k + 1 == len(segments) else min(max(ats[k + 1] - lo, 0), MIX_CHUNK)
         if a < b:
             # label = how many thresholds the draw reaches: the first s with u < cum[s]
-            for t in thresholds(seg.weights).tolist():
+            for t in _thresholds(seg.weights):
                 if t < 1 << DRAW_BITS:  # 2**32: only zero weights follow, never reached
                     labels[a:b] += top[a:b] >= np.uint32(t)
     return labels
@@ -320,22 +328,33 @@ def mixture_order(
         bounds = [lo, *(c for c in cuts if lo < c < hi), hi]
         for a, b in itertools.pairwise(bounds):
             piece = labels[a - lo : b - lo]
-            # Few sources: one mask each beats a sort; many: one stable sort.
+            dest = out[a:b]
+            # Few sources: one boolean mask each (no index arrays); many: one stable sort.
             if len(sources) <= SCAN_SOURCES:
-                groups = [np.flatnonzero(piece == k) for k in range(len(sources))]
+                for k in range(len(sources)):
+                    mask = piece == k
+                    cnt = int(np.count_nonzero(mask))
+                    if not cnt:
+                        continue
+                    ids, ran_out = streams[k].take(cnt, _banned(quarantine, k, a))
+                    ids += dtype.type(offsets[k])  # fits: the order's dtype holds every id
+                    if not ran_out:
+                        dest[mask] = ids
+                        continue
+                    where = np.flatnonzero(mask)
+                    dest[where[: len(ids)]] = ids
+                    end = min(end, a + int(where[len(ids)]))  # the first position left without
             else:
                 by_source = np.argsort(piece, kind="stable")
                 ends = np.cumsum(np.bincount(piece, minlength=len(sources)))
-                groups = np.split(by_source, ends[:-1])
-            for k, where in enumerate(groups):
-                if not len(where):
-                    continue
-                where += a
-                ids, ran_out = streams[k].take(len(where), _banned(quarantine, k, a))
-                ids += dtype.type(offsets[k])  # fits: the order's dtype holds every id
-                out[where[: len(ids)]] = ids
-                if ran_out:  # the position that found no sample ends the epoch
-                    end = min(end, int(where[len(ids)]))
+                for k, where in enumerate(np.split(by_source, ends[:-1])):
+                    if not len(where):
+                        continue
+                    ids, ran_out = streams[k].take(len(where), _banned(quarantine, k, a))
+                    ids += dtype.type(offsets[k])
+                    dest[where[: len(ids)]] = ids
+                    if ran_out:
+                        end = min(end, a + int(where[len(ids)]))
             if end < length:
                 break
         if end < length:
