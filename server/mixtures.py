@@ -32,8 +32,11 @@ from .store.mixture_take import SOURCE_PART
 from .store.versions import content_id
 from .streaming.limits import check_batch
 
-#: Mixture orders kept (each costs 4 bytes a position).
-ORDER_CACHE_ENTRIES = 4
+#: Bytes of mixture orders kept (4 bytes a position below 2**32 ids); the newest always.
+ORDER_CACHE_BYTES = 256 << 20
+#: Longest mixture epoch, in positions, and at most this many times its sources' samples.
+MAX_EPOCH_SAMPLES = 1 << 31
+EPOCH_OVER_SOURCES = 64
 
 
 def admit(
@@ -84,6 +87,13 @@ def admit(
         if n == 0 and src.weight > 0:
             raise BadRequest(f"mixture source {src.name!r} has no samples but weight {src.weight}")
     length = spec.epoch_samples or sum(sizes)
+    # An epoch's order is held in memory (4 bytes a position): bounded before it is planned.
+    most = min(MAX_EPOCH_SAMPLES, EPOCH_OVER_SOURCES * max(sum(sizes), 1))
+    if length > most:
+        raise BadRequest(
+            f"epoch_samples {length} is more than this server plans for a mixture of "
+            f"{sum(sizes)} samples: use epoch_samples <= {most} (several epochs instead)"
+        )
     per_sample = max(m.total_bytes / max(m.num_samples, 1) for m in manifests)
     check_batch(spec.batch_size, length, int(per_sample * spec.batch_size), max_batch_bytes)
     return spec, length, sizes
@@ -157,9 +167,9 @@ def frontier(job: Job, ranks: Sequence[RankStatus]) -> int:
 class MixturePlans:
     """A few mixture orders, keyed by everything they depend on; thread-safe."""
 
-    def __init__(self, quarantine: Quarantines, entries: int = ORDER_CACHE_ENTRIES) -> None:
+    def __init__(self, quarantine: Quarantines, max_bytes: int = ORDER_CACHE_BYTES) -> None:
         self._quarantine = quarantine
-        self._entries = entries
+        self._max_bytes = max_bytes
         self._orders: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -188,8 +198,9 @@ class MixturePlans:
         )  # fmt: skip
         with self._lock:
             self._orders[key] = order
-            while len(self._orders) > self._entries:
-                self._orders.popitem(last=False)
+            total = sum(o.nbytes for o in self._orders.values())
+            while len(self._orders) > 1 and total > self._max_bytes:
+                total -= self._orders.popitem(last=False)[1].nbytes
         return order
 
     def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan:

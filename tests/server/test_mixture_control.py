@@ -194,6 +194,8 @@ def test_creation_refusals_name_what_to_change(srv: ServerProc) -> None:
     assert r.status_code == 422 and "at least one weight" in r.text
     r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}], "envs": 2})
     assert r.status_code == 422 and "envs" in r.text
+    r = post_job(srv, {**SPEC, "epoch_samples": 10**9})
+    assert r.status_code == 422 and "epoch_samples <= " in r.text
     ok = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
     assert ok.status_code == 201, ok.text
 
