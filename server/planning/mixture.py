@@ -12,7 +12,8 @@ order (:meth:`~.partition.RankPlan.from_order`), so position ``q`` is in batch `
    changes nothing before ``k``.
 2. **Which sample.** Each source has a stream, its passes one after the other; pass ``p`` is
    the job's shuffle of the source drawn from ``SeedSequence([seed, epoch],
-   spawn_key=(SOURCE_KEY, s, p))``. The ``c``-th position drawing ``s`` takes the ``c``-th
+   spawn_key=(SOURCE_KEY, s, p))`` (a source of at most ``SMALL_SOURCE`` samples draws
+   ``SMALL_BLOCK // size`` passes at a time from the key of their block, see ``_Stream``). The ``c``-th position drawing ``s`` takes the ``c``-th
    element of the stream, except that elements quarantined at that position are skipped.
    Chunks are walked in order with one cursor per source: counts per chunk, never a Python
    loop per sample.
@@ -59,6 +60,10 @@ SOURCE_KEY = 0x737263  # "src"
 DRAW_BITS = 32
 #: Most sources a mixture may have: source ids travel as int16 and the labels as uint8.
 MAX_SOURCES = 64
+#: Sources of at most this many samples draw their passes ``SMALL_BLOCK // size`` at a time
+#: (see ``_Stream``). Part of the plan's definition, like ``MIX_CHUNK``.
+SMALL_SOURCE = 4096
+SMALL_BLOCK = 1 << 16
 #: Up to this many sources, positions are grouped by one mask per source, else by a sort.
 SCAN_SOURCES = 8
 
@@ -176,7 +181,13 @@ def draw_sources(key: np.ndarray, lo: int, segments: Sequence[Segment]) -> np.nd
 
 
 class _Stream:
-    """A source's stream of sample ids: pass after pass, each its own permutation."""
+    """A source's stream of sample ids: pass after pass, each its own permutation.
+
+    The stream is stored a *segment* at a time: one pass of a source larger than
+    ``SMALL_SOURCE``; ``SMALL_BLOCK // n`` passes of a smaller one, drawn together (one
+    ``argsort`` of uniform keys per pass, a uniform permutation each), so a source of a few
+    samples repeated millions of times costs a few vectorised blocks, not a loop per pass.
+    """
 
     def __init__(
         self,
@@ -194,22 +205,32 @@ class _Stream:
         self.cursor = 0  # stream elements consumed so far
         self._seed, self._epoch = seed, epoch
         self._shuffle, self._window = shuffle, block_window
-        self._pass = -1
-        self._perm = np.empty(0, dtype=np.uint32)
+        n = source.size
+        self._passes = 1 if n > SMALL_SOURCE else max(SMALL_BLOCK // max(n, 1), 1)
+        self.segment_len = n * self._passes
+        self._g = -1
+        self._segment = np.empty(0, dtype=np.uint32)
 
-    def _permutation(self, p: int) -> np.ndarray:
-        if p != self._pass:
+    def segment(self, g: int) -> np.ndarray:
+        """Segment ``g`` of the stream: passes ``g * k .. g * k + k - 1`` one after another."""
+        if g != self._g:
             n = self.source.size
             ss = np.random.SeedSequence(
-                [self._seed, self._epoch], spawn_key=(SOURCE_KEY, self.index, p)
+                [self._seed, self._epoch], spawn_key=(SOURCE_KEY, self.index, g)
             )
             rng = np.random.Generator(np.random.PCG64(ss))
-            rows = shard_sizes(n, self.source.shard_rows)
-            self._perm = SHUFFLES[self._shuffle](
-                n, rng, dtype=order_dtype(n), shard_rows=rows, block_window=self._window
-            )
-            self._pass = p
-        return self._perm
+            if self._passes == 1:
+                rows = shard_sizes(n, self.source.shard_rows)
+                self._segment = SHUFFLES[self._shuffle](
+                    n, rng, dtype=order_dtype(n), shard_rows=rows, block_window=self._window
+                )
+            elif self._shuffle == "none":
+                self._segment = np.tile(np.arange(n, dtype=np.uint32), self._passes)
+            else:  # small: a window of shards is the whole source, so every mode is global
+                keys = rng.random((self._passes, n))
+                self._segment = np.argsort(keys, axis=1).astype(np.uint32).reshape(-1)
+            self._g = g
+        return self._segment
 
     def available(self) -> int | None:
         """Elements left before a ``stop`` source runs out; ``None`` for ``repeat``."""
@@ -224,11 +245,11 @@ class _Stream:
         if self.source.on_exhausted == "stop":
             stop = min(stop, n)
         out = np.empty(max(stop - self.cursor, 0), dtype=self.dtype)
-        i = self.cursor
-        while i < stop:  # one step per pass spanned
-            p, j = divmod(i, n)
-            k = min(n - j, stop - i)
-            out[i - self.cursor : i - self.cursor + k] = self._permutation(p)[j : j + k]
+        i, seg = self.cursor, self.segment_len
+        while i < stop:  # one step per segment spanned
+            g, j = divmod(i, seg)
+            k = min(seg - j, stop - i)
+            out[i - self.cursor : i - self.cursor + k] = self.segment(g)[j : j + k]
             i += k
         return out
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from shardserve.server.planning import RankPlan
 from shardserve.server.planning.mixture import (
     MIX_CHUNK,
+    SMALL_SOURCE,
     MixSource,
     Quarantine,
     Segment,
@@ -255,3 +256,20 @@ def test_same_order_in_another_process() -> None:
 
 def _env() -> dict[str, str]:
     return dict(os.environ)
+
+
+@pytest.mark.parametrize("sizes", [(5000, 9000), (1, 3, SMALL_SOURCE), (SMALL_SOURCE + 1, 2)])
+def test_passes_of_large_and_small_sources(sizes: tuple[int, ...]) -> None:
+    """Sources above SMALL_SOURCE draw a pass at a time, smaller ones a block of passes at a
+    time: either way each pass is a permutation of the source, and a one-sample source repeated
+    hundreds of thousands of times plans in a few vectorised blocks."""
+    sources = [MixSource(n) for n in sizes]
+    length = 3 * MIX_CHUNK + 17
+    order = mixture_order(sources, 5, 2, length, [Segment(0, (1.0,) * len(sizes))], world_size=3)
+    assert len(order) == length
+    for s, ids in enumerate(per_source(order, sources)):
+        n = sizes[s]
+        full = len(ids) // n * n
+        passes = ids[:full].reshape(-1, n)
+        assert (np.sort(passes, axis=1) == np.arange(n)).all(), f"source {s}"
+        assert len(set(ids[full:].tolist())) == len(ids) - full
