@@ -34,6 +34,7 @@ source sample) and ~10 MB of chunk temporaries.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import operator
@@ -253,9 +254,9 @@ class _Stream:
             i += k
         return out
 
-    def take(self, count: int, banned: np.ndarray | None) -> tuple[np.ndarray, bool]:
-        """The next ``count`` ids not in ``banned`` (sorted); ``(ids, ran_out)``: fewer ids
-        and ``ran_out`` when a ``stop`` source has no more."""
+    def take(self, count: int, banned: IdSet | None) -> tuple[np.ndarray, bool]:
+        """The next ``count`` ids not in ``banned``; ``(ids, ran_out)``: fewer ids and
+        ``ran_out`` when a ``stop`` source has no more."""
         if self.source.size == 0:
             return np.empty(0, dtype=self.dtype), True
         if banned is None or not len(banned):
@@ -272,8 +273,7 @@ class _Stream:
             cand = self.peek(need + need // 8 + 16)
             if not len(cand):
                 break  # a stop source ran out
-            pos = np.searchsorted(banned, cand)
-            ok = banned[np.minimum(pos, len(banned) - 1)] != cand
+            ok = banned.allows(cand)
             keep = np.flatnonzero(ok)[:need]
             # Consumed: up to and including the last id kept, or every candidate looked at.
             self.cursor += int(keep[-1]) + 1 if len(keep) == need else len(cand)
@@ -295,12 +295,59 @@ def _check(sources: Sequence[MixSource], length: int, world_size: int) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
 
-def _banned(quarantine: Sequence[Quarantine], source: int, at: int) -> np.ndarray | None:
-    """The ids of ``source`` quarantined at position ``at``."""
-    parts = [q.ids for q in quarantine if q.source == source and q.at <= at]
-    if not parts:
-        return None
-    return np.unique(np.concatenate(parts)) if len(parts) > 1 else parts[0]
+class IdSet:
+    """Sorted unique sample ids, with a bitmap over ``0 .. max id`` for membership tests
+    (one bit a sample below the largest id: a million quarantined ids of a 40 M source
+    test 40 M candidates in a few vectorised passes, not 20 cache misses each).
+
+    >>> IdSet(np.array([5, 1, 5])).allows(np.array([0, 1, 5, 9])).tolist()
+    [True, False, False, True]
+    """
+
+    def __init__(self, ids: np.ndarray) -> None:
+        ids = np.sort(np.asarray(ids, dtype=np.int64))
+        if len(ids):
+            ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
+        self.ids = ids
+        self.top = int(ids[-1]) if len(ids) else -1
+        bits = np.zeros(self.top + 1, dtype=bool)
+        bits[ids] = True
+        self._bits = np.packbits(bits, bitorder="little")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def allows(self, cand: np.ndarray) -> np.ndarray:
+        """``True`` where a candidate id is not in the set."""
+        c = cand.astype(np.int64, copy=False)
+        inside = np.minimum(c, max(self.top, 0))
+        hit = (self._bits[inside >> 3] >> (inside & 7).astype(np.uint8)) & 1
+        return (c > self.top) | (hit == 0)
+
+
+class _Banned:
+    """Each source's quarantined ids in force at a position: the sets are built once per
+    quarantine position (a few), not once per chunk."""
+
+    def __init__(self, quarantine: Sequence[Quarantine], n_sources: int) -> None:
+        self._ats: list[list[int]] = [[] for _ in range(n_sources)]
+        self._sets: list[list[IdSet]] = [[] for _ in range(n_sources)]
+        for k in range(n_sources):
+            mine = sorted((q for q in quarantine if q.source == k), key=lambda q: q.at)
+            parts: list[np.ndarray] = []
+            for q in mine:
+                parts.append(np.asarray(q.ids, dtype=np.int64))
+                ids = IdSet(np.concatenate(parts))
+                if self._ats[k] and self._ats[k][-1] == q.at:
+                    self._sets[k][-1] = ids
+                else:
+                    self._ats[k].append(q.at)
+                    self._sets[k].append(ids)
+
+    def at(self, source: int, position: int) -> IdSet | None:
+        """The ids of ``source`` quarantined at ``position``, or ``None``."""
+        i = bisect.bisect_right(self._ats[source], position)
+        return self._sets[source][i - 1] if i else None
 
 
 def mixture_order(
@@ -341,6 +388,7 @@ def mixture_order(
     # Positions where something changes: chunks are cut there so that within a piece the
     # quarantine sets are constant (weights are applied per position by draw_sources).
     key = mix_key(seed, epoch)
+    banned = _Banned(quarantine, len(sources))
     cuts = sorted({q.at for q in quarantine if 0 < q.at < length})
     end = length
     for lo in range(0, length, MIX_CHUNK):
@@ -357,7 +405,7 @@ def mixture_order(
                     cnt = int(np.count_nonzero(mask))
                     if not cnt:
                         continue
-                    ids, ran_out = streams[k].take(cnt, _banned(quarantine, k, a))
+                    ids, ran_out = streams[k].take(cnt, banned.at(k, a))
                     ids += dtype.type(offsets[k])  # fits: the order's dtype holds every id
                     if not ran_out:
                         dest[mask] = ids
@@ -371,7 +419,7 @@ def mixture_order(
                 for k, where in enumerate(np.split(by_source, ends[:-1])):
                     if not len(where):
                         continue
-                    ids, ran_out = streams[k].take(len(where), _banned(quarantine, k, a))
+                    ids, ran_out = streams[k].take(len(where), banned.at(k, a))
                     ids += dtype.type(offsets[k])
                     dest[where[: len(ids)]] = ids
                     if ran_out:
