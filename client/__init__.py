@@ -20,6 +20,7 @@ Errors (all from :mod:`shardserve.proto.errors`)::
     └── AuthError                                              missing or wrong token
 """
 
+from shardserve.proto.distribution import __version__ as __version__
 from shardserve.proto.errors import (
     AuthError,
     BadRequest,
@@ -41,7 +42,7 @@ from .loader import Loader
 from .local import serve_local
 from .plan import plan
 from .resident import ResidentTooLarge
-from .structure import Masked
+from .structure import Masked, Texts
 from .types import LoaderStats, VarTensor
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "ServerUnavailable",
     "ShardserveError",
     "StreamLimitExceeded",
+    "Texts",
     "TransformError",
     "VarTensor",
     "plan",

@@ -22,9 +22,61 @@ import torch
 
 from shardserve.proto.errors import ProtocolError
 from shardserve.proto.graphs import SPLITS, concat_dim
+from shardserve.proto.messages import BatchHeader, PartHeader
 
-from ._frames import own_storage
+from ._frames import OFFSETS, own_storage
 from .types import Batch, VarTensor
+
+
+def check_message(header: BatchHeader, rows: int, num_batches: int, graphs: bool = False) -> None:
+    """Refuse a message whose header does not describe what the plan expects: ``count``
+    batches from ``index`` within the epoch's ``num_batches``, of ``rows`` samples each (the
+    job's batch size; only the epoch's last batch may be short), every part holding that many
+    samples. Header arithmetic only, before any tensor is made; a violation is a
+    :class:`ProtocolError` naming the field, never a batch of other samples than planned.
+    ``graphs``: parts count nodes and edges, not samples (``collate="graph"``); a message of
+    several graph batches is checked by its ``.splits`` when cut (:func:`cut_graphs`)."""
+    where = f"message of batches {header.index}..{header.index + header.count - 1}"
+    if rows and header.rows != rows:
+        raise ProtocolError(
+            f"{where}: header field rows={header.rows}, but this job's batches hold {rows} samples"
+        )
+    if header.rows < 1:
+        raise ProtocolError(f"{where}: header field rows={header.rows} is not a batch size")
+    if header.index + header.count > num_batches:
+        raise ProtocolError(
+            f"{where}: header field count={header.count} runs past the epoch's {num_batches} batches"
+        )
+    names = [p.name for p in header.parts]
+    if len(set(names)) != len(names):
+        raise ProtocolError(f"{where}: a part name appears twice in {names}")
+    if graphs or SPLITS in names:
+        return
+    full = header.count * header.rows
+    # Only the message holding the epoch's last batch may be short, by less than a batch.
+    least = full if header.index + header.count < num_batches else full - header.rows + 1
+    present = set(names)
+    for p in header.parts:
+        n = _samples(p, present)
+        if n is not None and not least <= n <= full:
+            raise ProtocolError(
+                f"{where}: part {p.name!r} holds {n} samples, but the header says count="
+                f"{header.count} batches of rows={header.rows} ({least} to {full} samples)"
+            )
+        if n is not None and least < full:
+            least = full = n  # every part of the short message holds the same samples
+
+
+def _samples(p: PartHeader, names: set[str]) -> int | None:
+    """How many samples part ``p`` holds by its shape (``None``: a variable field's values)."""
+    base, dot, suffix = p.name.rpartition(".")
+    if dot and base in names and "." + suffix == OFFSETS:
+        return p.shape[0] - 1 if p.shape else -1
+    if p.name + OFFSETS in names:
+        return None
+    if not p.shape:
+        raise ProtocolError(f"part {p.name!r} has no sample dimension (shape {list(p.shape)})")
+    return p.shape[0]
 
 
 def cut_rows(batch: Batch, rows: int, count: int) -> list[Batch]:

@@ -10,11 +10,12 @@ that are misaligned for their dtype are copied instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from shardserve.proto.errors import ProtocolError
 from shardserve.proto.framing import ITEMSIZE, Frame
 from shardserve.proto.messages import BatchHeader, PartHeader
 
@@ -102,10 +103,53 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(view.view(as_int).numpy()).view(view.dtype)
 
 
+def check_variable(parts: Mapping[str, torch.Tensor]) -> None:
+    """Refuse variable fields whose companions lie: ``x.offsets`` must start at 0, never
+    decrease and end at ``x``'s length; ``x.shapes`` (one row per sample) must multiply out
+    to each sample's span. A few vector ops per field on the CPU (parts on a device are
+    checked before they are copied there); a violation is a :class:`ProtocolError` naming
+    the part, never a sample made of another's bytes."""
+    for name, values in parts.items():
+        offsets = parts.get(name + OFFSETS)
+        if offsets is None or offsets.device.type != "cpu":
+            continue
+        o = offsets.numpy()
+        where = f"part {name + OFFSETS!r}"
+        if o.ndim != 1 or o.size < 1 or o.dtype.kind not in "iu":
+            raise ProtocolError(
+                f"{where}: {o.dtype}{list(o.shape)} is not a 1-d integer offset list"
+            )
+        spans = np.diff(o)
+        if o[0] != 0 or o[-1] != values.numel() or (spans < 0).any():
+            bad = int(np.argmax(spans < 0)) if (spans < 0).any() else None
+            raise ProtocolError(
+                f"{where}: offsets must rise from 0 to {values.numel()} (the values of "
+                f"{name!r}); they run {int(o[0])}..{int(o[-1])}"
+                + (f" and fall after sample {bad}" if bad is not None else "")
+            )
+        shapes = parts.get(name + SHAPES)
+        if shapes is None:
+            continue
+        sh = shapes.numpy()
+        if sh.ndim != 2 or sh.shape[0] != spans.size or (sh < 0).any():
+            raise ProtocolError(
+                f"part {name + SHAPES!r}: {list(sh.shape)} is not one shape per sample of "
+                f"{spans.size}"
+            )
+        wrong = np.flatnonzero(sh.prod(axis=1) != spans)
+        if wrong.size:
+            i = int(wrong[0])
+            raise ProtocolError(
+                f"part {name + SHAPES!r}: sample {i} has shape {sh[i].tolist()} but "
+                f"{name + OFFSETS!r} gives it {int(spans[i])} values"
+            )
+
+
 def assemble(parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batch:
     """Group a batch's parts into fields: fixed tensors as they are, variable and binary
     fields (``x`` + ``x.offsets`` [+ ``x.shapes``]) as :class:`VarTensor` or, padded, as a
-    dense tensor plus ``x.lengths``."""
+    dense tensor plus ``x.lengths``. Variable fields are checked first (:func:`check_variable`)."""
+    check_variable(parts)
     out: Batch = {}
     for name, t in parts.items():
         base, _, suffix = name.rpartition(".")

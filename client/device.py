@@ -20,7 +20,7 @@ import torch
 
 from shardserve.proto.errors import BadRequest
 
-from ._frames import assemble
+from ._frames import assemble, check_variable
 from ._ledger import Event
 from ._staging import PinnedPool, pack_into
 from .types import Batch
@@ -85,6 +85,7 @@ class DeviceCopier:
         """The batch on ``self.device``; on the CPU, ``parts`` assembled as they are."""
         if not self.cuda:
             return assemble(parts, pad_variable)
+        check_variable(parts)  # here, on the CPU: on the device it would cost a sync
         block, staged = self.stage(parts)
         assert self._stream is not None
         consumer = torch.cuda.current_stream(self.device)
@@ -110,6 +111,7 @@ class DeviceCopier:
         Returns the batch and the event after which the host memory may be reused.
         """
         assert self._stream is not None
+        check_variable(parts)
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             moved = {k: v.to(self.device, non_blocking=True) for k, v in parts.items()}

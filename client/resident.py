@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from shardserve.proto.api import DatasetInfo
-from shardserve.proto.errors import BadRequest, DataError
+from shardserve.proto.api import DatasetInfo, JobStatus
+from shardserve.proto.errors import BadRequest, DataError, ProtocolError
+from shardserve.proto.jobs import MAX_ENVS, rank_plan_size
 
 from ._frames import torch_dtype
 from .control import ControlClient
@@ -33,7 +35,6 @@ from .types import Batch, VarTensor
 
 #: Resident data may take at most this share of the memory free on its device.
 FIT_SHARE = 0.9
-MAX_ENVS = 1024
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -208,6 +209,7 @@ class Resident:
     ) -> None:
         self.api, self.job_id, self.rank, self.batch_size = api, job_id, rank, batch_size
         self.data, self.env_devices, self.timeout = data, list(env_devices), timeout
+        self._job: JobStatus | None = None  # the server's word on the job, asked once
 
     @classmethod
     def load(
@@ -240,14 +242,46 @@ class Resident:
         plans = []
         for env, dev in enumerate(self.env_devices):
             ids, batches = self.api.plan(self.job_id, epoch, self.rank, env, timeout=self.timeout)
+            self._check_plan(ids, batches, f"plan of job {self.job_id} epoch {epoch} env {env}")
             cut = torch.from_numpy(ids.copy()).to(dev).split(self.batch_size)
-            if len(cut) != batches:
-                raise DataError(
-                    f"plan of job {self.job_id} epoch {epoch} env {env}: {len(ids)} ids make "
-                    f"{len(cut)} batches of {self.batch_size}, the server said {batches}"
-                )
             plans.append(EnvPlan(cut, self.data[dev]))
         return plans
+
+    def _check_plan(self, ids: np.ndarray, batches: int, what: str) -> None:
+        """Refuse a plan before any id reaches a device: its length must be the job's (every
+        rank plans the same number of ids, see :func:`~shardserve.proto.jobs.rank_plan_size`)
+        and every id a row of the resident data (on CUDA an id out of range is a device-side
+        assert, not an error). A violation is a :class:`ProtocolError` naming the field."""
+        if self._job is None:
+            self._job = self.api.job(self.job_id, timeout=self.timeout)
+        spec, rows = self._job.spec, self.num_samples
+        want_ids, want_batches = rank_plan_size(
+            self._job.num_samples, spec.world_size, self.batch_size, spec.drop_last
+        )
+        if self._job.num_samples != rows:
+            raise ProtocolError(
+                f"job {self.job_id} field num_samples={self._job.num_samples}, but the "
+                f"resident data holds {rows} samples"
+            )
+        if batches != want_batches or len(ids) != want_ids:
+            raise ProtocolError(
+                f"{what}: {len(ids)} ids in {batches} batches (header "
+                f"X-Shardserve-Num-Batches), but the job plans {want_ids} ids in "
+                f"{want_batches} batches of {self.batch_size} for each of its "
+                f"{spec.world_size} ranks"
+            )
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            bad = int(np.flatnonzero((ids < 0) | (ids >= rows))[0])
+            raise ProtocolError(
+                f"{what}: id {int(ids[bad])} (batch {bad // self.batch_size}) is out of range "
+                f"0 <= id < {rows}"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples the resident data holds."""
+        first = next(iter(self.data.values()))
+        return int(next(iter(first.tensors.values())).shape[0]) if first.tensors else 0
 
     def close(self) -> None:
         self.data.clear()

@@ -45,6 +45,7 @@ from shardserve.proto.messages import (
     Welcome,
 )
 
+from ._cut import check_message
 from .connection import Connection
 from .shm import AttachedRing, RingCache, ShmAttachError
 from .stats import StatsClock
@@ -77,8 +78,15 @@ class EpochStream:
         recreate_job: Callable[[float], None],
         describe: Callable[[], str],
         rings: RingCache | None = None,
+        rows: int = 0,
+        num_batches: int | None = None,
+        graphs: bool = False,
     ) -> None:
+        """``rows``: the job's batch size, ``num_batches``: its batches per epoch (the plan
+        every message and the Welcome are checked against; 0 / ``None``: the server's word);
+        ``graphs``: batches are collated graphs (see :func:`._cut.check_message`)."""
         self.conn = conn
+        self.rows, self.num_batches, self.graphs = rows, num_batches, graphs
         self.hello = hello
         self.epoch = hello.epoch
         self.next_index = hello.start_batch
@@ -187,6 +195,11 @@ class EpochStream:
                     and msg.stream == self.welcome.stream
                     and msg.epoch == self.epoch
                 ):
+                    if msg.num_batches != self.welcome.num_batches:
+                        raise ProtocolError(
+                            f"EndOfEpoch field num_batches={msg.num_batches}, the Welcome said "
+                            f"{self.welcome.num_batches} (job {self.hello.job}, rank {self.hello.rank})"
+                        )
                     if self.next_index >= msg.num_batches:
                         self.done = True
                     else:
@@ -228,6 +241,11 @@ class EpochStream:
                 self._send_hello(self.next_index)
                 return
         self.transport = "shm" if self.ring is not None else self.conn.transport
+        if self.num_batches is not None and msg.num_batches != self.num_batches:
+            raise ProtocolError(
+                f"Welcome field num_batches={msg.num_batches}, but job {self.hello.job} plans "
+                f"{self.num_batches} batches per epoch for each rank"
+            )
         if msg.start_batch != self.next_index or msg.epoch != self.epoch:
             raise ProtocolError(
                 f"Welcome for epoch {msg.epoch} batch {msg.start_batch}, asked for epoch {self.epoch} "
@@ -263,6 +281,12 @@ class EpochStream:
             raise ProtocolError(
                 f"a message of {header.count} batches on a stream of at most {self.welcome.group}"
             )
+        try:
+            check_message(header, self.rows, self.welcome.num_batches, self.graphs)
+        except ProtocolError as e:
+            raise ProtocolError(
+                f"{e} (job {self.hello.job}, rank {self.hello.rank}, epoch {self.epoch})"
+            ) from None
         self.next_index += header.count
         return header, frames
 

@@ -3,6 +3,7 @@ job spec, and the exception tree. Data and pure functions only: no I/O, no socke
 """
 
 from .api import JobStatus
+from .distribution import __version__ as __version__
 from .errors import ErrorCode, ShardserveError, error_for_code
 from .framing import decode, decode_batch, encode, encode_batch
 from .jobs import JobSpec, job_id

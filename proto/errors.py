@@ -14,6 +14,7 @@
     │   ├── DatasetNotFound
     │   ├── DatasetCorruptError    checksum mismatch, truncated or missing shard
     │   ├── DatasetChanged         the dataset version a job pinned is gone (``--overwrite``)
+    │   │   └── VersionConflict    a rank's job would pin another version than its peers'
     │   └── InvalidDataError       input to ingest that cannot become a dataset
     ├── JobError                   the job cannot go on (fatal)
     │   ├── JobNotFound
@@ -46,6 +47,7 @@ class ErrorCode(str, Enum):
     DATASET_NOT_FOUND = "dataset_not_found"
     DATASET_CORRUPT = "dataset_corrupt"
     DATASET_CHANGED = "dataset_changed"
+    VERSION_CONFLICT = "version_conflict"
     JOB_NOT_FOUND = "job_not_found"
     JOB_FAILED = "job_failed"
     TRANSFORM_FAILED = "transform_failed"
@@ -110,6 +112,13 @@ class DatasetChanged(DataError):
     (and the server restarted, or never had it open). The message names both version ids."""
 
     code = ErrorCode.DATASET_CHANGED
+
+
+class VersionConflict(DatasetChanged):
+    """Ranks of one run would train on two versions of a dataset: a job is refused because a
+    live job of the same spec pins another version. The message names both version ids."""
+
+    code = ErrorCode.VERSION_CONFLICT
 
 
 class InvalidDataError(DataError, ValueError):
@@ -179,6 +188,7 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
     ErrorCode.DATASET_NOT_FOUND: DatasetNotFound,
     ErrorCode.DATASET_CORRUPT: DatasetCorruptError,
     ErrorCode.DATASET_CHANGED: DatasetChanged,
+    ErrorCode.VERSION_CONFLICT: VersionConflict,
     ErrorCode.JOB_NOT_FOUND: JobNotFound,
     ErrorCode.JOB_FAILED: JobFailed,
     ErrorCode.TRANSFORM_FAILED: TransformError,

@@ -286,3 +286,21 @@ def job_id(spec: JobSpec) -> str:
     }
     canonical = spec.model_dump_json(exclude_none=False, exclude=exclude or None).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+def rank_plan_size(
+    num_samples: int, world_size: int, batch_size: int, drop_last: bool
+) -> tuple[int, int]:
+    """How many ids each rank plans per epoch, and in how many batches
+    (``torch.utils.data.DistributedSampler`` then ``DataLoader``): without ``drop_last`` the
+    order is padded to a multiple of ``world_size`` and the last batch may be short; with it
+    the order is cut to a multiple of ``world_size`` and a short last batch is dropped.
+
+    >>> rank_plan_size(1000, 3, 64, False), rank_plan_size(1000, 3, 64, True)
+    ((334, 6), (320, 5))
+    """
+    if drop_last:
+        batches = num_samples // world_size // batch_size
+        return batches * batch_size, batches
+    per_rank = -(-num_samples // world_size)
+    return per_rank, -(-per_rank // batch_size)

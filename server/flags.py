@@ -84,10 +84,48 @@ def flag_name(name: str, info: FieldInfo) -> str:
     return flag if isinstance(flag, str) else "--" + name.replace("_", "-")
 
 
+#: How ``serve --help`` groups the settings; a field named in no group lands in the last one.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "store": (
+        "store", "create", "verify", "state_dir", "cache_dir", "cache_limit_bytes",
+        "store_endpoint", "store_timeout_s",
+    ),
+    "addresses and access": (
+        "http", "data", "ipc", "token", "insecure", "allowed_hosts", "ready_file",
+    ),
+    "streams, memory and limits": (
+        "assembly_threads", "shm", "shm_limit_bytes", "shm_unproven_rings", "max_batch_bytes",
+        "max_streams", "max_streams_per_job", "max_hellos_per_s", "heartbeat_s",
+        "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
+    ),
+    "jobs and shutdown": ("idle_after_s", "job_ttl_s", "max_jobs", "shutdown_timeout_s"),
+    "transforms": (
+        "transforms", "transform_workers", "transform_pool", "transform_timeout_s",
+        "max_decoded_pixels",
+    ),
+    "logging": ("log_format", "log_level"),
+}  # fmt: skip
+OTHER_GROUP = "other settings"
+
+
+def grouped_fields() -> dict[str, list[str]]:
+    """:class:`Settings` field names by :data:`GROUPS` title, in ``Settings`` order; fields in
+    no group under :data:`OTHER_GROUP` (only groups with fields)."""
+    group_of = {f: title for title, fields in GROUPS.items() for f in fields}
+    out: dict[str, list[str]] = {title: [] for title in [*GROUPS, OTHER_GROUP]}
+    for name in Settings.model_fields:
+        out[group_of.get(name, OTHER_GROUP)].append(name)
+    return {title: names for title, names in out.items() if names}
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`Settings` field; each defaults to ``None`` (not given)."""
-    for name, info in Settings.model_fields.items():
-        parser.add_argument(flag_name(name, info), **_flag_kwargs(name, info))
+    """One flag per :class:`Settings` field, in :func:`grouped_fields` groups; each defaults
+    to ``None`` (not given)."""
+    fields = Settings.model_fields
+    for title, names in grouped_fields().items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            group.add_argument(flag_name(name, fields[name]), **_flag_kwargs(name, fields[name]))
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from shardserve.proto.api import CreatedJob, EpochUpdate, JobState, JobStatus
-from shardserve.proto.errors import BadRequest, JobNotFound
+from shardserve.proto.errors import BadRequest, JobNotFound, VersionConflict
 from shardserve.proto.jobs import JobSpec
 from shardserve.proto.jobs import job_id as spec_job_id
 from shardserve.proto.manifest import Manifest
@@ -98,12 +98,43 @@ class JobAdmin:
         with self._admit_lock:
             self.sweep()
             if self.jobs.find(spec_job_id(spec)) is None:
+                self._refuse_other_version(spec)
                 self._make_room()
             job, created = self.jobs.create(spec, num_samples, sizes)
         return CreatedJob(id=job.id, created=created, status=self.status_of(job))
 
     def job(self, job_id: str) -> JobStatus:
         return self.status_of(self.jobs.get(job_id))
+
+    def _refuse_other_version(self, spec: JobSpec) -> None:
+        """Ranks of one run agree on one dataset version, without talking to each other.
+
+        Every rank posts the same spec and so gets the same job, unless ``ingest --overwrite``
+        published a new version between two ranks' posts: the later rank's job would pin the
+        new version while its peers stream the old one (different sample counts desynchronise
+        DDP). Its peers are found here, as a live (pending or running) job of the same spec
+        except the pinned version, and the new job is refused naming both versions. A run of
+        one rank has no peers; a run whose job has ended (finished, idle, failed) is not live.
+        """
+        if spec.world_size < 2:
+            return
+        unpinned = spec.model_copy(update={"version": None})
+        activity = self.board.activity()
+        now = time.monotonic()
+        for peer in self.jobs.list():
+            if peer.spec.version == spec.version or (
+                peer.spec.model_copy(update={"version": None}) != unpinned
+            ):
+                continue
+            state = job_state(peer, activity.get(peer.id), now, self.settings.idle_after_s)
+            if state in LIVE:
+                raise VersionConflict(
+                    f"dataset {spec.dataset!r} is now version {spec.version}, but job {peer.id} "
+                    f"of the same spec ({state}) streams version {peer.spec.version} to its "
+                    f"{spec.world_size} ranks: ranks of one run must train on one version. A "
+                    "rank of that run: restart the whole run so every rank pins the new version; "
+                    f"a new run: end the old one first (close its Loaders, or DELETE /v1/jobs/{peer.id})"
+                )
 
     def all_jobs(self) -> list[JobStatus]:
         """Every job, live ones first (running, then pending), each group newest first."""

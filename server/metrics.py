@@ -14,7 +14,8 @@ are gone from the next scrape. No ``*_created`` series
 ==========================================  =========  ==============  ============================================
 name                                        type       labels          meaning
 ==========================================  =========  ==============  ============================================
-shardserve_batches_sent_total               counter                    batches sent on the data plane
+shardserve_batches_sent_total               counter                    batches sent on the data plane (not messages)
+shardserve_messages_sent_total              counter                    data-plane messages carrying them (small batches go several to one)
 shardserve_bytes_sent_total                 counter                    payload bytes of those batches
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
@@ -22,7 +23,7 @@ shardserve_shm_fallbacks_total              counter                    streams t
 shardserve_store_bytes                      gauge                      bytes of every dataset in the store
 shardserve_jobs                             gauge      state           jobs by lifecycle state (every state, 0 too)
 shardserve_job_ranks_connected              gauge      job_id          ranks of the job with an open stream
-shardserve_job_batches_sent_total           counter    job_id, rank    batches sent to that rank
+shardserve_job_batches_sent_total           counter    job_id, rank    batches sent to that rank (its jobs' sum is the total while they live)
 shardserve_job_bytes_sent_total             counter    job_id, rank    payload bytes sent to that rank
 shardserve_client_wait_seconds_total        counter    job_id, rank    seconds the rank's loop waited for data
 shardserve_client_compute_seconds_total     counter    job_id, rank    seconds the rank's loop spent between batches
@@ -110,7 +111,12 @@ class _JobCollector(Collector):
             connected.add_metric([jid], n)
         yield connected
         per_rank = [
-            ("shardserve_job_batches_sent", "Batches sent to the rank.", "batches"),
+            (
+                "shardserve_job_batches_sent",
+                "Batches sent to the rank (batches, not messages: small ones travel several "
+                "to a message).",
+                "batches",
+            ),
             ("shardserve_job_bytes_sent", "Payload bytes sent to the rank.", "bytes"),
             (
                 "shardserve_client_wait_seconds",
@@ -157,7 +163,15 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.batches_sent = Counter(
-            "shardserve_batches_sent", "Batches sent on the data plane.", registry=r
+            "shardserve_batches_sent",
+            "Batches sent on the data plane (batches, not messages: small ones travel several "
+            "to a message).",
+            registry=r,
+        )
+        self.messages_sent = Counter(
+            "shardserve_messages_sent",
+            "Data-plane batch messages sent (each carries one or more batches).",
+            registry=r,
         )
         self.bytes_sent = Counter(
             "shardserve_bytes_sent", "Payload bytes of the batches sent.", registry=r

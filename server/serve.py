@@ -4,7 +4,9 @@ Threads: uvicorn's event loop in the main thread (it owns the signals, through
 :func:`_make_server`), the streamer thread owning the ROUTER socket, and the assembly pool.
 Order: settings -> logging -> service (journal replay, data plane bound) -> HTTP listening ->
 ready file. SIGTERM/SIGINT: uvicorn stops accepting and drains HTTP (2 s at most), then the
-service tells open streams ``SERVER_SHUTDOWN`` and closes its socket; exit code 0.
+service tells open streams ``SERVER_SHUTDOWN`` and closes its socket; exit code 0. A watchdog
+armed by the signal ends the process with status 1 once ``--shutdown-timeout-s`` has passed,
+whatever is still running (a hung transform thread, a fetch, a stuck join).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from .logs import log_event
 
 if TYPE_CHECKING:
@@ -36,26 +36,50 @@ log = logging.getLogger("shardserve.serve")
 HTTP_GRACE_S = 2.0
 #: Exit status when the data plane thread died (EX_SOFTWARE: an internal error).
 EXIT_DATA_PLANE_DIED = 70
+#: Exit status when the shutdown did not finish within ``--shutdown-timeout-s``.
+EXIT_SHUTDOWN_FORCED = 1
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+#: ``serve``'s line in ``shardserve --help``.
+SERVE_SUMMARY = "serve the datasets of a store to trainers (HTTP control plane + ZeroMQ data)"
+
+_EXAMPLES = """examples:
+  shardserve serve --store ./store                      loopback, ports 7070 (HTTP) and 7071
+  shardserve serve --store ./new --create               start on an empty store
+  shardserve serve --store ./store --http 0.0.0.0:7070 --data tcp://0.0.0.0:7071 \\
+      --token "$SHARDSERVE_TOKEN"                       other hosts (a token is required)
+  shardserve serve --store s3://bucket/store --cache-dir /var/cache/shardserve
+  SHARDSERVE_STORE=./store shardserve serve --transforms mymod   a module of your transforms
+
+Every flag can also be set as SHARDSERVE_<NAME> in the environment (--max-jobs:
+SHARDSERVE_MAX_JOBS); flags win over the environment."""
+
+
 def add_serve_command(sub: Any) -> None:
-    """Register ``serve`` on the CLI's subparsers: one flag per :class:`Settings` field;
+    """Register ``serve`` on the CLI's subparsers (see :func:`configure_serve`)."""
+    configure_serve(sub.add_parser("serve", help=SERVE_SUMMARY))
+
+
+def configure_serve(p: argparse.ArgumentParser) -> None:
+    """Give ``serve``'s parser one flag per :class:`Settings` field, grouped, with examples;
     flags override ``SHARDSERVE_*`` variables."""
     from .flags import add_settings_flags
 
-    p = sub.add_parser(
-        "serve",
-        help="serve the datasets of a store to trainers",
-        description="Serve pre-collated batches over ZeroMQ and a FastAPI control plane. Every "
-        "flag can also be set as SHARDSERVE_<NAME> in the environment; flags win.",
+    p.description = (
+        "Serve pre-collated batches over ZeroMQ and a FastAPI control plane, from a store "
+        "folder (or object storage) filled by `shardserve ingest`."
     )
+    p.epilog = _EXAMPLES
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_settings_flags(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``shardserve serve``; returns the process exit code."""
+    from pydantic import ValidationError
+
     from .flags import given_settings
     from .settings import Settings
 
@@ -67,7 +91,30 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         print(f"shardserve serve: {problems}", file=sys.stderr)
         return 2
+    problem = _local_store_problem(settings)
+    if problem is not None:
+        print(f"shardserve serve: {problem}", file=sys.stderr)
+        return 2
     return serve(settings)
+
+
+def _local_store_problem(settings: Settings) -> str | None:
+    """Why a local ``--store`` cannot be served (``None``: it can); creates it under
+    ``--create``. A typo must not start a server that reports ready on an empty store."""
+    if settings.store_is_remote:
+        return None
+    store = Path(settings.store)
+    if store.is_dir():
+        return None
+    if store.exists():
+        return f"store {store} is not a folder; pass the folder that ingest wrote"
+    if settings.create:
+        store.mkdir(parents=True, exist_ok=True)
+        return None
+    return (
+        f"store {store} does not exist; check the path (`shardserve ls --store PATH` lists a "
+        "store's datasets), or pass --create (SHARDSERVE_CREATE=true) to start on an empty one"
+    )
 
 
 def serve(settings: Settings) -> int:
@@ -81,6 +128,31 @@ def serve(settings: Settings) -> int:
     finally:
         for s, h in originals.items():
             signal.signal(s, h)
+
+
+class _Watchdog:
+    """Ends the process ``seconds`` after :meth:`arm` unless it exited first."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._timer: threading.Timer | None = None
+
+    def arm(self, reason: str) -> None:
+        if self._timer is not None:
+            return
+        self._timer = threading.Timer(self.seconds, self._fire, args=(reason,))
+        self._timer.daemon = True
+        self._timer.name = "ss-shutdown-watchdog"
+        self._timer.start()
+
+    def _fire(self, reason: str) -> None:
+        stuck = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        log_event(log, "serve.shutdown_forced", level=logging.ERROR, after_s=self.seconds,
+                  reason=reason, threads=",".join(stuck))  # fmt: skip
+        for h in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        os._exit(EXIT_SHUTDOWN_FORCED)
 
 
 def _serve(settings: Settings, early: list[int]) -> int:
@@ -108,9 +180,11 @@ def _serve(settings: Settings, early: list[int]) -> int:
         )
         service.stop()
         return 1
+    watchdog = _Watchdog(settings.shutdown_timeout_s)
     try:
-        exit_signal = _run_http(settings, service, endpoints, http_sock, early)
+        exit_signal = _run_http(settings, service, endpoints, http_sock, early, watchdog)
     finally:
+        watchdog.arm("stopping")
         service.stop()
         http_sock.close()
         if settings.ready_file is not None:
@@ -129,6 +203,7 @@ def _run_http(
     endpoints: list[str],
     http_sock: socket.socket,
     early: list[int],
+    watchdog: _Watchdog,
 ) -> str:
     """Serve HTTP on ``http_sock`` until a signal or the data plane's death; the name of the
     signal that stopped it (``""`` for none)."""
@@ -157,7 +232,7 @@ def _run_http(
                 {"http": http_url, "data_endpoints": endpoints, "pid": os.getpid()},
             )
 
-    server = _make_server(config, on_ready)
+    server = _make_server(config, on_ready, watchdog.arm)
 
     def on_data_plane_death(reason: str) -> None:
         # A server whose data plane is gone must not look alive: stop, exit non-zero, and let
@@ -169,13 +244,15 @@ def _run_http(
     if service.streamer.failure is not None:
         on_data_plane_death(service.streamer.failure)
     if early:
+        watchdog.arm(signal.Signals(early[0]).name)
         server.should_exit = True
         server.exit_signal = signal.Signals(early[0]).name
     server.run(sockets=[http_sock])
     return str(server.exit_signal or "")
 
 
-def _make_server(config: Any, on_ready: Callable[[], None]) -> Any:
+def _make_server(config: Any, on_ready: Callable[[], None],
+                 on_signal: Callable[[str], None]) -> Any:  # fmt: skip
     """A uvicorn ``Server`` whose signals are owned here, calling ``on_ready`` once HTTP listens.
 
     uvicorn re-raises a caught SIGTERM after its shutdown, which would kill the process with
@@ -203,6 +280,7 @@ def _make_server(config: Any, on_ready: Callable[[], None]) -> Any:
                 self.force_exit = True
             self.should_exit = True
             self.exit_signal = signal.Signals(sig).name
+            on_signal(self.exit_signal)
             log_event(log, "serve.signal", signal=self.exit_signal)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -24,7 +24,7 @@ from shardserve.proto.api import DatasetInfo, ServerInfo
 from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
 from shardserve.proto.jobs import MIXTURE_PREFIX
-from shardserve.proto.manifest import Manifest
+from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
 from .assembly import Assembler
@@ -46,6 +46,7 @@ from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig, Waker
 from .transforms.bound import Transforms
+from .transforms.runner import Limits
 
 log = logging.getLogger("shardserve.service")
 
@@ -59,20 +60,33 @@ def _version() -> str:
         return "0+unknown"
 
 
+def _field_info(f: FieldSpec) -> dict[str, object]:
+    out: dict[str, object] = {
+        "name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind
+    }  # fmt: skip
+    if f.nullable:
+        out["nullable"] = True
+    if f.encoding:
+        out["encoding"] = f.encoding
+    return out
+
+
 def dataset_info(m: Manifest) -> DatasetInfo:
     return DatasetInfo(
         name=m.name,
         num_samples=m.num_samples,
         num_shards=len(m.shards),
         bytes=m.total_bytes,
-        fields=[
-            {"name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind}
-            | ({"nullable": True} if f.nullable else {})
-            for f in m.fields
-        ],
+        fields=[_field_info(f) for f in m.fields],
         created_at=m.created_at,
         structure=m.structure,
         classes=json.loads(m.source["classes"]) if "classes" in m.source else None,
+        label_names={
+            k.removeprefix("labels."): json.loads(v)
+            for k, v in m.source.items()
+            if k.startswith("labels.")
+        }
+        or None,
     )
 
 
@@ -86,6 +100,7 @@ def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | Remo
         StoreOptions.from_env(os.environ, settings.store_endpoint),
         request_timeout_s=settings.store_timeout_s,
         connect_timeout_s=min(5.0, settings.store_timeout_s),
+        min_bytes_per_s=settings.store_min_bytes_per_s,
     )
     return open_store(
         settings.store,
@@ -118,6 +133,7 @@ class Service:
             settings.transform_pool,
             settings.transform_timeout_s,
             self.metrics.registry,
+            Limits(settings.max_batch_bytes, settings.max_decoded_pixels),
         )
         self.job_admin = JobAdmin(
             settings,
@@ -263,9 +279,13 @@ class Service:
     def _end_streams(self, job_id: str, message: str) -> None:
         self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
 
-    def plan(self, job_id: str, epoch: int, rank: int, env: int = 0) -> tuple[np.ndarray, int]:
+    def plan(
+        self, job_id: str, epoch: int, rank: int, env: int | None = None
+    ) -> tuple[np.ndarray, int]:
         """``rank``'s sample ids of ``epoch`` in batch order (int64) and its batch count: what
         the data plane would stream, for clients that hold the data themselves (resident mode).
+        ``env``: that environment's own ids and batches (:meth:`PlanCache.env_plan`); ``None``:
+        the job's batches as streamed (a job of several environments: whole steps).
         """
         job = self.jobs.get(job_id)
         world = job.spec.world_size
@@ -274,7 +294,11 @@ class Service:
         if job.spec.mixture is not None:  # ids over the sources concatenated in order
             return self.mixture_admin.plan(job, epoch, rank)
         ds = self.open_dataset(job.spec.dataset, job.spec.version)
-        plan = self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows, env=env)
+        plan = (
+            self.plans.rank_plan(job, epoch, job.seed, rank, shard_rows=ds.shard_rows)
+            if env is None
+            else self.plans.env_plan(job, epoch, job.seed, rank, env, shard_rows=ds.shard_rows)
+        )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
 

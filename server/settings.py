@@ -8,13 +8,16 @@ or a comma-separated string from the environment, e.g.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shardserve.proto.endpoints import is_loopback_host, split_host_port, tcp_host
+# shardserve.proto is imported where a value is checked, not here: importing it loads every
+# contract (numpy, the wire and job models), and `shardserve serve --help` needs none of them.
 
 
 class Settings(BaseSettings):
@@ -25,6 +28,11 @@ class Settings(BaseSettings):
     store: Path | str = Field(
         description="store folder, or an object-store URI (s3://bucket/prefix) served "
         "through --cache-dir",
+    )
+    create: bool = Field(
+        default=False,
+        description="create a local --store folder that does not exist (else serve refuses "
+        "it: a typo must not serve an empty store)",
     )
     http: str = Field(
         default="127.0.0.1:7070", description="control plane HOST:PORT (port 0: any free one)"
@@ -137,6 +145,13 @@ class Settings(BaseSettings):
         description="longest object-store request; with 3 attempts a read of a store that "
         "stopped answering fails within about 3x this",
     )
+    store_min_bytes_per_s: float = Field(
+        default=float(1 << 20),
+        gt=0,
+        description="slowest transfer a shard fetch may make: a fetch fails with 'store "
+        "unavailable' once it has taken --store-timeout-s x 3 plus its size at this rate",
+        json_schema_extra={"metavar": "RATE"},
+    )
     max_streams: int = Field(
         default=1024,
         ge=1,
@@ -178,6 +193,21 @@ class Settings(BaseSettings):
         le=3600,
         description="seconds one batch's transforms may take before the job fails (a hung "
         "worker is killed)",
+    )
+
+    max_decoded_pixels: int = Field(
+        default=1 << 26,
+        ge=1,
+        le=1 << 40,
+        description="most pixels (width x height, read from its header before decoding) one "
+        "image a transform decodes may have; a larger one fails its job naming the sample",
+    )
+    shutdown_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="seconds from SIGTERM/SIGINT to exit: what has not stopped by then (a hung "
+        "transform, a fetch) is abandoned and the process exits with status 1",
     )
 
     @field_validator("store", mode="before")
@@ -245,6 +275,8 @@ class Settings(BaseSettings):
     def _check_data(cls, v: list[str]) -> list[str]:
         if not v:
             raise ValueError("data needs at least one endpoint, e.g. tcp://127.0.0.1:7071")
+        from shardserve.proto.endpoints import tcp_host
+
         for e in v:
             tcp_host(e)  # raises for an unknown scheme or a bad HOST:PORT
         return v
@@ -252,6 +284,8 @@ class Settings(BaseSettings):
     @field_validator("http")
     @classmethod
     def _check_http(cls, v: str) -> str:
+        from shardserve.proto.endpoints import split_host_port
+
         split_host_port(v)
         return v
 
@@ -262,6 +296,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_public_without_token(self) -> Settings:
+        from shardserve.proto.endpoints import is_loopback_host, split_host_port, tcp_host
+
         public = [self.http] if not is_loopback_host(split_host_port(self.http)[0]) else []
         public += [
             e for e in self.data if (h := tcp_host(e)) is not None and not is_loopback_host(h)
@@ -275,6 +311,8 @@ class Settings(BaseSettings):
 
     @property
     def http_host_port(self) -> tuple[str, int]:
+        from shardserve.proto.endpoints import split_host_port
+
         return split_host_port(self.http)
 
     @property
@@ -302,3 +340,48 @@ class StoreDefaults(BaseSettings):
 
     store: str | None = None
     store_endpoint: str | None = None
+
+
+ENV_PREFIX = "SHARDSERVE_"
+
+#: ``SHARDSERVE_*`` variables read by something other than :class:`Settings`: what they are for.
+OTHER_ENV: dict[str, str] = {
+    "SHARDSERVE_URL": "client: the server Loader(None, ...) connects to",
+    "SHARDSERVE_HTTP_PORT": "docker-compose.yml: host port of the control plane",
+    "SHARDSERVE_DATA_PORT": "docker-compose.yml: host port of the data plane",
+    "SHARDSERVE_IMAGE": "docker/podman-stack.sh: the server image",
+    "SHARDSERVE_TRAINER_IMAGE": "docker/podman-stack.sh: the trainer image",
+    "SHARDSERVE_TRAINER_OPTS": "docker/podman-stack.sh: extra trainer options",
+    "SHARDSERVE_STACK": "docker/podman-stack.sh: the stack's name",
+    "SHARDSERVE_KEEP_STACK": "docker/podman-stack.sh: keep the stack after it ran",
+    "SHARDSERVE_TORCH_WHEELS": "docker/ci-engine.sh: a folder of torch wheels for the images",
+    "SHARDSERVE_HEALTH_TIMEOUT_S": "docker/podman-stack.sh: how long to wait for health",
+    "SHARDSERVE_SCREENSHOT": "tests: where the status-page test saves its screenshot",
+    "SHARDSERVE_KILL_SEED": "tests: the seed of the random-kill test",
+    "SHARDSERVE_BENCH_TF_PYTHON": "bench: the python that has TensorFlow",
+    "SHARDSERVE_TEST_SESSION": "tests: the prefix of this test session's shared memory",
+    "SHARDSERVE_TEST_SLOWNESS": "tests: a fixed slowness factor for test deadlines",
+}
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a :class:`Settings` field: ``max_jobs`` -> ``SHARDSERVE_MAX_JOBS``."""
+    return ENV_PREFIX + field.upper()
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """One warning per ``SHARDSERVE_*`` variable in ``environ`` that nothing reads, naming the
+    closest real one (a misspelled ``SHARDSERVE_MAX_STREAM`` would otherwise be ignored).
+
+    >>> unknown_env({"SHARDSERVE_MAX_STREAM": "8"})
+    ['SHARDSERVE_MAX_STREAM is not a shardserve setting and is ignored; did you mean SHARDSERVE_MAX_STREAMS?']
+    """
+    known = sorted({env_name(f) for f in Settings.model_fields} | set(OTHER_ENV))
+    out = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "`shardserve serve --help` lists them"
+        out.append(f"{name} is not a shardserve setting and is ignored; {hint}")
+    return out

@@ -78,3 +78,27 @@ def test_nothing_unpickles() -> None:
         for path in (ROOT / folder).rglob("*.py"):
             text = path.read_text()
             assert not [b for b in bad if b in text], path
+
+
+def test_the_wheel_ships_type_markers_and_the_demo_extra(tmp_path: Path) -> None:
+    """A built wheel has py.typed in each package (users' mypy reads our hints) and a `demo`
+    extra that brings the server, the client and the demo's data."""
+    import zipfile
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("shardserve-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        meta = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    for pkg in FOLDERS:
+        assert pkg.replace(".", "/") + "/py.typed" in names, pkg
+    demo = [
+        line for line in meta.splitlines() if line.startswith("Requires-Dist:") and "demo" in line
+    ]
+    assert any("scikit-learn" in line for line in demo), demo
+    assert any("server" in line and "client" in line for line in demo), demo

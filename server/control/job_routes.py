@@ -74,11 +74,13 @@ def get_plan(
     service: ServiceDep,
     epoch: Annotated[int, Query(ge=0, lt=1 << 31)],
     rank: Annotated[int, Query(ge=0, lt=1 << 16)] = 0,
-    env: Annotated[int, Query(ge=0, lt=1 << 16)] = 0,
+    env: Annotated[int | None, Query(ge=0, lt=1 << 16)] = None,
 ) -> Response:
-    """One rank's sample ids of one epoch, in batch order: exactly what the data plane streams
-    (``env`` > 0: that environment's own plan). Batches are ``batch_size`` ids each, the last
-    one possibly short; the header ``X-Shardserve-Num-Batches`` gives their number."""
+    """One rank's sample ids of one epoch, in batch order: exactly what the data plane streams.
+    With ``env``: that environment's own plan (of a job with ``envs`` > 1, the ``env``-th
+    part of every step, batches of ``batch_size // envs``; 422 past its environments).
+    Batches are ``batch_size`` ids each, the last one possibly short; the header
+    ``X-Shardserve-Num-Batches`` gives their number."""
     ids, batches = service.plan(job_id, epoch, rank, env)
     return Response(
         content=ids.tobytes(),

@@ -14,21 +14,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
-
-from shardserve.proto.errors import DataError, DatasetCorruptError, ShardserveError
-
-from .ingest.registry import FORMATS
-from .versions import content_id
+# Imports of pydantic, pyarrow and the readers wait until a command runs: `shardserve --help`
+# and `shardserve ls --help` must answer at once, and `import pyarrow.dataset` alone pulls pandas.
 
 ENV_STORE = "SHARDSERVE_STORE"
-_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+#: The store subcommands and their one-line help (the top-level `shardserve --help` lists them
+#: without importing what they run).
+STORE_COMMANDS: dict[str, str] = {
+    "ingest": "pack a source into a dataset: .pt/.pth, .npz/.npy, .parquet, .arrow/.feather, "
+    "WebDataset .tar, HDF5 .h5, LMDB, a Hugging Face save_to_disk folder, an image folder",
+    "ls": "list the datasets of a store",
+    "inspect": "show a dataset's schema, counts and shards",
+    "verify": "check every shard's checksum and readability",
+}
+
+_EXAMPLES: dict[str, str] = {
+    "ingest": "examples:\n"
+    "  shardserve ingest ./train_pt/ --store ./store --name train\n"
+    "  shardserve ingest data.parquet --store ./store --name tab --shard-size 128MiB\n"
+    "  shardserve ingest imgs/ --store s3://bucket/store --name imgs --format imagefolder\n"
+    "  shardserve ingest raw/ --store ./store --name feats --map mymod:featurize --workers 2",
+    "ls": "example:\n  shardserve ls --store ./store",
+    "inspect": "example:\n  shardserve inspect --store ./store train",
+    "verify": "example:\n  shardserve verify --store ./store train",
+}
 
 
 def parse_size(text: str) -> int:
     """``"256MiB"`` -> 268435456; decimal (MB) and binary (MiB) units, bytes if none."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
     try:
-        size = int(_SIZE.validate_python(text))
+        size = int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size like 256MiB, 64MB or 1048576"
@@ -39,6 +57,8 @@ def parse_size(text: str) -> int:
 
 
 def _human(n: float) -> str:
+    from pydantic import ByteSize
+
     return ByteSize(int(n)).human_readable()
 
 
@@ -52,6 +72,8 @@ def _guarded(
                 file=sys.stderr,
             )
             return 2
+        from shardserve.proto.errors import DataError, DatasetCorruptError, ShardserveError
+
         from .object_fs import StoreUnavailable
 
         try:
@@ -93,13 +115,14 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
         summary = ingest_anywhere(args, _open_store(args.store) if is_uri(args.store) else None)
     else:
-        from .ingest.run import ingest
+        from .ingest.run import ingest_all
 
-        summary = ingest(
+        summary = ingest_all(
             args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
             overwrite=args.overwrite, variable=args.variable, threads=args.threads,
             progress=not args.quiet, stacked=args.stacked, map_fn=args.map,
-            workers=args.workers,
+            workers=args.workers, split=args.split, max_sample_bytes=args.max_sample_bytes,
+            value_format=args.value_format,
         )  # fmt: skip
     print(summary.line())
     return 0
@@ -120,6 +143,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .versions import content_id
+
     m = _open_store(args.store).manifest(args.name)
     print(f"dataset   {m.name}")
     print(f"version   {content_id(m)}")  # what jobs pin (GET /v1/jobs/{id}: spec.version)
@@ -155,46 +180,55 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def add_store_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``ingest``, ``ls``, ``inspect`` and ``verify`` to the ``shardserve`` parser."""
+    for name, summary in STORE_COMMANDS.items():
+        configure_store_command(name, sub.add_parser(name, help=summary))
+
+
+def configure_store_command(name: str, p: argparse.ArgumentParser) -> None:
+    """Give the parser of store command ``name`` its arguments, examples and function."""
     from ..settings import StoreDefaults
 
     default_store = StoreDefaults().store  # $SHARDSERVE_STORE, read as `serve` reads it
-
-    def store_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--store",
-            default=default_store,
-            help=f"store folder or URI such as s3://bucket/prefix (default: ${ENV_STORE})",
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = _EXAMPLES[name]
+    p.description = p.description or STORE_COMMANDS[name][0].upper() + STORE_COMMANDS[name][1:]
+    if name == "ingest":
+        p.description = (
+            "Pack a source into a memory-mappable dataset; nothing is published on error."
         )
-
-    p = sub.add_parser(
-        "ingest",
-        help="pack .pt / .npz / Parquet / Arrow files into a dataset",
-        description="Pack a source into a memory-mappable dataset; nothing is published on error.",
+        p.add_argument("src", type=Path, help="a file or a folder (searched recursively)")
+    p.add_argument(
+        "--store",
+        default=default_store,
+        help=f"store folder or URI such as s3://bucket/prefix (default: ${ENV_STORE})",
     )
-    p.add_argument("src", type=Path, help="a file or a folder (searched recursively)")
-    store_arg(p)
-    _add_ingest_flags(p)
-    p.set_defaults(func=_guarded("ingest", _cmd_ingest))
-
-    p = sub.add_parser("ls", help="list the datasets of a store")
-    store_arg(p)
-    p.set_defaults(func=_guarded("ls", _cmd_ls))
-
-    p = sub.add_parser("inspect", help="show a dataset's schema, counts and shards")
-    store_arg(p)
-    p.add_argument("name")
-    p.set_defaults(func=_guarded("inspect", _cmd_inspect))
-
-    p = sub.add_parser("verify", help="check every shard's checksum and readability")
-    store_arg(p)
-    p.add_argument("name")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_guarded("verify", _cmd_verify))
+    if name == "ingest":
+        _add_ingest_flags(p)
+    elif name in ("inspect", "verify"):
+        p.add_argument("name", help="the dataset's name (see `shardserve ls`)")
+    if name == "verify":
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "ingest": _cmd_ingest,
+        "ls": _cmd_ls,
+        "inspect": _cmd_inspect,
+        "verify": _cmd_verify,
+    }
+    p.set_defaults(func=_guarded(name, commands[name]))
 
 
 def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", required=True, help="dataset name (letters, digits, '.', '_', '-')")
-    p.add_argument("--format", choices=FORMATS, default="auto")
+    from .ingest.decode import VALUE_FORMATS
+    from .ingest.registry import FORMATS
+
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="the source's format (default auto: from the files' suffixes, or the folder's "
+        "marker files for hf and lmdb)",
+    )
     p.add_argument(
         "--shard-size",
         type=parse_size,
@@ -226,6 +260,24 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workers", type=int, default=0, help="processes for --map (default 0: in this process)"
+    )
+    p.add_argument(
+        "--split",
+        metavar="SPLIT",
+        help="a source laid out as splits (train/, data/test-*.parquet, a DatasetDict): ingest "
+        "only this one (default: each split as its own dataset NAME-SPLIT)",
+    )
+    p.add_argument(
+        "--max-sample-bytes",
+        type=parse_size,
+        default=256 << 20,
+        help="refuse a sample (or a tar member) larger than this (default 256MiB)",
+    )
+    p.add_argument(
+        "--value-format",
+        choices=VALUE_FORMATS,
+        default="auto",
+        help="how LMDB values are read (default auto: .pt / .npy by their magic, else raw bytes)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(

@@ -8,22 +8,30 @@ either a second process that resolved the same ``RANK`` (a launch bug: both woul
 half of the data and the other half would never be served) or a trainer that was killed and
 restarted faster than the server noticed. The two look the same at the Hello; they differ in
 whether the holder is still alive. So the claim is *held* (no Welcome yet) while the server
-probes the holder (a Heartbeat: a peer whose connection is gone fails the send at once):
+probes the holder. Alive means its process is, not that its loop reads: a trainer may compute
+for minutes (validation, a checkpoint save) without calling ``next()``. Liveness therefore comes
+from libzmq's ZMTP heartbeats, which the holder's libzmq I/O thread answers on its own, not from
+the protocol's Heartbeat messages, which only a loop waiting for data sends:
 
-* the holder speaks (a Credit or Heartbeat after the claim) -> it is alive: the claimant is
-  refused with ``RankInUse`` (fatal), naming the rank, the world size and when the holder's
-  stream opened; the server logs ``stream.rank_conflict`` and the status page shows it;
 * the claimant is the holder's own process (same kernel boot id and pid in the Hello: a new
   Loader, or a reconnect on a new socket) -> it replaces its stream at once;
-* the holder is gone, or silent for :attr:`Limits.fence_after_s` (3 heartbeats by default:
-  a live waiting client sends one every heartbeat) -> it is *fenced*: its stream closes with
-  ``RankInUse`` (it learns why if it ever comes back) and the claimant gets the rank.
+* the holder speaks (a Credit or Heartbeat after the claim), or its connection is still up
+  :attr:`Limits.alive_after_s` after the claim (libzmq would have dropped it had the process
+  stopped answering PINGs, see :func:`.streamer.liveness_s`) -> it is alive: the claimant is
+  refused with ``RankInUse`` (fatal), naming the rank, the world size and when the holder's
+  stream opened; the server logs ``stream.rank_conflict`` and the status page shows it;
+* the holder's connection is gone (killed: at once; frozen or partitioned: within
+  ``alive_after_s``, when ZMTP drops it and a probe send fails with ``EHOSTUNREACH``) -> its
+  stream is closed and the claimant gets the rank.
 
-A restarted trainer therefore waits at most ``fence_after_s`` for its rank; a duplicate
-process is refused within about a heartbeat while the holder waits for data. A holder that
-computes without reading for longer than ``fence_after_s`` loses the rank to a claimant: the
-newest of two live claimants then wins, and the other fails loudly on its next read. Either
-way exactly one stream per rank receives batches.
+A restarted trainer therefore waits at most ``alive_after_s`` for its rank; a duplicate
+process is refused within about a heartbeat while the holder waits for data, and within
+``alive_after_s`` while it computes. Either way exactly one stream per rank receives batches,
+and only a dead or partitioned process loses its rank.
+
+A socket monitor (``EVENT_DISCONNECTED``) was the other way to learn of a dropped peer; it
+names a file descriptor, not a routing id, so the stream it belongs to would have to be
+guessed. A send with ``ROUTER_MANDATORY`` names the peer exactly.
 
 **Limits** (each a setting; a refusal names it): open streams in total, streams per job
 (never more than its world size), Hellos per peer per second. Memory: a stream holds at most
@@ -55,8 +63,9 @@ class Limits:
     max_streams: int = 1024
     #: 0: a job's world size.
     max_streams_per_job: int = 0
-    #: A rank's holder silent this long is fenced by a new claimant.
-    fence_after_s: float = 3.0
+    #: A claimed rank's holder whose connection outlives the claim by this long is alive
+    #: (:func:`.streamer.liveness_s`: libzmq drops a silent peer's connection sooner).
+    alive_after_s: float = 5.0
 
 
 @dataclass
@@ -90,12 +99,15 @@ def rank_in_use(claim: Claim, now: float) -> Error:
 
 
 def fenced(s: Session, now: float) -> Error:
+    """What is recorded (and would be told to the holder, were it reachable) when a claimant
+    takes a rank whose holder's connection libzmq dropped."""
     return Error(
         code=ErrorCode.RANK_IN_USE,
         fatal=True,
         stream=s.stream,
         message=f"rank {s.rank} of job {s.job_id} was claimed by another client after this "
-        f"stream was silent for {now - s.last_recv:.1f} s; this stream is closed",
+        f"stream's connection was dropped ({now - s.last_recv:.1f} s after it last spoke: "
+        "its process died, froze or was cut off); this stream is closed",
     )
 
 

@@ -163,12 +163,15 @@ class StreamBoard:
             rec.last_active, rec.shm_fallback = now, None
             rec.sample(now)
 
-    def sent(self, job: str, rank: int, nbytes: int, next_batch: int, credit: int) -> None:
+    def sent(
+        self, job: str, rank: int, nbytes: int, next_batch: int, credit: int, batches: int = 1
+    ) -> None:
+        """A message of ``batches`` batches (small ones travel several to a message) left."""
         with self._lock:
             rec = self._ranks.get((job, rank))
             if rec is not None:
-                rec.batches_delivered += 1
-                rec.stream_batches += 1
+                rec.batches_delivered += batches
+                rec.stream_batches += batches
                 rec.bytes_delivered += nbytes
                 rec.next_batch, rec.credit = next_batch, credit
 

@@ -52,7 +52,7 @@ from .opening import Opener
 from .pipeline import CreditOverflow, Work, WorkKind
 from .pump import AssemblyFailed, PeerGone, Pump
 from .sessions import Assembled, HandlerDeps, Prepared, Session
-from .streamer import StreamerConfig, shutdown_error
+from .streamer import StreamerConfig, liveness_s, shutdown_error
 
 log = logging.getLogger("shardserve.streaming")
 
@@ -72,7 +72,9 @@ class StreamHandler(HelloHandling):
         self.pump = Pump(assembler, deps.metrics, deps.board)
         self.notices = StreamNotices(deps.board, deps.metrics)
         self.opener = Opener(sock, self.notices, config)
-        self.limits = Limits(config.max_streams, config.max_streams_per_job, 3 * config.heartbeat_s)
+        self.limits = Limits(
+            config.max_streams, config.max_streams_per_job, liveness_s(config.heartbeat_s)
+        )
         self.rate = HelloRate(config.max_hellos_per_s)
         self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds
         self._next_stream = 1
@@ -158,6 +160,10 @@ class StreamHandler(HelloHandling):
             self._admission_tick(now)
         except Exception:  # a bug here must not stop the streams' timers below
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
+        try:
+            self.opener.tidy(now, self.sessions.values())
+        except Exception:  # memory housekeeping must not stop the streams' timers below
+            log_event(log, "stream.tidy_failed", level=logging.ERROR, exc_info=True)
         for s in list(self.sessions.values()):
             if self.sessions.get(s.ident) is not s:
                 continue  # closed by an earlier one's tick

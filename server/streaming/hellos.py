@@ -101,9 +101,7 @@ class HelloHandling:
         # Another client holds the rank: alive (refuse this one) or gone (fence it)?
         since = prev.at if prev is not None and prev.holder is holder else now
         claim = Claim(ident, hello, job, holder, since)
-        if self.out.send(holder.ident, Heartbeat()):  # a peer whose connection is gone fails here
-            holder.last_send = now
-        if not self._settle(claim, now):
+        if not self._settle(claim, now):  # its first probe of the holder
             self.claims[ident] = claim
 
     def _settle(self, claim: Claim, now: float) -> bool:
@@ -112,17 +110,22 @@ class HelloHandling:
         if self.sessions.get(h.ident) is h:
             if same_client(h, claim.hello):
                 self._close(h, "replaced by a new stream of its process")
-            elif h.last_recv > claim.at:  # it spoke since the claim: alive
-                self.out.send(claim.ident, refusal := rank_in_use(claim, now))
-                self.notices.rank_conflict(h, claim.ident, refusal)
-                return True
-            elif now - h.last_recv < self.limits.fence_after_s:
-                return False
             else:
-                self.out.try_send(h.ident, notice := fenced(h, now))
-                self.notices.fenced(h, claim.ident, notice)
-                if self.sessions.get(h.ident) is h:
-                    self._close(h, "fenced: another client claimed its rank", logging.WARNING)
+                spoke = h.last_recv > claim.at
+                # A probe: the send fails (and closes the holder's stream) once libzmq has
+                # dropped the connection of a dead, frozen or partitioned process.
+                if not spoke and self.out.send(h.ident, Heartbeat()):
+                    h.last_send = now
+                if self.sessions.get(h.ident) is not h:
+                    self.notices.fenced(h, claim.ident, fenced(h, now))
+                elif spoke or now - claim.at >= self.limits.alive_after_s:
+                    # It spoke since the claim, or its libzmq kept answering ZMTP PINGs for
+                    # longer than a silent peer's connection survives: alive (perhaps computing).
+                    self.out.send(claim.ident, refusal := rank_in_use(claim, now))
+                    self.notices.rank_conflict(h, claim.ident, refusal)
+                    return True
+                else:
+                    return False
         self._open(claim.ident, claim.job, claim.hello)
         return True
 

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from shardserve.proto.errors import BadRequest
 from shardserve.server.planning import RankPlan, epoch_order
 from shardserve.server.planning.envs import EnvSteps
 
@@ -94,6 +95,29 @@ class PlanCache:
             return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last)
         order = self.order(job, epoch, seed, shard_rows, env)
         return RankPlan.from_order(order, spec.world_size, rank, spec.batch_size, spec.drop_last)
+
+    def env_plan(
+        self,
+        job: Job,
+        epoch: int,
+        seed: int,
+        rank: int,
+        env: int,
+        shard_rows: np.ndarray | None = None,
+    ) -> RankPlan:
+        """Environment ``env``'s own batches of the epoch for ``rank``: of a job that streams
+        steps of several environments (``envs > 1``), the ``env``-th part of every step
+        (batches of ``batch_size // envs``); of any other job, ``env``'s order cut into
+        batches of ``batch_size`` (resident environments)."""
+        spec = job.spec
+        if spec.envs > 1 and not 0 <= env < spec.envs:
+            raise BadRequest(
+                f"env {env} is out of range for job {job.id}: it streams steps of "
+                f"{spec.envs} environments, 0 <= env < {spec.envs}"
+            )
+        order = self.order(job, epoch, seed, shard_rows, env)
+        size = spec.batch_size // spec.envs
+        return RankPlan.from_order(order, spec.world_size, rank, size, spec.drop_last)
 
     def forget(self, job_id: str) -> None:
         """Drop a deleted job's orders."""

@@ -101,6 +101,7 @@ class Pump:
             flow.released()
             s.last_send = time.monotonic()
             self.metrics.batches_sent.inc(count)
+            self.metrics.messages_sent.inc()
             self.metrics.bytes_sent.inc(nbytes)
-            self.board.sent(s.job_id, s.rank, nbytes, flow.next_send, flow.owed)
+            self.board.sent(s.job_id, s.rank, nbytes, flow.next_send, flow.owed, count)
         return True

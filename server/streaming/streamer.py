@@ -18,9 +18,12 @@ Rules this thread keeps:
   a command queue (e.g. a deleted job) and read its state from the :class:`~.board.StreamBoard`.
 * Nothing is assembled past a stream's credit (see :mod:`.sessions`), so a slow consumer bounds
   memory; batches leave strictly in index order, payload frames sent zero-copy.
-* Liveness: libzmq's ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``) drop a dead or
-  frozen peer's connection even while its Python is busy; the next send to it then raises
-  ``EHOSTUNREACH`` (``ROUTER_MANDATORY``) and its stream is reclaimed. To make sure that next
+* Liveness: libzmq's ZMTP heartbeats (``HEARTBEAT_IVL``/``TIMEOUT``/``TTL``, see
+  :func:`zmtp_heartbeat`) drop a dead or frozen peer's connection within
+  :func:`liveness_s`, while a live peer's libzmq I/O thread answers them whatever its Python
+  is doing (a long validation step, a checkpoint save); the next send to a dropped peer
+  raises ``EHOSTUNREACH`` (``ROUTER_MANDATORY``) and its stream is reclaimed. So whether a
+  trainer is alive never depends on its loop calling ``next()`` (see :mod:`.admission`). To make sure that next
   send happens, every open stream gets a ``Heartbeat`` after ``heartbeat_s`` without a message
   from the server (which also tells a waiting client "slow, not dead"), so a dead client is
   noticed within about ``heartbeat_s``. A stream whose epoch ended is dropped after
@@ -114,6 +117,29 @@ class Waker:
         for fd in (self._r, self._w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+#: Least ZMTP heartbeat timeout (ms): a live process whose I/O thread a loaded machine starves
+#: for a second or two must not look dead.
+MIN_ZMTP_TIMEOUT_MS = 3000
+
+
+def zmtp_heartbeat(heartbeat_s: float) -> tuple[int, int]:
+    """ZMTP ``HEARTBEAT_IVL`` and ``HEARTBEAT_TIMEOUT`` (ms) of the ROUTER: a PING every
+    heartbeat, and a connection that sends nothing (not even a PONG, which libzmq's I/O thread
+    sends on its own) for three heartbeats (at least :data:`MIN_ZMTP_TIMEOUT_MS`) after one
+    is dropped."""
+    ivl = max(100, int(heartbeat_s * 1000))
+    return ivl, max(3 * ivl, MIN_ZMTP_TIMEOUT_MS)
+
+
+def liveness_s(heartbeat_s: float) -> float:
+    """Seconds within which libzmq drops the connection of a peer that went silent (killed,
+    frozen, partitioned): one PING interval, the PING's timeout, and one heartbeat for the
+    streamer thread to see the pipe go. A connection that outlives this since a moment is
+    answering PINGs: its process is alive, however long since its loop last spoke."""
+    ivl, timeout = zmtp_heartbeat(heartbeat_s)
+    return (ivl + timeout) / 1000 + heartbeat_s
 
 
 @dataclass(frozen=True)
@@ -247,8 +273,8 @@ class Streamer:
         sock.setsockopt(zmq.LINGER, c.linger_ms)
         sock.setsockopt(zmq.SNDHWM, c.send_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(c.heartbeat_s * 1000)))
-        timeout_ms = max(int(c.stream_timeout_s * 1000), 2 * int(c.heartbeat_s * 1000))
+        ivl_ms, timeout_ms = zmtp_heartbeat(c.heartbeat_s)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         # TTL is in deciseconds on the wire, at most 6553.5 s.
         sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms // 100 * 100, 6_553_500))

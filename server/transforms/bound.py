@@ -14,7 +14,8 @@ Batch sizes stay equal across ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -22,29 +23,46 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from shardserve.proto.errors import BadRequest, TransformError
-from shardserve.proto.jobs import JobSpec
+from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 
+from ..lanes import Lanes
 from .errors import StepFailed, pool_error, transform_error
-from .metrics import TransformMetrics
+from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
 from .registry import TransformRegistry
 from .rng import replacement
-from .runner import Where
+from .runner import Limits, Where
 from .schema import from_field_spec, to_field_spec
-from .spec import Chain, compile_chain
+from .spec import Chain, check_chain_bytes, compile_chain
 
 MAX_REPLACEMENTS = 8
+#: Batches of one job assembled at once (each waits on its transform pieces).
+ASSEMBLY_PER_JOB = 2
 
 
 class Transforms:
     """The server's transforms: what is installed, where chains run, what they cost."""
 
     def __init__(self, modules: Sequence[str], workers: int, pool: PoolSetting,
-                 timeout_s: float, registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+                 timeout_s: float, registry: CollectorRegistry | None = None,
+                 limits: Limits | None = None) -> None:  # fmt: skip
         self.registry = TransformRegistry.load(modules)
         self.metrics = TransformMetrics(registry)
-        self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics)
+        self.limits = limits or Limits()
+        self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics, self.limits)
+        #: Each job's batches with transforms are assembled here (apart from the transform
+        #: pieces' own lanes, which these wait on).
+        self._assembly = Lanes(ASSEMBLY_PER_JOB)
+
+    def on_job_lane(self, lane: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on job ``lane``'s assembly threads."""
+        try:
+            return self._assembly.get(lane).submit(fn, *args)
+        except RuntimeError as e:  # closed: the server is stopping
+            fut: Future[Any] = Future()
+            fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
+            return fut
 
     def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
         """The job's checked chain (``BadRequest`` when it does not fit)."""
@@ -59,7 +77,9 @@ class Transforms:
                 f"missing in some: {nullable}"
             )
         inputs = {f.name: from_field_spec(f) for f in manifest.fields}
-        return compile_chain(spec.transforms or (), self.registry, inputs, manifest.name)
+        chain = compile_chain(spec.transforms or (), self.registry, inputs, manifest.name)
+        check_chain_bytes(chain, spec.batch_size, self.limits.max_batch_bytes)
+        return chain
 
     def bind(self, ds: Any, spec: JobSpec, epoch: int, seed: int, rank: int) -> Any:
         """``ds`` as the stream of (``seed``, ``epoch``, ``rank``) sees it; ``ds`` itself
@@ -79,6 +99,7 @@ class Transforms:
 
     def close(self) -> None:
         self.pool.close()
+        self._assembly.close()
 
 
 class TransformedDataset:
@@ -90,6 +111,8 @@ class TransformedDataset:
         self.chain = chain
         self._rt = runtime
         self._spec = spec
+        #: The job's own transform lane: a transform of this job that hangs keeps only it.
+        self._lane = job_id(spec)
         self._epoch, self._seed, self._rank = epoch, seed, rank
         self.fields = tuple(to_field_spec(n, f) for n, f in chain.outputs.items())
         m = ds.manifest
@@ -103,6 +126,11 @@ class TransformedDataset:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)
+
+    @property
+    def lane(self) -> str:
+        """The job's lane: its batches and transform pieces run on threads of its own."""
+        return self._lane
 
     @property
     def batch_level(self) -> bool:
@@ -154,7 +182,7 @@ class TransformedDataset:
                 return self._rt.pool.run(
                     self.chain, stored, idx, where, names,
                     partial(pool_error, name, self._epoch, chain_names, idx),
-                    out,
+                    out, lane=self._lane,
                 )  # fmt: skip
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()
@@ -170,6 +198,7 @@ class TransformedDataset:
                 self._rt.metrics.replaced.inc(len(e.all))
                 self._rt.metrics.count("replaced", len(e.all))
             except TransformError:
-                self._rt.metrics.errors.labels(",".join(chain_names)).inc()
+                # Not the chain's names: chains are the client's to choose, labels must stay few.
+                self._rt.metrics.errors.labels(CHAIN_FAILED).inc()
                 self._rt.metrics.count("errors")
                 raise

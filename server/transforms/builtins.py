@@ -10,23 +10,32 @@ resize and random resized crop run per sample (images of different sizes).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .registry import batch_transform, sample_transform
 from .schema import Field as F
 from .schema import Schema
 
 Layout = Literal["HWC", "CHW"]
+#: The largest height or width a transform may be asked to make (or pad to).
+MAX_SIDE = 1 << 16
+#: Bounds of every parameter: nonsense is refused at job creation naming the parameter.
+Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
+Size = Annotated[Side | Annotated[list[Side], Field(min_length=2, max_length=2)],
+                 Field(description="output N or [H, W], each 1 to 65536")]  # fmt: skip
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+Finite = Annotated[float, Field(ge=-1e12, le=1e12)]
 
 
 class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: "32" is not 32 and true is not 1; floats are finite.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     #: The field to transform.
-    field: str = "image"
+    field: Name = "image"
 
 
 class _ImageParams(_Params):
@@ -39,6 +48,17 @@ def _size2(v: int | list[int]) -> tuple[int, int]:
     if len(v) != 2:
         raise ValueError(f"size must be N or [H, W], got {v}")
     return (int(v[0]), int(v[1]))
+
+
+def _fill_fits(fill: float, dtype: str) -> None:
+    """A fill value must be one the field's dtype holds exactly (300 in uint8 would wrap)."""
+    dt = np.dtype(dtype)
+    if np.issubdtype(dt, np.integer):
+        info = np.iinfo(dt)
+        if fill != int(fill) or not info.min <= fill <= info.max:
+            raise ValueError(f"fill {fill} is not a {dtype} value ({info.min} to {info.max})")
+    elif dt == np.bool_ and fill not in (0, 1):
+        raise ValueError(f"fill {fill} is not a bool value (0 or 1)")
 
 
 def _image_field(inputs: Schema, p: _ImageParams, fixed: bool) -> F:
@@ -68,16 +88,9 @@ def _with_hw(f: F, layout: Layout, h: int, w: int, dtype: str | None = None) -> 
 
 # -- random crop ------------------------------------------------------------------------------
 class RandomCrop(_ImageParams):
-    size: int | list[int] = Field(description="output N or [H, W]")
+    size: Size
     padding: int = Field(default=0, ge=0, le=1024)
-    fill: float = 0
-
-    @field_validator("size")
-    @classmethod
-    def _check(cls, v: int | list[int]) -> int | list[int]:
-        if min(_size2(v)) < 1:
-            raise ValueError("size must be positive")
-        return v
+    fill: Finite = 0
 
 
 def _crop_outputs(p: RandomCrop, inputs: Schema) -> dict[str, F]:
@@ -87,10 +100,23 @@ def _crop_outputs(p: RandomCrop, inputs: Schema) -> dict[str, F]:
     ah, aw = _spatial(f, p.layout)
     if h > f.shape[ah] + 2 * p.padding or w > f.shape[aw] + 2 * p.padding:
         raise ValueError(f"size {[h, w]} is larger than {f.describe()} padded by {p.padding}")
+    _fill_fits(p.fill, f.dtype)
     return {p.field: _with_hw(f, p.layout, h, w)}
 
 
-@batch_transform(params=RandomCrop, outputs=_crop_outputs)
+def _crop_peak(p: RandomCrop, inputs: Schema) -> int:
+    """The padded copy of each sample that the crop is cut from."""
+    f = inputs[p.field]
+    if not p.padding:
+        return 0
+    ah, aw = _spatial(f, p.layout)
+    shape = list(f.shape)
+    shape[ah] += 2 * p.padding
+    shape[aw] += 2 * p.padding
+    return math.prod(shape) * np.dtype(f.dtype).itemsize
+
+
+@batch_transform(params=RandomCrop, outputs=_crop_outputs, peak=_crop_peak)
 def random_crop(batch: dict[str, Any], p: RandomCrop, rng: np.random.Generator) -> dict[str, Any]:
     """Pad by ``padding`` then crop ``size`` at a random place per sample (torchvision RandomCrop)."""
     x = batch[p.field]
@@ -116,7 +142,7 @@ def random_crop(batch: dict[str, Any], p: RandomCrop, rng: np.random.Generator) 
 
 # -- horizontal flip --------------------------------------------------------------------------
 class HFlip(_ImageParams):
-    p: float = Field(default=0.5, ge=0, le=1)
+    p: float = Field(default=0.5, ge=0, le=1, description="probability of a flip, 0 to 1")
 
 
 def _same(p: _ImageParams, inputs: Schema) -> dict[str, F]:
@@ -137,10 +163,10 @@ def hflip(batch: dict[str, Any], p: HFlip, rng: np.random.Generator) -> dict[str
 
 # -- normalize / dtype ------------------------------------------------------------------------
 class Normalize(_ImageParams):
-    mean: list[float] | None = None
-    std: list[float] | None = None
+    mean: Annotated[list[Finite], Field(min_length=1, max_length=4096)] | None = None
+    std: Annotated[list[Finite], Field(min_length=1, max_length=4096)] | None = None
     #: Multiplied first (``1/255`` maps uint8 to [0, 1]).
-    scale: float = 1.0
+    scale: Finite = 1.0
     dtype: Literal["float32", "float16", "float64"] = "float32"
     #: Turn HWC into CHW (what torch models take) while at it.
     to_chw: bool = False
@@ -223,7 +249,7 @@ def _resample(x: np.ndarray, box: tuple[float, float, float, float], size: tuple
 
 
 class Resize(_ImageParams):
-    size: int | list[int] = Field(description="output N or [H, W]")
+    size: Size
     #: ``numpy`` (the default: bilinear without antialiasing, like torch's ``interpolate``;
     #: same bytes wherever numpy runs) or ``pillow`` (Pillow's antialiased bilinear, faster;
     #: uint8 HWC/HW only, needs the ``images`` extra; bytes may differ between Pillow versions).
@@ -257,9 +283,23 @@ def resize(sample: dict[str, Any], p: Resize, rng: np.random.Generator) -> dict[
     return {p.field: _resample(x, box, _size2(p.size), ah, aw, p.method)}
 
 
+Pair = Annotated[list[Annotated[float, Field(gt=0, le=100)]], Field(min_length=2, max_length=2)]
+
+
 class RandomResizedCrop(Resize):
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    #: Range of the crop's share of the image's area, each in (0, 1], low <= high.
+    scale: Pair = [0.08, 1.0]
+    #: Range of the crop's aspect ratio (width / height), each in (0, 100], low <= high.
+    ratio: Pair = [3 / 4, 4 / 3]
+
+    @model_validator(mode="after")
+    def _ranges(self) -> RandomResizedCrop:
+        for name, (lo, hi) in (("scale", self.scale), ("ratio", self.ratio)):
+            if lo > hi:
+                raise ValueError(f"{name} [{lo}, {hi}]: the low end is above the high end")
+        if self.scale[1] > 1:
+            raise ValueError(f"scale {self.scale}: a share of the area is at most 1")
+        return self
 
 
 @sample_transform(params=RandomResizedCrop, outputs=_resize_outputs)
@@ -328,11 +368,11 @@ def random_subset(
 # -- bit unpacking ----------------------------------------------------------------------------
 class UnpackBits(_Params):
     #: Per-sample shape of the planes, e.g. ``[104, 9, 9]``; its product bits are read.
-    shape: list[int] = Field(min_length=1)
+    shape: list[Annotated[int, Field(ge=1, le=1 << 31)]] = Field(min_length=1, max_length=8)
     dtype: Literal["uint8", "bool", "float32", "float16"] = "uint8"
     bitorder: Literal["big", "little"] = "big"
     #: Write the planes to this field (default: replace ``field``).
-    to: str | None = None
+    to: Name | None = None
 
 
 def _unpack_outputs(p: UnpackBits, inputs: Schema) -> dict[str, F]:
@@ -342,8 +382,8 @@ def _unpack_outputs(p: UnpackBits, inputs: Schema) -> dict[str, F]:
     f = inputs[p.field]
     if f.dtype != "uint8" or not f.fixed:
         raise ValueError(f"field {p.field!r} is {f.describe()}; packed records are fixed uint8")
-    bits = int(np.prod(f.shape, dtype=np.int64)) * 8
-    need = int(np.prod(p.shape, dtype=np.int64))
+    bits = math.prod(f.shape) * 8
+    need = math.prod(p.shape)
     if need > bits or min(p.shape) < 1:
         raise ValueError(f"shape {p.shape} needs {need} bits; a record holds {bits}")
     return {p.to or p.field: F(p.dtype, tuple(p.shape))}
@@ -354,6 +394,6 @@ def unpack_bits(batch: dict[str, Any], p: UnpackBits, rng: np.random.Generator) 
     """Packed bit records (uint8) into planes of ``shape`` (``numpy.unpackbits``)."""
     x = batch[p.field]
     b = x.shape[0]
-    need = int(np.prod(p.shape, dtype=np.int64))
+    need = math.prod(p.shape)
     bits = np.unpackbits(x.reshape(b, -1), axis=1, count=need, bitorder=p.bitorder)
     return {p.to or p.field: bits.reshape(b, *p.shape).astype(p.dtype, copy=False)}

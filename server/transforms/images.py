@@ -14,6 +14,7 @@ import numpy as np
 
 from .builtins import _Params
 from .registry import sample_transform
+from .runner import Limits
 from .schema import Field, Schema
 
 
@@ -42,9 +43,22 @@ def _decode_outputs(p: Decode, inputs: Schema) -> dict[str, Field]:
     return {p.field: Field("uint8", (-1, -1, 3) if p.mode == "RGB" else (-1, -1))}
 
 
-@sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image")
-def decode_image(sample: dict[str, Any], p: Decode, rng: np.random.Generator) -> dict[str, Any]:
-    """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L)."""
+@sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True)
+def decode_image(sample: dict[str, Any], p: Decode, rng: np.random.Generator,
+                 limits: Limits) -> dict[str, Any]:  # fmt: skip
+    """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L); an image whose header says more
+    than ``--max-decoded-pixels`` is refused before a pixel is decoded."""
     image = _pil()
-    with image.open(io.BytesIO(sample[p.field].tobytes())) as im:
+    try:
+        # open() reads the header only: the size is known before anything is allocated.
+        im = image.open(io.BytesIO(sample[p.field].tobytes()))
+    except image.DecompressionBombError as e:  # Pillow's own, larger limit
+        raise ValueError(f"refused to decode: {e}") from None
+    with im:
+        w, h = im.size
+        if w * h > limits.max_decoded_pixels:
+            raise ValueError(
+                f"image is {w} x {h} = {w * h} pixels by its header, more than "
+                f"--max-decoded-pixels {limits.max_decoded_pixels}; refused before decoding"
+            )
         return {p.field: np.asarray(im.convert(p.mode))}

@@ -3,7 +3,9 @@ for the status page and ``GET /v1/transforms``.
 
 ``shardserve_transform_seconds{transform}``   histogram  time one transform took on one batch
 ``shardserve_transform_samples_total``       counter    samples through a chain
-``shardserve_transform_errors_total{transform}`` counter failures (raised, bad output, hung, died)
+``shardserve_transform_errors_total{transform}`` counter failures (raised, bad output, hung,
+died), by the installed transform that failed, or ``(chain)`` when the chain failed as a
+whole (its deadline, a dead worker): label values are the server's, never a client's chain
 ``shardserve_transform_replaced_total``      counter    samples replaced (``on_error="replace"``)
 ``shardserve_transform_worker_restarts_total{reason}`` counter workers replaced (hung, died)
 ``shardserve_transform_workers``             gauge      worker processes alive
@@ -18,6 +20,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+#: ``transform`` label of a failure of a whole chain (not one installed transform's).
+CHAIN_FAILED = "(chain)"
+
 
 class TransformMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
@@ -31,7 +36,11 @@ class TransformMetrics:
             "shardserve_transform_samples", "samples through a transform chain", registry=r
         )
         self.errors = Counter(
-            "shardserve_transform_errors", "transform failures", ["transform"], registry=r
+            "shardserve_transform_errors",
+            f"transform failures, by the installed transform that failed ({CHAIN_FAILED!r}: "
+            "the chain as a whole, a deadline or a dead worker)",
+            ["transform"],
+            registry=r,
         )
         self.replaced = Counter(
             "shardserve_transform_replaced", "samples replaced after their transform failed",

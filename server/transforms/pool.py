@@ -1,35 +1,45 @@
-"""Where transforms run: a bounded pool of threads or of worker processes, with a deadline.
+"""Where transforms run: each job's own threads, or a bounded pool of worker processes,
+with a deadline.
 
 Threads suit transforms that release the GIL (numpy, Pillow); worker *processes* (started
 with ``spawn``: never a fork of the threaded server) suit pure-Python ones. A chain of sample
 transforms only is cut into one row range per worker, so one batch uses the whole pool.
 
-Every run has a deadline. A worker process that misses it is killed and replaced and the
-batch fails with a ``TransformError``; one that dies is replaced and its piece retried once
-on a fresh worker (a second death fails the batch). A thread cannot be killed: the batch
-fails at the deadline and the thread is left to finish on its own (counted as ``hung``).
+Every run has a deadline, and a job's pieces run on its own :class:`~.lanes.Lane` of threads
+(a thread in a process run only waits on its worker). A worker process that misses the
+deadline is killed and replaced and the batch fails with a ``TransformError``; one that dies
+is replaced and its piece retried once on a fresh worker (a second death fails the batch).
+A thread cannot be killed, so a run that misses its deadline on threads:
+
+- fails with ``TransformError`` at the deadline, and so do the job's other batches already
+  under way (their queued pieces are cancelled), at once;
+- leaves its hung thread on that job's lane, never on one another job needs;
+- moves the transform that hung to worker processes for every later run, whatever
+  ``--transform-pool`` says: there it can be killed at its deadline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Literal
 
 import numpy as np
 
 from shardserve.proto.errors import TransformError
 
+from ..lanes import Lanes
 from . import codec
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed
 from .metrics import TransformMetrics
-from .runner import Where, run_chain
+from .runner import Limits, Progress, Where, run_chain
 from .spec import Chain
 from .worker import main as worker_main
 
@@ -38,6 +48,8 @@ log = logging.getLogger("shardserve.transforms")
 PoolSetting = Literal["auto", "thread", "process"]
 #: Seconds a fresh worker process may take to import the transform modules.
 START_TIMEOUT_S = 60.0
+#: The lane of runs that name no job.
+SHARED_LANE = ""
 
 
 class _Worker:
@@ -73,11 +85,16 @@ class TransformPool:
     """``run`` a chain on a batch within ``timeout_s``; see the module docstring."""
 
     def __init__(self, workers: int, kind: PoolSetting, modules: Sequence[str], timeout_s: float,
-                 metrics: TransformMetrics) -> None:  # fmt: skip
+                 metrics: TransformMetrics, limits: Limits | None = None) -> None:  # fmt: skip
         self.size, self.kind, self.timeout_s = workers, kind, timeout_s
+        self.limits = limits or Limits()
         self._modules = list(modules)
         self._metrics = metrics
-        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ss-transform")
+        self._lanes = Lanes(workers)
+        #: Transforms that hung on a thread: they run in worker processes from then on.
+        self._hung: set[str] = set()
+        #: Completed with an exception by :meth:`close`: wakes every run waiting on its pieces.
+        self._closing: Future[Any] = Future()
         self._ctx = mp.get_context("spawn")
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
@@ -88,42 +105,62 @@ class TransformPool:
 
     # -- public ---------------------------------------------------------------------------------
     def uses_processes(self, chain: Chain) -> bool:
-        return self.kind == "process" or (self.kind == "auto" and chain.wants_process)
+        if self.kind == "process" or any(n in self._hung for n in chain.names):
+            return True
+        return self.kind == "auto" and chain.wants_process
 
     def run(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
             where: Where, names: Sequence[str], describe: Callable[[str], TransformError],
-            out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
-        """Output parts of ``names``; raises :class:`StepFailed` (the chain failed on a sample
-        or the batch) or ``TransformError`` from ``describe(what)`` (hung, died)."""
+            out: Mapping[str, np.ndarray] | None = None,
+            lane: str = SHARED_LANE) -> dict[str, np.ndarray]:  # fmt: skip
+        """Output parts of ``names``, run on the threads of ``lane`` (the job's id); raises
+        :class:`StepFailed` (the chain failed on a sample or the batch) or ``TransformError``
+        from ``describe(what)`` (hung, died, the job's other batch hung, server stopping)."""
         deadline = time.monotonic() + self.timeout_s
         pieces = [(0, len(indices))] if chain.batch_steps else bounds(len(indices), self.size)
         remote = self.uses_processes(chain)
         if remote:
             self._start()
+        try:
+            job_lane = self._lanes.get(lane)
+        except RuntimeError as closed:
+            raise describe(str(closed)) from None
+        generation = job_lane.generation
+        # Each piece gets its share of the batch's bound on variable-size output bytes.
+        limits = dataclasses.replace(
+            self.limits, max_batch_bytes=max(self.limits.max_batch_bytes // len(pieces), 1)
+        )
         futs: list[Future[tuple[dict[str, np.ndarray], dict[str, float]]]] = []
-        for lo, hi in pieces:
+        progress = [Progress() for _ in pieces]
+        for (lo, hi), prog in zip(pieces, progress, strict=True):
             sub = slice_parts(parts, chain.inputs, lo, hi) if len(pieces) > 1 else parts
-            fn = self._remote if remote else self._local
-            futs.append(self._threads.submit(fn, chain, sub, indices[lo:hi], where, names,
-                                             deadline, describe))  # fmt: skip
+            if remote:
+                futs.append(job_lane.submit(self._remote, chain, sub, indices[lo:hi], where,
+                                            names, deadline, describe, limits))  # fmt: skip
+            else:
+                futs.append(job_lane.submit(run_chain, chain, sub, indices[lo:hi], where, names,
+                                            None, limits, prog))  # fmt: skip
         # A worker process's own wait ends at the deadline; the grace covers the hand-off.
         grace = 5.0 if remote else 1.0
-        _, pending = wait(
-            futs, timeout=max(deadline - time.monotonic(), 0) + grace, return_when=FIRST_EXCEPTION
-        )
+        pending = self._wait(futs, deadline + grace)
+        if self._closing.done():
+            job_lane.cancel_queued()
+            raise describe("the server is stopping")
         for (lo, _), f in zip(pieces, futs, strict=True):
-            if f.done() and (e := f.exception()) is not None:
+            if f.done() and not f.cancelled() and (e := f.exception()) is not None:
                 for p in pending:
                     p.cancel()
                 if isinstance(e, StepFailed) and e.position is not None:
                     e.position += lo
                     e.all = [(p + lo, i) for p, i in e.all]
                 raise e
+        if job_lane.generation != generation:
+            for p in pending:
+                p.cancel()
+            raise describe("another batch of this job hung on its transform threads; the "
+                           "job fails with it")  # fmt: skip
         if pending:
-            self._metrics.count("hung")
-            self._metrics.errors.labels(",".join(chain.names)).inc()
-            raise describe(f"did not finish within {self.timeout_s} s on a transform thread "
-                           "(a thread cannot be stopped; it was left to finish)")  # fmt: skip
+            return self._hung_run(chain, job_lane, generation, futs, progress, describe)
         results = [f.result() for f in futs]
         spent: dict[str, float] = {}
         for _, s in results:
@@ -131,6 +168,47 @@ class TransformPool:
                 spent[k] = spent.get(k, 0.0) + v
         self._metrics.ran(spent, len(indices))
         return concat_parts([r for r, _ in results], chain.outputs, names, out)
+
+    def _wait(self, futs: Sequence[Future[Any]], until: float) -> set[Future[Any]]:
+        """Wait until every piece is done, one raised, the pool closes or ``until`` passes;
+        the pieces still pending."""
+        pending: set[Future[Any]] = set(futs)
+        while pending and not self._closing.done():
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            done, _ = wait([*pending, self._closing], timeout=left, return_when=FIRST_COMPLETED)
+            pending -= done
+            if any(not f.cancelled() and f.exception() is not None for f in done):
+                break
+        return pending
+
+    def _hung_run(self, chain: Chain, job_lane: Any, generation: int,
+                  futs: Sequence[Future[Any]], progress: Sequence[Progress],
+                  describe: Callable[[str], TransformError]) -> dict[str, np.ndarray]:  # fmt: skip
+        """A run on threads missed its deadline: fail it and the job's other runs under way,
+        cancel their queued pieces, and send the transform that hung to worker processes."""
+        for f in futs:
+            f.cancel()
+        running = [p.step for f, p in zip(futs, progress, strict=True) if not f.done()]
+        culprits = sorted({s for s in running if s}) or chain.names
+        if job_lane.generation == generation:
+            job_lane.generation += 1
+        cancelled = job_lane.cancel_queued()
+        self._metrics.count("hung")
+        self._metrics.errors.labels(",".join(chain.names)).inc()
+        with self._lock:
+            fresh = [c for c in culprits if c not in self._hung]
+            self._hung.update(culprits)
+        if fresh:
+            log.warning("transform(s) %s hung on a thread of lane %s; they run in worker "
+                        "processes from now on", fresh, job_lane.name)  # fmt: skip
+        raise describe(
+            f"did not finish within {self.timeout_s} s on a transform thread (stuck in "
+            f"{culprits}; a thread cannot be stopped: it was left to finish on this job's own "
+            f"lane, {cancelled} queued piece(s) cancelled, and {culprits} run in worker "
+            "processes from now on)"
+        )
 
     def status(self) -> dict[str, Any]:
         return {
@@ -140,31 +218,32 @@ class TransformPool:
             "pids": self.pids(),
             "waiting": self._waiting,
             "timeout_s": self.timeout_s,
+            "lanes": len(self._lanes),
+            "lane_threads": self._lanes.threads(),
+            "moved_to_processes": sorted(self._hung),
         }
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in list(self._all) if w.proc.pid is not None]
 
     def close(self) -> None:
-        """Stop every worker process (killed if it does not exit at once) and the threads."""
+        """Stop every worker process (killed if it does not exit at once) and the lanes; runs
+        waiting on their pieces fail at once."""
         with self._lock:
             self._closed = True
             workers, self._all = self._all, []
+        if not self._closing.done():
+            self._closing.set_exception(TransformError("the transform pool is closed"))
         for w in workers:
             w.stop()
         self._metrics.workers.set(0)
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._lanes.close()
 
     # -- on a pool thread ----------------------------------------------------------------------
-    @staticmethod
-    def _local(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray, where: Where,
-               names: Sequence[str], deadline: float,
-               describe: Callable[[str], TransformError]) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
-        return run_chain(chain, parts, indices, where, names)
-
     def _remote(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
                 where: Where, names: Sequence[str], deadline: float,
-                describe: Callable[[str], TransformError]) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
+                describe: Callable[[str], TransformError],
+                limits: Limits) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
         meta = {
             "chain": [{"name": s.transform.name, "params": s.params.model_dump(mode="json")}
                       for s in chain.steps],
@@ -172,6 +251,7 @@ class TransformPool:
                        for n, f in chain.inputs.items()},
             "where": {"seed": where.seed, "epoch": where.epoch, "rank": where.rank,
                       "batch": where.batch},
+            "limits": dataclasses.asdict(limits),
             "names": list(names),
         }  # fmt: skip
         arrays = {**parts, "__indices__": np.asarray(indices, dtype=np.int64)}

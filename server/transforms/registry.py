@@ -48,6 +48,11 @@ class Transform:
     pool: PoolKind
     module: str
     doc: str
+    #: Whether ``fn`` takes a fourth argument, the server's :class:`~.runner.Limits`.
+    takes_limits: bool = False
+    #: ``peak(params, inputs) -> bytes per sample`` a step holds beyond the fields it reads
+    #: and writes (a padded copy, say), checked against ``--max-batch-bytes`` at job creation.
+    peak: Callable[[Any, Schema], int] | None = None
 
     def __call__(self, *args: Any) -> Mapping[str, Any]:
         return self.fn(*args)
@@ -76,7 +81,9 @@ class Transform:
 
 
 def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outputs: Outputs,
-            pool: PoolKind) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
+            pool: PoolKind, takes_limits: bool = False,
+            peak: Callable[[Any, Schema], int] | None = None,
+            ) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
     def mark(fn: Callable[..., Any]) -> Transform:
         return Transform(
             name=name or fn.__name__,
@@ -87,6 +94,8 @@ def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outp
             pool=pool,
             module=fn.__module__,
             doc=(inspect.getdoc(fn) or "").split("\n\n")[0],
+            takes_limits=takes_limits,
+            peak=peak,
         )
 
     return mark
@@ -94,26 +103,30 @@ def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outp
 
 def sample_transform(
     *, outputs: Outputs, params: type[BaseModel] | None = None, name: str | None = None,
-    pool: PoolKind = "thread",
+    pool: PoolKind = "thread", takes_limits: bool = False,
+    peak: Callable[[Any, Schema], int] | None = None,
 ) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
     """Mark ``fn(sample, params, rng) -> dict`` as a sample transform.
 
     ``sample`` maps field name to that sample's array; the result holds the fields it writes
     (every one declared in ``outputs``; fields it leaves out pass through). ``rng`` is a
     ``numpy.random.Generator`` from (seed, epoch, global sample index, step). ``pool="process"``
-    runs it in worker processes (pure-Python work that holds the GIL).
+    runs it in worker processes (pure-Python work that holds the GIL). ``takes_limits``: ``fn``
+    also gets the server's limits (``fn(sample, params, rng, limits)``); ``peak``: bytes per
+    sample it holds beyond its inputs and outputs.
     """
-    return _marker("sample", name, params, outputs, pool)
+    return _marker("sample", name, params, outputs, pool, takes_limits, peak)
 
 
 def batch_transform(
     *, outputs: Outputs, params: type[BaseModel] | None = None, name: str | None = None,
-    pool: PoolKind = "thread",
+    pool: PoolKind = "thread", takes_limits: bool = False,
+    peak: Callable[[Any, Schema], int] | None = None,
 ) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
     """Mark ``fn(batch, params, rng) -> dict`` as a batch transform: arrays ``[B, ...]`` in
     (variable fields as lists of arrays), the fields it writes out, ``rng`` from (seed, epoch,
-    rank, batch index, step)."""
-    return _marker("batch", name, params, outputs, pool)
+    rank, batch index, step); ``takes_limits`` and ``peak`` as for :func:`sample_transform`."""
+    return _marker("batch", name, params, outputs, pool, takes_limits, peak)
 
 
 class TransformRegistry:
@@ -148,7 +161,11 @@ class TransformRegistry:
             try:
                 mod = importlib.import_module(name)
             except Exception as e:
-                raise ValueError(f"cannot import transform module {name!r}: {e}") from e
+                raise ValueError(
+                    f"cannot import transform module {name!r}: {e} (it must be importable "
+                    "where the server runs: a module in the directory serve was started from, "
+                    "an installed package, or a folder on PYTHONPATH)"
+                ) from e
             if reg.add_module(mod) == 0 and name not in BUILTIN_MODULES:
                 raise ValueError(
                     f"transform module {name!r} defines no transform (mark functions with "

@@ -24,6 +24,23 @@ Column = np.ndarray | list[np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """What a chain may make the server hold, from settings: the bytes of one batch's
+    variable-size outputs, and the pixels of one decoded image (read from its header)."""
+
+    max_batch_bytes: int = 1 << 30
+    max_decoded_pixels: int = 1 << 26
+
+
+@dataclass(slots=True)
+class Progress:
+    """Which step a piece is running: read when it missed its deadline, to name the one
+    transform that hung."""
+
+    step: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Where:
     """Which batch this is: everything the generators are derived from."""
 
@@ -110,9 +127,14 @@ def _check(step: Step, name: str, f: Field, arr: Any, position: int | None, inde
 
 
 def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndarray,
-                  where: Where) -> None:  # fmt: skip
+                  where: Where, limits: Limits) -> None:  # fmt: skip
     t = step.transform
     n = len(indices)
+    more = (limits,) if t.takes_limits else ()
+    # Variable-size outputs are bounded as they come: the step stops at the first sample
+    # that takes the batch's variable bytes past --max-batch-bytes.
+    ragged = [k for k, f in step.writes.items() if not f.fixed]
+    held = 0
     written: dict[str, list[np.ndarray]] = {k: [] for k in step.writes}
     names = list(cols)
     failed: StepFailed | None = None
@@ -120,7 +142,7 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
         idx = int(indices[i])
         sample = {k: cols[k][i] for k in names}
         try:
-            got = t.fn(sample, step.params, sample_rng(where.seed, where.epoch, idx, si))
+            got = t.fn(sample, step.params, sample_rng(where.seed, where.epoch, idx, si), *more)
         except Exception as e:
             # Go on through the step: a replacing job then swaps every failing sample at once.
             if failed is None:
@@ -139,17 +161,28 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
                 raise StepFailed(t.name, i, idx, f"did not return declared field {k!r}",
                                  replaceable=False)  # fmt: skip
             written[k].append(_check(step, k, f, got[k], i, idx, None))
+        if ragged:
+            held += sum(written[k][-1].nbytes for k in ragged)
+            if held > limits.max_batch_bytes:
+                raise StepFailed(
+                    t.name, i, idx,
+                    f"variable-size output {ragged} reached {held} bytes at this sample, more "
+                    f"than --max-batch-bytes {limits.max_batch_bytes} for one batch",
+                    replaceable=False,
+                )  # fmt: skip
     if failed is not None:
         raise failed
     for k, f in step.writes.items():
         cols[k] = _stack(written[k], f) if f.fixed else written[k]
 
 
-def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Where) -> None:
+def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Where,
+                 limits: Limits) -> None:  # fmt: skip
     t = step.transform
     rng = batch_rng(where.seed, where.epoch, where.rank, where.batch, si)
+    more = (limits,) if t.takes_limits else ()
     try:
-        got = t.fn(dict(cols), step.params, rng)
+        got = t.fn(dict(cols), step.params, rng, *more)
     except Exception as e:
         raise StepFailed(t.name, None, None, f"{type(e).__name__}: {e}") from e
     for k, f in step.writes.items():
@@ -161,16 +194,20 @@ def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Wh
 
 def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray, where: Where,
               names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
+              limits: Limits | None = None, progress: Progress | None = None,
               ) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
     """``(parts of names, seconds per transform)``; raises :class:`StepFailed`."""
     cols = split_parts(parts, chain.inputs)
     spent: dict[str, float] = {}
+    limits = limits or Limits()
     for si, step in enumerate(chain.steps):
+        if progress is not None:
+            progress.step = step.transform.name
         t0 = time.perf_counter()
         if step.transform.shape == "sample":
-            _apply_sample(step, si, cols, indices, where)
+            _apply_sample(step, si, cols, indices, where, limits)
         else:
-            _apply_batch(step, si, cols, len(indices), where)
+            _apply_batch(step, si, cols, len(indices), where, limits)
         name = step.transform.name
         spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
     return join_parts(cols, chain.outputs, names, out), spent

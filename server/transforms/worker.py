@@ -19,7 +19,7 @@ from typing import Any
 from . import codec
 from .errors import StepFailed
 from .registry import TransformRegistry
-from .runner import Where, run_chain
+from .runner import Limits, Where, run_chain
 from .schema import Field
 from .spec import Chain, compile_chain
 
@@ -62,7 +62,10 @@ def main(conn: Connection, modules: list[str]) -> None:
                           for n, f in meta["inputs"].items()}  # fmt: skip
                 chain = chains[key] = compile_chain(meta["chain"], registry, inputs, "")
             indices = arrays.pop("__indices__")
-            parts, spent = run_chain(chain, arrays, indices, Where(**meta["where"]), meta["names"])
+            limits = Limits(**meta.get("limits", {}))
+            parts, spent = run_chain(
+                chain, arrays, indices, Where(**meta["where"]), meta["names"], limits=limits
+            )
             reply: dict[str, Any] = {"ok": True, "spent": spent}
         except StepFailed as e:
             parts, reply = {}, {"ok": False, "failed": e.to_json()}

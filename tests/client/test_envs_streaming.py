@@ -122,3 +122,33 @@ def test_streaming_envs_refuses_what_it_cannot_cut(server) -> None:
     with Loader(server.http_url, "graphs", 8, envs=2, fields=["y"], rank=0, world_size=1) as ld:
         ys = [y for s in ld for b in s for y in b["y"].tolist()]
     assert sorted(ys[: len(ys) // 2]) != [] and len(ys) == 2 * 8 * -(-120 // 8)
+
+
+def test_plan_endpoint_env_k_is_env_k_of_the_stream(server) -> None:
+    """``GET /v1/jobs/{id}/plan?env=K`` of an envs job: env K's own ids and batches (equal to
+    ``plan().epoch_ids(K)`` and to env K of every streamed step), different for each K; without
+    ``env`` the whole steps as streamed; an env past the job's environments is a 422."""
+    import httpx
+
+    kw = dict(seed=7, rank=1, world_size=2)
+    with Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as ld, \
+         plan(server.http_url, "cifar", BS, envs=ENVS, **kw) as p:  # fmt: skip
+        ld.set_epoch(3)
+        steps = [_step_ids(s) for s in ld]
+        url = f"{server.http_url}/v1/jobs/{ld.job_id}/plan"
+        per_env = []
+        for env in range(ENVS):
+            r = httpx.get(url, params={"epoch": 3, "rank": 1, "env": env}, timeout=10)
+            assert r.status_code == 200, r.text
+            got = np.frombuffer(r.content, "<i8").tolist()
+            assert got == [i for s in steps for i in s[env]], f"env {env}"
+            assert got == p.epoch_ids(3, env=env).tolist()
+            assert int(r.headers["x-shardserve-num-batches"]) == len(steps)
+            per_env.append(got)
+        assert len({tuple(e) for e in per_env}) == ENVS, "every env got the same ids"
+        whole = httpx.get(url, params={"epoch": 3, "rank": 1}, timeout=10)
+        assert np.frombuffer(whole.content, "<i8").tolist() == [
+            i for s in steps for e in s for i in e
+        ]
+        bad = httpx.get(url, params={"epoch": 3, "rank": 1, "env": ENVS}, timeout=10)
+        assert bad.status_code == 422 and f"0 <= env < {ENVS}" in bad.json()["detail"]

@@ -18,13 +18,17 @@ import zmq
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.framing import peek_kind
 from shardserve.proto.messages import Bye, EndOfEpoch, Error, Heartbeat, Hello, Kind, Welcome
+from shardserve.server.streaming.streamer import liveness_s
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, job_status, make_job, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
-HEARTBEAT_S = 0.5
-FENCE_S = 3 * HEARTBEAT_S
+# Stretched on a busy machine: a live client starved of CPU for a heartbeat or two must not
+# look late.
+HEARTBEAT_S = scaled(0.5)
+FENCE_S = liveness_s(HEARTBEAT_S)
 
 
 @pytest.fixture(scope="module")
@@ -137,26 +141,27 @@ def test_a_restarted_client_fences_its_dead_predecessor(srv: ServerProc, ctx: zm
     new = _peer(srv, ctx)
     new.hello(job, rank=1, credit=2)
     welcome = _welcomed(new)
-    assert time.monotonic() - t0 < FENCE_S + 5
+    assert time.monotonic() - t0 < FENCE_S + scaled(5.0)
     assert _read_all(new) == welcome.num_batches
 
 
-def test_a_silent_holder_is_fenced_and_told(srv: ServerProc, ctx: zmq.Context) -> None:
-    """A holder whose peer is connected but silent past the fence window loses the rank to a
-    new claimant; the holder is told with a fatal RankInUse, and the log says fenced."""
+def test_a_silent_but_connected_holder_keeps_its_rank(srv: ServerProc, ctx: zmq.Context) -> None:
+    """A holder that says nothing (a loop computing) but whose libzmq answers ZMTP PINGs is
+    alive: a claimant is refused with RankInUse once the holder's connection outlived the
+    liveness window, and the holder still reads its whole epoch afterwards."""
     job = make_job(srv, batch_size=10, world_size=1, seed=13)
-    frozen, new = _peer(srv, ctx), _peer(srv, ctx)
-    frozen.hello(job, rank=0, credit=1)
-    _welcomed(frozen)
+    quiet, new = _peer(srv, ctx), _peer(srv, ctx)
+    quiet.hello(job, rank=0, credit=1)
+    welcome = _welcomed(quiet)
+    t0 = time.monotonic()
     new.hello(job, rank=0, credit=1)
-    welcome = _welcomed(new)  # after FENCE_S of the holder's silence
-    assert welcome.rank == 0
-    while True:  # the frozen one's queue: its batch, heartbeats, then the fence notice
-        msg = frozen.recv(what="the fence notice")
-        if isinstance(msg, Error):
-            break
-    assert msg.code is ErrorCode.RANK_IN_USE and msg.fatal and "was claimed" in msg.message
-    assert "outcome=fenced" in _log(srv)
+    err = _error(new)
+    assert err.code is ErrorCode.RANK_IN_USE and err.fatal
+    assert time.monotonic() - t0 >= FENCE_S - 0.5  # decided by the connection, not silence
+    first = quiet.recv_kind(Batch)  # its one credited batch, then the rest on credit
+    quiet.grant(1)
+    assert 1 + _read_all(quiet) == welcome.num_batches, first
+    assert "outcome=refused" in _log(srv)
 
 
 def test_same_peer_next_epoch_is_not_a_conflict(srv: ServerProc, ctx: zmq.Context) -> None:
@@ -309,7 +314,7 @@ def test_a_second_process_on_a_live_rank_raises_rank_in_use(store: Path) -> None
         )  # fmt: skip
         assert second.returncode == 3, second.stdout + second.stderr
         assert "rank 0" in second.stdout and "world size 2" in second.stdout
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < scaled(30.0)
         reader.join(timeout=60)
         assert not failure, failure
         assert sum(got) == 100  # rank 0's half of 200 samples, every batch

@@ -207,3 +207,42 @@ def test_job_pins_version_and_store_refuses_a_gone_one(store: Path, tmp_path: Pa
         )
         assert r.status_code == 409 and r.json()["code"] == "dataset_changed"
         assert "0123456789abcdef" in r.json()["detail"] and version in r.json()["detail"]
+
+
+def test_a_rank_created_after_overwrite_is_refused_naming_both_versions(
+    store: Path, tmp_path: Path
+) -> None:
+    """Without a process group: rank 0's Loader pins the old version, ``ingest --overwrite``
+    runs, rank 1's Loader (same spec) would pin the new one and is refused with
+    VersionConflict (a DatasetChanged) naming both versions, while rank 0 streams on; once the
+    old run is deleted, a new run's ranks all get the new version."""
+    from shardserve.proto.errors import VersionConflict
+
+    old_images = cifar_images(0, N, 0)
+    old_version = Store(store).version("cifar")
+    kw = {"batch_size": BATCH, "seed": 4, "world_size": 2, "prefetch": 2, "timeout": 20.0}
+    with _Server(store, tmp_path) as s:
+        srv = s.start()
+        with Loader(srv.http_url, "cifar", rank=0, **kw) as rank0:  # type: ignore[arg-type]
+            it = iter(rank0)
+            seen = _check(next(it), old_images)
+            new_version = _ingest_overwrite(store, tmp_path, N + 100, seed=1)
+            with pytest.raises(VersionConflict) as e:
+                Loader(srv.http_url, "cifar", rank=1, **kw)  # type: ignore[arg-type]
+            assert isinstance(e.value, DatasetChanged)
+            assert old_version in str(e.value) and new_version in str(e.value), str(e.value)
+            assert rank0.job_id in str(e.value)
+            seen += [i for b in it for i in _check(b, old_images)]
+            assert len(seen) == N // 2 and len(set(seen)) == N // 2
+            old_id = rank0.job_id
+        r = httpx.delete(f"{srv.http_url}/v1/jobs/{old_id}", timeout=10)
+        assert r.status_code == 200, r.text
+        new_images = cifar_images(0, N + 100, 1)
+        ranks = [Loader(srv.http_url, "cifar", rank=k, **kw) for k in range(2)]  # type: ignore[arg-type]
+        try:
+            assert ranks[0].job_id == ranks[1].job_id != old_id
+            got = [i for ld in ranks for b in ld for i in _check(b, new_images)]
+            assert sorted(got) == list(range(N + 100))
+        finally:
+            for ld in ranks:
+                ld.close()

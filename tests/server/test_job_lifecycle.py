@@ -95,13 +95,14 @@ def test_shm_fallback_is_logged_once_per_job_and_shown(cifar_store: Path, tmp_pa
         jid = make_job(srv, batch_size=100, world_size=2)
         streams = []
         for rank in (0, 1):
+            # One client a rank (a second one would be refused RankInUse while this one lives).
+            s = RawStream(ctx, srv.tcp_endpoint)
+            streams.append(s)
             for epoch in (0, 1):
-                s = RawStream(ctx, srv.tcp_endpoint)
-                s.send(Hello(job=jid, rank=rank, epoch=epoch, credit=2, boot_id=boot_id))
+                s.send(Hello(job=jid, rank=rank, epoch=epoch, credit=1, boot_id=boot_id))
                 welcome = s.recv_kind(Welcome)
                 assert welcome.transport == "socket", welcome  # type: ignore[attr-defined]
                 s.recv_kind(Batch)
-                streams.append(s)
         log = srv.log_tail(200_000).splitlines()
         warned = [ln for ln in log if "shm.fallback" in ln and " WARNING " in ln]
         assert len(warned) == 1, warned

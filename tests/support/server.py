@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.slowness import scaled
+
 _TERM_GRACE_S = 5.0
 
 
@@ -82,17 +84,19 @@ class ServerProc:
         """SIGKILL the server (a crash, for restart tests) and reap it."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=_TERM_GRACE_S)
+        self.proc.wait(timeout=scaled(_TERM_GRACE_S))
 
-    def terminate(self, timeout: float = _TERM_GRACE_S) -> int:
-        """SIGTERM the server and return its exit code; SIGKILL if it outlives ``timeout``."""
+    def terminate(self, timeout: float | None = None) -> int:
+        """SIGTERM the server and return its exit code; SIGKILL if it outlives ``timeout``
+        (default 5 s times the machine's measured slowness)."""
+        timeout = scaled(_TERM_GRACE_S) if timeout is None else timeout
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=_TERM_GRACE_S)
+            self.proc.wait(timeout=scaled(_TERM_GRACE_S))
             raise AssertionError(
                 f"server pid {self.proc.pid} did not exit within {timeout} s of SIGTERM; "
                 f"log tail:\n{self.log_tail()}"
@@ -145,7 +149,7 @@ def run_server(
     store: Path,
     *extra_args: str,
     env: dict[str, str] | None = None,
-    timeout: float = 20.0,
+    timeout: float | None = None,
     http_port: int = 0,
     data_port: int = 0,
     workdir: Path | None = None,
@@ -156,8 +160,11 @@ def run_server(
     start a second server on the same ports after the first died. ``workdir`` holds the ready
     file, the log and the ipc socket (a fresh temporary folder by default; pass the same one
     to keep the ipc path across a restart). ``env`` is added to the current environment.
-    On exit the server gets SIGTERM (then SIGKILL after 5 s) and must be gone.
+    ``timeout`` (default 20 s times the machine's measured slowness) bounds the wait for
+    readiness. The store folder is created if missing (``--create``). On exit the server gets
+    SIGTERM (then SIGKILL after 5 s, stretched like ``timeout``) and must be gone.
     """
+    timeout = scaled(20.0) if timeout is None else timeout
     own_tmp = None
     if workdir is None:
         # /tmp, not pytest's tmp_path: an ipc:// path must stay under the ~100-byte sun_path limit.
@@ -173,6 +180,7 @@ def run_server(
         "--data", f"tcp://127.0.0.1:{data_port}",
         "--ipc", str(workdir / "ss.sock"),
         "--ready-file", str(workdir / "ready.json"),
+        "--create",
         *extra_args,
     ]  # fmt: skip
     full_env = {**os.environ, **(env or {})}

@@ -84,3 +84,26 @@ def slow(sample: dict[str, Any], p: _Slow, rng: np.random.Generator) -> dict[str
     while time.perf_counter() < end:
         pass
     return {"label": sample["label"]}
+
+
+@sample_transform(params=_Hang, outputs={"label": Field("int64", ())}, pool="thread")
+def hang_thread(sample: dict[str, Any], p: _Hang, rng: np.random.Generator) -> dict[str, Any]:
+    """Sleeps on a transform *thread* far past any deadline (a thread cannot be stopped)."""
+    time.sleep(p.seconds)
+    return {"label": sample["label"]}
+
+
+class _Grow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mib: int = 64
+
+
+def _grow_out(p: _Grow, inputs: Any) -> dict[str, Field]:
+    """{blob: uint8 [-1]}"""
+    return {"blob": Field("uint8", (-1,))}
+
+
+@sample_transform(params=_Grow, outputs=_grow_out)
+def grow(sample: dict[str, Any], p: _Grow, rng: np.random.Generator) -> dict[str, Any]:
+    """A variable-size output of ``mib`` MiB per sample (ones: the pages are really touched)."""
+    return {"blob": np.ones(p.mib << 20, dtype=np.uint8)}

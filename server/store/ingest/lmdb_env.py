@@ -1,7 +1,10 @@
 """Read an LMDB environment (``lmdb``, extra ``shardserve[formats]``): one sample per key.
 
-Keys are read in LMDB's order (sorted bytes) from a read-only transaction; each value is a
-sample: ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (field
+Keys are read in LMDB's order (sorted bytes) from a read-only transaction. Keys such as
+``__len__`` and ``__keys__`` (``__NAME__``) are metadata, never samples: listed in the summary
+and, when short text, kept in the manifest's ``source`` (``meta.__len__``). Every other value
+is a sample, read as ``--value-format`` says (``raw``, ``pt``, ``npy``, ``msgpack``,
+``json``), or by default (``auto``): ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (field
 ``data``) recognised by their magic, anything else kept raw (field ``value``).
 """
 
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
 
-from .decode import by_magic
+from .decode import VALUE_FORMATS, as_value
 from .extras import require
 from .source import Piece, Reader, Source
 
@@ -22,7 +25,27 @@ from .source import Piece, Reader, Source
 REPORT_BYTES = 4 << 20
 
 
-def _pieces(env_dir: Path, total: int) -> Iterator[Piece]:
+def is_metadata_key(key: bytes) -> bool:
+    """``__len__``, ``__keys__``...: keys the usual LMDB writing scripts add beside the
+    samples to describe them; never a sample."""
+    return len(key) > 4 and key.startswith(b"__") and key.endswith(b"__")
+
+
+def _note(value: bytes) -> tuple[str, str | None]:
+    """What the summary says of a metadata value, and the value as text for the manifest
+    when it is short UTF-8 (a pickled value is never loaded: its size is all that is said)."""
+    if len(value) <= 4096:
+        try:
+            text = value.decode()
+        except UnicodeDecodeError:
+            pass
+        else:
+            if text.isprintable():
+                return "kept in source.meta", text
+    return f"{len(value)} bytes, skipped", None
+
+
+def _pieces(env_dir: Path, total: int, source: Source, fmt: str) -> Iterator[Piece]:
     lmdb = require("lmdb", "LMDB")
     try:
         env = lmdb.open(str(env_dir), readonly=True, lock=False, readahead=False,
@@ -32,21 +55,36 @@ def _pieces(env_dir: Path, total: int) -> Iterator[Piece]:
     try:
         with env.begin(buffers=False) as txn, _standins():
             for key, value in txn.cursor():
-                where = f"{env_dir} key {bytes(key)[:64]!r}"
-                yield Piece(where=where, sample=by_magic(bytes(value), where))
+                k = bytes(key)
+                if is_metadata_key(k):
+                    name = k.decode(errors="replace")
+                    note, text = _note(bytes(value))
+                    source.metadata[name] = note
+                    if text is not None:
+                        source.info[f"meta.{name}"] = text
+                    continue
+                where = f"{env_dir} key {k[:64]!r}"
+                yield Piece(where=where, sample=as_value(bytes(value), where, fmt))
     finally:
         env.close()
     yield Piece(where=str(env_dir), files=1, nbytes=total)
 
 
-def open_lmdb(src: Path, threads: int = 1) -> Source:
-    """A source over the LMDB environment at ``src`` (its folder, or its ``data.mdb``)."""
+def open_lmdb(src: Path, threads: int = 1, value_format: str = "auto") -> Source:
+    """A source over the LMDB environment at ``src`` (its folder, or its ``data.mdb``); each
+    value read as ``value_format`` (:data:`.decode.VALUE_FORMATS`)."""
     require("lmdb", "LMDB")
+    if value_format not in VALUE_FORMATS:
+        raise InvalidDataError(
+            f"--value-format {value_format!r}: choose one of {', '.join(VALUE_FORMATS)}"
+        )
     env_dir = src.parent if src.is_file() else src
     data = env_dir / "data.mdb"
     if not data.is_file():
         raise InvalidDataError(f"source {src} is not an LMDB environment (no data.mdb)")
-    return Source(format="lmdb", files=[data], pieces=_pieces(env_dir, data.stat().st_size))
+    source = Source(format="lmdb", files=[data], pieces=iter(()))
+    source.pieces = _pieces(env_dir, data.stat().st_size, source, value_format)
+    return source
 
 
 def _standins() -> AbstractContextManager[None]:
@@ -66,4 +104,4 @@ def is_lmdb(src: Path) -> bool:
     return src.name == "data.mdb" if src.is_file() else (src / "data.mdb").is_file()
 
 
-READER = Reader("lmdb", open_lmdb, claims=is_lmdb)
+READER = Reader("lmdb", open_lmdb, claims=is_lmdb, valued=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from shardserve.proto.errors import InvalidDataError
 
-from .source import Piece, Reader, Source, list_files, require_files
+from .source import Piece, Reader, Source, put_field, require_files, source_files
 
 SUFFIXES = (".npz", ".npy")
 
@@ -45,21 +45,24 @@ def _load(path: Path, mmap: bool) -> np.ndarray | Mapping[str, np.ndarray]:
         raise InvalidDataError(f"{path}: not a readable numpy file ({e})") from None
 
 
-def _unpack(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Structured arrays split into one array (a strided view) per record field."""
-    out: dict[str, np.ndarray] = {}
+def _unpack(arrays: dict[str, np.ndarray], where: str = "source") -> dict[str, np.ndarray]:
+    """Structured arrays split into one array (a strided view) per record field; two inputs
+    that become one name (array ``a.b`` beside record ``a`` with field ``b``) are refused."""
+    out: dict[str, object] = {}
+    seen: dict[str, str] = {}
     lone = len(arrays) == 1
     for key, a in arrays.items():
         if a.dtype.names is None:
-            out[key] = a
+            put_field(out, key, a, key, seen, where)
             continue
-        for sub, v in _unpack({f: a[f] for f in a.dtype.names}).items():
-            out[sub if lone else f"{key}.{sub}"] = v
-    return out
+        for sub, v in _unpack({f: a[f] for f in a.dtype.names}, where).items():
+            name = sub if lone else f"{key}.{sub}"
+            put_field(out, name, v, f"{key}[{sub!r}]", seen, where)
+    return out  # type: ignore[return-value]
 
 
 def _blocks(arrays: dict[str, np.ndarray], where: str, nbytes: int) -> Iterator[Piece]:
-    arrays = _unpack(arrays)
+    arrays = _unpack(arrays, where)
     lengths = {k: (a.shape[0] if a.ndim else None) for k, a in arrays.items()}
     if None in lengths.values() or len(set(lengths.values())) != 1:
         raise InvalidDataError(
@@ -181,9 +184,9 @@ def _npy_pieces(files: list[Path], src: Path) -> Iterator[Piece]:
     yield from _blocks(arrays, str(src), sum(p.stat().st_size for p in files))
 
 
-def open_numpy(src: Path, threads: int = 1) -> Source:
+def open_numpy(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
     """A source over the ``.npz`` / ``.npy`` files at ``src`` (see module docstring)."""
-    files = require_files(list_files(src, SUFFIXES), src, ".npz/.npy")
+    files = require_files(source_files(src, SUFFIXES, only), src, ".npz/.npy")
     kinds = {p.suffix.lower() for p in files}
     if len(kinds) > 1:
         raise InvalidDataError(f"source {src} mixes .npy and .npz files; keep one kind per source")

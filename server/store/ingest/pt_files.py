@@ -8,7 +8,11 @@ What a file may hold (tensors become numpy arrays; numbers, bytes, str and ``Non
   sample per row;
 * a ``torch_geometric`` ``Data`` / ``HeteroData`` (or a list of them): read through
   :mod:`.pyg` without PyG's classes (see there), a ``Data`` as a dict of its tensors plus
-  ``num_nodes``.
+  ``num_nodes``;
+* a ``torch_geometric`` ``InMemoryDataset`` file (``processed/data.pt``): one sample per
+  graph, as ``dataset[i]`` gives it (:func:`.pyg.in_memory`).
+
+Sparse tensors are refused (save them dense), as is a ``num_nodes`` that cannot be right.
 
 torch is imported here and only here, lazily inside :func:`_torch`: ingest needs it to
 read ``.pt`` files, while the serve path (the rest of ``shardserve.server``) must never
@@ -36,7 +40,7 @@ import numpy as np
 from shardserve.proto.errors import InvalidDataError
 
 from . import pyg
-from .source import Piece, Reader, Source, list_files, require_files
+from .source import Piece, Reader, Source, require_files, source_files
 
 SUFFIXES = (".pt", ".pth")
 
@@ -52,6 +56,11 @@ def _torch() -> ModuleType:
 def _to_value(torch: ModuleType, path: Path | str, key: str, value: Any) -> object:
     if isinstance(value, torch.Tensor):
         t = value.detach()
+        if t.layout != torch.strided:
+            raise InvalidDataError(
+                f"{path}: field {key!r} is a {t.layout} tensor, which the store cannot hold; "
+                "save it dense (tensor.to_dense()) or as its index and value tensors"
+            )
         if t.dtype == torch.bfloat16:
             raise InvalidDataError(
                 f"{path}: field {key!r} is bfloat16, which the store cannot hold; convert it to float32"
@@ -84,6 +93,9 @@ def load_file(path: Path | str, data: bytes | None = None) -> object:
         with pyg.standins(torch):
             src: Any = io.BytesIO(data) if data is not None else path
             obj = torch.load(src, weights_only=True, map_location="cpu")
+            graphs = pyg.in_memory(obj, path)
+    except InvalidDataError:
+        raise
     except Exception as e:  # torch raises many types for unreadable files
         if type(e).__name__ != "UnpicklingError":
             raise InvalidDataError(f"{path}: torch.load failed: {type(e).__name__}: {e}") from None
@@ -98,6 +110,8 @@ def load_file(path: Path | str, data: bytes | None = None) -> object:
             "will not load (unpickling them could run arbitrary code); save dicts, tuples or "
             f"lists of tensors and numbers instead ({first.strip()})"
         ) from None
+    if graphs is not None:
+        return [_to_value(torch, f"{path} graph {i}", "", g) for i, g in enumerate(graphs)]
     return _to_value(torch, path, "", obj)
 
 
@@ -193,10 +207,12 @@ def _loaded(files: list[Path], threads: int, stacked: bool) -> Iterator[Piece]:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def open_pt(src: Path, threads: int = 2, stacked: bool = False) -> Source:
+def open_pt(
+    src: Path, threads: int = 2, stacked: bool = False, only: list[Path] | None = None
+) -> Source:
     """A source of the samples of the ``.pt`` files under ``src`` (see module docstring)."""
     _torch()  # fail early, before any file is read, if torch is not installed
-    files = require_files(list_files(src, SUFFIXES), src, ".pt")
+    files = require_files(source_files(src, SUFFIXES, only), src, ".pt")
     return Source(format="pt", files=files, pieces=_pieces(files, max(1, threads), stacked))
 
 

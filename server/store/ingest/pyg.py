@@ -101,17 +101,40 @@ def _mapping(store: object) -> dict[str, Any]:
     return dict(m) if isinstance(m, dict) else {}
 
 
-def _num_nodes(m: dict[str, Any]) -> int | None:
-    if isinstance(m.get("num_nodes"), int):
-        return int(m["num_nodes"])
-    for key in ("x", "pos"):
-        v = m.get(key)
-        if v is not None and getattr(v, "ndim", 0) >= 1:
-            return int(v.shape[0])
+#: The most nodes one graph may declare: node indices are served as int64, but a count past
+#: int32 is a corrupt file, not a graph (the batch vector alone would be 16 GB).
+MAX_NODES = 2**31 - 1
+
+
+def _num_nodes(m: dict[str, Any], path: Path | str) -> int | None:
+    """The graph's node count: stored, else the first dim of ``x`` / ``pos``, else one more
+    than the largest node index; a stored count that cannot be right is refused."""
+    rows = next(
+        (int(m[k].shape[0]) for k in ("x", "pos")
+         if m.get(k) is not None and getattr(m[k], "ndim", 0) >= 1),
+        None,
+    )  # fmt: skip
     ei = m.get("edge_index")
-    if ei is not None and getattr(ei, "numel", lambda: 0)():
-        return int(ei.max()) + 1
-    return None
+    top = int(ei.max()) + 1 if ei is not None and getattr(ei, "numel", lambda: 0)() else 0
+    stored = m.get("num_nodes")
+    if stored is None:
+        return rows if rows is not None else (top or None)
+    if isinstance(stored, bool) or not isinstance(stored, int):
+        stored = getattr(stored, "item", lambda: stored)()
+    if not isinstance(stored, int) or not 0 <= stored <= MAX_NODES:
+        raise InvalidDataError(
+            f"{path}: num_nodes is {stored!r}; a graph's num_nodes must be an integer from 0 to "
+            f"{MAX_NODES} (fix or drop it: PyG infers it from x)"
+        )
+    if rows is not None and stored != rows:
+        raise InvalidDataError(
+            f"{path}: num_nodes is {stored}, but x / pos has {rows} rows; they must agree"
+        )
+    if top > stored:
+        raise InvalidDataError(
+            f"{path}: num_nodes is {stored}, but edge_index refers to node {top - 1}"
+        )
+    return stored
 
 
 def as_sample(value: Standin, path: Path | str) -> dict[str, Any]:
@@ -120,7 +143,7 @@ def as_sample(value: Standin, path: Path | str) -> dict[str, Any]:
     st = getattr(value, "state", {})
     if name.endswith(".Data"):
         m = _mapping(st.get("_store"))
-        n = _num_nodes(m)
+        n = _num_nodes(m, path)
         if n is not None:
             m["num_nodes"] = n
         return m
@@ -134,3 +157,77 @@ def as_sample(value: Standin, path: Path | str) -> dict[str, Any]:
     raise InvalidDataError(
         f"{path}: holds a torch_geometric {name or 'class'} on its own; expected a Data or HeteroData"
     )
+
+
+def _cat_dim(key: str) -> int:
+    """The dimension PyG's ``Data.__cat_dim__`` concatenates ``key`` along."""
+    return -1 if "index" in key or key == "face" else 0
+
+
+def in_memory(obj: object, path: Path | str) -> list[dict[str, Any]] | None:
+    """The graphs of a ``torch_geometric`` ``InMemoryDataset`` file (``processed/data.pt``),
+    as PyG's ``dataset[i]`` gives them; ``None`` if ``obj`` is not one.
+
+    Two layouts: ``(Data, slices)`` (PyG before 2.4) and ``(data.to_dict(), slices,
+    Data)`` (``InMemoryDataset.save``). ``slices`` maps each attribute to the offsets of every
+    graph along its concatenation dimension; ``None`` when the dataset is one graph. As
+    PyG's ``separate(..., decrement=False)``: each graph's part of every sliced attribute,
+    and its own ``num_nodes`` when the graphs had one."""
+    if not isinstance(obj, tuple) or len(obj) not in (2, 3):
+        return None
+    data, slices = obj[0], obj[1]
+    if slices is not None and not isinstance(slices, dict):
+        return None
+    if len(obj) == 3:
+        cls = obj[2]
+        if not (isinstance(data, dict) and is_stub(cls)):
+            return None
+        name = getattr(cls, "pyg_name", "")
+        mapping = {k: v for k, v in data.items() if k != "_num_nodes"}
+        counts = data.get("_num_nodes")
+    elif isinstance(data, Standin):
+        name = data.pyg_name
+        store = data.state.get("_store")
+        mapping = _mapping(store)
+        counts = store.state.get("_num_nodes") if isinstance(store, Standin) else None
+    else:
+        return None
+    if not name.endswith(".Data"):
+        raise InvalidDataError(
+            f"{path}: an InMemoryDataset of {name.rsplit('.', 1)[-1] or 'unknown objects'}; "
+            "only Data graphs can be read (convert each graph to a .pt file of its own)"
+        )
+    if slices is None:
+        one = {k: v for k, v in mapping.items()}
+        n = _num_nodes(one, path)
+        if n is not None:
+            one["num_nodes"] = n
+        return [one]
+    lengths = {len(v) - 1 for v in slices.values() if hasattr(v, "__len__")}
+    if len(lengths) != 1:
+        raise InvalidDataError(f"{path}: InMemoryDataset slices disagree on the graph count")
+    (num,) = lengths
+    graphs = []
+    for i in range(num):
+        g: dict[str, Any] = {}
+        for key, sl in slices.items():
+            value = mapping.get(key)
+            if value is None:
+                continue
+            start, end = int(sl[i]), int(sl[i + 1])
+            if hasattr(value, "narrow"):
+                g[key] = value.narrow(_cat_dim(key), start, end - start)
+            elif isinstance(value, list) and len(value) == num:
+                g[key] = value[i]
+            else:
+                raise InvalidDataError(
+                    f"{path}: InMemoryDataset attribute {key!r} is a {type(value).__name__}, "
+                    "which cannot be split into graphs"
+                )
+        if isinstance(counts, list) and len(counts) == num:
+            g["num_nodes"] = counts[i]
+        n = _num_nodes(g, f"{path} graph {i}")
+        if n is not None:
+            g["num_nodes"] = n
+        graphs.append(g)
+    return graphs

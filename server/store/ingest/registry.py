@@ -10,6 +10,7 @@ folder holding files of more than one known format is refused with a request for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
@@ -42,13 +43,26 @@ _BY_NAME = {r.name: r for r in READERS}
 FORMATS = ("auto", *_BY_NAME)
 
 
-def detect(src: Path) -> str:
-    """The format of an existing ``src``: a folder format that claims it, else the one format
-    of its suffix (a file) or of its files' suffixes (a folder)."""
+#: Every suffix a file-based reader reads.
+SUFFIXES: tuple[str, ...] = tuple(s for r in READERS for s in r.suffixes)
+
+
+def claimed(src: Path) -> str | None:
+    """The folder format that claims ``src`` (a save_to_disk folder, an LMDB environment)."""
     for r in READERS:
         if r.claims is not None and r.claims(src):
             return r.name
-    if src.is_file():
+    return None
+
+
+def detect(src: Path, only: Sequence[Path] | None = None) -> str:
+    """The format of an existing ``src``: a folder format that claims it, else the one format
+    of its suffix (a file) or of its files' suffixes (a folder, or ``only`` those files)."""
+    if only is None and (name := claimed(src)) is not None:
+        return name
+    if only is not None:
+        names = {p.suffix.lower() for p in only}
+    elif src.is_file():
         names = {src.suffix.lower()}
     else:
         names = {p.suffix.lower() for p in src.rglob("*") if p.is_file()}
@@ -66,8 +80,17 @@ def detect(src: Path) -> str:
     return found[0]
 
 
-def open_source(src: Path, fmt: str = "auto", threads: int = 2, stacked: bool = False) -> Source:
-    """Open ``src`` as format ``fmt`` (``"auto"`` detects it); ``stacked`` is for ``.pt``.
+def open_source(
+    src: Path,
+    fmt: str = "auto",
+    threads: int = 2,
+    stacked: bool = False,
+    only: Sequence[Path] | None = None,
+    max_sample_bytes: int | None = None,
+    value_format: str = "auto",
+) -> Source:
+    """Open ``src`` as format ``fmt`` (``"auto"`` detects it); ``stacked`` is for ``.pt``;
+    ``only``: read just these files of ``src`` (one split of it).
 
     The one place a missing source is reported."""
     if fmt not in FORMATS:
@@ -75,10 +98,21 @@ def open_source(src: Path, fmt: str = "auto", threads: int = 2, stacked: bool = 
     if not src.exists():
         raise InvalidDataError(f"source {src} does not exist")
     if fmt == "auto":
-        fmt = detect(src)
+        fmt = detect(src, only)
     if stacked and fmt != "pt":
         raise InvalidDataError(f"--stacked applies to .pt files; {src} is {fmt}")
     reader = _BY_NAME[fmt]
+    kw: dict[str, object] = {"threads": threads}
     if stacked:
-        return reader.open(src, threads=threads, stacked=True)
-    return reader.open(src, threads=threads)
+        kw["stacked"] = True
+    if only is not None:
+        if not reader.suffixes:
+            raise InvalidDataError(f"source {src}: a {fmt} source is a whole folder, not files")
+        kw["only"] = list(only)
+    if value_format != "auto":
+        if not reader.valued:
+            raise InvalidDataError(f"--value-format applies to LMDB values; {src} is {fmt}")
+        kw["value_format"] = value_format
+    if max_sample_bytes is not None and reader.bounded:
+        kw["max_sample_bytes"] = max_sample_bytes
+    return reader.open(src, **kw)

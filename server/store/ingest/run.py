@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,9 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from ..writer import ShardWriter
 from .mapping import mapped, resolve_map
-from .registry import open_source
-from .source import Piece
+from .registry import READERS, SUFFIXES, claimed, open_source
+from .source import MAX_SAMPLE_BYTES, Piece
+from .splits import Split, find_splits, pick, split_dataset_name
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,19 @@ class IngestSummary:
     files: int
     source_bytes: int
     seconds: float
+    #: What the source held that is not samples, and what became of it (name -> note).
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    #: The split of the source this dataset holds (``None``: the source is not split).
+    split: str | None = None
 
     def line(self) -> str:
         m = self.manifest
         mb = m.total_bytes / 1e6
         rate = self.source_bytes / 1e6 / max(self.seconds, 1e-9)
+        split = f" (split {self.split})" if self.split else ""
         return (
-            f"ingested {m.name}: {m.num_samples} samples, {len(m.shards)} shards, {mb:.1f} MB, "
-            f"{self.seconds:.1f} s ({self.files} files, {rate:.1f} MB/s read)"
+            f"ingested {m.name}{split}: {m.num_samples} samples, {len(m.shards)} shards, "
+            f"{mb:.1f} MB, {self.seconds:.1f} s ({self.files} files, {rate:.1f} MB/s read)"
             f"{self.choices()}"
         )
 
@@ -52,7 +58,30 @@ class IngestSummary:
             out += f"; variable: {', '.join(var)}"
         if null:
             out += f"; may be missing (masked): {', '.join(null)}"
+        if self.metadata:
+            notes = ", ".join(f"{k} ({v})" for k, v in self.metadata.items())
+            out += f"; not samples: {notes}"
         return out
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """What one ``shardserve ingest`` produced: one dataset, or one per split."""
+
+    summaries: tuple[IngestSummary, ...]
+    #: The splits the source has, when it is split (``()``: it is not).
+    splits: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        lines = [s.line() for s in self.summaries]
+        if len(self.summaries) > 1:
+            names = ", ".join(s.manifest.name for s in self.summaries)
+            lines.insert(
+                0,
+                f"source has splits {', '.join(self.splits)}: each ingested as its own dataset "
+                f"({names}); pick one with --split",
+            )
+        return "\n".join(lines)
 
 
 def ingest(
@@ -69,18 +98,40 @@ def ingest(
     stacked: bool = False,
     map_fn: str | None = None,
     workers: int = 0,
+    split: str | None = None,
+    max_sample_bytes: int = MAX_SAMPLE_BYTES,
+    value_format: str = "auto",
 ) -> IngestSummary:
     """Ingest ``src`` into dataset ``name`` of ``store``; nothing is published on any error.
 
     Shapes that vary between samples are found (the field becomes variable; ``variable``
     declares one up front), and fields missing in some samples become nullable; the summary
     line says which. ``map_fn`` (``"module:function"``) runs over each source sample first,
-    in ``workers`` processes (0: in this one).
+    in ``workers`` processes (0: in this one). No sample may be larger than
+    ``max_sample_bytes`` (checked before reading where the source says sizes first). A source laid out as splits (:mod:`.splits`)
+    needs ``split`` (one of them); :func:`ingest_all` ingests every split.
+
+    >>> ingest("hf_dd", "/data/store", "mnist-train", split="train")  # doctest: +SKIP
     """
     validate_dataset_name(name)
     src_path = Path(src)
+    if not src_path.exists():
+        raise InvalidDataError(f"source {src_path} does not exist")
+    splits = _splits(src_path, fmt)
+    only: tuple[Path, ...] | None = None
+    if splits or split is not None:
+        if split is None:
+            raise InvalidDataError(
+                f"source {src_path} has splits {', '.join(s.name for s in splits)}; ingest one "
+                "with --split NAME, or all of them (each its own dataset) without --split"
+            )
+        chosen = pick(splits, split, src_path)
+        src_path, only = chosen.path, chosen.files
     started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=threads, stacked=stacked)
+    source = open_source(
+        src_path, fmt, threads=threads, stacked=stacked, only=only,
+        max_sample_bytes=max_sample_bytes, value_format=value_format,
+    )  # fmt: skip
     if workers < 0:
         raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
     fn = resolve_map(map_fn) if map_fn else None
@@ -108,18 +159,60 @@ def ingest(
             overwrite=overwrite,
             source=info,
             variable=set(variable) | source.variable,
+            max_sample_bytes=max_sample_bytes,
         ) as writer,
         mapped(source.pieces, fn, map_fn or "", workers) as pieces,
     ):
         # A map returns samples of its own making: their tree is the writer's to find.
         writer.structure = source.structure if fn is None else None
+        writer.encodings = source.text if fn is None else {}  # filled as pieces are read
         files, read = _write(pieces, writer, bar, len(source.files), progress)
         if writer.num_samples == 0:
             raise InvalidDataError(f"source {src_path} holds no samples; nothing to ingest")
+        # Found while reading (metadata keys, class names): kept in the manifest.
+        writer.source.update({str(k): str(v) for k, v in source.info.items()})
+        if split is not None:
+            writer.source["split"] = split
     manifest = writer.manifest
     if manifest is None:  # unreachable: a clean exit of the with-block publishes
         raise InvalidDataError(f"ingest of {name!r} finished without a manifest")
-    return IngestSummary(manifest, files, read, time.perf_counter() - started)
+    return IngestSummary(
+        manifest, files, read, time.perf_counter() - started, dict(source.metadata), split
+    )
+
+
+def _splits(src: Path, fmt: str) -> list[Split]:
+    """The splits of ``src``, unless a folder format claims it whole."""
+    if fmt not in ("auto", *(r.name for r in READERS if r.suffixes)) or claimed(src):
+        return []
+    return find_splits(src, SUFFIXES)
+
+
+def ingest_all(
+    src: str | Path, store: str | Path, name: str, *, split: str | None = None, **kw: Any
+) -> IngestReport:
+    """:func:`ingest`, or, for a source laid out as splits and no ``split`` chosen, one
+    dataset per split named ``NAME-split`` (:func:`.splits.split_dataset_name`).
+
+    Each split is published when it is complete; if one fails, the error says which were
+    published before it."""
+    validate_dataset_name(name)
+    src_path = Path(src)
+    splits = _splits(src_path, kw.get("fmt", "auto")) if src_path.exists() else []
+    if split is not None or not splits:
+        return IngestReport((ingest(src_path, store, name, split=split, **kw),))
+    done: list[IngestSummary] = []
+    for s in splits:
+        target = validate_dataset_name(split_dataset_name(name, s.name))
+        try:
+            done.append(ingest(src_path, store, target, split=s.name, **kw))
+        except InvalidDataError as e:
+            before = ", ".join(d.manifest.name for d in done)
+            raise InvalidDataError(
+                f"split {s.name!r} -> {target}: {e}"
+                + (f" (already published: {before})" if before else "")
+            ) from None
+    return IngestReport(tuple(done), tuple(s.name for s in splits))
 
 
 def _write(

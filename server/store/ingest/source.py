@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
+from shardserve.proto.manifest import TextEncoding
+
+#: The default ``--max-sample-bytes``: no real sample is this large, and a hostile source
+#: (a sparse tar member, a decompression bomb) is stopped here before it costs memory.
+MAX_SAMPLE_BYTES = 256 << 20
 
 
 @dataclass
@@ -37,11 +42,18 @@ class Source:
     pieces: Iterator[Piece]
     #: Fields the format knows are variable-shape (e.g. Arrow list columns).
     variable: set[str] = field(default_factory=set)
+    #: Binary fields that hold text, and how (``utf-8``: a string per sample).
+    text: dict[str, TextEncoding] = field(default_factory=dict)
     #: For columnar sources whose column names are flattened paths: the tree they form
     #: (:data:`shardserve.proto.manifest.Tree`); ``None`` when flat.
     structure: object = None
     #: Facts for the manifest's ``source`` (e.g. an image folder's class names as JSON).
+    #: A reader may add to it while its pieces are read (metadata found on the way).
     info: dict[str, str] = field(default_factory=dict)
+    #: What the source held that is not samples (an LMDB ``__len__`` key, an HDF5 array
+    #: without the sample dimension): ``name -> what was done with it``, for the summary.
+    #: Also filled while the pieces are read.
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -57,6 +69,11 @@ class Reader:
     open: Callable[..., Source]
     suffixes: tuple[str, ...] = ()
     claims: Callable[[Path], bool] | None = None
+    #: Whether ``open`` takes ``max_sample_bytes`` (a container whose members say their
+    #: sizes before they are read: the bound is checked there, before any allocation).
+    bounded: bool = False
+    #: Whether ``open`` takes ``value_format`` (values stored as bytes: an LMDB environment).
+    valued: bool = False
 
 
 def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:
@@ -78,6 +95,30 @@ def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:
     # Every path starts with src, so this is the order of the paths relative to it.
     found.sort(key=lambda p: p.replace(os.sep, "/"))
     return [Path(p) for p in found]
+
+
+def source_files(src: Path, suffixes: Iterable[str], only: Iterable[Path] | None) -> list[Path]:
+    """:func:`list_files`, or the files of one split (``only``) when ingest picked them."""
+    if only is None:
+        return list_files(src, suffixes)
+    wanted = tuple(suffixes)
+    return [p for p in only if p.suffix.lower() in wanted]
+
+
+def put_field(
+    out: dict[str, object], name: str, value: object, origin: str, seen: dict[str, str], where: str
+) -> None:
+    """``out[name] = value``, refusing a second input that lands on the same field name.
+
+    ``seen`` maps each field name to the input it came from (``origin``), so the error
+    names both: two inputs silently merged into one field would drop one of them."""
+    if name in out:
+        raise InvalidDataError(
+            f"{where}: {seen.get(name, name)!r} and {origin!r} both become the field {name!r}; "
+            "rename one of them in the source (or drop one with --map)"
+        )
+    out[name] = value
+    seen[name] = origin
 
 
 def require_files(files: list[Path], src: Path, what: str) -> list[Path]:

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .run import IngestSummary, ingest
+from .run import IngestReport, IngestSummary, ingest_all
 
 
-def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestSummary:
+def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestReport:
     """Run ``shardserve ingest`` for ``args``; ``remote`` is the :class:`RemoteStore` of a URI
     ``--store`` (``None`` for a folder)."""
     started = time.perf_counter()
@@ -29,21 +29,25 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestSumma
 
         # With a remote store the tasks upload their own shards (they may run on other
         # machines) and the driver publishes the manifest.
-        return ingest_ray(
-            args.src,
-            args.store,
-            args.name,
-            fmt=args.format,
-            shard_bytes=args.shard_size,
-            overwrite=args.overwrite,
-            variable=args.variable,
-            progress=not args.quiet,
-            num_cpus=args.ray_cpus,
-            remote=remote,
+        return IngestReport(
+            (
+                ingest_ray(
+                    args.src,
+                    args.store,
+                    args.name,
+                    fmt=args.format,
+                    shard_bytes=args.shard_size,
+                    overwrite=args.overwrite,
+                    variable=args.variable,
+                    progress=not args.quiet,
+                    num_cpus=args.ray_cpus,
+                    remote=remote,
+                ),
+            )
         )
     assert remote is not None  # a local store with the local engine never comes here
     with tempfile.TemporaryDirectory(prefix="shardserve-ingest-") as tmp:
-        summary = ingest(
+        report = ingest_all(
             args.src,
             tmp,
             args.name,
@@ -52,8 +56,21 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestSumma
             variable=args.variable,
             threads=args.threads,
             progress=not args.quiet,
+            stacked=args.stacked,
+            map_fn=args.map,
+            workers=args.workers,
+            split=args.split,
+            max_sample_bytes=args.max_sample_bytes,
+            value_format=args.value_format,
         )
-        manifest = remote.upload(Path(tmp) / args.name, args.name, overwrite=args.overwrite)
-    return IngestSummary(
-        manifest, summary.files, summary.source_bytes, time.perf_counter() - started
-    )
+        out = []
+        for s in report.summaries:
+            name = s.manifest.name
+            manifest = remote.upload(Path(tmp) / name, name, overwrite=args.overwrite)
+            out.append(
+                IngestSummary(
+                    manifest, s.files, s.source_bytes, time.perf_counter() - started,
+                    s.metadata, s.split,
+                )
+            )  # fmt: skip
+    return IngestReport(tuple(out), report.splits)

@@ -1,0 +1,136 @@
+"""Lanes: threads of one owner (a job's transforms, a dataset's fetches), apart from others.
+
+A thread cannot be stopped, so work that hangs (a transform, a read from a trickling store)
+keeps its thread. On a shared pool that thread, and the work queued behind it, belonged to
+everyone; on a lane it belongs to the one owner whose work hung. A lane starts threads on
+demand, up to its size, and a thread idle for ``IDLE_S`` ends, so a lane of a finished job
+costs nothing. Lane threads are daemon threads: a hung one never holds up the server's exit.
+
+>>> lanes = Lanes(size=2)
+>>> lanes.get("job-a").submit(sum, [1, 2]).result(timeout=5)
+3
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+#: Seconds an idle lane thread waits for work before it ends.
+IDLE_S = 10.0
+
+
+class Lane:
+    """A job's threads: at most ``size``, started when work waits and none is idle."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._cv = threading.Condition()
+        self._threads = 0
+        self._idle = 0
+        self._closed = False
+        #: Bumped when a run of this lane missed its deadline: runs begun before it fail at
+        #: once (their job has failed), runs begun after it go on.
+        self.generation = 0
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    @property
+    def unused(self) -> bool:
+        with self._cv:
+            return self._threads == 0 and not self._queue
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"lane {self.name} is closed")
+            self._queue.append((fut, fn, args))
+            if self._idle == 0 and self._threads < self.size:
+                self._threads += 1
+                threading.Thread(
+                    target=self._work, name=f"ss-lane-{self.name[:12]}", daemon=True
+                ).start()
+            else:
+                self._cv.notify()
+        return fut
+
+    def cancel_queued(self) -> int:
+        """Cancel every piece not yet started; how many were cancelled."""
+        with self._cv:
+            items, self._queue = list(self._queue), deque()
+        for fut, _, _ in items:
+            fut.cancel()
+        return len(items)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self.cancel_queued()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    if self._closed:
+                        self._threads -= 1
+                        return
+                    self._idle += 1
+                    woke = self._cv.wait(IDLE_S)
+                    self._idle -= 1
+                    if not woke and not self._queue:
+                        self._threads -= 1
+                        return
+                fut, fn, args = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            del fut, fn, args  # what the work held is not kept alive by an idle thread
+
+
+class Lanes:
+    """Lanes by owner; lanes with no thread and no queued work are dropped as others are made."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lanes: dict[str, Lane] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get(self, key: str) -> Lane:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the lanes are closed (server stopping)")
+            lane = self._lanes.get(key)
+            if lane is None:
+                for k in [k for k, v in self._lanes.items() if v.unused]:
+                    del self._lanes[k]
+                lane = self._lanes[key] = Lane(key, self.size)
+            return lane
+
+    def threads(self) -> int:
+        with self._lock:
+            return sum(lane.threads for lane in self._lanes.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lanes)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close()

@@ -1,0 +1,168 @@
+"""The documentation: generated reference pages, code blocks that run or parse, the README.
+
+The site itself is built with warnings as errors by .ci/run (`mkdocs build --strict`); these
+tests check what the build cannot: that the generated pages say what the code says, that the
+Getting-started loop trains against a real server, and that every code block is valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from shardserve.server.cli import COMMANDS, build_parser
+from shardserve.server.settings import Settings, env_name
+from tests.support.server import run_server
+from tests.support.slowness import scaled
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+_SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.M)
+
+
+def gen_ref() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_ref", DOCS / "gen_ref.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pages() -> list[Path]:
+    return sorted(p for p in DOCS.rglob("*.md") if "_incoming" not in p.parts)
+
+
+def blocks(lang: str) -> list[tuple[str, str]]:
+    """(page, code) of every fenced block of ``lang``, snippets (``--8<--``) resolved."""
+    out = []
+    for page in pages():
+        for found, code in _FENCE.findall(page.read_text()):
+            if found == lang:
+                code = _SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text(), code)
+                out.append((str(page.relative_to(ROOT)), code))
+    return out
+
+
+def test_generated_cli_and_settings_pages_cover_the_code() -> None:
+    g = gen_ref()
+    cli, settings = g.cli_page(), g.settings_page()
+    for name in COMMANDS:
+        assert f"## `shardserve {name}`" in cli
+    for name in Settings.model_fields:
+        assert f"`{env_name(name)}`" in settings
+    assert "`--create`" in cli and "`--format`" in cli
+
+
+def test_generated_metrics_and_http_pages_cover_the_server() -> None:
+    g = gen_ref()
+    names = g.metric_names()
+    assert "shardserve_client_wait_seconds_total" in names
+    assert "shardserve_cache_hits_total" in names  # remote-store metrics are listed too
+    page = g.metrics_page()
+    assert all(f"`{n}`" in page for n in names)
+    http = g.http_page()
+    assert "`POST /v1/jobs`" in http and "`GET /metrics`" in http
+
+
+def test_the_results_page_is_generated_from_bench_json(tmp_path: Path) -> None:
+    (tmp_path / "e2e.json").write_text(json.dumps({
+        "load_average": [1.5, 1.2, 1.0],
+        "cases": {"cifar": {"n": 4096, "rows": {
+            "DataLoader w2": {"samples_s": 1234.5, "vs_floor": 0.1},
+            "shardserve shm": {"samples_s": 98765.4, "vs_floor": 0.9},
+        }, "targets": [{"target": "shm vs w2", "value": 80.0, "met": True}]}},
+    }))  # fmt: skip
+    page = gen_ref().results_page(tmp_path)
+    assert "## e2e" in page
+    assert "| **shardserve shm** | 98,765 | 0.9 |" in page
+    assert "| shm vs w2 | 80 | True |" in page
+    assert "No results" in gen_ref().results_page(tmp_path / "none")
+
+
+def test_every_page_is_in_the_nav() -> None:
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
+
+    def walk(node: object) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [p for n in node for p in walk(n)]
+        if isinstance(node, dict):
+            return [p for n in node.values() for p in walk(n)]
+        return []
+
+    nav = set(walk(config["nav"]))
+    on_disk = {str(p.relative_to(DOCS)) for p in pages()}
+    assert on_disk - nav == set()
+    assert nav - on_disk == set(gen_ref().PAGES)  # the generated ones
+
+
+def test_every_python_block_compiles() -> None:
+    found = blocks("python")
+    assert len(found) > 10
+    for page, code in found:
+        try:
+            compile(code, page, "exec")
+        except SyntaxError as e:
+            pytest.fail(f"{page}: a python block does not compile: {e}\n{code}")
+
+
+def test_every_shardserve_command_in_the_docs_parses() -> None:
+    """Each `shardserve ...` line of a bash block parses with the real CLI parser."""
+    parser = build_parser()
+    problems = []
+    for page, code in [*blocks("bash"), *blocks("sh"), *blocks("console")]:
+        for line in code.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0].strip().removeprefix("$ ")
+            if not line.startswith("shardserve ") or "..." in line or "<" in line:
+                continue
+            argv = shlex.split(line.split("&&")[0].split("|")[0])[1:]
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+                args, rest = parser.parse_known_args(argv)
+                if not rest or args.command == "demo":
+                    continue
+            problems.append(f"{page}: {line}: {err.getvalue().strip() or 'unknown: ' + str(rest)}")
+    assert problems == []
+
+
+def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -> None:
+    """examples/quickstart.py (included in Getting started) runs to the end."""
+    data = tmp_path / "digits.npz"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(data),
+         str(tmp_path / "test.npz")], check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    store = tmp_path / "store"
+    subprocess.run(
+        [sys.executable, "-m", "shardserve.server", "ingest", str(data), "--store", str(store),
+         "--name", "digits-train", "--quiet"], check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    with run_server(store) as srv:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "quickstart.py"), srv.http_url,
+             "digits-train"], capture_output=True, text=True, timeout=scaled(120.0),
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "epoch 1: loss" in out.stdout
+
+
+def test_the_readme_is_short_and_its_links_exist() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if "://" not in link:
+            assert (ROOT / link).exists(), link
+    assert "python -m pytest" in text  # the test command .ci/run runs
