@@ -81,6 +81,7 @@ class MixtureAdmin:
             check_weights(weights, len(names), "weights")
         except ValueError as e:
             raise BadRequest(f"job {job_id}: {e}") from None
+        mixtures.check_empty(job.spec, job.source_sizes or (), weights)
         front = self.frontier(job)
         if update.at_step is None and job.restored and not self.board.ranks(job.id):
             raise StepInThePast(

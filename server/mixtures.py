@@ -83,9 +83,9 @@ def admit(
             )
         pinned.append(src.model_copy(update={"version": current}))
     spec = spec.model_copy(update={"mixture": tuple(pinned)})
-    for src, n in zip(spec.mixture or (), sizes, strict=True):
-        if n == 0 and src.weight > 0:
-            raise BadRequest(f"mixture source {src.name!r} has no samples but weight {src.weight}")
+    check_empty(spec, sizes, tuple(s.weight for s in spec.mixture or ()))
+    for c in spec.schedule or ():
+        check_empty(spec, sizes, c.weights)
     length = spec.epoch_samples or sum(sizes)
     # An epoch's order is held in memory (4 bytes a position): bounded before it is planned.
     most = min(MAX_EPOCH_SAMPLES, EPOCH_OVER_SOURCES * max(sum(sizes), 1))
@@ -97,6 +97,15 @@ def admit(
     per_sample = max(m.total_bytes / max(m.num_samples, 1) for m in manifests)
     check_batch(spec.batch_size, length, int(per_sample * spec.batch_size), max_batch_bytes)
     return spec, length, sizes
+
+
+def check_empty(spec: JobSpec, sizes: Sequence[int], weights: Sequence[float]) -> None:
+    """Refuse a weight > 0 on a source with no samples: no position could be served."""
+    for src, n, w in zip(spec.mixture or (), sizes, weights, strict=True):
+        if n == 0 and w > 0:
+            raise BadRequest(
+                f"mixture source {src.name!r} has no samples, so its weight must be 0, got {w}"
+            )
 
 
 def _fields(m: Manifest, wanted: tuple[str, ...] | None, name: str) -> dict[str, FieldSpec]:

@@ -345,3 +345,17 @@ def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
     assert [c.at_step for c in restored.schedule()] == [0, 5]
     assert restored.source_sizes == (40, 40)
     assert again.quarantine.from_step("a", job.id, 40) == [(5, (3, 4))]
+
+
+def test_an_empty_source_must_weigh_nothing() -> None:
+    """A source without samples may be in a mixture only with weight 0, now and in changes."""
+    from shardserve.proto.errors import BadRequest
+    from shardserve.server.mixtures import check_empty
+
+    spec = JobSpec(
+        mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=0)),
+        batch_size=4,
+    )  # fmt: skip
+    check_empty(spec, (10, 0), (1, 0))
+    with pytest.raises(BadRequest, match="'b' has no samples"):
+        check_empty(spec, (10, 0), (1, 0.5))
