@@ -216,8 +216,3 @@ class MixturePlans:
         s = job.spec
         order = self.order(job, epoch, seed)
         return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last)
-
-    def forget(self, job_id: str) -> None:
-        with self._lock:
-            for key in [k for k in self._orders if k[0] == job_id]:
-                del self._orders[key]

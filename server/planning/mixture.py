@@ -233,12 +233,6 @@ class _Stream:
             self._g = g
         return self._segment
 
-    def available(self) -> int | None:
-        """Elements left before a ``stop`` source runs out; ``None`` for ``repeat``."""
-        if self.source.on_exhausted == "repeat":
-            return None
-        return max(self.source.size - self.cursor, 0)
-
     def peek(self, count: int) -> np.ndarray:
         """The next ``count`` elements (fewer if a ``stop`` source runs out), not consumed."""
         n = self.source.size
