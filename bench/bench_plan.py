@@ -8,9 +8,11 @@ the RSS after imports is what planning itself cost. Cases:
 - ``global`` / ``block``: ``epoch_order`` for the epoch (block: 64 MiB shards of
   3 KiB samples, i.e. 21,845 rows, window 4), then ``RankPlan.from_order`` for rank 0
   of 8 and every one of its batches of 256 (``int64`` ids, as the assembler gets them);
-- ``mixture``: ``mixture_order`` of three sources of 50 / 30 / 20 % of the samples, weights
-  0.5 / 0.3 / 0.2 changed to 0.2 / 0.3 / 0.5 half way (a schedule), ``n`` positions; then
-  rank 0's batches as for ``global``; compared with ``global`` in the same run;
+- ``mixture``: ``mixture_order`` of ``n`` positions from three sources of 37.5 / 32.5 /
+  37.5 % of ``n`` samples, weights 0.5 / 0.3 / 0.2 changed to 0.2 / 0.3 / 0.5 half way (a
+  schedule): each source is drawn ~35 / 30 / 35 % of ``n`` times, so none wraps (a wrap costs
+  one more permutation of that source); then rank 0's batches as for ``global``; compared with
+  ``global`` in the same run;
 - ``naive``: ``rng.shuffle(np.arange(n, dtype=np.uint32))``, the obvious global
   shuffle, for scale (``numpy.random.Generator.shuffle`` misses cache on every swap).
 
@@ -61,7 +63,7 @@ def child(case: str, n: int) -> dict[str, float]:
     elif case == "mixture":
         from shardserve.server.planning.mixture import MixSource, Segment, mixture_order
 
-        sizes = [n // 2, n * 3 // 10, n - n // 2 - n * 3 // 10]
+        sizes = [n * 3 // 8, n * 13 // 40, n * 3 // 8]
         order = mixture_order(
             [MixSource(k) for k in sizes], seed=0, epoch=1, length=n, world_size=WORLD_SIZE,
             segments=[Segment(0, (0.5, 0.3, 0.2)), Segment(n // 2, (0.2, 0.3, 0.5))],

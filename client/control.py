@@ -16,7 +16,16 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from shardserve.proto.api import CreatedJob, DatasetInfo, JobStatus, ServerInfo
+from shardserve.proto.api import (
+    CreatedJob,
+    DatasetInfo,
+    JobStatus,
+    MixtureStatus,
+    MixtureUpdate,
+    QuarantineList,
+    QuarantineRequest,
+    ServerInfo,
+)
 from shardserve.proto.endpoints import reaches_this_host
 from shardserve.proto.errors import (
     BadRequest,
@@ -120,8 +129,13 @@ class ControlClient:
 
     def create_job(self, spec: JobSpec, timeout: float | None = None) -> CreatedJob:
         """``POST /v1/jobs``: idempotent, every rank may post the same spec."""
-        # ``collate`` only when set: a server from before it knew the field still takes the spec.
-        body = spec.model_dump(mode="json", exclude={"collate"} if spec.collate is None else None)
+        # Fields added later only when set: a server from before them still takes the spec.
+        later = (
+            ("collate", spec.collate), ("mixture", spec.mixture),
+            ("epoch_samples", spec.epoch_samples), ("schedule", spec.schedule),
+        )  # fmt: skip
+        unset = {k for k, v in later if v is None}
+        body = spec.model_dump(mode="json", exclude=unset or None)
         return CreatedJob.model_validate_json(
             self._request("POST", "/v1/jobs", json=body, timeout=timeout).content
         )
@@ -172,6 +186,36 @@ class ControlClient:
                 f"GET /v1/jobs/{job_id}/plan: {len(r.content)} bytes is not a whole number of int64 ids"
             )
         return np.frombuffer(r.content, dtype="<i8"), batches
+
+    def mixture(self, job_id: str, timeout: float | None = None) -> MixtureStatus:
+        """``GET /v1/jobs/{id}/mixture``: sources, schedule, weights in force, frontier."""
+        r = self._request("GET", f"/v1/jobs/{job_id}/mixture", timeout=timeout)
+        return MixtureStatus.model_validate_json(r.content)
+
+    def set_mixture(
+        self,
+        job_id: str,
+        weights: Mapping[str, float] | Sequence[float],
+        at_step: int | None = None,
+        timeout: float | None = None,
+    ) -> MixtureStatus:
+        """``PUT /v1/jobs/{id}/mixture``: ``weights`` from global step ``at_step`` on (``None``:
+        the server's frontier); ``StepInThePast`` if a rank was already sent that step."""
+        body = MixtureUpdate(
+            weights=dict(weights) if isinstance(weights, Mapping) else list(weights),
+            at_step=at_step,
+        ).model_dump(mode="json")
+        r = self._request("PUT", f"/v1/jobs/{job_id}/mixture", json=body, timeout=timeout)
+        return MixtureStatus.model_validate_json(r.content)
+
+    def quarantine(
+        self, dataset: str, ids: Sequence[int], reason: str, timeout: float | None = None
+    ) -> QuarantineList:
+        """``POST /v1/datasets/{name}/quarantine``: no plan deals these ids any more, from
+        each reading job's frontier on."""
+        body = QuarantineRequest(ids=list(ids), reason=reason).model_dump(mode="json")
+        r = self._request("POST", f"/v1/datasets/{dataset}/quarantine", json=body, timeout=timeout)
+        return QuarantineList.model_validate_json(r.content)
 
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether ``GET /healthz`` answers 2xx within ``timeout``; never raises."""

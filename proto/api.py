@@ -110,3 +110,58 @@ class ServerInfo(BaseModel):
     #: The kernel boot id: a client with the same one shares this host (and its /dev/shm).
     boot_id: str
     auth_required: bool
+
+
+#: Most sample ids one quarantine request may name, and one dataset may have in all.
+MAX_QUARANTINE_IDS = 1 << 16
+MAX_QUARANTINED = 1 << 20
+
+
+class MixtureUpdate(BaseModel):
+    """``PUT /v1/jobs/{id}/mixture``: new weights from global step ``at_step`` on
+    (``None``: the job's frontier, the first step no rank has been sent yet).
+
+    ``weights`` maps every source's name to its weight, or lists them in the order of
+    ``JobSpec.mixture``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights: dict[str, float] | list[float]
+    at_step: int | None = Field(default=None, ge=0, lt=1 << 62)
+
+
+class MixtureStatus(BaseModel):
+    """``GET /v1/jobs/{id}/mixture``: the sources, the whole schedule (the spec's weights at
+    step 0, then every change), the weights in force at the frontier, and the frontier."""
+
+    job: str
+    sources: list[str]
+    schedule: list[dict[str, Any]]
+    weights_now: list[float]
+    #: The first global step no rank has been sent yet: changes must be at or after it.
+    frontier: int
+    batches_per_epoch: int
+
+
+class QuarantineRequest(BaseModel):
+    """``POST /v1/datasets/{name}/quarantine``: sample ids (of the dataset's current
+    version) no plan may deal from each job's frontier on, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[int] = Field(min_length=1, max_length=MAX_QUARANTINE_IDS)
+    reason: str = Field(min_length=1, max_length=512)
+
+
+class QuarantineEntry(BaseModel):
+    ids: list[int]
+    reason: str
+    #: The global step from which each job reading the dataset skips these ids.
+    at: dict[str, int]
+
+
+class QuarantineList(BaseModel):
+    dataset: str
+    entries: list[QuarantineEntry]
+    total_ids: int

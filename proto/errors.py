@@ -22,7 +22,8 @@
     │   ├── RankInUse              another live client streams this (job, rank)
     │   └── TransformError         a server-side transform failed (names transform, dataset, sample)
     ├── BadRequest                 a request with fields that cannot be served
-    │   └── StreamLimitExceeded    a data-plane limit (streams, Hellos a second) refused a stream
+    │   ├── StreamLimitExceeded    a data-plane limit (streams, Hellos a second) refused a stream
+    │   └── StepInThePast          a mixture change or quarantine at a step already sent
     └── AuthError                  missing or wrong token
 
 Every error that crosses the wire carries an :class:`ErrorCode`; :func:`error_for_code`
@@ -55,6 +56,7 @@ class ErrorCode(str, Enum):
     INTERNAL = "internal"
     RANK_IN_USE = "rank_in_use"
     STREAM_LIMIT = "stream_limit"
+    STEP_IN_THE_PAST = "step_in_the_past"
 
 
 class ShardserveError(Exception):
@@ -166,6 +168,13 @@ class StreamLimitExceeded(BadRequest):
     code = ErrorCode.STREAM_LIMIT
 
 
+class StepInThePast(BadRequest):
+    """A change to a job's plan (mixture weights) at a step some rank was already sent: it
+    would rewrite data already delivered. The message names the job's frontier."""
+
+    code = ErrorCode.STEP_IN_THE_PAST
+
+
 class AuthError(ShardserveError, PermissionError):
     code = ErrorCode.UNAUTHORIZED
 
@@ -188,6 +197,7 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
     ErrorCode.INTERNAL: ShardserveError,
     ErrorCode.RANK_IN_USE: RankInUse,
     ErrorCode.STREAM_LIMIT: StreamLimitExceeded,
+    ErrorCode.STEP_IN_THE_PAST: StepInThePast,
 }
 
 

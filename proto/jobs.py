@@ -27,10 +27,85 @@ Collate = Literal["graph"]
 #: What a failing sample transform does: fail the job, or serve a deterministic other sample.
 OnError = Literal["fail", "replace"]
 
+#: What a mixture source does when its samples run out within an epoch: wrap into a new
+#: permutation of its own, or end the epoch.
+Exhaustion = Literal["repeat", "stop"]
+
 MAX_BATCH_SIZE = 1 << 20
 MAX_WORLD_SIZE = 1 << 16
 #: Most environments one step of a job may carry (``JobSpec.envs``).
 MAX_ENVS = 1024
+#: Most sources of one mixture (source ids travel as int16; the planner labels as uint8).
+MAX_MIXTURE_SOURCES = 64
+#: Most weight changes a job may carry, in its spec and set later together.
+MAX_SCHEDULE = 1024
+#: A mixture job's ``dataset`` starts with this: it names the mixture, not a dataset.
+MIXTURE_PREFIX = "mix:"
+
+
+class MixtureSource(BaseModel):
+    """One dataset of a mixture and its weight: the probability (after normalising the
+    weights) that a batch position draws from it.
+
+    >>> MixtureSource(name="web", weight=0.7).on_exhausted
+    'repeat'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    weight: float = Field(ge=0, allow_inf_nan=False)
+    #: ``"repeat"``: wrap into a new permutation of this source; ``"stop"``: end the epoch
+    #: when it runs out.
+    on_exhausted: Exhaustion = "repeat"
+    #: Pinned by the server at creation, as ``JobSpec.version``; clients leave it out.
+    version: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        try:
+            return validate_dataset_name(v)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+
+
+def check_weights(weights: tuple[float, ...], n_sources: int, what: str) -> tuple[float, ...]:
+    """``weights`` if there is one per source, each finite and >= 0, summing to more than 0.
+
+    >>> check_weights((1.0, 0.0), 2, "weights")
+    (1.0, 0.0)
+    """
+    if len(weights) != n_sources:
+        raise ValueError(f"{what} has {len(weights)} weights for {n_sources} sources")
+    for k, w in enumerate(weights):
+        if not (w >= 0 and w < float("inf")):
+            raise ValueError(f"{what}[{k}] = {w} must be a finite number >= 0")
+    if sum(weights) <= 0:
+        raise ValueError(f"{what} sum to {sum(weights)}: at least one weight must be > 0")
+    return weights
+
+
+class WeightChange(BaseModel):
+    """From global step ``at_step`` on (``epoch * batches_per_epoch + batch``), the mixture's
+    weights are ``weights``, one per source in the order of ``JobSpec.mixture``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    at_step: int = Field(ge=0, lt=1 << 62)
+    weights: tuple[float, ...] = Field(min_length=1, max_length=MAX_MIXTURE_SOURCES)
+
+
+def mixture_label(names: tuple[str, ...] | list[str]) -> str:
+    """The ``dataset`` of a mixture job: ``mix:`` and its sources' names.
+
+    >>> mixture_label(["web", "code"])
+    'mix:web+code'
+    """
+    label = MIXTURE_PREFIX + "+".join(names)
+    if len(label) > 128:
+        label = f"{MIXTURE_PREFIX}{names[0][:80]}+{len(names) - 1}-more"
+    return label
 
 
 class TransformStep(BaseModel):
@@ -59,6 +134,8 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The dataset served; for a mixture job, :func:`mixture_label` of its sources (filled in
+    #: when left out).
     dataset: str = Field(min_length=1, max_length=128)
     batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE)
     seed: int = Field(default=0, ge=0, lt=1 << 63)
@@ -89,6 +166,68 @@ class JobSpec(BaseModel):
     #: are the ``e``-th of ``envs`` equal parts. Left out of the job id when 1.
     envs: int = Field(default=1, ge=1, le=MAX_ENVS)
 
+    #: Several datasets with weights (issue 30): each batch position draws its source with
+    #: probability ``weight / sum(weights)``; see ``docs`` "Mixtures and curriculum". Left out
+    #: of the job id when ``None``, like ``schedule`` and ``epoch_samples``.
+    mixture: tuple[MixtureSource, ...] | None = Field(
+        default=None, min_length=1, max_length=MAX_MIXTURE_SOURCES
+    )
+    #: Positions in a mixture epoch (all ranks together); ``None``: the sources' sizes summed.
+    epoch_samples: int | None = Field(default=None, ge=1, lt=1 << 40)
+    #: Weight changes by global step, ascending; more can be added while training
+    #: (``PUT /v1/jobs/{id}/mixture``).
+    schedule: tuple[WeightChange, ...] | None = Field(default=None, max_length=MAX_SCHEDULE)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mixture_dataset(cls, data: Any) -> Any:
+        # A mixture names itself: {"mixture": [...]} needs no made-up dataset name.
+        if isinstance(data, dict) and data.get("mixture") and not data.get("dataset"):
+            names = [
+                s.get("name", "?") if isinstance(s, dict) else getattr(s, "name", "?")
+                for s in data["mixture"]
+            ]
+            data = {**data, "dataset": mixture_label([str(n) for n in names])}
+        return data
+
+    @model_validator(mode="after")
+    def _check_mixture(self) -> JobSpec:
+        if self.mixture is None:
+            if self.dataset.startswith(MIXTURE_PREFIX):
+                raise ValueError(
+                    f"dataset {self.dataset!r} names a mixture, but the spec has no mixture: "
+                    "give mixture=[{name, weight}, ...]"
+                )
+            if self.schedule is not None or self.epoch_samples is not None:
+                raise ValueError("schedule and epoch_samples need a mixture")
+            return self
+        names = [s.name for s in self.mixture]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture lists a dataset twice: {names}")
+        if self.dataset != mixture_label(names):
+            raise ValueError(
+                f"dataset of a mixture job must be {mixture_label(names)!r} or left out, "
+                f"got {self.dataset!r}"
+            )
+        check_weights(tuple(s.weight for s in self.mixture), len(names), "mixture weights")
+        for other, value in (
+            ("envs", self.envs != 1),
+            ("collate", self.collate is not None),
+            ("transforms", self.transforms is not None),
+            ("version", self.version is not None),
+        ):
+            if value:
+                raise ValueError(f"a mixture job cannot set {other} (yet): leave it out")
+        last = -1
+        for k, c in enumerate(self.schedule or ()):
+            check_weights(c.weights, len(names), f"schedule[{k}].weights")
+            if c.at_step <= last:
+                raise ValueError(
+                    f"schedule[{k}].at_step {c.at_step} must be after schedule[{k - 1}].at_step {last}"
+                )
+            last = c.at_step
+        return self
+
     @model_validator(mode="after")
     def _check_envs(self) -> JobSpec:
         if self.envs > 1:
@@ -106,6 +245,8 @@ class JobSpec(BaseModel):
     @field_validator("dataset")
     @classmethod
     def _check_dataset(cls, v: str) -> str:
+        if v.startswith(MIXTURE_PREFIX):  # checked against the mixture in _check_mixture
+            return v
         try:
             return validate_dataset_name(v)
         except ValueError as e:
@@ -137,6 +278,9 @@ def job_id(spec: JobSpec) -> str:
             ("transforms", spec.transforms is None),
             ("on_error", spec.on_error is None),
             ("envs", spec.envs == 1),
+            ("mixture", spec.mixture is None),
+            ("epoch_samples", spec.epoch_samples is None),
+            ("schedule", spec.schedule is None),
         )
         if unset
     }

@@ -19,6 +19,7 @@ from shardserve.proto.jobs import JobSpec
 from shardserve.proto.jobs import job_id as spec_job_id
 from shardserve.proto.manifest import Manifest
 
+from . import mixtures
 from .jobs import Job, JobRegistry
 from .lifecycle import ENDED, LIVE, expired, job_state, last_active
 from .metrics import JobsSnapshot, RankSeries
@@ -65,6 +66,11 @@ class JobAdmin:
     def create_job(self, spec: JobSpec) -> CreatedJob:
         """Create (or find) the job for ``spec``; its dataset and fields must exist. The job
         pins the dataset's current version (its id covers it)."""
+        if spec.mixture is not None:
+            spec, length, sizes = mixtures.admit(
+                spec, self._manifest, self.settings.max_batch_bytes
+            )
+            return self._admit(spec, length, sizes)
         manifest = self._manifest(spec.dataset)
         spec = pin_version(spec, manifest)
         known = [f.name for f in manifest.fields]
@@ -84,12 +90,17 @@ class JobAdmin:
             int(per_sample * spec.batch_size),
             self.settings.max_batch_bytes,
         )
+        return self._admit(spec, manifest.num_samples)
+
+    def _admit(
+        self, spec: JobSpec, num_samples: int, sizes: tuple[int, ...] | None = None
+    ) -> CreatedJob:
         with self._admit_lock:
             self.sweep()
             if self.jobs.find(spec_job_id(spec)) is None:
                 self._refuse_other_version(spec)
                 self._make_room()
-            job, created = self.jobs.create(spec, manifest.num_samples)
+            job, created = self.jobs.create(spec, num_samples, sizes)
         return CreatedJob(id=job.id, created=created, status=self.status_of(job))
 
     def job(self, job_id: str) -> JobStatus:

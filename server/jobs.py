@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,11 +30,20 @@ from shardserve.proto.errors import (
     ErrorCode,
     JobNotFound,
     ShardserveError,
+    StepInThePast,
 )
-from shardserve.proto.jobs import JobSpec, job_id
+from shardserve.proto.jobs import JobSpec, WeightChange, check_weights, job_id
 
-from .journal import CreateRecord, DeleteRecord, EpochJournal, EpochRecord
+from .journal import (
+    CreateRecord,
+    DeleteRecord,
+    EpochJournal,
+    EpochRecord,
+    MixtureRecord,
+    QuarantineRecord,
+)
 from .logs import log_event
+from .quarantine import Quarantines
 from .store.versions import changed_error
 
 __all__ = ["MAX_JOBS", "EpochJournal", "Job", "JobRegistry"]
@@ -43,6 +52,8 @@ log = logging.getLogger("shardserve.jobs")
 
 #: Refuse to track more jobs than this: each is cheap, but an unbounded registry is not.
 MAX_JOBS = 4096
+#: Most weight changes one job may be given while training.
+MAX_CHANGES = 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,19 @@ class Job:
     #: The job of another world size whose state a rank of this one resumed (elastic resume,
     #: from ``Hello.origin``); kept in memory, said again by each stream of the resumed epoch.
     resumed_from: str | None = None
+    #: A mixture job's sizes of its sources (pinned versions), in the order of the spec.
+    source_sizes: tuple[int, ...] | None = None
+    #: Weight changes set while training (``PUT /v1/jobs/{id}/mixture``), by step.
+    changes: tuple[WeightChange, ...] = ()
+
+    def schedule(self) -> tuple[WeightChange, ...]:
+        """The whole weight schedule: the spec's weights at step 0, the spec's schedule, then
+        the changes set while training (a later one at the same step replaces the earlier)."""
+        mix = self.spec.mixture or ()
+        by_step = {0: WeightChange(at_step=0, weights=tuple(s.weight for s in mix))}
+        for c in (*(self.spec.schedule or ()), *self.changes):
+            by_step[c.at_step] = c
+        return tuple(by_step[k] for k in sorted(by_step))
 
 
 class JobRegistry:
@@ -76,6 +100,8 @@ class JobRegistry:
         self.max_jobs = max_jobs
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
+        #: Quarantined samples per dataset; journaled here with the jobs.
+        self.quarantine = Quarantines()
 
     def load(self) -> int:
         """Replay the journal into the registry and compact it; returns the number of jobs.
@@ -92,12 +118,31 @@ class JobRegistry:
                 jobs.pop(rec.id, None)  # re-inserted last: dict order is recency order
                 jobs[rec.id] = Job(
                     rec.id, rec.spec, rec.num_samples, seed=rec.spec.seed, touched=now,
-                    restored=True,
+                    restored=True, source_sizes=rec.source_sizes,
                 )  # fmt: skip
             elif isinstance(rec, EpochRecord) and rec.id in jobs:
                 jobs[rec.id] = replace(jobs.pop(rec.id), epoch=rec.epoch, seed=rec.seed)
             elif isinstance(rec, DeleteRecord):
                 jobs.pop(rec.id, None)
+            elif isinstance(rec, MixtureRecord) and rec.id in jobs:
+                job = jobs[rec.id]
+                try:
+                    check_weights(rec.weights, len(job.spec.mixture or ()), "weights")
+                except ValueError as e:  # a hand edit: the job keeps the schedule it had
+                    log_event(
+                        log, "journal.mixture_skipped", level=logging.WARNING, job=rec.id,
+                        reason=str(e),
+                    )  # fmt: skip
+                    continue
+                change = WeightChange(at_step=rec.at_step, weights=rec.weights)
+                jobs[rec.id] = replace(job, changes=(*job.changes, change))
+            elif isinstance(rec, QuarantineRecord):
+                try:
+                    self.quarantine.add(rec.dataset, rec.ids, rec.reason, rec.at)
+                except BadRequest as e:  # a journal edited past the cap: keep what fits
+                    log_event(
+                        log, "journal.quarantine_skipped", level=logging.WARNING, reason=str(e)
+                    )
         over = len(jobs) - self.max_jobs
         if over > 0:
             for jid in list(jobs)[:over]:
@@ -113,7 +158,9 @@ class JobRegistry:
             )
         with self._lock:
             self._jobs = jobs
-        self._journal.rewrite([r for j in jobs.values() for r in _records_of(j)])
+        self._journal.rewrite(
+            [r for j in jobs.values() for r in _records_of(j)] + self.quarantine.records()
+        )
         return len(jobs)
 
     def fail_changed(self, version_of: Callable[[str], str]) -> list[str]:
@@ -125,26 +172,29 @@ class JobRegistry:
         failed = []
         current: dict[str, str | None] = {}
         for job in self.list():
-            name, pinned = job.spec.dataset, job.spec.version
-            if pinned is None or job.state == "failed":
+            if job.state == "failed":
                 continue
-            if name not in current:
-                try:
-                    current[name] = version_of(name)
-                except DatasetNotFound:
-                    current[name] = None
-                except ShardserveError:
+            for name, pinned in _pins(job.spec):
+                if pinned is None:
                     continue
-            if current[name] != pinned:
-                err = changed_error(name, pinned, current[name])
-                self.fail(job.id, err.code, str(err))
-                failed.append(job.id)
+                if name not in current:
+                    try:
+                        current[name] = version_of(name)
+                    except DatasetNotFound:
+                        current[name] = None
+                    except ShardserveError:
+                        continue
+                if current[name] != pinned:
+                    err = changed_error(name, pinned, current[name])
+                    self.fail(job.id, err.code, str(err))
+                    failed.append(job.id)
+                    break
         return failed
 
     def pinned_versions(self) -> set[tuple[str, str | None]]:
         """``(dataset, version)`` of every job known: the versions a store must keep."""
         with self._lock:
-            return {(j.spec.dataset, j.spec.version) for j in self._jobs.values()}
+            return {pin for j in self._jobs.values() for pin in _pins(j.spec)}
 
     def detach_journal(self) -> None:
         """Keep jobs in memory only from now on (the journal belongs to another server)."""
@@ -154,7 +204,9 @@ class JobRegistry:
         with self._lock:
             return len(self._jobs)
 
-    def create(self, spec: JobSpec, num_samples: int) -> tuple[Job, bool]:
+    def create(
+        self, spec: JobSpec, num_samples: int, source_sizes: tuple[int, ...] | None = None
+    ) -> tuple[Job, bool]:
         """The job for ``spec``, creating it if new; ``(job, created)``. Idempotent."""
         jid = job_id(spec)
         with self._lock:
@@ -166,16 +218,12 @@ class JobRegistry:
                     f"the server already tracks {self.max_jobs} live jobs; delete some "
                     "(DELETE /v1/jobs/{id}) or wait for idle ones to expire"
                 )
-            job = Job(jid, spec, num_samples, seed=spec.seed, touched=time.monotonic())
+            job = Job(
+                jid, spec, num_samples, seed=spec.seed, touched=time.monotonic(),
+                source_sizes=source_sizes,
+            )  # fmt: skip
             self._jobs[jid] = job
-            self._append(
-                {
-                    "op": "create",
-                    "id": jid,
-                    "spec": spec.model_dump(mode="json"),
-                    "num_samples": num_samples,
-                }
-            )
+            self._append(_records_of(job)[0])
         log_event(
             log,
             "job.created",
@@ -216,6 +264,48 @@ class JobRegistry:
             self._append({"op": "epoch", "id": jid, "epoch": job.epoch, "seed": job.seed})
         log_event(log, "job.epoch_set", job=jid, epoch=job.epoch, seed=job.seed)
         return job
+
+    def set_mixture(self, jid: str, change: WeightChange, frontier: int) -> Job:
+        """Add a weight change from ``change.at_step`` on; journaled before returning.
+
+        Refused with :class:`StepInThePast` when ``at_step`` is before ``frontier`` (the first
+        step no rank has been sent), so nothing delivered is ever rewritten. The same change
+        as the last one is taken once (each DDP rank may send it).
+        """
+        with self._lock:
+            job = self._get_locked(jid)
+            if job.spec.mixture is None:
+                raise BadRequest(f"job {jid} reads one dataset, not a mixture: it has no weights")
+            if change in job.changes[-1:]:  # every DDP rank sends the same change: once is enough
+                return job
+            if change.at_step < frontier:
+                raise StepInThePast(
+                    f"job {jid}: a change at step {change.at_step} is in the past; ranks were "
+                    f"already sent steps up to {frontier - 1}: use at_step >= {frontier}"
+                )
+            if len(job.changes) >= MAX_CHANGES:
+                raise BadRequest(f"job {jid} already has {MAX_CHANGES} weight changes")
+            job = replace(job, changes=(*job.changes, change), touched=time.monotonic())
+            self._jobs[jid] = job
+            self._append(
+                {"op": "mixture", "id": jid, "at_step": change.at_step, "weights": change.weights}
+            )
+        log_event(log, "job.mixture_set", job=jid, at_step=change.at_step, weights=change.weights)
+        return job
+
+    def add_quarantine(
+        self, dataset: str, ids: Sequence[int], reason: str, at: dict[str, int]
+    ) -> None:
+        """Quarantine ``ids`` of ``dataset`` from step ``at[job]`` for each job; journaled."""
+        with self._lock:
+            entry = self.quarantine.add(dataset, ids, reason, at)
+            self._append(
+                {
+                    "op": "quarantine", "dataset": dataset, "ids": list(entry.ids),
+                    "reason": reason, "at": entry.at,
+                }
+            )  # fmt: skip
+        log_event(log, "dataset.quarantined", dataset=dataset, ids=len(ids), reason=reason)
 
     def note_stream(self, jid: str, epoch: int, origin: str = "") -> None:
         """A rank opened a stream of ``epoch``: the job is in use; ``origin``: the job (of
@@ -267,15 +357,27 @@ class JobRegistry:
             self._journal.append(record)
 
 
+def _pins(spec: JobSpec) -> list[tuple[str, str | None]]:
+    """``(dataset, version)`` of every dataset a job reads."""
+    if spec.mixture is not None:
+        return [(s.name, s.version) for s in spec.mixture]
+    return [(spec.dataset, spec.version)]
+
+
 def _records_of(job: Job) -> list[dict[str, Any]]:
-    recs: list[dict[str, Any]] = [
-        {
-            "op": "create",
-            "id": job.id,
-            "spec": job.spec.model_dump(mode="json"),
-            "num_samples": job.num_samples,
-        }
-    ]
+    create: dict[str, Any] = {
+        "op": "create",
+        "id": job.id,
+        "spec": job.spec.model_dump(mode="json"),
+        "num_samples": job.num_samples,
+    }
+    if job.source_sizes is not None:
+        create["source_sizes"] = list(job.source_sizes)
+    recs = [create]
     if job.epoch != 0 or job.seed != job.spec.seed:
         recs.append({"op": "epoch", "id": job.id, "epoch": job.epoch, "seed": job.seed})
+    recs += [
+        {"op": "mixture", "id": job.id, "at_step": c.at_step, "weights": list(c.weights)}
+        for c in job.changes
+    ]
     return recs

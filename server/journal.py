@@ -5,6 +5,11 @@ One JSON object per line, appended and fsync'd, replayed at start::
     {"op": "create", "id": "…", "spec": {…}, "num_samples": 50000}
     {"op": "epoch",  "id": "…", "epoch": 3, "seed": 7}
     {"op": "delete", "id": "…"}
+    {"op": "mixture", "id": "…", "at_step": 1200, "weights": [0.5, 0.5]}
+    {"op": "quarantine", "dataset": "web", "ids": [7, 9], "reason": "…", "at": {"<job id>": 1200}}
+
+A mixture job's create record carries its sources' sizes (``source_sizes``): the pinned
+versions never change, so its plans need no store at replay.
 
 Every line is validated as one of :data:`Record` before it is used; a line that is not (a torn
 last line after a crash, a hand edit that made an id a number) is skipped with one log line
@@ -49,6 +54,7 @@ class CreateRecord(_Rec):
     id: JobIdStr
     spec: JobSpec
     num_samples: int = Field(strict=True, ge=0)
+    source_sizes: tuple[int, ...] | None = None
 
 
 class EpochRecord(_Rec):
@@ -63,8 +69,28 @@ class DeleteRecord(_Rec):
     id: JobIdStr
 
 
-Record = Annotated[CreateRecord | EpochRecord | DeleteRecord, Field(discriminator="op")]
-_RECORD: TypeAdapter[CreateRecord | EpochRecord | DeleteRecord] = TypeAdapter(Record)
+class MixtureRecord(_Rec):
+    """A mixture job's weights from a global step on."""
+
+    op: Literal["mixture"]
+    id: JobIdStr
+    at_step: int = Field(strict=True, ge=0, lt=1 << 62)
+    weights: tuple[float, ...] = Field(min_length=1)
+
+
+class QuarantineRecord(_Rec):
+    """Samples of a dataset quarantined, from a step per job reading it (0 for jobs made later)."""
+
+    op: Literal["quarantine"]
+    dataset: str = Field(min_length=1, max_length=128)
+    ids: tuple[int, ...] = Field(min_length=1)
+    reason: str
+    at: dict[JobIdStr, int]
+
+
+AnyRecord = CreateRecord | EpochRecord | DeleteRecord | MixtureRecord | QuarantineRecord
+Record = Annotated[AnyRecord, Field(discriminator="op")]
+_RECORD: TypeAdapter[AnyRecord] = TypeAdapter(Record)
 
 
 class JournalLocked(RuntimeError):
@@ -109,13 +135,13 @@ class EpochJournal:
 
     # -- records ------------------------------------------------------------------------
 
-    def replay(self) -> list[CreateRecord | EpochRecord | DeleteRecord]:
+    def replay(self) -> list[AnyRecord]:
         """Every valid record in order; each invalid line is skipped with one log line."""
         try:
             text = self.path.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             return []
-        records = []
+        records: list[AnyRecord] = []
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

@@ -27,6 +27,8 @@ shardserve_job_batches_sent_total           counter    job_id, rank    batches s
 shardserve_job_bytes_sent_total             counter    job_id, rank    payload bytes sent to that rank
 shardserve_client_wait_seconds_total        counter    job_id, rank    seconds the rank's loop waited for data
 shardserve_client_compute_seconds_total     counter    job_id, rank    seconds the rank's loop spent between batches
+shardserve_mixture_weight                   gauge      job_id, source  a mixture's share (weights normalised) in force
+shardserve_quarantined_samples              gauge      dataset         sample ids of the dataset in quarantine
 ==========================================  =========  ==============  ============================================
 """
 
@@ -74,6 +76,10 @@ class JobsSnapshot:
     #: Ranks connected, for every job whose series are exported.
     connected: dict[str, int] = field(default_factory=dict)
     ranks: list[RankSeries] = field(default_factory=list)
+    #: ``(job id, source, share)`` of every live mixture job, at its frontier.
+    mixture_weights: list[tuple[str, str, float]] = field(default_factory=list)
+    #: Quarantined sample ids per dataset.
+    quarantined: dict[str, int] = field(default_factory=dict)
 
 
 class _JobCollector(Collector):
@@ -128,6 +134,22 @@ class _JobCollector(Collector):
             for r in snap.ranks:
                 fam.add_metric([r.job_id, str(r.rank)], float(getattr(r, attr)))
             yield fam
+        weights = GaugeMetricFamily(
+            "shardserve_mixture_weight",
+            "A mixture source's share of batch positions (weights normalised) at the job's frontier.",
+            labels=["job_id", "source"],
+        )
+        for jid, source, share in snap.mixture_weights:
+            weights.add_metric([jid, source], share)
+        yield weights
+        quarantined = GaugeMetricFamily(
+            "shardserve_quarantined_samples",
+            "Sample ids of the dataset in quarantine (skipped by mixture plans).",
+            labels=["dataset"],
+        )
+        for name, n in sorted(snap.quarantined.items()):
+            quarantined.add_metric([name], n)
+        yield quarantined
 
 
 class Metrics:

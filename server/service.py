@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from shardserve.proto.api import DatasetInfo, ServerInfo
 from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
+from shardserve.proto.jobs import MIXTURE_PREFIX
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
@@ -32,6 +33,7 @@ from .jobs import EpochJournal, JobRegistry
 from .journal import JournalLocked
 from .logs import log_event
 from .metrics import Metrics
+from .mixture_admin import MixtureAdmin
 from .settings import Settings
 from .store.catalog import Store
 from .store.object_fs import StoreOptions
@@ -144,7 +146,8 @@ class Service:
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
             self.transforms,
         )
-        self.metrics.watch_jobs(self.job_admin.snapshot)
+        self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest)
+        self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
         self.streamer = Streamer(
             StreamerConfig(
                 endpoints=settings.data_endpoints,
@@ -182,6 +185,11 @@ class Service:
         """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per
         ``--verify``. With ``version`` (a job's pinned version), that version or
         ``DatasetChanged``."""
+        if name.startswith(MIXTURE_PREFIX):  # a mixture job's label, not a dataset
+            raise BadRequest(
+                f"{name!r} is a mixture job: this server plans mixtures (GET /v1/jobs/{{id}}/plan) "
+                "but does not stream them yet; read its plan, or stream each dataset on its own"
+            )
         return self.store.open(name, version=version)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -291,6 +299,13 @@ class Service:
                 f"offset {offset} out of range 0 <= offset < {bound} for job {job_id} (one "
                 f"batch of every rank, within its {job.num_samples} samples)"
             )
+        if job.spec.mixture is not None:  # ids over the sources concatenated in order
+            if offset:
+                raise BadRequest(
+                    f"job {job_id} is a mixture: an elastic resume (offset {offset}) of a mixture "
+                    "is not supported yet; resume it at the world size it was saved at"
+                )
+            return self.mixture_admin.plan(job, epoch, rank)
         ds = self.open_dataset(job.spec.dataset, job.spec.version)
         plan = (
             self.plans.rank_plan(

@@ -28,11 +28,12 @@ from shardserve.proto.errors import (
     JobNotFound,
     ProtocolError,
     ShardserveError,
+    StepInThePast,
 )
 
 from ..service import Service
 from ..store.object_fs import StoreUnavailable
-from . import datasets, health, job_routes, status_page, transforms
+from . import datasets, health, job_routes, status_page, steering, transforms
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts
 from .limits import BodyLimit
@@ -42,6 +43,7 @@ STATUS_FOR_ERROR: list[tuple[type[ShardserveError], int]] = [
     (DatasetNotFound, 404),
     (JobNotFound, 404),
     (AuthError, 401),
+    (StepInThePast, 409),
     (BadRequest, 422),
     (InvalidDataError, 422),
     (DatasetCorruptError, 409),
@@ -129,6 +131,8 @@ def create_app(service: Service) -> FastAPI:
         health.router,
         datasets.router,
         job_routes.router,
+        steering.jobs_router,
+        steering.datasets_router,
         status_page.router,
         transforms.router,
     ):

@@ -13,6 +13,7 @@ to the socket says so, with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import html
 from importlib import resources
 from string import Template
@@ -21,8 +22,8 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from pydantic import ByteSize
 
-from shardserve.proto.api import DatasetInfo, JobStatus, RankStatus
-from shardserve.proto.errors import ShardserveError
+from shardserve.proto.api import DatasetInfo, JobStatus, MixtureStatus, RankStatus
+from shardserve.proto.errors import JobNotFound, ShardserveError
 
 from .deps import Authorized, ServiceDep
 from .transforms import status_section as transforms_section
@@ -83,7 +84,21 @@ def _rank_row(r: RankStatus) -> str:
     )
 
 
-def _job_section(j: JobStatus) -> str:
+def _mixture_line(m: MixtureStatus | None) -> str:
+    """A mixture job's shares in force at its frontier, and its schedule's size."""
+    if m is None:
+        return ""
+    total = sum(m.weights_now) or 1.0
+    shares = " · ".join(
+        f"{_e(n)} {w / total:.0%}" for n, w in zip(m.sources, m.weights_now, strict=True)
+    )
+    return (
+        f"<p class='meta mixture'>mixture at step {m.frontier}: {shares} · "
+        f"{len(m.schedule) - 1} weight change(s) (GET /v1/jobs/{_e(m.job)}/mixture)</p>"
+    )
+
+
+def _job_section(j: JobStatus, mixture: MixtureStatus | None = None) -> str:
     s = j.spec
     state = (
         f"<span class='failed'>failed: {_e(j.error)}</span>"
@@ -109,7 +124,7 @@ def _job_section(j: JobStatus) -> str:
         f"shuffle {_e(s.shuffle)} · {streaming}{default}seed {j.seed} · "
         f"{j.batches_per_epoch} batches per rank per epoch · "
         f"<span class='seen'>{sum(r.connected for r in j.ranks)} of {s.world_size} ranks "
-        f"connected</span></p>{fallback}"
+        f"connected</span></p>{_mixture_line(mixture)}{fallback}"
     )
     if j.resumed_from:  # elastic resume: the job of another world size this one continues
         head += (
@@ -128,15 +143,15 @@ def _job_section(j: JobStatus) -> str:
     )
 
 
-def _jobs_html(jobs: list[JobStatus]) -> str:
+def _jobs_html(jobs: list[JobStatus], mixtures: dict[str, MixtureStatus]) -> str:
     if not jobs:
         return "<p>no jobs</p>"
     shown = [j for j in jobs if j.state in ("running", "pending", "failed")]
     folded = [j for j in jobs if j.state not in ("running", "pending", "failed")]
-    out = "\n".join(_job_section(j) for j in shown) or "<p>no live jobs</p>"
+    out = "\n".join(_job_section(j, mixtures.get(j.id)) for j in shown) or "<p>no live jobs</p>"
     if folded:
         more = len(folded) - MAX_INACTIVE_SHOWN
-        body = "\n".join(_job_section(j) for j in folded[:MAX_INACTIVE_SHOWN])
+        body = "\n".join(_job_section(j, mixtures.get(j.id)) for j in folded[:MAX_INACTIVE_SHOWN])
         if more > 0:
             body += f"<p class='meta'>and {more} more (GET /v1/jobs lists every job)</p>"
         idle = sum(j.state == "idle" for j in folded)
@@ -179,6 +194,11 @@ def status_page(service: ServiceDep) -> HTMLResponse:
     )
     info = service.info()
     jobs = service.job_admin.all_jobs()
+    mixtures: dict[str, MixtureStatus] = {}
+    for j in jobs:
+        if j.spec.mixture:
+            with contextlib.suppress(JobNotFound):  # deleted since the list was taken
+                mixtures[j.id] = service.mixture_admin.status(j.id)
     live = sum(j.state in ("running", "pending") for j in jobs)
     ranks = sum(r.connected for j in jobs for r in j.ranks)
     page = template.substitute(
@@ -192,7 +212,9 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         ranks_connected=ranks,
         stall_now=_pct(service.board.stall_now()),
         dataset_rows=_dataset_rows(service),
-        job_sections=_jobs_html(jobs) + _cache_section(service) + transforms_section(service),
+        job_sections=_jobs_html(jobs, mixtures)
+        + _cache_section(service)
+        + transforms_section(service),
         warnings=(
             f"<p class='failed' id='journal'>{_e(service.journal_problem)}</p>"
             if service.journal_problem

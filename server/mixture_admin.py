@@ -1,0 +1,150 @@
+"""The steering half of the control plane: a mixture job's schedule, its weight changes and
+plans, and quarantined samples of a dataset.
+
+Every change is journaled with the step it takes effect at (:class:`~.jobs.JobRegistry`), and
+that step is never before the job's frontier (:func:`.mixtures.frontier`), so what a rank was
+sent is never rewritten and a restart, a resume or a second sidecar plan the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from shardserve.proto.api import MixtureStatus, MixtureUpdate, QuarantineList, QuarantineRequest
+from shardserve.proto.api import QuarantineEntry as QuarantineBody
+from shardserve.proto.errors import BadRequest, StepInThePast
+from shardserve.proto.jobs import WeightChange, check_weights
+from shardserve.proto.manifest import Manifest, validate_dataset_name
+
+from . import mixtures
+from .jobs import Job, JobRegistry
+from .metrics import JobsSnapshot
+from .streaming.board import StreamBoard
+
+
+class MixtureAdmin:
+    """Schedules and quarantines; see the module docstring."""
+
+    def __init__(
+        self, jobs: JobRegistry, board: StreamBoard, manifest: Callable[[str], Manifest]
+    ) -> None:
+        """``manifest(name)``: the dataset's current manifest (raising ``DatasetNotFound``)."""
+        self.jobs = jobs
+        self.board = board
+        self.plans = mixtures.MixturePlans(jobs.quarantine)
+        self._manifest = manifest
+
+    def _mixture_job(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job.spec.mixture is None:
+            raise BadRequest(
+                f"job {job_id} reads one dataset ({job.spec.dataset!r}), not a mixture: "
+                "create it with mixture=[{name, weight}, ...] to steer its weights"
+            )
+        return job
+
+    def frontier(self, job: Job) -> int:
+        return mixtures.frontier(job, self.board.ranks(job.id))
+
+    def status(self, job_id: str) -> MixtureStatus:
+        """The job's sources, its schedule, the weights at its frontier and the frontier."""
+        job = self._mixture_job(job_id)
+        schedule = job.schedule()
+        front = self.frontier(job)
+        return MixtureStatus(
+            job=job.id,
+            sources=[s.name for s in job.spec.mixture or ()],
+            schedule=[{"at_step": c.at_step, "weights": list(c.weights)} for c in schedule],
+            weights_now=list(mixtures.weights_at(schedule, front)),
+            frontier=front,
+            batches_per_epoch=mixtures.steps_per_epoch(job),
+        )
+
+    def set_mixture(self, job_id: str, update: MixtureUpdate) -> MixtureStatus:
+        """New weights from ``update.at_step`` (default: the frontier) on; 409 if earlier."""
+        job = self._mixture_job(job_id)
+        names = [s.name for s in job.spec.mixture or ()]
+        if isinstance(update.weights, dict):
+            unknown = sorted(set(update.weights) - set(names))
+            missing = [n for n in names if n not in update.weights]
+            if unknown or missing:
+                raise BadRequest(
+                    f"weights must name every source of job {job_id} ({names}) and no other: "
+                    f"unknown {unknown}, missing {missing}"
+                )
+            weights = tuple(float(update.weights[n]) for n in names)
+        else:
+            weights = tuple(float(w) for w in update.weights)
+        try:
+            check_weights(weights, len(names), "weights")
+        except ValueError as e:
+            raise BadRequest(f"job {job_id}: {e}") from None
+        mixtures.check_empty(job.spec, job.source_sizes or (), weights)
+        front = self.frontier(job)
+        if update.at_step is None and job.restored and not self.board.ranks(job.id):
+            raise StepInThePast(
+                f"job {job_id} was restored after a restart and no rank has reconnected, so the "
+                "server does not know which steps its ranks were sent: name at_step (every rank "
+                "agrees on, e.g., the next epoch's first step)"
+            )
+        at = front if update.at_step is None else update.at_step
+        self.jobs.set_mixture(job_id, WeightChange(at_step=at, weights=weights), front)
+        return self.status(job_id)
+
+    def plan(self, job: Job, epoch: int, rank: int) -> tuple[np.ndarray, int]:
+        """``rank``'s concatenated ids of ``epoch`` in batch order, and its batch count."""
+        plan = self.plans.rank_plan(job, epoch, job.seed, rank)
+        ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
+        return ids.astype("<i8", copy=False), len(plan)
+
+    def add_to(self, snap: JobsSnapshot) -> JobsSnapshot:
+        """``snap`` with the mixture series of every job it exports, and the quarantine counts."""
+        for jid in snap.connected:  # the jobs whose series are exported (not ended)
+            job = self.jobs.find(jid)
+            if job is None or job.spec.mixture is None:
+                continue
+            weights = mixtures.weights_at(job.schedule(), self.frontier(job))
+            total = sum(weights)
+            for src, w in zip(job.spec.mixture, weights, strict=True):
+                snap.mixture_weights.append((jid, src.name, w / total))
+        for name in self.jobs.quarantine.datasets():
+            snap.quarantined[name] = len(
+                {i for e in self.jobs.quarantine.entries(name) for i in e.ids}
+            )
+        return snap
+
+    # -- quarantine ---------------------------------------------------------------------
+
+    def quarantine(self, dataset: str, req: QuarantineRequest) -> QuarantineList:
+        """Quarantine ``req.ids`` of ``dataset`` from each reading job's frontier on."""
+        validate_dataset_name(dataset)
+        n = self._manifest(dataset).num_samples  # DatasetNotFound names it
+        bad = [i for i in req.ids if not 0 <= i < n]
+        if bad:
+            raise BadRequest(
+                f"quarantine ids {bad[:5]} are out of range for dataset {dataset!r}: 0 <= id < {n}"
+            )
+        held = {i for e in self.jobs.quarantine.entries(dataset) for i in e.ids}
+        if len(held | set(req.ids)) >= n:
+            raise BadRequest(
+                f"quarantining these ids would leave dataset {dataset!r} no sample: "
+                "drop it from the mixture instead (weight 0)"
+            )
+        at = {
+            job.id: self.frontier(job)
+            for job in self.jobs.list()
+            if any(s.name == dataset for s in job.spec.mixture or ())
+        }
+        self.jobs.add_quarantine(dataset, req.ids, req.reason, at)
+        return self.quarantine_list(dataset)
+
+    def quarantine_list(self, dataset: str) -> QuarantineList:
+        validate_dataset_name(dataset)
+        entries = self.jobs.quarantine.entries(dataset)
+        return QuarantineList(
+            dataset=dataset,
+            entries=[QuarantineBody(ids=list(e.ids), reason=e.reason, at=e.at) for e in entries],
+            total_ids=len({i for e in entries for i in e.ids}),
+        )

@@ -1,0 +1,218 @@
+"""Mixture jobs on the server: admitting one, its schedule by step, its frontier, its plans.
+
+The planner itself is pure (:mod:`.planning.mixture`, positions within one epoch); this module
+turns a job's journaled facts (spec, weight changes, quarantines, sizes) into its arguments:
+
+- a global step is ``epoch * S + batch`` (``S``: the job's batches per epoch), so a schedule
+  entry at step ``k`` is, within epoch ``e``, position ``(k - e * S) * world_size * batch_size``
+  of the epoch's canonical order (the positions of step ``i`` are ``[i*W*B, (i+1)*W*B)``);
+- the *frontier* is the first step no rank has been sent or has in flight: a change before it
+  would rewrite delivered data (409).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from shardserve.proto.api import RankStatus
+from shardserve.proto.errors import BadRequest
+from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
+from shardserve.proto.manifest import FieldSpec, Manifest
+
+from .jobs import Job
+from .planning import RankPlan, num_batches
+from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
+from .quarantine import Quarantines
+from .store.mixture_take import SOURCE_PART
+from .store.versions import content_id
+from .streaming.limits import check_batch
+
+#: Bytes of mixture orders kept (4 bytes a position below 2**32 ids); the newest always.
+ORDER_CACHE_BYTES = 256 << 20
+#: Longest mixture epoch, in positions, and at most this many times its sources' samples.
+MAX_EPOCH_SAMPLES = 1 << 31
+EPOCH_OVER_SOURCES = 64
+
+
+def admit(
+    spec: JobSpec, manifest: Callable[[str], Manifest], max_batch_bytes: int
+) -> tuple[JobSpec, int, tuple[int, ...]]:
+    """Check a mixture spec against the store; ``(spec with each source's version pinned,
+    positions per epoch, source sizes)``. Every source must exist (404 naming it) and serve
+    the job's fields with the same dtype and shape as the first (422 naming source and field).
+    """
+    if spec.mixture is None:
+        raise BadRequest(f"job spec for {spec.dataset!r} has no mixture")
+    manifests = [manifest(s.name) for s in spec.mixture]  # DatasetNotFound names the dataset
+    first = _fields(manifests[0], spec.fields, spec.mixture[0].name)
+    for src, m in zip(spec.mixture[1:], manifests[1:], strict=True):
+        mine = _fields(m, spec.fields, src.name)
+        if list(mine) != list(first):
+            raise BadRequest(
+                f"mixture source {src.name!r} serves fields {list(mine)}, source "
+                f"{spec.mixture[0].name!r} serves {list(first)}: every source must serve the "
+                "same fields (set fields=[...] to the ones they share)"
+            )
+        for name, f in mine.items():
+            g = first[name]
+            if (f.dtype, f.shape, f.nullable) != (g.dtype, g.shape, g.nullable):
+                raise BadRequest(
+                    f"mixture source {src.name!r} field {name!r} is {f.dtype}{list(f.shape)}"
+                    f"{' nullable' if f.nullable else ''}, but in {spec.mixture[0].name!r} it is "
+                    f"{g.dtype}{list(g.shape)}{' nullable' if g.nullable else ''}: sources must "
+                    "agree on every field served (leave the field out with fields=[...])"
+                )
+    if SOURCE_PART in first:
+        raise BadRequest(
+            f"mixture sources serve a field named {SOURCE_PART!r}, the part that says which "
+            "source each sample came from: leave it out with fields=[...]"
+        )
+    sizes = tuple(m.num_samples for m in manifests)
+    pinned: list[MixtureSource] = []
+    for src, m in zip(spec.mixture, manifests, strict=True):
+        current = content_id(m)
+        if src.version is not None and src.version != current:
+            raise BadRequest(
+                f"mixture source {src.name!r} is pinned to version {src.version}, the store has "
+                f"{current}: leave version out to take the current one"
+            )
+        pinned.append(src.model_copy(update={"version": current}))
+    spec = spec.model_copy(update={"mixture": tuple(pinned)})
+    check_empty(spec, sizes, tuple(s.weight for s in spec.mixture or ()))
+    for c in spec.schedule or ():
+        check_empty(spec, sizes, c.weights)
+    length = spec.epoch_samples or sum(sizes)
+    # An epoch's order is held in memory (4 bytes a position): bounded before it is planned.
+    most = min(MAX_EPOCH_SAMPLES, EPOCH_OVER_SOURCES * max(sum(sizes), 1))
+    if length > most:
+        raise BadRequest(
+            f"epoch_samples {length} is more than this server plans for a mixture of "
+            f"{sum(sizes)} samples: use epoch_samples <= {most} (several epochs instead)"
+        )
+    per_sample = max(m.total_bytes / max(m.num_samples, 1) for m in manifests)
+    check_batch(spec.batch_size, length, int(per_sample * spec.batch_size), max_batch_bytes)
+    return spec, length, sizes
+
+
+def check_empty(spec: JobSpec, sizes: Sequence[int], weights: Sequence[float]) -> None:
+    """Refuse a weight > 0 on a source with no samples: no position could be served."""
+    for src, n, w in zip(spec.mixture or (), sizes, weights, strict=True):
+        if n == 0 and w > 0:
+            raise BadRequest(
+                f"mixture source {src.name!r} has no samples, so its weight must be 0, got {w}"
+            )
+
+
+def _fields(m: Manifest, wanted: tuple[str, ...] | None, name: str) -> dict[str, FieldSpec]:
+    by_name = {f.name: f for f in m.fields}
+    if wanted is None:
+        return by_name
+    missing = [f for f in wanted if f not in by_name]
+    if missing:
+        raise BadRequest(
+            f"mixture source {name!r} has no field(s) {missing}; its fields are {list(by_name)}"
+        )
+    return {f: by_name[f] for f in wanted}
+
+
+def steps_per_epoch(job: Job) -> int:
+    """Batches every rank gets in an epoch (``S``): global step = ``epoch * S + batch``."""
+    s = job.spec
+    return num_batches(job.num_samples, s.world_size, s.batch_size, s.drop_last)
+
+
+def weights_at(schedule: Sequence[WeightChange], step: int) -> tuple[float, ...]:
+    """The weights in force at global ``step`` (``schedule`` sorted, the first at step 0)."""
+    now = schedule[0].weights
+    for c in schedule:
+        if c.at_step > step:
+            break
+        now = c.weights
+    return now
+
+
+def segments(job: Job, epoch: int) -> list[Segment]:
+    """The schedule within ``epoch`` as epoch positions."""
+    s = job.spec
+    S, per_step = steps_per_epoch(job), s.world_size * s.batch_size
+    start = epoch * S
+    schedule = job.schedule()
+    out = [Segment(0, weights_at(schedule, start))]
+    out += [
+        Segment((c.at_step - start) * per_step, c.weights)
+        for c in schedule
+        if start < c.at_step < start + S
+    ]
+    return out
+
+
+def quarantines(job: Job, epoch: int, q: Quarantines) -> list[Quarantine]:
+    """The job's quarantines within ``epoch``, as epoch positions (before it: position 0)."""
+    s = job.spec
+    S, per_step = steps_per_epoch(job), s.world_size * s.batch_size
+    out = []
+    for k, src in enumerate(s.mixture or ()):
+        size = (job.source_sizes or ())[k]
+        for step, ids in q.from_step(src.name, job.id, size):
+            if step < (epoch + 1) * S:
+                at = max(step - epoch * S, 0) * per_step
+                out.append(Quarantine(k, at, np.asarray(ids, dtype=np.int64)))
+    return out
+
+
+def frontier(job: Job, ranks: Sequence[RankStatus]) -> int:
+    """The first global step no rank has been sent or has in flight (``credit`` past the last
+    sent): the earliest a change may take effect."""
+    S = steps_per_epoch(job)
+    steps = [r.epoch * S + r.next_batch + r.credit for r in ranks if r.epoch is not None]
+    return max(steps, default=0)
+
+
+class MixturePlans:
+    """A few mixture orders, keyed by everything they depend on; thread-safe."""
+
+    def __init__(self, quarantine: Quarantines, max_bytes: int = ORDER_CACHE_BYTES) -> None:
+        self._quarantine = quarantine
+        self._max_bytes = max_bytes
+        self._orders: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def order(self, job: Job, epoch: int, seed: int) -> np.ndarray:
+        """The epoch's canonical mixture order over concatenated ids (see the planner)."""
+        spec = job.spec
+        if spec.mixture is None or job.source_sizes is None:
+            raise BadRequest(f"job {job.id} is not a mixture job")
+        segs = segments(job, epoch)
+        quar = quarantines(job, epoch, self._quarantine)
+        key = (
+            job.id, epoch, seed, tuple((g.at, g.weights) for g in segs),
+            tuple((q.source, q.at, hashlib.blake2b(q.ids.tobytes()).hexdigest()) for q in quar),
+        )  # fmt: skip
+        with self._lock:
+            if key in self._orders:
+                self._orders.move_to_end(key)
+                return self._orders[key]
+        sources = [
+            MixSource(n, s.on_exhausted)
+            for s, n in zip(spec.mixture, job.source_sizes, strict=True)
+        ]
+        order = mixture_order(
+            sources, seed, epoch, job.num_samples, segs, spec.world_size, quar, spec.shuffle,
+            spec.block_window,
+        )  # fmt: skip
+        with self._lock:
+            self._orders[key] = order
+            total = sum(o.nbytes for o in self._orders.values())
+            while len(self._orders) > 1 and total > self._max_bytes:
+                total -= self._orders.popitem(last=False)[1].nbytes
+        return order
+
+    def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan:
+        s = job.spec
+        order = self.order(job, epoch, seed)
+        return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last)

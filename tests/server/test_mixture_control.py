@@ -1,0 +1,361 @@
+"""Mixture jobs over the control plane of a real server: creation checks, the plan a mixture
+job deals (shares, disjoint ranks), weight changes from a step, quarantine, and the same plans
+after a kill -9 and restart and on a second server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from shardserve.proto.errors import StepInThePast
+from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
+from shardserve.proto.manifest import FieldSpec
+from shardserve.server.jobs import JobRegistry
+from shardserve.server.mixtures import frontier
+from shardserve.server.planning.mixture import (
+    MixSource,
+    Segment,
+    mixture_order,
+    source_offsets,
+    split_ids,
+)
+from shardserve.server.store.writer import ShardWriter
+from tests.support.data import make_cifar_like
+from tests.support.server import ServerProc, free_port, run_server
+
+SIZES = {"web": 6000, "code": 4000, "math": 600}
+WEIGHTS = (0.5, 0.3, 0.2)
+WORLD, BATCH, EPOCH_SAMPLES = 2, 50, 10_000
+STEPS = EPOCH_SAMPLES // WORLD // BATCH  # 100 batches a rank
+SPEC = {
+    "mixture": [{"name": n, "weight": w} for n, w in zip(SIZES, WEIGHTS, strict=True)],
+    "batch_size": BATCH,
+    "world_size": WORLD,
+    "seed": 11,
+    "epoch_samples": EPOCH_SAMPLES,
+}
+OFFSETS = source_offsets([MixSource(n) for n in SIZES.values()])
+
+
+@pytest.fixture(scope="module")
+def mix_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three cifar-like datasets, and ``other`` whose label is int32 (does not mix)."""
+    root = tmp_path_factory.mktemp("mixstore")
+    for seed, (name, n) in enumerate(SIZES.items()):
+        make_cifar_like(root, name, n=n, seed=seed)
+    fields = (
+        FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
+        FieldSpec(name="label", dtype="int32", shape=()),
+    )
+    with ShardWriter(root, "other", fields=fields) as w:
+        w.add_batch(
+            {"image": np.zeros((10, 3, 32, 32), np.uint8), "label": np.arange(10, dtype=np.int32)}
+        )
+    return root
+
+
+@pytest.fixture()
+def srv(mix_store: Path, tmp_path: Path) -> Iterator[ServerProc]:
+    with run_server(mix_store, "--state-dir", str(tmp_path / "state")) as s:
+        yield s
+
+
+def post_job(srv: ServerProc, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=30)
+
+
+def plan(srv: ServerProc, job: str, rank: int, epoch: int = 0) -> np.ndarray:
+    r = httpx.get(
+        f"{srv.http_url}/v1/jobs/{job}/plan",
+        params={"epoch": epoch, "rank": rank},
+        headers=srv.headers,
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return np.frombuffer(r.content, dtype="<i8").reshape(STEPS, BATCH)
+
+
+def global_order(ranks: list[np.ndarray]) -> np.ndarray:
+    """Undo the dealing: step i of rank r holds positions (i*B + j)*W + r."""
+    return np.stack([p.reshape(-1) for p in ranks], axis=1).reshape(-1)
+
+
+def shares_ok(ids: np.ndarray, weights: tuple[float, ...]) -> bool:
+    src, _ = split_ids(ids, OFFSETS)
+    counts = np.bincount(src, minlength=len(weights))
+    p = np.asarray(weights) / sum(weights)
+    n = len(ids)
+    return bool((np.abs(counts - n * p) <= 5 * np.sqrt(n * p * (1 - p)) + 1).all())
+
+
+def put_mixture(srv: ServerProc, job: str, body: dict) -> httpx.Response:
+    return httpx.put(
+        f"{srv.http_url}/v1/jobs/{job}/mixture", json=body, headers=srv.headers, timeout=30
+    )
+
+
+def test_mixture_plan_shares_ranks_and_the_planner(srv: ServerProc) -> None:
+    """A 3-source job over 2 ranks: shares within 5 sigma of the weights over 10k samples,
+    equal batches, sources that do not wrap disjoint across ranks, and exactly the pure
+    planner's order."""
+    r = post_job(srv, SPEC)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["status"]["spec"]["dataset"] == "mix:web+code+math"
+    assert body["status"]["batches_per_epoch"] == STEPS
+    job = body["id"]
+    assert post_job(srv, SPEC).json()["id"] == job  # idempotent, as every rank posts it
+    ranks = [plan(srv, job, r) for r in range(WORLD)]
+    order = global_order(ranks)
+    assert shares_ok(order, WEIGHTS)
+    for name in ("web", "code"):  # fewer draws than samples: each sample at most once
+        k = list(SIZES).index(name)
+        per_rank = [set(split_ids(p.reshape(-1), OFFSETS)[1][split_ids(p.reshape(-1), OFFSETS)[0] == k].tolist()) for p in ranks]  # fmt: skip
+        assert not per_rank[0] & per_rank[1]
+    expected = mixture_order(
+        [MixSource(n) for n in SIZES.values()], 11, 0, EPOCH_SAMPLES, [Segment(0, WEIGHTS)],
+        world_size=WORLD,
+    )  # fmt: skip
+    assert np.array_equal(order, expected)
+
+
+def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) -> None:
+    """A change at step k leaves steps < k on every rank as they were and steps >= k follow
+    the new weights; the same plans and schedule after kill -9 and a restart, and on a second
+    server given the same spec and change."""
+    k = 40
+    new = {"web": 0.1, "code": 0.1, "math": 0.8}
+    http, data = free_port(), free_port()
+    state = tmp_path / "state"
+    with run_server(mix_store, "--state-dir", str(state), http_port=http, data_port=data) as a:
+        job = post_job(a, SPEC).json()["id"]
+        before = [plan(a, job, r) for r in range(WORLD)]
+        r = put_mixture(a, job, {"weights": new, "at_step": k})
+        assert r.status_code == 200, r.text
+        status = r.json()
+        assert status["schedule"] == [
+            {"at_step": 0, "weights": list(WEIGHTS)},
+            {"at_step": k, "weights": [0.1, 0.1, 0.8]},
+        ]
+        after = [plan(a, job, r) for r in range(WORLD)]
+        for b, c in zip(before, after, strict=True):
+            assert np.array_equal(b[:k], c[:k])
+            assert not np.array_equal(b[k:], c[k:])
+        assert shares_ok(global_order([p[k:] for p in after]), (0.1, 0.1, 0.8))
+        a.kill()  # kill -9
+        a.proc.wait(timeout=30)
+        with run_server(
+            mix_store, "--state-dir", str(state), http_port=http, data_port=data
+        ) as restarted:
+            r = put_mixture(restarted, job, {"weights": [1, 1, 1]})  # frontier unknown
+            assert r.status_code == 409 and "name at_step" in r.text
+            assert put_mixture(restarted, job, {"weights": [1, 1, 1], "at_step": 10**6}).status_code == 200  # fmt: skip
+            again = [plan(restarted, job, r) for r in range(WORLD)]
+            got = httpx.get(
+                f"{restarted.http_url}/v1/jobs/{job}/mixture", headers=restarted.headers
+            ).json()
+            assert got["schedule"][:2] == status["schedule"]
+    for c, d in zip(after, again, strict=True):
+        assert c.tobytes() == d.tobytes()
+    with run_server(mix_store, "--state-dir", str(tmp_path / "other")) as second:
+        assert post_job(second, SPEC).json()["id"] == job
+        assert put_mixture(second, job, {"weights": [0.1, 0.1, 0.8], "at_step": k}).status_code == 200  # fmt: skip
+        for r, c in enumerate(after):
+            assert plan(second, job, r).tobytes() == c.tobytes()
+
+
+def test_mixture_update_refusals(srv: ServerProc) -> None:
+    """Weights that name an unknown source, miss one, or sum to 0 are 422s saying so; a
+    single-dataset job has no mixture to steer."""
+    job = post_job(srv, SPEC).json()["id"]
+    r = put_mixture(srv, job, {"weights": {"web": 1, "code": 1, "nope": 1}})
+    assert r.status_code == 422 and "unknown ['nope']" in r.text and "missing ['math']" in r.text
+    r = put_mixture(srv, job, {"weights": [0, 0, 0]})
+    assert r.status_code == 422 and "at least one weight" in r.text
+    r = put_mixture(srv, job, {"weights": [1, 1]})
+    assert r.status_code == 422 and "2 weights for 3 sources" in r.text
+    single = post_job(srv, {"dataset": "web", "batch_size": 8}).json()["id"]
+    r = put_mixture(srv, single, {"weights": [1]})
+    assert r.status_code == 422 and "not a mixture" in r.text
+
+
+def test_creation_refusals_name_what_to_change(srv: ServerProc) -> None:
+    """An unknown source is a 404 naming it; a source whose field differs is a 422 naming the
+    source and field; bad weights and unsupported combinations are 422s."""
+    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "nope", "weight": 1}]})  # fmt: skip
+    assert r.status_code == 404 and "nope" in r.text
+    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}]})  # fmt: skip
+    assert r.status_code == 422 and "'other' field 'label' is int32" in r.text
+    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 0}]})
+    assert r.status_code == 422 and "at least one weight" in r.text
+    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}], "envs": 2})
+    assert r.status_code == 422 and "envs" in r.text
+    r = post_job(srv, {**SPEC, "epoch_samples": 10**9})
+    assert r.status_code == 422 and "epoch_samples <= " in r.text
+    ok = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
+    assert ok.status_code == 201, ok.text
+
+
+def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
+    """Quarantined ids of a source never appear in the plan from the job's frontier (step 0
+    here: no rank streamed yet); the list says which ids, why, and from which step."""
+    job = post_job(srv, SPEC).json()["id"]
+    before = global_order([plan(srv, job, r) for r in range(WORLD)])
+    src, ids = split_ids(before, OFFSETS)
+    bad = sorted(set(ids[src == 1][:25].tolist()))
+    r = httpx.post(
+        f"{srv.http_url}/v1/datasets/code/quarantine",
+        json={"ids": bad, "reason": "mislabelled"},
+        headers=srv.headers,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["entries"] == [{"ids": bad, "reason": "mislabelled", "at": {job: 0}}]
+    after = global_order([plan(srv, job, r) for r in range(WORLD)])
+    src2, ids2 = split_ids(after, OFFSETS)
+    assert not np.isin(ids2[src2 == 1], bad).any()
+    assert np.array_equal(src, src2)  # the same positions draw the same sources
+    r = httpx.post(
+        f"{srv.http_url}/v1/datasets/code/quarantine",
+        json={"ids": [SIZES["code"]], "reason": "x"},
+        headers=srv.headers,
+    )
+    assert r.status_code == 422 and "0 <= id < 4000" in r.text
+    listed = httpx.get(f"{srv.http_url}/v1/datasets/code/quarantine", headers=srv.headers)
+    assert listed.json()["total_ids"] == len(bad)
+
+
+def test_change_in_the_past_is_refused() -> None:
+    """A change before the frontier (steps some rank was sent or has in flight) raises
+    StepInThePast naming the frontier; at the frontier it is taken."""
+    from shardserve.proto.api import RankStatus
+
+    reg = JobRegistry(None)
+    spec = JobSpec(
+        mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=1)),
+        batch_size=4, world_size=2,
+    )  # fmt: skip
+    job, _ = reg.create(spec, 80, (40, 40))  # 10 batches per rank per epoch
+    ranks = [
+        RankStatus(rank=0, connected=True, epoch=1, next_batch=3, credit=2),
+        RankStatus(rank=1, connected=True, epoch=1, next_batch=4, credit=0),
+    ]
+    front = frontier(job, ranks)
+    assert front == 15
+    with pytest.raises(StepInThePast, match="use at_step >= 15"):
+        reg.set_mixture(job.id, WeightChange(at_step=14, weights=(1, 2)), front)
+    job = reg.set_mixture(job.id, WeightChange(at_step=15, weights=(1, 2)), front)
+    assert [c.at_step for c in job.schedule()] == [0, 15]
+
+
+def test_client_steers_every_rank_the_same(srv: ServerProc) -> None:
+    """Through the client's ControlClient: each DDP rank sending the same change at the step
+    they agree on (the next epoch's first) records it once; the schedule, the weights in force
+    and quarantine come back typed."""
+    from shardserve.client.control import ControlClient
+    from shardserve.client.mixture import mixture_sources, next_epoch_step
+
+    spec = JobSpec(
+        mixture=mixture_sources({"web": 0.5, "code": 0.3, "math": 0.2}),
+        batch_size=BATCH, world_size=WORLD, seed=11, epoch_samples=EPOCH_SAMPLES,
+    )  # fmt: skip
+    with ControlClient(srv.http_url) as api:
+        job = api.create_job(spec)
+        assert job.id == post_job(srv, SPEC).json()["id"]  # the same job as the raw spec
+        at = next_epoch_step(0, job.status.batches_per_epoch)
+        for _rank in range(WORLD):
+            status = api.set_mixture(job.id, {"web": 1, "code": 0, "math": 1}, at_step=at)
+        assert [c["at_step"] for c in status.schedule] == [0, at]
+        assert status.weights_now == list(WEIGHTS) and status.frontier == 0
+        now = api.set_mixture(job.id, [1, 1, 1])  # default: the frontier
+        assert now.schedule[0] == {"at_step": 0, "weights": [1.0, 1.0, 1.0]}  # replaces step 0
+        listed = api.quarantine("math", [1, 2, 2], "duplicate")
+        assert listed.total_ids == 2 and listed.entries[-1].at == {job.id: 0}
+
+
+def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
+    """/metrics has each source's share in force for a live mixture job and the number of
+    quarantined ids per dataset."""
+    job = post_job(srv, SPEC).json()["id"]
+    assert put_mixture(srv, job, {"weights": [2, 1, 1]}).status_code == 200
+    r = httpx.post(
+        f"{srv.http_url}/v1/datasets/web/quarantine",
+        json={"ids": [5, 6, 7], "reason": "bad"},
+        headers=srv.headers,
+    )
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+    assert f'shardserve_mixture_weight{{job_id="{job}",source="web"}} 0.5' in text
+    assert f'shardserve_mixture_weight{{job_id="{job}",source="math"}} 0.25' in text
+    assert 'shardserve_quarantined_samples{dataset="web"} 3.0' in text
+    page = httpx.get(f"{srv.http_url}/", headers=srv.headers).text
+    assert "mixture at step 0: web 50% · code 25% · math 25%" in page
+
+
+def test_spec_schedule_and_stop_over_http(srv: ServerProc) -> None:
+    """A job created with a schedule plans exactly what the planner plans with that schedule
+    in positions; a ``stop`` source ends the epoch early, equally on every rank."""
+    k = 30
+    body = {**SPEC, "schedule": [{"at_step": k, "weights": [0, 1, 1]}]}
+    job = post_job(srv, body).json()["id"]
+    order = global_order([plan(srv, job, r) for r in range(WORLD)])
+    expected = mixture_order(
+        [MixSource(n) for n in SIZES.values()], 11, 0, EPOCH_SAMPLES,
+        [Segment(0, WEIGHTS), Segment(k * WORLD * BATCH, (0, 1, 1))], world_size=WORLD,
+    )  # fmt: skip
+    assert np.array_equal(order, expected)
+    src, _ = split_ids(order[k * WORLD * BATCH :], OFFSETS)
+    assert not (src == 0).any()  # web has weight 0 from step k on
+    stop = {**SPEC, "mixture": [*SPEC["mixture"][:2], {"name": "math", "weight": 0.2, "on_exhausted": "stop"}]}  # fmt: skip
+    job = post_job(srv, stop).json()["id"]
+    lengths = []
+    for r in range(WORLD):
+        resp = httpx.get(
+            f"{srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
+            headers=srv.headers, timeout=60,
+        )  # fmt: skip
+        ids = np.frombuffer(resp.content, dtype="<i8")
+        lengths.append((len(ids), resp.headers["X-Shardserve-Num-Batches"]))
+        math = split_ids(ids, OFFSETS)[1][split_ids(ids, OFFSETS)[0] == 2]
+        assert len(set(math.tolist())) == len(math)  # never wrapped
+    assert lengths[0] == lengths[1] and lengths[0][0] < EPOCH_SAMPLES // WORLD
+
+
+def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
+    """Weight changes and quarantines come back from the journal in order; a change whose
+    weights do not fit the job (a hand edit) is skipped, not turned into a failing plan."""
+    from shardserve.server.journal import EpochJournal
+
+    spec = JobSpec(
+        mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=1)),
+        batch_size=4, world_size=2,
+    )  # fmt: skip
+    reg = JobRegistry(EpochJournal(tmp_path / "jobs.jsonl"))
+    job, _ = reg.create(spec, 80, (40, 40))
+    reg.set_mixture(job.id, WeightChange(at_step=5, weights=(1, 3)), 0)
+    reg.add_quarantine("a", [3, 4], "bad", {job.id: 5})
+    with open(tmp_path / "jobs.jsonl", "a") as f:
+        f.write(f'{{"op":"mixture","id":"{job.id}","at_step":9,"weights":[1,2,3]}}\n')
+    again = JobRegistry(EpochJournal(tmp_path / "jobs.jsonl"))
+    assert again.load() == 1
+    restored = again.get(job.id)
+    assert [c.at_step for c in restored.schedule()] == [0, 5]
+    assert restored.source_sizes == (40, 40)
+    assert again.quarantine.from_step("a", job.id, 40) == [(5, (3, 4))]
+
+
+def test_an_empty_source_must_weigh_nothing() -> None:
+    """A source without samples may be in a mixture only with weight 0, now and in changes."""
+    from shardserve.proto.errors import BadRequest
+    from shardserve.server.mixtures import check_empty
+
+    spec = JobSpec(
+        mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=0)),
+        batch_size=4,
+    )  # fmt: skip
+    check_empty(spec, (10, 0), (1, 0))
+    with pytest.raises(BadRequest, match="'b' has no samples"):
+        check_empty(spec, (10, 0), (1, 0.5))
