@@ -93,6 +93,7 @@ def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
         assert "bytes/s" in text, text
         # deadline 3 x 1 s + 256 kB at 64 kB/s, after a trickled manifest read; never the 30 s
         # stall timeout
+        print(f"\ntrickling store: 'unavailable' after {took[0]:.1f} s: {text}")
         assert took[0] < 25, took
         proxy.unthrottle()
         r = httpx.get(f"{srv.http_url}/readyz", timeout=10)
