@@ -42,7 +42,7 @@ from .loader import Loader
 from .local import serve_local
 from .plan import plan
 from .resident import ResidentTooLarge
-from .structure import Masked
+from .structure import Masked, Texts
 from .types import LoaderStats, VarTensor
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "ServerUnavailable",
     "ShardserveError",
     "StreamLimitExceeded",
+    "Texts",
     "TransformError",
     "VarTensor",
     "plan",

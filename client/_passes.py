@@ -17,25 +17,63 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
 
 from ._cut import cut_rows
-from ._position import Start
+from ._delivery import Delivery
+from ._position import Position, Start
 from .envs import cut_steps
 from .resident import EnvPlan, Resident
+from .shm import RingCache
+from .stats import StatsClock
 from .stream import EpochStream
 from .types import Batch
 
-if TYPE_CHECKING:
-    from .loader import Loader
+
+class PassWatcher(Protocol):
+    """Told where a pass is (a framework's view of "the current dataloader", see
+    :mod:`.habits`): it began, the batch it hands out is the epoch's last, it ended."""
+
+    def begin(self) -> None: ...
+    def last_batch(self) -> None: ...
+    def end(self) -> None: ...
+
+
+@dataclass
+class PassContext:
+    """What a pass reads and moves of the iterable it belongs to (a Loader, or the store-order
+    load of resident data), so that a pass never reaches into that object."""
+
+    pos: Position
+    stats: StatsClock
+    rings: RingCache
+    delivery: Delivery
+    #: Streaming envs: the device of each environment of a step; empty for one batch a step.
+    step_envs: list[torch.device] = field(default_factory=list)
+    #: Samples per batch (per environment), for the byte counts of resident passes.
+    batch_size: int = 1
+    #: Set by the owner's ``close()``: a pass then refuses to go on.
+    closed: bool = False
+    #: The number of the live pass; an older pass refuses to go on.
+    current: int = 0
+    #: The stream the live pass reads (``None`` once it was given up).
+    active: EpochStream | None = None
+    #: Makes a watcher for each new pass (``None``: nobody watches).
+    watch: Callable[[], PassWatcher | None] | None = None
 
 
 class _Pass(Iterator[Any]):
     """What both passes share: the checks before each step, and the end of the epoch."""
 
-    def __init__(self, loader: Loader, number: int, start: Start) -> None:
-        self.loader, self.number, self.start = loader, number, start
+    def __init__(self, ctx: PassContext, number: int, start: Start) -> None:
+        self.ctx, self.number, self.start = ctx, number, start
         self.finished = False
+        self.watcher = ctx.watch() if ctx.watch is not None else None
+        if self.watcher is not None:
+            self.watcher.begin()
 
     def __iter__(self) -> _Pass:
         return self
@@ -43,10 +81,10 @@ class _Pass(Iterator[Any]):
     def __next__(self) -> Any:
         if self.finished:
             raise StopIteration
-        lo = self.loader
-        if lo._closed:
+        ctx = self.ctx
+        if ctx.closed:
             raise RuntimeError("this Loader was closed while iterating")
-        if lo._pass != self.number:
+        if ctx.current != self.number:
             # Both would read one socket: the newer iterator would lose batches to this one.
             raise RuntimeError("this iterator was replaced by a newer iter(loader); use that one")
         try:
@@ -57,16 +95,34 @@ class _Pass(Iterator[Any]):
             raise
         if item is None:
             self.finished = True
-            lo._pos.ended(self.start)
-            lo._stats.pause()
+            ctx.pos.ended(self.start)
+            ctx.stats.pause()
+            self._unwatch()
             raise StopIteration
         return item
 
     def _step(self) -> Any:
         raise NotImplementedError
 
+    def _delivered(self, index: int) -> None:
+        """Batch ``index`` is about to reach the loop (the last thing before it does)."""
+        if self.watcher is not None and index + 1 >= self.ctx.pos.num_batches:
+            self.watcher.last_batch()
+        self.ctx.pos.received(self.start, index)
+
+    def _unwatch(self) -> None:
+        if self.watcher is not None:
+            self.watcher.end()
+            self.watcher = None
+
     def _abandon(self) -> None:
-        self.loader._stats.pause()
+        self.ctx.stats.pause()
+        self._unwatch()
+
+    def __del__(self) -> None:
+        # A pass dropped mid-epoch (a ``break``) stops being the framework's current one.
+        if getattr(self, "watcher", None) is not None:
+            self._unwatch()
 
 
 class StreamPass(_Pass):
@@ -75,21 +131,21 @@ class StreamPass(_Pass):
 
     def __init__(
         self,
-        loader: Loader,
+        ctx: PassContext,
         number: int,
         start: Start,
         stream: EpochStream,
         rebuild: Callable[[Batch], Any] | None,
     ) -> None:
-        super().__init__(loader, number, start)
+        super().__init__(ctx, number, start)
         self.stream, self.rebuild = stream, rebuild
         #: Steps of the last message not handed out yet: (index, batch or env batches).
         self.pending: deque[tuple[int, Batch | list[Batch]]] = deque()
         self._batch_bytes = 0
 
     def _step(self) -> Any:
-        lo, stream = self.loader, self.stream
-        t0 = lo._stats.start_wait()
+        ctx, stream = self.ctx, self.stream
+        t0 = ctx.stats.start_wait()
         if not self.pending and not self._receive():
             return None
         index, step = self.pending.popleft()
@@ -98,15 +154,15 @@ class StreamPass(_Pass):
             out: Any = [rebuild(b) for b in step] if rebuild is not None else step
         else:
             out = rebuild(step) if rebuild is not None else step
-        lo._stats.delivered(t0, self._batch_bytes)
+        ctx.stats.delivered(t0, self._batch_bytes)
         stream.consumed()
-        lo._pos.received(self.start, index)
+        self._delivered(index)
         return out
 
     def _receive(self) -> bool:
         """The next message's steps into ``pending``; ``False`` at the end of the epoch."""
-        lo, stream = self.loader, self.stream
-        ring = lo._rings.ring
+        ctx, stream = self.ctx, self.stream
+        ring = ctx.rings.ring
         if ring is not None:
             # Slots of batches the loop has dropped go back. Only between messages: batches
             # of the last one may still be waiting in ``pending``, over its slot.
@@ -116,12 +172,12 @@ class StreamPass(_Pass):
             return False
         header, frames = item
         if stream.welcome is not None:
-            lo._pos.num_batches = stream.welcome.num_batches
-        batch = lo._delivery(stream.ring, header, frames)
-        lo._stats.messages += 1
+            ctx.pos.num_batches = stream.welcome.num_batches
+        batch = ctx.delivery(stream.ring, header, frames)
+        ctx.stats.messages += 1
         steps: list[Batch] | list[list[Batch]]
-        if lo._step_envs:
-            steps = cut_steps(batch, header.rows, header.count, lo._step_envs)
+        if ctx.step_envs:
+            steps = cut_steps(batch, header.rows, header.count, ctx.step_envs)
         else:
             steps = cut_rows(batch, header.rows, header.count)
         first = header.index
@@ -132,8 +188,8 @@ class StreamPass(_Pass):
     def _abandon(self) -> None:
         super()._abandon()
         self.pending.clear()
-        if self.loader._active is self.stream:
-            self.loader._active = None
+        if self.ctx.active is self.stream:
+            self.ctx.active = None
 
 
 class ResidentPass(_Pass):
@@ -141,29 +197,29 @@ class ResidentPass(_Pass):
 
     def __init__(
         self,
-        loader: Loader,
+        ctx: PassContext,
         number: int,
         start: Start,
         resident: Resident,
         rebuild: Callable[[Batch], Any] | None,
     ) -> None:
-        super().__init__(loader, number, start)
+        super().__init__(ctx, number, start)
         self.resident, self.rebuild, self.index = resident, rebuild, start[1]
         self.plans: list[EnvPlan] | None = None  # fetched at the first next(), not at iter()
 
     def _step(self) -> Any:
-        lo, i = self.loader, self.index
+        ctx, i = self.ctx, self.index
         if self.plans is None:
             self.plans = self.resident.epoch(self.start[0])
-            lo._pos.num_batches = self.plans[0].num_batches
-        if i >= lo._pos.num_batches:
+            ctx.pos.num_batches = self.plans[0].num_batches
+        if i >= ctx.pos.num_batches:
             return None
-        t0 = lo._stats.start_wait()
+        t0 = ctx.stats.start_wait()
         batches = [p.batch(i) for p in self.plans]
         if self.rebuild is not None:
             batches = [self.rebuild(b) for b in batches]
-        nbytes = self.resident.sample_nbytes * lo.spec.batch_size * len(batches)
-        lo._stats.delivered(t0, nbytes)
-        lo._pos.received(self.start, i)
+        nbytes = self.resident.sample_nbytes * ctx.batch_size * len(batches)
+        ctx.stats.delivered(t0, nbytes)
         self.index = i + 1
+        self._delivered(i)
         return batches if len(batches) > 1 else batches[0]

@@ -7,7 +7,10 @@ exception from :mod:`shardserve.proto.errors`, and an unreachable server becomes
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
 import httpx
@@ -16,15 +19,34 @@ import numpy as np
 from shardserve.proto.api import CreatedJob, DatasetInfo, JobStatus, ServerInfo
 from shardserve.proto.endpoints import reaches_this_host
 from shardserve.proto.errors import (
+    BadRequest,
     DatasetChanged,
+    JobNotFound,
     ServerUnavailable,
     ShardserveError,
     error_for_code,
 )
-from shardserve.proto.jobs import JobSpec, job_id
+from shardserve.proto.jobs import MAX_ENVS, Collate, JobSpec, OnError, ShuffleMode
+
+from .distributed import World, agree_with_rank0
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
 PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
+#: Where a Loader whose ``url`` is ``None`` looks without ``SHARDSERVE_URL``: the node-local
+#: sidecar.
+DEFAULT_URL = "http://127.0.0.1:7070"
+#: What ``shuffle=`` accepts: True/False or a mode by name.
+Shuffle: TypeAlias = bool | ShuffleMode
+#: The job's shuffle mode for each value of ``shuffle=``.
+SHUFFLE: dict[object, ShuffleMode] = {
+    True: "global",
+    False: "none",
+    "global": "global",
+    "block": "block",
+    "none": "none",
+}
+#: ``shuffle=`` when not given, for Loader and plan alike (see the Loader's docstring).
+DEFAULT_SHUFFLE: Shuffle = True
 
 
 class ControlClient:
@@ -156,14 +178,155 @@ class ControlClient:
         self.close()
 
 
+def server_url(url: str | None) -> str:
+    """``url``, else ``SHARDSERVE_URL``, else :data:`DEFAULT_URL` (this node's sidecar)."""
+    return url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
+
+
+def server_token(token: str | None) -> str | None:
+    """``token``, else ``SHARDSERVE_TOKEN``, else none."""
+    return token or os.environ.get("SHARDSERVE_TOKEN") or None
+
+
+def job_spec(
+    dataset: str,
+    batch_size: int,
+    *,
+    seed: int,
+    shuffle: Shuffle,
+    drop_last: bool,
+    world_size: int,
+    fields: Sequence[str] | None,
+    collate: Collate | None,
+    transforms: Sequence[Mapping[str, Any]] | None,
+    on_error: OnError | None,
+    envs: int = 1,
+) -> JobSpec:
+    """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
+    argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
+    of ``envs`` batches of ``batch_size``.
+
+    >>> job_spec("cifar", 64, seed=0, shuffle=False, drop_last=False, world_size=2,
+    ...          fields=None, collate=None, transforms=None, on_error=None).shuffle
+    'none'
+    """
+    if shuffle not in SHUFFLE:
+        raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
+    if not 1 <= envs <= MAX_ENVS:
+        raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise BadRequest(f"batch_size={batch_size!r} must be a positive integer")
+    try:
+        return JobSpec.model_validate({
+            "dataset": dataset, "batch_size": batch_size * envs, "seed": seed,
+            "shuffle": SHUFFLE[shuffle], "drop_last": drop_last, "world_size": world_size,
+            "fields": tuple(fields) if fields is not None else None,
+            "collate": collate, "envs": envs,
+            # Transforms installed on the server, named with JSON params (never code).
+            "transforms": tuple(transforms) if transforms is not None else None,
+            "on_error": on_error,
+        })  # fmt: skip
+    except ValueError as e:  # pydantic's ValidationError: name the argument, not the model
+        raise BadRequest(f"these Loader arguments make no job: {e}") from None
+
+
 class JobHandle:
-    """One job as the data-plane stream needs it: re-create it, describe it for an error."""
+    """One job on one server, created from a Loader's (or ``plan``'s) arguments: the one
+    place that reads the URL and token fallbacks, posts the spec and keeps what the server
+    pinned; then what the data-plane stream needs of it (re-create it, describe it).
+
+    >>> spec = job_spec("cifar", 64, seed=0, shuffle=True, drop_last=False, world_size=1,
+    ...                 fields=None, collate=None, transforms=None, on_error=None)
+    >>> with JobHandle.create(None, None, spec, timeout=10.0) as job:  # doctest: +SKIP
+    ...     job.id, job.version, job.batches_per_epoch
+    ('0f3c...', '5e2d...', 782)
+    """
 
     def __init__(
-        self, api: ControlClient, spec: JobSpec, jid: str | None = None, version: str | None = None
+        self, api: ControlClient, spec: JobSpec, created: CreatedJob, token: str | None
     ) -> None:
-        self.api, self.spec, self.id = api, spec, jid or job_id(spec)
-        self.version = version  # of the dataset, as the server pinned it
+        self.api, self.spec, self.token = api, spec, token
+        self._adopt(created)
+        self._info: DatasetInfo | None = None
+
+    def _adopt(self, created: CreatedJob) -> None:
+        # The server's id: it covers the dataset version the job pinned.
+        self.id = created.id
+        self.version = created.status.spec.version
+        self.epoch = created.status.epoch
+        self.num_samples = created.status.num_samples
+        self.batches_per_epoch = created.status.batches_per_epoch
+
+    @classmethod
+    def create(
+        cls,
+        url: str | None,
+        token: str | None,
+        spec: JobSpec,
+        *,
+        timeout: float,
+        world: World | None = None,
+        check: Callable[[DatasetInfo], None] | None = None,
+    ) -> JobHandle:
+        """Post ``spec`` to the server at ``url`` (see :func:`server_url`) and keep the job.
+
+        A server that is restarting refuses connections for a moment: that is retried within
+        ``timeout``. ``check`` sees the dataset's description before the job is posted (a
+        refusal then beats a failure at stream time). With ``world`` from an initialised
+        ``torch.distributed``, the ranks agree on rank 0's job (and so its pinned dataset
+        version) before any of them streams: see :meth:`agree`.
+        """
+        if isinstance(timeout, bool) or not timeout > 0:
+            raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
+        token = server_token(token)
+        api = ControlClient(
+            server_url(url), token, timeout=min(timeout, 10.0), connect_retry_s=timeout
+        )
+        try:
+            info = None
+            if check is not None:
+                info = api.dataset(spec.dataset)
+                check(info)
+            job = cls(api, spec, api.create_job(spec), token)
+            job._info = info
+            # The server is up; later calls run inside a stream's own deadline: no retries.
+            api.connect_retry_s = 0.0
+            if world is not None and world.source == "torch.distributed" and world.world_size > 1:
+                job.agree(timeout)
+        except BaseException:
+            api.close()
+            raise
+        return job
+
+    def agree(self, timeout: float) -> None:
+        """Take rank 0's job when it differs from ours (every rank of the process group calls
+        this, in the same order). Ranks whose Loaders were created on either side of an
+        ``ingest --overwrite`` would otherwise stream two versions (two sample counts, which
+        desynchronises DDP). Rank 0's job is looked up on this rank's server; a server that
+        does not hold it (another node's sidecar) is asked for rank 0's version, and one that
+        no longer holds that version refuses with ``DatasetChanged`` naming both."""
+        theirs = agree_with_rank0(f"{self.id}:{self.version or ''}", timeout=timeout)
+        jid, _, version = theirs.partition(":")
+        if jid == self.id:
+            return
+        try:
+            status = self.api.job(jid)
+            self._adopt(CreatedJob(id=jid, created=False, status=status))
+        except JobNotFound:
+            pinned = self.spec.model_copy(update={"version": version or None})
+            self._adopt(self.api.create_job(pinned))
+        if self.id != jid:
+            raise DatasetChanged(
+                f"rank 0 streams job {jid} of dataset {self.spec.dataset!r} version {version}, "
+                f"this rank's server made job {self.id} (version {self.version}): the ranks of "
+                "one run must train on one version"
+            )
+
+    def info(self) -> DatasetInfo:
+        """The dataset's description (``GET /v1/datasets/{name}``), fetched once."""
+        if self._info is None:
+            self._info = self.api.dataset(self.spec.dataset)
+        return self._info
 
     def recreate(self, timeout: float) -> None:
         """Re-POST the spec (after a server restart the job is unknown until then).
@@ -190,6 +353,16 @@ class JobHandle:
             return f"server {self.api.url} is up; job status unavailable: {e}"
         err = f", error: {st.error}" if st.error else ""
         return f"server {self.api.url} is up; job {self.id} state: {st.state}{err}"
+
+    def close(self) -> None:
+        """Close the HTTP client; idempotent."""
+        self.api.close()
+
+    def __enter__(self) -> JobHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _error_from(r: httpx.Response, what: str) -> ShardserveError:

@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
-from shardserve.proto.errors import BadRequest
+from shardserve.proto.errors import BadRequest, ShardserveError
+
+#: Bytes of the text ranks agree on (:func:`agree_with_rank0`): a job id and a version.
+AGREE_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,45 @@ def resolve_world(
     if w < 1 or not 0 <= r < w:
         raise BadRequest(f"rank {r} is out of range 0 <= rank < world_size={w} (from {source})")
     return World(r, w, local if local is not None else (r if source == "explicit" else 0), source)
+
+
+def agree_with_rank0(text: str, timeout: float) -> str:
+    """Rank 0's ``text`` on every rank of the initialised default process group.
+
+    Sent as a fixed-size uint8 tensor (``broadcast``), never pickled; every rank must call
+    this, in the same order. Waits at most ``timeout`` seconds for the other ranks.
+
+    A single process (no group) gets its own ``text`` back:
+
+    >>> agree_with_rank0("job:version", timeout=1.0)
+    'job:version'
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return text
+    raw = text.encode()
+    if len(raw) > AGREE_BYTES - 1:
+        raise ValueError(f"{text!r} is longer than {AGREE_BYTES - 1} bytes")
+    # NCCL moves only CUDA tensors; every other backend takes CPU ones.
+    on_cuda = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    buf = torch.zeros(AGREE_BYTES, dtype=torch.uint8)
+    buf[0] = len(raw)
+    buf[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = buf.to(device)
+    work = dist.broadcast(buf, src=0, async_op=True)
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:  # the backend's own timeout or a peer that left
+        raise ShardserveError(
+            f"rank {dist.get_rank()} waited {timeout:.0f} s for rank 0's shardserve job over "
+            f"torch.distributed and got none ({e}); create the Loader on every rank, in the "
+            "same order"
+        ) from None
+    if ok is False:
+        raise ShardserveError(
+            f"rank {dist.get_rank()} waited {timeout:.0f} s for rank 0's shardserve job over "
+            "torch.distributed; create the Loader on every rank, in the same order"
+        )
+    got = buf.cpu()
+    return bytes(got[1 : 1 + int(got[0])].tolist()).decode()

@@ -48,7 +48,9 @@ class ShardserveDataModule(LightningDataModule):
     ``url``, ``dataset``, ``batch_size`` and ``loader_kwargs`` (``seed``, ``shuffle``,
     ``fields``, ``prefetch``, ``timeout``, ``token``, ...) are passed to :class:`Loader`;
     ``rank``/``world_size`` are left to ``torch.distributed``. ``val_dataset`` adds a
-    validation Loader over that dataset, in order (``shuffle=False``).
+    validation Loader over that dataset, in order (``shuffle=False``). Without it the module
+    has no validation data at all, as a DataModule that does not define ``val_dataloader``:
+    Lightning runs no validation loop and has nothing to warn about.
     """
 
     def __init__(
@@ -65,6 +67,12 @@ class ShardserveDataModule(LightningDataModule):
         self.loader_kwargs = loader_kwargs
         self._train: Loader | None = None
         self._val: Loader | None = None
+        if val_dataset is None:
+            # Lightning asks whether `val_dataloader` is overridden (it compares the code of
+            # the instance's attribute with LightningDataModule's): without a validation set
+            # the instance answers with the base class's own, as a module that never
+            # defined it would.
+            self.val_dataloader = super().val_dataloader  # type: ignore[method-assign]
 
     def train_dataloader(self) -> Loader:
         """This rank's training Loader, set to the trainer's epoch (a checkpoint's loader
@@ -76,10 +84,10 @@ class ShardserveDataModule(LightningDataModule):
             self._train.set_epoch(trainer.current_epoch)
         return self._train
 
-    def val_dataloader(self) -> Loader | list[Loader]:
-        """This rank's validation Loader (in order), or none without ``val_dataset``."""
-        if self.val_dataset is None:
-            return []
+    def val_dataloader(self) -> Loader:
+        """This rank's validation Loader over ``val_dataset``, in order."""
+        if self.val_dataset is None:  # not reached through Lightning (see __init__)
+            raise RuntimeError("this ShardserveDataModule was made without val_dataset")
         if self._val is None:
             kwargs = {**self.loader_kwargs, "shuffle": False}
             self._val = Loader(self.url, self.val_dataset, self.batch_size, **kwargs)

@@ -6,115 +6,177 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
+import inspect
+import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import job_id
-from shardserve.proto.messages import MAX_GROUP, Hello
+from shardserve.proto.jobs import Collate, OnError
 
-from ._delivery import Delivery, Unpacking
-from ._passes import ResidentPass, StreamPass
-from ._position import Position, Start
-from ._spec import auto_prefetch, check_args, loader_spec
-from ._staging import CopyBlocks
-from .connection import Connection, choose_endpoint, read_boot_id
-from .control import ControlClient, JobHandle
-from .device import DeviceCopier, resolve_device
+from ._credit import auto_prefetch, check_prefetch
+from ._feed import Feed, store_order
+from ._passes import PassContext, PassWatcher, ResidentPass
+from ._position import Start
+from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
+from .device import resolve_device
 from .distributed import resolve_world
 from .envs import check_env_fields
+from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
 from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
-from .shm import RingCache
 from .state import parse_state
-from .stats import StatsClock
 from .stream import EpochStream
 from .structure import rebuild_for
-from .types import Batch, LoaderStats
+from .types import LoaderStats
 
 STATE_VERSION = 1
 #: Resident mode loads the dataset in batches of about this many bytes.
 RESIDENT_CHUNK_BYTES = 16 << 20
 MAX_RESIDENT_CHUNK = 1 << 16
-#: Where ``Loader(None, ...)`` looks without ``SHARDSERVE_URL``: the node-local sidecar.
-DEFAULT_URL = "http://127.0.0.1:7070"
+
+Transport = Literal["auto", "socket", "ipc", "tcp"]
+ResidentMemory = Literal["cuda", "cpu"]
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def _positional_deprecated(init: _F) -> _F:
+    """Arguments after ``batch_size`` are keyword-only; a call that still passes them by
+    position (in the order they had before) works, with a ``DeprecationWarning``."""
+    params = list(inspect.signature(init).parameters.values())
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][1:]  # no self
+    keyword = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        extra = args[len(positional) :]
+        if extra:
+            if len(extra) > len(keyword):
+                raise TypeError(
+                    f"Loader() takes at most {len(positional) + len(keyword)} arguments"
+                )
+            names = keyword[: len(extra)]
+            twice = [n for n in names if n in kwargs]
+            if twice:
+                raise TypeError(f"Loader() got multiple values for {twice}")
+            warnings.warn(
+                f"Loader arguments after batch_size are keyword-only: pass "
+                f"{', '.join(f'{n}=' for n in names)} by name",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kwargs.update(zip(names, extra, strict=True))
+            args = args[: len(positional)]
+        init(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class Loader:
     """Pre-collated batches of ``dataset`` from a shardserve server, for this rank.
 
-    >>> loader = Loader("http://127.0.0.1:7070", dataset="cifar10", batch_size=256)  # doctest: +SKIP
-    >>> for epoch in range(3):                                                     # doctest: +SKIP
+    >>> loader = Loader("http://127.0.0.1:7070", "cifar10", 256, seed=0)  # doctest: +SKIP
+    >>> for epoch in range(3):                                             # doctest: +SKIP
     ...     loader.set_epoch(epoch)
     ...     for batch in loader:                    # dict[str, torch.Tensor | VarTensor]
     ...         train_step(batch["image"], batch["label"])
-    >>> loader.stats().stall_fraction                                              # doctest: +SKIP
+    >>> loader.stats().stall_fraction                                      # doctest: +SKIP
     0.02
+
+    Args:
+        url: the server's HTTP URL; ``None``: ``SHARDSERVE_URL``, else
+            ``http://127.0.0.1:7070`` (one sidecar per node, each rank talks to its own).
+        dataset: the dataset's name in the server's store.
+        batch_size: samples per batch (per environment with ``envs``).
+        seed: the seed of every epoch's order; same seed, same batches on any machine.
+        shuffle: ``True`` (default, ``"global"``), ``False`` (``"none"``: store order) or
+            ``"block"`` (shards shuffled, then samples within a window of shards).
+        drop_last: drop each rank's last batch when it is short, as ``DataLoader`` does;
+            without it ranks are padded to equal length (``DistributedSampler``'s rule).
+        fields: the fields to serve, in this order (default: all).
+        rank: this process's rank; with ``world_size``, default from ``torch.distributed``,
+            then ``RANK``/``WORLD_SIZE``, then 0 of 1.
+        world_size: the number of ranks (see ``rank``).
+        device: where batches land; ``"cuda"``: this rank's GPU (``LOCAL_RANK``), copied
+            through pinned buffers on a side stream.
+        prefetch: the credit, batches in flight or queued (bounds memory on both sides);
+            ``None``: 4, or up to 64 small batches (about 8 MiB).
+        timeout: the longest wait in seconds for one batch (``DataStallError`` after it).
+        token: the server's bearer token; ``None``: ``SHARDSERVE_TOKEN``.
+        transport: ``"auto"`` (shared memory on the same host, else ipc, then tcp),
+            ``"socket"`` (ipc or tcp), ``"ipc"`` or ``"tcp"``.
+        pad_variable: pad variable-shape fields to dense tensors plus ``NAME.lengths``
+            instead of :class:`VarTensor`.
+        copy: ``False`` (shared memory only): batches are views into their slot, valid until
+            the next batch is asked for.
+        resident: ``"cuda"`` or ``"cpu"``: load the dataset once into that memory and gather
+            each batch there; the server then sends only plans.
+        envs: environments per step: a list of ``envs`` batches, each from its own plan.
+        devices: the device of each environment (``devices[e % len(devices)]``).
+        collate: ``"graph"``: the server collates graphs for message passing (see
+            :mod:`.graphs`).
+        transforms: ``[{"name": ..., "params": {...}}, ...]``, transforms installed on the
+            server, run on every batch there.
+        on_error: ``"replace"``: a sample whose transform raises is swapped for a
+            deterministic other one; default: ``TransformError``.
+
+    Everything after ``batch_size`` is keyword-only (passing it by position still works,
+    with a ``DeprecationWarning``).
 
     Epochs are the trainer's: ``set_epoch(e)`` chooses the next iteration's epoch. Without
     it, a new Loader starts at epoch 0 (or at the epoch an operator set with
     ``PUT /v1/jobs/{id}/epoch``), and ``iter()`` moves on to the next epoch only after a pass
     that yielded batches (completed or abandoned), so a forgotten ``set_epoch`` never repeats
     an order and an ``iter()`` that only checks the object (as Lightning does) moves nothing.
-    Two runs of the same script see the same batches. ``state_dict()`` records the epoch in
-    progress and the next batch the loop has not received (at an epoch's end: the next epoch,
-    batch 0); ``load_state_dict()`` makes the next iteration yield exactly the rest.
+    ``state_dict()`` records the epoch in progress and the next batch the loop has not
+    received; ``load_state_dict()`` makes the next iteration yield exactly the rest.
 
     Every wait is bounded by ``timeout``: a stalled stream raises ``DataStallError``, a
     server-side failure raises its typed error (``DatasetCorruptError``, ``JobFailed``...).
     A server restart is survived: the stream is re-opened at the next undelivered batch.
-
-    Arguments: ``url`` ``None`` means ``SHARDSERVE_URL``, else ``http://127.0.0.1:7070`` (one
-    sidecar per node: each rank talks to its own node's); ``shuffle`` True/False or ``"global"``/``"block"``/``"none"``; ``fields``
-    limits and orders the fields served; ``rank``/``world_size`` default to
-    ``torch.distributed``, then ``RANK``/``WORLD_SIZE``, then 0/1; ``device="cuda"`` copies
-    through pinned buffers on a side stream to this rank's GPU (``LOCAL_RANK``); ``prefetch``
-    is the credit: batches in flight or queued, bounding memory on both sides (default: 4,
-    or up to 64 small batches, about 8 MiB; small batches then travel several to a message,
-    see ``stats().messages``); ``timeout``
-    the longest wait for one batch; ``token`` (or ``SHARDSERVE_TOKEN``) the server's bearer
-    token; ``transport`` ``"auto"`` (shared-memory slots on the same host, falling back to
-    ipc, then tcp), ``"socket"`` (ipc or tcp, never shared memory), ``"ipc"`` or ``"tcp"``;
-    ``pad_variable`` pads variable fields to dense tensors plus ``x.lengths`` instead of
-    :class:`VarTensor`; ``transforms=[{"name": ..., "params": {...}}, ...]`` runs transforms
-    installed on the server on every batch (``on_error="replace"`` swaps a sample whose
-    transform raises for a deterministic other one; a failure raises ``TransformError``);
-    ``collate="graph"`` has the server collate graphs for message passing
-    (see :mod:`.graphs`).
+    Under an initialised ``torch.distributed``, the ranks' Loaders agree on rank 0's job (and
+    so on one dataset version) before streaming.
 
     Nested datasets come back in the shape their samples were saved in (``batch["params"]
     ["nu"]``, a tuple ``(images, labels)``), and a field missing in some samples as
     :class:`~.structure.Masked` (see :mod:`.structure`).
 
-    ``resident="cuda"`` (or ``"cpu"``) loads the dataset's fields once into that memory (one
-    store-order pass through the server; refused up front when it does not fit), after which
-    the server sends only each epoch's plan and every batch is an ``index_select`` into fresh
-    storage: the same batches, order and ``state_dict`` as streaming, for data that fits.
-    ``envs=n`` yields a list of ``n`` batches per step, environment ``e`` from its own
-    deterministic plan, on ``devices[e % len(devices)]``, each with storage of its own; while
-    streaming, one step is one message (fixed-shape fields only).
+    Resident mode gives the same batches, order and ``state_dict`` as streaming, for data
+    that fits (refused up front when it does not). With ``envs=n`` each environment's batch
+    has storage of its own; while streaming, one step is one message (fixed-shape fields).
 
     ``copy`` (shared-memory transport only): by default each delivered batch owns its storage.
     It is handed out in place, in its shared-memory slot, and the slot goes back to the server
-    once no tensor of that batch is left (torch's storage use count, checked at each ``next``);
-    while the loop still holds half the ring's batches, further batches are copied out instead
-    so the server never runs out of slots (counted in ``stats().copied``). ``copy=False``
-    yields views into the slot that are valid only until the next batch is requested (the
-    slot is then handed back and refilled whatever still points into it), so use or copy them
-    within the loop body. With ``device="cuda"`` the copy into pinned memory is the copy.
+    once no tensor of that batch is left; while the loop still holds half the ring's batches,
+    further batches are copied out instead (counted in ``stats().copied``).
+
+    DataLoader habits: ``batch_size``, ``drop_last``, ``shuffle`` (a bool: whether the order
+    is shuffled) and ``dataset`` (``len()`` is its sample count) read as on a ``DataLoader``;
+    Accelerate's ``skip_first_batches`` and ``gather_for_metrics`` work on a Loader (see
+    :mod:`.habits`).
     """
 
+    #: DataLoader attributes frameworks read: no worker processes (so no worker timeout:
+    #: the Loader's own wait, the ``timeout`` argument, is ``batch_timeout``), no sampler of
+    #: its own, batches already collated.
+    num_workers = 0
+    timeout = 0.0
+    prefetch_factor = None
+    sampler = None
+    collate_fn = staticmethod(one_batch)
+
+    @_positional_deprecated
     def __init__(
         self,
         url: str | None,
         dataset: str,
         batch_size: int,
+        *,
         seed: int = 0,
-        shuffle: bool | str = True,
+        shuffle: Shuffle = DEFAULT_SHUFFLE,
         drop_last: bool = False,
         fields: Sequence[str] | None = None,
         rank: int | None = None,
@@ -123,103 +185,90 @@ class Loader:
         prefetch: int | None = None,
         timeout: float = 60.0,
         token: str | None = None,
-        transport: str = "auto",
+        transport: Transport = "auto",
         pad_variable: bool = False,
         copy: bool = True,
-        resident: str | None = None,
+        resident: ResidentMemory | None = None,
         envs: int = 1,
         devices: Sequence[str | torch.device] | None = None,
-        collate: str | None = None,
+        collate: Collate | None = None,
         transforms: Sequence[Mapping[str, Any]] | None = None,
-        on_error: str | None = None,
+        on_error: OnError | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
-        check_args(shuffle, prefetch, timeout)
+        check_prefetch(prefetch)
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         self.world = resolve_world(rank, world_size)
         self.device = resolve_device(device, self.world.local_rank)
         envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
-        # Streaming envs (issue 22): one job whose batches are steps of `envs` env batches.
-        self._step_envs = (
+        # Streaming envs: one job whose batches are steps of `envs` env batches.
+        step_envs = (
             stream_env_devices(envs, devices, self.device, self.world.local_rank)
             if resident is None and envs > 1
             else []
         )
-        per_step = len(self._step_envs) or 1
-        self.spec = loader_spec(
+        self.spec = job_spec(
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-            world_size=self.world.world_size, fields=fields, collate=collate, envs=per_step,
-            transforms=transforms, on_error=on_error,
+            world_size=self.world.world_size, fields=fields, collate=collate,
+            envs=len(step_envs) or 1, transforms=transforms, on_error=on_error,
         )  # fmt: skip
-        self.job_id = job_id(self.spec)
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
-        self.prefetch = prefetch or 4  # None: set from the dataset by _create_job
-        self.timeout, self.pad_variable = timeout, pad_variable
-        self.copy = copy
+        self.batch_timeout, self.pad_variable, self.copy = timeout, pad_variable, copy
         self.envs = envs
-        self._shm = transport == "auto"
-        self._token = token or os.environ.get("SHARDSERVE_TOKEN") or ""
-        # None: this node's sidecar, as the launcher set it (SHARDSERVE_URL) or the default.
-        url = url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
-        self._stats = StatsClock()
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.shuffle = self.spec.shuffle != "none"
+        self._transport: Transport = transport
+        self.prefetch = prefetch or 4
+
+        def check(info: Any) -> None:
+            if step_envs:
+                check_env_fields(info, self.spec.fields)
+            if prefetch is None:
+                self.prefetch = auto_prefetch(info, self.spec.batch_size)
+
+        need_info = bool(step_envs) or prefetch is None
+        self._job = JobHandle.create(
+            url, token, self.spec, timeout=timeout, world=self.world,
+            check=check if need_info else None,
+        )  # fmt: skip
+        try:
+            self._rebuild = rebuild_for(self._job.api, self.spec, pad_variable)
+            self._feed = Feed(
+                self._job, self.world.rank, transport=transport, prefetch=self.prefetch,
+                timeout=timeout, device=self.device, copy=copy, pad_variable=pad_variable,
+                step_envs=step_envs, batch_size=batch_size,
+            )  # fmt: skip
+        except BaseException:
+            self._job.close()
+            raise
+        self._ctx = ctx = self._feed.ctx
+        # What these hold refers to the Loader weakly or not at all: a dropped Loader is
+        # freed (and closed) at once, not at the next garbage collection.
+        if self.spec.envs == 1 and collate is None:
+            ctx.watch = _watcher(self._job, self.world.world_size, batch_size, drop_last, ctx)
+        self.dataset = LoaderDataset(self.spec.dataset, self._job.num_samples, weakref.ref(self))
+        self.batch_sampler = BatchKeys(lambda: ctx.pos.num_batches, self.dataset.rewind)
         self._resident: Resident | None = None
-        self._active: EpochStream | None = None
         self._stream: EpochStream | None = None
-        self._connect(self._create_job(url, transport, auto=prefetch is None))
+        self._closed = False
+        self._atexit = functools.partial(_close_ref, weakref.ref(self))
+        atexit.register(self._atexit)
         if envs_on:
             try:
-                self._resident = self._load_resident(url, envs_on)
+                self._resident = self._load_resident(envs_on)
             except BaseException:
                 self.close()
                 raise
         else:
             # Open the first epoch's stream now: batches are on their way before the loop asks.
-            self._stream = self._open(self._pos.job_epoch, 0)
+            self._stream = self._feed.open(self._ctx.pos.job_epoch, 0)
 
-    def _connect(self, endpoint: str) -> None:
-        """The data-plane socket and what delivering batches needs; close() works after it."""
-        self._rings = RingCache()
-        self._copier = DeviceCopier(self.device)
-        unpacking = Unpacking(self._copier, CopyBlocks(), self._stats, self.pad_variable)
-        self._delivery = Delivery(unpacking, self.copy)
-        self._boot_id = read_boot_id()
-        self._pass = 0  # which iter() the live pass belongs to
-        self._conn = Connection(endpoint)
-        # The stream calls back into this, not into the Loader: no cycle keeps a dropped Loader alive.
-        self._job = JobHandle(self._api, self.spec, self.job_id, self._pinned)
-        self._closed = False
-        self._atexit = functools.partial(_close_ref, weakref.ref(self))
-        atexit.register(self._atexit)
-
-    def _create_job(self, url: str, transport: str, auto: bool) -> str:
-        """Create (or find) the job over HTTP; the data endpoint to connect to. ``auto``: set
-        ``prefetch`` from the dataset's sample size."""
-        # A server that is restarting refuses connections for a moment: retry within timeout.
-        self._api = ControlClient(
-            url, self._token or None, timeout=min(self.timeout, 10.0), connect_retry_s=self.timeout
-        )
-        try:
-            if self._step_envs or auto:
-                info = self._api.dataset(self.spec.dataset)
-                if self._step_envs:
-                    check_env_fields(info, self.spec.fields)
-                if auto:
-                    self.prefetch = auto_prefetch(info, self.spec.batch_size)
-            created = self._api.create_job(self.spec)
-            # The server's id: it covers the dataset version the job pinned (issue 20).
-            self.job_id = created.id
-            self._pinned = created.status.spec.version
-            # The server is up; later calls run inside a stream's own deadline, so no retries.
-            self._api.connect_retry_s = 0.0
-            self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
-            endpoint = choose_endpoint(self._api.info(), self._api.host, transport)
-            self._rebuild = rebuild_for(self._api, self.spec, self.pad_variable)
-        except BaseException:
-            self._api.close()
-            raise
-        return endpoint
+    @property
+    def job_id(self) -> str:
+        """The server's id of the job this Loader streams (it covers the pinned version)."""
+        return self._job.id
 
     # -- epochs and resume -----------------------------------------------------------------
 
@@ -228,16 +277,26 @@ class Loader:
 
         A position restored by ``load_state_dict`` for the same epoch is kept.
         """
-        self._pos.set_epoch(epoch)
+        self._ctx.pos.set_epoch(epoch)
+
+    def skip_to(self, batch: int) -> None:
+        """Start the next iteration at batch ``batch`` of its epoch (what Accelerate's
+        ``skip_first_batches(loader, batch)`` asks for); the batches before it are never sent.
+
+        >>> loader.set_epoch(3); loader.skip_to(10)   # doctest: +SKIP
+        >>> next(iter(loader))                        # batch 10 of epoch 3
+        """
+        epoch, _ = self._ctx.pos.next_start()
+        self._ctx.pos.restore(epoch, batch)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        return self._pos.num_batches
+        return self._ctx.pos.num_batches
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loop is: the epoch in progress and the next batch it has not received;
         after an epoch's last batch, the start of the next epoch."""
-        epoch, nxt = self._pos.state()
+        epoch, nxt = self._ctx.pos.state()
         return {
             "version": STATE_VERSION, "spec": deepcopy(self._spec_dump), "epoch": epoch,
             "next_batch": nxt, "rank": self.world.rank, "world_size": self.world.world_size,
@@ -257,64 +316,52 @@ class Loader:
                 f"state is for rank {st.rank} of {st.world_size}, this loader is rank "
                 f"{self.world.rank} of {self.world.world_size}"
             )
-        self._pos.restore(st.epoch, st.next_batch)
+        self._ctx.pos.restore(st.epoch, st.next_batch)
 
     # -- iteration -------------------------------------------------------------------------
 
-    def _open(self, epoch: int, start: int) -> EpochStream:
-        hello = Hello(
-            job=self.job_id, rank=self.world.rank, epoch=epoch, start_batch=start, credit=self.prefetch,
-            token=self._token, transport="auto" if self._shm else "socket",
-            boot_id=self._boot_id, pid=os.getpid(),
-            # Padding is per batch: a message of several would be padded to its longest.
-            group=1 if self.pad_variable else MAX_GROUP,
-        )  # fmt: skip
-        return EpochStream(
-            self._conn, hello=hello, timeout=self.timeout, stats=self._stats,
-            recreate_job=self._job.recreate, describe=self._job.describe, rings=self._rings,
-            rows=self.spec.batch_size, num_batches=self._pos.num_batches,
-            graphs=self.spec.collate == "graph",
-        )  # fmt: skip
-
-    def _load_resident(self, url: str, envs_on: list[torch.device]) -> Resident:
-        """Stream the dataset once in store order (its own job) into resident tensors."""
-        info = self._api.dataset(self.spec.dataset, timeout=self.timeout)
+    def _load_resident(self, envs_on: list[torch.device]) -> Resident:
+        """Stream the dataset once in store order (a job of its own) into resident tensors."""
+        info = self._job.info()
         layout = field_layout(info, self.spec.fields)
         sample = max(1, resident_nbytes(layout, 1))
         chunk = max(1, min(RESIDENT_CHUNK_BYTES // sample, MAX_RESIDENT_CHUNK, info.num_samples))
+        # Flat stored fields, in store order, on one rank: the resident tensors' layout.
+        spec = job_spec(
+            self.spec.dataset, chunk, seed=0, shuffle="none", drop_last=False, world_size=1,
+            fields=list(layout), collate=None, transforms=None, on_error=None,
+        )  # fmt: skip
 
-        def one_pass() -> Iterator[Batch]:
-            with Loader(
-                url, self.spec.dataset, batch_size=chunk, shuffle="none", rank=0, world_size=1,
-                fields=list(layout), timeout=self.timeout, token=self._token or None,
-                transport="auto" if self._shm else "socket",
-            ) as source:  # fmt: skip
-                source._rebuild = None  # resident tensors hold the flat, stored fields
-                source.set_epoch(0)
-                yield from source
+        def one_pass() -> Iterator[Any]:
+            with JobHandle.create(
+                self._job.api.url, self._job.token, spec, timeout=self.batch_timeout
+            ) as job:
+                yield from store_order(
+                    job, transport=self._transport, prefetch=auto_prefetch(info, chunk),
+                    timeout=self.batch_timeout,
+                )  # fmt: skip
 
         return Resident.load(
-            self._api, self.job_id, self.world.rank, self.spec.batch_size, info, layout,
-            envs_on, one_pass, self.timeout,
+            self._job.api, self.job_id, self.world.rank, self.spec.batch_size, info, layout,
+            envs_on, one_pass, self.batch_timeout,
         )  # fmt: skip
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        start = self._pos.next_start()
-        self._stats.pause()  # an earlier pass that was dropped stopped its compute clock
-        self._pass += 1
+        ctx = self._ctx
+        start = ctx.pos.next_start()
+        ctx.stats.pause()  # an earlier pass that was dropped stopped its compute clock
         if self._resident is not None:
-            self._pos.begin(start)
-            return ResidentPass(self, self._pass, start, self._resident, self._rebuild)
-        self._active = self._stream_for(start)
-        self._pos.begin(start)
-        return StreamPass(self, self._pass, start, self._active, self._rebuild)
+            ctx.current += 1
+            ctx.pos.begin(start)
+            return ResidentPass(ctx, ctx.current, start, self._resident, self._rebuild)
+        return self._feed.pass_(start, self._stream_for(start), self._rebuild)
 
     def _stream_for(self, start: Start) -> EpochStream:
         """The stream opened ahead, or that of an iteration that never delivered (an iter() to
         check the object), when it starts at ``start``; else a new one."""
-        stream = self._stream or self._active
+        stream = self._stream or self._ctx.active
         self._stream = None
         if (
             stream is None
@@ -322,7 +369,7 @@ class Loader:
             or stream.hello.start_batch != start[1]
             or stream.next_index != start[1]
         ):
-            stream = self._open(*start)
+            stream = self._feed.open(*start)
         return stream
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -330,25 +377,23 @@ class Loader:
     def stats(self) -> LoaderStats:
         """Batches, bytes and time spent waiting vs. computing since construction."""
         if self._resident is not None:
-            return self._stats.snapshot("resident")
-        active = self._active or self._stream
-        return self._stats.snapshot(active.transport if active else self._conn.transport)
+            return self._ctx.stats.snapshot("resident")
+        active = self._ctx.active or self._stream
+        return self._ctx.stats.snapshot(active.transport if active else self._feed.transport)
 
     def close(self) -> None:
         """Say Bye, close the socket and the HTTP client; idempotent."""
         if self._closed:
             return
         self._closed = True
-        for s in (self._stream, self._active):
-            if s is not None:
-                s.close()
-        self._stream = self._active = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self._resident is not None:
             self._resident.close()
-        self._rings.close()
         atexit.unregister(self._atexit)
-        self._conn.close()
-        self._api.close()
+        self._feed.close()
+        self._job.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -363,8 +408,24 @@ class Loader:
     def __repr__(self) -> str:
         return (
             f"Loader(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
-            f"{self.world.world_size}, epoch={self._pos.epoch}, endpoint={self._conn.endpoint!r})"
+            f"{self.world.world_size}, epoch={self._ctx.pos.epoch}, "
+            f"endpoint={self._feed.conn.endpoint!r})"
         )
+
+
+def _watcher(
+    job: JobHandle, world_size: int, batch_size: int, drop_last: bool, ctx: PassContext
+) -> Callable[[], PassWatcher | None]:
+    """A new pass's watcher for Accelerate, when it is loaded (see :mod:`.habits`)."""
+
+    def watcher() -> PassWatcher | None:
+        return accelerate_watcher(
+            lambda: gather_remainder(
+                job.num_samples, world_size, batch_size, drop_last, ctx.pos.num_batches
+            )
+        )
+
+    return watcher
 
 
 def _close_ref(ref: weakref.ReferenceType[Loader]) -> None:

@@ -22,23 +22,20 @@ the server plans as the environments' batches side by side.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from shardserve.proto.errors import BadRequest, DataError
-from shardserve.proto.jobs import job_id
+from shardserve.proto.jobs import Collate, OnError
 
 from ._position import Position
-from ._spec import SHUFFLE, loader_spec
-from .control import ControlClient
+from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
 from .device import resolve_device
-from .distributed import resolve_world
-from .loader import DEFAULT_URL, STATE_VERSION
-from .resident import MAX_ENVS
+from .distributed import World, resolve_world
+from .loader import STATE_VERSION
 from .state import parse_state
 
 IdBatch = torch.Tensor
@@ -55,50 +52,24 @@ class IndexPlan:
     """
 
     def __init__(
-        self,
-        url: str | None,
-        dataset: str,
-        batch_size: int,
-        seed: int = 0,
-        shuffle: bool | str = True,
-        drop_last: bool = False,
-        fields: Sequence[str] | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        envs: int = 1,
-        device: str | torch.device = "cpu",
-        timeout: float = 60.0,
-        token: str | None = None,
-        collate: str | None = None,
+        self, job: JobHandle, world: World, envs: int, device: torch.device, timeout: float
     ) -> None:
-        if shuffle not in SHUFFLE:
-            raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
-        if not 1 <= envs <= MAX_ENVS:
-            raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
-        if not timeout > 0:
-            raise BadRequest(f"timeout={timeout} must be a positive number of seconds")
-        self.world = resolve_world(rank, world_size)
-        # The job a Loader with these arguments streams (with envs: steps of envs batches).
-        self.spec = loader_spec(
-            dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-            world_size=self.world.world_size, fields=fields, collate=collate, envs=envs,
-        )  # fmt: skip
-        self.job_id = job_id(self.spec)
-        self.envs, self.timeout = envs, timeout
-        self.device = resolve_device(device, self.world.local_rank)
-        url = url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
-        token = token or os.environ.get("SHARDSERVE_TOKEN") or None
-        self._api = ControlClient(url, token, timeout=min(timeout, 10.0), connect_retry_s=timeout)
-        try:
-            created = self._api.create_job(self.spec)
-        except BaseException:
-            self._api.close()
-            raise
-        # The server's id: it covers the dataset version the job pinned, as a Loader's does.
-        self.job_id = created.id
-        self._api.connect_retry_s = 0.0
-        self._pos = Position(created.status.epoch, created.status.batches_per_epoch)
+        """Use :func:`plan`, which creates the job from a Loader's arguments."""
+        self._job: JobHandle | None = job
+        self.spec, self.world = job.spec, world
+        self.envs, self.device, self.timeout = envs, device, timeout
+        self._pos = Position(job.epoch, job.batches_per_epoch)
         self._pass = 0
+
+    @property
+    def job_id(self) -> str:
+        """The server's id of the job (it covers the dataset version the job pinned)."""
+        return self._live().id
+
+    def _live(self) -> JobHandle:
+        if self._job is None:
+            raise RuntimeError("this plan is closed")
+        return self._job
 
     # -- the ids -----------------------------------------------------------------------------
     def epoch_ids(self, epoch: int, env: int = 0) -> np.ndarray:
@@ -114,7 +85,8 @@ class IndexPlan:
     def _steps(self, epoch: int) -> list[list[np.ndarray]]:
         """Each step's id batch per environment (one request: a step is the envs' batches
         side by side, env ``e`` the ``e``-th of ``envs`` equal parts)."""
-        ids, batches = self._api.plan(self.job_id, epoch, self.world.rank, timeout=self.timeout)
+        job = self._live()
+        ids, batches = job.api.plan(job.id, epoch, self.world.rank, timeout=self.timeout)
         want = -(-len(ids) // self.spec.batch_size)
         if want != batches:
             raise DataError(
@@ -164,8 +136,7 @@ class IndexPlan:
         self._pos.restore(st.epoch, st.next_batch)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._api is None:
-            raise RuntimeError("this plan is closed")
+        self._live()
         start = self._pos.next_start()
         self._pos.begin(start)
         self._pass += 1
@@ -183,9 +154,9 @@ class IndexPlan:
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
         """Close the HTTP client; idempotent."""
-        api, self._api = self._api, None  # type: ignore[assignment]
-        if api is not None:
-            api.close()
+        job, self._job = self._job, None
+        if job is not None:
+            job.close()
 
     def __enter__(self) -> IndexPlan:
         return self
@@ -194,13 +165,14 @@ class IndexPlan:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_api", None) is not None:
+        if getattr(self, "_job", None) is not None:
             self.close()
 
     def __repr__(self) -> str:
         return (
-            f"IndexPlan(job={self.job_id}, dataset={self.spec.dataset!r}, rank={self.world.rank}/"
-            f"{self.world.world_size}, envs={self.envs}, epoch={self._pos.epoch})"
+            f"IndexPlan(dataset={self.spec.dataset!r}, rank={self.world.rank}/"
+            f"{self.world.world_size}, "
+            f"envs={self.envs}, epoch={self._pos.epoch})"
         )
 
 
@@ -208,8 +180,9 @@ def plan(
     url: str | None,
     dataset: str,
     batch_size: int,
+    *,
     seed: int = 0,
-    shuffle: bool | str = True,
+    shuffle: Shuffle = DEFAULT_SHUFFLE,
     drop_last: bool = False,
     fields: Sequence[str] | None = None,
     rank: int | None = None,
@@ -218,12 +191,30 @@ def plan(
     device: str | torch.device = "cpu",
     timeout: float = 60.0,
     token: str | None = None,
-    collate: str | None = None,
+    collate: Collate | None = None,
+    transforms: Sequence[Mapping[str, Any]] | None = None,
+    on_error: OnError | None = None,
 ) -> IndexPlan:
     """The sample ids a ``Loader`` with these arguments would stream, batch by batch (see the
-    module docstring): an :class:`IndexPlan` to iterate, ``set_epoch`` and resume."""
-    return IndexPlan(
-        url, dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, fields=fields,
-        rank=rank, world_size=world_size, envs=envs, device=device, timeout=timeout, token=token,
-        collate=collate,
+    module docstring): an :class:`IndexPlan` to iterate, ``set_epoch`` and resume.
+
+    Every argument that defines a Loader's job is accepted here with the Loader's meaning
+    and default (see :class:`~.loader.Loader`); the ones about delivery (``prefetch``,
+    ``transport``, ``copy``, ``pad_variable``, ``resident``) have no use for ids.
+    ``transforms`` do not change which samples a batch holds (``on_error="replace"``
+    replaces samples inside the server, after the plan), but they are part of the job: with
+    them the ids are those of the Loader's job, and a state dict passes between the two.
+
+    >>> ids = plan(None, "cifar10", 256, seed=0)   # doctest: +SKIP
+    >>> next(iter(ids)).shape
+    torch.Size([256])
+    """
+    world = resolve_world(rank, world_size)
+    spec = job_spec(
+        dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+        world_size=world.world_size, fields=fields, collate=collate, envs=envs,
+        transforms=transforms, on_error=on_error,
     )  # fmt: skip
+    dev = resolve_device(device, world.local_rank)
+    job = JobHandle.create(url, token, spec, timeout=timeout, world=world)
+    return IndexPlan(job, world, envs, dev, timeout)

@@ -26,7 +26,7 @@ import torch
 
 from shardserve.proto.api import DatasetInfo, JobStatus
 from shardserve.proto.errors import BadRequest, DataError, ProtocolError
-from shardserve.proto.jobs import rank_plan_size
+from shardserve.proto.jobs import MAX_ENVS, rank_plan_size
 
 from ._frames import torch_dtype
 from .control import ControlClient
@@ -35,7 +35,6 @@ from .types import Batch, VarTensor
 
 #: Resident data may take at most this share of the memory free on its device.
 FIT_SHARE = 0.9
-MAX_ENVS = 1024
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 

@@ -8,6 +8,10 @@ flat batch into that tree, as ``torch.utils.data.default_collate`` would have co
 A field that was ``None`` in some samples arrives as :class:`Masked`: its values and a bool
 mask, ``True`` where the sample has a value. The values of a missing sample are not data
 (the store keeps zeros there); read them through the mask, or use :meth:`Masked.unbind`.
+
+A text field (a string column, a ``str`` in a saved sample: the manifest marks it with an
+``encoding``) arrives as :class:`Texts`, a ``list`` of one ``str`` per sample (``None``
+where missing), or of one ``list[str]`` per sample for a list of strings.
 """
 
 from __future__ import annotations
@@ -56,6 +60,38 @@ class Masked:
         )
 
 
+class Texts(list[Any]):
+    """A batch of a text field: one ``str`` (or ``list[str]``, or ``None``) per sample.
+
+    >>> Texts(["a", "b"])[1]
+    'b'
+    """
+
+
+def _texts(value: Any, encoding: str) -> Any:
+    """A binary field's batch (``VarTensor``, or ``Masked`` of one) decoded as text; bytes
+    padded by ``pad_variable`` stay as they are."""
+    mask: list[bool] | None = None
+    inner = value.values if isinstance(value, Masked) else value
+    if not isinstance(inner, VarTensor):
+        return value
+    if isinstance(value, Masked):
+        mask = value.mask.tolist()
+    value = inner
+    data = value.values.cpu().numpy().tobytes()
+    offs = value.offsets.tolist()
+    out: list[Any] = []
+    for i in range(len(offs) - 1):
+        raw = data[offs[i] : offs[i + 1]]
+        if mask is not None and not mask[i]:
+            out.append(None)
+        elif encoding == "utf-8-list":
+            out.append([p.decode("utf-8") for p in raw.split(b"\0")[:-1]])
+        else:
+            out.append(raw.decode("utf-8"))
+    return Texts(out)
+
+
 def _leaves(tree: Any) -> Iterable[str]:
     if isinstance(tree, str):
         yield tree
@@ -73,23 +109,32 @@ class Rebuild:
     tensor([4, 5])
     """
 
-    def __init__(self, tree: Any, served: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        tree: Any,
+        served: Iterable[str] | None = None,
+        encodings: Mapping[str, str] | None = None,
+    ) -> None:
         self.tree = tree if tree is not None else None
         self._served = set(served) if served is not None else set(_leaves(tree))
         self._present: Iterable[str] = self._served
+        #: Text fields and their encoding: decoded to :class:`Texts`.
+        self._encodings = dict(encodings or {})
 
     @classmethod
     def for_dataset(
         cls, structure: Any, fields: Iterable[Mapping[str, Any]], served: Iterable[str] | None
     ) -> Rebuild | None:
         """What a Loader applies, or ``None`` when batches stay flat dicts as they come."""
+        fields = list(fields)
         names = [str(f["name"]) for f in fields]
         nullable = any(f.get("nullable") for f in fields)
-        if structure is None and not nullable:
+        encodings = {str(f["name"]): str(f["encoding"]) for f in fields if f.get("encoding")}
+        if structure is None and not nullable and not encodings:
             return None
-        if structure is None:  # flat, but with masks to attach
+        if structure is None:  # flat, but with masks to attach or text to decode
             structure = {"dict": {n: n for n in names}}
-        return cls(structure, served if served is not None else names)
+        return cls(structure, served if served is not None else names, encodings)
 
     @property
     def is_dict(self) -> bool:
@@ -113,8 +158,9 @@ class Rebuild:
             mask = batch.get(node + MASK)
             if mask is not None:
                 used.add(node + MASK)
-                return Masked(value, mask)
-            return value
+                value = Masked(value, mask)
+            enc = self._encodings.get(node)
+            return _texts(value, enc) if enc is not None else value
         ((kind, items),) = node.items()
         if kind == "dict":
             return {

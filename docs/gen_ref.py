@@ -142,13 +142,28 @@ def _families(remote: bool) -> Iterator[tuple[str, str, str, str]]:
             service.stop()
 
 
+def _per_job_labels() -> dict[str, str]:
+    """The labels of the per-job series, seen with one job of one rank (a server without
+    jobs exports those families empty)."""
+    from shardserve.server.metrics import JobsSnapshot, Metrics, RankSeries
+
+    m = Metrics()
+    m.watch_jobs(lambda: JobsSnapshot(connected={"j": 1}, ranks=[RankSeries("j", 0, 1, 1, 0, 0)]))
+    out = {}
+    for fam in m.registry.collect():
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        out[name] = ", ".join(sorted({k for s in fam.samples for k in s.labels}))
+    return out
+
+
 def metric_names() -> dict[str, tuple[str, str, str]]:
     """Every metric a server exports (a local store's and a remote store's): name -> (type,
-    labels, help). Per-job series carry ``job_id``/``rank`` labels once a job exists."""
+    labels, help)."""
+    per_job = _per_job_labels()
     out: dict[str, tuple[str, str, str]] = {}
     for remote in (False, True):
         for name, kind, labels, doc in _families(remote):
-            out.setdefault(name, (kind, labels, doc))
+            out.setdefault(name, (kind, labels or per_job.get(name, ""), doc))
     return out
 
 

@@ -83,8 +83,10 @@ class DatasetInfo(BaseModel):
     created_at: str = ""
     #: The tree nested samples were saved as (:data:`~.manifest.Tree`); absent when flat.
     structure: Any = None
-    #: Class names of an image folder, by label (issue 15); absent for other datasets.
+    #: Class names by label: an image folder's, or a dataset's one ClassLabel field's.
     classes: list[str] | None = None
+    #: Each ClassLabel field's names by label (Hugging Face datasets); absent when none.
+    label_names: dict[str, list[str]] | None = None
 
 
 class ErrorBody(BaseModel):

@@ -79,6 +79,10 @@ def tree_fields(tree: Tree) -> list[str]:
 
 
 FieldKind = Literal["scalar", "tensor", "variable", "binary"]
+#: How a binary field's bytes are text: ``utf-8`` one string per sample (the client gives a
+#: ``list[str]``), ``utf-8-list`` a list of strings per sample, each UTF-8 and ended by
+#: ``\0`` (the client gives a ``list[list[str]]``).
+TextEncoding = Literal["utf-8", "utf-8-list"]
 
 
 def validate_dataset_name(name: str) -> str:
@@ -109,6 +113,8 @@ class FieldSpec(BaseModel):
     shape: tuple[int, ...] = ()
     #: Some samples have no value (``None``): the column has a validity bitmap.
     nullable: bool = False
+    #: A binary field that holds text (:data:`TextEncoding`); ``None``: raw bytes.
+    encoding: TextEncoding | None = None
 
     @model_serializer(mode="wrap")
     def _drop_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -116,6 +122,8 @@ class FieldSpec(BaseModel):
         out: dict[str, Any] = handler(self)
         if not self.nullable:
             out.pop("nullable", None)
+        if self.encoding is None:
+            out.pop("encoding", None)
         return out
 
     @field_validator("name")
@@ -143,6 +151,8 @@ class FieldSpec(BaseModel):
             raise ValueError(f"field {self.name!r}: shape {self.shape} has a dimension below -1")
         if self.dtype == BINARY and self.shape != ():
             raise ValueError(f"field {self.name!r}: binary fields have shape (), not {self.shape}")
+        if self.encoding is not None and self.dtype != BINARY:
+            raise ValueError(f"field {self.name!r}: only a binary field can be text")
         if len(self.shape) > 8:
             raise ValueError(f"field {self.name!r}: at most 8 dimensions, got {len(self.shape)}")
         return self

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .metrics import Metrics
+from .store.remote_dataset import RemoteDataset
 from .streaming.source import BatchParts, BatchSource
 from .transforms.bound import TransformedDataset, Transforms
 
@@ -90,8 +91,9 @@ class Assembler:
 
     @staticmethod
     def inline_ok(source: BatchSource) -> bool:
-        """Transforms may take long (or hang until their deadline): never on the streamer."""
-        return not isinstance(source, TransformedDataset)
+        """Transforms may take long (or hang until their deadline), a remote dataset may wait
+        on a fetch: never on the streamer."""
+        return not isinstance(source, (TransformedDataset, RemoteDataset))
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
@@ -114,7 +116,15 @@ class Assembler:
         batch: int | None = None,
     ) -> None:
         """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` moves
-        the result where it is sent from (a shared-memory slot), still on the worker."""
+        the result where it is sent from (a shared-memory slot), still on the worker. A batch
+        with transforms is assembled on its job's own lane: one that waits on a hung transform
+        until its deadline never holds a thread another job's batches need."""
+        if isinstance(ds, TransformedDataset) and self.transforms is not None:
+            fut = self.transforms.on_job_lane(
+                ds.lane, self.assemble_now, ds, indices, fields, out, place, batch
+            )
+            fut.add_done_callback(lambda f: self._finish(tag, f))
+            return
         self.submit(tag, self.assemble_now, ds, indices, fields, out, place, batch)
 
     def assemble_now(

@@ -98,8 +98,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "max_streams", "max_streams_per_job", "max_hellos_per_s", "heartbeat_s",
         "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
     ),
-    "jobs": ("idle_after_s", "job_ttl_s", "max_jobs"),
-    "transforms": ("transforms", "transform_workers", "transform_pool", "transform_timeout_s"),
+    "jobs and shutdown": ("idle_after_s", "job_ttl_s", "max_jobs", "shutdown_timeout_s"),
+    "transforms": (
+        "transforms", "transform_workers", "transform_pool", "transform_timeout_s",
+        "max_decoded_pixels",
+    ),
     "logging": ("log_format", "log_level"),
 }  # fmt: skip
 OTHER_GROUP = "other settings"

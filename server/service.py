@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from shardserve.proto.api import DatasetInfo, ServerInfo
 from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
-from shardserve.proto.manifest import Manifest
+from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
 from .assembly import Assembler
@@ -58,20 +58,33 @@ def _version() -> str:
         return "0+unknown"
 
 
+def _field_info(f: FieldSpec) -> dict[str, object]:
+    out: dict[str, object] = {
+        "name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind
+    }  # fmt: skip
+    if f.nullable:
+        out["nullable"] = True
+    if f.encoding:
+        out["encoding"] = f.encoding
+    return out
+
+
 def dataset_info(m: Manifest) -> DatasetInfo:
     return DatasetInfo(
         name=m.name,
         num_samples=m.num_samples,
         num_shards=len(m.shards),
         bytes=m.total_bytes,
-        fields=[
-            {"name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind}
-            | ({"nullable": True} if f.nullable else {})
-            for f in m.fields
-        ],
+        fields=[_field_info(f) for f in m.fields],
         created_at=m.created_at,
         structure=m.structure,
         classes=json.loads(m.source["classes"]) if "classes" in m.source else None,
+        label_names={
+            k.removeprefix("labels."): json.loads(v)
+            for k, v in m.source.items()
+            if k.startswith("labels.")
+        }
+        or None,
     )
 
 
@@ -85,6 +98,7 @@ def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | Remo
         StoreOptions.from_env(os.environ, settings.store_endpoint),
         request_timeout_s=settings.store_timeout_s,
         connect_timeout_s=min(5.0, settings.store_timeout_s),
+        min_bytes_per_s=settings.store_min_bytes_per_s,
     )
     return open_store(
         settings.store,

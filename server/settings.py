@@ -145,6 +145,13 @@ class Settings(BaseSettings):
         description="longest object-store request; with 3 attempts a read of a store that "
         "stopped answering fails within about 3x this",
     )
+    store_min_bytes_per_s: float = Field(
+        default=float(1 << 20),
+        gt=0,
+        description="slowest transfer a shard fetch may make: a fetch fails with 'store "
+        "unavailable' once it has taken --store-timeout-s x 3 plus its size at this rate",
+        json_schema_extra={"metavar": "RATE"},
+    )
     max_streams: int = Field(
         default=1024,
         ge=1,

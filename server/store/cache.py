@@ -131,6 +131,15 @@ class ShardCache:
     def contains(self, checksum: str) -> bool:
         return (self.dir / cache_key(checksum)).exists()
 
+    def discard(self, checksum: str) -> None:
+        """Remove the cached file of ``checksum`` (its bytes failed their check): the next
+        :meth:`acquire` fetches it again. Readers that mapped it keep their pages."""
+        path = self.dir / cache_key(checksum)
+        lock = self.dir / _LOCKS / (path.name + ".lock")
+        with _flock(lock, f"discarding {path.name}"):
+            path.unlink(missing_ok=True)
+        log.warning("cached shard %s failed its checksum; removed, to be fetched again", path.name)
+
     def acquire(
         self, checksum: str, size: int, fetch: Callable[[Path], object], *, prefetch: bool = False
     ) -> Lease:

@@ -121,7 +121,8 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
             args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
             overwrite=args.overwrite, variable=args.variable, threads=args.threads,
             progress=not args.quiet, stacked=args.stacked, map_fn=args.map,
-            workers=args.workers, split=args.split,
+            workers=args.workers, split=args.split, max_sample_bytes=args.max_sample_bytes,
+            value_format=args.value_format,
         )  # fmt: skip
     print(summary.line())
     return 0
@@ -218,6 +219,7 @@ def configure_store_command(name: str, p: argparse.ArgumentParser) -> None:
 
 def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", required=True, help="dataset name (letters, digits, '.', '_', '-')")
+    from .ingest.decode import VALUE_FORMATS
     from .ingest.registry import FORMATS
 
     p.add_argument(
@@ -264,6 +266,18 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
         metavar="SPLIT",
         help="a source laid out as splits (train/, data/test-*.parquet, a DatasetDict): ingest "
         "only this one (default: each split as its own dataset NAME-SPLIT)",
+    )
+    p.add_argument(
+        "--max-sample-bytes",
+        type=parse_size,
+        default=256 << 20,
+        help="refuse a sample (or a tar member) larger than this (default 256MiB)",
+    )
+    p.add_argument(
+        "--value-format",
+        choices=VALUE_FORMATS,
+        default="auto",
+        help="how LMDB values are read (default auto: .pt / .npy by their magic, else raw bytes)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(

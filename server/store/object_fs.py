@@ -28,8 +28,13 @@ _REDACTED = "<redacted>"
 
 
 class StoreUnavailable(ShardserveError):
-    """The object store did not answer (endpoint down, network, timeout). Not the data's
-    fault: the same request may succeed once the store is back."""
+    """The object store did not answer (endpoint down, network, timeout, too slow). Not the
+    data's fault: the same request may succeed once the store is back."""
+
+
+class CacheUnwritable(ShardserveError):
+    """The local shard cache could not take a fetched shard (disk full, quota, permissions):
+    the store answered; the fix is on this host."""
 
 
 def is_uri(store: str | os.PathLike[str]) -> bool:
@@ -68,6 +73,9 @@ class StoreOptions:
     request_timeout_s: float = 30.0
     #: Attempts per request (the first included) before a read gives up.
     attempts: int = 3
+    #: The slowest transfer a shard fetch may make: its total deadline is the request timeout
+    #: plus its size at this rate (an endpoint that trickles bytes is "unavailable").
+    min_bytes_per_s: float = float(1 << 20)
     secrets: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
@@ -79,6 +87,16 @@ class StoreOptions:
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
             secrets=tuple(env[k] for k in SECRET_ENV if env.get(k)),
         )
+
+
+def fetch_deadline_s(options: StoreOptions, nbytes: int) -> float:
+    """Seconds a read of ``nbytes`` may take in all: every attempt's request timeout, plus
+    the bytes at ``min_bytes_per_s``.
+
+    >>> fetch_deadline_s(StoreOptions(request_timeout_s=2.0, min_bytes_per_s=1e6), 10**7)
+    16.0
+    """
+    return options.request_timeout_s * options.attempts + nbytes / options.min_bytes_per_s
 
 
 def uri_secrets(uri: str) -> tuple[str, ...]:

@@ -18,9 +18,10 @@ import contextlib
 import logging
 import os
 import secrets as _secrets
+import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, MutableSequence
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,13 @@ from shardserve.proto.errors import (
 from shardserve.proto.manifest import Manifest, ShardInfo, parse_manifest, validate_dataset_name
 
 from . import layout
+from .fetch_lanes import FetchLanes
 from .object_fs import (
+    CacheUnwritable,
     StoreOptions,
     StoreUnavailable,
     display_uri,
+    fetch_deadline_s,
     is_uri,
     open_filesystem,
     scrub,
@@ -46,6 +50,47 @@ from .versions import VersionShelf, changed_error, content_id
 log = logging.getLogger(__name__)
 
 _COPY_CHUNK = 8 << 20
+#: Bytes a manifest may have, for its read's deadline (they are a few kB).
+_MANIFEST_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def _local_write(dest: Path, info: ShardInfo, shown: str) -> Iterator[Callable[[bytes], None]]:
+    """A writer of ``dest`` whose failures (a full disk) are ``CacheUnwritable``, not the
+    ``OSError`` a failing read raises: the cache's disk is not the store."""
+
+    def refused(e: OSError) -> CacheUnwritable:
+        try:
+            free = shutil.disk_usage(dest.parent).free
+        except OSError:
+            free = -1
+        return CacheUnwritable(
+            f"the shard cache in {dest.parent} cannot take shard {shown} ({info.bytes} bytes; "
+            f"{free} bytes free there): {e.strerror or e}; free space on that disk or lower "
+            "--cache-limit-bytes"
+        )
+
+    try:
+        f = open(dest, "wb")  # noqa: SIM115 - closed below, its errors told apart
+    except OSError as e:
+        raise refused(e) from None
+
+    def write(chunk: bytes) -> None:
+        try:
+            f.write(chunk)
+        except OSError as e:
+            raise refused(e) from None
+
+    try:
+        yield write
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            raise refused(e) from None
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()
 
 
 def new_shard_prefix() -> str:
@@ -80,6 +125,8 @@ class RemoteStore:
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.shelf = VersionShelf()
+        #: Every read runs here, per dataset, under its total deadline.
+        self.lanes = FetchLanes()
 
     def reopen_args(self) -> dict[str, Any]:
         """What a process elsewhere (a Ray task) needs to open this store again; credentials
@@ -111,11 +158,39 @@ class RemoteStore:
         )
 
     # -- reading --------------------------------------------------------------------------
+    def _slow(
+        self, what: str, started: float, got: MutableSequence[int], want: int
+    ) -> StoreUnavailable:
+        deadline = fetch_deadline_s(self.options, want)
+        return self._unavailable(
+            what,
+            TimeoutError(
+                f"{got[0]} of {want} bytes within its deadline of {deadline:.1f} s (request "
+                f"timeout {self.options.request_timeout_s} s, slowest rate accepted "
+                f"{self.options.min_bytes_per_s:.0f} bytes/s: --store-min-bytes-per-s)"
+            ),
+            started,
+        )
+
     def _read_bytes(self, rel: str) -> bytes:
         started = time.monotonic()
-        try:
+        got = [0]
+
+        def read(stop: threading.Event) -> bytes:
             with self.fs.open_input_stream(self.path(rel)) as f:
-                return bytes(f.read())
+                data = bytes(f.read())
+                got[0] = len(data)
+                return data
+
+        try:
+            return self.lanes.run(
+                rel.split("/", 1)[0],
+                read,
+                deadline_s=fetch_deadline_s(self.options, _MANIFEST_BYTES),
+                timed_out=lambda: self._slow(
+                    f"reading {self.where(rel)}", started, got, _MANIFEST_BYTES
+                ),
+            )
         except FileNotFoundError:
             raise
         except OSError as e:
@@ -171,43 +246,54 @@ class RemoteStore:
     def fetch(self, name: str, info: ShardInfo, dest: Path) -> str:
         """Copy shard ``info`` of ``name`` whole into the new file ``dest``; its checksum.
 
+        Runs on the dataset's fetch lane under a total deadline (:func:`fetch_deadline_s`).
         Raises ``DatasetCorruptError`` (naming the shard) if the bytes are not the manifest's,
-        ``StoreUnavailable`` if the store does not answer.
+        ``StoreUnavailable`` if the store does not answer or is too slow, ``CacheUnwritable``
+        if ``dest`` cannot take the bytes (disk full).
         """
-        import xxhash
-
         shown = self.where(name, info.path)
-        h = xxhash.xxh3_64()
-        size = 0
         started = time.monotonic()
+        got = [0]
         try:
-            with (
-                self.fs.open_input_stream(self.path(name, info.path)) as src,
-                open(dest, "wb") as out,
-            ):
-                while chunk := src.read(_COPY_CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+            digest = self.lanes.run(
+                name,
+                lambda stop: self._copy(name, info, dest, stop, got),
+                deadline_s=fetch_deadline_s(self.options, info.bytes),
+                timed_out=lambda: self._slow(f"fetching shard {shown}", started, got, info.bytes),
+            )
         except FileNotFoundError:
             raise DatasetCorruptError(f"shard {shown} is missing") from None
         except OSError as e:
             if "Path does not exist" in str(e) or "NoSuchKey" in str(e):
                 raise DatasetCorruptError(f"shard {shown} is missing") from None
             raise self._unavailable(f"fetching shard {shown}", e, started) from None
-        got = f"{layout.CHECKSUM_ALGO}:{h.hexdigest()}"
-        if size != info.bytes:
+        if got[0] != info.bytes:
             raise DatasetCorruptError(
-                f"shard {shown} is {size} bytes, the manifest says {info.bytes}"
+                f"shard {shown} is {got[0]} bytes, the manifest says {info.bytes}"
             )
-        if got != info.checksum:
+        if digest != info.checksum:
             raise DatasetCorruptError(
-                f"shard {shown} failed its checksum: the object has {got}, "
+                f"shard {shown} failed its checksum: the object has {digest}, "
                 f"the manifest says {info.checksum}"
             )
-        return got
+        return digest
+
+    def _copy(self, name: str, info: ShardInfo, dest: Path, stop: threading.Event,
+              got: MutableSequence[int]) -> str:  # fmt: skip
+        """On the fetch lane: the object's bytes into ``dest`` (its checksum), ``got[0]``
+        counting them; ends at the next chunk once ``stop`` is set (its caller gave up)."""
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        with (
+            self.fs.open_input_stream(self.path(name, info.path)) as src,
+            _local_write(dest, info, self.where(name, info.path)) as out,
+        ):
+            while not stop.is_set() and (chunk := src.read(_COPY_CHUNK)):
+                h.update(chunk)
+                out(chunk)
+                got[0] += len(chunk)
+        return f"{layout.CHECKSUM_ALGO}:{h.hexdigest()}"
 
     def version(self, name: str) -> str:
         """The content id of ``name``'s current version (:mod:`.versions`)."""
@@ -226,18 +312,34 @@ class RemoteStore:
             raise InvalidDataError(
                 f"store {self.root} is remote: serving it needs a local cache (--cache-dir)"
             )
+        if version is not None:
+            # The version a job pinned, already open: nothing to ask the store (which may be
+            # slow or away; a stream of a cached dataset must not wait on it).
+            with self._lock:
+                ds = self._open.get(name)
+                if ds is not None and content_id(ds.manifest) == version:
+                    return ds
+            if (held := self.shelf.get(name, version)) is not None:
+                return held
+        # Read outside the lock: a slow store must not hold up opening another dataset.
+        away: StoreUnavailable | None = None
+        try:
+            fresh: Manifest | None = self.manifest(name)
+        except StoreUnavailable as e:
+            fresh, away = None, e
+        except DatasetNotFound:
+            if version is not None and (held := self.shelf.get(name, version)) is not None:
+                return held
+            raise
         with self._lock:
             ds = self._open.get(name)
-            try:
-                manifest = self.manifest(name)
-            except StoreUnavailable:
-                if ds is None:
-                    raise
+            if fresh is not None:
+                manifest = fresh
+            elif ds is not None:
                 manifest = ds.manifest  # the store is away: go on with what we know
-            except DatasetNotFound:
-                if version is not None and (held := self.shelf.get(name, version)) is not None:
-                    return held
-                raise
+            else:
+                assert away is not None
+                raise away
             if ds is None or ds.manifest != manifest:
                 if ds is not None and content_id(ds.manifest) != content_id(manifest):
                     self.shelf.put(name, content_id(ds.manifest), ds)
@@ -337,19 +439,37 @@ class RemoteStore:
     def _put(self, src: Path, rel: str) -> None:
         started = time.monotonic()
         try:
-            with open(src, "rb") as f, self.fs.open_output_stream(self.path(rel)) as out:
+            with open(src, "rb") as f, self._output(rel) as out:
                 while chunk := f.read(_COPY_CHUNK):
                     out.write(chunk)
+            self._settle(rel)
         except OSError as e:
             raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
 
     def _put_bytes(self, data: bytes, rel: str) -> None:
         started = time.monotonic()
         try:
-            with self.fs.open_output_stream(self.path(rel)) as out:
+            with self._output(rel) as out:
                 out.write(data)
+            self._settle(rel)
         except OSError as e:
             raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
+
+    # A file:// store is a real file system: folders must exist before a file is written
+    # in them, and a written file is not atomic as an object PUT is, so it is written
+    # beside its place and renamed there (what readers of the manifest rely on).
+    _PARTIAL = ".partial"
+
+    def _output(self, rel: str) -> Any:
+        if self.fs.type_name != "local":
+            return self.fs.open_output_stream(self.path(rel))
+        target = self.path(rel)
+        self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        return self.fs.open_output_stream(target + self._PARTIAL)
+
+    def _settle(self, rel: str) -> None:
+        if self.fs.type_name == "local":
+            self.fs.move(self.path(rel) + self._PARTIAL, self.path(rel))
 
     def delete_prefix(self, rel: str) -> None:
         """Remove everything under ``rel`` (best effort: leftovers are unreferenced anyway)."""

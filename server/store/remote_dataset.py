@@ -105,23 +105,7 @@ class RemoteDataset(Dataset):
                     return entry.shard
             info = self.manifest.shards[s]
             try:
-                lease = self.cache.acquire(info.checksum, info.bytes, self._fetcher(s))
-                try:
-                    shard = MappedShard(lease.path, info, self.fields)
-                except BaseException:
-                    lease.release()
-                    raise
-                # A shard this process fetched was checksummed on the way in.
-                if lease.fetched:
-                    self._checked.add(s)
-                if s not in self._checked and self._verify_mode != "off":
-                    try:
-                        shard.verify()
-                    except BaseException:
-                        shard.close()
-                        lease.release()
-                        raise
-                    self._checked.add(s)
+                lease, shard = self._lease_checked(s)
             except DatasetCorruptError as e:
                 e = DatasetCorruptError(
                     f"{e} (dataset {self.manifest.name!r} in {self.store.root})"
@@ -135,6 +119,33 @@ class RemoteDataset(Dataset):
                 self._mapped[s] = entry
                 self._mapped_bytes += info.bytes
         return shard
+
+    def _lease_checked(self, s: int, refetch: bool = True) -> tuple[Lease, MappedShard]:
+        """Shard ``s`` leased from the cache and mapped, checked unless ``--verify off``. A
+        cached copy that fails its checksum (tampered, a bad disk) is removed and fetched again,
+        once: then the object store's bytes decide."""
+        info = self.manifest.shards[s]
+        lease = self.cache.acquire(info.checksum, info.bytes, self._fetcher(s))
+        try:
+            shard = MappedShard(lease.path, info, self.fields)
+        except BaseException:
+            lease.release()
+            raise
+        # A shard this process fetched was checksummed on the way in.
+        if lease.fetched:
+            self._checked.add(s)
+        if s not in self._checked and self._verify_mode != "off":
+            try:
+                shard.verify()
+            except BaseException as e:
+                shard.close()
+                lease.release()
+                if not (refetch and isinstance(e, DatasetCorruptError)):
+                    raise
+                self.cache.discard(info.checksum)
+                return self._lease_checked(s, refetch=False)
+            self._checked.add(s)
+        return lease, shard
 
     def _release(self, shards: Sequence[int]) -> None:
         """One user fewer for each of ``shards``; unmap idle ones past the cache limit."""

@@ -36,9 +36,12 @@ def infer_field(
     """The spec of field ``name`` from its first value.
 
     numpy arrays become tensors (``variable=True``: every dimension ``-1``; the writer narrows
-    the ones that never change); numbers become scalars; bytes and str become binary.
+    the ones that never change); numbers become scalars; bytes become binary, and str binary
+    holding UTF-8 text (the client gives it back as ``str``).
     """
-    if isinstance(value, (*BytesLike, str)):
+    if isinstance(value, str):
+        return FieldSpec(name=name, dtype=BINARY, shape=(), encoding="utf-8")
+    if isinstance(value, BytesLike):
         return FieldSpec(name=name, dtype=BINARY, shape=())
     if isinstance(value, bool):
         return FieldSpec(name=name, dtype="bool", shape=())

@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardserve.proto.errors import InvalidDataError
-from shardserve.proto.manifest import FieldSpec, Manifest, validate_dataset_name
+from shardserve.proto.manifest import FieldSpec, Manifest, TextEncoding, validate_dataset_name
 
 from . import layout
 from .column_input import checked_column, first_value
@@ -62,6 +62,7 @@ class ShardWriter:
         source: Mapping[str, object] | None = None,
         *,
         variable: Collection[str] = (),
+        max_sample_bytes: int | None = None,
     ) -> None:
         self.root = Path(store_root)
         self.name = validate_dataset_name(name)
@@ -75,6 +76,7 @@ class ShardWriter:
         self.overwrite = overwrite
         self.source = {str(k): str(v) for k, v in (source or {}).items()}
         self._variable = frozenset(variable)
+        self.max_sample_bytes = max_sample_bytes
         self._chunk_bytes = min(shard_bytes, CHUNK_MAX_BYTES)
         self.manifest: Manifest | None = None
         self.num_samples = 0
@@ -85,6 +87,8 @@ class ShardWriter:
         self._tree = TreeBuilder()
         #: Set by a columnar source whose column names are already flattened paths.
         self.structure: object = None
+        #: Set by a columnar source: its binary fields that hold text (Arrow strings).
+        self.encodings: dict[str, TextEncoding] = {}
         #: Fields found to vary in shape (name -> first shape seen), and found to be missing
         #: in some samples; for the ingest summary.
         self.promoted: dict[str, tuple[int, ...]] = {}
@@ -140,9 +144,18 @@ class ShardWriter:
                 nbytes += c.row_bytes
             else:
                 nbytes += int(c.row_sizes([v])[0]) if v is not None else 4
+        self._check_size(nbytes, where)
         self.num_samples += 1
         self._buffered += nbytes
         self._maybe_flush()
+
+    def _check_size(self, nbytes: int, where: str) -> None:
+        limit = self.max_sample_bytes
+        if limit is not None and nbytes > limit:
+            raise InvalidDataError(
+                f"{where}: the sample is {nbytes} bytes, more than --max-sample-bytes {limit}; "
+                "raise the limit if this sample is real"
+            )
 
     # -- the schema changing under way ----------------------------------------------------
     def _add_field(self, name: str, value: object, where: str) -> None:
@@ -231,6 +244,9 @@ class ShardWriter:
             masks.append(missing)
             sizes += c.row_sizes(col)
             cols.append(col)
+        if self.max_sample_bytes is not None and b:
+            top = int(sizes.argmax())
+            self._check_size(int(sizes[top]), f"{where} row {top}")
         start = 0
         while start < b:
             room = self._room()
@@ -358,5 +374,8 @@ class ShardWriter:
                 spec = FieldSpec(
                     name=spec.name, dtype=spec.dtype, shape=shape, nullable=spec.nullable
                 )
+            enc = self.encodings.get(spec.name)
+            if enc is not None and spec.kind == "binary":
+                spec = spec.model_copy(update={"encoding": enc})
             out.append(spec)
         return tuple(out)

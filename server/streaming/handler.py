@@ -162,6 +162,10 @@ class StreamHandler(HelloHandling):
             self._admission_tick(now)
         except Exception:  # a bug here must not stop the streams' timers below
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
+        try:
+            self.opener.tidy(now, self.sessions.values())
+        except Exception:  # memory housekeeping must not stop the streams' timers below
+            log_event(log, "stream.tidy_failed", level=logging.ERROR, exc_info=True)
         for s in list(self.sessions.values()):
             if self.sessions.get(s.ident) is not s:
                 continue  # closed by an earlier one's tick

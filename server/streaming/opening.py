@@ -16,6 +16,7 @@ import zmq
 from shardserve.proto.messages import MAX_CREDIT, Hello, Welcome
 
 from ..jobs import Job
+from ..memory import trim
 from .handshake import batches_per_rank
 from .notices import StreamNotices
 from .pipeline import Pipeline, choose_group, ring_slots
@@ -23,6 +24,9 @@ from .sessions import Prepared, Session
 from .shm import ShmUnavailable
 from .sinks import BatchSink, IdlePools, RingBook, Route, SocketSink
 from .streamer import StreamerConfig
+
+#: Seconds after streams close (or pools expire) before the heap is trimmed.
+TRIM_AFTER_S = 1.0
 
 
 class Opener:
@@ -33,6 +37,9 @@ class Opener:
         self.notices = notices
         self.config = config
         self.pools = IdlePools()
+        #: Streams open at the last :meth:`tidy`, and when to trim the heap next.
+        self._open = 0
+        self._trim_at: float | None = None
         self.rings = RingBook(
             config.shm_dir or Path("/nonexistent"),
             config.shm_limit_bytes,
@@ -104,3 +111,16 @@ class Opener:
 
     def forget_job(self, job_id: str) -> None:
         self.pools.forget_job(job_id)
+
+    def tidy(self, now: float, sessions: Iterable[Session]) -> None:
+        """Drop pools and rings nobody came back for, and give freed memory back to the OS a
+        second after streams closed (by then libzmq has let go of their frames)."""
+        open_now = list(sessions)
+        live = {(x.job_id, x.rank) for x in open_now}
+        changed = self.pools.expire(now, live) + self.rings.expire(now)
+        if changed or len(open_now) < self._open:
+            self._trim_at = now + TRIM_AFTER_S
+        self._open = len(open_now)
+        if self._trim_at is not None and now >= self._trim_at:
+            self._trim_at = None
+            trim()

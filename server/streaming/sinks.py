@@ -45,6 +45,9 @@ from .source import BatchParts, BatchSource, PartShapes
 #: Bytes of buffer pools kept for (job, rank)s between their streams (pools of open streams
 #: always stay); past it the least recently used idle pools are dropped.
 IDLE_POOL_BYTES = 1 << 30
+#: Seconds a pool (or a slot ring) waits for its (job, rank)'s (peer's) next stream: the next
+#: epoch's Hello comes at once; memory of a stream nobody resumes goes back after this.
+IDLE_KEEP_S = 10.0
 
 Placer = Callable[[BatchParts], BatchParts]
 
@@ -229,9 +232,12 @@ class IdlePools:
     into pages already faulted in instead of fresh ones (~0.1 s per GB). Idle pools past
     ``max_idle_bytes`` go, least recently used first."""
 
-    def __init__(self, max_idle_bytes: int = IDLE_POOL_BYTES) -> None:
+    def __init__(self, max_idle_bytes: int = IDLE_POOL_BYTES, keep_s: float = IDLE_KEEP_S) -> None:
         self.max_idle_bytes = max_idle_bytes
+        self.keep_s = keep_s
         self._pools: dict[tuple[str, int], BufferPool] = {}  # in least-recently-used order
+        #: When each pool was first seen without a live stream.
+        self._idle_since: dict[tuple[str, int], float] = {}
 
     def get(
         self,
@@ -243,6 +249,7 @@ class IdlePools:
         """The pool for ``key`` (made, or remade if its layout changed); ``live`` keys are
         never dropped."""
         pool = self._pools.pop(key, None)
+        self._idle_since.pop(key, None)
         # Remade when the shapes changed, or the rows (batches per message, issue 22).
         if pool is None or pool.part_shapes != dict(part_shapes) or pool.batch_size != batch_size:
             pool = BufferPool(part_shapes, batch_size)
@@ -252,11 +259,26 @@ class IdlePools:
             if total <= self.max_idle_bytes:
                 break
             total -= self._pools.pop(k).nbytes
+            self._idle_since.pop(k, None)
         return pool
+
+    def expire(self, now: float, live: set[tuple[str, int]]) -> int:
+        """Drop pools that have had no live stream for ``keep_s``; how many were dropped."""
+        dropped = 0
+        for k in list(self._pools):
+            if k in live:
+                self._idle_since.pop(k, None)
+                continue
+            since = self._idle_since.setdefault(k, now)
+            if now - since >= self.keep_s:
+                del self._pools[k], self._idle_since[k]
+                dropped += 1
+        return dropped
 
     def forget_job(self, job_id: str) -> None:
         for key in [k for k in self._pools if k[0] == job_id]:
             del self._pools[key]
+            self._idle_since.pop(key, None)
 
     @property
     def nbytes(self) -> int:
@@ -277,13 +299,17 @@ class RingBook:
     stream uses the socket). A ring handed to the peer's next stream stays proven.
     """
 
-    def __init__(self, shm_dir: Path, limit_bytes: int | None, max_unproven: int = 16) -> None:
+    def __init__(self, shm_dir: Path, limit_bytes: int | None, max_unproven: int = 16,
+                 keep_s: float = IDLE_KEEP_S) -> None:  # fmt: skip
         self.shm_dir = shm_dir
         self.limit_bytes = limit_bytes
         self.max_unproven = max_unproven
+        self.keep_s = keep_s
         self._live: dict[int, ShmSlots] = {}
         self._unproven: set[int] = set()
         self._handed: dict[bytes, ShmSlots] = {}
+        #: When each handed ring was handed (unlinked when its peer is not back in ``keep_s``).
+        self._handed_at: dict[bytes, float] = {}
 
     @property
     def live_bytes(self) -> int:
@@ -309,6 +335,7 @@ class RingBook:
         """A ring of ``nslots`` slots of ``batch_size`` rows each: the peer's previous ring if
         its layout fits, else a new one within the limit (raises :class:`~.shm.ShmUnavailable`)."""
         slots = self._handed.pop(route.ident, None)
+        self._handed_at.pop(route.ident, None)
         if slots is not None:
             if slots.key == ShmSlots.key_for(nslots, source, fields, batch_size):
                 slots.reset(keep)
@@ -338,14 +365,27 @@ class RingBook:
         if handover:
             self.discard(ident)
             self._handed[ident] = slots
+            self._handed_at[ident] = -1.0  # stamped by the next expire()
         else:
             slots.close()  # unlinks the ring; a client still mapping it keeps its pages
 
     def discard(self, ident: bytes) -> None:
         """Unlink a ring left for ``ident``'s next stream that will not take it."""
         slots = self._handed.pop(ident, None)
+        self._handed_at.pop(ident, None)
         if slots is not None:
             slots.close()
+
+    def expire(self, now: float) -> int:
+        """Unlink rings whose peer has not opened its next stream within ``keep_s``."""
+        gone = 0
+        for ident, at in list(self._handed_at.items()):
+            if at < 0:
+                self._handed_at[ident] = now
+            elif now - at >= self.keep_s:
+                self.discard(ident)
+                gone += 1
+        return gone
 
     def close(self) -> None:
         for ident in list(self._handed):

@@ -14,7 +14,8 @@ Batch sizes stay equal across ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -25,6 +26,7 @@ from shardserve.proto.errors import BadRequest, TransformError
 from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 
+from ..lanes import Lanes
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
@@ -35,6 +37,8 @@ from .schema import from_field_spec, to_field_spec
 from .spec import Chain, check_chain_bytes, compile_chain
 
 MAX_REPLACEMENTS = 8
+#: Batches of one job assembled at once (each waits on its transform pieces).
+ASSEMBLY_PER_JOB = 2
 
 
 class Transforms:
@@ -47,6 +51,18 @@ class Transforms:
         self.metrics = TransformMetrics(registry)
         self.limits = limits or Limits()
         self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics, self.limits)
+        #: Each job's batches with transforms are assembled here (apart from the transform
+        #: pieces' own lanes, which these wait on).
+        self._assembly = Lanes(ASSEMBLY_PER_JOB)
+
+    def on_job_lane(self, lane: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` on job ``lane``'s assembly threads."""
+        try:
+            return self._assembly.get(lane).submit(fn, *args)
+        except RuntimeError as e:  # closed: the server is stopping
+            fut: Future[Any] = Future()
+            fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
+            return fut
 
     def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
         """The job's checked chain (``BadRequest`` when it does not fit)."""
@@ -83,6 +99,7 @@ class Transforms:
 
     def close(self) -> None:
         self.pool.close()
+        self._assembly.close()
 
 
 class TransformedDataset:
@@ -109,6 +126,11 @@ class TransformedDataset:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)
+
+    @property
+    def lane(self) -> str:
+        """The job's lane: its batches and transform pieces run on threads of its own."""
+        return self._lane
 
     @property
     def batch_level(self) -> bool:

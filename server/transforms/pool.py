@@ -34,10 +34,10 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
+from ..lanes import Lanes
 from . import codec
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed
-from .lanes import Lanes
 from .metrics import TransformMetrics
 from .runner import Limits, Progress, Where, run_chain
 from .spec import Chain

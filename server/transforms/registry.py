@@ -161,7 +161,11 @@ class TransformRegistry:
             try:
                 mod = importlib.import_module(name)
             except Exception as e:
-                raise ValueError(f"cannot import transform module {name!r}: {e}") from e
+                raise ValueError(
+                    f"cannot import transform module {name!r}: {e} (it must be importable "
+                    "where the server runs: a module in the directory serve was started from, "
+                    "an installed package, or a folder on PYTHONPATH)"
+                ) from e
             if reg.add_module(mod) == 0 and name not in BUILTIN_MODULES:
                 raise ValueError(
                     f"transform module {name!r} defines no transform (mark functions with "

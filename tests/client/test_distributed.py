@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from tests.client.conftest import N_CIFAR
+from tests.support.data import cifar_images, make_cifar_like
 from tests.support.server import free_port, run_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,3 +71,31 @@ def test_train_ddp_example_reaches_good_accuracy(tmp_path) -> None:
     assert m, r.stdout
     assert float(m.group(1)) > 0.8, last
     assert 0.0 <= float(m.group(2)) <= 1.0
+
+
+def test_ranks_agree_on_rank0s_version_across_an_overwrite(tmp_path) -> None:
+    """Rank 1 makes its Loader after ``ingest --overwrite`` replaced the dataset (600 samples
+    by 500 others) that rank 0's Loader pinned: through the process group it takes rank 0's
+    job, so both ranks stream the same version, the same number of batches, and together
+    every sample of that version once."""
+    store = tmp_path / "store"
+    make_cifar_like(store, "versioned", n=600)
+    src = tmp_path / "new.npz"
+    np.savez(src, image=cifar_images(0, 500, seed=7), label=np.arange(500, dtype=np.int64) % 10)
+    port = str(free_port())
+    with run_server(store) as srv:
+        procs = []
+        for rank in range(2):
+            env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            cmd = [sys.executable, str(ROOT / "tests/client/_agree_worker.py"), srv.http_url,
+                   str(store), str(src), str(tmp_path / f"{rank}.json")]  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            )
+        outs = [p.communicate(timeout=240)[0].decode() for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    assert r0["job"] == r1["job"]
+    assert r0["len"] == r1["len"] == 6 and r0["samples"] == r1["samples"] == 600
+    assert r0["old_version"] and r1["old_version"]
+    assert sorted(r0["ids"] + r1["ids"]) == list(range(600))

@@ -191,7 +191,7 @@ def test_ctrl_c_just_before_a_batch_is_handed_out_does_not_count_it(server: Serv
     """A Ctrl-C after batch 3 was read and built but before the loop got it: state_dict
     says batch 3 is next, and resuming yields it."""
     with Loader(server.http_url, "cifar", BATCH, seed=1, shuffle=False) as loader:
-        _interrupt_on_call(loader._stats, "delivered", 3)
+        _interrupt_on_call(loader._ctx.stats, "delivered", 3)
         got: list[int] = []
         with pytest.raises(KeyboardInterrupt):
             for batch in loader:
@@ -211,7 +211,7 @@ def test_ctrl_c_in_iter_right_after_load_state_dict_keeps_the_position(
     with Loader(server.http_url, "cifar", BATCH, seed=2, shuffle=False) as loader:
         state = {**loader.state_dict(), "epoch": 1, "next_batch": 7}
         loader.load_state_dict(state)
-        _interrupt_on_call(loader, "_open", 0)
+        _interrupt_on_call(loader._feed, "open", 0)
         with pytest.raises(KeyboardInterrupt):
             iter(loader)
         after = loader.state_dict()

@@ -22,6 +22,7 @@ from shardserve.server.store.writer import ShardWriter
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, make_job, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,9 +123,9 @@ def test_hello_flood_does_not_starve_another_job(srv: ServerProc) -> None:
         for epoch in range(150):
             flood.hello(flood_job, epoch=epoch, credit=1)
         t0 = time.monotonic()
-        ids = _full_epoch(srv, ctx, other, timeout=5.0)
+        ids = _full_epoch(srv, ctx, other, timeout=scaled(5.0))
         assert sorted(ids) == list(range(400))
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < scaled(15.0)
         last = None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

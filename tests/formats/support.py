@@ -10,11 +10,14 @@ import numpy as np
 import torch
 
 from shardserve.client import Loader, VarTensor
-from shardserve.client.structure import Masked
+from shardserve.client.structure import Masked, Texts
 
 
 def split(batch: Any, n: int) -> list[Any]:
     """A collated batch (nested dicts / tuples of tensors, VarTensor, Masked) as ``n`` samples."""
+    if isinstance(batch, Texts):
+        assert len(batch) == n, batch
+        return list(batch)
     if isinstance(batch, Mapping):
         cols = {k: split(v, n) for k, v in batch.items()}
         return [{k: c[i] for k, c in cols.items()} for i in range(n)]
@@ -40,11 +43,13 @@ def read_all(url: str, name: str, batch_size: int = 7, **kw: Any) -> list[Any]:
 
 
 def _size(batch: Any) -> int:
+    if isinstance(batch, Texts):  # a list, but one item per sample
+        return len(batch)
     if isinstance(batch, Mapping):
         return _size(next(iter(batch.values())))
     if isinstance(batch, (tuple, list)):
         return _size(batch[0])
-    if isinstance(batch, (Masked, VarTensor)):
+    if isinstance(batch, (Masked, VarTensor, Texts)):
         return len(batch)
     return int(batch.shape[0])
 
@@ -77,6 +82,9 @@ def assert_same(got: Any, want: Any, where: str = "sample") -> None:
             assert_same(g, w, f"{where}[{i}]")
         return
     assert got is not None, f"{where}: expected {want!r}, got None (masked)"
+    if isinstance(got, (str, list)):  # a text field: str, or a list of str
+        assert got == want, f"{where}: {got!r} != {want!r}"
+        return
     w = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want)
     g = got.numpy()
     if isinstance(want, (bytes, str)):

@@ -52,7 +52,7 @@ def _hf_folder(path: Path) -> list[dict[str, Any]]:
     want = []
     for r in rows:
         want.append({
-            "text": r["text"].encode() if r["text"] is not None else None,
+            "text": r["text"],
             "label": torch.tensor(r["label"]),
             "emb": torch.tensor(r["emb"], dtype=torch.float64),
             "meta": {"id": torch.tensor(r["meta"]["id"]),

@@ -52,12 +52,16 @@ class Recorder(LightningModule):
         x = batch["image"].flatten(1).float() / 255.0
         return torch.nn.functional.cross_entropy(self.net(x), batch["label"])
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class ValidatingRecorder(Recorder):
+    """A Recorder with a validation step (used with ``--val``)."""
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         x = batch["image"].flatten(1).float() / 255.0
         self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), batch["label"]))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def main() -> None:
@@ -76,10 +80,11 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps")
     p.add_argument("--resume", default=None, help="checkpoint to resume from")
     a = p.parse_args()
-    warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging intervals
     out = Path(a.out)
     kwargs = {"url": a.url, "dataset": "cifar", "batch_size": a.batch_size, "seed": a.seed}
-    model = Recorder(bare_loader=kwargs if a.bare else None, hook=a.hook)
+    # A model with a validation step only where there is validation data, as users write it.
+    kind = ValidatingRecorder if a.val else Recorder
+    model = kind(bare_loader=kwargs if a.bare else None, hook=a.hook)
     dm = None
     if not a.bare:
         dm = ShardserveDataModule(
@@ -99,14 +104,16 @@ def main() -> None:
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=str(out),
     )  # fmt: skip
-    trainer.fit(model, datamodule=dm, ckpt_path=a.resume)
+    with warnings.catch_warnings(record=True) as caught:  # kept for the record, not printed
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm, ckpt_path=a.resume)
     rank = trainer.global_rank
     loader = trainer.train_dataloader
     record = {
         "rank": rank, "world_size": trainer.world_size, "seen": model.seen,
         "loader_type": type(loader).__name__,
         "loader_world": [loader.world.rank, loader.world.world_size] if loader else None,
-        "pid": os.getpid(),
+        "pid": os.getpid(), "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
     }  # fmt: skip
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 

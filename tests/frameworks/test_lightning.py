@@ -96,3 +96,16 @@ def test_ddp_two_ranks_each_train_their_part_and_resume(server, tmp_path: Path) 
                   "--resume", str(ckpt), timeout=240)  # fmt: skip
     for rank in (0, 1):
         assert resumed[rank]["seen"] == {"1": recs[rank]["seen"]["1"][2:]}, rank
+
+
+@pytest.mark.slow
+def test_datamodule_without_validation_under_ddp_warns_nothing(server, tmp_path: Path) -> None:
+    """A ShardserveDataModule without ``val_dataset`` under 2-rank DDP is a DataModule without
+    validation data, as Lightning's own: no validation loop, no warning about it, and no
+    warning that names the Loader; training follows the plan."""
+    recs = fit(server.http_url, tmp_path, "--devices", "2", "--epochs", "1", timeout=240)
+    for rank, rec in recs.items():
+        about_val = [w for w in rec["warnings"] if "val" in w.lower() or "across ranks" in w]
+        assert not about_val, about_val
+        assert not [w for w in rec["warnings"] if "Loader" in w], rec["warnings"]
+        assert rec["seen"]["0"] == planned(0, 2, rank)

@@ -101,10 +101,10 @@ def test_a_slow_consumer_stream_never_sees_an_overwritten_batch(
                 # Both the consumer's stream and the copy stream run far behind the host: slot
                 # and pinned-buffer reuse can only be safe by waiting for the copy events.
                 torch.cuda._sleep(20_000_000)
-                with torch.cuda.stream(loader._copier._stream):
+                with torch.cuda.stream(loader._feed.copier._stream):
                     torch.cuda._sleep(20_000_000)
                 got.append(batch["image"].view(len(batch["image"]), -1).to(torch.int64).sum(1))
-                ring = loader._rings.ring
+                ring = loader._ctx.rings.ring
                 deferred = max(deferred, ring.ledger.copies_in_flight if ring is not None else 0)
             expected += [image_sums[torch.tensor(ids)] for ids in _plan_ids(8, epoch)]
         torch.cuda.synchronize()
@@ -128,7 +128,7 @@ def test_no_growth_of_pinned_or_device_memory_over_many_epochs(server, transport
             for batch in loader:
                 batch["image"].float().mean()
             torch.cuda.synchronize()
-            pool = loader._copier.pool.stats()
+            pool = loader._feed.copier.pool.stats()
             readings.append(
                 (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), pool["allocated"])
             )

@@ -37,6 +37,7 @@ from tests.reliability.conftest import healthy, make_job, rss_bytes
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.data import sample_id_of
 from tests.support.server import ServerProc
+from tests.support.slowness import scaled
 
 #: Growth of the server's RSS over the whole hostile module that still counts as "bounded".
 RSS_SLACK = 100 << 20
@@ -269,11 +270,11 @@ def test_flood_of_1000_garbage_messages(rel_server: ServerProc, baseline_rss: in
         t0 = time.monotonic()
         for i in range(1000):
             s.send_raw([kinds[i % len(kinds)]()])
-        replies = replies_until_barrier(s, timeout=30.0)
+        replies = replies_until_barrier(s, timeout=scaled(30.0))
         elapsed = time.monotonic() - t0
         assert len(replies) == 1000, f"{len(replies)} replies to 1000 messages"
         assert all(isinstance(r, (Error, Reject)) for r in replies)
-        assert elapsed < 30
+        assert elapsed < scaled(30.0)
         s.close()
         assert_serves_an_epoch(rel_server, ctx)
     FUZZ_CASES["flood"] = 1000

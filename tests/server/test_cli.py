@@ -147,3 +147,19 @@ def test_a_map_module_in_the_current_directory_is_found(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "3 samples" in out.stdout or "3" in out.stdout, out.stdout
+
+
+def test_the_demo_without_its_extra_says_what_to_install() -> None:
+    """Where scikit-learn (or torch, or the server's packages) is missing, `shardserve demo`
+    names the demo extra in one line."""
+    code = (
+        "import sys\n"
+        "sys.modules['sklearn'] = None  # what an install without the demo extra lacks\n"
+        "from shardserve.server.cli import main\n"
+        "sys.exit(main(['demo']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "shardserve demo: needs the demo extra (sklearn missing): pip install 'shardserve[demo]'"
+    ]

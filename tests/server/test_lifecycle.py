@@ -17,6 +17,7 @@ from shardserve.proto.messages import Error, Reject, Welcome
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
 from tests.support.server import free_port, run_server
+from tests.support.slowness import scaled
 
 
 def test_epoch_and_seed_survive_a_crash_and_restart(cifar_store: Path, tmp_path: Path) -> None:
@@ -54,13 +55,13 @@ def test_sigterm_tells_streams_and_exits_zero(cifar_store: Path, tmp_path: Path)
             s.recv_kind(Welcome)
             s.recv_kind(Batch)
             t0 = time.monotonic()
-            code = srv.terminate(timeout=10)
+            code = srv.terminate(timeout=scaled(10.0))
             elapsed = time.monotonic() - t0
             err = s.recv_kind(Error, timeout=5)
             s.close()
         assert code == 0, srv.log_tail()
         assert err.code == ErrorCode.SERVER_SHUTDOWN and not err.fatal
-        assert elapsed < 10
+        assert elapsed < scaled(10.0)
         assert "serve.exit" in srv.log_tail() and "signal=SIGTERM" in srv.log_tail()
 
 

@@ -21,6 +21,7 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, ShmSlots, create_ring
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pytestmark = pytest.mark.skipif(not DEFAULT_DIR.is_dir(), reason="no /dev/shm on this host")
 
@@ -77,7 +78,7 @@ def test_shm_and_socket_deliver_identical_batches(server: ServerProc, dataset: s
 
 
 def _in_ring(loader: Loader, t: torch.Tensor) -> bool:
-    mem = loader._rings.ring.slot_memory()  # type: ignore[union-attr]
+    mem = loader._ctx.rings.ring.slot_memory()  # type: ignore[union-attr]
     return mem.ctypes.data <= t.data_ptr() < mem.ctypes.data + mem.nbytes
 
 
@@ -98,7 +99,9 @@ def test_copied_batches_own_their_storage(server: ServerProc) -> None:
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_small_rings_never_run_dry(server: ServerProc, prefetch: int) -> None:
     """Lending stops at half the ring, so a loop keeping every batch still gets them all."""
-    with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=prefetch, timeout=5) as ld:
+    with Loader(
+        server.http_url, "cifar", 50, shuffle="none", prefetch=prefetch, timeout=scaled(5.0)
+    ) as ld:
         batches = [b["image"] for b in ld]
         assert ld.stats().copied == len(batches) - prefetch // 2
     ids = [sample_id_of({"image": t.numpy()}) for t in batches]
@@ -124,13 +127,13 @@ def test_a_held_batch_survives_the_next_epochs_on_the_reused_ring(server: Server
         it = iter(loader)
         first = next(it)
         kept = first["image"].clone()
-        ring = loader._rings.ring
+        ring = loader._ctx.rings.ring
         assert _in_ring(loader, first["image"])
         seen = [sample_id_of({"image": kept.numpy()})]
         for _ in range(3):  # epochs 0, 1, 2: shuffled, so a reused slot would hold other samples
             seen += [sample_id_of({"image": b["image"].numpy()}).copy() for b in it]
             assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(600))
-            assert loader._rings.ring is ring  # the same ring, reused across epochs
+            assert loader._ctx.rings.ring is ring  # the same ring, reused across epochs
             assert torch.equal(first["image"], kept)
             it, seen = iter(loader), []
         del first
@@ -146,7 +149,7 @@ def test_copy_false_yields_views_into_the_slot(server: ServerProc) -> None:
     with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=2, copy=False) as loader:
         seen = []
         for b in loader:
-            ring = loader._active.ring  # type: ignore[union-attr]
+            ring = loader._ctx.active.ring  # type: ignore[union-attr]
             mem = ring.slot_memory()
             start = mem.ctypes.data
             assert start <= b["image"].data_ptr() < start + mem.nbytes

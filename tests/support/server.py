@@ -84,17 +84,19 @@ class ServerProc:
         """SIGKILL the server (a crash, for restart tests) and reap it."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=_TERM_GRACE_S)
+        self.proc.wait(timeout=scaled(_TERM_GRACE_S))
 
-    def terminate(self, timeout: float = _TERM_GRACE_S) -> int:
-        """SIGTERM the server and return its exit code; SIGKILL if it outlives ``timeout``."""
+    def terminate(self, timeout: float | None = None) -> int:
+        """SIGTERM the server and return its exit code; SIGKILL if it outlives ``timeout``
+        (default 5 s times the machine's measured slowness)."""
+        timeout = scaled(_TERM_GRACE_S) if timeout is None else timeout
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=_TERM_GRACE_S)
+            self.proc.wait(timeout=scaled(_TERM_GRACE_S))
             raise AssertionError(
                 f"server pid {self.proc.pid} did not exit within {timeout} s of SIGTERM; "
                 f"log tail:\n{self.log_tail()}"
@@ -160,7 +162,7 @@ def run_server(
     to keep the ipc path across a restart). ``env`` is added to the current environment.
     ``timeout`` (default 20 s times the machine's measured slowness) bounds the wait for
     readiness. The store folder is created if missing (``--create``). On exit the server gets
-    SIGTERM (then SIGKILL after 5 s) and must be gone.
+    SIGTERM (then SIGKILL after 5 s, stretched like ``timeout``) and must be gone.
     """
     timeout = scaled(20.0) if timeout is None else timeout
     own_tmp = None

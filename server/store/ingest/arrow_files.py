@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +20,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from shardserve.proto.errors import InvalidDataError
+from shardserve.proto.manifest import TextEncoding
 
+from .hf_features import features_of, fixed_arrays, note_labels, prepare
 from .source import Piece, Reader, Source, require_files, source_files
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -87,8 +90,104 @@ def _ragged(arr: pa.Array, where: str, name: str) -> list[object]:
     return out
 
 
-def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, object]:
-    """A record batch as writer columns (see module docstring)."""
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _struct_of_lists(arr: pa.Array) -> pa.Array:
+    """``list<struct{a, b}>`` as ``struct{a: list, b: list}``: a list of dicts as a dict of
+    lists (what ``datasets`` gives for ``Sequence(dict)``; a tensor cannot hold dicts)."""
+    offsets = arr.offsets
+    mask = arr.is_null() if arr.null_count else None
+    child = arr.values
+    members = [
+        pa.ListArray.from_arrays(offsets, pc.struct_field(child, [i]), mask=mask)
+        for i in range(child.type.num_fields)
+    ]
+    return pa.StructArray.from_arrays(members, names=[f.name for f in child.type])
+
+
+def flatten_structs(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Struct columns as one column per member, named ``parent.member`` (each remembers the
+    struct path it came from, so a clash with a column named ``parent.member`` names both);
+    lists of structs first become structs of lists."""
+
+    def nested(t: pa.DataType) -> bool:
+        return pa.types.is_struct(t) or (_is_list(t) and pa.types.is_struct(t.value_type))
+
+    while any(nested(f.type) for f in batch.schema):
+        arrays, fields = [], []
+        for f, col in zip(batch.schema, batch.columns, strict=True):
+            if _is_list(f.type) and pa.types.is_struct(f.type.value_type):
+                col = _struct_of_lists(col)
+                f = pa.field(f.name, col.type, metadata=f.metadata)
+            if pa.types.is_struct(f.type):
+                origin = (f.metadata or {}).get(b"origin", f.name.encode()).decode()
+                for i in range(f.type.num_fields):
+                    sub = f.type.field(i)
+                    meta = {b"origin": f"{origin}[{sub.name!r}]".encode()}
+                    fields.append(pa.field(f"{f.name}.{sub.name}", sub.type, metadata=meta))
+                    arrays.append(col.field(i) if not col.null_count else pc.struct_field(col, [i]))
+            else:
+                fields.append(f)
+                arrays.append(col)
+        batch = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
+    return batch
+
+
+def _text_lists(arr: pa.Array) -> pa.Array:
+    """``list<string>`` rows as binary: each string's UTF-8 ended by ``\\0`` (the
+    ``utf-8-list`` encoding the client splits back into ``list[str]``)."""
+    out: list[bytes | None] = []
+    for row in arr.to_pylist():
+        if row is None:
+            out.append(None)
+            continue
+        if any(s is None or "\0" in s for s in row):
+            raise ValueError("a list of strings holding None or a NUL character")
+        out.append(b"".join(s.encode() + b"\0" for s in row))
+    return pa.array(out, type=pa.binary())
+
+
+def _nested_rows(arr: pa.Array, where: str, name: str) -> list[object]:
+    """``list<list<...number>>`` rows as n-d arrays; every row must be rectangular."""
+    out: list[object] = []
+    for j, row in enumerate(arr.to_pylist()):
+        if row is None:
+            out.append(None)
+            continue
+        try:
+            a = np.array(row, dtype=_leaf_dtype(arr.type))
+        except ValueError:
+            raise InvalidDataError(
+                f"{where}: column {name!r} row {j} is a ragged list of lists; a tensor needs "
+                "every inner list of a row the same length"
+            ) from None
+        out.append(a)
+    return out
+
+
+def _leaf_dtype(t: pa.DataType) -> np.dtype[Any]:
+    while _is_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    if not _numeric(t):
+        raise ValueError(f"elements of type {t}")
+    return np.dtype(t.to_pandas_dtype())
+
+
+def convert(
+    batch: pa.RecordBatch,
+    where: str,
+    nulls: bool = True,
+    text: dict[str, TextEncoding] | None = None,
+) -> dict[str, object]:
+    """A record batch as writer columns (see module docstring); ``text`` collects the names
+    of the columns that hold text, and their encoding."""
+    batch = flatten_structs(batch)
     cols: dict[str, object] = {}
     names = batch.schema.names
     if len(set(names)) != len(names):
@@ -112,6 +211,22 @@ def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, 
             cols[name] = arr.to_numpy(zero_copy_only=False)
         elif pa.types.is_fixed_size_list(t) or isinstance(t, pa.FixedShapeTensorType):
             cols[name] = _fixed(arr, where, name)
+        elif _is_list(t) and _is_text(t.value_type):
+            try:
+                cols[name] = _text_lists(arr)
+            except ValueError as e:
+                raise InvalidDataError(f"{where}: column {name!r}: {e}") from None
+            if text is not None:
+                text[name] = "utf-8-list"
+        elif _is_list(t) and _is_list(t.value_type):
+            try:
+                cols[name] = _nested_rows(arr, where, name)
+            except InvalidDataError:
+                raise
+            except ValueError as e:
+                raise InvalidDataError(
+                    f"{where}: column {name!r} has type {t}, which a store cannot hold ({e})"
+                ) from None
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
             cols[name] = _ragged(arr, where, name)
         elif (
@@ -122,6 +237,8 @@ def convert(batch: pa.RecordBatch, where: str, nulls: bool = True) -> dict[str, 
         ):
             # Kept as Arrow (strings as their UTF-8 bytes): no Python object per row.
             cols[name] = arr.cast(pa.binary())
+            if text is not None and _is_text(t):
+                text[name] = "utf-8"
         else:
             raise InvalidDataError(
                 f"{where}: column {name!r} has type {t}, which a store cannot hold (numbers, "
@@ -139,8 +256,23 @@ def _origins(schema: pa.Schema) -> list[str]:
     return out
 
 
-def _variable_columns(schema: pa.Schema) -> set[str]:
-    return {f.name for f in schema if pa.types.is_list(f.type) or pa.types.is_large_list(f.type)}
+def variable_columns(fields: pa.Schema | pa.StructType, prefix: str = "") -> set[str]:
+    """The fields that lists become once structs are flattened (:func:`flatten_structs`):
+    variable-shape, except lists of strings (text)."""
+    out: set[str] = set()
+    for f in fields:
+        t = f.type
+        if pa.types.is_struct(t):
+            out |= variable_columns(t, f"{prefix}{f.name}.")
+        elif _is_list(t) and pa.types.is_struct(t.value_type):
+            out |= {
+                f"{prefix}{f.name}.{m.name}"
+                for m in t.value_type
+                if not pa.types.is_struct(m.type) and not _is_text(m.type)
+            }
+        elif _is_list(t) and not _is_text(t.value_type):
+            out.add(prefix + f.name)
+    return out
 
 
 def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | None) -> Source:
@@ -150,6 +282,9 @@ def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | Non
     except (pa.ArrowException, OSError) as e:
         raise InvalidDataError(f"source {src}: not readable as {fmt}: {e}") from None
     sizes = {str(f): f.stat().st_size for f in files}
+    features = features_of(dataset.schema)
+    source = Source(format=fmt, files=files, pieces=iter(()))
+    note_labels(features, source)
 
     def pieces() -> Iterator[Piece]:
         for fragment in dataset.get_fragments():
@@ -162,14 +297,16 @@ def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | Non
                     rows += batch.num_rows
                     if batch.num_rows:
                         share = sizes.get(path, 0) * batch.num_rows // total
-                        yield Piece(where=where, columns=convert(batch, where), nbytes=share)
+                        batch = prepare(batch, features, where)
+                        cols = convert(batch, where, text=source.text)
+                        yield Piece(where=where, columns=cols, nbytes=share)
             except pa.ArrowException as e:
                 raise InvalidDataError(f"{path}: not readable as {fmt}: {e}") from None
             yield Piece(where=path, files=1)
 
-    return Source(
-        format=fmt, files=files, pieces=pieces(), variable=_variable_columns(dataset.schema)
-    )
+    source.pieces = pieces()
+    source.variable = variable_columns(dataset.schema) - fixed_arrays(features)
+    return source
 
 
 def open_parquet(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from shardserve.proto.errors import InvalidDataError
 
-from .arrow_files import convert
+from .arrow_files import convert, variable_columns
+from .hf_features import features_of, fixed_arrays, note_labels, prepare
 from .source import Piece, Reader, Source
 
 
@@ -40,39 +40,22 @@ def _files(src: Path) -> list[Path]:
     return files
 
 
-def _flatten(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Struct columns as one column per member, named ``parent.member`` (each remembers the
-    struct path it came from, so a clash with a column named ``parent.member`` names both)."""
-    while any(pa.types.is_struct(f.type) for f in batch.schema):
-        arrays, fields = [], []
-        for f, col in zip(batch.schema, batch.columns, strict=True):
-            if pa.types.is_struct(f.type):
-                origin = (f.metadata or {}).get(b"origin", f.name.encode()).decode()
-                for i in range(f.type.num_fields):
-                    sub = f.type.field(i)
-                    meta = {b"origin": f"{origin}[{sub.name!r}]".encode()}
-                    fields.append(pa.field(f"{f.name}.{sub.name}", sub.type, metadata=meta))
-                    arrays.append(col.field(i) if not col.null_count else pc.struct_field(col, [i]))
-            else:
-                fields.append(f)
-                arrays.append(col)
-        batch = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
-    return batch
-
-
-def _pieces(files: list[Path]) -> Iterator[Piece]:
+def _pieces(files: list[Path], source: Source) -> Iterator[Piece]:
     for path in files:
         rows = 0
         size = path.stat().st_size
         try:
             with pa.memory_map(str(path), "r") as mm:
                 reader = pa.ipc.open_stream(mm)
+                features = features_of(reader.schema)
                 for batch in reader:
                     if not batch.num_rows:
                         continue
                     where = f"{path} rows {rows}..{rows + batch.num_rows - 1}"
                     rows += batch.num_rows
-                    yield Piece(where=where, columns=convert(_flatten(batch), where, nulls=True))
+                    batch = prepare(batch, features, where)
+                    cols = convert(batch, where, nulls=True, text=source.text)
+                    yield Piece(where=where, columns=cols)
         except pa.ArrowException as e:
             raise InvalidDataError(f"{path}: not readable as an Arrow stream: {e}") from None
         yield Piece(where=str(path), files=1, nbytes=size)
@@ -88,17 +71,11 @@ def open_hf(src: Path, threads: int = 1) -> Source:
             schema = pa.ipc.open_stream(mm).schema
     except pa.ArrowException as e:
         raise InvalidDataError(f"{files[0]}: not readable as an Arrow stream: {e}") from None
-    return Source(format="hf", files=files, pieces=_pieces(files), variable=_lists(schema))
-
-
-def _lists(fields: pa.Schema | pa.StructType, prefix: str = "") -> set[str]:
-    out: set[str] = set()
-    for f in fields:
-        if pa.types.is_struct(f.type):
-            out |= _lists(f.type, f"{prefix}{f.name}.")
-        elif pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
-            out.add(prefix + f.name)
-    return out
+    variable = variable_columns(schema) - fixed_arrays(features_of(schema))
+    source = Source(format="hf", files=files, pieces=iter(()), variable=variable)
+    note_labels(features_of(schema), source)
+    source.pieces = _pieces(files, source)
+    return source
 
 
 def is_hf_folder(src: Path) -> bool:

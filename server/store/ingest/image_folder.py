@@ -4,7 +4,8 @@ Each image is stored as its encoded bytes (field ``image``, binary) with an inte
 ``label``: the index of its class folder in sorted class names, as ``ImageFolder`` numbers
 them. Decoding happens at serving time (the ``decode_image`` transform). The class names
 go into the manifest's ``source.classes`` (a JSON list) and ``GET /v1/datasets/{name}``.
-Images are read in class order, then sorted file name order, 256 per block.
+Images are read in class order, then sorted file name order, 256 per block. A symlinked
+image that points outside the folder is refused.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ BLOCK = 256
 def _layout(src: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     if not src.is_dir():
         raise InvalidDataError(f"source {src}: an image folder is a folder of CLASS/ folders")
+    root = src.resolve()
     classes = sorted(e.name for e in os.scandir(src) if e.is_dir(follow_symlinks=False))
     items: list[tuple[Path, int]] = []
     for label, cls in enumerate(classes):
-        names = sorted(
-            e.name for e in os.scandir(src / cls)
-            if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES
-        )  # fmt: skip
-        items += [(src / cls / n, label) for n in names]
+        names = []
+        with os.scandir(src / cls) as entries:
+            found = list(entries)
+        for e in found:
+            if not (e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES):
+                continue
+            if e.is_symlink():
+                _inside(Path(e.path), root)
+            names.append(e.name)
+        items += [(src / cls / n, label) for n in sorted(names)]
     loose = [e.name for e in os.scandir(src) if e.is_file() and
              os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES]  # fmt: skip
     if loose:
@@ -47,6 +54,17 @@ def _layout(src: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     if not items:
         raise InvalidDataError(f"source {src} holds no CLASS/IMAGE{IMAGE_SUFFIXES} files")
     return classes, items
+
+
+def _inside(link: Path, root: Path) -> None:
+    """A symlinked image must stay inside the folder: one that points out of it (to a system
+    file) would be served to every trainer."""
+    target = link.resolve()
+    if not target.is_relative_to(root):
+        raise InvalidDataError(
+            f"{link}: a link to {target}, outside the image folder {root}; refused (copy the "
+            "image into the folder if it belongs to the dataset)"
+        )
 
 
 def _pieces(items: list[tuple[Path, int]]) -> Iterator[Piece]:

@@ -3,7 +3,8 @@
 Keys are read in LMDB's order (sorted bytes) from a read-only transaction. Keys such as
 ``__len__`` and ``__keys__`` (``__NAME__``) are metadata, never samples: listed in the summary
 and, when short text, kept in the manifest's ``source`` (``meta.__len__``). Every other value
-is a sample: ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (field
+is a sample, read as ``--value-format`` says (``raw``, ``pt``, ``npy``, ``msgpack``,
+``json``), or by default (``auto``): ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (field
 ``data``) recognised by their magic, anything else kept raw (field ``value``).
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
 
-from .decode import by_magic
+from .decode import VALUE_FORMATS, as_value
 from .extras import require
 from .source import Piece, Reader, Source
 
@@ -44,7 +45,7 @@ def _note(value: bytes) -> tuple[str, str | None]:
     return f"{len(value)} bytes, skipped", None
 
 
-def _pieces(env_dir: Path, total: int, source: Source) -> Iterator[Piece]:
+def _pieces(env_dir: Path, total: int, source: Source, fmt: str) -> Iterator[Piece]:
     lmdb = require("lmdb", "LMDB")
     try:
         env = lmdb.open(str(env_dir), readonly=True, lock=False, readahead=False,
@@ -63,21 +64,26 @@ def _pieces(env_dir: Path, total: int, source: Source) -> Iterator[Piece]:
                         source.info[f"meta.{name}"] = text
                     continue
                 where = f"{env_dir} key {k[:64]!r}"
-                yield Piece(where=where, sample=by_magic(bytes(value), where))
+                yield Piece(where=where, sample=as_value(bytes(value), where, fmt))
     finally:
         env.close()
     yield Piece(where=str(env_dir), files=1, nbytes=total)
 
 
-def open_lmdb(src: Path, threads: int = 1) -> Source:
-    """A source over the LMDB environment at ``src`` (its folder, or its ``data.mdb``)."""
+def open_lmdb(src: Path, threads: int = 1, value_format: str = "auto") -> Source:
+    """A source over the LMDB environment at ``src`` (its folder, or its ``data.mdb``); each
+    value read as ``value_format`` (:data:`.decode.VALUE_FORMATS`)."""
     require("lmdb", "LMDB")
+    if value_format not in VALUE_FORMATS:
+        raise InvalidDataError(
+            f"--value-format {value_format!r}: choose one of {', '.join(VALUE_FORMATS)}"
+        )
     env_dir = src.parent if src.is_file() else src
     data = env_dir / "data.mdb"
     if not data.is_file():
         raise InvalidDataError(f"source {src} is not an LMDB environment (no data.mdb)")
     source = Source(format="lmdb", files=[data], pieces=iter(()))
-    source.pieces = _pieces(env_dir, data.stat().st_size, source)
+    source.pieces = _pieces(env_dir, data.stat().st_size, source, value_format)
     return source
 
 
@@ -98,4 +104,4 @@ def is_lmdb(src: Path) -> bool:
     return src.name == "data.mdb" if src.is_file() else (src / "data.mdb").is_file()
 
 
-READER = Reader("lmdb", open_lmdb, claims=is_lmdb)
+READER = Reader("lmdb", open_lmdb, claims=is_lmdb, valued=True)

@@ -47,7 +47,11 @@ def resolve_map(spec: str) -> MapFn:
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise InvalidDataError(f"--map {spec!r}: cannot import {mod_name!r} ({e})") from None
+        raise InvalidDataError(
+            f"--map {spec!r}: cannot import {mod_name!r} ({e}); it must be importable where "
+            "ingest runs: a module in the current directory, an installed package, or a folder "
+            "on PYTHONPATH"
+        ) from None
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise InvalidDataError(f"--map {spec!r}: {mod_name} has no function {attr!r}")

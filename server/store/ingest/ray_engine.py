@@ -130,7 +130,9 @@ def _merge_fields(parts: list[Manifest]) -> tuple[FieldSpec, ...]:
                     f"{other} in another"
                 )
             shape = [-1 if a != b else a for a, b in zip(shape, other.shape, strict=True)]
-        merged.append(FieldSpec(name=spec.name, dtype=spec.dtype, shape=tuple(shape)))
+        merged.append(
+            FieldSpec(name=spec.name, dtype=spec.dtype, shape=tuple(shape), encoding=spec.encoding)
+        )
     if any(len(m.fields) != len(first) for m in parts):
         raise InvalidDataError("source files disagree on the set of fields")
     return tuple(merged)

@@ -21,7 +21,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 from ..writer import ShardWriter
 from .mapping import mapped, resolve_map
 from .registry import READERS, SUFFIXES, claimed, open_source
-from .source import Piece
+from .source import MAX_SAMPLE_BYTES, Piece
 from .splits import Split, find_splits, pick, split_dataset_name
 
 
@@ -99,13 +99,16 @@ def ingest(
     map_fn: str | None = None,
     workers: int = 0,
     split: str | None = None,
+    max_sample_bytes: int = MAX_SAMPLE_BYTES,
+    value_format: str = "auto",
 ) -> IngestSummary:
     """Ingest ``src`` into dataset ``name`` of ``store``; nothing is published on any error.
 
     Shapes that vary between samples are found (the field becomes variable; ``variable``
     declares one up front), and fields missing in some samples become nullable; the summary
     line says which. ``map_fn`` (``"module:function"``) runs over each source sample first,
-    in ``workers`` processes (0: in this one). A source laid out as splits (:mod:`.splits`)
+    in ``workers`` processes (0: in this one). No sample may be larger than
+    ``max_sample_bytes`` (checked before reading where the source says sizes first). A source laid out as splits (:mod:`.splits`)
     needs ``split`` (one of them); :func:`ingest_all` ingests every split.
 
     >>> ingest("hf_dd", "/data/store", "mnist-train", split="train")  # doctest: +SKIP
@@ -125,7 +128,10 @@ def ingest(
         chosen = pick(splits, split, src_path)
         src_path, only = chosen.path, chosen.files
     started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=threads, stacked=stacked, only=only)
+    source = open_source(
+        src_path, fmt, threads=threads, stacked=stacked, only=only,
+        max_sample_bytes=max_sample_bytes, value_format=value_format,
+    )  # fmt: skip
     if workers < 0:
         raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
     fn = resolve_map(map_fn) if map_fn else None
@@ -153,11 +159,13 @@ def ingest(
             overwrite=overwrite,
             source=info,
             variable=set(variable) | source.variable,
+            max_sample_bytes=max_sample_bytes,
         ) as writer,
         mapped(source.pieces, fn, map_fn or "", workers) as pieces,
     ):
         # A map returns samples of its own making: their tree is the writer's to find.
         writer.structure = source.structure if fn is None else None
+        writer.encodings = source.text if fn is None else {}  # filled as pieces are read
         files, read = _write(pieces, writer, bar, len(source.files), progress)
         if writer.num_samples == 0:
             raise InvalidDataError(f"source {src_path} holds no samples; nothing to ingest")

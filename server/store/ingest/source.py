@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
+from shardserve.proto.manifest import TextEncoding
+
+#: The default ``--max-sample-bytes``: no real sample is this large, and a hostile source
+#: (a sparse tar member, a decompression bomb) is stopped here before it costs memory.
+MAX_SAMPLE_BYTES = 256 << 20
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Source:
     pieces: Iterator[Piece]
     #: Fields the format knows are variable-shape (e.g. Arrow list columns).
     variable: set[str] = field(default_factory=set)
+    #: Binary fields that hold text, and how (``utf-8``: a string per sample).
+    text: dict[str, TextEncoding] = field(default_factory=dict)
     #: For columnar sources whose column names are flattened paths: the tree they form
     #: (:data:`shardserve.proto.manifest.Tree`); ``None`` when flat.
     structure: object = None
@@ -62,6 +69,11 @@ class Reader:
     open: Callable[..., Source]
     suffixes: tuple[str, ...] = ()
     claims: Callable[[Path], bool] | None = None
+    #: Whether ``open`` takes ``max_sample_bytes`` (a container whose members say their
+    #: sizes before they are read: the bound is checked there, before any allocation).
+    bounded: bool = False
+    #: Whether ``open`` takes ``value_format`` (values stored as bytes: an LMDB environment).
+    valued: bool = False
 
 
 def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:

@@ -60,6 +60,8 @@ def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestRepor
             map_fn=args.map,
             workers=args.workers,
             split=args.split,
+            max_sample_bytes=args.max_sample_bytes,
+            value_format=args.value_format,
         )
         out = []
         for s in report.summaries:

@@ -1,10 +1,10 @@
-"""Per-job lanes: each job's transform pieces run on threads of its own.
+"""Lanes: threads of one owner (a job's transforms, a dataset's fetches), apart from others.
 
-A thread cannot be stopped, so a transform that hangs keeps its thread. On a shared pool that
-thread (and the pieces queued behind it) belonged to every job; on a lane it belongs to the
-one job whose transform hung. A lane starts threads on demand, up to its size, and a thread
-that has been idle for ``IDLE_S`` ends, so a lane of a finished job costs nothing. Lane
-threads are daemon threads: a hung one never holds up the server's exit.
+A thread cannot be stopped, so work that hangs (a transform, a read from a trickling store)
+keeps its thread. On a shared pool that thread, and the work queued behind it, belonged to
+everyone; on a lane it belongs to the one owner whose work hung. A lane starts threads on
+demand, up to its size, and a thread idle for ``IDLE_S`` ends, so a lane of a finished job
+costs nothing. Lane threads are daemon threads: a hung one never holds up the server's exit.
 
 >>> lanes = Lanes(size=2)
 >>> lanes.get("job-a").submit(sum, [1, 2]).result(timeout=5)
@@ -50,12 +50,12 @@ class Lane:
         fut: Future[Any] = Future()
         with self._cv:
             if self._closed:
-                raise RuntimeError(f"transform lane {self.name} is closed")
+                raise RuntimeError(f"lane {self.name} is closed")
             self._queue.append((fut, fn, args))
             if self._idle == 0 and self._threads < self.size:
                 self._threads += 1
                 threading.Thread(
-                    target=self._work, name=f"ss-transform-{self.name[:8]}", daemon=True
+                    target=self._work, name=f"ss-lane-{self.name[:12]}", daemon=True
                 ).start()
             else:
                 self._cv.notify()
@@ -97,11 +97,11 @@ class Lane:
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
-            del fut, fn, args  # the batch's arrays are not kept alive by an idle thread
+            del fut, fn, args  # what the work held is not kept alive by an idle thread
 
 
 class Lanes:
-    """Lanes by job; lanes with no thread and no queued work are dropped as others are made."""
+    """Lanes by owner; lanes with no thread and no queued work are dropped as others are made."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -112,7 +112,7 @@ class Lanes:
     def get(self, key: str) -> Lane:
         with self._lock:
             if self._closed:
-                raise RuntimeError("the transform lanes are closed (server stopping)")
+                raise RuntimeError("the lanes are closed (server stopping)")
             lane = self._lanes.get(key)
             if lane is None:
                 for k in [k for k, v in self._lanes.items() if v.unused]:

@@ -1,0 +1,135 @@
+"""A slow or broken object store fails what needs it, by name, and nothing else: a shard
+fetch from an endpoint that trickles bytes (moto behind a throttling proxy) fails with "store
+unavailable" within its total deadline while a cached dataset on the same server streams
+exactly; a tampered cache file is fetched again; a full cache disk says so."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shardserve.client import Loader
+from shardserve.proto.errors import DataStallError, ShardserveError
+from shardserve.server.store.object_fs import CacheUnwritable, StoreUnavailable
+from shardserve.server.store.remote import RemoteStore, StoreOptions
+from tests.support.data import make_cifar_like
+from tests.support.server import run_server
+
+from .conftest import S3
+from .test_s3_store import upload
+from .throttle import ThrottlingProxy
+
+TIMEOUT_S = 1.0
+FLOOR = 64 << 10  # bytes/s: a 256 kB shard may take 3 x 1 s + 4 s
+
+
+def _epoch(url: str, dataset: str, epoch: int, **kw: object) -> list[bytes]:
+    with Loader(url, dataset, 64, seed=5, rank=0, world_size=1, timeout=30, shuffle="none",
+                **kw) as ld:  # fmt: skip
+        ld.set_epoch(epoch)
+        return [b["image"].numpy().tobytes() for b in ld]
+
+
+def _two_datasets(s3: S3, tmp_path: Path) -> tuple[dict[str, list[bytes]], Path]:
+    root = tmp_path / "local"
+    make_cifar_like(root, name="cached", n=600, shard_bytes=256 << 10)
+    make_cifar_like(root, name="slow", n=600, seed=7, shard_bytes=256 << 10)
+    for name in ("cached", "slow"):
+        upload(s3, root, name)
+    with run_server(root) as local:
+        want = {f"cached{e}": _epoch(local.http_url, "cached", e) for e in (0, 1)}
+    return want, root
+
+
+@pytest.mark.slow
+def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
+    s3: S3, tmp_path: Path
+) -> None:
+    """With the endpoint trickling 2 kB/s (every piece within the request timeout), a stream
+    of the uncached dataset fails with 'unavailable' (never DataStallError) within its fetch
+    deadline, while the cached dataset's next epoch arrives byte for byte."""
+    want, _ = _two_datasets(s3, tmp_path)
+    with (
+        ThrottlingProxy((s3.host, s3.port)) as proxy,
+        run_server(
+            s3.uri("store"),  # type: ignore[arg-type]
+            "--cache-dir", str(tmp_path / "cache"),
+            "--store-timeout-s", str(TIMEOUT_S),
+            "--store-min-bytes-per-s", str(FLOOR),
+            env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint},
+        ) as srv,
+    ):  # fmt: skip
+        assert _epoch(srv.http_url, "cached", 0) == want["cached0"]  # every shard now cached
+        slow = Loader(srv.http_url, "slow", 64, seed=5, rank=0, world_size=1, timeout=30,
+                      shuffle="none", prefetch=1)  # fmt: skip
+        proxy.throttle(2048)
+        failure: list[BaseException] = []
+        took: list[float] = []
+
+        def read_slow() -> None:
+            t0 = time.monotonic()
+            try:
+                slow.set_epoch(0)
+                list(slow)
+            except BaseException as e:
+                failure.append(e)
+            took.append(time.monotonic() - t0)
+
+        t = threading.Thread(target=read_slow)
+        t.start()
+        assert _epoch(srv.http_url, "cached", 1) == want["cached1"]
+        t.join(60)
+        slow.close()
+        assert not t.is_alive()
+        assert len(failure) == 1, failure
+        err = failure[0]
+        assert isinstance(err, ShardserveError) and not isinstance(err, DataStallError), err
+        text = str(err)
+        assert "unavailable" in text and "s3://shards/store/slow" in text, text
+        assert "bytes/s" in text, text
+        # deadline 3 x 1 s + 256 kB at 64 kB/s, after a trickled manifest read; never the 30 s
+        # stall timeout
+        assert took[0] < 25, took
+        proxy.unthrottle()
+        r = httpx.get(f"{srv.http_url}/readyz", timeout=10)
+        assert r.status_code == 200, r.text
+
+
+def test_tampered_cache_file_is_fetched_again(s3: S3, tmp_path: Path) -> None:
+    """A cached shard whose bytes were changed on disk fails its checksum at first use, is
+    removed and fetched again: the epoch is exact, and the log says what happened."""
+    want, _ = _two_datasets(s3, tmp_path)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--store-timeout-s", "5")
+    with run_server(s3.uri("store"), *args, env=s3.env) as srv:  # type: ignore[arg-type]
+        assert _epoch(srv.http_url, "cached", 0) == want["cached0"]
+    files = sorted(cache.glob("*.arrow"))
+    assert files, "nothing was cached"
+    for f in files:  # flip bytes in the middle of every cached shard
+        data = bytearray(f.read_bytes())
+        mid = len(data) // 2
+        data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
+        f.write_bytes(bytes(data))
+    with run_server(s3.uri("store"), *args, env=s3.env) as srv:  # type: ignore[arg-type]
+        assert _epoch(srv.http_url, "cached", 0) == want["cached0"]
+        assert "failed its checksum; removed, to be fetched again" in srv.log_tail(1 << 20)
+
+
+def test_full_cache_disk_is_reported_as_such(s3: S3, tmp_path: Path) -> None:
+    """A fetch whose local file cannot take the bytes (/dev/full: ENOSPC from the kernel) is
+    CacheUnwritable naming the shard, the folder and what to change, not 'store unavailable'."""
+    root = tmp_path / "local"
+    m = make_cifar_like(root, name="cached", n=300, shard_bytes=256 << 10)
+    upload(s3, root, "cached")
+    rs = RemoteStore(s3.uri("store"), StoreOptions.from_env(s3.env))
+    info = rs.manifest("cached").shards[0]
+    with pytest.raises(CacheUnwritable) as err:
+        rs.fetch("cached", info, Path("/dev/full"))
+    assert not isinstance(err.value, StoreUnavailable)
+    text = str(err.value)
+    assert "No space left on device" in text and info.path in text, text
+    assert "--cache-limit-bytes" in text and m.name == "cached"
