@@ -65,7 +65,7 @@ class Limits:
     max_streams_per_job: int = 0
     #: A claimed rank's holder whose connection outlives the claim by this long is alive
     #: (:func:`.streamer.liveness_s`: libzmq drops a silent peer's connection sooner).
-    alive_after_s: float = 5.0
+    alive_after_s: float = 12.0
 
 
 @dataclass

@@ -73,7 +73,9 @@ class StreamHandler(HelloHandling):
         self.notices = StreamNotices(deps.board, deps.metrics)
         self.opener = Opener(sock, self.notices, config)
         self.limits = Limits(
-            config.max_streams, config.max_streams_per_job, liveness_s(config.heartbeat_s)
+            config.max_streams,
+            config.max_streams_per_job,
+            liveness_s(config.heartbeat_s, config.stream_timeout_s),
         )
         self.rate = HelloRate(config.max_hellos_per_s)
         self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds

@@ -119,26 +119,21 @@ class Waker:
                 os.close(fd)
 
 
-#: Least ZMTP heartbeat timeout (ms): a live process whose I/O thread a loaded machine starves
-#: for a second or two must not look dead.
-MIN_ZMTP_TIMEOUT_MS = 3000
-
-
-def zmtp_heartbeat(heartbeat_s: float) -> tuple[int, int]:
+def zmtp_heartbeat(heartbeat_s: float, stream_timeout_s: float) -> tuple[int, int]:
     """ZMTP ``HEARTBEAT_IVL`` and ``HEARTBEAT_TIMEOUT`` (ms) of the ROUTER: a PING every
-    heartbeat, and a connection that sends nothing (not even a PONG, which libzmq's I/O thread
-    sends on its own) for three heartbeats (at least :data:`MIN_ZMTP_TIMEOUT_MS`) after one
-    is dropped."""
+    heartbeat, and a connection that sends nothing (not even a PONG or a PING of its own, which
+    libzmq's I/O thread sends whatever its process's Python does) for ``stream_timeout_s`` (at
+    least two heartbeats) is dropped."""
     ivl = max(100, int(heartbeat_s * 1000))
-    return ivl, max(3 * ivl, MIN_ZMTP_TIMEOUT_MS)
+    return ivl, max(int(stream_timeout_s * 1000), 2 * ivl)
 
 
-def liveness_s(heartbeat_s: float) -> float:
+def liveness_s(heartbeat_s: float, stream_timeout_s: float) -> float:
     """Seconds within which libzmq drops the connection of a peer that went silent (killed,
     frozen, partitioned): one PING interval, the PING's timeout, and one heartbeat for the
     streamer thread to see the pipe go. A connection that outlives this since a moment is
     answering PINGs: its process is alive, however long since its loop last spoke."""
-    ivl, timeout = zmtp_heartbeat(heartbeat_s)
+    ivl, timeout = zmtp_heartbeat(heartbeat_s, stream_timeout_s)
     return (ivl + timeout) / 1000 + heartbeat_s
 
 
@@ -273,7 +268,7 @@ class Streamer:
         sock.setsockopt(zmq.LINGER, c.linger_ms)
         sock.setsockopt(zmq.SNDHWM, c.send_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)
-        ivl_ms, timeout_ms = zmtp_heartbeat(c.heartbeat_s)
+        ivl_ms, timeout_ms = zmtp_heartbeat(c.heartbeat_s, c.stream_timeout_s)
         sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         # TTL is in deciseconds on the wire, at most 6553.5 s.

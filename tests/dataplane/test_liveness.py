@@ -55,7 +55,9 @@ with Loader(sys.argv[1], "cifar", 2, seed=21, rank=0, world_size=2, prefetch=2, 
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     root = tmp_path_factory.mktemp("liveness")
     make_cifar_like(root, "cifar", n=N)
-    with run_server(root, "--heartbeat-s", str(HEARTBEAT_S)) as s:
+    with run_server(
+        root, "--heartbeat-s", str(HEARTBEAT_S), "--stream-timeout-s", str(scaled(3.0))
+    ) as s:
         yield s
 
 

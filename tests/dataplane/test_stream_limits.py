@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Stretched on a busy machine: a live client starved of CPU for a heartbeat or two must not
 # look late.
 HEARTBEAT_S = scaled(0.5)
-FENCE_S = liveness_s(HEARTBEAT_S)
+#: ``--stream-timeout-s``: how long a silent connection lives (the ZMTP heartbeat timeout).
+STREAM_TIMEOUT_S = scaled(3.0)
+FENCE_S = liveness_s(HEARTBEAT_S, STREAM_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(store: Path) -> Iterator[ServerProc]:
-    with run_server(store, "--heartbeat-s", str(HEARTBEAT_S)) as s:
+    with run_server(
+        store, "--heartbeat-s", str(HEARTBEAT_S), "--stream-timeout-s", str(STREAM_TIMEOUT_S)
+    ) as s:
         yield s
 
 
@@ -285,7 +289,9 @@ def test_a_second_process_on_a_live_rank_raises_rank_in_use(store: Path) -> None
     epoch."""
     from shardserve.client import Loader
 
-    with run_server(store, "--heartbeat-s", str(HEARTBEAT_S)) as srv:
+    with run_server(
+        store, "--heartbeat-s", str(HEARTBEAT_S), "--stream-timeout-s", str(STREAM_TIMEOUT_S)
+    ) as srv:
         kw = {"seed": 21, "rank": 0, "world_size": 2, "timeout": 30.0, "transport": "socket"}
         got: list[int] = []
         failure: list[BaseException] = []
