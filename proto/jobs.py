@@ -81,8 +81,11 @@ def check_weights(weights: tuple[float, ...], n_sources: int, what: str) -> tupl
     for k, w in enumerate(weights):
         if not (w >= 0 and w < float("inf")):
             raise ValueError(f"{what}[{k}] = {w} must be a finite number >= 0")
-    if sum(weights) <= 0:
-        raise ValueError(f"{what} sum to {sum(weights)}: at least one weight must be > 0")
+    total = sum(weights)
+    if not 0 < total < float("inf"):
+        raise ValueError(
+            f"{what} sum to {total}: at least one weight must be > 0, and their sum finite"
+        )
     return weights
 
 
