@@ -30,7 +30,6 @@ from shardserve.proto.endpoints import reaches_this_host
 from shardserve.proto.errors import (
     BadRequest,
     DatasetChanged,
-    JobNotFound,
     ServerUnavailable,
     ShardserveError,
     error_for_code,
@@ -343,40 +342,43 @@ class JobHandle:
             if check is not None:
                 info = api.dataset(spec.dataset)
                 check(info)
-            job = cls(api, spec, api.create_job(spec), token)
+            if world is not None and world.source == "torch.distributed" and world.world_size > 1:
+                job = cls._create_agreed(api, spec, token, world, timeout)
+            else:
+                job = cls(api, spec, api.create_job(spec), token)
             job._info = info
             # The server is up; later calls run inside a stream's own deadline: no retries.
             api.connect_retry_s = 0.0
-            if world is not None and world.source == "torch.distributed" and world.world_size > 1:
-                job.agree(timeout)
         except BaseException:
             api.close()
             raise
         return job
 
-    def agree(self, timeout: float) -> None:
-        """Take rank 0's job when it differs from ours (every rank of the process group calls
-        this, in the same order). Ranks whose Loaders were created on either side of an
-        ``ingest --overwrite`` would otherwise stream two versions (two sample counts, which
-        desynchronises DDP). Rank 0's job is looked up on this rank's server; a server that
-        does not hold it (another node's sidecar) is asked for rank 0's version, and one that
-        no longer holds that version refuses with ``DatasetChanged`` naming both."""
-        theirs = agree_with_rank0(f"{self.id}:{self.version or ''}", timeout=timeout)
-        jid, _, version = theirs.partition(":")
-        if jid == self.id:
-            return
-        try:
-            status = self.api.job(jid)
-            self._adopt(CreatedJob(id=jid, created=False, status=status))
-        except JobNotFound:
-            pinned = self.spec.model_copy(update={"version": version or None})
-            self._adopt(self.api.create_job(pinned))
-        if self.id != jid:
+    @classmethod
+    def _create_agreed(
+        cls, api: ControlClient, spec: JobSpec, token: str | None, world: World, timeout: float
+    ) -> JobHandle:
+        """Rank 0 posts ``spec``; every other rank posts it pinned to rank 0's dataset version
+        (every rank of the process group calls this, in the same order). A pinned spec is
+        the same job, so ranks whose Loaders were made on either side of an ``ingest
+        --overwrite`` still stream one version (two sample counts would desynchronise DDP),
+        and the server never sees a second version of one run. A server that does not hold
+        rank 0's version (another node's sidecar with other data) refuses, and the rank
+        raises ``DatasetChanged`` naming both jobs."""
+        mine = api.create_job(spec) if world.rank == 0 else None
+        # Only rank 0's text is sent; the others' is a placeholder the broadcast overwrites.
+        said = f"{mine.id}:{mine.status.spec.version or ''}" if mine is not None else "-"
+        jid, _, version = agree_with_rank0(said, timeout=timeout).partition(":")
+        if mine is None:
+            mine = api.create_job(spec.model_copy(update={"version": version or None}))
+        job = cls(api, spec, mine, token)
+        if job.id != jid:  # the caller closes api
             raise DatasetChanged(
-                f"rank 0 streams job {jid} of dataset {self.spec.dataset!r} version {version}, "
-                f"this rank's server made job {self.id} (version {self.version}): the ranks of "
+                f"rank 0 streams job {jid} of dataset {spec.dataset!r} version {version}, "
+                f"this rank's server made job {job.id} (version {job.version}): the ranks of "
                 "one run must train on one version"
             )
+        return job
 
     def info(self) -> DatasetInfo:
         """The dataset's description (``GET /v1/datasets/{name}``), fetched once."""

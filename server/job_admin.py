@@ -72,6 +72,12 @@ class JobAdmin:
             )
             return self._admit(spec, length, sizes)
         manifest = self._manifest(spec.dataset)
+        existing = self.jobs.find(spec_job_id(spec)) if spec.version is not None else None
+        if existing is not None:
+            # Re-posted pinned to its version (a DDP rank taking rank 0's job through the
+            # process group): that job, checked when it was made, even if the store holds a
+            # newer version now.
+            return self._admit(existing.spec, existing.num_samples, existing.source_sizes)
         spec = pin_version(spec, manifest)
         known = [f.name for f in manifest.fields]
         if spec.transforms:  # the fields served are the chain's outputs

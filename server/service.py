@@ -20,10 +20,10 @@ import numpy as np
 import zmq
 from prometheus_client import CollectorRegistry
 
-from shardserve.proto.api import DatasetInfo, ServerInfo
+from shardserve.proto.api import CreatedJob, DatasetInfo, ServerInfo
 from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
-from shardserve.proto.jobs import MIXTURE_PREFIX
+from shardserve.proto.jobs import MIXTURE_PREFIX, JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
@@ -180,6 +180,17 @@ class Service:
             metrics=self.metrics,
         )
         return StreamHandler(sock, assembler, deps, self.streamer.config)
+
+    def create_job(self, spec: JobSpec) -> CreatedJob:
+        """Create (or find) the job for ``spec`` (see :meth:`JobAdmin.create_job`). A new
+        job of one dataset opens its pinned version at once: the store keeps an open version
+        while a job pins it, so an ``ingest --overwrite`` before the job's first stream
+        leaves the job its version instead of failing it with ``DatasetChanged``."""
+        created = self.job_admin.create_job(spec)
+        pinned = created.status.spec
+        if created.created and pinned.mixture is None:
+            self.open_dataset(pinned.dataset, pinned.version)
+        return created
 
     def open_dataset(self, name: str, version: str | None = None) -> Any:
         """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per

@@ -29,7 +29,7 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
 def create_job(spec: JobSpec, service: ServiceDep, response: Response) -> CreatedJob:
     """Create the job for ``spec``, or return the existing one: every DDP rank may post the
     same spec and gets the same id (201 when created, 200 when it existed)."""
-    created = service.job_admin.create_job(spec)
+    created = service.create_job(spec)
     if not created.created:
         response.status_code = status.HTTP_200_OK
     return created
