@@ -8,6 +8,7 @@ plane only by queueing a command on the streamer (never by waiting on it). Start
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,7 +22,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from shardserve.proto.api import CreatedJob, DatasetInfo, ServerInfo
-from shardserve.proto.errors import BadRequest, ErrorCode
+from shardserve.proto.errors import BadRequest, DatasetCorruptError, ErrorCode
 from shardserve.proto.host import read_boot_id
 from shardserve.proto.jobs import MIXTURE_PREFIX, JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
@@ -189,7 +190,10 @@ class Service:
         created = self.job_admin.create_job(spec)
         pinned = created.status.spec
         if created.created and pinned.mixture is None:
-            self.open_dataset(pinned.dataset, pinned.version)
+            # A corrupt shard is reported where every rank sees it: the first stream fails
+            # the job naming the shard (the data's fault, not this spec's).
+            with contextlib.suppress(DatasetCorruptError):
+                self.open_dataset(pinned.dataset, pinned.version)
         return created
 
     def open_dataset(self, name: str, version: str | None = None) -> Any:

@@ -16,7 +16,7 @@ def test_all_is_pinned() -> None:
         "AuthError", "BadRequest", "DataStallError", "DatasetChanged", "DatasetCorruptError",
         "DatasetNotFound", "JobFailed", "JobNotFound", "Loader", "LoaderStats", "Masked",
         "ProtocolError", "RankInUse", "ResidentTooLarge", "ServerUnavailable",
-        "ShardserveError", "StreamLimitExceeded", "TransformError", "VarTensor", "plan",
+        "ShardserveError", "StreamLimitExceeded", "Texts", "TransformError", "VarTensor", "plan",
         "serve_local",
     ]  # fmt: skip
     for name in client.__all__:
