@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -151,15 +152,40 @@ class Dataset:
             chunk, rows = locate(idx, self._starts)
             g = groups(chunk)
             self._check_shards(self._chunk_shard[chunk])
+        views = {"fixed": self._fixed, "valid": self._valid, "shapes": self._shapes}
+        return self._read(
+            names, idx, g, rows, lambda kind, n: views[kind][n], self._arrays.__getitem__, out,
+            self._joined,
+        )  # fmt: skip
+
+    def _read(
+        self,
+        names: Sequence[str],
+        idx: np.ndarray,
+        g: list[tuple[int, Positions]],
+        rows: np.ndarray,
+        views: Callable[[str, str], list[np.ndarray]],
+        arrays: Callable[[str], Any],
+        out: Mapping[str, np.ndarray] | None,
+        joined: JoinedColumns | None,
+    ) -> dict[str, np.ndarray]:
+        """The one field loop: fields ``names`` of rows ``rows`` of chunk groups ``g``.
+
+        ``views(kind, name)``: the field's per-chunk arrays of one ``kind`` (``fixed`` values,
+        ``valid`` masks, variable ``shapes``); ``arrays(name)``: a ragged field's chunks;
+        ``joined``: small columns joined across chunks, ``None`` where the chunks change
+        from batch to batch (a remote store's leased shards)."""
+        b = idx.size
         parts: dict[str, np.ndarray] = {}
 
-        def small(kind: str, n: str, chunks: list[np.ndarray], dest: np.ndarray) -> np.ndarray:
+        def small(kind: str, n: str, dest: np.ndarray) -> np.ndarray:
             if not b:
                 return dest
-            joined = self._joined.get((kind, n), chunks) if len(g) > 1 else None
-            if joined is None:
+            chunks = views(kind, n)
+            one = joined.get((kind, n), chunks) if joined is not None and len(g) > 1 else None
+            if one is None:
                 return take_fixed(chunks, g, rows, dest)
-            return np.take(joined, idx, axis=0, out=dest, mode="clip")  # ids are checked
+            return np.take(one, idx, axis=0, out=dest, mode="clip")  # ids are checked
 
         for n in names:
             spec = self._specs[n]
@@ -167,20 +193,20 @@ class Dataset:
                 mask = out.get(n + MASK) if out is not None else None
                 if mask is None or mask.shape != (b,):
                     mask = np.empty(b, dtype=bool)
-                parts[n + MASK] = small("valid", n, self._valid[n], mask)
+                parts[n + MASK] = small("valid", n, mask)
             if spec.kind in ("scalar", "tensor"):
-                parts[n] = small("fixed", n, self._fixed[n], self._out_array(spec, b, out))
+                parts[n] = small("fixed", n, self._out_array(spec, b, out))
                 continue
             if b:
                 parts[n], parts[n + ".offsets"] = take_ragged(
-                    self._arrays[n], g, rows, spec.dtype, spec.shape
+                    arrays(n), g, rows, spec.dtype, spec.shape
                 )
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
                 parts[n + ".offsets"] = np.zeros(1, dtype=np.int64)
             if spec.kind == "variable":
                 shapes = np.empty((b, len(spec.shape)), dtype=np.int64)
-                parts[n + ".shapes"] = small("shapes", n, self._shapes[n], shapes)
+                parts[n + ".shapes"] = small("shapes", n, shapes)
         return parts
 
     @staticmethod

@@ -28,7 +28,7 @@ from shardserve.proto.manifest import Manifest
 
 from .cache import Lease, ShardCache
 from .dataset import Dataset
-from .gather import ALL, Positions, groups, take_fixed, take_ragged
+from .gather import ALL, Positions, groups
 from .index import as_indices, check_bounds, chunk_starts, locate
 from .shards import MappedShard
 
@@ -253,27 +253,16 @@ class RemoteDataset(Dataset):
         else:
             chunk, rows = locate(idx, starts) if b else (idx, idx)
             g = groups(chunk)
-        parts: dict[str, np.ndarray] = {}
-        for n in names:
-            spec = self._specs[n]
-            if spec.kind in ("scalar", "tensor"):
-                dest = self._out_array(spec, b, out)
-                views = [c.fixed[n] for c in chunks]
-                parts[n] = take_fixed(views, g, rows, dest) if b else dest
-                continue
-            if b:
-                arrays = [c.arrays[n] for c in chunks]
-                parts[n], parts[n + ".offsets"] = take_ragged(
-                    arrays, g, rows, spec.dtype, spec.shape
-                )
-            else:
-                parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
-                parts[n + ".offsets"] = np.zeros(1, dtype=np.int64)
-            if spec.kind == "variable":
-                shapes = np.empty((b, len(spec.shape)), dtype=np.int64)
-                views = [c.shapes[n] for c in chunks]
-                parts[n + ".shapes"] = take_fixed(views, g, rows, shapes) if b else shapes
-        return parts
+        kinds = {
+            "fixed": lambda c: c.fixed,
+            "valid": lambda c: c.valid,
+            "shapes": lambda c: c.shapes,
+        }
+        # The local store's field loop (masks included), over this batch's leased chunks.
+        return self._read(
+            names, idx, g, rows, lambda kind, n: [kinds[kind](c)[n] for c in chunks],
+            lambda n: [c.arrays[n] for c in chunks], out, None,
+        )  # fmt: skip
 
     # -- integrity and life ---------------------------------------------------------------
     def verify(self, progress: bool = False) -> None:
