@@ -161,13 +161,14 @@ class AccelerateWatcher:
 
 
 def accelerate_watcher(remainder: Callable[[], int | None]) -> AccelerateWatcher | None:
-    """A watcher for a new pass when Accelerate is loaded in this process, else ``None``.
+    """A watcher for a new pass when this process made an ``Accelerator``, else ``None``.
 
     Accelerate is never imported here: a process that did not load it has no
-    ``GradientState`` to tell.
+    ``GradientState`` to tell, and one that imported it without making an ``Accelerator``
+    (another library did) does not gather this Loader's batches through it.
     """
     module = sys.modules.get("accelerate.state")
-    if module is None:
+    if module is None or not module.is_initialized():
         return None
     rem = remainder()
     if rem is None:
