@@ -324,7 +324,12 @@ class EpochStream:
         ring = self._rings.ring
         keep = ring.ledger.keep() if ring is not None else ()
         self.hello = self.hello.model_copy(
-            update={"start_batch": start, "nonce": secrets.randbits(62), "keep": keep}
+            update={
+                "start_batch": start,
+                "nonce": secrets.randbits(62),
+                "keep": keep,
+                "keep_ring": ring.ring.name if ring is not None and keep else "",
+            }
         )
         self.welcome = None
         self._hello_at = time.monotonic()

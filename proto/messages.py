@@ -114,6 +114,10 @@ class Hello(_Msg):
     keep: tuple[Annotated[int, Field(ge=0, lt=MAX_CREDIT)], ...] = Field(
         default=(), max_length=MAX_CREDIT
     )
+    #: The ring ``keep`` names slots of: a server honours ``keep`` only when the ring it hands
+    #: this stream is that one. After a server restart, or a Hello sent again before the
+    #: Welcome, the server's ring for this peer is not the one the client still reads.
+    keep_ring: str = Field(default="", max_length=255)
     #: Most batches this client takes in one message (1: one batch per message).
     group: int = Field(default=1, ge=1, le=MAX_GROUP)
     #: Elastic resume (:mod:`.resume`): positions of the epoch's order dealt before this

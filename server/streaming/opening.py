@@ -60,6 +60,7 @@ class Opener:
             offset=hello.offset,
             want_shm=self.wants_shm(hello),
             keep=hello.keep,
+            keep_ring=hello.keep_ring,
             max_group=hello.group,
             client=(hello.boot_id, hello.pid),
         )
@@ -87,7 +88,9 @@ class Opener:
         if s.want_shm:
             slots = ring_slots(credit, s.group)
             try:
-                return self.rings.open(route, slots, prep.source, prep.fields, rows, s.keep)
+                return self.rings.open(
+                    route, slots, prep.source, prep.fields, rows, s.keep, s.keep_ring
+                )
             except ShmUnavailable as e:
                 self.notices.fell_back(s, str(e))
         live = {(x.job_id, x.rank) for x in sessions}

@@ -95,6 +95,8 @@ class Session:
     want_shm: bool = False
     #: Slots of the previous stream's ring the client still reads (it may take that ring over).
     keep: tuple[int, ...] = ()
+    #: The ring those slots are of (``Hello.keep_ring``); another ring keeps none.
+    keep_ring: str = ""
     #: Most batches per message the client takes (its Hello), and what this stream sends
     #: (chosen with its sink, see ``Opener.sink_for``).
     max_group: int = 1

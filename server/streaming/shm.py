@@ -276,7 +276,8 @@ class ShmSlots:
         """Every slot but ``keep`` (still read by the client) free again, for the same client's
         next stream: its epochs reuse one ring (pages already faulted in on both sides, no new
         file to zero-fill), and ``keep`` comes back in a later Credit."""
-        self._lent = {k for k in keep if 0 <= k < self.ring.slots}
+        # Only slots this ring lent can still be read: a keep naming others is a stale Hello's.
+        self._lent = {k for k in keep if k in self._lent}
         self.ring.free = [k for k in range(self.ring.slots) if k not in self._lent]
 
     @property

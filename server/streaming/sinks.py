@@ -331,14 +331,17 @@ class RingBook:
         fields: tuple[str, ...],
         batch_size: int,
         keep: tuple[int, ...],
+        keep_ring: str,
     ) -> SlotSink:
         """A ring of ``nslots`` slots of ``batch_size`` rows each: the peer's previous ring if
-        its layout fits, else a new one within the limit (raises :class:`~.shm.ShmUnavailable`)."""
+        its layout fits, else a new one within the limit (raises :class:`~.shm.ShmUnavailable`).
+        ``keep``: slots of the ring named ``keep_ring`` the client still reads; they stay lent
+        only if that is the ring handed back."""
         slots = self._handed.pop(route.ident, None)
         self._handed_at.pop(route.ident, None)
         if slots is not None:
             if slots.key == ShmSlots.key_for(nslots, source, fields, batch_size):
-                slots.reset(keep)
+                slots.reset(keep if keep_ring == slots.ring.name else ())
                 self._live[id(slots)] = slots
                 return SlotSink(route, slots, self)
             slots.close()

@@ -4,6 +4,7 @@ two jobs still get every sample exactly once per epoch; the server stays ready a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -67,7 +68,11 @@ class Tick(Exception):
     pass
 armed = False
 def tick(sig, frame):
+    # Disarms itself: one Tick per arming, so a second tick cannot land in the except clause
+    # and escape the loop with the timer still running.
+    global armed
     if armed:
+        armed = False
         raise Tick()
 signal.signal(signal.SIGALRM, tick)
 signal.setitimer(signal.ITIMER_REAL, 0.0003, 0.0003)
@@ -80,7 +85,7 @@ for _ in range(100):
             armed = False
             break
         except Tick:
-            armed = False
+            pass
 signal.setitimer(signal.ITIMER_REAL, 0, 0)
 """
 
@@ -130,6 +135,14 @@ def _chaos_round(srv: ServerProc, ctx: zmq.Context, job: str, rng: random.Random
     assert r.status_code == 200, r.text
 
 
+def _reap(p: subprocess.Popen[str]) -> None:
+    """Kill a child still running (the test failed) and close its pipes: a Popen left to the
+    garbage collector warns, and pytest pins that warning on whichever test runs then."""
+    if p.poll() is None:
+        p.kill()
+    p.communicate(timeout=60)
+
+
 def _good_rank(srv: ServerProc, seed: int, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", GOOD_RANK, srv.http_url, str(seed), str(EPOCHS)],
@@ -147,7 +160,7 @@ def test_chaos_leaves_other_jobs_streaming_exactly_once(tmp_path: Path) -> None:
     with run_server(store, "--heartbeat-s", "0.5") as srv:
         chaos_job = make_job(srv, batch_size=10, seed=1)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with zmq.Context() as ctx:
+        with zmq.Context() as ctx, contextlib.ExitStack() as children:
             _chaos_round(srv, ctx, chaos_job, rng)  # warm-up: first-use allocations
             rss0 = _rss(srv.proc.pid)
             good = [
@@ -155,11 +168,14 @@ def test_chaos_leaves_other_jobs_streaming_exactly_once(tmp_path: Path) -> None:
                 for seed, world in ((5, 2), (6, 1))
                 for rank in range(world)
             ]
+            for p in good:
+                children.callback(_reap, p)
             # Clients closing under signals, all along.
             closer = subprocess.Popen(
                 [sys.executable, "-c", CLOSER, srv.ipc_endpoint or srv.tcp_endpoint],
                 cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
+            children.callback(_reap, closer)
             rounds = 0
             while rounds < 3 or any(p.poll() is None for p in [*good, closer]):
                 _chaos_round(srv, ctx, chaos_job, rng)

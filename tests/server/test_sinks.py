@@ -144,7 +144,7 @@ def test_slot_sink_lends_slots_and_takes_them_back(
     """The ring holds exactly the credit; a sent slot is lent until a Credit returns it; the
     socket carries only the slot number and the bytes are in the ring."""
     router, dealer = pair
-    sink = book.open(Route(router, PEER, 3, 1), 2, cifar, FIELDS, BATCH, keep=())
+    sink = book.open(Route(router, PEER, 3, 1), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
     try:
         assert sink.transport == "shm" and sink.ring.slots == 2
         first, second = sink.acquire(), sink.acquire()
@@ -176,19 +176,27 @@ def test_a_peer_next_stream_takes_its_ring_over_when_the_layout_fits(
     """Handed over, a ring is reused by the same peer's next stream (slots it still reads
     stay lent); another layout gets a new ring and the old one is unlinked."""
     router, _ = pair
-    old = book.open(Route(router, PEER, 1, 0), 2, cifar, FIELDS, BATCH, keep=())
+    old = book.open(Route(router, PEER, 1, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
     lent = old.acquire()
     assert lent is not None
     old.slots.lend(lent)
     old.close(handover=True)
     path = old.slots.ring.path
     assert path.exists()
-    new = book.open(Route(router, PEER, 2, 1), 2, cifar, FIELDS, BATCH, keep=(lent,))
+    new = book.open(
+        Route(router, PEER, 2, 1),
+        2,
+        cifar,
+        FIELDS,
+        BATCH,
+        keep=(lent,),
+        keep_ring=old.slots.ring.name,
+    )
     assert new.slots is old.slots and new.route.stream == 2
     assert new.acquire() is not None and new.acquire() is None  # the kept slot is not free
     assert new.returned([lent]) == []
     new.close(handover=True)
-    bigger = book.open(Route(router, PEER, 3, 2), 3, cifar, FIELDS, BATCH, keep=())
+    bigger = book.open(Route(router, PEER, 3, 2), 3, cifar, FIELDS, BATCH, keep=(), keep_ring="")
     try:
         assert bigger.slots is not old.slots and not path.exists()
     finally:
@@ -196,20 +204,50 @@ def test_a_peer_next_stream_takes_its_ring_over_when_the_layout_fits(
     book.discard(PEER)
 
 
+def test_a_keep_of_another_ring_or_of_unlent_slots_keeps_nothing(
+    cifar: Dataset, pair: tuple[zmq.Socket, zmq.Socket], book: RingBook
+) -> None:
+    """A Hello whose keep names another ring (the client still reads a restarted server's ring,
+    or never saw this one's Welcome) or slots this ring never lent leaves every slot free:
+    honouring it would leave the stream without a slot to fill, heartbeating forever."""
+    router, _ = pair
+    first = book.open(Route(router, PEER, 1, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
+    lent = first.acquire()
+    assert lent is not None
+    first.slots.lend(lent)
+    first.close(handover=True)
+    name = first.slots.ring.name
+    stale = book.open(
+        Route(router, PEER, 2, 1), 2, cifar, FIELDS, BATCH, keep=(0, 1), keep_ring="ss-gone-ring"
+    )
+    assert stale.slots is first.slots
+    assert stale.acquire() is not None and stale.acquire() is not None
+    stale.close(handover=True)  # nothing lent now
+    unlent = book.open(
+        Route(router, PEER, 3, 2), 2, cifar, FIELDS, BATCH, keep=(0, 1), keep_ring=name
+    )
+    try:
+        assert unlent.acquire() is not None and unlent.acquire() is not None
+    finally:
+        unlent.close()
+
+
 def test_rings_share_one_limit(cifar: Dataset, pair: tuple[zmq.Socket, zmq.Socket]) -> None:
     """The limit counts every live ring: a second ring that would pass it is refused with the
     flag to change, and fits again once the first is closed."""
     router, _ = pair
-    probe = RingBook(DEFAULT_DIR, None).open(Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, ())
+    probe = RingBook(DEFAULT_DIR, None).open(
+        Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, (), ""
+    )
     size = probe.slots.ring.nbytes
     probe.close()
     book = RingBook(DEFAULT_DIR, limit_bytes=size + size // 2)
-    first = book.open(Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, keep=())
+    first = book.open(Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
     first.mapped()  # its client's first Credit: from now on the ring counts
     with pytest.raises(ShmUnavailable, match="--shm-limit-bytes"):
-        book.open(Route(router, b"b", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+        book.open(Route(router, b"b", 2, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
     first.close()
-    second = book.open(Route(router, b"b", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+    second = book.open(Route(router, b"b", 2, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
     second.mapped()
     assert book.live_bytes == size
     second.close()
@@ -223,22 +261,30 @@ def test_unmapped_rings_do_not_count_against_the_limit_but_are_capped(
     """Rings whose client never proved it mapped them leave the limit to proven rings, and at
     most ``max_unproven`` of them exist at once; proof (a Credit) frees a place."""
     router, _ = pair
-    probe = RingBook(DEFAULT_DIR, None).open(Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, ())
+    probe = RingBook(DEFAULT_DIR, None).open(
+        Route(router, b"a", 1, 0), 2, cifar, FIELDS, BATCH, (), ""
+    )
     size = probe.slots.ring.nbytes
     probe.close()
     book = RingBook(DEFAULT_DIR, limit_bytes=size, max_unproven=1)
     try:
-        ghost = book.open(Route(router, b"ghost", 1, 0), 2, cifar, FIELDS, BATCH, keep=())
+        ghost = book.open(
+            Route(router, b"ghost", 1, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring=""
+        )
         assert book.live_bytes == 0 and book.unproven == 1
         with pytest.raises(ShmUnavailable, match="--shm-unproven-rings"):
-            book.open(Route(router, b"real", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+            book.open(Route(router, b"real", 2, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring="")
         ghost.close()  # its stream ended (never mapped): the place is free again
-        real = book.open(Route(router, b"real", 2, 0), 2, cifar, FIELDS, BATCH, keep=())
+        real = book.open(
+            Route(router, b"real", 2, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring=""
+        )
         real.mapped()
         assert book.live_bytes == size and book.unproven == 0
         # A new ring must still fit beside the proven ones.
         with pytest.raises(ShmUnavailable, match="--shm-limit-bytes"):
-            book.open(Route(router, b"ghost2", 3, 0), 2, cifar, FIELDS, BATCH, keep=())
+            book.open(
+                Route(router, b"ghost2", 3, 0), 2, cifar, FIELDS, BATCH, keep=(), keep_ring=""
+            )
         real.close()
     finally:
         book.close()
