@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 
 from .metrics import Metrics
-from .store.remote_dataset import RemoteDataset
-from .streaming.source import BatchParts, BatchSource
-from .transforms.bound import TransformedDataset, Transforms
+from .source import BatchParts, BatchSource
 
 log = logging.getLogger("shardserve.assembly")
+
+#: ``on_lane(lane, fn, *args)``: run ``fn(*args)`` on the threads of job ``lane``.
+JobLanes = Callable[..., "Future[Any]"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +50,10 @@ def assemble_batch(
     """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
 
     ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
-    variable-size parts come back freshly allocated. A source with transforms (issue 15)
-    also gets the batch's index: its batch transforms draw from (seed, epoch, rank, batch).
+    variable-size parts come back freshly allocated. ``batch``: the batch's index in its
+    stream (a transform chain's batch steps draw from (seed, epoch, rank, batch)).
     """
-    if isinstance(ds, TransformedDataset):
-        parts = ds.take(indices, fields, out=out, batch=-1 if batch is None else batch)
-    else:
-        parts = ds.take(indices, fields, out=out)
+    parts = ds.take(indices, fields, out=out, batch=-1 if batch is None else batch)
     return {name: np.ascontiguousarray(arr) for name, arr in parts.items()}
 
 
@@ -64,6 +62,8 @@ class Assembler:
 
     ``notify`` is called (from a worker thread) after each result is queued; it must be
     cheap and thread-safe — the streamer passes its :class:`~.streaming.streamer.Waker`.
+    ``job_lanes`` runs the batches of a source with a ``lane`` (a job's transforms) on that
+    job's own threads; without it they share the pool.
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class Assembler:
         threads: int,
         notify: Callable[[], None],
         metrics: Metrics | None = None,
-        transforms: Transforms | None = None,
+        job_lanes: JobLanes | None = None,
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ss-assembly")
         # Planning (seconds for tens of millions of samples) gets its own lane: a flood of
@@ -80,20 +80,7 @@ class Assembler:
         self._results: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._notify = notify
         self._metrics = metrics
-        self.transforms = transforms
-
-    def bind_transforms(self, source: BatchSource, s: Any) -> BatchSource:
-        """``source`` with the job's transform chain bound to stream ``s`` (its seed, epoch
-        and rank); ``source`` itself when the job has none."""
-        if self.transforms is None or not s.job.spec.transforms:
-            return source
-        return self.transforms.bind(source, s.job.spec, s.epoch, s.seed, s.rank)
-
-    @staticmethod
-    def inline_ok(source: BatchSource) -> bool:
-        """Transforms may take long (or hang until their deadline), a remote dataset may wait
-        on a fetch: never on the streamer."""
-        return not isinstance(source, (TransformedDataset, RemoteDataset))
+        self._job_lanes = job_lanes
 
     def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
@@ -119,8 +106,8 @@ class Assembler:
         the result where it is sent from (a shared-memory slot), still on the worker. A batch
         with transforms is assembled on its job's own lane: one that waits on a hung transform
         until its deadline never holds a thread another job's batches need."""
-        if isinstance(ds, TransformedDataset) and self.transforms is not None:
-            fut = self.transforms.on_job_lane(
+        if ds.lane is not None and self._job_lanes is not None:
+            fut = self._job_lanes(
                 ds.lane, self.assemble_now, ds, indices, fields, out, place, batch
             )
             fut.add_done_callback(lambda f: self._finish(tag, f))

@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import socket
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import zmq
@@ -36,7 +36,9 @@ from .logs import log_event
 from .metrics import Metrics
 from .mixture_admin import MixtureAdmin
 from .settings import Settings
+from .sources import open_source
 from .store.catalog import Store
+from .store.dataset import Dataset
 from .store.object_fs import StoreOptions
 from .store.remote import RemoteStore, open_store
 from .streaming.board import StreamBoard
@@ -171,10 +173,12 @@ class Service:
 
     def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
         assembler = Assembler(
-            self.settings.assembly_threads, waker.wake, self.metrics, self.transforms
+            self.settings.assembly_threads, waker.wake, self.metrics, self.transforms.on_job_lane
         )
         deps = HandlerDeps(
-            open_dataset=self.open_dataset,
+            open_source=partial(
+                open_source, open_dataset=self.open_dataset, transforms=self.transforms
+            ),
             registry=self.jobs,
             plans=self.plans,
             board=self.board,
@@ -196,7 +200,7 @@ class Service:
                 self.open_dataset(pinned.dataset, pinned.version)
         return created
 
-    def open_dataset(self, name: str, version: str | None = None) -> Any:
+    def open_dataset(self, name: str, version: str | None = None) -> Dataset:
         """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per
         ``--verify``. With ``version`` (a job's pinned version), that version or
         ``DatasetChanged``."""

@@ -79,6 +79,12 @@ class EnvSteps:
     def __len__(self) -> int:
         return self.num_batches
 
+    def sample_ids(self) -> np.ndarray:
+        """Every sample id of this rank's epoch, in reading order (step by step)."""
+        if not self.num_batches:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate(list(self))
+
     def batch(self, i: int) -> np.ndarray:
         """Step ``i``: every environment's batch ``i``, env 0 first, as one new int64 array."""
         i = operator.index(i)

@@ -129,6 +129,17 @@ class RankPlan:
     def __len__(self) -> int:
         return self.num_batches
 
+    def sample_ids(self) -> np.ndarray:
+        """Every sample id of this rank's epoch, in reading order (padding included); a view
+        of the shared order when there is no padding.
+
+        >>> RankPlan.from_order(np.arange(5, dtype=np.uint32), 2, 1, 2, False).sample_ids().tolist()
+        [1, 3, 0]
+        """
+        if len(self._ids) == self.num_samples:
+            return self._ids
+        return np.append(self._ids.astype(np.int64), self._pad)
+
     def batch(self, i: int) -> np.ndarray:
         """Return batch ``i``'s global sample ids as a new int64 array."""
         i = operator.index(i)

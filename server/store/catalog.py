@@ -109,7 +109,7 @@ class Store:
                     # Replaced on disk: the old version stays mapped while a job pins it.
                     old = cached[1]
                     self.shelf.put(name, content_id(old.manifest), old)
-                ds = Dataset(folder, self.manifest(name), verify=verify or self.verify)
+                ds = Dataset.mapped(folder, self.manifest(name), verify=verify or self.verify)
                 self._open[name] = cached = (inode, ds)
                 verify = None  # just mapped in the asked mode
             ds = cached[1]

@@ -1,8 +1,13 @@
-"""``Dataset``: a published dataset, memory-mapped once, read with vectorised ``take``.
+"""``Dataset``: a published dataset read with vectorised ``take``, local or remote alike.
 
-Thread-safe: the views are read-only, and the only mutable state (which shards passed their
-lazy checksum) is guarded by a lock. One ``Dataset`` is meant to be shared by every job and
-thread of a process (``Store.open`` caches it), so the page cache holds one copy.
+Its shards come from a :class:`~.shard_set.ShardSet`: mapped once from a local store
+(:meth:`Dataset.mapped`), or leased from the cache of a remote one (:meth:`Dataset.cached`).
+Either way a batch is read by the one field loop here, so both stores return the same parts
+for the same samples (masks of nullable fields, offsets and shapes of variable ones).
+
+Thread-safe: the views are read-only and the shard sets guard their own state. One
+``Dataset`` is meant to be shared by every job and thread of a process (the store caches it),
+so the page cache holds one copy.
 
 ``verify`` modes: ``"lazy"`` checks a shard's whole-file checksum before the first ``take``
 that reads it; ``"full"`` checks every shard at open; ``"off"`` never (sizes, schemas and row
@@ -11,87 +16,75 @@ counts are always checked at open).
 
 from __future__ import annotations
 
-import sys
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest
 
-from .gather import (
-    ALL,
-    JoinedColumns,
-    Positions,
-    RaggedChunks,
-    groups,
-    take_fixed,
-    take_ragged,
+from .cache import ShardCache
+from .gather import ALL, Positions, groups, take_fixed, take_ragged
+from .index import as_indices, check_bounds, chunk_of, locate
+from .shard_set import (
+    VERIFY_MODES,
+    CachedShards,
+    Chunks,
+    Fetch,
+    MappedShards,
+    ShardSet,
+    shard_starts,
 )
-from .index import as_indices, check_bounds, chunk_of, chunk_starts, locate, shard_of_chunk
-from .shards import MappedShard
 
-VERIFY_MODES = ("lazy", "full", "off")
+__all__ = ["MASK", "VERIFY_MODES", "Dataset"]
+
 #: Suffix of a nullable field's validity part in a batch.
 MASK = ".mask"
 
 
 class Dataset:
-    """A memory-mapped dataset; see the module docstring."""
+    """A dataset's samples as batch parts; see the module docstring.
 
-    def __init__(self, folder: Path, manifest: Manifest, verify: str = "lazy") -> None:
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        self.folder = Path(folder)
+    >>> ds = Dataset.mapped(folder, manifest)                  # doctest: +SKIP
+    >>> ds.take([3, 1, 2], ["label"])["label"].tolist()        # doctest: +SKIP
+    [7, 2, 1]
+    """
+
+    def __init__(self, manifest: Manifest, shards: ShardSet) -> None:
         self.manifest = manifest
         self.fields: tuple[FieldSpec, ...] = manifest.fields
         self._specs = {f.name: f for f in self.fields}
         self.num_samples = manifest.num_samples
         self.shard_rows = np.array([s.rows for s in manifest.shards], dtype=np.int64)
-        self._lock = threading.Lock()
+        self._starts = shard_starts(manifest)
+        self.shards = shards
         self._closed = False
-        self._shards: list[MappedShard] = []
-        try:
-            for info in manifest.shards:
-                self._shards.append(MappedShard(self.folder / info.path, info, self.fields))
-            seen: dict[tuple[int, int], str] = {}
-            for sh in self._shards:
-                other = seen.setdefault(sh.identity[:2], sh.info.path)
-                if other != sh.info.path:  # hard or symbolic links to one file
-                    raise DatasetCorruptError(
-                        f"dataset {manifest.name!r}: shards {other} and {sh.info.path} are the "
-                        "same file; every sample of it would be served twice; re-ingest"
-                    )
-        except BaseException:
-            self.close()
-            raise
-        chunks = [c for s in self._shards for c in s.chunks]
-        self._starts = chunk_starts([c.rows for c in chunks])
-        self._chunk_shard = shard_of_chunk([len(s.chunks) for s in self._shards])
-        fixed = [f.name for f in self.fields if f.kind in ("scalar", "tensor")]
-        ragged = [f.name for f in self.fields if f.kind in ("variable", "binary")]
-        variable = [f.name for f in self.fields if f.kind == "variable"]
-        self._fixed = {n: [c.fixed[n] for c in chunks] for n in fixed}
-        self._arrays = {
-            n: RaggedChunks([c.arrays[n] for c in chunks], self._specs[n].dtype) for n in ragged
-        }
-        self._shapes = {n: [c.shapes[n] for c in chunks] for n in variable}
-        nullable = [f.name for f in self.fields if f.nullable]
-        self._valid = {n: [c.valid[n] for c in chunks] for n in nullable}
-        self._joined = JoinedColumns()
-        self._verified = [verify != "lazy"] * len(self._shards)
-        self._failed: dict[int, DatasetCorruptError] = {}
-        self._all_verified = all(self._verified)
-        if verify == "full":
-            self._verified = [False] * len(self._shards)
-            self.verify()
+
+    @classmethod
+    def mapped(cls, folder: Path, manifest: Manifest, verify: str = "lazy") -> Dataset:
+        """A local store's dataset: every shard in ``folder`` mapped now."""
+        return cls(manifest, MappedShards(folder, manifest, verify))
+
+    @classmethod
+    def cached(cls, manifest: Manifest, cache: ShardCache, fetch: Fetch, where: str,
+               verify: str = "lazy") -> Dataset:  # fmt: skip
+        """A remote store's dataset: shards fetched into ``cache`` as batches need them."""
+        return cls(manifest, CachedShards(manifest, cache, fetch, where, verify))
+
+    # -- what streaming asks of a source ------------------------------------------------------
+    groupable = True
+    lane: str | None = None
+
+    @property
+    def inline_ok(self) -> bool:
+        return not self.shards.waits
+
+    def plan_hint(self, ids: np.ndarray) -> None:
+        self.shards.plan_hint(ids)
 
     # -- description -------------------------------------------------------------------------
-    def _names(self, fields: Sequence[str] | None) -> list[str]:
+    def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
+        """``fields`` checked (``None``: every field), or ``KeyError`` naming the unknown one."""
         if fields is None:
             return [f.name for f in self.fields]
         names = [fields] if isinstance(fields, str) else list(fields)
@@ -109,7 +102,7 @@ class Dataset:
         part of a variable or binary field (``x``, ``x.offsets`` and, for tensors, ``x.shapes``).
         A nullable field adds ``x.mask`` (bool, ``True`` where the sample has a value)."""
         parts: dict[str, tuple[str, tuple[int, ...]] | None] = {}
-        for n in self._names(fields):
+        for n in self.field_names(fields):
             spec = self._specs[n]
             if spec.kind in ("scalar", "tensor"):
                 parts[n] = (spec.dtype, spec.shape)
@@ -127,64 +120,67 @@ class Dataset:
         indices: np.ndarray | Sequence[int],
         fields: Sequence[str] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        batch: int = -1,
     ) -> dict[str, np.ndarray]:
         """Gather samples ``indices`` (global ids, any order, repeats allowed) into batch parts.
 
         Fixed field ``x`` -> ``x`` ``[B, *shape]``, written into ``out["x"]`` when given.
         Variable field ``x`` -> ``x`` (values, 1-d), ``x.offsets`` (int64 ``[B+1]``),
         ``x.shapes`` (int64 ``[B, ndim]``). Binary ``x`` -> ``x`` (uint8) and ``x.offsets``.
+        Nullable ``x`` adds ``x.mask``. ``batch`` is not needed to read stored samples.
         """
         if self._closed:
             raise ValueError(f"dataset {self.manifest.name!r} is closed")
         idx = as_indices(indices)
-        names = self._names(fields)
+        names = self.field_names(fields)
         lo, hi = check_bounds(idx, self.num_samples)
         b = idx.size
-        # Ids map to chunks monotonically, so the batch lies in one chunk iff its min and max
-        # do: the common case (stores of a few shards) then skips the per-id search.
-        first = chunk_of(lo, self._starts) if b else 0
-        if b and first == chunk_of(hi, self._starts):
-            base = int(self._starts[first])
-            rows = idx - base if base else idx
-            g: list[tuple[int, Positions]] = [(first, ALL)]
-            self._check_shards(self._chunk_shard[first : first + 1])
+        # Ids map to shards monotonically: a batch inside one shard (the common case) is found
+        # from its min and max alone.
+        if not b:
+            touched: list[int] = []
         else:
-            chunk, rows = locate(idx, self._starts)
-            g = groups(chunk)
-            self._check_shards(self._chunk_shard[chunk])
-        views = {"fixed": self._fixed, "valid": self._valid, "shapes": self._shapes}
-        return self._read(
-            names, idx, g, rows, lambda kind, n: views[kind][n], self._arrays.__getitem__, out,
-            self._joined,
-        )  # fmt: skip
+            first, last = chunk_of(lo, self._starts), chunk_of(hi, self._starts)
+            if first == last:
+                touched = [first]
+            else:
+                touched = np.unique(np.searchsorted(self._starts, idx, "right") - 1).tolist()
+        chunks = self.shards.acquire(touched)
+        try:
+            return self._read(names, idx, lo, hi, chunks, out)
+        finally:
+            self.shards.release(touched)
 
     def _read(
         self,
         names: Sequence[str],
         idx: np.ndarray,
-        g: list[tuple[int, Positions]],
-        rows: np.ndarray,
-        views: Callable[[str, str], list[np.ndarray]],
-        arrays: Callable[[str], Any],
+        lo: int,
+        hi: int,
+        chunks: Chunks,
         out: Mapping[str, np.ndarray] | None,
-        joined: JoinedColumns | None,
     ) -> dict[str, np.ndarray]:
-        """The one field loop: fields ``names`` of rows ``rows`` of chunk groups ``g``.
-
-        ``views(kind, name)``: the field's per-chunk arrays of one ``kind`` (``fixed`` values,
-        ``valid`` masks, variable ``shapes``); ``arrays(name)``: a ragged field's chunks;
-        ``joined``: small columns joined across chunks, ``None`` where the chunks change
-        from batch to batch (a remote store's leased shards)."""
+        """The one field loop: fields ``names`` of samples ``idx`` (within ``lo..hi``)."""
         b = idx.size
+        first = chunk_of(lo, chunks.starts) if b else 0
+        if b and first == chunk_of(hi, chunks.starts):  # one chunk: no per-id search
+            base = int(chunks.starts[first])
+            rows = idx - base if base else idx
+            g: list[tuple[int, Positions]] = [(first, ALL)]
+        else:
+            chunk, rows = locate(idx, chunks.starts) if b else (idx, idx)
+            g = groups(chunk)
+        joined = chunks.joined if len(g) > 1 else None
         parts: dict[str, np.ndarray] = {}
 
-        def small(kind: str, n: str, dest: np.ndarray) -> np.ndarray:
+        def small(
+            kind: Mapping[str, list[np.ndarray]], key: str, n: str, dest: np.ndarray
+        ) -> np.ndarray:
             if not b:
                 return dest
-            chunks = views(kind, n)
-            one = joined.get((kind, n), chunks) if joined is not None and len(g) > 1 else None
+            one = joined.get((key, n), kind[n]) if joined is not None else None
             if one is None:
-                return take_fixed(chunks, g, rows, dest)
+                return take_fixed(kind[n], g, rows, dest)
             return np.take(one, idx, axis=0, out=dest, mode="clip")  # ids are checked
 
         for n in names:
@@ -193,20 +189,20 @@ class Dataset:
                 mask = out.get(n + MASK) if out is not None else None
                 if mask is None or mask.shape != (b,):
                     mask = np.empty(b, dtype=bool)
-                parts[n + MASK] = small("valid", n, mask)
+                parts[n + MASK] = small(chunks.valid, "valid", n, mask)
             if spec.kind in ("scalar", "tensor"):
-                parts[n] = small("fixed", n, self._out_array(spec, b, out))
+                parts[n] = small(chunks.fixed, "fixed", n, self._out_array(spec, b, out))
                 continue
             if b:
                 parts[n], parts[n + ".offsets"] = take_ragged(
-                    arrays(n), g, rows, spec.dtype, spec.shape
+                    chunks.arrays[n], g, rows, spec.dtype, spec.shape
                 )
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
                 parts[n + ".offsets"] = np.zeros(1, dtype=np.int64)
             if spec.kind == "variable":
                 shapes = np.empty((b, len(spec.shape)), dtype=np.int64)
-                parts[n + ".shapes"] = small("shapes", n, shapes)
+                parts[n + ".shapes"] = small(chunks.shapes, "shapes", n, shapes)
         return parts
 
     @staticmethod
@@ -222,63 +218,15 @@ class Dataset:
             )
         return dest
 
-    # -- integrity ---------------------------------------------------------------------------
-    def _check_shards(self, shards: np.ndarray) -> None:
-        """Before reading: each touched shard is verified (lazily) and still whole on disk."""
-        touched = np.unique(shards).tolist() if shards.size > 1 else shards.tolist()
-        for s in touched:
-            if s in self._failed:
-                raise self._failed[s]
-            try:
-                self._shards[s].check_size()
-            except DatasetCorruptError as e:
-                self._failed[s] = e
-                raise
-        if not self._all_verified:
-            self._ensure_verified(shards)
-
-    def _ensure_verified(self, shards: np.ndarray) -> None:
-        for s in np.unique(shards).tolist():
-            if not self._verified[s]:
-                self._verify_one(s)
-
-    def _verify_one(self, s: int, progress: object | None = None) -> None:
-        with self._lock:  # one thread hashes a shard; the others wait for its verdict
-            if s in self._failed:
-                raise self._failed[s]
-            if self._verified[s]:
-                return
-            try:
-                self._shards[s].verify(progress)
-            except DatasetCorruptError as e:
-                self._failed[s] = e
-                raise
-            self._verified[s] = True
-            self._all_verified = all(self._verified)
-
+    # -- integrity and life ----------------------------------------------------------------
     def verify(self, progress: bool = False) -> None:
         """Check every shard's checksum; raise ``DatasetCorruptError`` on the first bad one."""
-        total = sum(s.info.bytes for s in self._shards)
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc=f"verify {self.manifest.name}",
-            disable=not progress,
-            file=sys.stderr,
-        ) as bar:
-            for s in range(len(self._shards)):
-                with self._lock:
-                    self._verified[s] = False
-                self._verify_one(s, bar)
+        self.shards.verify(progress)
 
     def close(self) -> None:
         """Unmap every shard; later ``take`` calls raise ``ValueError``."""
         self._closed = True
-        self._joined = JoinedColumns()  # the joined copies are this dataset's own memory
-        for s in self._shards:
-            s.close()
-        self._shards = []
+        self.shards.close()
 
     def __enter__(self) -> Dataset:
         return self

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.graphs import SPLITS, is_index_field
 from shardserve.proto.manifest import FieldSpec, Manifest
+
+from ..source import BatchParts, BatchSource, PartShapes, Wrapped
 
 #: Parts a graph batch adds; no field may have these names.
 ADDED = ("batch", "ptr")
@@ -103,7 +104,7 @@ def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np
     return values[idx]
 
 
-class GraphCollated:
+class GraphCollated(Wrapped):
     """A dataset whose ``take`` returns graph batches (see module docstring); everything
     else is the wrapped dataset's.
 
@@ -115,34 +116,30 @@ class GraphCollated:
     concatenates (:func:`~shardserve.proto.graphs.concat_dim`).
     """
 
-    def __init__(self, ds: Any, batch_size: int = 0) -> None:
-        self._ds = ds
-        self._specs = {f.name: f for f in ds.fields}
+    def __init__(self, inner: BatchSource, batch_size: int = 0) -> None:
+        super().__init__(inner)
+        self._specs = {f.name: f for f in inner.manifest.fields}
         self.batch_size = batch_size
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ds, name)
-
-    def part_shapes(self, fields: Sequence[str] | None = None) -> dict[str, Any]:
+    def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
         """Every part's size depends on the graphs in the batch: all variable."""
-        names = [n for n in self._ds._names(fields) if n != "num_nodes"]
+        names = [n for n in self.inner.field_names(fields) if n != "num_nodes"]
         return dict.fromkeys([*names, *ADDED])
-
-    def batch_nbytes(self, fields: Sequence[str] | None, batch_size: int) -> int | None:
-        return None
 
     def take(
         self,
         indices: np.ndarray | Sequence[int],
         fields: Sequence[str] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray]:
-        names = self._ds._names(fields)
+        batch: int = -1,
+    ) -> BatchParts:
+        """Graphs ``indices`` collated (``out`` is not used: every part is variable)."""
+        names = self.inner.field_names(fields)
         source = _node_source({n: self._specs[n] for n in names} | _counts_only(self._specs))
         want = list(names)
         if source is not None and source not in want:
             want.append(source)
-        parts = self._ds.take(indices, want)
+        parts = self.inner.take(indices, want, batch=batch)
         b = len(np.asarray(indices).reshape(-1))
         if source == "num_nodes":
             counts = parts["num_nodes"].astype(np.int64)

@@ -4,7 +4,7 @@ A remote store has the layout of a local one (``<prefix>/<name>/manifest.json`` 
 ``<prefix>/<name>/shards/*.arrow``); publishing is "the manifest is written last", since
 object stores have no atomic folder rename. Reads go through a local
 :class:`~.cache.ShardCache`: shards are fetched whole, checksummed and memory-mapped from there
-(:class:`~.remote_dataset.RemoteDataset`).
+(:class:`~.dataset.Dataset` over :class:`~.shard_set.CachedShards`).
 
 Credentials (:mod:`.object_fs`) are never part of what this module shows:
 :attr:`RemoteStore.root` is the URI without user info or query, and every error raised from
@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableSequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from shardserve.proto.errors import (
 from shardserve.proto.manifest import Manifest, ShardInfo, parse_manifest, validate_dataset_name
 
 from . import layout
+from .dataset import Dataset
 from .fetch_lanes import FetchLanes
 from .object_fs import (
     CacheUnwritable,
@@ -122,7 +124,7 @@ class RemoteStore:
             self.fs, self.base = open_filesystem(uri, self.options)
         except (OSError, ValueError) as e:
             raise InvalidDataError(self.scrub(f"cannot open store {self.root}: {e}")) from None
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, Dataset] = {}
         self._lock = threading.Lock()
         self.shelf = VersionShelf()
         #: Every read runs here, per dataset, under its total deadline.
@@ -299,15 +301,13 @@ class RemoteStore:
         """The content id of ``name``'s current version (:mod:`.versions`)."""
         return content_id(self.manifest(name))
 
-    def open(self, name: str, verify: str | None = None, version: str | None = None) -> Any:
-        """The shared ``RemoteDataset`` for ``name`` (shards come through the cache).
+    def open(self, name: str, verify: str | None = None, version: str | None = None) -> Dataset:
+        """The shared ``Dataset`` for ``name`` (shards come through the cache).
 
         With ``version``: that version, current or still held for a job that pins it (an
         upload never deletes the old shards' prefix, so a held version keeps fetching them);
         otherwise ``DatasetChanged`` names both.
         """
-        from .remote_dataset import RemoteDataset
-
         if self.cache is None:
             raise InvalidDataError(
                 f"store {self.root} is remote: serving it needs a local cache (--cache-dir)"
@@ -343,7 +343,10 @@ class RemoteStore:
             if ds is None or ds.manifest != manifest:
                 if ds is not None and content_id(ds.manifest) != content_id(manifest):
                     self.shelf.put(name, content_id(ds.manifest), ds)
-                ds = RemoteDataset(self, manifest, self.cache, verify=verify or self.verify)
+                ds = Dataset.cached(
+                    manifest, self.cache, partial(self.fetch, name), self.root,
+                    verify=verify or self.verify,
+                )  # fmt: skip
                 self._open[name] = ds
             if version is not None and (current := content_id(ds.manifest)) != version:
                 held = self.shelf.get(name, version)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from .source import PartShapes
+from ..source import PartShapes
 
 #: Bytes of reusable buffers one stream may keep (the pool is 2..8 sets within this).
 POOL_BUDGET_BYTES = 64 << 20

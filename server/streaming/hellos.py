@@ -141,8 +141,7 @@ class HelloHandling:
         work = Work(WorkKind.PREPARE, ident, s.stream)
         d = self.deps
         self.assembler.plan(
-            work, prepare, s, d.open_dataset, d.plans, self.config.max_batch_bytes,
-            self.assembler.bind_transforms,
+            work, prepare, s, d.open_source, d.plans, self.config.max_batch_bytes
         )  # fmt: skip
 
     def _welcome(self, s: Session) -> None:

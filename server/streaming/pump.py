@@ -42,10 +42,8 @@ class Pump:
         prep, sink, flow = s.prepared, s.sink, s.flow
         if prep is None or sink is None:
             return False  # not welcomed yet: nothing may be sent
-        # A source with transforms (issue 15) is never assembled on the streamer thread.
-        inline = self.assembler.inline_ok(prep.source) and flow.inline(
-            prep.batch_bytes * s.group, others_busy
-        )
+        # A source that may wait (a fetch, a transform) is never assembled on the streamer.
+        inline = prep.source.inline_ok and flow.inline(prep.batch_bytes * s.group, others_busy)
         while flow.wants_work():
             ticket = sink.acquire()
             if ticket is None:

@@ -8,7 +8,6 @@ release); where its batches are assembled and how they leave, in its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -20,13 +19,13 @@ from ..jobs import Job, JobRegistry
 from ..metrics import Metrics
 from ..planning import RankPlan
 from ..planning.envs import EnvSteps
-from ..store.graphs import GraphCollated
+from ..source import BatchParts, BatchSource, PartShapes
+from ..sources import OpenSource
 from .board import StreamBoard
 from .limits import StreamCancelled, check_batch
 from .pipeline import Pipeline
 from .plans import PlanCache
 from .sinks import BatchSink
-from .source import BatchParts, BatchSource, PartShapes
 
 
 class StreamFacts(TypedDict):
@@ -136,11 +135,7 @@ class Session:
 
 
 def prepare(
-    s: Session,
-    open_dataset: Callable[[str, str | None], BatchSource],
-    plans: PlanCache,
-    max_batch_bytes: int,
-    bind: Callable[[BatchSource, Session], BatchSource] | None = None,
+    s: Session, open_source: OpenSource, plans: PlanCache, max_batch_bytes: int
 ) -> Prepared:
     """On the planning lane: open the dataset and plan this rank's epoch.
 
@@ -150,12 +145,7 @@ def prepare(
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
     job = s.job
-    source = open_dataset(job.spec.dataset, job.spec.version)  # the version the job pinned
-    if job.spec.collate == "graph":
-        # Issue 14: graphs collated for message passing, each batch on its own (issue 22).
-        source = GraphCollated(source, job.spec.batch_size)
-    if bind is not None:
-        source = bind(source, s)  # issue 15: the job's transform chain for this stream
+    source = open_source(job.spec, s.epoch, s.seed, s.rank)
     m = source.manifest
     fields = tuple(job.spec.fields or (f.name for f in m.fields))
     batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
@@ -166,21 +156,16 @@ def prepare(
     plan = plans.rank_plan(
         job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows, offset=s.offset
     )
-    hint: Callable[[RankPlan | EnvSteps], None] | None = getattr(source, "plan_hint", None)
-    if hint is not None:
-        hint(plan)  # a remote dataset prefetches the shards this plan reads next
-    # A batch transform draws its numbers per batch: such batches go one per message.
-    groupable = not getattr(source, "batch_level", False)
-    return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, groupable)
+    source.plan_hint(plan.sample_ids())  # a remote dataset fetches what comes next
+    return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable)
 
 
 @dataclass(frozen=True)
 class HandlerDeps:
     """What the handler uses and shares with the control plane (all thread-safe)."""
 
-    #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job
-    #: pinned, or ``DatasetChanged`` (see ``Service.open_dataset``).
-    open_dataset: Callable[[str, str | None], BatchSource]
+    #: A stream's source chain (see :func:`~..sources.open_source`).
+    open_source: OpenSource
     registry: JobRegistry
     plans: PlanCache
     board: StreamBoard

@@ -38,7 +38,7 @@ import numpy as np
 
 from shardserve.proto.messages import MAX_NDIM, PartHeader, ShmRing
 
-from .source import BatchParts, BatchSource, PartShapes
+from ..source import BatchParts, BatchSource, PartShapes
 
 PREFIX = "shardserve-"
 DEFAULT_DIR = Path("/dev/shm")

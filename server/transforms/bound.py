@@ -27,6 +27,7 @@ from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 
 from ..lanes import Lanes
+from ..source import BatchParts, BatchSource, PartShapes, Wrapped
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
@@ -81,13 +82,14 @@ class Transforms:
         check_chain_bytes(chain, spec.batch_size, self.limits.max_batch_bytes)
         return chain
 
-    def bind(self, ds: Any, spec: JobSpec, epoch: int, seed: int, rank: int) -> Any:
-        """``ds`` as the stream of (``seed``, ``epoch``, ``rank``) sees it; ``ds`` itself
-        when the job has no transforms."""
+    def bind(self, source: BatchSource, spec: JobSpec, epoch: int, seed: int,
+             rank: int) -> BatchSource:  # fmt: skip
+        """``source`` as the stream of (``seed``, ``epoch``, ``rank``) sees it; ``source``
+        itself when the job has no transforms."""
         if not spec.transforms:
-            return ds
+            return source
         return TransformedDataset(
-            ds, self.compile(spec, ds.manifest), self, spec, epoch, seed, rank
+            source, self.compile(spec, source.manifest), self, spec, epoch, seed, rank
         )
 
     def describe(self) -> dict[str, Any]:
@@ -102,12 +104,13 @@ class Transforms:
         self._assembly.close()
 
 
-class TransformedDataset:
-    """A dataset whose ``take`` runs a chain; everything else is the wrapped dataset's."""
+class TransformedDataset(Wrapped):
+    """A source whose ``take`` runs a chain and whose fields are the chain's outputs; it
+    never runs inline, and each batch is assembled on its job's own lane."""
 
-    def __init__(self, ds: Any, chain: Chain, runtime: Transforms, spec: JobSpec, epoch: int,
-                 seed: int, rank: int) -> None:  # fmt: skip
-        self._ds = ds
+    def __init__(self, inner: BatchSource, chain: Chain, runtime: Transforms, spec: JobSpec,
+                 epoch: int, seed: int, rank: int) -> None:  # fmt: skip
+        super().__init__(inner)
         self.chain = chain
         self._rt = runtime
         self._spec = spec
@@ -115,17 +118,18 @@ class TransformedDataset:
         self._lane = job_id(spec)
         self._epoch, self._seed, self._rank = epoch, seed, rank
         self.fields = tuple(to_field_spec(n, f) for n, f in chain.outputs.items())
-        m = ds.manifest
+        m = inner.manifest
         per_sample = sum(
             int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in chain.outputs.values()
             if f.fixed
         )  # fmt: skip
         total = max(m.total_bytes, per_sample * m.num_samples)
-        self.manifest = m.model_copy(update={"fields": self.fields, "total_bytes": total})
-        self._specs = {f.name: f for f in self.fields}
+        self._manifest = m.model_copy(update={"fields": self.fields, "total_bytes": total})
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ds, name)
+    @property
+    def manifest(self) -> Manifest:
+        """The stored dataset's, with the chain's outputs as its fields."""
+        return self._manifest
 
     @property
     def lane(self) -> str:
@@ -133,12 +137,17 @@ class TransformedDataset:
         return self._lane
 
     @property
-    def batch_level(self) -> bool:
-        """Whether a step sees whole batches (its numbers are drawn per batch): such batches
-        are never sent several to a message, which would change what a step sees."""
-        return self.chain.batch_steps
+    def inline_ok(self) -> bool:
+        """Never: a transform may take long, or hang until its deadline."""
+        return False
 
-    def _names(self, fields: Sequence[str] | None) -> list[str]:
+    @property
+    def groupable(self) -> bool:
+        """Not when a step sees whole batches (its numbers are drawn per batch): several
+        batches in one message would change what it sees."""
+        return not self.chain.batch_steps and self.inner.groupable
+
+    def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
         names = list(fields) if fields is not None else list(self.chain.outputs)
         unknown = [n for n in names if n not in self.chain.outputs]
         if unknown:
@@ -146,9 +155,9 @@ class TransformedDataset:
                              f"{list(self.chain.outputs)}")  # fmt: skip
         return names
 
-    def part_shapes(self, fields: Sequence[str] | None = None) -> dict[str, Any]:
-        parts: dict[str, Any] = {}
-        for n in self._names(fields):
+    def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
+        parts: dict[str, tuple[str, tuple[int, ...]] | None] = {}
+        for n in self.field_names(fields):
             f = self.chain.outputs[n]
             if f.fixed:
                 parts[n] = (f.dtype, f.shape)
@@ -158,26 +167,17 @@ class TransformedDataset:
                     parts[n + ".shapes"] = None
         return parts
 
-    def batch_nbytes(self, fields: Sequence[str] | None, batch_size: int) -> int | None:
-        total = 0
-        for n in self._names(fields):
-            f = self.chain.outputs[n]
-            if not f.fixed:
-                return None
-            total += int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize * batch_size
-        return total
-
     def take(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None,
-             out: Mapping[str, np.ndarray] | None = None, batch: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
+             out: Mapping[str, np.ndarray] | None = None, batch: int = -1) -> BatchParts:  # fmt: skip
         """Batch ``batch`` of this stream: stored fields of ``indices`` through the chain."""
-        names = self._names(fields)
+        names = self.field_names(fields)
         idx = np.array(indices, dtype=np.int64).reshape(-1)
         where = Where(self._seed, self._epoch, self._rank, batch)
         name = self.manifest.name
         chain_names = self.chain.names
         attempts: dict[int, int] = {}
         while True:
-            stored = self._ds.take(idx, list(self.chain.inputs))
+            stored = self.inner.take(idx, list(self.chain.inputs), batch=batch)
             try:
                 return self._rt.pool.run(
                     self.chain, stored, idx, where, names,

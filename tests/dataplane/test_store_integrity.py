@@ -138,7 +138,7 @@ def test_two_shard_paths_to_one_file_are_refused(tmp_path: Path) -> None:
     doc["num_samples"] = sum(s["rows"] for s in doc["shards"])
     (folder / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(DatasetCorruptError, match="same file"):
-        Dataset(folder, layout.read_manifest(folder))
+        Dataset.mapped(folder, layout.read_manifest(folder))
 
 
 PUBLISHER = """
@@ -165,7 +165,7 @@ def test_concurrent_ingests_never_publish_an_empty_dataset(tmp_path: Path) -> No
         assert p.wait(timeout=240) == 0
     for tag in ("a", "b"):
         for i in range(count):
-            with Dataset(
+            with Dataset.mapped(
                 tmp_path / f"{tag}{i}", layout.read_manifest(tmp_path / f"{tag}{i}")
             ) as ds:
                 assert ds.num_samples == 50
@@ -255,7 +255,7 @@ def test_big_endian_arrays_ingest_with_their_values(tmp_path: Path) -> None:
     store = tmp_path / "store"
     m = ingest(tmp_path, store, "be", progress=False).manifest
     assert m.num_samples == 40
-    with Dataset(store / "be", m) as ds:
+    with Dataset.mapped(store / "be", m) as ds:
         got = ds.take(np.arange(40))
     np.testing.assert_array_equal(got["x"][:20], x.astype("<u4"))
     np.testing.assert_array_equal(got["x"][20:], (x + 100).astype("<u4"))

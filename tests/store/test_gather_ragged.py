@@ -15,6 +15,7 @@ from shardserve.server.store import gather
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.dataset import Dataset
 from shardserve.server.store.index import locate
+from shardserve.server.store.shard_set import Chunks
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import make_graph_like
 
@@ -49,27 +50,34 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Dataset, Dataset]:
     return store.open("graphs"), store.open("odd")
 
 
+def _chunks(ds: Dataset) -> Chunks:
+    """Every chunk of a local dataset (its shard set hands out all of them)."""
+    return ds.shards.acquire(range(len(ds.manifest.shards)))
+
+
 def _reference(ds: Dataset, name: str, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    chunk, rows = locate(idx, ds._starts)
+    chunk, rows = locate(idx, _chunks(ds).starts)
     g = gather.groups(chunk)
     spec = next(f for f in ds.fields if f.name == name)
-    return gather.ragged_parts(gather.take_arrow(list(ds._arrays[name]), g, rows), spec.dtype)
+    return gather.ragged_parts(
+        gather.take_arrow(list(_chunks(ds).arrays[name]), g, rows), spec.dtype
+    )
 
 
 def _assert_same(ds: Dataset, idx: np.ndarray) -> None:
     parts = ds.take(idx)
-    chunks = [v for n, a in ds._arrays.items() for c in range(len(a)) for v in a.views(c)]
-    for name in ds._arrays:
+    chunks = [v for n, a in _chunks(ds).arrays.items() for c in range(len(a)) for v in a.views(c)]
+    for name in _chunks(ds).arrays:
         want_v, want_o = _reference(ds, name, idx)
         np.testing.assert_array_equal(parts[name + ".offsets"], want_o)
         np.testing.assert_array_equal(parts[name], want_v)
         assert parts[name].dtype == want_v.dtype
         assert not any(np.shares_memory(parts[name], v) for v in chunks), f"{name} views the store"
         # The remote store passes plain lists (no cached views): the same answer.
-        chunk, rows = locate(idx, ds._starts)
+        chunk, rows = locate(idx, _chunks(ds).starts)
         spec = next(f for f in ds.fields if f.name == name)
         v, o = gather.take_ragged(
-            list(ds._arrays[name]), gather.groups(chunk), rows, spec.dtype, spec.shape
+            list(_chunks(ds).arrays[name]), gather.groups(chunk), rows, spec.dtype, spec.shape
         )
         np.testing.assert_array_equal(v, want_v)
         np.testing.assert_array_equal(o, want_o)

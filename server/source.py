@@ -1,0 +1,128 @@
+"""What a batch is read from: the contract every source and every decorator of one meets.
+
+A job's batches come from a chain built in one place (:func:`~.sources.open_source`)::
+
+    Dataset (the store's: shards mapped locally, or leased from a remote store's cache)
+      └─ GraphCollated   collate="graph": graphs put together for message passing
+           └─ TransformedDataset   the job's transform chain, bound to one stream
+
+Streaming and assembly see only :class:`BatchSource`: they never ask which link they hold.
+A new kind of source implements the protocol; a new decorator subclasses :class:`Wrapped`,
+which passes every question on to the source it wraps, and overrides what it changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from shardserve.proto.manifest import Manifest
+
+#: A batch as a source returns it: part name -> array, in frame order.
+BatchParts = dict[str, np.ndarray]
+#: Part name -> ``(dtype, per-sample shape)`` for fixed-size parts, ``None`` for variable ones.
+PartShapes = Mapping[str, "tuple[str, tuple[int, ...]] | None"]
+
+
+class BatchSource(Protocol):
+    """A dataset as streaming reads it (thread-safe: ``take`` runs on assembly workers)."""
+
+    @property
+    def manifest(self) -> Manifest:
+        """What the source serves: its fields are the fields ``take`` returns."""
+        ...
+
+    @property
+    def shard_rows(self) -> np.ndarray:
+        """Samples per stored shard (plans of a ``block`` shuffle follow them)."""
+        ...
+
+    @property
+    def groupable(self) -> bool:
+        """Whether several batches may travel in one message: not when a step draws its
+        numbers per batch, which would change what it sees."""
+        ...
+
+    @property
+    def lane(self) -> str | None:
+        """The job whose own threads assemble these batches (one that waits on a hung
+        transform then holds only that job's threads); ``None``: the shared pool."""
+        ...
+
+    @property
+    def inline_ok(self) -> bool:
+        """Whether a take is cheap and never waits (on a fetch, a transform's deadline), so
+        that a lone stream's small batches may be assembled on the streamer thread."""
+        ...
+
+    def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
+        """``fields`` checked against the manifest (``None``: every field), or ``KeyError``
+        / ``BadRequest`` naming the unknown ones."""
+        ...
+
+    def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
+        """The batch parts of ``fields``, laid out before the first batch."""
+        ...
+
+    def plan_hint(self, ids: np.ndarray) -> None:
+        """The sample ids a stream will read, in order: a source that fetches reads ahead."""
+        ...
+
+    def take(
+        self,
+        indices: np.ndarray | Sequence[int],
+        fields: Sequence[str] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        batch: int = -1,
+    ) -> BatchParts:
+        """Samples ``indices`` as batch parts; fixed-size parts written into ``out`` when
+        given. ``batch``: the batch's index in its stream (transforms draw from it)."""
+        ...
+
+
+class Wrapped:
+    """A decorator of a source: every question goes on to ``inner``, stated one by one so
+    that a subclass shows what it changes by what it overrides."""
+
+    def __init__(self, inner: BatchSource) -> None:
+        self.inner = inner
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.inner.manifest
+
+    @property
+    def shard_rows(self) -> np.ndarray:
+        return self.inner.shard_rows
+
+    @property
+    def groupable(self) -> bool:
+        return self.inner.groupable
+
+    @property
+    def lane(self) -> str | None:
+        return self.inner.lane
+
+    @property
+    def inline_ok(self) -> bool:
+        return self.inner.inline_ok
+
+    def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
+        return self.inner.field_names(fields)
+
+    def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
+        return self.inner.part_shapes(fields)
+
+    def plan_hint(self, ids: np.ndarray) -> None:
+        self.inner.plan_hint(ids)
+
+    def take(
+        self,
+        indices: np.ndarray | Sequence[int],
+        fields: Sequence[str] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        batch: int = -1,
+    ) -> BatchParts:
+        return self.inner.take(indices, fields, out, batch)

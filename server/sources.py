@@ -1,0 +1,45 @@
+"""The one place a stream's source chain is built: the job's dataset, then its decorators.
+
+To add a decorator of sources (see :class:`~.source.Wrapped`), add its step here, in the
+order it applies; streaming and assembly then serve it without a change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardserve.proto.jobs import JobSpec
+
+from .source import BatchSource
+from .store.graphs import GraphCollated
+from .transforms.bound import Transforms
+
+#: ``open_dataset(name, version)``: the shared, cached dataset of the version a job pinned,
+#: or ``DatasetChanged`` (see ``Service.open_dataset``).
+OpenDataset = Callable[[str, str | None], BatchSource]
+#: ``open_source(spec, epoch, seed, rank)``: :func:`open_source` with the server's parts bound.
+OpenSource = Callable[[JobSpec, int, int, int], BatchSource]
+
+
+def open_source(
+    spec: JobSpec,
+    epoch: int,
+    seed: int,
+    rank: int,
+    *,
+    open_dataset: OpenDataset,
+    transforms: Transforms | None,
+) -> BatchSource:
+    """What stream (``epoch``, ``seed``, ``rank``) of job ``spec`` reads its batches from.
+
+    >>> source = open_source(spec, 0, spec.seed, 0, open_dataset=store.open,
+    ...                      transforms=None)                              # doctest: +SKIP
+    >>> source.take([0, 1], ["label"])                                    # doctest: +SKIP
+    """
+    source = open_dataset(spec.dataset, spec.version)  # the version the job pinned
+    if spec.collate == "graph":
+        # Graphs collated for message passing, each batch on its own terms.
+        source = GraphCollated(source, spec.batch_size)
+    if transforms is not None:
+        source = transforms.bind(source, spec, epoch, seed, rank)
+    return source
