@@ -13,8 +13,9 @@ import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from .params import FieldParams, Name
 from .registry import batch_transform, sample_transform
 from .schema import Field as F
 from .schema import Schema
@@ -26,19 +27,10 @@ MAX_SIDE = 1 << 16
 Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
 Size = Annotated[Side | Annotated[list[Side], Field(min_length=2, max_length=2)],
                  Field(description="output N or [H, W], each 1 to 65536")]  # fmt: skip
-Name = Annotated[str, Field(min_length=1, max_length=256)]
 Finite = Annotated[float, Field(ge=-1e12, le=1e12)]
 
 
-class _Params(BaseModel):
-    # Strict: "32" is not 32 and true is not 1; floats are finite.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-    #: The field to transform.
-    field: Name = "image"
-
-
-class _ImageParams(_Params):
+class _ImageParams(FieldParams):
     layout: Layout = "HWC"
 
 
@@ -240,9 +232,9 @@ def _resample(x: np.ndarray, box: tuple[float, float, float, float], size: tuple
     y0, x0, h, w = box
     if method == "numpy":
         return _bilinear(x, y0, x0, h, w, size[0], size[1], ah, aw)
-    from .images import _pil  # Pillow's C resampler: several times faster, releases the GIL
+    from .images import pil  # Pillow's C resampler: several times faster, releases the GIL
 
-    image = _pil()
+    image = pil()
     im = image.fromarray(x)
     out = im.resize((size[1], size[0]), image.BILINEAR, box=(x0, y0, x0 + w, y0 + h))
     return np.asarray(out)
@@ -268,9 +260,9 @@ def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
             raise ValueError(
                 f"method 'pillow' resizes uint8 HWC images; {p.field!r} is {f.describe()}"
             )
-        from .images import _pil
+        from .images import pil
 
-        _pil()
+        pil()
     return {p.field: _with_hw(f, p.layout, *_size2(p.size))}
 
 
@@ -288,9 +280,9 @@ Pair = Annotated[list[Annotated[float, Field(gt=0, le=100)]], Field(min_length=2
 
 class RandomResizedCrop(Resize):
     #: Range of the crop's share of the image's area, each in (0, 1], low <= high.
-    scale: Pair = [0.08, 1.0]
+    scale: Pair = Field(default=[0.08, 1.0])
     #: Range of the crop's aspect ratio (width / height), each in (0, 100], low <= high.
-    ratio: Pair = [3 / 4, 4 / 3]
+    ratio: Pair = Field(default=[3 / 4, 4 / 3])
 
     @model_validator(mode="after")
     def _ranges(self) -> RandomResizedCrop:
@@ -334,7 +326,7 @@ def random_resized_crop(sample: dict[str, Any], p: RandomResizedCrop,
 
 
 # -- random subset of rows (query sampling) ---------------------------------------------------
-class RandomSubset(_Params):
+class RandomSubset(FieldParams):
     n: int = Field(ge=1, le=1 << 24)
     #: Draw with replacement (a sample with fewer than ``n`` rows then still works).
     replace: bool = False
@@ -366,7 +358,7 @@ def random_subset(
 
 
 # -- bit unpacking ----------------------------------------------------------------------------
-class UnpackBits(_Params):
+class UnpackBits(FieldParams):
     #: Per-sample shape of the planes, e.g. ``[104, 9, 9]``; its product bits are read.
     shape: list[Annotated[int, Field(ge=1, le=1 << 31)]] = Field(min_length=1, max_length=8)
     dtype: Literal["uint8", "bool", "float32", "float16"] = "uint8"

@@ -12,13 +12,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .builtins import _Params
+from .params import FieldParams
 from .registry import sample_transform
 from .runner import Limits
 from .schema import Field, Schema
 
 
-def _pil() -> Any:
+def pil() -> Any:
     try:
         from PIL import Image
     except ImportError:
@@ -29,7 +29,7 @@ def _pil() -> Any:
     return Image
 
 
-class Decode(_Params):
+class Decode(FieldParams):
     mode: Literal["RGB", "L"] = "RGB"
 
 
@@ -39,7 +39,7 @@ def _decode_outputs(p: Decode, inputs: Schema) -> dict[str, Field]:
         raise ValueError(f"no field {p.field!r}")
     if not inputs[p.field].binary:
         raise ValueError(f"field {p.field!r} is {inputs[p.field].describe()}, not encoded bytes")
-    _pil()
+    pil()
     return {p.field: Field("uint8", (-1, -1, 3) if p.mode == "RGB" else (-1, -1))}
 
 
@@ -48,7 +48,7 @@ def decode_image(sample: dict[str, Any], p: Decode, rng: np.random.Generator,
                  limits: Limits) -> dict[str, Any]:  # fmt: skip
     """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L); an image whose header says more
     than ``--max-decoded-pixels`` is refused before a pixel is decoded."""
-    image = _pil()
+    image = pil()
     try:
         # open() reads the header only: the size is known before anything is allocated.
         im = image.open(io.BytesIO(sample[p.field].tobytes()))
