@@ -24,12 +24,12 @@ from .jobs import Job, JobRegistry
 from .lifecycle import ENDED, LIVE, expired, job_state, last_active
 from .metrics import JobsSnapshot, RankSeries
 from .planning import num_batches
+from .planning.cache import PlanCache
 from .settings import Settings
 from .store.graphs import check_graph_job
 from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
-from .streaming.plans import PlanCache
 from .transforms.bound import Transforms
 
 

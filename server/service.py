@@ -35,6 +35,7 @@ from .journal import JournalLocked
 from .logs import log_event
 from .metrics import Metrics
 from .mixture_admin import MixtureAdmin
+from .planning.cache import PlanCache
 from .settings import Settings
 from .sources import open_source
 from .store.catalog import Store
@@ -44,7 +45,6 @@ from .store.remote import RemoteStore, open_store
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
-from .streaming.plans import PlanCache
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale

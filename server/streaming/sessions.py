@@ -18,13 +18,13 @@ from shardserve.proto.endpoints import Delivery as Transport
 from ..jobs import Job, JobRegistry
 from ..metrics import Metrics
 from ..planning import RankPlan
+from ..planning.cache import PlanCache
 from ..planning.envs import EnvSteps
 from ..source import BatchParts, BatchSource, PartShapes
 from ..sources import OpenSource
 from .board import StreamBoard
 from .limits import StreamCancelled, check_batch
 from .pipeline import Pipeline
-from .plans import PlanCache
 from .sinks import BatchSink
 
 

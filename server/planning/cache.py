@@ -18,10 +18,10 @@ from collections import OrderedDict
 import numpy as np
 
 from shardserve.proto.errors import BadRequest
-from shardserve.server.planning import RankPlan, epoch_order
-from shardserve.server.planning.envs import EnvSteps
 
 from ..jobs import Job
+from . import RankPlan, epoch_order
+from .envs import EnvSteps
 
 #: Bytes of orders kept across all jobs.
 ORDER_CACHE_BYTES = 512 << 20
