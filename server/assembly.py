@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -28,14 +28,17 @@ from .source import BatchParts, BatchSource
 log = logging.getLogger("shardserve.assembly")
 
 #: ``on_lane(lane, fn, *args)``: run ``fn(*args)`` on the threads of job ``lane``.
-JobLanes = Callable[..., "Future[Any]"]
+JobLanes = Callable[..., "Future[object]"]
+#: What the consumer tags its work with, to recognise each result.
+Tag = TypeVar("Tag")
 
 
 @dataclass(frozen=True, slots=True)
-class Done:
+class Done(Generic[Tag]):
     """A finished work item: its tag and either a value or the exception it raised."""
 
-    tag: Any
+    tag: Tag
+    #: What the work returned: the consumer knows from its tag what that is.
     value: Any = None
     error: BaseException | None = None
 
@@ -57,7 +60,7 @@ def assemble_batch(
     return {name: np.ascontiguousarray(arr) for name, arr in parts.items()}
 
 
-class Assembler:
+class Assembler(Generic[Tag]):
     """A bounded pool whose results are collected by one consumer thread.
 
     ``notify`` is called (from a worker thread) after each result is queued; it must be
@@ -77,24 +80,24 @@ class Assembler:
         # Planning (seconds for tens of millions of samples) gets its own lane: a flood of
         # Hellos then delays other Hellos' Welcomes, never the batches of running streams.
         self._plan_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ss-plan")
-        self._results: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Done[Tag]] = queue.SimpleQueue()
         self._notify = notify
         self._metrics = metrics
         self._job_lanes = job_lanes
 
-    def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, tag: Tag, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
         fut = self._pool.submit(fn, *args)
         fut.add_done_callback(lambda f: self._finish(tag, f))
 
-    def plan(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
+    def plan(self, tag: Tag, fn: Callable[..., object], *args: object) -> None:
         """Like :meth:`submit`, on the planning lane (one thread, apart from assembly)."""
         fut = self._plan_pool.submit(fn, *args)
         fut.add_done_callback(lambda f: self._finish(tag, f))
 
     def gather(
         self,
-        tag: Any,
+        tag: Tag,
         ds: BatchSource,
         indices: np.ndarray,
         fields: Sequence[str],
@@ -133,14 +136,14 @@ class Assembler:
             self._metrics.assembly_seconds.observe(time.perf_counter() - t0)
         return parts
 
-    def _finish(self, tag: Any, fut: Future[Any]) -> None:
+    def _finish(self, tag: Tag, fut: Future[object]) -> None:
         if fut.cancelled():
             return
         err = fut.exception()
         self._results.put(Done(tag, None if err else fut.result(), err))
         self._notify()
 
-    def results(self) -> list[Done]:
+    def results(self) -> list[Done[Tag]]:
         """Every result queued so far (non-blocking)."""
         out = []
         while True:

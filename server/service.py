@@ -45,6 +45,7 @@ from .store.remote import RemoteStore, open_store
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
+from .streaming.pipeline import Work
 from .streaming.shm import DEFAULT_DIR as SHM_DIR
 from .streaming.shm import PREFIX as SHM_PREFIX
 from .streaming.shm import remove_stale
@@ -172,7 +173,7 @@ class Service:
         self.version = _version()
 
     def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
-        assembler = Assembler(
+        assembler: Assembler[Work] = Assembler(
             self.settings.assembly_threads, waker.wake, self.metrics, self.transforms.on_job_lane
         )
         deps = HandlerDeps(

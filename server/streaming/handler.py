@@ -61,7 +61,11 @@ class StreamHandler(HelloHandling):
     """Sessions by routing id, and what to do with each event. Streamer thread only."""
 
     def __init__(
-        self, sock: zmq.Socket, assembler: Assembler, deps: HandlerDeps, config: StreamerConfig
+        self,
+        sock: zmq.Socket,
+        assembler: Assembler[Work],
+        deps: HandlerDeps,
+        config: StreamerConfig,
     ) -> None:
         self.sock = sock
         self.assembler = assembler
@@ -142,7 +146,7 @@ class StreamHandler(HelloHandling):
             except Exception as e:
                 self._contain(s, e)
 
-    def _apply(self, s: Session, work: Work, done: Done) -> None:
+    def _apply(self, s: Session, work: Work, done: Done[Work]) -> None:
         if done.error is not None:
             self._stream_failed(s, done.error)
         elif work.kind is WorkKind.PREPARE:

@@ -39,7 +39,7 @@ class HelloHandling:
 
     sessions: dict[bytes, Session]
     config: StreamerConfig
-    assembler: Assembler
+    assembler: Assembler[Work]
     out: Outbox
     notices: StreamNotices
     opener: Opener

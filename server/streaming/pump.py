@@ -30,7 +30,7 @@ class AssemblyFailed(Exception):
 class Pump:
     """Submits and sends batches of sessions; see the module docstring."""
 
-    def __init__(self, assembler: Assembler, metrics: Metrics, board: StreamBoard) -> None:
+    def __init__(self, assembler: Assembler[Work], metrics: Metrics, board: StreamBoard) -> None:
         self.assembler = assembler
         self.metrics = metrics
         self.board = board

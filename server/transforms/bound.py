@@ -56,12 +56,12 @@ class Transforms:
         #: pieces' own lanes, which these wait on).
         self._assembly = Lanes(ASSEMBLY_PER_JOB)
 
-    def on_job_lane(self, lane: str, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
         """Run ``fn(*args)`` on job ``lane``'s assembly threads."""
         try:
             return self._assembly.get(lane).submit(fn, *args)
         except RuntimeError as e:  # closed: the server is stopping
-            fut: Future[Any] = Future()
+            fut: Future[object] = Future()
             fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
             return fut
 
