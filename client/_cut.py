@@ -21,10 +21,11 @@ from collections.abc import Sequence
 import torch
 
 from shardserve.proto.errors import ProtocolError
-from shardserve.proto.graphs import SPLITS, concat_dim
+from shardserve.proto.graphs import concat_dim
 from shardserve.proto.messages import BatchHeader, PartHeader
+from shardserve.proto.parts import OFFSETS, SPLITS, owner_of
 
-from ._frames import OFFSETS, own_storage
+from ._frames import own_storage
 from .types import Batch, VarTensor
 
 
@@ -69,8 +70,7 @@ def check_message(header: BatchHeader, rows: int, num_batches: int, graphs: bool
 
 def _samples(p: PartHeader, names: set[str]) -> int | None:
     """How many samples part ``p`` holds by its shape (``None``: a variable field's values)."""
-    base, dot, suffix = p.name.rpartition(".")
-    if dot and base in names and "." + suffix == OFFSETS:
+    if owner_of(p.name, (OFFSETS,)) in names:
         return p.shape[0] - 1 if p.shape else -1
     if p.name + OFFSETS in names:
         return None

@@ -18,13 +18,9 @@ import torch
 from shardserve.proto.errors import ProtocolError
 from shardserve.proto.framing import ITEMSIZE, Frame
 from shardserve.proto.messages import BatchHeader, PartHeader
+from shardserve.proto.parts import LENGTHS, OFFSETS, SHAPES, owner_of
 
 from .types import Batch, VarTensor
-
-OFFSETS, SHAPES = ".offsets", ".shapes"
-COMPANIONS = ("offsets", "shapes")
-#: Companion key a padded variable field gets with ``pad_variable=True``.
-LENGTHS = ".lengths"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -152,8 +148,7 @@ def assemble(parts: dict[str, torch.Tensor], pad_variable: bool = False) -> Batc
     check_variable(parts)
     out: Batch = {}
     for name, t in parts.items():
-        base, _, suffix = name.rpartition(".")
-        if suffix in COMPANIONS and base in parts:
+        if owner_of(name, (OFFSETS, SHAPES)) in parts:
             continue  # travels with its field (a nested field's name has dots of its own)
         offsets = parts.get(name + OFFSETS)
         if offsets is None:

@@ -24,11 +24,10 @@ import torch
 
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec
+from shardserve.proto.parts import MASK
 
 from .control import ControlClient
 from .types import VarTensor
-
-MASK = ".mask"
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ part, along that part's :func:`concat_dim`.
 
 from __future__ import annotations
 
-#: The part of a message of several graph batches that says where each batch begins.
-SPLITS = ".splits"
+from .parts import SPLITS
+
+__all__ = ["SPLITS", "concat_dim", "is_index_field"]
 
 
 def is_index_field(name: str) -> bool:

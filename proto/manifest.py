@@ -42,6 +42,7 @@ from pydantic import (
 
 from .dtypes import BINARY, NUMERIC_DTYPES
 from .errors import InvalidDataError, VersionMismatch
+from .parts import COMPANION_SUFFIXES
 
 #: The manifest format this code writes and reads.
 FORMAT_VERSION = 1
@@ -53,9 +54,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A field is an identifier, or a dotted path of them for a nested sample (``params.nu``,
 # ``_0`` for a tuple's first item).
 _FIELD = re.compile(r"^(?=.{1,128}$)[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-#: Suffixes of batch parts that travel beside a field (offsets, shapes, validity mask); no
-#: field's last name segment may be one of them.
-COMPANION_SUFFIXES = ("offsets", "shapes", "mask", "lengths")
 
 #: The tree of a nested sample, as JSON: a field name (a leaf); ``None`` (a value that was
 #: ``None`` in every sample); ``{"dict": {key: tree}}``; ``{"tuple": [tree, ...]}``;

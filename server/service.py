@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import zmq
@@ -38,10 +37,9 @@ from .mixture_admin import MixtureAdmin
 from .planning.cache import PlanCache
 from .settings import Settings
 from .sources import open_source
-from .store.catalog import Store
+from .store.backend import StoreBackend, open_store
 from .store.dataset import Dataset
 from .store.object_fs import StoreOptions
-from .store.remote import RemoteStore, open_store
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
@@ -95,10 +93,10 @@ def dataset_info(m: Manifest) -> DatasetInfo:
     )
 
 
-def _open_store(settings: Settings, registry: CollectorRegistry) -> Store | RemoteStore:
+def _open_store(settings: Settings, registry: CollectorRegistry) -> StoreBackend:
     """The store of ``settings``: a folder, or a remote store with its local shard cache."""
     if not settings.store_is_remote:
-        return Store(settings.store, verify=settings.verify)
+        return open_store(settings.store, verify=settings.verify)
     # The object store's own client reads its credentials from the environment; we read the
     # same variables only to keep their values out of every message we write.
     options = dataclasses.replace(
@@ -255,9 +253,7 @@ class Service:
         self.streamer.stop()
         self.transforms.close()
         self.journal.release()
-        self.store.close()
-        if isinstance(self.store, RemoteStore) and self.store.cache is not None:
-            self.store.cache.close()  # no prefetch outlives the service
+        self.store.close()  # and its cache: no prefetch outlives the service
         # Every ring is unlinked when its stream closes; one still here is a bug, but it must
         # not outlive the process that alone could clean it up.
         for path in SHM_DIR.glob(f"{SHM_PREFIX}{os.getpid()}-*"):
@@ -271,13 +267,8 @@ class Service:
             return False, self.streamer.failure
         if not self.streamer.ready:
             return False, "data plane not serving (not bound yet, or stopping)"
-        if isinstance(self.store, RemoteStore):
-            return True, "ready"  # a store that is away fails the streams that need it, by name
-        root = self.settings.store
-        assert isinstance(root, Path)
-        if not root.is_dir() or not os.access(root, os.R_OK | os.X_OK):
-            return False, f"store {root} is not a readable folder"
-        return True, "ready"
+        why = self.store.unready()
+        return (False, why) if why is not None else (True, "ready")
 
     # -- what HTTP asks -----------------------------------------------------------------
 
@@ -341,7 +332,7 @@ class Service:
 
     def cache_summary(self) -> dict[str, float] | None:
         """The shard cache's counters, or ``None`` for a local store."""
-        cache = getattr(self.store, "cache", None)
+        cache = self.store.cache
         if cache is None or cache.metrics is None:
             return None
         return cache.metrics.summary()
@@ -351,10 +342,4 @@ class Service:
         return self.metrics.render()
 
     def _store_bytes(self) -> float:
-        if isinstance(self.store, RemoteStore):
-            # A scrape must not list a bucket: count the datasets this server has opened.
-            return float(self.store.opened_bytes())
-        try:
-            return float(sum(m.total_bytes for m in self.store.list()))
-        except Exception:  # a scrape must not fail because one manifest is unreadable
-            return float("nan")
+        return self.store.served_bytes()

@@ -18,7 +18,9 @@ from shardserve.proto.errors import DatasetNotFound, InvalidDataError, Shardserv
 from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from . import layout
+from .cache import ShardCache
 from .dataset import VERIFY_MODES, Dataset
+from .verify import verify_dataset
 from .versions import VersionShelf, changed_error, content_id
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,26 @@ class Store:
         """Let go of old versions no job pins any more (their files were deleted already)."""
         for name, version in self.shelf.keep_only(pinned):
             log.info("released dataset %s version %s: no job pins it any more", name, version)
+
+    #: Shards are read in place: no cache.
+    cache: ShardCache | None = None
+
+    def verify_dataset(self, name: str, progress: bool = False) -> Manifest:
+        """Checksum, schema and row count of every shard of ``name``."""
+        manifest = self.manifest(name)
+        verify_dataset(self.root / manifest.name, manifest, progress=progress)
+        return manifest
+
+    def unready(self) -> str | None:
+        if not self.root.is_dir() or not os.access(self.root, os.R_OK | os.X_OK):
+            return f"store {self.root} is not a readable folder"
+        return None
+
+    def served_bytes(self) -> float:
+        try:
+            return float(sum(m.total_bytes for m in self.list()))
+        except Exception:  # a scrape must not fail because one manifest is unreadable
+            return float("nan")
 
     def close(self) -> None:
         """Close every dataset this store opened."""

@@ -12,7 +12,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the commands import what they use when they run: a quick --help
+    from .backend import StoreBackend
+    from .object_fs import StoreOptions
+    from .remote import RemoteStore
 
 # Imports of pydantic, pyarrow and the readers wait until a command runs: `shardserve --help`
 # and `shardserve ls --help` must answer at once, and `import pyarrow.dataset` alone pulls pandas.
@@ -97,14 +102,25 @@ def _guarded(
     return run
 
 
-def _open_store(store: str) -> Any:
+def _options() -> StoreOptions:
     from ..settings import StoreDefaults
     from .object_fs import StoreOptions
-    from .remote import open_store
 
     # The CLI entry point is where the environment is read (object-store endpoint, secrets).
-    endpoint = StoreDefaults().store_endpoint
-    return open_store(store, options=StoreOptions.from_env(os.environ, endpoint))
+    return StoreOptions.from_env(os.environ, StoreDefaults().store_endpoint)
+
+
+def _open_store(store: str) -> StoreBackend:
+    from .backend import open_store
+
+    return open_store(store, options=_options())
+
+
+def _open_remote(store: str) -> RemoteStore:
+    """The object store ``store`` (a URI), to upload to."""
+    from .remote import RemoteStore
+
+    return RemoteStore(store, _options())
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
@@ -113,7 +129,7 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     if getattr(args, "engine", "local") == "ray" or is_uri(args.store):
         from .ingest.to_store import ingest_anywhere
 
-        summary = ingest_anywhere(args, _open_store(args.store) if is_uri(args.store) else None)
+        summary = ingest_anywhere(args, _open_remote(args.store) if is_uri(args.store) else None)
     else:
         from .ingest.run import ingest_all
 
@@ -165,15 +181,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .remote import RemoteStore
-    from .verify import verify_dataset
-
-    store = _open_store(args.store)
-    if isinstance(store, RemoteStore):
-        manifest = store.verify_dataset(args.name, progress=not args.quiet)
-    else:
-        manifest = store.manifest(args.name)
-        verify_dataset(store.root / manifest.name, manifest, progress=not args.quiet)
+    manifest = _open_store(args.store).verify_dataset(args.name, progress=not args.quiet)
     print(f"{manifest.name}: {len(manifest.shards)} shards ok ({_human(manifest.total_bytes)})")
     return 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from shardserve.proto.manifest import FieldSpec, Manifest
+from shardserve.proto.parts import MASK, OFFSETS, SHAPES, PartShape, parts_of
 
 from .cache import ShardCache
 from .gather import ALL, Positions, groups, take_fixed, take_ragged
@@ -36,10 +37,7 @@ from .shard_set import (
     shard_starts,
 )
 
-__all__ = ["MASK", "VERIFY_MODES", "Dataset"]
-
-#: Suffix of a nullable field's validity part in a batch.
-MASK = ".mask"
+__all__ = ["VERIFY_MODES", "Dataset"]
 
 
 class Dataset:
@@ -95,24 +93,10 @@ class Dataset:
                 )
         return names
 
-    def part_shapes(
-        self, fields: Sequence[str] | None = None
-    ) -> dict[str, tuple[str, tuple[int, ...]] | None]:
-        """Batch part name -> ``(dtype, per-sample shape)`` for fixed fields; ``None`` for each
-        part of a variable or binary field (``x``, ``x.offsets`` and, for tensors, ``x.shapes``).
-        A nullable field adds ``x.mask`` (bool, ``True`` where the sample has a value)."""
-        parts: dict[str, tuple[str, tuple[int, ...]] | None] = {}
-        for n in self.field_names(fields):
-            spec = self._specs[n]
-            if spec.kind in ("scalar", "tensor"):
-                parts[n] = (spec.dtype, spec.shape)
-            else:
-                parts[n] = parts[n + ".offsets"] = None
-                if spec.kind == "variable":
-                    parts[n + ".shapes"] = None
-            if spec.nullable:
-                parts[n + MASK] = ("bool", ())
-        return parts
+    def part_shapes(self, fields: Sequence[str] | None = None) -> dict[str, PartShape]:
+        """Batch part name -> ``(dtype, per-sample shape)`` for fixed-size parts, ``None`` for
+        variable-size ones (the layout: :mod:`shardserve.proto.parts`)."""
+        return {p: shape for n in self.field_names(fields) for p, shape in parts_of(self._specs[n])}
 
     # -- reading -----------------------------------------------------------------------------
     def take(
@@ -194,15 +178,15 @@ class Dataset:
                 parts[n] = small(chunks.fixed, "fixed", n, self._out_array(spec, b, out))
                 continue
             if b:
-                parts[n], parts[n + ".offsets"] = take_ragged(
+                parts[n], parts[n + OFFSETS] = take_ragged(
                     chunks.arrays[n], g, rows, spec.dtype, spec.shape
                 )
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
-                parts[n + ".offsets"] = np.zeros(1, dtype=np.int64)
+                parts[n + OFFSETS] = np.zeros(1, dtype=np.int64)
             if spec.kind == "variable":
                 shapes = np.empty((b, len(spec.shape)), dtype=np.int64)
-                parts[n + ".shapes"] = small(chunks.shapes, "shapes", n, shapes)
+                parts[n + SHAPES] = small(chunks.shapes, "shapes", n, shapes)
         return parts
 
     @staticmethod

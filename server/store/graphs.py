@@ -26,8 +26,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.graphs import SPLITS, is_index_field
+from shardserve.proto.graphs import is_index_field
 from shardserve.proto.manifest import FieldSpec, Manifest
+from shardserve.proto.parts import OFFSETS, SHAPES, SPLITS
 
 from ..source import BatchParts, BatchSource, PartShapes, Wrapped
 
@@ -144,7 +145,7 @@ class GraphCollated(Wrapped):
         if source == "num_nodes":
             counts = parts["num_nodes"].astype(np.int64)
         elif source is not None and self._specs[source].kind == "variable":
-            counts = parts[source + ".shapes"][:, 0]
+            counts = parts[source + SHAPES][:, 0]
         elif source is not None:
             counts = np.full(b, self._specs[source].shape[0], dtype=np.int64)
         else:
@@ -181,7 +182,7 @@ class GraphCollated(Wrapped):
         """Field ``n`` collated, and its rows per graph along the dimension it concatenates."""
         index = is_index_field(n)
         if spec.kind == "variable":
-            values, offsets, shapes = parts[n], parts[n + ".offsets"], parts[n + ".shapes"]
+            values, offsets, shapes = parts[n], parts[n + OFFSETS], parts[n + SHAPES]
             if index:
                 cat = _cat_last(values, offsets, shapes)  # fresh memory: shifted in place
                 e = shapes[:, -1] if b else np.zeros(0, np.int64)

@@ -25,13 +25,12 @@ from typing import Protocol
 
 import numpy as np
 
+from shardserve.proto.parts import OFFSETS
 from shardserve.server.planning.mixture import split_ids
 
 #: The part that says, per sample, which source of the mixture it came from (int16, the
 #: source's index in ``JobSpec.mixture``). No source may serve a field of this name.
 SOURCE_PART = "source"
-#: A ragged part ``x`` travels with ``x`` + this (int64 ``[B + 1]``).
-OFFSETS_SUFFIX = ".offsets"
 
 
 class Takes(Protocol):
@@ -64,10 +63,10 @@ def take_mixture(
     b = len(ids)
     out: dict[str, np.ndarray] = {}
     for name, first in taken[0].items():
-        if name.endswith(OFFSETS_SUFFIX):
+        if name.endswith(OFFSETS):
             continue  # assembled with its values
-        if name + OFFSETS_SUFFIX in taken[0]:
-            out[name], out[name + OFFSETS_SUFFIX] = _ragged(name, taken, positions, b)
+        if name + OFFSETS in taken[0]:
+            out[name], out[name + OFFSETS] = _ragged(name, taken, positions, b)
             continue
         rows = np.empty((b, *first.shape[1:]), dtype=first.dtype)
         for pos, parts in zip(positions, taken, strict=True):
@@ -85,7 +84,7 @@ def _ragged(
     starts = np.empty(b, dtype=np.int64)  # of each sample's values in ``joined``
     base = 0
     for pos, parts in zip(positions, taken, strict=True):
-        off = parts[name + OFFSETS_SUFFIX]
+        off = parts[name + OFFSETS]
         lengths[pos] = np.diff(off)
         starts[pos] = off[:-1] + base
         base += len(parts[name])

@@ -34,6 +34,7 @@ from shardserve.proto.errors import (
 from shardserve.proto.manifest import Manifest, ShardInfo, parse_manifest, validate_dataset_name
 
 from . import layout
+from .cache import ShardCache
 from .dataset import Dataset
 from .fetch_lanes import FetchLanes
 from .object_fs import (
@@ -42,7 +43,6 @@ from .object_fs import (
     StoreUnavailable,
     display_uri,
     fetch_deadline_s,
-    is_uri,
     open_filesystem,
     scrub,
     uri_secrets,
@@ -110,7 +110,7 @@ class RemoteStore:
         self,
         uri: str,
         options: StoreOptions | None = None,
-        cache: Any = None,
+        cache: ShardCache | None = None,
         verify: str = "lazy",
     ) -> None:
         self.options = options or StoreOptions()
@@ -394,11 +394,19 @@ class RemoteStore:
                 bar.update(info.bytes)
         return manifest
 
+    def unready(self) -> str | None:
+        return None  # away for a while is not down: the streams that need it fail, by name
+
+    def served_bytes(self) -> float:
+        return float(self.opened_bytes())  # a scrape must not list a bucket
+
     def close(self) -> None:
         with self._lock:
             for ds in [*self._open.values(), *self.shelf.pop_all()]:
                 ds.close()
             self._open.clear()
+        if self.cache is not None:
+            self.cache.close()  # no prefetch outlives the store
 
     # -- writing --------------------------------------------------------------------------
     def upload(self, folder: Path, name: str, *, overwrite: bool) -> Manifest:
@@ -482,31 +490,3 @@ class RemoteStore:
     def _delete(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path(rel))
-
-
-def open_store(
-    store: str | os.PathLike[str],
-    *,
-    options: StoreOptions | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    cache_limit_bytes: int = 64 << 30,
-    registry: Any = None,
-    verify: str = "lazy",
-) -> Any:
-    """A local ``Store`` for a folder, a :class:`RemoteStore` for a URI.
-
-    A remote store gets a :class:`~.cache.ShardCache` in ``cache_dir`` (needed to serve it,
-    not to list, inspect, verify or ingest), with its metrics in ``registry`` if given.
-    """
-    if not is_uri(store):
-        from .catalog import Store
-
-        return Store(store)
-    cache = None
-    if cache_dir is not None:
-        from .cache import ShardCache
-        from .cache_metrics import CacheMetrics
-
-        metrics = CacheMetrics(registry, cache_limit_bytes) if registry is not None else None
-        cache = ShardCache(cache_dir, cache_limit_bytes, metrics)
-    return RemoteStore(str(store), options, cache=cache, verify=verify)

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardserve.proto.errors import InvalidDataError
-from shardserve.proto.manifest import COMPANION_SUFFIXES, Tree
+from shardserve.proto.manifest import Tree
+from shardserve.proto.parts import COMPANION_SUFFIXES
 
 _BAD = re.compile(r"[^A-Za-z0-9_]")
 #: Marks a leaf value of a flattened sample that is missing (``None``).

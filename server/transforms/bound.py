@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from shardserve.proto.errors import BadRequest, TransformError
 from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
+from shardserve.proto.parts import parts_of
 
 from ..lanes import Lanes
 from ..source import BatchParts, BatchSource, PartShapes, Wrapped
@@ -156,16 +157,8 @@ class TransformedDataset(Wrapped):
         return names
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
-        parts: dict[str, tuple[str, tuple[int, ...]] | None] = {}
-        for n in self.field_names(fields):
-            f = self.chain.outputs[n]
-            if f.fixed:
-                parts[n] = (f.dtype, f.shape)
-            else:
-                parts[n] = parts[n + ".offsets"] = None
-                if not f.binary:
-                    parts[n + ".shapes"] = None
-        return parts
+        specs = {f.name: f for f in self.fields}
+        return {p: shape for n in self.field_names(fields) for p, shape in parts_of(specs[n])}
 
     def take(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None,
              out: Mapping[str, np.ndarray] | None = None, batch: int = -1) -> BatchParts:  # fmt: skip

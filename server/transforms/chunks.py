@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from shardserve.proto.parts import OFFSETS, SHAPES
+
 from .schema import Field
 
 
@@ -27,12 +29,12 @@ def slice_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field], lo
         if f.fixed:
             out[name] = parts[name][lo:hi]
             continue
-        offsets = parts[name + ".offsets"]
+        offsets = parts[name + OFFSETS]
         a, b = int(offsets[lo]), int(offsets[hi])
         out[name] = parts[name][a:b]
-        out[name + ".offsets"] = offsets[lo : hi + 1] - a
-        if name + ".shapes" in parts:
-            out[name + ".shapes"] = parts[name + ".shapes"][lo:hi]
+        out[name + OFFSETS] = offsets[lo : hi + 1] - a
+        if name + SHAPES in parts:
+            out[name + SHAPES] = parts[name + SHAPES][lo:hi]
     return out
 
 
@@ -54,12 +56,12 @@ def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str
             joined[name] = dest
             continue
         joined[name] = np.concatenate([p[name] for p in pieces])
-        offs = [pieces[0][name + ".offsets"]]
+        offs = [pieces[0][name + OFFSETS]]
         base = int(offs[0][-1])
         for p in pieces[1:]:
-            offs.append(p[name + ".offsets"][1:] + base)
-            base += int(p[name + ".offsets"][-1])
-        joined[name + ".offsets"] = np.concatenate(offs)
-        if name + ".shapes" in pieces[0]:
-            joined[name + ".shapes"] = np.concatenate([p[name + ".shapes"] for p in pieces])
+            offs.append(p[name + OFFSETS][1:] + base)
+            base += int(p[name + OFFSETS][-1])
+        joined[name + OFFSETS] = np.concatenate(offs)
+        if name + SHAPES in pieces[0]:
+            joined[name + SHAPES] = np.concatenate([p[name + SHAPES] for p in pieces])
     return joined

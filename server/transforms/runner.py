@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from shardserve.proto.parts import OFFSETS, SHAPES
+
 from .errors import StepFailed
 from .rng import batch_rng, sample_rng
 from .schema import Field
@@ -60,8 +62,8 @@ def split_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field]) ->
         if f.fixed:
             cols[name] = values
             continue
-        offsets = parts[name + ".offsets"]
-        shapes = parts.get(name + ".shapes")
+        offsets = parts[name + OFFSETS]
+        shapes = parts.get(name + SHAPES)
         items = []
         for i in range(len(offsets) - 1):
             v = values[int(offsets[i]) : int(offsets[i + 1])]
@@ -96,9 +98,9 @@ def join_parts(
             if items
             else np.empty(0, dt)
         )
-        parts[name + ".offsets"] = offsets
+        parts[name + OFFSETS] = offsets
         if not f.binary:
-            parts[name + ".shapes"] = np.array([a.shape for a in items], dtype=np.int64).reshape(
+            parts[name + SHAPES] = np.array([a.shape for a in items], dtype=np.int64).reshape(
                 len(items), len(f.shape)
             )
     return parts
