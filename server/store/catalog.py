@@ -44,7 +44,7 @@ class Store:
         self.verify = verify
         self._lock = threading.Lock()
         self._open: dict[str, tuple[int, Dataset]] = {}
-        self.shelf = VersionShelf()
+        self.shelf: VersionShelf[Dataset] = VersionShelf()
 
     def list(self) -> list[Manifest]:
         """Manifests of every published dataset, sorted by name."""

@@ -126,7 +126,7 @@ class RemoteStore:
             raise InvalidDataError(self.scrub(f"cannot open store {self.root}: {e}")) from None
         self._open: dict[str, Dataset] = {}
         self._lock = threading.Lock()
-        self.shelf = VersionShelf()
+        self.shelf: VersionShelf[Dataset] = VersionShelf()
         #: Every read runs here, per dataset, under its total deadline.
         self.lanes = FetchLanes()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Generic, TypeVar
 
 import xxhash
 
@@ -53,7 +53,11 @@ def changed_error(name: str, pinned: str, current: str | None) -> DatasetChanged
     )
 
 
-class VersionShelf:
+#: What a shelf holds (a store's ``Dataset``).
+D = TypeVar("D")
+
+
+class VersionShelf(Generic[D]):
     """Open datasets of versions that are no longer current, kept while a job pins them.
 
     Thread-safe. The shelf holds references only; a ``Dataset`` is unmapped when the last
@@ -63,13 +67,13 @@ class VersionShelf:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[str, str], Any] = {}
+        self._held: dict[tuple[str, str], D] = {}
 
-    def put(self, name: str, version: str, dataset: Any) -> None:
+    def put(self, name: str, version: str, dataset: D) -> None:
         with self._lock:
             self._held[(name, version)] = dataset
 
-    def get(self, name: str, version: str) -> Any | None:
+    def get(self, name: str, version: str) -> D | None:
         with self._lock:
             return self._held.get((name, version))
 
@@ -86,7 +90,7 @@ class VersionShelf:
         with self._lock:
             return list(self._held)
 
-    def pop_all(self) -> list[Any]:
+    def pop_all(self) -> list[D]:
         with self._lock:
             out = list(self._held.values())
             self._held.clear()
