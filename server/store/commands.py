@@ -147,7 +147,10 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     manifests = _open_store(args.store).list()
     if not manifests:
-        print(f"no datasets in {args.store}", file=sys.stderr)
+        from .object_fs import display_uri, is_uri
+
+        shown = display_uri(args.store) if is_uri(args.store) else args.store
+        print(f"no datasets in {shown}", file=sys.stderr)  # never a URI's credentials
         return 0
     print(f"{'NAME':<32} {'SAMPLES':>12} {'SHARDS':>7} {'SIZE':>11}  FIELDS")
     for m in manifests:

@@ -137,3 +137,13 @@ def test_store_from_environment(tmp_path: Path, store_root: Path) -> None:
     env = {**os.environ, "SHARDSERVE_STORE": str(store_root)}
     r = subprocess.run([*cli_command(), "ls"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and "cifar" in r.stdout
+
+
+def test_ls_of_an_empty_object_store_never_prints_its_credentials(tmp_path: Path, cli: Cli) -> None:
+    """A query or user info in ``--store`` may carry a secret: the message names the store
+    without it."""
+    (tmp_path / "empty").mkdir()
+    r = cli("ls", "--store", (tmp_path / "empty").as_uri() + "?secret=hunter2")
+    assert r.returncode == 0, r.stderr
+    assert "no datasets in file://" in r.stderr
+    assert "hunter2" not in r.stderr + r.stdout
