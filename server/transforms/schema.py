@@ -46,4 +46,7 @@ def from_field_spec(f: FieldSpec) -> Field:
 
 
 def to_field_spec(name: str, f: Field) -> FieldSpec:
-    return FieldSpec(name=name, dtype="binary" if f.binary else f.dtype, shape=f.shape)
+    # A binary field is stored bytes, shape () in a manifest (its uint8 view is variable).
+    if f.binary:
+        return FieldSpec(name=name, dtype="binary", shape=())
+    return FieldSpec(name=name, dtype=f.dtype, shape=f.shape)
