@@ -15,8 +15,8 @@ slot, each). A field ``x`` becomes::
     nullable   x.mask        bool       [B]                    True where the sample has a value
                                                                (added to any of the above)
 
-A message of several graph batches adds ``.splits`` (see :mod:`.graphs`); the client adds
-``x.lengths`` when it pads a variable field into one tensor.
+A message of several graph batches adds ``.splits`` (see :mod:`.graphs`), a mixture's batch
+``source``; the client adds ``x.lengths`` when it pads a variable field into one tensor.
 
 >>> from shardserve.proto.manifest import FieldSpec
 >>> parts_of(FieldSpec(name="tokens", dtype="int32", shape=(-1,), nullable=True))
@@ -39,6 +39,9 @@ MASK = ".mask"
 LENGTHS = ".lengths"
 #: Where each batch of a message of several graph batches begins in every other part.
 SPLITS = ".splits"
+#: The part a mixture's batch adds: each sample's source (int16, its index in
+#: ``JobSpec.mixture``). No source may serve a field of this name.
+SOURCE_PART = "source"
 
 #: ``(dtype, per-sample shape)`` of a fixed-size part; ``None`` for a variable-size one.
 PartShape = tuple[str, tuple[int, ...]] | None

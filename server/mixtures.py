@@ -23,12 +23,12 @@ from shardserve.proto.api import RankStatus
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
 from shardserve.proto.manifest import FieldSpec, Manifest
+from shardserve.proto.parts import SOURCE_PART
 
 from .jobs import Job
 from .planning import RankPlan, num_batches
 from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from .quarantine import Quarantines
-from .store.mixture_take import SOURCE_PART
 from .store.versions import content_id
 from .streaming.limits import check_batch
 

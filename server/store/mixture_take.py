@@ -25,12 +25,8 @@ from typing import Protocol
 
 import numpy as np
 
-from shardserve.proto.parts import OFFSETS
+from shardserve.proto.parts import OFFSETS, SOURCE_PART
 from shardserve.server.planning.mixture import split_ids
-
-#: The part that says, per sample, which source of the mixture it came from (int16, the
-#: source's index in ``JobSpec.mixture``). No source may serve a field of this name.
-SOURCE_PART = "source"
 
 
 class Takes(Protocol):

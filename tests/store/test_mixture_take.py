@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardserve.proto.parts import SOURCE_PART
 from shardserve.server.planning.mixture import MixSource, Segment, mixture_order, source_offsets
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.mixture_take import SOURCE_PART, take_mixture
+from shardserve.server.store.mixture_take import take_mixture
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
 
