@@ -26,6 +26,14 @@ BatchParts = dict[str, np.ndarray]
 PartShapes = Mapping[str, "tuple[str, tuple[int, ...]] | None"]
 
 
+class Planned(Protocol):
+    """A stream's plan as a source that reads ahead sees it (``RankPlan``, ``EnvSteps``)."""
+
+    def sample_ids(self) -> np.ndarray:
+        """Every sample id the stream reads, in order (made on demand: it may cost a copy)."""
+        ...
+
+
 class BatchSource(Protocol):
     """A dataset as streaming reads it (thread-safe: ``take`` runs on assembly workers)."""
 
@@ -66,8 +74,9 @@ class BatchSource(Protocol):
         """The batch parts of ``fields``, laid out before the first batch."""
         ...
 
-    def plan_hint(self, ids: np.ndarray) -> None:
-        """The sample ids a stream will read, in order: a source that fetches reads ahead."""
+    def plan_hint(self, plan: Planned) -> None:
+        """The plan a stream will read: a source that fetches reads ahead (and only such a
+        source asks the plan for its ids)."""
         ...
 
     def take(
@@ -115,8 +124,8 @@ class Wrapped:
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
         return self.inner.part_shapes(fields)
 
-    def plan_hint(self, ids: np.ndarray) -> None:
-        self.inner.plan_hint(ids)
+    def plan_hint(self, plan: Planned) -> None:
+        self.inner.plan_hint(plan)
 
     def take(
         self,

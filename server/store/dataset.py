@@ -24,6 +24,7 @@ import numpy as np
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import MASK, OFFSETS, SHAPES, PartShape, parts_of
 
+from ..source import Planned
 from .cache import ShardCache
 from .gather import ALL, Positions, groups, take_fixed, take_ragged
 from .index import as_indices, check_bounds, chunk_of, locate
@@ -77,8 +78,8 @@ class Dataset:
     def inline_ok(self) -> bool:
         return not self.shards.waits
 
-    def plan_hint(self, ids: np.ndarray) -> None:
-        self.shards.plan_hint(ids)
+    def plan_hint(self, plan: Planned) -> None:
+        self.shards.plan_hint(plan)
 
     # -- description -------------------------------------------------------------------------
     def field_names(self, fields: Sequence[str] | None = None) -> list[str]:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo
 
+from ..source import Planned
 from .cache import Lease, ShardCache
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
@@ -111,8 +112,8 @@ class ShardSet(Protocol):
 
     def release(self, shards: Sequence[int]) -> None: ...
 
-    def plan_hint(self, ids: np.ndarray) -> None:
-        """The sample ids a stream reads, in order (a set that fetches reads ahead)."""
+    def plan_hint(self, plan: Planned) -> None:
+        """The plan a stream reads (a set that fetches reads ahead)."""
         ...
 
     def verify(self, progress: bool = False) -> None:
@@ -181,8 +182,8 @@ class MappedShards:
     def release(self, shards: Sequence[int]) -> None:
         """Nothing to give back: the shards stay mapped while the dataset is open."""
 
-    def plan_hint(self, ids: np.ndarray) -> None:
-        """Nothing to fetch: every shard is here."""
+    def plan_hint(self, plan: Planned) -> None:
+        """Nothing to fetch: every shard is here (and the plan's ids are never made)."""
 
     def _verify_one(self, s: int, progress: tqdm | None = None) -> None:
         with self._lock:  # one thread hashes a shard; the others wait for its verdict
@@ -363,9 +364,10 @@ class CachedShards:
                     self._mapped_bytes -= entry.shard.info.bytes
                     entry.close()
 
-    def plan_hint(self, ids: np.ndarray) -> None:
-        """Remember the order of shards ``ids`` (a stream's plan) will read."""
-        shards = np.searchsorted(self._starts, np.asarray(ids, np.int64), "right") - 1
+    def plan_hint(self, plan: Planned) -> None:
+        """Remember the order of shards ``plan`` (a stream's) will read."""
+        ids = np.asarray(plan.sample_ids(), np.int64)
+        shards = np.searchsorted(self._starts, ids, "right") - 1
         if shards.size == 0:
             return
         _, first = np.unique(shards, return_index=True)

@@ -156,7 +156,7 @@ def prepare(
     plan = plans.rank_plan(
         job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows, offset=s.offset
     )
-    source.plan_hint(plan.sample_ids())  # a remote dataset fetches what comes next
+    source.plan_hint(plan)  # a remote dataset fetches what comes next
     return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable)
 
 

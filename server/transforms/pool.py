@@ -28,13 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from multiprocessing.context import SpawnContext
 from typing import Any, Literal
 
 import numpy as np
 
 from shardserve.proto.errors import TransformError
 
-from ..lanes import Lanes
+from ..lanes import Lane, Lanes
 from . import codec
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed
@@ -53,7 +54,7 @@ SHARED_LANE = ""
 
 
 class _Worker:
-    def __init__(self, ctx: Any, modules: list[str]) -> None:
+    def __init__(self, ctx: SpawnContext, modules: list[str]) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=worker_main, args=(child, modules), name="ss-transform", daemon=True
@@ -189,7 +190,7 @@ class TransformPool:
                 break
         return pending
 
-    def _hung_run(self, chain: Chain, job_lane: Any, generation: int,
+    def _hung_run(self, chain: Chain, job_lane: Lane, generation: int,
                   futs: Sequence[Future[Any]], progress: Sequence[Progress],
                   describe: Callable[[str], TransformError]) -> dict[str, np.ndarray]:  # fmt: skip
         """A run on threads missed its deadline: fail it and the job's other runs under way,
