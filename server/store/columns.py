@@ -31,7 +31,7 @@ def _suggest_variable(name: str) -> str:
     )
 
 
-def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
+def native_order(arr: np.ndarray, want: np.dtype[np.generic]) -> np.ndarray:
     """``arr`` in the store's (native) byte order when it differs from ``want`` only in that.
 
     Big-endian input (``>u4`` from a file written on another machine) has the same dtype
