@@ -13,7 +13,7 @@ import argparse
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import ByteSize
 from pydantic.fields import FieldInfo
@@ -22,7 +22,19 @@ from pydantic_core import PydanticUndefined
 from .settings import Settings
 
 
-def _unwrap(annotation: Any) -> Any:
+class _FlagKwargs(TypedDict, total=False):
+    """The ``add_argument`` keywords a settings field turns into."""
+
+    dest: str
+    default: None
+    action: str | type[argparse.Action]
+    help: str
+    choices: list[object]
+    type: type[float] | type[int]
+    metavar: str
+
+
+def _unwrap(annotation: object) -> object:
     """``X | None`` -> ``X``; other annotations unchanged."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -41,13 +53,13 @@ def _shown_default(name: str, info: FieldInfo) -> str | None:
     return str(default)
 
 
-def _flag_kwargs(name: str, info: FieldInfo) -> dict[str, Any]:
+def _flag_kwargs(name: str, info: FieldInfo) -> _FlagKwargs:
     """argparse keywords for one field: its action or type, choices, metavar and help."""
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     kind = _unwrap(info.annotation)
     shown = _shown_default(name, info)
     help_text = info.description or ""
-    kw: dict[str, Any] = {"dest": name, "default": None}
+    kw: _FlagKwargs = {"dest": name, "default": None}
     if kind is bool:
         kw["action"] = argparse.BooleanOptionalAction if info.default else "store_true"
         return {**kw, "help": help_text + (" (default on)" if info.default else "")}
@@ -61,13 +73,13 @@ def _flag_kwargs(name: str, info: FieldInfo) -> dict[str, Any]:
     elif isinstance(kind, type) and issubclass(kind, (float, int)) and kind is not ByteSize:
         kw["type"] = kind  # ByteSize stays text: pydantic parses units such as 512MiB
     if "metavar" in extra:
-        kw["metavar"] = extra["metavar"]
+        kw["metavar"] = str(extra["metavar"])
     elif "choices" not in kw:
         kw["metavar"] = _metavar(name, kind)
     return kw
 
 
-def _metavar(name: str, kind: Any) -> str:
+def _metavar(name: str, kind: object) -> str:
     if name.endswith("_s"):
         return "S"
     if kind is int:
@@ -131,4 +143,6 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given as flags (those left out fall back to the environment, then the
     defaults)."""
+    # Left open: the flags' raw values (text such as 512MiB for a ByteSize), which ``Settings(...)``
+    # validates; its typed keywords would otherwise refuse them.
     return {k: v for k in Settings.model_fields if (v := getattr(args, k, None)) is not None}

@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from shardserve.proto.api import JobState
 from shardserve.proto.errors import (
@@ -352,7 +351,7 @@ class JobRegistry:
             )
         return job
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: Mapping[str, object]) -> None:
         if self._journal is not None:
             self._journal.append(record)
 
@@ -364,8 +363,8 @@ def _pins(spec: JobSpec) -> list[tuple[str, str | None]]:
     return [(spec.dataset, spec.version)]
 
 
-def _records_of(job: Job) -> list[dict[str, Any]]:
-    create: dict[str, Any] = {
+def _records_of(job: Job) -> list[dict[str, object]]:
+    create: dict[str, object] = {
         "op": "create",
         "id": job.id,
         "spec": job.spec.model_dump(mode="json"),

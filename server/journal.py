@@ -30,8 +30,9 @@ import fcntl
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -158,7 +159,7 @@ class EpochJournal:
                 )
         return records
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: Mapping[str, object]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with open(self.path, "a", encoding="utf-8") as f:
@@ -166,7 +167,7 @@ class EpochJournal:
             f.flush()
             os.fsync(f.fileno())
 
-    def rewrite(self, records: list[dict[str, Any]]) -> None:
+    def rewrite(self, records: Sequence[Mapping[str, object]]) -> None:
         """Replace the journal with ``records`` atomically (tmp file, fsync, rename)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".jsonl.tmp")

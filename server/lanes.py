@@ -17,10 +17,41 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Generic, Protocol, TypeVar
+
+T = TypeVar("T")
 
 #: Seconds an idle lane thread waits for work before it ends.
 IDLE_S = 10.0
+
+
+class _Queued(Protocol):
+    def cancel(self) -> object: ...
+
+    def run(self) -> None: ...
+
+
+class _Call(Generic[T]):
+    """``fn(*args)`` submitted to a lane, and the future it settles."""
+
+    __slots__ = ("args", "fn", "fut")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[object, ...]) -> None:
+        self.fut: Future[T] = Future()
+        self.fn, self.args = fn, args
+
+    def cancel(self) -> bool:
+        return self.fut.cancel()
+
+    def run(self) -> None:
+        if not self.fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn(*self.args)
+        except BaseException as e:
+            self.fut.set_exception(e)
+        else:
+            self.fut.set_result(result)
 
 
 class Lane:
@@ -28,7 +59,7 @@ class Lane:
 
     def __init__(self, name: str, size: int) -> None:
         self.name, self.size = name, size
-        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._queue: deque[_Queued] = deque()
         self._cv = threading.Condition()
         self._threads = 0
         self._idle = 0
@@ -46,12 +77,12 @@ class Lane:
         with self._cv:
             return self._threads == 0 and not self._queue
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        call = _Call(fn, args)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"lane {self.name} is closed")
-            self._queue.append((fut, fn, args))
+            self._queue.append(call)
             if self._idle == 0 and self._threads < self.size:
                 self._threads += 1
                 threading.Thread(
@@ -59,14 +90,14 @@ class Lane:
                 ).start()
             else:
                 self._cv.notify()
-        return fut
+        return call.fut
 
     def cancel_queued(self) -> int:
         """Cancel every piece not yet started; how many were cancelled."""
         with self._cv:
             items, self._queue = list(self._queue), deque()
-        for fut, _, _ in items:
-            fut.cancel()
+        for call in items:
+            call.cancel()
         return len(items)
 
     def close(self) -> None:
@@ -88,16 +119,9 @@ class Lane:
                     if not woke and not self._queue:
                         self._threads -= 1
                         return
-                fut, fn, args = self._queue.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-            del fut, fn, args  # what the work held is not kept alive by an idle thread
+                call = self._queue.popleft()
+            call.run()
+            del call  # what the work held is not kept alive by an idle thread
 
 
 class Lanes:

@@ -20,7 +20,6 @@ import logging
 import re
 import sys
 import time
-from typing import Any
 
 _FIELDS_ATTR = "shardserve_fields"
 _HANDLER_NAME = "shardserve"
@@ -32,7 +31,7 @@ def log_event(
     *,
     level: int = logging.INFO,
     exc_info: bool = False,
-    **fields: Any,
+    **fields: object,
 ) -> None:
     """Log ``event`` with ``fields`` (job, rank, stream, ...) as one line."""
     if logger.isEnabledFor(level):
@@ -48,7 +47,7 @@ class TextFormatter(logging.Formatter):
     """``TS LEVEL logger event k=v k=v``: greppable, one line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        fields: dict[str, Any] = getattr(record, _FIELDS_ATTR, {})
+        fields: dict[str, object] = getattr(record, _FIELDS_ATTR, {})
         kv = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
         msg = _one_line(record.getMessage())
         line = f"{_timestamp(record)} {record.levelname} {record.name} {msg}"
@@ -67,7 +66,7 @@ _BARE = re.compile(r"[!#-<>-\[\]-~]+")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-def _text_value(v: Any) -> str:
+def _text_value(v: object) -> str:
     s = str(v)
     return s if _BARE.fullmatch(s) else json.dumps(s)
 
@@ -82,7 +81,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        obj: dict[str, Any] = {
+        obj: dict[str, object] = {
             "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
 
 
 @functools.cache
-def _libc() -> Any | None:
+def _libc() -> ctypes.CDLL | None:
     # The process's own symbols: no library search (ctypes.util.find_library runs programs).
     try:
         libc = ctypes.CDLL(None)

@@ -20,14 +20,16 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from .logs import log_event
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from .service import Service
     from .settings import Settings
 
@@ -56,7 +58,7 @@ Every flag can also be set as SHARDSERVE_<NAME> in the environment (--max-jobs:
 SHARDSERVE_MAX_JOBS); flags win over the environment."""
 
 
-def add_serve_command(sub: Any) -> None:
+def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``serve`` on the CLI's subparsers (see :func:`configure_serve`)."""
     configure_serve(sub.add_parser("serve", help=SERVE_SUMMARY))
 
@@ -251,8 +253,17 @@ def _run_http(
     return str(server.exit_signal or "")
 
 
-def _make_server(config: Any, on_ready: Callable[[], None],
-                 on_signal: Callable[[str], None]) -> Any:  # fmt: skip
+class _HttpServer(Protocol):
+    """The uvicorn ``Server`` that :func:`_make_server` makes, as :func:`_run_http` drives it."""
+
+    should_exit: bool
+    exit_signal: str | None
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None: ...
+
+
+def _make_server(config: uvicorn.Config, on_ready: Callable[[], None],
+                 on_signal: Callable[[str], None]) -> _HttpServer:  # fmt: skip
     """A uvicorn ``Server`` whose signals are owned here, calling ``on_ready`` once HTTP listens.
 
     uvicorn re-raises a caught SIGTERM after its shutdown, which would kill the process with
@@ -304,7 +315,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
+def _write_atomic(path: Path, obj: Mapping[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))

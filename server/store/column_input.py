@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .columns import BinaryColumn, FixedColumn
+from .columns import BinaryColumn, Column, FixedColumn
 
 
-def checked_column(c: Any, raw: object, b: int, where: str) -> tuple[Any, np.ndarray | None]:
+def checked_column(c: Column, raw: object, b: int, where: str) -> tuple[Any, np.ndarray | None]:
     """``raw`` (``b`` rows) checked against the buffer ``c``, and which rows are missing
     (``None``: none known to be)."""
     missing: np.ndarray | None = None

@@ -11,7 +11,6 @@ holds zeros in the buffer (never read: the Arrow validity bitmap says it is not 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +30,7 @@ def _suggest_variable(name: str) -> str:
     )
 
 
-def native_order(arr: np.ndarray, want: np.dtype[Any]) -> np.ndarray:
+def native_order(arr: np.ndarray, want: np.dtype[np.generic]) -> np.ndarray:
     """``arr`` in the store's (native) byte order when it differs from ``want`` only in that.
 
     Big-endian input (``>u4`` from a file written on another machine) has the same dtype
@@ -354,7 +353,11 @@ class BinaryColumn:
         self.valid.reset()
 
 
-def make_column(spec: FieldSpec, chunk_rows: int) -> Any:
+#: A field's buffer, by the field's kind (:func:`make_column`).
+Column = FixedColumn | VariableColumn | BinaryColumn
+
+
+def make_column(spec: FieldSpec, chunk_rows: int) -> Column:
     """The buffer for ``spec``; ``chunk_rows`` bounds a fixed field's preallocation."""
     if spec.kind == "binary":
         return BinaryColumn(spec)

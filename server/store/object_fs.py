@@ -12,9 +12,12 @@ import os
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shardserve.proto.errors import ShardserveError
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 #: Environment variables whose values are secrets wherever they appear.
 SECRET_ENV = (
@@ -106,7 +109,7 @@ def uri_secrets(uri: str) -> tuple[str, ...]:
     return tuple(urllib.parse.unquote(s) for s in found)
 
 
-def open_filesystem(uri: str, options: StoreOptions) -> tuple[Any, str]:
+def open_filesystem(uri: str, options: StoreOptions) -> tuple[pafs.FileSystem, str]:
     """``(pyarrow FileSystem, base path)`` for ``uri``.
 
     ``s3://`` is built explicitly so the endpoint, timeouts and retries apply; any other
@@ -116,7 +119,7 @@ def open_filesystem(uri: str, options: StoreOptions) -> tuple[Any, str]:
 
     parts = urllib.parse.urlsplit(uri)
     if parts.scheme == "s3" and not parts.username and not parts.query:
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "connect_timeout": options.connect_timeout_s,
             "request_timeout": options.request_timeout_s,
             "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=options.attempts),

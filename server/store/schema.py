@@ -8,7 +8,6 @@ materialises those columns once at open.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +19,7 @@ from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec
 BytesLike = (bytes, bytearray, memoryview)
 
 
-def _dtype_name(dtype: np.dtype[Any], field: str, where: str) -> str:
+def _dtype_name(dtype: np.dtype[np.generic], field: str, where: str) -> str:
     name = np.dtype(dtype).name
     if name not in NUMERIC_DTYPES:
         raise InvalidDataError(

@@ -16,8 +16,8 @@ gets the original keys back.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
+from typing import TypeAlias, TypeVar
 
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import Tree
@@ -211,7 +211,10 @@ def _flat_names(tree: Tree) -> dict[str, str] | list[str] | None:
     return None
 
 
-def _orig(value: Mapping[Any, object], key: str) -> Any:
+K = TypeVar("K", bound=Hashable)
+
+
+def _orig(value: Mapping[K, object], key: str) -> K:
     for k in value:
         if str(k) == key:
             return k
@@ -240,11 +243,15 @@ def _strip(tree: Tree) -> Tree:
     return {kind: [_strip(v) for v in items]}
 
 
+#: Dotted field names as nested groups: a name at a leaf, ``{"dict": {...}}`` for a group.
+_Names: TypeAlias = "dict[str, str | dict[str, _Names]]"
+
+
 def tree_of_names(names: list[str]) -> Tree:
     """The dict tree that dotted field names (``game.board``) spell; ``None`` if all are flat."""
     if not any("." in n for n in names):
         return None
-    root: dict[str, Any] = {}
+    root: _Names = {}
     for n in names:
         node = root
         parts = n.split(".")

@@ -81,6 +81,8 @@ class ShardWriter:
         self.manifest: Manifest | None = None
         self.num_samples = 0
         self._specs: tuple[FieldSpec, ...] | None = None
+        # A columns.Column each; kept open because each checks and takes its own value type,
+        # which the union's methods cannot pair with the values checked for it.
         self._columns: list[Any] = []
         self._buffered = 0
         self._done = False

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -171,7 +170,7 @@ def _nested_rows(arr: pa.Array, where: str, name: str) -> list[object]:
     return out
 
 
-def _leaf_dtype(t: pa.DataType) -> np.dtype[Any]:
+def _leaf_dtype(t: pa.DataType) -> np.dtype[np.generic]:
     while _is_list(t) or pa.types.is_fixed_size_list(t):
         t = t.value_type
     if not _numeric(t):

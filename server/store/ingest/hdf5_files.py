@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from .source import (
     source_files,
 )
 
+if TYPE_CHECKING:
+    import h5py
+
 SUFFIXES = (".h5", ".hdf5")
 
 
@@ -39,11 +43,11 @@ SUFFIXES = (".h5", ".hdf5")
 METADATA_MAX_BYTES = 64 << 10
 
 
-def _datasets(h5: Any, f: Any, path: Path) -> dict[str, Any]:
-    found: dict[str, Any] = {}
+def _datasets(h5: ModuleType, f: h5py.File, path: Path) -> dict[str, h5py.Dataset]:
+    found: dict[str, h5py.Dataset] = {}
     seen: dict[str, str] = {}
 
-    def visit(name: str, obj: Any) -> None:
+    def visit(name: str, obj: object) -> None:
         if isinstance(obj, h5.Dataset):
             put_field(found, name.replace("/", "."), obj, name, seen, str(path))
 
@@ -51,7 +55,7 @@ def _datasets(h5: Any, f: Any, path: Path) -> dict[str, Any]:
     return dict(sorted(found.items()))
 
 
-def _sample_length(sets: dict[str, Any]) -> int:
+def _sample_length(sets: dict[str, h5py.Dataset]) -> int:
     """The leading length most datasets share (ties: the longer): the sample count."""
     counts: dict[int, int] = {}
     for d in sets.values():
@@ -62,7 +66,7 @@ def _sample_length(sets: dict[str, Any]) -> int:
     return max(counts, key=lambda n: (counts[n], n))
 
 
-def _as_json(value: Any) -> str | None:
+def _as_json(value: object) -> str | None:
     """A small array or attribute as JSON (strings decoded), ``None`` if it is not small."""
     arr = np.asarray(value)
     if arr.nbytes > METADATA_MAX_BYTES:
@@ -76,7 +80,9 @@ def _as_json(value: Any) -> str | None:
     return None
 
 
-def _metadata(f: Any, sets: dict[str, Any], n: int, path: Path, source: Source) -> None:
+def _metadata(
+    f: h5py.File, sets: dict[str, h5py.Dataset], n: int, path: Path, source: Source
+) -> None:
     """Arrays without the sample dimension and file attributes into the source's metadata."""
     for key in [k for k, d in sets.items() if not d.shape or d.shape[0] != n]:
         d = sets.pop(key)

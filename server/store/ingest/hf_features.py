@@ -27,10 +27,14 @@ from shardserve.proto.errors import InvalidDataError
 
 from .source import Source
 
+#: ``datasets``' features, the JSON it writes into a schema's metadata: read leniently as the
+#: writer left it (an unexpected shape fails where it is used), so the values stay open.
+Features = dict[str, Any]
+
 _ARRAYS = ("Array2D", "Array3D", "Array4D", "Array5D")
 
 
-def features_of(schema: pa.Schema) -> dict[str, Any]:
+def features_of(schema: pa.Schema) -> Features:
     """The top-level features of a schema written by ``datasets`` (``{}`` if none)."""
     raw = (schema.metadata or {}).get(b"huggingface")
     if raw is None:
@@ -42,7 +46,7 @@ def features_of(schema: pa.Schema) -> dict[str, Any]:
     return feats if isinstance(feats, dict) else {}
 
 
-def note_labels(features: dict[str, Any], source: Source) -> None:
+def note_labels(features: Features, source: Source) -> None:
     """ClassLabel names into the manifest's ``source`` (see module docstring)."""
     labels = {
         k: [str(n) for n in f.get("names") or []]
@@ -55,7 +59,7 @@ def note_labels(features: dict[str, Any], source: Source) -> None:
         source.info["classes"] = json.dumps(next(iter(labels.values())))
 
 
-def fixed_arrays(features: dict[str, Any]) -> set[str]:
+def fixed_arrays(features: Features) -> set[str]:
     """ArrayND columns of a fixed shape: lists in Arrow, but fixed tensors once read."""
     return {
         k for k, f in features.items()
@@ -88,7 +92,7 @@ def _media(name: str, arr: pa.Array, where: str) -> list[tuple[str, pa.Array]]:
     return out
 
 
-def _array(name: str, arr: pa.Array, feat: dict[str, Any], where: str) -> pa.Array:
+def _array(name: str, arr: pa.Array, feat: Features, where: str) -> pa.Array:
     """An ArrayND column as a fixed-size list per dimension (first dim ``None``: a list)."""
     shape = list(feat.get("shape") or [])
     arr = _storage(arr)
@@ -116,7 +120,7 @@ def _array(name: str, arr: pa.Array, feat: dict[str, Any], where: str) -> pa.Arr
     return pa.FixedSizeListArray.from_arrays(inner, int(shape[0]))
 
 
-def prepare(batch: pa.RecordBatch, features: dict[str, Any], where: str) -> pa.RecordBatch:
+def prepare(batch: pa.RecordBatch, features: Features, where: str) -> pa.RecordBatch:
     """``batch`` with its Image / Audio / ArrayND columns made plain (module docstring)."""
     if not features:
         return batch

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from typing import Any
 
 import pyarrow as pa
 
@@ -29,7 +28,8 @@ from shardserve.proto.errors import InvalidDataError
 
 from .source import Piece
 
-MapFn = Callable[[Any], Any]
+#: The user's ``--map`` function: a sample in, a sample out (checked as any sample is).
+MapFn = Callable[[object], object]
 #: How long one sample may take in the function before ingest gives up.
 MAP_TIMEOUT_S = 600.0
 #: Samples handed to each worker at once, and samples in flight per worker.
@@ -78,9 +78,9 @@ def _samples(pieces: Iterator[Piece]) -> Iterator[Piece]:
             yield Piece(where=p.where, files=p.files, nbytes=p.nbytes)
 
 
-def _call(fn: MapFn, samples: list[tuple[str, Any]]) -> list[tuple[bool, Any]]:
+def _call(fn: MapFn, samples: list[tuple[str, object]]) -> list[tuple[bool, object]]:
     """Run in a worker: ``(True, result)`` or ``(False, message)`` per sample."""
-    out: list[tuple[bool, Any]] = []
+    out: list[tuple[bool, object]] = []
     for _where, s in samples:
         try:
             out.append((True, fn(s)))
@@ -89,7 +89,7 @@ def _call(fn: MapFn, samples: list[tuple[str, Any]]) -> list[tuple[bool, Any]]:
     return out
 
 
-def _result(piece: Piece, ok: bool, value: Any, name: str) -> Piece:
+def _result(piece: Piece, ok: bool, value: object, name: str) -> Piece:
     if not ok:
         raise InvalidDataError(f"{piece.where}: --map {name} failed: {value}")
     return Piece(where=piece.where, sample=value, files=piece.files, nbytes=piece.nbytes)
@@ -106,7 +106,7 @@ def _inline(pieces: Iterator[Piece], fn: MapFn, name: str) -> Iterator[Piece]:
 
 def _pooled(pool: ProcessPoolExecutor, pieces: Iterator[Piece], fn: MapFn, name: str,
             workers: int) -> Iterator[Piece]:  # fmt: skip
-    pending: deque[tuple[list[Piece], Future[list[tuple[bool, Any]]]]] = deque()
+    pending: deque[tuple[list[Piece], Future[list[tuple[bool, object]]]]] = deque()
     todo = _samples(pieces)
     window = workers * WINDOW_PER_WORKER // CHUNK
     done = False

@@ -21,7 +21,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class _Member:
     """One array of a ``.npz``: its header, and its decompressing stream after the header."""
 
     stream: IO[bytes]
-    dtype: np.dtype[Any]
+    dtype: np.dtype[np.generic]
     shape: tuple[int, ...]
 
     @property

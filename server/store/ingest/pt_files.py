@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 
@@ -53,7 +53,7 @@ def _torch() -> ModuleType:
     return importlib.import_module("torch")
 
 
-def _to_value(torch: ModuleType, path: Path | str, key: str, value: Any) -> object:
+def _to_value(torch: ModuleType, path: Path | str, key: str, value: object) -> object:
     if isinstance(value, torch.Tensor):
         t = value.detach()
         if t.layout != torch.strided:
@@ -91,7 +91,7 @@ def load_file(path: Path | str, data: bytes | None = None) -> object:
     torch = _torch()
     try:
         with pyg.standins(torch):
-            src: Any = io.BytesIO(data) if data is not None else path
+            src: io.BytesIO | Path | str = io.BytesIO(data) if data is not None else path
             obj = torch.load(src, weights_only=True, map_location="cpu")
             graphs = pyg.in_memory(obj, path)
     except InvalidDataError:
@@ -134,31 +134,38 @@ def split_samples(obj: object, path: Path, stacked: bool) -> list[object]:
     return [obj]
 
 
-def _rows(obj: dict[str, Any], path: Path) -> list[object]:
+#: A ``--stacked`` file's dict once checked: arrays sharing a leading dimension, nested.
+_Stacked: TypeAlias = "dict[str, _Stacked | np.ndarray]"
+
+
+def _rows(obj: dict[str, object], path: Path) -> list[object]:
     lengths: dict[str, int] = {}
 
-    def walk(d: dict[str, Any], prefix: str) -> None:
+    def walk(d: dict[str, object], prefix: str) -> _Stacked:
+        out: _Stacked = {}
         for k, v in d.items():
             if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
+                out[k] = walk(v, f"{prefix}{k}.")
             elif isinstance(v, np.ndarray) and v.ndim:
                 lengths[prefix + str(k)] = v.shape[0]
+                out[k] = v
             else:
                 raise InvalidDataError(
                     f"{path}: --stacked: {prefix}{k} is not a tensor with a leading sample dimension"
                 )
+        return out
 
-    walk(obj, "")
+    stacked = walk(obj, "")
     if len(set(lengths.values())) != 1:
         raise InvalidDataError(
             f"{path}: --stacked needs one leading length for every tensor; lengths are {lengths}"
         )
     n = next(iter(lengths.values()))
 
-    def row(d: dict[str, Any], i: int) -> dict[str, Any]:
+    def row(d: _Stacked, i: int) -> dict[str, object]:
         return {k: row(v, i) if isinstance(v, dict) else v[i] for k, v in d.items()}
 
-    return [row(obj, i) for i in range(n)]
+    return [row(stacked, i) for i in range(n)]
 
 
 def _load_pieces(path: Path, stacked: bool) -> list[Piece]:

@@ -23,9 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 from shardserve.proto.errors import InvalidDataError
+
+#: One graph's attributes as ``torch.load`` left them: tensors and plain values. Open on
+#: purpose: torch is never imported by the server, so its tensors cannot be typed here, and
+#: what the attributes hold is checked when :mod:`.pt_files` converts them.
+Graph = dict[str, Any]
 
 #: The PyG names a saved ``Data`` / ``HeteroData`` refers to (torch_geometric 2.x).
 PYG_NAMES = (
@@ -47,8 +52,8 @@ class Standin:
 
     pyg_name = ""
 
-    def __setstate__(self, state: Any) -> None:
-        self.state = state if isinstance(state, dict) else {}
+    def __setstate__(self, state: object) -> None:
+        self.state: dict[str, object] = state if isinstance(state, dict) else {}
 
 
 def _standin(name: str) -> type[Standin]:
@@ -58,7 +63,7 @@ def _standin(name: str) -> type[Standin]:
 _STANDINS = [(_standin(n), n) for n in PYG_NAMES]
 _lock = threading.Lock()
 _users = 0
-_saved: list[Any] = []
+_saved: list[object] = []
 
 
 @contextmanager
@@ -84,17 +89,17 @@ def standins(torch: ModuleType) -> Iterator[None]:
                 ser.add_safe_globals(_saved)
 
 
-def _name(g: Any) -> str:
+def _name(g: object) -> str:
     if isinstance(g, tuple):
         return str(g[1])
     return f"{getattr(g, '__module__', '')}.{getattr(g, '__qualname__', '')}"
 
 
-def is_stub(value: object) -> bool:
+def is_stub(value: object) -> TypeGuard[Standin | type[Standin]]:
     return isinstance(value, Standin) or (isinstance(value, type) and issubclass(value, Standin))
 
 
-def _mapping(store: object) -> dict[str, Any]:
+def _mapping(store: object) -> Graph:
     if not isinstance(store, Standin):
         return {}
     m = store.state.get("_mapping", {})
@@ -106,7 +111,7 @@ def _mapping(store: object) -> dict[str, Any]:
 MAX_NODES = 2**31 - 1
 
 
-def _num_nodes(m: dict[str, Any], path: Path | str) -> int | None:
+def _num_nodes(m: Graph, path: Path | str) -> int | None:
     """The graph's node count: stored, else the first dim of ``x`` / ``pos``, else one more
     than the largest node index; a stored count that cannot be right is refused."""
     rows = next(
@@ -137,7 +142,7 @@ def _num_nodes(m: dict[str, Any], path: Path | str) -> int | None:
     return stored
 
 
-def as_sample(value: Standin, path: Path | str) -> dict[str, Any]:
+def as_sample(value: Standin | type[Standin], path: Path | str) -> Graph:
     """A PyG object's tensors as a (nested) dict (see module docstring)."""
     name = getattr(value, "pyg_name", "")
     st = getattr(value, "state", {})
@@ -148,7 +153,7 @@ def as_sample(value: Standin, path: Path | str) -> dict[str, Any]:
             m["num_nodes"] = n
         return m
     if name.endswith(".HeteroData"):
-        out: dict[str, Any] = _mapping(st.get("_global_store"))
+        out = _mapping(st.get("_global_store"))
         for key, store in dict(st.get("_node_store_dict", {})).items():
             out[str(key)] = _mapping(store)
         for key, store in dict(st.get("_edge_store_dict", {})).items():
@@ -164,7 +169,7 @@ def _cat_dim(key: str) -> int:
     return -1 if "index" in key or key == "face" else 0
 
 
-def in_memory(obj: object, path: Path | str) -> list[dict[str, Any]] | None:
+def in_memory(obj: object, path: Path | str) -> list[Graph] | None:
     """The graphs of a ``torch_geometric`` ``InMemoryDataset`` file (``processed/data.pt``),
     as PyG's ``dataset[i]`` gives them; ``None`` if ``obj`` is not one.
 
@@ -209,7 +214,7 @@ def in_memory(obj: object, path: Path | str) -> list[dict[str, Any]] | None:
     (num,) = lengths
     graphs = []
     for i in range(num):
-        g: dict[str, Any] = {}
+        g: Graph = {}
         for key, sl in slices.items():
             value = mapping.get(key)
             if value is None:

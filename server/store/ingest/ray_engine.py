@@ -30,7 +30,8 @@ import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from tqdm import tqdm
 
@@ -43,8 +44,23 @@ from ..writer import ShardWriter
 from .registry import open_source
 from .run import IngestSummary
 
+if TYPE_CHECKING:
+    from ..remote import RemoteStore
 
-def _ray() -> Any:
+#: One task's row as Ray Data hands it over (built by :func:`ingest_ray`); open because Ray
+#: converts the row on the way (a list may arrive as an array), so no narrower type holds.
+PartRow = dict[str, Any]
+
+
+class PartDone(TypedDict):
+    """What a task returns: its part number, the part's manifest (JSON), bytes read."""
+
+    part: int
+    manifest: str
+    bytes: int
+
+
+def _ray() -> ModuleType:
     try:
         import ray
         import ray.data
@@ -70,7 +86,7 @@ def groups_of(files: list[Path], sizes: list[int], tasks: int) -> list[list[Path
     return out
 
 
-def write_part(row: dict[str, Any]) -> dict[str, Any]:
+def write_part(row: PartRow) -> PartDone:
     """A Ray task: ingest ``row["files"]`` into the part dataset ``row["name"]``.
 
     For a local store the part is published under ``row["root"]``; for a remote one
@@ -149,7 +165,7 @@ def ingest_ray(
     variable: Collection[str] = (),
     progress: bool = True,
     num_cpus: int | None = None,
-    remote: Any = None,
+    remote: RemoteStore | None = None,
 ) -> IngestSummary:
     """Ingest ``src`` into dataset ``name`` with Ray Data tasks: of the folder ``store``, or,
     given ``remote`` (a :class:`~..remote.RemoteStore`), of that store, each task uploading

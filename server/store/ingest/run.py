@@ -11,7 +11,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from tqdm import tqdm
 
@@ -23,6 +23,10 @@ from .mapping import mapped, resolve_map
 from .registry import READERS, SUFFIXES, claimed, open_source
 from .source import MAX_SAMPLE_BYTES, Piece
 from .splits import Split, find_splits, pick, split_dataset_name
+
+if TYPE_CHECKING:
+    # typing.Unpack is 3.11+; only the type checker reads it
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,29 @@ def _splits(src: Path, fmt: str) -> list[Split]:
     return find_splits(src, SUFFIXES)
 
 
+class IngestOptions(TypedDict, total=False):
+    """:func:`ingest`'s options that :func:`ingest_all` passes on (see there)."""
+
+    fmt: str
+    shard_bytes: int
+    overwrite: bool
+    variable: Collection[str]
+    threads: int
+    progress: bool
+    stacked: bool
+    map_fn: str | None
+    workers: int
+    max_sample_bytes: int
+    value_format: str
+
+
 def ingest_all(
-    src: str | Path, store: str | Path, name: str, *, split: str | None = None, **kw: Any
+    src: str | Path,
+    store: str | Path,
+    name: str,
+    *,
+    split: str | None = None,
+    **kw: Unpack[IngestOptions],
 ) -> IngestReport:
     """:func:`ingest`, or, for a source laid out as splits and no ``split`` chosen, one
     dataset per split named ``NAME-split`` (:func:`.splits.split_dataset_name`).
@@ -216,7 +241,7 @@ def ingest_all(
 
 
 def _write(
-    pieces: Iterable[Piece], writer: ShardWriter, bar: Any, num_files: int, progress: bool
+    pieces: Iterable[Piece], writer: ShardWriter, bar: tqdm, num_files: int, progress: bool
 ) -> tuple[int, int]:
     """Hand every piece to ``writer``, ticking ``bar``; files finished and bytes read."""
     files = read = 0

@@ -13,12 +13,15 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .run import IngestReport, IngestSummary, ingest_all
 
+if TYPE_CHECKING:
+    from ..remote import RemoteStore
 
-def ingest_anywhere(args: argparse.Namespace, remote: Any | None) -> IngestReport:
+
+def ingest_anywhere(args: argparse.Namespace, remote: RemoteStore | None) -> IngestReport:
     """Run ``shardserve ingest`` for ``args``; ``remote`` is the :class:`RemoteStore` of a URI
     ``--store`` (``None`` for a folder)."""
     started = time.perf_counter()
