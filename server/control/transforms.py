@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from ..service import Service
 from .deps import Authorized, ServiceDep
 
 router = APIRouter(prefix="/v1/transforms", tags=["transforms"], dependencies=Authorized)
@@ -19,7 +20,7 @@ def list_transforms(service: ServiceDep) -> dict[str, Any]:
     return service.transforms.describe()
 
 
-def status_section(service: Any) -> str:
+def status_section(service: Service) -> str:
     """The status page's transform section: pool, throughput, time per transform, errors and
     replacements since start (nothing until a job ran a transform)."""
     d = service.transforms.describe()

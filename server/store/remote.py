@@ -26,6 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from shardserve.proto.errors import (
     DatasetCorruptError,
     DatasetNotFound,
@@ -471,7 +473,7 @@ class RemoteStore:
     # beside its place and renamed there (what readers of the manifest rely on).
     _PARTIAL = ".partial"
 
-    def _output(self, rel: str) -> Any:
+    def _output(self, rel: str) -> pa.NativeFile:
         if self.fs.type_name != "local":
             return self.fs.open_output_stream(self.path(rel))
         target = self.path(rel)

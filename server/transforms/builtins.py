@@ -10,13 +10,13 @@ resize and random resized crop run per sample (images of different sizes).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from .params import FieldParams, Name
-from .registry import batch_transform, sample_transform
+from .registry import Columns, batch_transform, sample_transform
 from .schema import Field as F
 from .schema import Schema
 
@@ -109,7 +109,7 @@ def _crop_peak(p: RandomCrop, inputs: Schema) -> int:
 
 
 @batch_transform(params=RandomCrop, outputs=_crop_outputs, peak=_crop_peak)
-def random_crop(batch: dict[str, Any], p: RandomCrop, rng: np.random.Generator) -> dict[str, Any]:
+def random_crop(batch: Columns, p: RandomCrop, rng: np.random.Generator) -> Columns:
     """Pad by ``padding`` then crop ``size`` at a random place per sample (torchvision RandomCrop)."""
     x = batch[p.field]
     ah, aw = (a + 1 for a in _spatial(F(str(x.dtype), x.shape[1:]), p.layout))
@@ -143,7 +143,7 @@ def _same(p: _ImageParams, inputs: Schema) -> dict[str, F]:
 
 
 @batch_transform(params=HFlip, outputs=_same)
-def hflip(batch: dict[str, Any], p: HFlip, rng: np.random.Generator) -> dict[str, Any]:
+def hflip(batch: Columns, p: HFlip, rng: np.random.Generator) -> Columns:
     """Mirror each sample left-right with probability ``p``."""
     x = batch[p.field]
     aw = _spatial(F(str(x.dtype), x.shape[1:]), p.layout)[1] + 1
@@ -183,7 +183,7 @@ def _norm_outputs(p: Normalize, inputs: Schema) -> dict[str, F]:
 
 
 @batch_transform(params=Normalize, outputs=_norm_outputs)
-def normalize(batch: dict[str, Any], p: Normalize, rng: np.random.Generator) -> dict[str, Any]:
+def normalize(batch: Columns, p: Normalize, rng: np.random.Generator) -> Columns:
     """``(x * scale - mean) / std`` per channel, as ``dtype``."""
     x = batch[p.field]
     if p.to_chw:
@@ -267,7 +267,7 @@ def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
 
 
 @sample_transform(params=Resize, outputs=_resize_outputs)
-def resize(sample: dict[str, Any], p: Resize, rng: np.random.Generator) -> dict[str, Any]:
+def resize(sample: Columns, p: Resize, rng: np.random.Generator) -> Columns:
     """Bilinear resize to ``size``."""
     x = sample[p.field]
     ah, aw = _spatial(F(str(x.dtype), x.shape), p.layout)
@@ -295,8 +295,8 @@ class RandomResizedCrop(Resize):
 
 
 @sample_transform(params=RandomResizedCrop, outputs=_resize_outputs)
-def random_resized_crop(sample: dict[str, Any], p: RandomResizedCrop,
-                        rng: np.random.Generator) -> dict[str, Any]:  # fmt: skip
+def random_resized_crop(sample: Columns, p: RandomResizedCrop,
+                        rng: np.random.Generator) -> Columns:  # fmt: skip
     """A random box of ``scale`` of the area and ``ratio`` aspect, resized to ``size``
     (torchvision RandomResizedCrop: 10 tries, then the centre crop)."""
     x = sample[p.field]
@@ -345,9 +345,7 @@ def _subset_outputs(p: RandomSubset, inputs: Schema) -> dict[str, F]:
 
 
 @sample_transform(params=RandomSubset, outputs=_subset_outputs)
-def random_subset(
-    sample: dict[str, Any], p: RandomSubset, rng: np.random.Generator
-) -> dict[str, Any]:
+def random_subset(sample: Columns, p: RandomSubset, rng: np.random.Generator) -> Columns:
     """``n`` random rows of a field with a variable first dimension (query points of a latent)."""
     x = sample[p.field]
     if not p.replace and x.shape[0] < p.n:
@@ -382,7 +380,7 @@ def _unpack_outputs(p: UnpackBits, inputs: Schema) -> dict[str, F]:
 
 
 @batch_transform(params=UnpackBits, outputs=_unpack_outputs)
-def unpack_bits(batch: dict[str, Any], p: UnpackBits, rng: np.random.Generator) -> dict[str, Any]:
+def unpack_bits(batch: Columns, p: UnpackBits, rng: np.random.Generator) -> Columns:
     """Packed bit records (uint8) into planes of ``shape`` (``numpy.unpackbits``)."""
     x = batch[p.field]
     b = x.shape[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from shardserve.proto.errors import TransformError
 
 
@@ -54,7 +56,7 @@ def transform_error(dataset: str, epoch: int, failed: StepFailed) -> TransformEr
 
 
 def pool_error(
-    dataset: str, epoch: int, chain: list[str], indices: Any, what: str
+    dataset: str, epoch: int, chain: list[str], indices: np.ndarray, what: str
 ) -> TransformError:
     """A worker hung or died: the chain, dataset and samples it was on."""
     shown = ", ".join(str(int(i)) for i in list(indices)[:8])

@@ -8,17 +8,18 @@ extra lists the transform and refuses it at job creation with the extra's name.
 from __future__ import annotations
 
 import io
-from typing import Any, Literal
+from types import ModuleType
+from typing import Literal
 
 import numpy as np
 
 from .params import FieldParams
-from .registry import sample_transform
+from .registry import Columns, sample_transform
 from .runner import Limits
 from .schema import Field, Schema
 
 
-def pil() -> Any:
+def pil() -> ModuleType:
     try:
         from PIL import Image
     except ImportError:
@@ -44,8 +45,8 @@ def _decode_outputs(p: Decode, inputs: Schema) -> dict[str, Field]:
 
 
 @sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True)
-def decode_image(sample: dict[str, Any], p: Decode, rng: np.random.Generator,
-                 limits: Limits) -> dict[str, Any]:  # fmt: skip
+def decode_image(sample: Columns, p: Decode, rng: np.random.Generator,
+                 limits: Limits) -> Columns:  # fmt: skip
     """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L); an image whose header says more
     than ``--max-decoded-pixels`` is refused before a pixel is decoded."""
     image = pil()

@@ -24,6 +24,11 @@ ENTRY_POINT_GROUP = "shardserve.transforms"
 #: Built-in transform modules, always loaded.
 BUILTIN_MODULES = ("shardserve.server.transforms.builtins", "shardserve.server.transforms.images")
 
+#: A sample's or a batch's fields as a transform's function gets and returns them: numpy
+#: arrays, a scalar field's value as a numpy scalar, a batch's variable field as a list of
+#: arrays. Open (``Any``) on purpose: each function reads the fields its step declared, and
+#: the runner checks every field it returns against the declared outputs.
+Columns = dict[str, Any]
 Shape = Literal["sample", "batch"]
 PoolKind = Literal["thread", "process"]
 #: ``outputs(params, inputs) -> fields written`` (or a fixed mapping when params do not matter).

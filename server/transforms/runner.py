@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -110,7 +109,7 @@ def _stack(items: list[np.ndarray], f: Field) -> np.ndarray:
     return np.stack(items) if items else np.empty((0, *f.shape), dtype=f.dtype)
 
 
-def _check(step: Step, name: str, f: Field, arr: Any, position: int | None, index: int | None,
+def _check(step: Step, name: str, f: Field, arr: object, position: int | None, index: int | None,
            batch: int | None) -> np.ndarray:  # fmt: skip
     t = step.transform.name
     if isinstance(arr, np.generic):  # a scalar field's value, e.g. sample["label"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -61,7 +60,7 @@ def _problems(e: ValidationError) -> str:
 
 
 def compile_chain(
-    steps: Sequence[TransformStep | Mapping[str, Any]], registry: TransformRegistry,
+    steps: Sequence[TransformStep | Mapping[str, object]], registry: TransformRegistry,
     inputs: Mapping[str, Field], dataset: str,
 ) -> Chain:  # fmt: skip
     """The checked chain, or ``BadRequest`` naming the step and what to change."""
