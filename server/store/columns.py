@@ -227,9 +227,12 @@ class VariableColumn:
             )
         return value
 
-    def row_sizes(self, col: Sequence[np.ndarray]) -> np.ndarray:
+    def row_sizes(self, col: Sequence[np.ndarray | None]) -> np.ndarray:
+        # A missing row (a null of a columnar source) holds no values, only its shape.
         return np.fromiter(
-            (a.nbytes + 8 * self.ndim + 4 for a in col), dtype=np.int64, count=len(col)
+            ((a.nbytes if a is not None else 0) + 8 * self.ndim + 4 for a in col),
+            dtype=np.int64,
+            count=len(col),
         )
 
     def push(self, arr: np.ndarray | None) -> None:
@@ -250,7 +253,7 @@ class VariableColumn:
         self._shapes.append(shape)
         self.n += 1
 
-    def push_rows(self, col: Sequence[np.ndarray], start: int, stop: int) -> None:
+    def push_rows(self, col: Sequence[np.ndarray | None], start: int, stop: int) -> None:
         for i in range(start, stop):
             self.push(col[i])
 

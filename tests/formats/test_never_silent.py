@@ -269,3 +269,41 @@ def test_image_folder_with_train_and_test_is_two_datasets(tmp_path: Path, store:
     got = {s.manifest.name: s.manifest for s in report.summaries}
     assert {k: m.num_samples for k, m in got.items()} == {"pics-test": 4, "pics-train": 6}
     assert all(json.loads(m.source["classes"]) == ["cat", "dog"] for m in got.values())
+
+
+def test_parquet_nulls_in_list_columns_keep_their_dtype_and_rows(
+    tmp_path: Path, store: Path
+) -> None:
+    """A missing row of a variable list column is a masked row (ingest used to crash), and a
+    fixed-size int32 column with missing rows stays int32 (it used to become float64)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardserve.server.store.catalog import Store
+
+    table = pa.table({
+        "v": pa.array([[1, 2], None, [3]], pa.list_(pa.int64())),
+        "f": pa.array([[1, 2, 3], None, [4, 5, 6]], pa.list_(pa.int32(), 3)),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet")
+    ingest(tmp_path / "t.parquet", store, "t", progress=False)
+    ds = Store(store).open("t")
+    specs = {f.name: f for f in ds.manifest.fields}
+    assert (specs["f"].dtype, specs["f"].shape, specs["f"].nullable) == ("int32", (3,), True)
+    parts = ds.take([0, 1, 2])
+    assert parts["f"].dtype == np.int32 and parts["f"][[0, 2]].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert parts["f.mask"].tolist() == parts["v.mask"].tolist() == [True, False, True]
+    assert parts["v"].tolist() == [1, 2, 3] and parts["v.offsets"].tolist() == [0, 2, 2, 3]
+
+
+def test_parquet_hole_inside_a_fixed_value_is_refused(tmp_path: Path, store: Path) -> None:
+    """A missing element inside a row that has a value is refused, naming the file, the column
+    and the row: never stored as a number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"g": pa.array([[1, None, 3], [4, 5, 6]], pa.list_(pa.int32(), 3))})
+    pq.write_table(table, tmp_path / "holes.parquet")
+    with pytest.raises(InvalidDataError, match=r"holes\.parquet.*column 'g'.*inside row 0"):
+        ingest(tmp_path / "holes.parquet", store, "holes", progress=False)
+    assert not (store / "holes").exists()

@@ -34,7 +34,10 @@ def _numeric(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
-def _fixed(arr: pa.Array, where: str, name: str) -> np.ndarray:
+def _fixed(arr: pa.Array, where: str, name: str, missing: np.ndarray | None = None) -> np.ndarray:
+    """A fixed-size column as one array ``[rows, *dims]``. ``missing``: rows that are null as a
+    whole (their elements are filled with zeros: masked); a null element inside a row that has
+    a value is refused, never turned into a number (or the column into floats)."""
     dims: list[int] = []
     if isinstance(arr.type, pa.FixedShapeTensorType):
         dims = list(arr.type.shape)
@@ -49,6 +52,17 @@ def _fixed(arr: pa.Array, where: str, name: str) -> np.ndarray:
         raise InvalidDataError(
             f"{where}: column {name!r} has elements of type {values.type}; expected numbers"
         )
+    if values.null_count:
+        per_row = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        rows = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False)) // per_row
+        holes = rows if missing is None else rows[~missing[rows]]
+        if holes.size:
+            raise InvalidDataError(
+                f"{where}: column {name!r} has a missing element inside row {int(holes[0])}, "
+                "which has a value; a store holds whole values: fill the missing elements, or "
+                "make the whole row null"
+            )
+        values = pc.fill_null(values, 0)  # only inside rows missing as a whole (masked)
     return values.to_numpy(zero_copy_only=False).reshape(len(arr), *dims)
 
 
@@ -60,7 +74,7 @@ def _nullable_fixed(arr: pa.Array, where: str, name: str) -> np.ndarray:
         return np.ma.MaskedArray(values, mask=missing)
     k = arr.type.list_size if pa.types.is_fixed_size_list(arr.type) else 0
     inner = arr.values.slice(arr.offset * k, len(arr) * k)
-    values = _fixed(pa.FixedSizeListArray.from_arrays(inner, k), where, name)
+    values = _fixed(pa.FixedSizeListArray.from_arrays(inner, k), where, name, missing)
     mask = np.broadcast_to(missing.reshape(-1, *([1] * (values.ndim - 1))), values.shape)
     return np.ma.MaskedArray(values, mask=mask)
 
