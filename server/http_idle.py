@@ -10,13 +10,9 @@ must complete a request within ``idle_timeout_s`` of opening, and the next one w
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-if TYPE_CHECKING:
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
 
 
 class IdleClosingH11(H11Protocol):
@@ -24,14 +20,10 @@ class IdleClosingH11(H11Protocol):
 
     idle_timeout_s: float = 15.0
 
-    def __init__(
-        self,
-        config: Config,
-        server_state: ServerState,
-        app_state: dict[str, object],
-        _loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
+    # uvicorn's arguments pass through untouched: its constructor has changed between the
+    # versions this package accepts (uvicorn>=0.27), and this class adds none of its own.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._idle: asyncio.TimerHandle | None = None
 
     def _arm(self) -> None:
