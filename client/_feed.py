@@ -87,8 +87,11 @@ class Feed:
             graphs=self.job.spec.collate == "graph",
         )  # fmt: skip
 
-    def _batches(self, offset: int) -> int:
-        """Batches of this rank's plan of an epoch dealt from ``offset``."""
+    def _batches(self, offset: int) -> int | None:
+        """Batches of this rank's plan of an epoch dealt from ``offset``; ``None``: as the
+        server's Welcome says (a mixture whose epoch ends when a source runs out)."""
+        if self.job.spec.ends_early:
+            return None
         if offset == 0:
             return self.ctx.pos.per_epoch
         s = self.job.spec

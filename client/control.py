@@ -37,6 +37,7 @@ from shardserve.proto.errors import (
 from shardserve.proto.jobs import MAX_ENVS, Collate, JobSpec, OnError, ShuffleMode
 
 from .distributed import World, agree_with_rank0
+from .mixture import Mixture, mixture_sources
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
 PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
@@ -244,7 +245,7 @@ def server_token(token: str | None) -> str | None:
 
 
 def job_spec(
-    dataset: str,
+    dataset: str | Mixture,
     batch_size: int,
     *,
     seed: int,
@@ -256,10 +257,13 @@ def job_spec(
     transforms: Sequence[Mapping[str, Any]] | None,
     on_error: OnError | None,
     envs: int = 1,
+    epoch_samples: int | None = None,
 ) -> JobSpec:
     """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
     argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
-    of ``envs`` batches of ``batch_size``.
+    of ``envs`` batches of ``batch_size``. ``dataset`` as ``{name: weight}`` (or a list of
+    sources): a mixture
+    (see :mod:`.mixture`), ``epoch_samples`` long (``None``: the datasets' sizes summed).
 
     >>> job_spec("cifar", 64, seed=0, shuffle=False, drop_last=False, world_size=2,
     ...          fields=None, collate=None, transforms=None, on_error=None).shuffle
@@ -271,9 +275,17 @@ def job_spec(
         raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise BadRequest(f"batch_size={batch_size!r} must be a positive integer")
+    mix = (
+        [s.model_dump(mode="json") for s in mixture_sources(dataset)]
+        if not isinstance(dataset, str)
+        else None
+    )
+    if epoch_samples is not None and mix is None:
+        raise BadRequest("epoch_samples sets a mixture's epoch: give dataset={name: weight, ...}")
     try:
         return JobSpec.model_validate({
-            "dataset": dataset, "batch_size": batch_size * envs, "seed": seed,
+            "dataset": None if mix is not None else dataset, "mixture": mix,
+            "epoch_samples": epoch_samples, "batch_size": batch_size * envs, "seed": seed,
             "shuffle": SHUFFLE[shuffle], "drop_last": drop_last, "world_size": world_size,
             "fields": tuple(fields) if fields is not None else None,
             "collate": collate, "envs": envs,
@@ -340,7 +352,7 @@ class JobHandle:
         try:
             info = None
             if check is not None:
-                info = api.dataset(spec.dataset)
+                info = api.dataset(spec.described_by)
                 check(info)
             if world is not None and world.source == "torch.distributed" and world.world_size > 1:
                 job = cls._create_agreed(api, spec, token, world, timeout)
@@ -383,7 +395,7 @@ class JobHandle:
     def info(self) -> DatasetInfo:
         """The dataset's description (``GET /v1/datasets/{name}``), fetched once."""
         if self._info is None:
-            self._info = self.api.dataset(self.spec.dataset)
+            self._info = self.api.dataset(self.spec.described_by)
         return self._info
 
     def recreate(self, timeout: float) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from shardserve.proto.api import MixtureStatus
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import Collate, OnError
 
@@ -27,6 +28,7 @@ from .device import resolve_device
 from .distributed import resolve_world
 from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
+from .mixture import Mixture, next_epoch_step
 from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
 from .state import check_same_job, make_state, parse_states, start_for
 from .stream import EpochStream
@@ -88,7 +90,10 @@ class Loader:
     Args:
         url: the server's HTTP URL; ``None``: ``SHARDSERVE_URL``, else
             ``http://127.0.0.1:7070`` (one sidecar per node, each rank talks to its own).
-        dataset: the dataset's name in the server's store.
+        dataset: the dataset's name in the server's store; ``{name: weight, ...}``: a mixture
+            of datasets, each batch position drawing its dataset with that probability, and
+            a ``source`` field saying which (see :meth:`set_mixture`); a list of
+            ``MixtureSource`` (or dicts) says more per dataset (``on_exhausted="stop"``).
         batch_size: samples per batch (per environment with ``envs``).
         seed: the seed of every epoch's order; same seed, same batches on any machine.
         shuffle: ``True`` (default, ``"global"``), ``False`` (``"none"``: store order) or
@@ -121,6 +126,8 @@ class Loader:
             server, run on every batch there.
         on_error: ``"replace"``: a sample whose transform raises is swapped for a
             deterministic other one; default: ``TransformError``.
+        epoch_samples: a mixture's samples per epoch, all ranks together (``None``: its
+            datasets' sizes summed).
 
     Everything after ``batch_size`` is keyword-only (passing it by position still works,
     with a ``DeprecationWarning``).
@@ -171,7 +178,7 @@ class Loader:
     def __init__(
         self,
         url: str | None,
-        dataset: str,
+        dataset: str | Mixture,
         batch_size: int,
         *,
         seed: int = 0,
@@ -193,9 +200,15 @@ class Loader:
         collate: Collate | None = None,
         transforms: Sequence[Mapping[str, Any]] | None = None,
         on_error: OnError | None = None,
+        epoch_samples: int | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
+        if not isinstance(dataset, str) and (resident is not None or envs > 1):
+            raise BadRequest(
+                "a mixture (dataset={name: weight}) streams batches: it cannot be resident "
+                "or stream several environments (yet); leave resident and envs out"
+            )
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         self.world = resolve_world(rank, world_size)
@@ -211,6 +224,7 @@ class Loader:
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
             world_size=self.world.world_size, fields=fields, collate=collate,
             envs=len(step_envs) or 1, transforms=transforms, on_error=on_error,
+            epoch_samples=epoch_samples,
         )  # fmt: skip
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
@@ -288,6 +302,29 @@ class Loader:
         >>> next(iter(loader))                        # batch 10 of epoch 3
         """
         self._ctx.pos.restore(self._ctx.pos.next_start().epoch, batch)
+
+    def set_mixture(
+        self, weights: Mapping[str, float], at_step: int | None = None
+    ) -> MixtureStatus:
+        """New weights for a mixture Loader's datasets, from global step ``at_step`` on
+        (``epoch * len(loader) + batch``); ``None``: the first step of the epoch after the
+        one in progress, which every DDP rank names alike without talking (each rank may call
+        this: the server takes the change once). ``StepInThePast`` (409) if a rank already
+        read that step. Deterministic: a restart or a resume replays the same batches.
+
+        >>> loader = Loader(url, {"web": 0.7, "code": 0.3}, 256)      # doctest: +SKIP
+        >>> loader.set_mixture({"web": 0.5, "code": 0.5})             # from the next epoch
+        """
+        if self.spec.mixture is None:
+            raise BadRequest(
+                f"Loader of dataset {self.spec.dataset!r} reads one dataset: create it with "
+                "dataset={name: weight, ...} to mix and steer datasets"
+            )
+        if at_step is None:
+            pos = self._ctx.pos
+            epoch = pos.epoch if pos.epoch is not None else pos.next_start().epoch
+            at_step = next_epoch_step(epoch, self._job.batches_per_epoch)
+        return self._job.api.set_mixture(self.job_id, weights, at_step)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""

@@ -14,22 +14,34 @@ no rank has been sent yet.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import MixtureSource
 
-__all__ = ["mixture_sources", "next_epoch_step"]
+__all__ = ["Mixture", "mixture_sources", "next_epoch_step"]
 
 
-def mixture_sources(weights: Mapping[str, float]) -> tuple[MixtureSource, ...]:
-    """The ``JobSpec.mixture`` of ``{dataset name: weight}``, in the mapping's order."""
+#: A mixture as a Loader takes it: ``{name: weight}``, or sources with more to say
+#: (``MixtureSource(name, weight, on_exhausted="stop")`` or the same as dicts).
+Mixture = Mapping[str, float] | Sequence[MixtureSource | Mapping[str, object]]
+
+
+def mixture_sources(weights: Mixture) -> tuple[MixtureSource, ...]:
+    """The ``JobSpec.mixture`` of ``{dataset name: weight}`` (in the mapping's order) or of
+    a list of sources.
+
+    >>> [s.on_exhausted for s in mixture_sources([{"name": "a", "weight": 1, "on_exhausted": "stop"}])]
+    ['stop']
+    """
     if not weights:
         raise BadRequest("a mixture needs at least one dataset: {name: weight, ...}")
     try:
-        return tuple(MixtureSource(name=n, weight=float(w)) for n, w in weights.items())
+        if isinstance(weights, Mapping):
+            return tuple(MixtureSource(name=n, weight=float(w)) for n, w in weights.items())
+        return tuple(MixtureSource.model_validate(s) for s in weights)
     except ValueError as e:
-        raise BadRequest(f"mixture {dict(weights)}: {e}") from None
+        raise BadRequest(f"mixture {weights!r}: {e}") from None
 
 
 def next_epoch_step(epoch: int, batches_per_epoch: int) -> int:

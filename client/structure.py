@@ -178,7 +178,7 @@ class Rebuild:
 
 def rebuild_for(api: ControlClient, spec: JobSpec, pad_variable: bool) -> Rebuild | None:
     """The :class:`Rebuild` a Loader of ``spec`` applies (one ``GET /v1/datasets/{name}``)."""
-    info = api.dataset(spec.dataset)
+    info = api.dataset(spec.described_by)
     rebuild = Rebuild.for_dataset(info.structure, info.fields, spec.fields)
     if rebuild is not None and pad_variable and not rebuild.is_dict:
         raise BadRequest(

@@ -231,6 +231,22 @@ class JobSpec(BaseModel):
             last = c.at_step
         return self
 
+    @property
+    def ends_early(self) -> bool:
+        """Whether an epoch may end before its nominal length: a mixture with a source that
+        ends it when it runs out (its length then depends on the weights and quarantines)."""
+        return any(s.on_exhausted == "stop" for s in self.mixture or ())
+
+    @property
+    def described_by(self) -> str:
+        """The dataset whose description (fields, structure) the job's batches follow: its
+        own, or a mixture's first source (every source serves the same fields).
+
+        >>> JobSpec(mixture=[{"name": "web", "weight": 1.0}], batch_size=8).described_by
+        'web'
+        """
+        return self.mixture[0].name if self.mixture else self.dataset
+
     @model_validator(mode="after")
     def _check_envs(self) -> JobSpec:
         if self.envs > 1:

@@ -101,6 +101,12 @@ class JobRegistry:
         self._lock = threading.Lock()
         #: Quarantined samples per dataset; journaled here with the jobs.
         self.quarantine = Quarantines()
+        #: Per mixture job, the last global step a rank's stream has taken the samples of
+        #: (:meth:`resolving`): a change at or before it would rewrite what a rank read.
+        self._resolved: dict[str, int] = {}
+        #: Bumped by every weight change and quarantine: a stream's plan made before is
+        #: checked again.
+        self._steering = 0
 
     def load(self) -> int:
         """Replay the journal into the registry and compact it; returns the number of jobs.
@@ -264,12 +270,29 @@ class JobRegistry:
         log_event(log, "job.epoch_set", job=jid, epoch=job.epoch, seed=job.seed)
         return job
 
+    def resolving(self, jid: str, step: int) -> tuple[Job, int]:
+        """A rank's stream is about to read global ``step`` of mixture job ``jid``: from now
+        on no change may take effect at or before it. Returns the job as it is and the
+        steering generation (see :meth:`steered`) its plan must have been made at."""
+        with self._lock:
+            job = self._get_locked(jid)
+            if step > self._resolved.get(jid, -1):
+                self._resolved[jid] = step
+            return job, self._steering
+
+    def steered(self, jid: str) -> tuple[Job, int]:
+        """The job as it is and the generation of weight changes and quarantines, read
+        together: a plan made from this job is current until the generation moves."""
+        with self._lock:
+            return self._get_locked(jid), self._steering
+
     def set_mixture(self, jid: str, change: WeightChange, frontier: int) -> Job:
         """Add a weight change from ``change.at_step`` on; journaled before returning.
 
         Refused with :class:`StepInThePast` when ``at_step`` is before ``frontier`` (the first
-        step no rank has been sent), so nothing delivered is ever rewritten. The same change
-        as the last one is taken once (each DDP rank may send it).
+        step no rank has been sent) or at a step a rank's stream has already read, so
+        nothing delivered is ever rewritten. The same change as the last one is taken once
+        (each DDP rank may send it).
         """
         with self._lock:
             job = self._get_locked(jid)
@@ -277,6 +300,7 @@ class JobRegistry:
                 raise BadRequest(f"job {jid} reads one dataset, not a mixture: it has no weights")
             if change in job.changes[-1:]:  # every DDP rank sends the same change: once is enough
                 return job
+            frontier = max(frontier, self._resolved.get(jid, -1) + 1)
             if change.at_step < frontier:
                 raise StepInThePast(
                     f"job {jid}: a change at step {change.at_step} is in the past; ranks were "
@@ -286,6 +310,7 @@ class JobRegistry:
                 raise BadRequest(f"job {jid} already has {MAX_CHANGES} weight changes")
             job = replace(job, changes=(*job.changes, change), touched=time.monotonic())
             self._jobs[jid] = job
+            self._steering += 1
             self._append(
                 {"op": "mixture", "id": jid, "at_step": change.at_step, "weights": change.weights}
             )
@@ -293,11 +318,25 @@ class JobRegistry:
         return job
 
     def add_quarantine(
-        self, dataset: str, ids: Sequence[int], reason: str, at: dict[str, int]
+        self,
+        dataset: str,
+        ids: Sequence[int],
+        reason: str,
+        at: Mapping[str, int],
+        align: Mapping[str, int] | None = None,
     ) -> None:
-        """Quarantine ``ids`` of ``dataset`` from step ``at[job]`` for each job; journaled."""
+        """Quarantine ``ids`` of ``dataset`` for each job from step ``at[job]``, or the first
+        step no stream of it has read if later, rounded up to a multiple of ``align[job]``
+        (a job whose epochs end when a source runs out takes changes at epoch starts);
+        journaled."""
         with self._lock:
-            entry = self.quarantine.add(dataset, ids, reason, at)
+            steps = {}
+            for jid, step in at.items():
+                step = max(step, self._resolved.get(jid, -1) + 1)
+                every = (align or {}).get(jid, 1)
+                steps[jid] = -(-step // every) * every
+            entry = self.quarantine.add(dataset, ids, reason, steps)
+            self._steering += 1
             self._append(
                 {
                     "op": "quarantine", "dataset": dataset, "ids": list(entry.ids),
@@ -339,6 +378,7 @@ class JobRegistry:
         with self._lock:
             job = self._get_locked(jid)
             del self._jobs[jid]
+            self._resolved.pop(jid, None)
             self._append({"op": "delete", "id": jid})
         log_event(log, "job.deleted", job=jid, reason=reason)
         return replace(job, state="deleted")

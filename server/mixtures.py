@@ -7,7 +7,11 @@ turns a job's journaled facts (spec, weight changes, quarantines, sizes) into it
   entry at step ``k`` is, within epoch ``e``, position ``(k - e * S) * world_size * batch_size``
   of the epoch's canonical order (the positions of step ``i`` are ``[i*W*B, (i+1)*W*B)``);
 - the *frontier* is the first step no rank has been sent or has in flight: a change before it
-  would rewrite delivered data (409).
+  would rewrite delivered data (409);
+- a rank's stream reads its plan batch by batch (:class:`SteeredPlan`): each batch first tells
+  the registry its step (no change may take effect at or before it from then on) and
+  follows any change made since the plan was, so a change mid-epoch at step ``k`` reaches
+  every rank's batch ``k`` exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import SOURCE_PART
 
-from .jobs import Job
+from .jobs import Job, JobRegistry
 from .planning import RankPlan, num_batches
 from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from .quarantine import Quarantines
@@ -216,3 +220,38 @@ class MixturePlans:
         s = job.spec
         order = self.order(job, epoch, seed)
         return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last)
+
+
+class SteeredPlan:
+    """One rank's mixture plan of an epoch, as its stream reads it (a
+    :class:`~.source.StreamPlan`): each :meth:`batch` records its step with the registry
+    first, then serves it from the plan of the job's schedule and quarantines as they are
+    now (remade when a change came since; the epoch's order is shared by the ranks)."""
+
+    def __init__(
+        self, plans: MixturePlans, registry: JobRegistry, job: Job, epoch: int, seed: int,
+        rank: int,
+    ) -> None:  # fmt: skip
+        self._plans, self._registry = plans, registry
+        self._job_id, self._epoch, self._seed, self._rank = job.id, epoch, seed, rank
+        self._first_step = epoch * steps_per_epoch(job)
+        # The job as it is now, not as the stream's Hello found it: a change may have come
+        # between the two, and the generation read with it is the one this plan is of.
+        job, self._made_at = registry.steered(job.id)
+        self._plan = plans.rank_plan(job, epoch, seed, rank)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def sample_ids(self) -> np.ndarray:
+        """The ids the plan reads as it stands (a fetching source reads ahead of them)."""
+        return self._plan.sample_ids()
+
+    def batch(self, i: int) -> np.ndarray:
+        job, now = self._registry.resolving(self._job_id, self._first_step + i)
+        if now != self._made_at:
+            # A change after step i cannot alter batches up to i (the order's prefix stays),
+            # and none at or before i is taken any more: the new plan agrees on all read.
+            self._plan = self._plans.rank_plan(job, self._epoch, self._seed, self._rank)
+            self._made_at = now
+        return self._plan.batch(i)

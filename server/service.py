@@ -29,13 +29,14 @@ from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
 from .assembly import Assembler
 from .job_admin import JobAdmin
-from .jobs import EpochJournal, JobRegistry
+from .jobs import EpochJournal, Job, JobRegistry
 from .journal import JournalLocked
 from .logs import log_event
 from .metrics import Metrics
 from .mixture_admin import MixtureAdmin
 from .planning.cache import PlanCache
 from .settings import Settings
+from .source import StreamPlan
 from .sources import open_source
 from .store.backend import StoreBackend, open_store
 from .store.dataset import Dataset
@@ -179,7 +180,7 @@ class Service:
                 open_source, open_dataset=self.open_dataset, transforms=self.transforms
             ),
             registry=self.jobs,
-            plans=self.plans,
+            plan_stream=self.plan_stream,
             board=self.board,
             metrics=self.metrics,
         )
@@ -311,12 +312,7 @@ class Service:
                 f"batch of every rank, within its {job.num_samples} samples)"
             )
         if job.spec.mixture is not None:  # ids over the sources concatenated in order
-            if offset:
-                raise BadRequest(
-                    f"job {job_id} is a mixture: an elastic resume (offset {offset}) of a mixture "
-                    "is not supported yet; resume it at the world size it was saved at"
-                )
-            return self.mixture_admin.plan(job, epoch, rank)
+            return self.mixture_admin.plan(job, epoch, rank, offset)
         ds = self.open_dataset(job.spec.dataset, job.spec.version)
         plan = (
             self.plans.rank_plan(
@@ -329,6 +325,15 @@ class Service:
         )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
+
+    def plan_stream(
+        self, job: Job, epoch: int, seed: int, rank: int, shard_rows: np.ndarray, offset: int
+    ) -> StreamPlan:
+        """What a stream of ``rank`` reads in ``epoch`` (see ``HandlerDeps.plan_stream``): a
+        mixture's plan follows its schedule batch by batch; any other is fixed when made."""
+        if job.spec.mixture is not None:
+            return self.mixture_admin.stream_plan(job, epoch, seed, rank, offset)
+        return self.plans.rank_plan(job, epoch, seed, rank, shard_rows=shard_rows, offset=offset)
 
     def cache_summary(self) -> dict[str, float] | None:
         """The shard cache's counters, or ``None`` for a local store."""

@@ -34,6 +34,19 @@ class Planned(Protocol):
         ...
 
 
+class StreamPlan(Planned, Protocol):
+    """A rank's batches of an epoch as its stream reads them (``RankPlan``, ``EnvSteps``, a
+    mixture's plan that follows its schedule)."""
+
+    def __len__(self) -> int:
+        """Batches in the epoch."""
+        ...
+
+    def batch(self, i: int) -> np.ndarray:
+        """The sample ids of batch ``i``, read when the stream assembles it."""
+        ...
+
+
 class BatchSource(Protocol):
     """A dataset as streaming reads it (thread-safe: ``take`` runs on assembly workers)."""
 

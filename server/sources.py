@@ -1,4 +1,5 @@
-"""The one place a stream's source chain is built: the job's dataset, then its decorators.
+"""The one place a stream's source chain is built: the job's dataset (or its mixture's
+datasets as one), then its decorators.
 
 To add a decorator of sources (see :class:`~.source.Wrapped`), add its step here, in the
 order it applies; streaming and assembly then serve it without a change.
@@ -11,12 +12,14 @@ from collections.abc import Callable
 from shardserve.proto.jobs import JobSpec
 
 from .source import BatchSource
+from .store.dataset import Dataset
 from .store.graphs import GraphCollated
+from .store.mixed import mixed_dataset
 from .transforms.bound import Transforms
 
 #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job pinned,
 #: or ``DatasetChanged`` (see ``Service.open_dataset``).
-OpenDataset = Callable[[str, str | None], BatchSource]
+OpenDataset = Callable[[str, str | None], Dataset]
 #: ``open_source(spec, epoch, seed, rank)``: :func:`open_source` with the server's parts bound.
 OpenSource = Callable[[JobSpec, int, int, int], BatchSource]
 
@@ -36,7 +39,13 @@ def open_source(
     ...                      transforms=None)                              # doctest: +SKIP
     >>> source.take([0, 1], ["label"])                                    # doctest: +SKIP
     """
-    source = open_dataset(spec.dataset, spec.version)  # the version the job pinned
+    source: BatchSource
+    if spec.mixture is not None:  # each source's version pinned at the job's creation
+        source = mixed_dataset(
+            spec.dataset, [open_dataset(m.name, m.version) for m in spec.mixture]
+        )
+    else:
+        source = open_dataset(spec.dataset, spec.version)  # the version the job pinned
     if spec.collate == "graph":
         # Graphs collated for message passing, each batch on its own terms.
         source = GraphCollated(source, spec.batch_size)

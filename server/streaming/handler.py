@@ -152,6 +152,8 @@ class StreamHandler(HelloHandling):
         elif work.kind is WorkKind.PREPARE:
             prepared: Prepared = done.value
             s.prepared = prepared
+            # A mixture whose source ran out ("stop") ends its epoch before the nominal count.
+            s.flow.num_batches = min(s.flow.num_batches, len(prepared.plan))
             s.sink = self.opener.sink_for(s, prepared, self.sessions.values())
             self._welcome(s)
             self._pump(s)

@@ -8,6 +8,7 @@ release); where its batches are assembled and how they leave, in its
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -17,10 +18,7 @@ from shardserve.proto.endpoints import Delivery as Transport
 
 from ..jobs import Job, JobRegistry
 from ..metrics import Metrics
-from ..planning import RankPlan
-from ..planning.cache import PlanCache
-from ..planning.envs import EnvSteps
-from ..source import BatchParts, BatchSource, PartShapes
+from ..source import BatchParts, BatchSource, PartShapes, StreamPlan
 from ..sources import OpenSource
 from .board import StreamBoard
 from .limits import StreamCancelled, check_batch
@@ -59,7 +57,7 @@ class Prepared:
 
     source: BatchSource
     #: The rank's batches; with ``envs > 1`` each is one step of every env's batch.
-    plan: RankPlan | EnvSteps
+    plan: StreamPlan
     fields: tuple[str, ...]
     part_shapes: PartShapes
     #: Expected bytes of one full batch (variable fields at the dataset's average).
@@ -134,8 +132,13 @@ class Session:
         return {"job": self.job_id, "rank": self.rank, "stream": self.stream, "epoch": self.epoch}
 
 
+#: ``plan_stream(job, epoch, seed, rank, shard_rows, offset)``: the rank's batches of the
+#: epoch, dealt from position ``offset`` of its order (see ``Service.plan_stream``).
+PlanStream = Callable[[Job, int, int, int, np.ndarray, int], StreamPlan]
+
+
 def prepare(
-    s: Session, open_source: OpenSource, plans: PlanCache, max_batch_bytes: int
+    s: Session, open_source: OpenSource, plan_stream: PlanStream, max_batch_bytes: int
 ) -> Prepared:
     """On the planning lane: open the dataset and plan this rank's epoch.
 
@@ -153,9 +156,7 @@ def prepare(
     check_batch(job.spec.batch_size, m.num_samples, batch_bytes, max_batch_bytes)
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
-    plan = plans.rank_plan(
-        job, s.epoch, s.seed, s.rank, shard_rows=source.shard_rows, offset=s.offset
-    )
+    plan = plan_stream(job, s.epoch, s.seed, s.rank, source.shard_rows, s.offset)
     source.plan_hint(plan)  # a remote dataset fetches what comes next
     return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable)
 
@@ -167,6 +168,7 @@ class HandlerDeps:
     #: A stream's source chain (see :func:`~..sources.open_source`).
     open_source: OpenSource
     registry: JobRegistry
-    plans: PlanCache
+    #: A stream's plan (see :data:`PlanStream`).
+    plan_stream: PlanStream
     board: StreamBoard
     metrics: Metrics

@@ -1,8 +1,10 @@
-"""A mixture batch read from real stores: every part equals what each source's own ``take``
-gives for its samples, in the batch's order, fixed and ragged fields alike."""
+"""A mixture read as one dataset from real stores: every part of a batch equals what each
+source's own ``take`` gives for its samples, in the batch's order, fixed and ragged fields
+alike, from a local store and through a remote store's evicting cache."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +12,10 @@ import pytest
 
 from shardserve.proto.parts import SOURCE_PART
 from shardserve.server.planning.mixture import MixSource, Segment, mixture_order, source_offsets
+from shardserve.server.store.cache import ShardCache
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.mixture_take import take_mixture
+from shardserve.server.store.mixed import mixed_dataset
+from shardserve.server.store.remote import RemoteStore
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
 
@@ -25,8 +29,23 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
     return Store(Path(root))
 
 
-def _check(store: Store, names: list[str], batch: int) -> None:
+@pytest.fixture(scope="module")
+def remote(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteStore]:
+    """The same datasets on a file:// store, read through a cache smaller than one of them."""
+    tmp = tmp_path_factory.mktemp("mixremote")
+    up = RemoteStore((tmp / "uri").as_uri())
+    for name in ("a", "b", "g1", "g2"):
+        up.upload(store.root / name, name, overwrite=False)
+    up.close()
+    cache = ShardCache(tmp / "cache", limit_bytes=64 << 10)
+    r = RemoteStore((tmp / "uri").as_uri(), cache=cache)
+    yield r
+    r.close()
+
+
+def _check(store: Store | RemoteStore, names: list[str], batch: int) -> None:
     sets = [store.open(n) for n in names]
+    mixed = mixed_dataset("mix:" + "+".join(names), sets)
     sizes = [d.num_samples for d in sets]
     offsets = source_offsets([MixSource(n) for n in sizes])
     order = mixture_order(
@@ -34,7 +53,9 @@ def _check(store: Store, names: list[str], batch: int) -> None:
     )
     for lo in range(0, len(order), batch):
         ids = order[lo : lo + batch].astype(np.int64)
-        parts = take_mixture(sets, offsets, ids)
+        out = {SOURCE_PART: np.empty(len(ids), np.int16)}
+        parts = mixed.take(ids, out=out)
+        assert parts[SOURCE_PART] is out[SOURCE_PART]  # written into the stream's memory
         src = np.searchsorted(offsets, ids, side="right") - 1
         assert parts[SOURCE_PART].dtype == np.int16
         assert parts[SOURCE_PART].tolist() == src.tolist()
@@ -55,9 +76,7 @@ def _check(store: Store, names: list[str], batch: int) -> None:
 def test_fixed_fields_in_batch_order(store: Store) -> None:
     """Cifar-like sources: images and labels land at their batch positions."""
     _check(store, ["a", "b"], batch=64)
-    sets = [store.open("a"), store.open("b")]
-    offsets = source_offsets([MixSource(300), MixSource(200)])
-    parts = take_mixture(sets, offsets, np.array([300 + 5, 7, 300 + 199]))
+    parts = mixed_dataset("mix:a+b", [store.open("a"), store.open("b")]).take([305, 7, 499])
     assert sample_id_of(parts).tolist() == [5, 7, 199]
 
 
@@ -66,9 +85,14 @@ def test_ragged_fields_in_batch_order(store: Store) -> None:
     _check(store, ["g1", "g2"], batch=17)
 
 
+@pytest.mark.parametrize("names", [["a", "b"], ["g1", "g2"]])
+def test_through_an_evicting_cache(remote: RemoteStore, names: list[str]) -> None:
+    """A remote store's sources (shards leased per batch, evicted past the cache's limit)
+    give the same batches as a local store's."""
+    _check(remote, names, batch=40)
+
+
 def test_empty_batch(store: Store) -> None:
     """No ids: the parts are empty, with a source part."""
-    parts = take_mixture(
-        [store.open("a"), store.open("b")], np.array([0, 300, 500]), np.zeros(0, np.int64)
-    )
+    parts = mixed_dataset("mix:a+b", [store.open("a"), store.open("b")]).take([])
     assert len(parts[SOURCE_PART]) == 0 and parts["label"].shape == (0,)

@@ -1,0 +1,279 @@
+"""Mixtures streamed to real Loaders: ``Loader(url, {name: weight})`` over a real server, two
+ranks, every sample's bytes checked against the dataset its ``source`` names; a weight change
+mid-epoch taking effect exactly at its step on every rank (and a change in the past refused);
+``state_dict`` resumes before, at and after the change; the same batches from a second server
+and after a kill -9; quarantine from a step; and a source that ends the epoch."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardserve.client import Loader
+from shardserve.client.control import ControlClient
+from shardserve.proto.errors import BadRequest, StepInThePast
+from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
+from tests.support.data import cifar_images, make_cifar_like, sample_id_of
+from tests.support.server import ServerProc, free_port, run_server
+
+#: Source name -> (samples, the seed its images were drawn with).
+SOURCES = {"web": (6000, 0), "code": (4000, 1), "math": (600, 2)}
+WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
+NEW = {"web": 0.1, "code": 0.1, "math": 0.8}
+WORLD, BATCH, EPOCH_SAMPLES = 2, 50, 10_000
+STEPS = EPOCH_SAMPLES // WORLD // BATCH  # 100 batches a rank
+K = 40  # the step a weight change takes effect at
+NAMES = list(SOURCES)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mixloader")
+    for name, (n, seed) in SOURCES.items():
+        make_cifar_like(root, name, n=n, seed=seed, shard_bytes=512 << 10)
+    return root
+
+
+@pytest.fixture()
+def srv(store: Path, tmp_path: Path) -> Iterator[ServerProc]:
+    with run_server(store, "--state-dir", str(tmp_path / "state")) as s:
+        yield s
+
+
+def loaders(srv: ServerProc, **kw: object) -> list[Loader]:
+    # prefetch 4: the steps a rank has been granted (and may have read) stay well below K.
+    args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "world_size": WORLD, "timeout": 60.0,
+            "prefetch": 4}  # fmt: skip
+    args.update(kw)
+    return [
+        Loader(srv.http_url, dict(WEIGHTS), BATCH, rank=r, token=srv.token, **args)  # type: ignore[arg-type]
+        for r in range(WORLD)
+    ]
+
+
+Sample = tuple[int, int]  # (source, id within it)
+
+
+def samples(batch: dict[str, torch.Tensor], names: list[str] = NAMES) -> list[Sample]:
+    """Each sample of ``batch`` as (source, id), its image checked byte for byte against the
+    one its source (``names[source]``) holds."""
+    src = batch["source"].numpy()
+    assert batch["source"].dtype == torch.int16
+    ids = sample_id_of({"image": batch["image"].numpy(), "label": batch["label"].numpy()})
+    images = batch["image"].numpy()
+    for i, (s, j) in enumerate(zip(src.tolist(), ids.tolist(), strict=True)):
+        want = cifar_images(j, j + 1, SOURCES[names[s]][1])[0]
+        assert np.array_equal(images[i], want), f"sample {i}: not {names[s]}[{j}]"
+    return list(zip(src.tolist(), ids.tolist(), strict=True))
+
+
+def take(
+    batches: Iterable[dict[str, torch.Tensor]], n: int | None = None, names: list[str] = NAMES
+) -> list[list[Sample]]:
+    """The next ``n`` batches of an epoch's iterator, or a Loader's next epoch (``None``:
+    all of it)."""
+    return [samples(b, names) for b in itertools.islice(batches, n)]
+
+
+def shares_ok(got: list[Sample], weights: dict[str, float]) -> bool:
+    counts = np.bincount([s for s, _ in got], minlength=len(NAMES))
+    p = np.array([weights[n] for n in NAMES]) / sum(weights.values())
+    n = len(got)
+    return bool((np.abs(counts - n * p) <= 5 * np.sqrt(n * p * (1 - p)) + 1).all())
+
+
+def flat(batches: list[list[Sample]]) -> list[Sample]:
+    return [s for b in batches for s in b]
+
+
+def test_two_ranks_stream_the_mixture_byte_for_byte(srv: ServerProc) -> None:
+    """A 3-source mixture over 2 ranks: equal batch counts, every sample the bytes of the
+    dataset its ``source`` names, shares within 5 sigma of the weights over 10k samples, a
+    source drawn fewer times than it holds disjoint across ranks, and exactly the plan
+    ``GET /v1/jobs/{id}/plan`` deals."""
+    ranks = loaders(srv)
+    try:
+        assert len(ranks[0]) == len(ranks[1]) == STEPS
+        got = [take(ld) for ld in ranks]
+        assert [len(g) for g in got] == [STEPS, STEPS]
+        assert shares_ok(flat(got[0]) + flat(got[1]), WEIGHTS)
+        web = [{j for s, j in flat(g) if s == 0} for g in got]
+        assert sum(s == 0 for s, _ in flat(got[0])) == len(web[0])  # no web sample twice
+        assert not web[0] & web[1]
+        offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
+        with ControlClient(srv.http_url, srv.token) as api:
+            for r, g in enumerate(got):
+                ids, _ = api.plan(ranks[0].job_id, 0, r)
+                want = [(int(np.searchsorted(offsets, i, "right")) - 1, 0) for i in ids]
+                want = [(s, int(i - offsets[s])) for (s, _), i in zip(want, ids, strict=True)]
+                assert flat(g) == want
+    finally:
+        for ld in ranks:
+            ld.close()
+
+
+def test_a_change_mid_epoch_takes_effect_at_its_step_on_every_rank(
+    srv: ServerProc, store: Path, tmp_path: Path
+) -> None:
+    """Both ranks read 20 batches; a change at step K is set while they stream (one in the
+    past is 409); both ranks' batches before K are those of the weights they started with,
+    from K on those of a job created with the change in its schedule (on a second server);
+    and ``state_dict`` resumes from before K, at K and after K give the same batches."""
+    ranks = loaders(srv)
+    try:
+        its = [iter(ld) for ld in ranks]
+        first = [take(it, 20) for it in its]
+        api = ranks[0]._job.api
+        with pytest.raises(StepInThePast):
+            ranks[0].set_mixture(NEW, at_step=5)
+        status = ranks[1].set_mixture(NEW, at_step=K)
+        ranks[0].set_mixture(NEW, at_step=K)  # every rank sends it: taken once
+        assert [c["at_step"] for c in status.schedule] == [0, K]
+        assert len(api.mixture(ranks[0].job_id).schedule) == 2
+        rest = [take(it) for it in its]
+        states = {}
+        for at in (K - 5, K, K + 5):
+            ranks[0].load_state_dict(_state(ranks[0], at))
+            states[at] = take(ranks[0])
+    finally:
+        for ld in ranks:
+            ld.close()
+    streamed = [f + r for f, r in zip(first, rest, strict=True)]
+    assert all(len(s) == STEPS for s in streamed)
+    for at, got in states.items():
+        assert got == streamed[0][at:], f"resume at batch {at}"
+    # The same mixture planned with the change from the start, on another server.
+    spec = JobSpec(
+        mixture=tuple(MixtureSource(name=n, weight=w) for n, w in WEIGHTS.items()),
+        batch_size=BATCH, world_size=WORLD, seed=11, epoch_samples=EPOCH_SAMPLES,
+        schedule=(WeightChange(at_step=K, weights=tuple(NEW[n] for n in NAMES)),),
+    )  # fmt: skip
+    with (
+        run_server(store, "--state-dir", str(tmp_path / "other")) as b,
+        ControlClient(b.http_url, b.token) as other,
+    ):
+        job = other.create_job(spec).id
+        for r in range(WORLD):
+            ids, _ = other.plan(job, 0, r)
+            offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
+            src = np.searchsorted(offsets, ids, "right") - 1
+            assert flat(streamed[r]) == list(
+                zip(src.tolist(), (ids - offsets[src]).tolist(), strict=True)
+            )
+    # The change shows: the steps from K on follow the new weights, those before the old.
+    after = flat(streamed[0][K:]) + flat(streamed[1][K:])
+    assert shares_ok(after, NEW) and not shares_ok(after, WEIGHTS)
+    assert shares_ok(flat(streamed[0][:K]) + flat(streamed[1][:K]), WEIGHTS)
+
+
+def _state(loader: Loader, batch: int) -> dict[str, object]:
+    """``loader``'s state as if its loop had received ``batch`` batches of epoch 0."""
+    loader.set_epoch(0)
+    loader.skip_to(batch)
+    return loader.state_dict()
+
+
+def test_a_second_server_and_a_kill_9_give_the_same_batches(store: Path, tmp_path: Path) -> None:
+    """The mixture with a change set while streaming: rank 1 of a server killed with
+    SIGKILL and restarted (the journal replays the change) streams the same batches as rank
+    1 of an uninterrupted run on a second server given the same change."""
+    http, data = free_port(), free_port()
+    state = tmp_path / "state"
+    with run_server(store, "--state-dir", str(state), http_port=http, data_port=data) as a:
+        (r0, r1) = loaders(a)
+        take(iter(r0), 10)
+        r0.set_mixture(NEW, at_step=K)
+        before = take(iter(r1), 30)
+        r0.close()
+        a.kill()
+        r1.close()
+    with run_server(store, "--state-dir", str(state), http_port=http, data_port=data) as a:
+        again = loaders(a)
+        try:
+            replayed = take(again[1])
+        finally:
+            for ld in again:
+                ld.close()
+    with run_server(store, "--state-dir", str(tmp_path / "b")) as b:
+        ranks = loaders(b)
+        try:
+            ranks[0].set_mixture(NEW, at_step=K)
+            other = take(ranks[1])
+        finally:
+            for ld in ranks:
+                ld.close()
+    assert replayed == other
+    assert before == other[:30]
+
+
+def test_quarantine_from_a_step_and_a_resume_before_it(srv: ServerProc) -> None:
+    """Quarantined ids are never read from the step they take effect at; a resume from
+    before that step reads them where the plan had them."""
+    ranks = loaders(srv)
+    try:
+        its = [iter(ld) for ld in ranks]
+        plain = take(its[0], 10)
+        take(its[1], 10)
+        rest_before = ranks[0]._job.api.plan(ranks[0].job_id, 0, 0)[0]
+        # Every math sample the rest of the epoch would read: quarantine them all but one.
+        bad = sorted({int(i) - 10_000 for i in rest_before[10 * BATCH :] if i >= 10_000})[:-1]
+        listed = ranks[0]._job.api.quarantine("math", bad, reason="corrupt")
+        step = listed.entries[0].at[ranks[0].job_id]
+        assert step >= 10
+        rest = take(its[0])
+        ranks[0].load_state_dict(_state(ranks[0], 5))
+        replay = take(ranks[0])
+    finally:
+        for ld in ranks:
+            ld.close()
+    streamed = plain + rest
+    assert len(streamed) == STEPS
+    assert not {j for s, j in flat(streamed[step:]) if s == 2} & set(bad)
+    assert replay == streamed[5:]
+
+
+def test_a_source_that_ends_the_epoch(store: Path, tmp_path: Path) -> None:
+    """``on_exhausted="stop"``: the epoch ends when math (600 samples at weight 0.5) runs
+    out, on both ranks alike, every math sample read once; a change mid-epoch is refused
+    naming the epoch's first step."""
+    spec = JobSpec(
+        mixture=(MixtureSource(name="web", weight=0.5),
+                 MixtureSource(name="math", weight=0.5, on_exhausted="stop")),
+        batch_size=BATCH, world_size=WORLD, seed=3, epoch_samples=EPOCH_SAMPLES,
+    )  # fmt: skip
+    with run_server(store, "--state-dir", str(tmp_path / "state")) as s:
+        ranks = [
+            Loader(s.http_url, list(spec.mixture or ()), BATCH, rank=r, world_size=WORLD, seed=3,
+                   epoch_samples=EPOCH_SAMPLES, token=s.token, timeout=60.0)
+            for r in range(WORLD)
+        ]  # fmt: skip
+        # The Loader made the spec written out by hand (the same job).
+        assert ranks[0].spec.model_dump() == spec.model_dump()
+        try:
+            with pytest.raises(BadRequest, match="epoch's first step"):
+                ranks[0].set_mixture({"web": 0.9, "math": 0.1}, at_step=7)
+            got = [take(ld, names=["web", "math"]) for ld in ranks]
+        finally:
+            for ld in ranks:
+                ld.close()
+    assert len(got[0]) == len(got[1]) < STEPS
+    math = [j for g in got for s, j in flat(g) if s == 1]
+    assert len(math) == len(set(math)) and len(math) > 500
+
+
+def test_mixture_arguments_refused_up_front(srv: ServerProc) -> None:
+    """What a mixture cannot do is refused before anything streams, naming the argument."""
+    with pytest.raises(BadRequest, match="resident"):
+        Loader(srv.http_url, {"web": 1.0}, 8, resident="cpu", token=srv.token)
+    with pytest.raises(BadRequest, match="epoch_samples"):
+        Loader(srv.http_url, "web", 8, epoch_samples=100, token=srv.token)
+    with (
+        Loader(srv.http_url, "web", 8, token=srv.token) as one,
+        pytest.raises(BadRequest, match="reads one dataset"),
+    ):
+        one.set_mixture({"web": 1.0})
