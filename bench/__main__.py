@@ -25,6 +25,7 @@ ORDER = [
     "bench_load",
     "bench_remote",
     "bench_small",
+    "bench_mixture",
     "bench_transforms",
 ]
 

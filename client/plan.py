@@ -35,6 +35,7 @@ from ._position import Position, Start
 from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import World, resolve_world
+from .mixture import Mixture
 from .state import check_same_job, make_state, parse_states, start_for
 
 IdBatch = torch.Tensor
@@ -176,7 +177,7 @@ class IndexPlan:
 
 def plan(
     url: str | None,
-    dataset: str,
+    dataset: str | Mixture,
     batch_size: int,
     *,
     seed: int = 0,
@@ -192,6 +193,7 @@ def plan(
     collate: Collate | None = None,
     transforms: Sequence[Mapping[str, Any]] | None = None,
     on_error: OnError | None = None,
+    epoch_samples: int | None = None,
 ) -> IndexPlan:
     """The sample ids a ``Loader`` with these arguments would stream, batch by batch (see the
     module docstring): an :class:`IndexPlan` to iterate, ``set_epoch`` and resume.
@@ -202,6 +204,8 @@ def plan(
     ``transforms`` do not change which samples a batch holds (``on_error="replace"``
     replaces samples inside the server, after the plan), but they are part of the job: with
     them the ids are those of the Loader's job, and a state dict passes between the two.
+    A mixture's ids run over its datasets concatenated in order (dataset ``k``'s sample ``i``
+    is ``i`` plus the sizes of the datasets before it).
 
     >>> ids = plan(None, "cifar10", 256, seed=0)   # doctest: +SKIP
     >>> next(iter(ids)).shape
@@ -211,7 +215,7 @@ def plan(
     spec = job_spec(
         dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
         world_size=world.world_size, fields=fields, collate=collate, envs=envs,
-        transforms=transforms, on_error=on_error,
+        transforms=transforms, on_error=on_error, epoch_samples=epoch_samples,
     )  # fmt: skip
     dev = resolve_device(device, world.local_rank)
     job = JobHandle.create(url, token, spec, timeout=timeout, world=world)

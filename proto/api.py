@@ -142,6 +142,16 @@ class MixtureStatus(BaseModel):
     #: The first global step no rank has been sent yet: changes must be at or after it.
     frontier: int
     batches_per_epoch: int
+    #: Samples sent per source (all ranks, since this server started).
+    sent: list[int] = Field(default_factory=list)
+    #: Over every rank's current stream: the share of each source sent, the share the
+    #: schedule asked for over the same steps, and the largest gap in standard deviations
+    #: of a binomial draw (``None`` before any sample): above ~4, the mixture is not what
+    #: was asked for.
+    window_samples: int = 0
+    window_shares: list[float] = Field(default_factory=list)
+    target_shares: list[float] = Field(default_factory=list)
+    deviation_sigmas: float | None = None
 
 
 class QuarantineRequest(BaseModel):

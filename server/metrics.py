@@ -28,6 +28,9 @@ shardserve_job_bytes_sent_total             counter    job_id, rank    payload b
 shardserve_client_wait_seconds_total        counter    job_id, rank    seconds the rank's loop waited for data
 shardserve_client_compute_seconds_total     counter    job_id, rank    seconds the rank's loop spent between batches
 shardserve_mixture_weight                   gauge      job_id, source  a mixture's share (weights normalised) in force
+shardserve_mixture_samples_sent_total       counter    job_id, source  samples of that source sent to the job's ranks
+shardserve_mixture_share                    gauge      job_id, source  share of that source sent over the ranks' current streams
+shardserve_mixture_deviation_sigmas         gauge      job_id          largest gap of those shares from the schedule's, in binomial sigmas
 shardserve_quarantined_samples              gauge      dataset         sample ids of the dataset in quarantine
 ==========================================  =========  ==============  ============================================
 """
@@ -78,6 +81,12 @@ class JobsSnapshot:
     ranks: list[RankSeries] = field(default_factory=list)
     #: ``(job id, source, share)`` of every live mixture job, at its frontier.
     mixture_weights: list[tuple[str, str, float]] = field(default_factory=list)
+    #: ``(job id, source, samples sent)`` of every live mixture job.
+    mixture_sent: list[tuple[str, str, int]] = field(default_factory=list)
+    #: ``(job id, source, share sent)`` over its ranks' current streams.
+    mixture_shares: list[tuple[str, str, float]] = field(default_factory=list)
+    #: Job id -> the largest gap of those shares from the schedule's, in binomial sigmas.
+    mixture_sigmas: dict[str, float] = field(default_factory=dict)
     #: Quarantined sample ids per dataset.
     quarantined: dict[str, int] = field(default_factory=dict)
 
@@ -142,6 +151,31 @@ class _JobCollector(Collector):
         for jid, source, share in snap.mixture_weights:
             weights.add_metric([jid, source], share)
         yield weights
+        sent = CounterMetricFamily(
+            "shardserve_mixture_samples_sent",
+            "Samples of a mixture source sent to the job's ranks (since this server started).",
+            labels=["job_id", "source"],
+        )
+        for jid, source, n in snap.mixture_sent:
+            sent.add_metric([jid, source], n)
+        yield sent
+        shares = GaugeMetricFamily(
+            "shardserve_mixture_share",
+            "A mixture source's share of the samples sent over the ranks' current streams.",
+            labels=["job_id", "source"],
+        )
+        for jid, source, share in snap.mixture_shares:
+            shares.add_metric([jid, source], share)
+        yield shares
+        sigmas = GaugeMetricFamily(
+            "shardserve_mixture_deviation_sigmas",
+            "Largest gap between a mixture's shares sent and the schedule's over the same "
+            "steps, in standard deviations of a binomial draw (above ~4: not what was asked).",
+            labels=["job_id"],
+        )
+        for jid, v in sorted(snap.mixture_sigmas.items()):
+            sigmas.add_metric([jid], v)
+        yield sigmas
         quarantined = GaugeMetricFamily(
             "shardserve_quarantined_samples",
             "Sample ids of the dataset in quarantine (skipped by mixture plans).",

@@ -53,6 +53,13 @@ class MixtureAdmin:
         job = self._mixture_job(job_id)
         schedule = job.schedule()
         front = self.frontier(job)
+        k = len(job.spec.mixture or ())
+        windows = self.board.mixture_windows(job.id)
+        sent = [0] * k
+        for w in windows:
+            for i, c in enumerate(w.sent[:k]):
+                sent[i] += c
+        n, shares, targets, sigmas = mixtures.share_figures(job, windows)
         return MixtureStatus(
             job=job.id,
             sources=[s.name for s in job.spec.mixture or ()],
@@ -60,6 +67,11 @@ class MixtureAdmin:
             weights_now=list(mixtures.weights_at(schedule, front)),
             frontier=front,
             batches_per_epoch=mixtures.steps_per_epoch(job),
+            sent=sent,
+            window_samples=n,
+            window_shares=shares,
+            target_shares=targets,
+            deviation_sigmas=sigmas,
         )
 
     def set_mixture(self, job_id: str, update: MixtureUpdate) -> MixtureStatus:
@@ -132,10 +144,15 @@ class MixtureAdmin:
             job = self.jobs.find(jid)
             if job is None or job.spec.mixture is None:
                 continue
-            weights = mixtures.weights_at(job.schedule(), self.frontier(job))
-            total = sum(weights)
-            for src, w in zip(job.spec.mixture, weights, strict=True):
-                snap.mixture_weights.append((jid, src.name, w / total))
+            st = self.status(jid)
+            total = sum(st.weights_now)
+            for k, (name, w) in enumerate(zip(st.sources, st.weights_now, strict=True)):
+                snap.mixture_weights.append((jid, name, w / total))
+                snap.mixture_sent.append((jid, name, st.sent[k]))
+                if st.window_shares:
+                    snap.mixture_shares.append((jid, name, st.window_shares[k]))
+            if st.deviation_sigmas is not None:
+                snap.mixture_sigmas[jid] = st.deviation_sigmas
         for name in self.jobs.quarantine.datasets():
             snap.quarantined[name] = len(
                 {i for e in self.jobs.quarantine.entries(name) for i in e.ids}

@@ -34,6 +34,7 @@ from .planning import RankPlan, num_batches
 from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from .quarantine import Quarantines
 from .store.versions import content_id
+from .streaming.board import SourceWindow
 from .streaming.limits import check_batch
 
 #: Bytes of mixture orders kept (4 bytes a position below 2**32 ids); the newest always.
@@ -138,6 +139,48 @@ def weights_at(schedule: Sequence[WeightChange], step: int) -> tuple[float, ...]
             break
         now = c.weights
     return now
+
+
+def asked_over(schedule: Sequence[WeightChange], lo: int, hi: int) -> np.ndarray:
+    """The shares the schedule asks for (weights normalised), averaged over global steps
+    ``lo..hi-1`` (``schedule`` sorted, the first at step 0).
+
+    >>> asked_over([WeightChange(at_step=0, weights=(1, 0)),
+    ...             WeightChange(at_step=10, weights=(0, 1))], 5, 15).tolist()
+    [0.5, 0.5]
+    """
+    total = np.zeros(len(schedule[0].weights))
+    for c, nxt in zip(schedule, [*schedule[1:], None], strict=True):
+        a, b = max(c.at_step, lo), min(nxt.at_step if nxt is not None else hi, hi)
+        if b > a:
+            w = np.asarray(c.weights, dtype=np.float64)
+            total += (b - a) * w / w.sum()
+    return total / max(hi - lo, 1)
+
+
+def share_figures(
+    job: Job, windows: Sequence[SourceWindow]
+) -> tuple[int, list[float], list[float], float | None]:
+    """Over the ranks' current streams (``windows``): samples, the share of each source sent,
+    the share asked for over the same steps, and the largest gap in binomial standard
+    deviations (``None`` before any sample)."""
+    k = len(job.spec.mixture or ())
+    S, schedule = steps_per_epoch(job), job.schedule()
+    sent, asked = np.zeros(k), np.zeros(k)
+    for w in windows:
+        if w.epoch is None or w.next_batch <= w.start:
+            continue
+        got = np.zeros(k)
+        got[: len(w.stream)] = w.stream[:k]
+        first = w.epoch * S
+        sent += got
+        asked += got.sum() * asked_over(schedule, first + w.start, first + w.next_batch)
+    n = int(sent.sum())
+    if not n:
+        return 0, [], [], None
+    share, target = sent / n, asked / n
+    sigma = np.sqrt(np.maximum(target * (1 - target), 1e-12) / n)
+    return n, share.tolist(), target.tolist(), float((np.abs(share - target) / sigma).max())
 
 
 def segments(job: Job, epoch: int) -> list[Segment]:

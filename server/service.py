@@ -206,8 +206,7 @@ class Service:
         ``DatasetChanged``."""
         if name.startswith(MIXTURE_PREFIX):  # a mixture job's label, not a dataset
             raise BadRequest(
-                f"{name!r} is a mixture job: this server plans mixtures (GET /v1/jobs/{{id}}/plan) "
-                "but does not stream them yet; read its plan, or stream each dataset on its own"
+                f"{name!r} names a mixture job, not a dataset: name one of its datasets"
             )
         return self.store.open(name, version=version)
 

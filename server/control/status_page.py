@@ -84,17 +84,69 @@ def _rank_row(r: RankStatus) -> str:
     )
 
 
+#: Colours of a mixture's sources on the chart (repeating past eight).
+SOURCE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
+                  "#b07aa1", "#9c755f")  # fmt: skip
+CHART_W, CHART_H = 360, 64
+#: Shares sent further than this many binomial sigmas from those asked for are marked.
+DEVIATION_FLAG = 4.0
+
+
 def _mixture_line(m: MixtureStatus | None) -> str:
-    """A mixture job's shares in force at its frontier, and its schedule's size."""
+    """A mixture job's shares in force at its frontier, its schedule as a chart of each
+    source's share over steps, and the shares sent against those asked for."""
     if m is None:
         return ""
     total = sum(m.weights_now) or 1.0
     shares = " · ".join(
-        f"{_e(n)} {w / total:.0%}" for n, w in zip(m.sources, m.weights_now, strict=True)
+        f"<span style='color:{SOURCE_COLOURS[k % 8]}'>■</span> {_e(n)} {w / total:.0%}"
+        for k, (n, w) in enumerate(zip(m.sources, m.weights_now, strict=True))
     )
+    sent = ""
+    if m.window_shares and m.deviation_sigmas is not None:
+        got = " · ".join(
+            f"{_e(n)} {a:.1%} of {b:.1%}"
+            for n, a, b in zip(m.sources, m.window_shares, m.target_shares, strict=True)
+        )
+        flag = " class='marker'" if m.deviation_sigmas > DEVIATION_FLAG else ""
+        sent = (
+            f"<p class='meta mixture'>sent over the current streams ({m.window_samples} "
+            f"samples): {got} asked · <span{flag}>largest gap {m.deviation_sigmas:.1f} σ</span></p>"
+        )
     return (
         f"<p class='meta mixture'>mixture at step {m.frontier}: {shares} · "
         f"{len(m.schedule) - 1} weight change(s) (GET /v1/jobs/{_e(m.job)}/mixture)</p>"
+        f"{_schedule_chart(m)}{sent}"
+    )
+
+
+def _schedule_chart(m: MixtureStatus) -> str:
+    """Each source's share over global steps (a step line per source), from step 0 to an
+    epoch past the frontier or the last change, with the frontier marked."""
+    changes = [(int(c["at_step"]), [float(w) for w in c["weights"]]) for c in m.schedule]
+    end = max(m.frontier, changes[-1][0]) + max(m.batches_per_epoch, 1)
+
+    def x(step: int) -> float:
+        return round(CHART_W * step / end, 1)
+
+    lines = []
+    for k in range(len(m.sources)):
+        points = []
+        for i, (at, weights) in enumerate(changes):
+            y = round(CHART_H * (1 - weights[k] / (sum(weights) or 1.0)), 1)
+            nxt = changes[i + 1][0] if i + 1 < len(changes) else end
+            points += [f"{x(at)},{y}", f"{x(nxt)},{y}"]
+        lines.append(
+            f"<polyline fill='none' stroke-width='2' stroke='{SOURCE_COLOURS[k % 8]}' "
+            f"points='{' '.join(points)}'/>"
+        )
+    front = x(m.frontier)
+    return (
+        f"<svg class='mixchart' width='{CHART_W}' height='{CHART_H}' role='img' "
+        f"aria-label='share of each source over steps 0 to {end}'>"
+        f"<rect width='{CHART_W}' height='{CHART_H}' fill='none' stroke='#ccc'/>{''.join(lines)}"
+        f"<line x1='{front}' x2='{front}' y1='0' y2='{CHART_H}' stroke='#999' "
+        f"stroke-dasharray='3 2'><title>frontier: step {m.frontier}</title></line></svg>"
     )
 
 

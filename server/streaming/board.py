@@ -18,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shardserve.proto.api import RankStatus
 from shardserve.proto.endpoints import Delivery as Transport
 
@@ -51,6 +53,11 @@ class RankRecord:
     shm_fallback: str | None = None
     #: The last claim of this rank by a second client, and its outcome (kept until deleted).
     conflict: str | None = None
+    #: A mixture job's samples sent per source (index in its mixture), since the server
+    #: started and in the current stream (which began at batch ``stream_start``).
+    sources: list[int] = field(default_factory=list)
+    stream_sources: list[int] = field(default_factory=list)
+    stream_start: int = 0
     #: ``(t, sent, client batches, wait_total, compute_total)`` over the last window.
     samples: deque[tuple[float, int, int, float, float]] = field(default_factory=deque)
 
@@ -160,13 +167,23 @@ class StreamBoard:
             rec.connected, rec.stream, rec.epoch, rec.transport = True, stream, epoch, transport
             rec.next_batch, rec.num_batches, rec.credit = start, num_batches, credit
             rec.opened_at, rec.stream_batches, rec.last_seen = now, 0, now
+            rec.stream_start, rec.stream_sources = start, []
             rec.last_active, rec.shm_fallback = now, None
             rec.sample(now)
 
     def sent(
-        self, job: str, rank: int, nbytes: int, next_batch: int, credit: int, batches: int = 1
+        self,
+        job: str,
+        rank: int,
+        nbytes: int,
+        next_batch: int,
+        credit: int,
+        batches: int = 1,
+        sources: np.ndarray | None = None,
     ) -> None:
-        """A message of ``batches`` batches (small ones travel several to a message) left."""
+        """A message of ``batches`` batches (small ones travel several to a message) left;
+        ``sources``: a mixture's, the source of each of its samples."""
+        counts = np.bincount(sources).tolist() if sources is not None and sources.size else []
         with self._lock:
             rec = self._ranks.get((job, rank))
             if rec is not None:
@@ -174,6 +191,26 @@ class StreamBoard:
                 rec.stream_batches += batches
                 rec.bytes_delivered += nbytes
                 rec.next_batch, rec.credit = next_batch, credit
+                if counts:
+                    _add(rec.sources, counts)
+                    _add(rec.stream_sources, counts)
+
+    def mixture_windows(self, job: str) -> list[SourceWindow]:
+        """Per rank of mixture job ``job``: samples sent per source in all and in its current
+        stream, with the steps that stream covered."""
+        with self._lock:
+            return [
+                SourceWindow(
+                    rank,
+                    rec.epoch,
+                    rec.stream_start,
+                    rec.next_batch,
+                    list(rec.sources),
+                    list(rec.stream_sources),
+                )
+                for (j, rank), rec in sorted(self._ranks.items())
+                if j == job and rec.sources
+            ]
 
     def heard(
         self,
@@ -278,6 +315,25 @@ class StreamBoard:
                     wait += w1 - w0
                     busy += (w1 - w0) + (c1 - c0)
         return wait / busy if busy > 0 else None
+
+
+@dataclass(frozen=True)
+class SourceWindow:
+    """One rank's samples of a mixture job by source: ``sent`` since the server started,
+    ``stream`` over batches ``start..next_batch`` of ``epoch`` (its current stream)."""
+
+    rank: int
+    epoch: int | None
+    start: int
+    next_batch: int
+    sent: list[int]
+    stream: list[int]
+
+
+def _add(into: list[int], counts: list[int]) -> None:
+    into.extend([0] * (len(counts) - len(into)))
+    for k, c in enumerate(counts):
+        into[k] += c
 
 
 def _status(rank: int, rec: RankRecord, now: float) -> RankStatus:

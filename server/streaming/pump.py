@@ -11,6 +11,8 @@ import time
 
 import zmq
 
+from shardserve.proto.parts import SOURCE_PART
+
 from ..assembly import Assembler
 from ..metrics import Metrics
 from .board import StreamBoard
@@ -101,5 +103,8 @@ class Pump:
             self.metrics.batches_sent.inc(count)
             self.metrics.messages_sent.inc()
             self.metrics.bytes_sent.inc(nbytes)
-            self.board.sent(s.job_id, s.rank, nbytes, flow.next_send, flow.owed, count)
+            self.board.sent(
+                s.job_id, s.rank, nbytes, flow.next_send, flow.owed, count,
+                batch.parts.get(SOURCE_PART),  # a mixture's: counted by source
+            )  # fmt: skip
         return True

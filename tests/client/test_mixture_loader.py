@@ -10,11 +10,12 @@ import itertools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
-from shardserve.client import Loader
+from shardserve.client import Loader, plan
 from shardserve.client.control import ControlClient
 from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
@@ -45,14 +46,14 @@ def srv(store: Path, tmp_path: Path) -> Iterator[ServerProc]:
         yield s
 
 
-def loaders(srv: ServerProc, **kw: object) -> list[Loader]:
+def loaders(srv: ServerProc, ranks: range = range(WORLD), **kw: object) -> list[Loader]:
     # prefetch 4: the steps a rank has been granted (and may have read) stay well below K.
     args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "world_size": WORLD, "timeout": 60.0,
             "prefetch": 4}  # fmt: skip
     args.update(kw)
     return [
         Loader(srv.http_url, dict(WEIGHTS), BATCH, rank=r, token=srv.token, **args)  # type: ignore[arg-type]
-        for r in range(WORLD)
+        for r in ranks
     ]
 
 
@@ -106,12 +107,33 @@ def test_two_ranks_stream_the_mixture_byte_for_byte(srv: ServerProc) -> None:
         assert sum(s == 0 for s, _ in flat(got[0])) == len(web[0])  # no web sample twice
         assert not web[0] & web[1]
         offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
+        job = ranks[0].job_id
         with ControlClient(srv.http_url, srv.token) as api:
             for r, g in enumerate(got):
-                ids, _ = api.plan(ranks[0].job_id, 0, r)
+                ids, _ = api.plan(job, 0, r)
                 want = [(int(np.searchsorted(offsets, i, "right")) - 1, 0) for i in ids]
                 want = [(s, int(i - offsets[s])) for (s, _), i in zip(want, ids, strict=True)]
                 assert flat(g) == want
+            # plan() with the Loader's arguments deals the same ids (and is the same job).
+            ids_plan = plan(srv.http_url, dict(WEIGHTS), BATCH, rank=1, world_size=WORLD,
+                            seed=11, epoch_samples=EPOCH_SAMPLES, token=srv.token)  # fmt: skip
+            assert ids_plan.job_id == job
+            first = next(iter(ids_plan)).numpy()
+            assert [(s, int(i - offsets[s])) for s, i in zip(
+                np.searchsorted(offsets, first, "right") - 1, first, strict=True)] == got[1][0]  # fmt: skip
+            # What was sent, by source, is what the loop received; and it is what was asked.
+            counts = np.bincount([s for g in got for s, _ in flat(g)], minlength=3).tolist()
+            status = api.mixture(job)
+            assert status.sent == counts and status.window_samples == EPOCH_SAMPLES
+            assert status.target_shares == pytest.approx([0.5, 0.3, 0.2])
+            assert status.deviation_sigmas is not None and status.deviation_sigmas < 5
+        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=30).text
+        for name, n in zip(NAMES, counts, strict=True):
+            line = f'shardserve_mixture_samples_sent_total{{job_id="{job}",source="{name}"}} {n}.0'
+            assert line in text
+        assert f'shardserve_mixture_deviation_sigmas{{job_id="{job}"}}' in text
+        page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=30).text
+        assert "class='mixchart'" in page and "largest gap" in page
     finally:
         for ld in ranks:
             ld.close()
@@ -136,6 +158,9 @@ def test_a_change_mid_epoch_takes_effect_at_its_step_on_every_rank(
         assert [c["at_step"] for c in status.schedule] == [0, K]
         assert len(api.mixture(ranks[0].job_id).schedule) == 2
         rest = [take(it) for it in its]
+        # Over both ranks' whole epoch: 40 steps of the old weights, 60 of the new.
+        asked = api.mixture(ranks[0].job_id).target_shares
+        assert asked == pytest.approx([0.4 * WEIGHTS[n] + 0.6 * NEW[n] for n in NAMES])
         states = {}
         for at in (K - 5, K, K + 5):
             ranks[0].load_state_dict(_state(ranks[0], at))
@@ -209,6 +234,29 @@ def test_a_second_server_and_a_kill_9_give_the_same_batches(store: Path, tmp_pat
                 ld.close()
     assert replayed == other
     assert before == other[:30]
+
+
+def test_two_sidecars_serve_one_mixture_job(srv: ServerProc, store: Path, tmp_path: Path) -> None:
+    """Rank 0 from one server, rank 1 from another over the same store: the two ranks
+    together are the whole epoch's order as one server deals it, each sample once per
+    draw."""
+    with run_server(store, "--state-dir", str(tmp_path / "b")) as b:
+        (one,) = loaders(srv, range(0, 1))
+        (other,) = loaders(b, range(1, 2))
+        try:
+            got = [take(one), take(other)]
+            ids = [one._job.api.plan(one.job_id, 0, r)[0] for r in range(WORLD)]
+        finally:
+            one.close()
+            other.close()
+    offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
+    for r in range(WORLD):
+        src = np.searchsorted(offsets, ids[r], "right") - 1
+        assert flat(got[r]) == list(
+            zip(src.tolist(), (ids[r] - offsets[src]).tolist(), strict=True)
+        )
+    web = [{j for s, j in flat(g) if s == 0} for g in got]
+    assert not web[0] & web[1]
 
 
 def test_quarantine_from_a_step_and_a_resume_before_it(srv: ServerProc) -> None:
