@@ -182,9 +182,7 @@ class MixtureAdmin:
             if any(s.name == dataset for s in job.spec.mixture or ())
         ]
         at = {job.id: self.frontier(job) for job in readers}
-        align = {
-            job.id: mixtures.steps_per_epoch(job) for job in readers if job.spec.ends_early
-        }
+        align = {job.id: mixtures.steps_per_epoch(job) for job in readers if job.spec.ends_early}
         self.jobs.add_quarantine(dataset, req.ids, req.reason, at, align)
         for job in readers:
             self._warm(job.id)

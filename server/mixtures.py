@@ -114,9 +114,11 @@ def check_empty(spec: JobSpec, sizes: Sequence[int], weights: Sequence[float]) -
 
 
 def _fields(m: Manifest, wanted: tuple[str, ...] | None, name: str) -> dict[str, FieldSpec]:
+    """The stored fields of source ``m`` a job wants (``source`` is the mixture's own)."""
     by_name = {f.name: f for f in m.fields}
     if wanted is None:
         return by_name
+    wanted = tuple(f for f in wanted if f != SOURCE_PART)
     missing = [f for f in wanted if f not in by_name]
     if missing:
         raise BadRequest(
@@ -291,10 +293,15 @@ class SteeredPlan:
         return self._plan.sample_ids()
 
     def batch(self, i: int) -> np.ndarray:
-        job, now = self._registry.resolving(self._job_id, self._first_step + i)
+        return self.span(i, 1)
+
+    def span(self, i: int, count: int) -> np.ndarray:
+        last = self._first_step + i + count - 1
+        job, now = self._registry.resolving(self._job_id, last)
         if now != self._made_at:
-            # A change after step i cannot alter batches up to i (the order's prefix stays),
-            # and none at or before i is taken any more: the new plan agrees on all read.
+            # A change after the last step read cannot alter batches up to it (the order's
+            # prefix stays), and none at or before it is taken any more: the new plan agrees
+            # on everything read.
             self._plan = self._plans.rank_plan(job, self._epoch, self._seed, self._rank)
             self._made_at = now
-        return self._plan.batch(i)
+        return self._plan.span(i, count)

@@ -46,6 +46,11 @@ class StreamPlan(Planned, Protocol):
         """The sample ids of batch ``i``, read when the stream assembles it."""
         ...
 
+    def span(self, i: int, count: int) -> np.ndarray:
+        """The ids of batches ``i`` to ``i + count - 1`` in order (one message's), read when
+        the stream assembles them."""
+        ...
+
 
 class BatchSource(Protocol):
     """A dataset as streaming reads it (thread-safe: ``take`` runs on assembly workers)."""

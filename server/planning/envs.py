@@ -90,6 +90,10 @@ class EnvSteps:
         i = operator.index(i)
         return np.concatenate([p.batch(i) for p in self.plans])
 
+    def span(self, i: int, count: int) -> np.ndarray:
+        """Steps ``i`` to ``i + count - 1``, one after the other, as one new int64 array."""
+        return np.concatenate([self.batch(j) for j in range(i, i + count)])
+
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(self.num_batches):
             yield self.batch(i)

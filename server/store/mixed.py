@@ -15,6 +15,7 @@ stream's memory like any batch, and :class:`SourceLabels` adds the ``source`` pa
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -83,6 +84,7 @@ class ConcatShards:
         #: First shard of each source, then the total.
         self.first = np.zeros(len(sets) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.first[1:])
+        self._first: list[int] = self.first.tolist()
         self._lock = threading.Lock()
         self._last: tuple[tuple[Chunks, ...], Chunks] | None = None
 
@@ -91,11 +93,13 @@ class ConcatShards:
         return any(s.waits for s in self._sets)
 
     def _split(self, shards: Iterable[int]) -> list[list[int]]:
-        """Each source's own shard numbers of ``shards``."""
+        """Each source's own shard numbers of ``shards`` (a batch touches a few: a bisect
+        of a list each costs less than one numpy call)."""
         per: list[list[int]] = [[] for _ in self._sets]
+        first = self._first
         for s in shards:
-            k = int(np.searchsorted(self.first, s, "right")) - 1
-            per[k].append(s - int(self.first[k]))
+            k = bisect.bisect_right(first, s) - 1
+            per[k].append(s - first[k])
         return per
 
     def acquire(self, shards: Iterable[int]) -> Chunks:
@@ -186,15 +190,34 @@ def _concat(
 
 
 class SourceLabels(Wrapped):
-    """A mixture's batches with a :data:`SOURCE_PART` part: the index (int16) of each
-    sample's source, from its id and the sources' ``offsets``."""
+    """A mixture's samples with one field more, :data:`SOURCE_PART`: the index (int16) of
+    each sample's source, from its id and the sources' ``offsets``. Served like any field:
+    with every field, or when ``fields`` names it (a loop that does not read it saves its
+    per-batch cost)."""
 
     def __init__(self, inner: BatchSource, offsets: np.ndarray) -> None:
         super().__init__(inner)
         self._offsets = offsets
+        label = FieldSpec(name=SOURCE_PART, dtype=SOURCE_DTYPE, shape=())
+        # A view, never written or validated (see ``mixed_dataset``).
+        self._manifest = inner.manifest.model_copy(
+            update={"fields": (*inner.manifest.fields, label)}
+        )
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
+        stored, label = _stored(fields)
+        return [*self.inner.field_names(stored), *([SOURCE_PART] if label else [])]
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
-        return {**self.inner.part_shapes(fields), SOURCE_PART: (SOURCE_DTYPE, ())}
+        stored, label = _stored(fields)
+        shapes = dict(self.inner.part_shapes(stored))
+        if label:
+            shapes[SOURCE_PART] = (SOURCE_DTYPE, ())
+        return shapes
 
     def take(
         self,
@@ -203,7 +226,10 @@ class SourceLabels(Wrapped):
         out: Mapping[str, np.ndarray] | None = None,
         batch: int = -1,
     ) -> BatchParts:
-        parts = self.inner.take(indices, fields, out, batch)
+        stored, label = _stored(fields)
+        parts = self.inner.take(indices, stored, out, batch)
+        if not label:
+            return parts
         ids = np.asarray(indices, dtype=np.int64)
         dest = out.get(SOURCE_PART) if out is not None else None
         if dest is None or dest.shape != ids.shape or dest.dtype != np.dtype(SOURCE_DTYPE):
@@ -212,3 +238,11 @@ class SourceLabels(Wrapped):
         np.subtract(np.searchsorted(self._offsets, ids, "right"), 1, out=dest, casting="unsafe")
         parts[SOURCE_PART] = dest
         return parts
+
+
+def _stored(fields: Sequence[str] | None) -> tuple[list[str] | None, bool]:
+    """``fields`` without :data:`SOURCE_PART` (``None``: all), and whether it was asked for."""
+    if fields is None:
+        return None, True
+    names = list(fields)
+    return [n for n in names if n != SOURCE_PART], SOURCE_PART in names

@@ -69,9 +69,7 @@ class Prepared:
 
     def indices(self, index: int, count: int = 1) -> np.ndarray:
         """The samples of batches ``index`` to ``index + count - 1``, in order."""
-        if count == 1:
-            return self.plan.batch(index)
-        return np.concatenate([self.plan.batch(i) for i in range(index, index + count)])
+        return self.plan.span(index, count)
 
 
 @dataclass(eq=False, kw_only=True)

@@ -115,10 +115,10 @@ def test_two_ranks_stream_the_mixture_byte_for_byte(srv: ServerProc) -> None:
                 want = [(s, int(i - offsets[s])) for (s, _), i in zip(want, ids, strict=True)]
                 assert flat(g) == want
             # plan() with the Loader's arguments deals the same ids (and is the same job).
-            ids_plan = plan(srv.http_url, dict(WEIGHTS), BATCH, rank=1, world_size=WORLD,
-                            seed=11, epoch_samples=EPOCH_SAMPLES, token=srv.token)  # fmt: skip
-            assert ids_plan.job_id == job
-            first = next(iter(ids_plan)).numpy()
+            with plan(srv.http_url, dict(WEIGHTS), BATCH, rank=1, world_size=WORLD,
+                      seed=11, epoch_samples=EPOCH_SAMPLES, token=srv.token) as ids_plan:  # fmt: skip
+                assert ids_plan.job_id == job
+                first = next(iter(ids_plan)).numpy()
             assert [(s, int(i - offsets[s])) for s, i in zip(
                 np.searchsorted(offsets, first, "right") - 1, first, strict=True)] == got[1][0]  # fmt: skip
             # What was sent, by source, is what the loop received; and it is what was asked.
@@ -312,6 +312,21 @@ def test_a_source_that_ends_the_epoch(store: Path, tmp_path: Path) -> None:
     assert len(got[0]) == len(got[1]) < STEPS
     math = [j for g in got for s, j in flat(g) if s == 1]
     assert len(math) == len(set(math)) and len(math) > 500
+
+
+def test_source_is_a_field_served_when_asked_for(srv: ServerProc) -> None:
+    """``fields=`` chooses the mixture's ``source`` like any field: left out, the batch has
+    none; named, it comes in the same place as with every field."""
+    args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "token": srv.token}
+    with (
+        Loader(srv.http_url, dict(WEIGHTS), BATCH, **args) as every,  # type: ignore[arg-type]
+        Loader(srv.http_url, dict(WEIGHTS), BATCH, fields=["image"], **args) as bare,  # type: ignore[arg-type]
+        Loader(srv.http_url, dict(WEIGHTS), BATCH, fields=["source", "label"], **args) as some,  # type: ignore[arg-type]
+    ):
+        a, b, c = (next(iter(ld)) for ld in (every, bare, some))
+    assert set(a) == {"image", "label", "source"} and set(b) == {"image"}
+    assert set(c) == {"source", "label"}
+    assert torch.equal(a["source"], c["source"]) and torch.equal(a["image"], b["image"])
 
 
 def test_mixture_arguments_refused_up_front(srv: ServerProc) -> None:
