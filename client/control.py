@@ -217,6 +217,12 @@ class ControlClient:
         r = self._request("POST", f"/v1/datasets/{dataset}/quarantine", json=body, timeout=timeout)
         return QuarantineList.model_validate_json(r.content)
 
+    def quarantined(self, dataset: str, timeout: float | None = None) -> QuarantineList:
+        """``GET /v1/datasets/{name}/quarantine``: the dataset's quarantined ids, why, and
+        from which step each job skips them."""
+        r = self._request("GET", f"/v1/datasets/{dataset}/quarantine", timeout=timeout)
+        return QuarantineList.model_validate_json(r.content)
+
     def healthy(self, timeout: float = 1.0) -> bool:
         """Whether ``GET /healthz`` answers 2xx within ``timeout``; never raises."""
         try:

@@ -125,7 +125,8 @@ class Loader:
         transforms: ``[{"name": ..., "params": {...}}, ...]``, transforms installed on the
             server, run on every batch there.
         on_error: ``"replace"``: a sample whose transform raises is swapped for a
-            deterministic other one; default: ``TransformError``.
+            deterministic other one; ``"quarantine"`` (a mixture): swapped too, and skipped
+            from the next epoch on; default: ``TransformError``.
         epoch_samples: a mixture's samples per epoch, all ranks together (``None``: its
             datasets' sizes summed).
 

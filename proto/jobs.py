@@ -24,8 +24,9 @@ ShuffleMode = Literal["global", "block", "none"]
 #: offset, a ``batch`` vector), as ``torch_geometric`` does.
 Collate = Literal["graph"]
 
-#: What a failing sample transform does: fail the job, or serve a deterministic other sample.
-OnError = Literal["fail", "replace"]
+#: What a failing sample transform does: fail the job, serve a deterministic other sample,
+#: or (a mixture) serve another and quarantine the failing one in its dataset.
+OnError = Literal["fail", "replace", "quarantine"]
 
 #: What a mixture source does when its samples run out within an epoch: wrap into a new
 #: permutation of its own, or end the epoch.
@@ -160,7 +161,9 @@ class JobSpec(BaseModel):
     #: Server-side transforms applied to every batch, in order (issue 15); like ``collate``,
     #: left out of the job id when ``None``.
     transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
-    #: ``"replace"``: a sample whose transform raises is replaced by a deterministic other one.
+    #: ``"replace"``: a sample whose transform raises is replaced by a deterministic other one;
+    #: ``"quarantine"`` (a mixture): replaced too, and quarantined in its dataset (skipped
+    #: from the job's next epoch on, see the mixtures guide).
     on_error: OnError | None = None
 
     #: Environments per step (issue 22): each batch carries ``envs`` environment batches of
@@ -203,6 +206,11 @@ class JobSpec(BaseModel):
                 )
             if self.schedule is not None or self.epoch_samples is not None:
                 raise ValueError("schedule and epoch_samples need a mixture")
+            if self.on_error == "quarantine":
+                raise ValueError(
+                    "on_error='quarantine' needs a mixture job (one dataset's plans do not skip "
+                    "samples yet): use on_error='replace'"
+                )
             return self
         names = [s.name for s in self.mixture]
         if len(set(names)) != len(names):
@@ -216,7 +224,6 @@ class JobSpec(BaseModel):
         for other, value in (
             ("envs", self.envs != 1),
             ("collate", self.collate is not None),
-            ("transforms", self.transforms is not None),
             ("version", self.version is not None),
         ):
             if value:

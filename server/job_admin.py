@@ -27,6 +27,7 @@ from .planning import num_batches
 from .planning.cache import PlanCache
 from .settings import Settings
 from .store.graphs import check_graph_job
+from .store.mixed import mixture_manifest
 from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
 from .streaming.limits import check_batch
@@ -70,6 +71,11 @@ class JobAdmin:
             spec, length, sizes = mixtures.admit(
                 spec, self._manifest, self.settings.max_batch_bytes
             )
+            if spec.transforms:  # the chain reads the mixture's fields (``source`` too)
+                mixed = mixture_manifest(
+                    spec.dataset, [self._manifest(s.name) for s in spec.mixture or ()]
+                )
+                self._check_fields(spec, list(self._transforms.compile(spec, mixed).outputs))
             return self._admit(spec, length, sizes)
         manifest = self._manifest(spec.dataset)
         existing = self.jobs.find(spec_job_id(spec)) if spec.version is not None else None
@@ -82,11 +88,7 @@ class JobAdmin:
         known = [f.name for f in manifest.fields]
         if spec.transforms:  # the fields served are the chain's outputs
             known = list(self._transforms.compile(spec, manifest).outputs)
-        unknown = [f for f in spec.fields or () if f not in known]
-        if unknown:
-            raise BadRequest(
-                f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
-            )
+        self._check_fields(spec, known)
         if spec.collate == "graph":
             check_graph_job(manifest, spec.fields)
         per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
@@ -97,6 +99,15 @@ class JobAdmin:
             self.settings.max_batch_bytes,
         )
         return self._admit(spec, manifest.num_samples)
+
+    @staticmethod
+    def _check_fields(spec: JobSpec, known: list[str]) -> None:
+        """``spec.fields`` are among the fields its job serves (``known``), or 400."""
+        unknown = [f for f in spec.fields or () if f not in known]
+        if unknown:
+            raise BadRequest(
+                f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
+            )
 
     def _admit(
         self, spec: JobSpec, num_samples: int, sizes: tuple[int, ...] | None = None

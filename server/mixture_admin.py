@@ -8,7 +8,7 @@ sent is never rewritten and a restart, a resume or a second sidecar plan the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -170,8 +170,35 @@ class MixtureAdmin:
             raise BadRequest(
                 f"quarantine ids {bad[:5]} are out of range for dataset {dataset!r}: 0 <= id < {n}"
             )
+        self._add(dataset, n, req.ids, req.reason)
+        return self.quarantine_list(dataset)
+
+    def quarantine_failed(self, job_id: str, ids: Sequence[int], reason: str) -> None:
+        """Samples of mixture job ``job_id`` (ids over its sources concatenated) whose
+        transform failed (``on_error="quarantine"``): quarantined in their datasets, for this
+        job from the first epoch start none of its ranks has read (the epoch in progress
+        serves deterministic replacements for them, so its batches do not depend on when the
+        failure was seen), for the datasets' other readers from their frontier. Ids already
+        quarantined are left as they are. Runs on the job's own assembly threads."""
+        job = self.jobs.get(job_id)
+        sizes = job.source_sizes or ()
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        got = np.unique(np.asarray(ids, dtype=np.int64))
+        for k, src in enumerate(job.spec.mixture or ()):
+            mine = got[(got >= offsets[k]) & (got < offsets[k + 1])] - offsets[k]
+            held = {i for e in self.jobs.quarantine.entries(src.name) for i in e.ids}
+            new = [i for i in mine.tolist() if i not in held]
+            if new:
+                self._add(src.name, sizes[k], new, reason, whole_epochs=job_id)
+
+    def _add(
+        self, dataset: str, n: int, ids: Sequence[int], reason: str, whole_epochs: str = ""
+    ) -> None:
+        """Quarantine ``ids`` of ``dataset`` (``n`` samples) for every job reading it, from
+        its frontier (from an epoch start: a job whose epochs end when a source runs out,
+        and ``whole_epochs``)."""
         held = {i for e in self.jobs.quarantine.entries(dataset) for i in e.ids}
-        if len(held | set(req.ids)) >= n:
+        if len(held | set(ids)) >= n:
             raise BadRequest(
                 f"quarantining these ids would leave dataset {dataset!r} no sample: "
                 "drop it from the mixture instead (weight 0)"
@@ -182,11 +209,14 @@ class MixtureAdmin:
             if any(s.name == dataset for s in job.spec.mixture or ())
         ]
         at = {job.id: self.frontier(job) for job in readers}
-        align = {job.id: mixtures.steps_per_epoch(job) for job in readers if job.spec.ends_early}
-        self.jobs.add_quarantine(dataset, req.ids, req.reason, at, align)
+        align = {
+            job.id: mixtures.steps_per_epoch(job)
+            for job in readers
+            if job.spec.ends_early or job.id == whole_epochs
+        }
+        self.jobs.add_quarantine(dataset, ids, reason, at, align)
         for job in readers:
             self._warm(job.id)
-        return self.quarantine_list(dataset)
 
     def quarantine_list(self, dataset: str) -> QuarantineList:
         validate_dataset_name(dataset)

@@ -54,9 +54,12 @@ def admit(
     if spec.mixture is None:
         raise BadRequest(f"job spec for {spec.dataset!r} has no mixture")
     manifests = [manifest(s.name) for s in spec.mixture]  # DatasetNotFound names the dataset
-    first = _fields(manifests[0], spec.fields, spec.mixture[0].name)
+    # With transforms, ``fields`` names the chain's outputs (checked against the chain): the
+    # sources must agree on every stored field, which the chain may read.
+    stored = None if spec.transforms else spec.fields
+    first = _fields(manifests[0], stored, spec.mixture[0].name)
     for src, m in zip(spec.mixture[1:], manifests[1:], strict=True):
-        mine = _fields(m, spec.fields, src.name)
+        mine = _fields(m, stored, src.name)
         if list(mine) != list(first):
             raise BadRequest(
                 f"mixture source {src.name!r} serves fields {list(mine)}, source "

@@ -177,7 +177,10 @@ class Service:
         )
         deps = HandlerDeps(
             open_source=partial(
-                open_source, open_dataset=self.open_dataset, transforms=self.transforms
+                open_source,
+                open_dataset=self.open_dataset,
+                transforms=self.transforms,
+                quarantine=self.mixture_admin.quarantine_failed,
             ),
             registry=self.jobs,
             plan_stream=self.plan_stream,

@@ -15,7 +15,7 @@ from .source import BatchSource
 from .store.dataset import Dataset
 from .store.graphs import GraphCollated
 from .store.mixed import mixed_dataset
-from .transforms.bound import Transforms
+from .transforms.bound import Quarantine, Transforms
 
 #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job pinned,
 #: or ``DatasetChanged`` (see ``Service.open_dataset``).
@@ -32,8 +32,10 @@ def open_source(
     *,
     open_dataset: OpenDataset,
     transforms: Transforms | None,
+    quarantine: Quarantine | None = None,
 ) -> BatchSource:
-    """What stream (``epoch``, ``seed``, ``rank``) of job ``spec`` reads its batches from.
+    """What stream (``epoch``, ``seed``, ``rank``) of job ``spec`` reads its batches from;
+    ``quarantine``: where its transform chain's failing samples go (``on_error="quarantine"``).
 
     >>> source = open_source(spec, 0, spec.seed, 0, open_dataset=store.open,
     ...                      transforms=None)                              # doctest: +SKIP
@@ -50,5 +52,5 @@ def open_source(
         # Graphs collated for message passing, each batch on its own terms.
         source = GraphCollated(source, spec.batch_size)
     if transforms is not None:
-        source = transforms.bind(source, spec, epoch, seed, rank)
+        source = transforms.bind(source, spec, epoch, seed, rank, quarantine)
     return source

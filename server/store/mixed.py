@@ -29,7 +29,7 @@ from .dataset import Dataset
 from .gather import JoinedColumns, RaggedChunks
 from .shard_set import Chunks, ShardSet
 
-__all__ = ["ConcatShards", "SourceLabels", "mixed_dataset"]
+__all__ = ["ConcatShards", "SourceLabels", "mixed_dataset", "mixture_manifest"]
 
 #: A chunk list's columns of one kind: field name -> one array per chunk.
 Columns = dict[str, list[np.ndarray]]
@@ -41,25 +41,39 @@ def mixed_dataset(label: str, sources: Sequence[Dataset]) -> BatchSource:
     """The mixture of ``sources`` (each the store's shared dataset of its pinned version) as
     one source, labelled ``label`` (the job's ``mix:...`` name). Every source serves the
     first one's fields (the job's admission checked dtype, shape and nullability)."""
-    fields = sources[0].fields
+    manifests = [ds.manifest for ds in sources]
+    concat = ConcatShards([ds.shards for ds in sources], manifests, sources[0].fields)
+    return SourceLabels(Dataset(_joined_manifest(label, manifests), concat), concat.offsets)
+
+
+def mixture_manifest(label: str, manifests: Sequence[Manifest]) -> Manifest:
+    """What the mixture of datasets ``manifests`` serves (what :func:`mixed_dataset` of them
+    describes): their samples end to end, the first one's fields and ``source``. For a job's
+    admission, before any dataset is opened."""
+    return _labelled(_joined_manifest(label, manifests))
+
+
+def _joined_manifest(label: str, manifests: Sequence[Manifest]) -> Manifest:
     # Each source's shards keep their own paths; prefixed, they are distinct in one list.
     shards = tuple(
-        s.model_copy(update={"path": f"{ds.manifest.name}/{s.path}"})
-        for ds in sources
-        for s in ds.manifest.shards
+        s.model_copy(update={"path": f"{m.name}/{s.path}"}) for m in manifests for s in m.shards
     )
     # A view, never written or validated: its name is the job's label, which no stored
     # dataset may take, so nothing can mistake it for one.
-    manifest = sources[0].manifest.model_copy(
+    return manifests[0].model_copy(
         update={
             "name": label,
-            "num_samples": sum(ds.num_samples for ds in sources),
+            "num_samples": sum(m.num_samples for m in manifests),
             "shards": shards,
             "source": {},
         }
     )
-    concat = ConcatShards([ds.shards for ds in sources], [ds.manifest for ds in sources], fields)
-    return SourceLabels(Dataset(manifest, concat), concat.offsets)
+
+
+def _labelled(manifest: Manifest) -> Manifest:
+    """``manifest`` with the :data:`SOURCE_PART` field (a view, like its input)."""
+    label = FieldSpec(name=SOURCE_PART, dtype=SOURCE_DTYPE, shape=())
+    return manifest.model_copy(update={"fields": (*manifest.fields, label)})
 
 
 class ConcatShards:
@@ -198,11 +212,7 @@ class SourceLabels(Wrapped):
     def __init__(self, inner: BatchSource, offsets: np.ndarray) -> None:
         super().__init__(inner)
         self._offsets = offsets
-        label = FieldSpec(name=SOURCE_PART, dtype=SOURCE_DTYPE, shape=())
-        # A view, never written or validated (see ``mixed_dataset``).
-        self._manifest = inner.manifest.model_copy(
-            update={"fields": (*inner.manifest.fields, label)}
-        )
+        self._manifest = _labelled(inner.manifest)
 
     @property
     def manifest(self) -> Manifest:

@@ -9,7 +9,9 @@ fields, runs the chain on the pool and writes the results into the stream's buff
 With ``on_error="replace"`` a sample whose transform raises is swapped for a deterministic
 other one (:func:`~.rng.replacement`; every failing sample of the step at once) and the
 batch is run again; a place that fails ``MAX_REPLACEMENTS`` times in a row fails the job.
-Batch sizes stay equal across ranks.
+Batch sizes stay equal across ranks. ``on_error="quarantine"`` (a mixture) replaces the same
+way and hands the failing samples to the stream's ``quarantine`` (see
+:meth:`~..mixture_admin.MixtureAdmin.quarantine_failed`), so later epochs skip them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from .schema import from_field_spec, to_field_spec
 from .spec import Chain, check_chain_bytes, compile_chain
 
 MAX_REPLACEMENTS = 8
+#: ``quarantine(job id, sample ids, reason)``: samples whose transform failed, skipped by
+#: the job's later plans; ``BadRequest`` when they cannot be (the job then fails).
+Quarantine = Callable[[str, Sequence[int], str], None]
 #: Batches of one job assembled at once (each waits on its transform pieces).
 ASSEMBLY_PER_JOB = 2
 
@@ -84,14 +89,16 @@ class Transforms:
         return chain
 
     def bind(self, source: BatchSource, spec: JobSpec, epoch: int, seed: int,
-             rank: int) -> BatchSource:  # fmt: skip
+             rank: int, quarantine: Quarantine | None = None) -> BatchSource:  # fmt: skip
         """``source`` as the stream of (``seed``, ``epoch``, ``rank``) sees it; ``source``
-        itself when the job has no transforms."""
+        itself when the job has no transforms. ``quarantine``: where failing samples go
+        with ``on_error="quarantine"``."""
         if not spec.transforms:
             return source
         return TransformedDataset(
-            source, self.compile(spec, source.manifest), self, spec, epoch, seed, rank
-        )
+            source, self.compile(spec, source.manifest), self, spec, epoch, seed, rank,
+            quarantine,
+        )  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -110,11 +117,13 @@ class TransformedDataset(Wrapped):
     never runs inline, and each batch is assembled on its job's own lane."""
 
     def __init__(self, inner: BatchSource, chain: Chain, runtime: Transforms, spec: JobSpec,
-                 epoch: int, seed: int, rank: int) -> None:  # fmt: skip
+                 epoch: int, seed: int, rank: int,
+                 quarantine: Quarantine | None = None) -> None:  # fmt: skip
         super().__init__(inner)
         self.chain = chain
         self._rt = runtime
         self._spec = spec
+        self._quarantine = quarantine if spec.on_error == "quarantine" else None
         #: The job's own transform lane: a transform of this job that hangs keeps only it.
         self._lane = job_id(spec)
         self._epoch, self._seed, self._rank = epoch, seed, rank
@@ -180,9 +189,22 @@ class TransformedDataset(Wrapped):
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()
                 self._rt.metrics.count("errors")
-                replace = self._spec.on_error == "replace" and e.replaceable and e.all
-                if not replace or any(attempts.get(p, 0) >= MAX_REPLACEMENTS for p, _ in e.all):
+                replace = self._spec.on_error in ("replace", "quarantine") and e.replaceable
+                if (
+                    not replace
+                    or not e.all
+                    or any(attempts.get(p, 0) >= MAX_REPLACEMENTS for p, _ in e.all)
+                ):
                     raise transform_error(name, self._epoch, e) from None
+                if self._quarantine is not None:
+                    reason = f"transform {e.transform!r} failed in job {self._lane}: {e.text}"
+                    try:
+                        self._quarantine(self._lane, [f for _, f in e.all], reason[:512])
+                    except BadRequest as q:
+                        raise TransformError(
+                            f"{transform_error(name, self._epoch, e)}; and it cannot be "
+                            f"quarantined: {q}"
+                        ) from None
                 idx = idx.copy()
                 for pos, failed in e.all:
                     attempt = attempts[pos] = attempts.get(pos, 0) + 1

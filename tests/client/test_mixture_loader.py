@@ -335,8 +335,45 @@ def test_mixture_arguments_refused_up_front(srv: ServerProc) -> None:
         Loader(srv.http_url, {"web": 1.0}, 8, resident="cpu", token=srv.token)
     with pytest.raises(BadRequest, match="epoch_samples"):
         Loader(srv.http_url, "web", 8, epoch_samples=100, token=srv.token)
+    with pytest.raises(BadRequest, match="needs a mixture"):
+        Loader(srv.http_url, "web", 8, on_error="quarantine", token=srv.token)
     with (
         Loader(srv.http_url, "web", 8, token=srv.token) as one,
         pytest.raises(BadRequest, match="reads one dataset"),
     ):
         one.set_mixture({"web": 1.0})
+
+
+def test_a_failing_transform_quarantines_its_sample(store: Path, tmp_path: Path) -> None:
+    """``on_error="quarantine"`` on a mixture with a transform chain: in epoch 0 each failing
+    sample is served replaced (no batch holds one), and it is quarantined in its dataset from
+    the job's next epoch start, which plans none of them; two servers give the same batches
+    in both epochs (the step a quarantine takes effect at does not depend on timing)."""
+    chain = [{"name": "fail_on", "params": {"every": 97}}]
+    args = {"seed": 5, "epoch_samples": 2000, "transforms": chain, "on_error": "quarantine",
+            "prefetch": 4, "timeout": 60.0}  # fmt: skip
+    runs = []
+    for name in ("a", "b"):
+        with run_server(store, "--state-dir", str(tmp_path / name), "--transforms",
+                        "tests.transforms.mods") as s:  # fmt: skip
+            with Loader(s.http_url, dict(WEIGHTS), BATCH, token=s.token, **args) as ld:  # type: ignore[arg-type]
+                epochs = [take(ld), take(ld)]  # epochs 0 and 1
+                api = ld._job.api
+                listed = {n: api.quarantined(n) for n in NAMES}
+                planned = api.plan(ld.job_id, 1, 0)[0]
+                job = ld.job_id
+            runs.append(epochs)
+    steps = len(runs[0][0])
+    assert runs[0] == runs[1] and steps == 2000 // BATCH
+    # Failures seen in epoch e are skipped from the first step of epoch e + 1.
+    bad: dict[int, set[Sample]] = {steps: set(), 2 * steps: set()}
+    for k, n in enumerate(NAMES):
+        for e in listed[n].entries:
+            assert "fail_on" in e.reason and all(i % 97 == 0 for i in e.ids)
+            bad[e.at[job]] |= {(k, i) for i in e.ids}
+    assert bad[steps], "no sample failed in epoch 0: the test data changed"
+    served = [s for epoch in runs[0] for s in flat(epoch)]
+    assert not {s for s in served if s[1] % 97 == 0}  # each one replaced, in both epochs
+    offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
+    src = np.searchsorted(offsets, planned, "right") - 1
+    assert not set(zip(src.tolist(), (planned - offsets[src]).tolist(), strict=True)) & bad[steps]
