@@ -238,6 +238,20 @@ class JobSpec(BaseModel):
             last = c.at_step
         return self
 
+    def unpinned(self) -> JobSpec:
+        """The spec without the dataset versions the server pinned (its own, or each
+        mixture source's): two ranks' jobs of one run differ at most in those."""
+        mix = tuple(s.model_copy(update={"version": None}) for s in self.mixture or ()) or None
+        return self.model_copy(update={"version": None, "mixture": mix})
+
+    @property
+    def versions(self) -> str:
+        """The pinned version(s), for messages: the dataset's, or ``name@version`` of each
+        mixture source."""
+        if self.mixture:
+            return ", ".join(f"{s.name}@{s.version}" for s in self.mixture)
+        return str(self.version)
+
     @property
     def ends_early(self) -> bool:
         """Whether an epoch may end before its nominal length: a mixture with a source that

@@ -135,19 +135,17 @@ class JobAdmin:
         """
         if spec.world_size < 2:
             return
-        unpinned = spec.model_copy(update={"version": None})
+        unpinned = spec.unpinned()
         activity = self.board.activity()
         now = time.monotonic()
         for peer in self.jobs.list():
-            if peer.spec.version == spec.version or (
-                peer.spec.model_copy(update={"version": None}) != unpinned
-            ):
+            if peer.spec == spec or peer.spec.unpinned() != unpinned:
                 continue
             state = job_state(peer, activity.get(peer.id), now, self.settings.idle_after_s)
             if state in LIVE:
                 raise VersionConflict(
-                    f"dataset {spec.dataset!r} is now version {spec.version}, but job {peer.id} "
-                    f"of the same spec ({state}) streams version {peer.spec.version} to its "
+                    f"dataset {spec.dataset!r} is now version {spec.versions}, but job {peer.id} "
+                    f"of the same spec ({state}) streams version {peer.spec.versions} to its "
                     f"{spec.world_size} ranks: ranks of one run must train on one version. A "
                     "rank of that run: restart the whole run so every rank pins the new version; "
                     f"a new run: end the old one first (close its Loaders, or DELETE /v1/jobs/{peer.id})"

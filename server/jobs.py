@@ -104,9 +104,9 @@ class JobRegistry:
         #: Per mixture job, the last global step a rank's stream has taken the samples of
         #: (:meth:`resolving`): a change at or before it would rewrite what a rank read.
         self._resolved: dict[str, int] = {}
-        #: Bumped by every weight change and quarantine: a stream's plan made before is
-        #: checked again.
-        self._steering = 0
+        #: Per job, bumped by every weight change and quarantine that reaches its plans: a
+        #: stream's plan made before is made again.
+        self._steering: dict[str, int] = {}
 
     def load(self) -> int:
         """Replay the journal into the registry and compact it; returns the number of jobs.
@@ -278,13 +278,18 @@ class JobRegistry:
             job = self._get_locked(jid)
             if step > self._resolved.get(jid, -1):
                 self._resolved[jid] = step
-            return job, self._steering
+            return job, self._steering.get(jid, 0)
 
     def steered(self, jid: str) -> tuple[Job, int]:
-        """The job as it is and the generation of weight changes and quarantines, read
+        """The job as it is and the generation of its weight changes and quarantines, read
         together: a plan made from this job is current until the generation moves."""
         with self._lock:
-            return self._get_locked(jid), self._steering
+            return self._get_locked(jid), self._steering.get(jid, 0)
+
+    def resolved(self, jid: str) -> int:
+        """The last global step a stream of ``jid`` has taken the samples of (-1: none)."""
+        with self._lock:
+            return self._resolved.get(jid, -1)
 
     def set_mixture(self, jid: str, change: WeightChange, frontier: int) -> Job:
         """Add a weight change from ``change.at_step`` on; journaled before returning.
@@ -310,7 +315,7 @@ class JobRegistry:
                 raise BadRequest(f"job {jid} already has {MAX_CHANGES} weight changes")
             job = replace(job, changes=(*job.changes, change), touched=time.monotonic())
             self._jobs[jid] = job
-            self._steering += 1
+            self._steering[jid] = self._steering.get(jid, 0) + 1
             self._append(
                 {"op": "mixture", "id": jid, "at_step": change.at_step, "weights": change.weights}
             )
@@ -336,7 +341,8 @@ class JobRegistry:
                 every = (align or {}).get(jid, 1)
                 steps[jid] = -(-step // every) * every
             entry = self.quarantine.add(dataset, ids, reason, steps)
-            self._steering += 1
+            for jid in steps:
+                self._steering[jid] = self._steering.get(jid, 0) + 1
             self._append(
                 {
                     "op": "quarantine", "dataset": dataset, "ids": list(entry.ids),
@@ -379,6 +385,7 @@ class JobRegistry:
             job = self._get_locked(jid)
             del self._jobs[jid]
             self._resolved.pop(jid, None)
+            self._steering.pop(jid, None)
             self._append({"op": "delete", "id": jid})
         log_event(log, "job.deleted", job=jid, reason=reason)
         return replace(job, state="deleted")

@@ -46,7 +46,10 @@ class MixtureAdmin:
         return job
 
     def frontier(self, job: Job) -> int:
-        return mixtures.frontier(job, self.board.ranks(job.id))
+        """The first step no rank has been sent, has in flight, or has had read by its
+        stream (assembled ahead of what the board shows)."""
+        front = mixtures.frontier(job, self.board.ranks(job.id))
+        return max(front, self.jobs.resolved(job.id) + 1)
 
     def status(self, job_id: str) -> MixtureStatus:
         """The job's sources, its schedule, the weights at its frontier and the frontier."""
@@ -101,8 +104,10 @@ class MixtureAdmin:
                 "server does not know which steps its ranks were sent: name at_step (every rank "
                 "agrees on, e.g., the next epoch's first step)"
             )
-        at = front if update.at_step is None else update.at_step
         S = mixtures.steps_per_epoch(job)
+        at = front if update.at_step is None else update.at_step
+        if update.at_step is None and job.spec.ends_early:
+            at = -(-front // S) * S  # an epoch's first step (see below)
         if job.spec.ends_early and at % S:
             raise BadRequest(
                 f"job {job_id} has a source that ends its epochs when it runs out "

@@ -219,9 +219,14 @@ def quarantines(job: Job, epoch: int, q: Quarantines) -> list[Quarantine]:
 
 def frontier(job: Job, ranks: Sequence[RankStatus]) -> int:
     """The first global step no rank has been sent or has in flight (``credit`` past the last
-    sent): the earliest a change may take effect."""
+    sent, within its epoch: credit left at an epoch's end reaches no step of the next one):
+    the earliest a change may take effect."""
     S = steps_per_epoch(job)
-    steps = [r.epoch * S + r.next_batch + r.credit for r in ranks if r.epoch is not None]
+    steps = [
+        r.epoch * S + min(r.next_batch + r.credit, r.num_batches)
+        for r in ranks
+        if r.epoch is not None
+    ]
     return max(steps, default=0)
 
 
@@ -284,8 +289,13 @@ class SteeredPlan:
         self._job_id, self._epoch, self._seed, self._rank = job.id, epoch, seed, rank
         self._first_step = epoch * steps_per_epoch(job)
         # The job as it is now, not as the stream's Hello found it: a change may have come
-        # between the two, and the generation read with it is the one this plan is of.
-        job, self._made_at = registry.steered(job.id)
+        # between the two, and the generation read with it is the one this plan is of. An
+        # epoch whose length depends on the weights is taken whole from here (the Welcome
+        # will say its length): changes go to the next epoch's start.
+        if job.spec.ends_early:
+            job, self._made_at = registry.resolving(job.id, self._first_step)
+        else:
+            job, self._made_at = registry.steered(job.id)
         self._plan = plans.rank_plan(job, epoch, seed, rank)
 
     def __len__(self) -> int:

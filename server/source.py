@@ -97,6 +97,11 @@ class BatchSource(Protocol):
         source asks the plan for its ids)."""
         ...
 
+    def replaceable_by(self, index: int) -> tuple[int, int]:
+        """The ids ``[lo, hi)`` a sample served instead of sample ``index`` is drawn from
+        (``on_error="replace"``): the dataset's, or a mixture's source's."""
+        ...
+
     def take(
         self,
         indices: np.ndarray | Sequence[int],
@@ -144,6 +149,9 @@ class Wrapped:
 
     def plan_hint(self, plan: Planned) -> None:
         self.inner.plan_hint(plan)
+
+    def replaceable_by(self, index: int) -> tuple[int, int]:
+        return self.inner.replaceable_by(index)
 
     def take(
         self,

@@ -43,9 +43,11 @@ def open_source(
     """
     source: BatchSource
     if spec.mixture is not None:  # each source's version pinned at the job's creation
-        source = mixed_dataset(
-            spec.dataset, [open_dataset(m.name, m.version) for m in spec.mixture]
-        )
+        # Only the stored fields the job reads (a chain may read any): the sources were
+        # checked to agree on those.
+        stored = None if spec.fields is None or spec.transforms else spec.fields
+        sources = [open_dataset(m.name, m.version) for m in spec.mixture]
+        source = mixed_dataset(spec.dataset, sources, stored)
     else:
         source = open_dataset(spec.dataset, spec.version)  # the version the job pinned
     if spec.collate == "graph":

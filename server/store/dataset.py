@@ -81,6 +81,9 @@ class Dataset:
     def plan_hint(self, plan: Planned) -> None:
         self.shards.plan_hint(plan)
 
+    def replaceable_by(self, index: int) -> tuple[int, int]:
+        return 0, self.num_samples
+
     # -- description -------------------------------------------------------------------------
     def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
         """``fields`` checked (``None``: every field), or ``KeyError`` naming the unknown one."""

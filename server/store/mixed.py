@@ -37,13 +37,19 @@ Columns = dict[str, list[np.ndarray]]
 SOURCE_DTYPE = "int16"
 
 
-def mixed_dataset(label: str, sources: Sequence[Dataset]) -> BatchSource:
+def mixed_dataset(
+    label: str, sources: Sequence[Dataset], fields: Sequence[str] | None = None
+) -> BatchSource:
     """The mixture of ``sources`` (each the store's shared dataset of its pinned version) as
-    one source, labelled ``label`` (the job's ``mix:...`` name). Every source serves the
-    first one's fields (the job's admission checked dtype, shape and nullability)."""
+    one source, labelled ``label`` (the job's ``mix:...`` name), serving the stored
+    ``fields`` (``None``: all) and ``source``. Every source serves them as the first one does
+    (the job's admission checked dtype, shape and nullability of those it reads)."""
     manifests = [ds.manifest for ds in sources]
-    concat = ConcatShards([ds.shards for ds in sources], manifests, sources[0].fields)
-    return SourceLabels(Dataset(_joined_manifest(label, manifests), concat), concat.offsets)
+    first = sources[0].fields
+    stored = first if fields is None else tuple(f for f in first if f.name in set(fields))
+    concat = ConcatShards([ds.shards for ds in sources], manifests, stored)
+    joined = _joined_manifest(label, manifests).model_copy(update={"fields": stored})
+    return SourceLabels(Dataset(joined, concat), concat.offsets)
 
 
 def mixture_manifest(label: str, manifests: Sequence[Manifest]) -> Manifest:
@@ -124,11 +130,11 @@ class ConcatShards:
         try:
             for s, mine in zip(self._sets, per, strict=True):
                 got.append(s.acquire(mine))
+            return self._joined(tuple(got))
         except BaseException:
-            for s, mine in zip(self._sets[: len(got)], per, strict=True):
+            for s, mine in list(zip(self._sets, per, strict=True))[: len(got)]:
                 s.release(mine)
             raise
-        return self._joined(tuple(got))
 
     def _joined(self, got: tuple[Chunks, ...]) -> Chunks:
         with self._lock:
@@ -217,6 +223,12 @@ class SourceLabels(Wrapped):
     @property
     def manifest(self) -> Manifest:
         return self._manifest
+
+    def replaceable_by(self, index: int) -> tuple[int, int]:
+        """Its own source's ids: a replacement keeps the source (and its weight) it stands in
+        for."""
+        k = int(np.searchsorted(self._offsets, index, "right")) - 1
+        return int(self._offsets[k]), int(self._offsets[k + 1])
 
     def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
         stored, label = _stored(fields)

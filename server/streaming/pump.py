@@ -105,6 +105,7 @@ class Pump:
             self.metrics.bytes_sent.inc(nbytes)
             self.board.sent(
                 s.job_id, s.rank, nbytes, flow.next_send, flow.owed, count,
-                batch.parts.get(SOURCE_PART),  # a mixture's: counted by source
+                # A mixture's samples, counted by source (another job's field may bear the name).
+                batch.parts.get(SOURCE_PART) if s.job.spec.mixture is not None else None,
             )  # fmt: skip
         return True

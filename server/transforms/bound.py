@@ -208,8 +208,9 @@ class TransformedDataset(Wrapped):
                 idx = idx.copy()
                 for pos, failed in e.all:
                     attempt = attempts[pos] = attempts.get(pos, 0) + 1
-                    idx[pos] = replacement(self._seed, self._epoch, failed, attempt,
-                                           self.manifest.num_samples)  # fmt: skip
+                    lo, hi = self.inner.replaceable_by(failed)
+                    idx[pos] = lo + replacement(self._seed, self._epoch, failed - lo, attempt,
+                                                hi - lo)  # fmt: skip
                 self._rt.metrics.replaced.inc(len(e.all))
                 self._rt.metrics.count("replaced", len(e.all))
             except TransformError:

@@ -19,6 +19,8 @@ from shardserve.client import Loader, plan
 from shardserve.client.control import ControlClient
 from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
+from shardserve.proto.manifest import FieldSpec
+from shardserve.server.store.writer import ShardWriter
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, free_port, run_server
 
@@ -121,6 +123,9 @@ def test_two_ranks_stream_the_mixture_byte_for_byte(srv: ServerProc) -> None:
                 first = next(iter(ids_plan)).numpy()
             assert [(s, int(i - offsets[s])) for s, i in zip(
                 np.searchsorted(offsets, first, "right") - 1, first, strict=True)] == got[1][0]  # fmt: skip
+            # The guide's loop: after an epoch, a change with no step is the next epoch's start
+            # (the credit a rank holds at an epoch's end reaches no step of the next).
+            assert [c["at_step"] for c in ranks[1].set_mixture(NEW).schedule] == [0, STEPS]
             # What was sent, by source, is what the loop received; and it is what was asked.
             counts = np.bincount([s for g in got for s, _ in flat(g)], minlength=3).tolist()
             status = api.mixture(job)
@@ -329,6 +334,19 @@ def test_source_is_a_field_served_when_asked_for(srv: ServerProc) -> None:
     assert torch.equal(a["source"], c["source"]) and torch.equal(a["image"], b["image"])
 
 
+def test_a_dataset_with_a_field_named_source_streams_as_before(
+    srv: ServerProc, store: Path
+) -> None:
+    """``source`` is a mixture's field only: a plain dataset's own float ``source`` field
+    streams untouched (the server counts sources of mixture jobs alone)."""
+    values = np.linspace(-1, 1, 64, dtype=np.float32)
+    with ShardWriter(store, "floaty", fields=(FieldSpec(name="source", dtype="float32"),)) as w:
+        w.add_batch({"source": values})
+    with Loader(srv.http_url, "floaty", 16, shuffle=False, token=srv.token) as ld:
+        got = torch.cat([b["source"] for b in ld]).numpy()
+    assert np.array_equal(got, values)
+
+
 def test_mixture_arguments_refused_up_front(srv: ServerProc) -> None:
     """What a mixture cannot do is refused before anything streams, naming the argument."""
     with pytest.raises(BadRequest, match="resident"):
@@ -361,6 +379,7 @@ def test_a_failing_transform_quarantines_its_sample(store: Path, tmp_path: Path)
                 api = ld._job.api
                 listed = {n: api.quarantined(n) for n in NAMES}
                 planned = api.plan(ld.job_id, 1, 0)[0]
+                first_epoch = api.plan(ld.job_id, 0, 0)[0]
                 job = ld.job_id
             runs.append(epochs)
     steps = len(runs[0][0])
@@ -372,8 +391,12 @@ def test_a_failing_transform_quarantines_its_sample(store: Path, tmp_path: Path)
             assert "fail_on" in e.reason and all(i % 97 == 0 for i in e.ids)
             bad[e.at[job]] |= {(k, i) for i in e.ids}
     assert bad[steps], "no sample failed in epoch 0: the test data changed"
+    # A replacement comes from the dataset of the sample it stands in for.
+    offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
+    assert [s for s, _ in flat(runs[0][0])] == (
+        np.searchsorted(offsets, first_epoch, "right") - 1
+    ).tolist()
     served = [s for epoch in runs[0] for s in flat(epoch)]
     assert not {s for s in served if s[1] % 97 == 0}  # each one replaced, in both epochs
-    offsets = np.cumsum([0, *(n for n, _ in SOURCES.values())])
     src = np.searchsorted(offsets, planned, "right") - 1
     assert not set(zip(src.tolist(), (planned - offsets[src]).tolist(), strict=True)) & bad[steps]

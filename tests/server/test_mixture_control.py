@@ -229,8 +229,8 @@ def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
 
 
 def test_change_in_the_past_is_refused() -> None:
-    """A change before the frontier (steps some rank was sent or has in flight) raises
-    StepInThePast naming the frontier; at the frontier it is taken."""
+    """A change before the frontier (steps some rank was sent or has in flight, within its
+    epoch) raises StepInThePast naming the frontier; at the frontier it is taken."""
     from shardserve.proto.api import RankStatus
 
     reg = JobRegistry(None)
@@ -240,11 +240,14 @@ def test_change_in_the_past_is_refused() -> None:
     )  # fmt: skip
     job, _ = reg.create(spec, 80, (40, 40))  # 10 batches per rank per epoch
     ranks = [
-        RankStatus(rank=0, connected=True, epoch=1, next_batch=3, credit=2),
-        RankStatus(rank=1, connected=True, epoch=1, next_batch=4, credit=0),
+        RankStatus(rank=0, connected=True, epoch=1, next_batch=3, credit=2, num_batches=10),
+        RankStatus(rank=1, connected=True, epoch=1, next_batch=4, credit=0, num_batches=10),
     ]
     front = frontier(job, ranks)
     assert front == 15
+    # Credit a rank holds at its epoch's end reaches no step of the next epoch.
+    done = RankStatus(rank=0, connected=True, epoch=1, next_batch=10, credit=4, num_batches=10)
+    assert frontier(job, [done]) == 20
     with pytest.raises(StepInThePast, match="use at_step >= 15"):
         reg.set_mixture(job.id, WeightChange(at_step=14, weights=(1, 2)), front)
     job = reg.set_mixture(job.id, WeightChange(at_step=15, weights=(1, 2)), front)

@@ -10,12 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardserve.proto.errors import DatasetCorruptError
+from shardserve.proto.manifest import FieldSpec
 from shardserve.proto.parts import SOURCE_PART
 from shardserve.server.planning.mixture import MixSource, Segment, mixture_order, source_offsets
 from shardserve.server.store.cache import ShardCache
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.mixed import mixed_dataset
 from shardserve.server.store.remote import RemoteStore
+from shardserve.server.store.writer import ShardWriter
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
 
@@ -90,6 +93,39 @@ def test_through_an_evicting_cache(remote: RemoteStore, names: list[str]) -> Non
     """A remote store's sources (shards leased per batch, evicted past the cache's limit)
     give the same batches as a local store's."""
     _check(remote, names, batch=40)
+
+
+def test_a_field_subset_of_sources_that_differ_elsewhere(tmp_path: Path) -> None:
+    """Sources that share only ``label`` mix with ``fields=["label"]``: the first source's
+    variable field, which the other lacks, is not joined (it is not read)."""
+    fields = (
+        FieldSpec(name="label", dtype="int64"),
+        FieldSpec(name="tokens", dtype="int32", shape=(-1,)),
+    )
+    with ShardWriter(tmp_path, "t", fields=fields) as w:
+        for i in range(20):
+            w.add({"label": np.int64(100 + i), "tokens": np.arange(i % 5, dtype=np.int32)})
+    make_cifar_like(tmp_path, "a", n=30, seed=1)
+    s = Store(tmp_path)
+    mixed = mixed_dataset("mix:t+a", [s.open("t"), s.open("a")], ["label"])
+    assert list(mixed.part_shapes(None)) == ["label", SOURCE_PART]
+    parts = mixed.take([0, 20 + 3, 5])
+    assert parts[SOURCE_PART].tolist() == [0, 1, 0] and parts["label"].tolist() == [100, 3, 105]
+
+
+def test_a_corrupt_shard_of_a_later_source_is_named(tmp_path: Path) -> None:
+    """A damaged shard of the second source fails the read with its own error, naming the
+    dataset, not a bug of the joining."""
+    make_cifar_like(tmp_path, "a", n=50, seed=1)
+    make_cifar_like(tmp_path, "b", n=50, seed=2)
+    shard = next((tmp_path / "b").rglob("*.arrow"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # checked (lazily) at the first read of the shard
+    shard.write_bytes(bytes(data))
+    s = Store(tmp_path)
+    mixed = mixed_dataset("mix:a+b", [s.open("a"), s.open("b")])
+    with pytest.raises(DatasetCorruptError, match="b"):
+        mixed.take([3, 50 + 3])
 
 
 def test_empty_batch(store: Store) -> None:
