@@ -24,7 +24,7 @@ from shardserve.server.planning.mixture import (
     split_ids,
 )
 from shardserve.server.store.writer import ShardWriter
-from tests.support.data import make_cifar_like
+from tests.support.data import CIFAR_FIELDS, make_cifar_like
 from tests.support.server import ServerProc, free_port, run_server
 
 SIZES = {"web": 6000, "code": 4000, "math": 600}
@@ -364,3 +364,26 @@ def test_an_empty_source_must_weigh_nothing() -> None:
     check_empty(spec, (10, 0), (1, 0))
     with pytest.raises(BadRequest, match="'b' has no samples"):
         check_empty(spec, (10, 0), (1, 0.5))
+
+
+def test_a_rank_pinning_another_source_version_is_refused(tmp_path: Path) -> None:
+    """Two ranks of one run post the same mixture spec on either side of an ``--overwrite``
+    of one source: the second would pin the new version while its peer's live job streams
+    the old one, and is refused naming both (the ranks would desynchronise)."""
+    for seed, name in enumerate(("p", "q")):
+        make_cifar_like(tmp_path / "store", name, n=100, seed=seed)
+    spec = {
+        "mixture": [{"name": "p", "weight": 1}, {"name": "q", "weight": 1}],
+        "batch_size": 10, "world_size": 2,
+    }  # fmt: skip
+    with run_server(tmp_path / "store", "--state-dir", str(tmp_path / "state")) as s:
+        first = post_job(s, spec)
+        assert first.status_code == 201, first.text
+        with ShardWriter(tmp_path / "store", "q", fields=CIFAR_FIELDS, overwrite=True) as w:
+            w.add_batch({"image": np.zeros((100, 3, 32, 32), np.uint8),
+                         "label": np.zeros(100, np.int64)})  # fmt: skip
+        again = post_job(s, spec)
+        assert again.status_code == 409, again.text
+        assert again.json()["code"] == "version_conflict"
+        old = first.json()["status"]["spec"]["mixture"][1]["version"]
+        assert f"q@{old}" in again.json()["detail"]
