@@ -5,7 +5,7 @@ A mixture plan deals ids over the sources' concatenated id space (source ``k``'s
 is id ``offsets[k] + i``, see :mod:`shardserve.server.planning.mixture`). Laying the sources'
 shard sets end to end (:class:`ConcatShards`) makes that id space a dataset's own: a mixture
 batch is then one ``take`` through the store's one field loop, written straight into the
-stream's memory like any batch, and :class:`SourceLabels` adds the ``source`` part.
+stream's memory like any batch, and :class:`SourceLabels` adds the ``source`` field.
 
 >>> mixed = mixed_dataset("mix:a+b", [store.open("a"), store.open("b")])   # doctest: +SKIP
 >>> parts = mixed.take([0, 300 + 5])                                     # doctest: +SKIP
