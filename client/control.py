@@ -268,8 +268,8 @@ def job_spec(
     """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
     argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
     of ``envs`` batches of ``batch_size``. ``dataset`` as ``{name: weight}`` (or a list of
-    sources): a mixture
-    (see :mod:`.mixture`), ``epoch_samples`` long (``None``: the datasets' sizes summed).
+    sources): a mixture (see :mod:`.mixture`), ``epoch_samples`` long (``None``: the
+    datasets' sizes summed).
 
     >>> job_spec("cifar", 64, seed=0, shuffle=False, drop_last=False, world_size=2,
     ...          fields=None, collate=None, transforms=None, on_error=None).shuffle
