@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_small import cpu_of, server_pid  # this folder is on the path of a script here
 
 from shardserve.client import Loader, serve_local
 from shardserve.proto.manifest import FieldSpec
@@ -61,17 +62,7 @@ def write(root: Path, name: str, n: int, seed: int) -> None:
 
 def server_cpu(store: Path) -> float:
     """CPU seconds the server serving ``store`` has used (``nan`` if it cannot be found)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in cmd and str(store).encode() in cmd:
-            f = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-    return float("nan")
+    return cpu_of(server_pid(store))
 
 
 def measure(epoch: Callable[[int], Iterable[Batch]], batch: int, store: Path) -> dict[str, float]:

@@ -37,7 +37,7 @@ shardserve_quarantined_samples              gauge      dataset         sample id
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -89,6 +89,10 @@ class JobsSnapshot:
     mixture_sigmas: dict[str, float] = field(default_factory=dict)
     #: Quarantined sample ids per dataset.
     quarantined: dict[str, int] = field(default_factory=dict)
+
+
+#: The kinds of per-source series a mixture job exports.
+_SourceFamily = type[GaugeMetricFamily] | type[CounterMetricFamily]
 
 
 class _JobCollector(Collector):
@@ -143,30 +147,32 @@ class _JobCollector(Collector):
             for r in snap.ranks:
                 fam.add_metric([r.job_id, str(r.rank)], float(getattr(r, attr)))
             yield fam
-        weights = GaugeMetricFamily(
-            "shardserve_mixture_weight",
-            "A mixture source's share of batch positions (weights normalised) at the job's frontier.",
-            labels=["job_id", "source"],
-        )
-        for jid, source, share in snap.mixture_weights:
-            weights.add_metric([jid, source], share)
-        yield weights
-        sent = CounterMetricFamily(
-            "shardserve_mixture_samples_sent",
-            "Samples of a mixture source sent to the job's ranks (since this server started).",
-            labels=["job_id", "source"],
-        )
-        for jid, source, n in snap.mixture_sent:
-            sent.add_metric([jid, source], n)
-        yield sent
-        shares = GaugeMetricFamily(
-            "shardserve_mixture_share",
-            "A mixture source's share of the samples sent over the ranks' current streams.",
-            labels=["job_id", "source"],
-        )
-        for jid, source, share in snap.mixture_shares:
-            shares.add_metric([jid, source], share)
-        yield shares
+        # (job id, source, value) series of mixture jobs.
+        per_source: list[tuple[_SourceFamily, str, str, Sequence[tuple[str, str, float]]]] = [
+            (
+                GaugeMetricFamily,
+                "shardserve_mixture_weight",
+                "A mixture source's share of batch positions (weights normalised) at the job's frontier.",
+                snap.mixture_weights,
+            ),
+            (
+                CounterMetricFamily,
+                "shardserve_mixture_samples_sent",
+                "Samples of a mixture source sent to the job's ranks (since this server started).",
+                snap.mixture_sent,
+            ),
+            (
+                GaugeMetricFamily,
+                "shardserve_mixture_share",
+                "A mixture source's share of the samples sent over the ranks' current streams.",
+                snap.mixture_shares,
+            ),
+        ]
+        for family, name, doc, rows in per_source:
+            series = family(name, doc, labels=["job_id", "source"])
+            for jid, source, value in rows:
+                series.add_metric([jid, source], value)
+            yield series
         sigmas = GaugeMetricFamily(
             "shardserve_mixture_deviation_sigmas",
             "Largest gap between a mixture's shares sent and the schedule's over the same "

@@ -21,6 +21,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 from . import mixtures
 from .jobs import Job, JobRegistry
 from .metrics import JobsSnapshot
+from .planning.mixture import MixSource, source_offsets, split_ids
 from .streaming.board import StreamBoard
 
 
@@ -187,12 +188,11 @@ class MixtureAdmin:
         quarantined are left as they are. Runs on the job's own assembly threads."""
         job = self.jobs.get(job_id)
         sizes = job.source_sizes or ()
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        got = np.unique(np.asarray(ids, dtype=np.int64))
+        offsets = source_offsets([MixSource(n) for n in sizes])
+        which, local = split_ids(np.unique(np.asarray(ids, dtype=np.int64)), offsets)
         for k, src in enumerate(job.spec.mixture or ()):
-            mine = got[(got >= offsets[k]) & (got < offsets[k + 1])] - offsets[k]
             held = {i for e in self.jobs.quarantine.entries(src.name) for i in e.ids}
-            new = [i for i in mine.tolist() if i not in held]
+            new = [i for i in local[which == k].tolist() if i not in held]
             if new:
                 self._add(src.name, sizes[k], new, reason, whole_epochs=job_id)
 

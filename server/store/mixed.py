@@ -16,6 +16,7 @@ stream's memory like any batch, and :class:`SourceLabels` adds the ``source`` fi
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -84,7 +85,8 @@ def _labelled(manifest: Manifest) -> Manifest:
 
 class ConcatShards:
     """The shard sets of several datasets as one (a :class:`~.shard_set.ShardSet`): source
-    ``k``'s shard ``j`` is shard ``first[k] + j``, its sample ``i`` is id ``offsets[k] + i``.
+    ``k``'s shard ``j`` is shard ``j`` plus the shards before it, its sample ``i`` is id
+    ``offsets[k] + i``.
 
     The sources' sets are the store's, shared with other jobs: closing this closes nothing.
     Sets that hand back the same chunks every time (mapped stores) are joined once, with
@@ -101,10 +103,8 @@ class ConcatShards:
         #: First id of each source, then the total.
         self.offsets = np.zeros(len(sets) + 1, dtype=np.int64)
         np.cumsum(rows, out=self.offsets[1:])
-        #: First shard of each source, then the total.
-        self.first = np.zeros(len(sets) + 1, dtype=np.int64)
-        np.cumsum(counts, out=self.first[1:])
-        self._first: list[int] = self.first.tolist()
+        #: First shard of each source, then the total (a list: a batch bisects it a few times).
+        self._first = [0, *itertools.accumulate(counts)]
         self._lock = threading.Lock()
         self._last: tuple[tuple[Chunks, ...], Chunks] | None = None
 
@@ -113,8 +113,7 @@ class ConcatShards:
         return any(s.waits for s in self._sets)
 
     def _split(self, shards: Iterable[int]) -> list[list[int]]:
-        """Each source's own shard numbers of ``shards`` (a batch touches a few: a bisect
-        of a list each costs less than one numpy call)."""
+        """Each source's own shard numbers of ``shards``."""
         per: list[list[int]] = [[] for _ in self._sets]
         first = self._first
         for s in shards:
