@@ -12,7 +12,10 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import FrameType
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -222,16 +225,43 @@ _DEFERRED = frozenset(
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Block the usual signals on this thread for the block; pending ones arrive after it.
+    """Hold the usual signals back for the block; those that came run just after it.
 
-    Python runs handlers on the main thread between bytecodes; a blocked signal stays
-    pending in the kernel, so its handler runs once the block has restored the mask.
+    Two layers, because a mask alone is not enough. Python runs handlers on the main thread
+    between bytecodes, after its C handler has noted the signal on whichever thread the
+    kernel chose: a signal noted just before the mask was set, or taken by another thread
+    (a trainer has many), still ran its handler inside the block. So on the main thread the
+    Python handlers are swapped for one that only notes the signal, and the noted ones are
+    raised again once the block is over; the mask keeps the rest pending in the kernel.
     """
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    noted: list[int] = []
+    swapped: dict[int, Callable[[int, FrameType | None], Any]] = {}
+    old_mask: set[int | signal.Signals] | None = None
     try:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _DEFERRED:
+                handler = signal.getsignal(sig)
+                if callable(handler):
+                    swapped[sig] = handler
+                    signal.signal(sig, lambda signum, _frame: noted.append(signum))
+        if hasattr(signal, "pthread_sigmask"):
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for sig, handler in swapped.items():
+            signal.signal(sig, handler)
+        _raise_again(dict.fromkeys(noted))
+
+
+def _raise_again(signums: Iterable[int]) -> None:
+    """Run each signal's handler now; the first exception one raises is raised after all ran."""
+    first: BaseException | None = None
+    for signum in signums:
+        try:
+            signal.raise_signal(signum)
+        except BaseException as e:  # a handler's exception, raised after the others ran
+            first = first or e
+    if first is not None:
+        raise first

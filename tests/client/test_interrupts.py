@@ -5,8 +5,11 @@ of every (epoch, rank) reaches the loop once: none lost, none repeated."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ from hypothesis import strategies as st
 
 from shardserve.client import Loader
 from shardserve.client.connection import Connection
+from shardserve.client.connection import _signals_deferred as connection_signals_deferred
 from shardserve.proto.messages import ClientStats, Credit, Hello
 from shardserve.server.planning import plan
 from tests.support.data import make_cifar_like, sample_id_of
@@ -247,3 +251,46 @@ def test_ctrl_c_while_a_control_message_is_serialized_is_a_keyboard_interrupt(
         conn.close()
     assert seen.get("KeyboardInterrupt", 0) > 100, seen
     assert set(seen) == {"KeyboardInterrupt"}, seen
+
+
+def test_a_signal_another_thread_takes_during_a_close_runs_its_handler_after_it(
+    tmp_path: Path,
+) -> None:
+    """A trainer has many threads: a signal the kernel hands to one of them while the main
+    thread closes a connection still has its Python handler run on the main thread. It used to
+    run inside the close (a profiler's exception came out of pydantic-core as a serialization
+    error); it runs once, just after the close, and its exception is raised as itself."""
+
+    class Tick(Exception):
+        pass
+
+    closing = False
+    ran_while_closing: list[bool] = []
+
+    def tick(signum: int, frame: FrameType | None) -> None:
+        ran_while_closing.append(closing)
+        raise Tick()
+
+    # A thread that does not block the signal, so the kernel gives it the one sent below.
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, name="unblocked-helper")
+    helper.start()
+    old = signal.signal(signal.SIGUSR1, tick)
+    conn = Connection(f"ipc://{tmp_path}/nobody.sock")
+    try:
+        with pytest.raises(Tick), connection_signals_deferred():
+            closing = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+            # Time for the helper to take it; Python would run the handler at any of
+            # these bytecodes.
+            deadline = time.monotonic() + 0.2
+            while time.monotonic() < deadline:
+                pass
+            conn.close()
+            closing = False
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        stop.set()
+        helper.join(timeout=10)
+    assert ran_while_closing == [False]
+    assert conn.closed
