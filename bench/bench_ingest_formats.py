@@ -29,6 +29,7 @@ import io
 import json
 import os
 import platform
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -313,7 +314,33 @@ def raw_lmdb(d: Path) -> None:
     env.close()
 
 
-FORMATS: dict[str, tuple[Callable[[Path, int], int], Callable[[Path], None], dict[str, Any]]] = {
+#: The Python of MosaicML Streaming's own environment (its pins conflict with the dev extra).
+MDS_PYTHON = Path(
+    os.environ.get("SHARDSERVE_MDS_PYTHON", Path(__file__).parents[1] / ".venv-mds/bin/python")
+)
+
+
+def _mds_side(*args: str) -> str:
+    side = Path(__file__).with_name("mds_side.py")
+    out = subprocess.run([str(MDS_PYTHON), str(side), *args], check=True, text=True,
+                         capture_output=True, timeout=1800)  # fmt: skip
+    return out.stdout
+
+
+def make_mds(d: Path, n: int) -> int:
+    _mds_side("write", str(d), str(n * 10))
+    return n * 10
+
+
+def raw_mds(d: Path) -> float:
+    """Streaming's ``StreamingDataset`` reading every sample once, timed in its own process
+    (so its interpreter start and imports are not counted)."""
+    return float(_mds_side("read", str(d)).strip())
+
+
+FORMATS: dict[
+    str, tuple[Callable[[Path, int], int], Callable[[Path], float | None], dict[str, Any]]
+] = {
     "pt nested dict + None": (make_pt_nested, raw_pt, {}),
     "pt (image, label) tuple": (make_pt_tuples, raw_pt, {}),
     "pt list of 1000 / file": (make_pt_chunked, raw_pt, {}),
@@ -325,15 +352,18 @@ FORMATS: dict[str, tuple[Callable[[Path, int], int], Callable[[Path], None], dic
     "LMDB (.pt values)": (make_lmdb, raw_lmdb, {}),
     "HF all types save_to_disk": (make_hf_all_disk, raw_hf_all_disk, {}),
     "HF all types to_parquet": (make_hf_all_parquet, raw_hf_all_parquet, {}),
+    "MDS (MDSWriter)": (make_mds, raw_mds, {}),
 }
 
 
-def _best(fn: Callable[[], Any], repeat: int) -> float:
+def _best(fn: Callable[[], float | None], repeat: int) -> float:
+    """The shortest of ``repeat`` runs; a run that times itself (another process's read)
+    returns its own seconds."""
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        took = fn()
+        best = min(best, time.perf_counter() - t0 if took is None else took)
     return best
 
 
@@ -341,6 +371,9 @@ def bench_formats(work: Path, n: int, repeat: int, only: str = "") -> dict[str, 
     out = {}
     for k, (label, (make, raw, kw)) in enumerate(FORMATS.items()):
         if only and only.lower() not in label.lower():
+            continue
+        if make is make_mds and not MDS_PYTHON.exists():
+            print(f"{label}: skipped, no MosaicML Streaming environment at {MDS_PYTHON}")
             continue
         src = work / f"src{k}"
         samples = make(src, n)

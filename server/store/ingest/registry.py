@@ -3,9 +3,9 @@
 Each reader module declares its :class:`~.source.Reader` (name, suffixes, opener); this
 module only lists them. ``open_source(src, "auto")`` picks the format from file suffixes; a
 folder holding files of more than one known format is refused with a request for
-``--format``. Two formats are known by their folder, not a suffix: a Hugging Face
-``save_to_disk`` folder (``state.json`` beside ``dataset_info.json``) and an LMDB environment
-(``data.mdb``).
+``--format``. Three formats are known by their folder, not a suffix: a Hugging Face
+``save_to_disk`` folder (``state.json`` beside ``dataset_info.json``), an LMDB environment
+(``data.mdb``) and a MosaicML MDS folder (an ``index.json`` listing MDS shards).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from . import (
     hf_folder,
     image_folder,
     lmdb_env,
+    mds,
     numpy_files,
     pt_files,
     webdataset_tar,
@@ -37,6 +38,7 @@ READERS: tuple[Reader, ...] = (
     hdf5_files.READER,
     hf_folder.READER,
     lmdb_env.READER,
+    mds.READER,
     image_folder.READER,
 )
 _BY_NAME = {r.name: r for r in READERS}

@@ -1,0 +1,385 @@
+"""Read MosaicML Streaming's MDS format: a folder with ``index.json`` and ``shard.NNNNN.mds``
+files (compressed ones end in ``.zstd``, ``.gz``...), as ``MDSWriter`` writes them.
+
+Read here without importing ``streaming`` (its import pulls torch, transformers and
+torchvision; the server never imports torch). The format is small: the index lists each
+shard's columns (name, encoding, fixed size or none), its sample count, its files and their
+hashes; a shard is ``uint32 n``, ``uint32 offsets[n + 1]`` (from the file's start) and the
+samples, each a ``uint32`` size per variable-size column and then the columns' bytes in the
+index's order.
+
+Each encoding comes back as ``StreamingDataset`` gives it, except images: ``jpeg`` / ``png``
+columns stay their encoded bytes (the ``decode_image`` transform reads them), and a ``pil``
+column (raw pixels) is its pixel array, ``np.asarray(image)``. ``str_decimal`` is kept as
+its text. Pickled columns (``pkl``) are refused, never loaded; so are lists of images.
+Listed hashes are checked (``xxh*`` ones when the ``xxhash`` package is there, else the
+summary says they were not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardserve.proto.errors import InvalidDataError
+
+from .decode import as_value
+from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source
+
+INDEX = "index.json"
+
+#: Fixed-size numeric encodings: one value of this dtype (``StreamingDataset`` gives a numpy
+#: scalar, kept here with its dtype).
+SCALARS: dict[str, np.dtype[Any]] = {
+    name: np.dtype(name)
+    for name in ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+                 "float16", "float32", "float64")
+}  # fmt: skip
+
+#: The ``ndarray`` encoding's dtype codes (one byte, when the index does not fix the dtype).
+NDARRAY_DTYPES: dict[int, str] = {
+    8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32",
+    33: "int32", 34: "float32", 64: "uint64", 65: "int64", 66: "float64",
+}  # fmt: skip
+
+#: The compression families (the part of ``zstd:7`` before the level) and pyarrow's codec.
+CODECS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2", "br": "brotli", "snappy": "snappy"}
+
+#: A ``pil`` column's raw pixel layouts: mode -> (dtype, channels; 0 for a 2-d image).
+PIL_MODES: dict[str, tuple[str, int]] = {
+    "L": ("uint8", 0), "P": ("uint8", 0), "LA": ("uint8", 2), "RGB": ("uint8", 3),
+    "RGBA": ("uint8", 4), "CMYK": ("uint8", 4), "YCbCr": ("uint8", 3), "I": ("<i4", 0),
+    "F": ("<f4", 0), "I;16": ("<u2", 0),
+}  # fmt: skip
+
+REFUSED = {
+    "pkl": "is pickled and is never unpickled; write it with another encoding "
+    "(ndarray, json, str, bytes...)",
+    "list[pil]": "is a list of images, which ingest does not read; write each image "
+    "as its own column or as bytes",
+}
+REFUSED["list[jpeg]"] = REFUSED["list[png]"] = REFUSED["jpeg_array"] = REFUSED["list[pil]"]
+REFUSED["jpegarray"] = REFUSED["list[pil]"]
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    encoding: str
+    #: Bytes per sample when fixed (the index's ``column_sizes``), else ``None``.
+    size: int | None
+    decode: Callable[[memoryview, str], object]
+
+
+def _decoder(encoding: str, where: str) -> Callable[[memoryview, str], object]:
+    """The function that turns one column's bytes into a sample value, or a clear refusal."""
+    if encoding in REFUSED:
+        raise InvalidDataError(f"{where} {REFUSED[encoding]}")
+    if encoding in SCALARS:
+        dt = SCALARS[encoding]
+        return lambda b, w: np.frombuffer(b, dt, count=1).reshape(())
+    if encoding == "ndarray" or encoding.startswith("ndarray:"):
+        return _ndarray_decoder(encoding, where)
+    plain: dict[str, Callable[[memoryview, str], object]] = {
+        "bytes": lambda b, w: bytes(b),
+        "jpeg": lambda b, w: bytes(b),
+        "png": lambda b, w: bytes(b),
+        "str": lambda b, w: _text(b, w),
+        "str_decimal": lambda b, w: _text(b, w),
+        "str_int": lambda b, w: int(_text(b, w)),
+        "str_float": lambda b, w: float(_text(b, w)),
+        "int": lambda b, w: int(np.frombuffer(b, "<i8", count=1)[0]),
+        "json": lambda b, w: as_value(bytes(b), w, "json"),
+        "pil": _pil,
+    }
+    if encoding not in plain:
+        raise InvalidDataError(
+            f"{where} has the encoding {encoding!r}, which ingest does not read (it reads "
+            f"{', '.join(sorted([*plain, *SCALARS, 'ndarray']))}); write it with one of those"
+        )
+    return plain[encoding]
+
+
+def _text(b: memoryview, where: str) -> str:
+    try:
+        return bytes(b).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidDataError(f"{where}: text is not UTF-8 ({e})") from None
+
+
+def _ndarray_decoder(encoding: str, where: str) -> Callable[[memoryview, str], object]:
+    """``ndarray``, ``ndarray:DTYPE`` or ``ndarray:DTYPE:D0,D1``: what the index fixes is not
+    stored per sample; the rest (a dtype code byte, an ndim/shape-width byte and the shape)
+    is."""
+    args = encoding.split(":")[1:]
+    fixed_dtype = args[0] if args else None
+    if fixed_dtype is not None and fixed_dtype not in NDARRAY_DTYPES.values():
+        raise InvalidDataError(f"{where}: unknown ndarray dtype {fixed_dtype!r} in {encoding!r}")
+    fixed_shape = tuple(int(d) for d in args[1].split(",")) if len(args) > 1 else None
+
+    def decode(b: memoryview, w: str) -> np.ndarray:
+        i = 0
+        try:
+            if fixed_dtype is None:
+                dtype = NDARRAY_DTYPES[b[i]]
+                i += 1
+            else:
+                dtype = fixed_dtype
+            if fixed_shape is None:
+                ndim, width = b[i] >> 2, 1 << (b[i] & 3)
+                i += 1
+                shape = tuple(int(d) for d in np.frombuffer(b, f"<u{width}", count=ndim, offset=i))
+                i += ndim * width
+            else:
+                shape = fixed_shape
+            arr = np.frombuffer(b, dtype, offset=i)
+            return arr.reshape(shape).copy()
+        except (KeyError, IndexError, ValueError) as e:
+            raise InvalidDataError(f"{w}: not a valid {encoding!r} value ({e})") from None
+
+    return decode
+
+
+def _pil(b: memoryview, where: str) -> np.ndarray:
+    """A ``pil`` column: ``uint32 width, height, len(mode)``, the mode and the raw pixels."""
+    try:
+        width, height, mode_len = (int(v) for v in np.frombuffer(b, "<u4", count=3))
+        mode = bytes(b[12 : 12 + mode_len]).decode("ascii")
+        dtype, channels = PIL_MODES[mode]
+        shape = (height, width, channels) if channels else (height, width)
+        return np.frombuffer(b, dtype, offset=12 + mode_len).reshape(shape).copy()
+    except KeyError:
+        raise InvalidDataError(
+            f"{where}: a PIL image of mode {mode!r}, which ingest does not read "
+            f"({', '.join(PIL_MODES)}); convert it or write it as png"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidDataError(f"{where}: not a valid 'pil' value ({e})") from None
+
+
+def _hashers() -> dict[str, Callable[[bytes], str]]:
+    """The hash algorithms MDSWriter names that can be checked here."""
+    out: dict[str, Callable[[bytes], str]] = {
+        a: (lambda data, a=a: hashlib.new(a, data).hexdigest())  # type: ignore[misc]
+        for a in hashlib.algorithms_available
+        if not a.startswith("shake_")
+    }
+    try:
+        xxhash = importlib.import_module("xxhash")
+    except ImportError:
+        return out
+    for a in ("xxh32", "xxh64", "xxh128", "xxh3_64", "xxh3_128"):
+        fn = getattr(xxhash, f"{a}_hexdigest")
+        out[a] = fn
+    return out
+
+
+def _check_hashes(
+    info: dict[str, Any],
+    data: bytes | memoryview,
+    path: Path,
+    unchecked: set[str],
+    hashers: dict[str, Callable[[bytes], str]],
+) -> None:
+    for algo, want in sorted((info.get("hashes") or {}).items()):
+        fn = hashers.get(algo)
+        if fn is None:
+            unchecked.add(algo)
+            continue
+        if fn(bytes(data)) != want:
+            raise InvalidDataError(
+                f"{path}: its {algo} hash is not the one {INDEX} lists ({want}): the file "
+                "changed or is damaged; write the dataset again"
+            )
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: Path
+    raw_name: str
+    raw_bytes: int
+    raw_info: dict[str, Any]
+    zip_info: dict[str, Any] | None
+    codec: str | None
+    samples: int
+    columns: tuple[Column, ...]
+
+    @property
+    def path(self) -> Path:
+        name = self.zip_info["basename"] if self.zip_info else self.raw_name
+        return self.index.parent / name
+
+
+def _shards(index: Path) -> list[Shard]:
+    try:
+        obj = json.loads(index.read_text())
+        entries = obj["shards"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InvalidDataError(f"{index}: not an MDS index ({e})") from None
+    shards = []
+    for k, s in enumerate(entries):
+        where = f"{index} shard {k}"
+        try:
+            if s.get("format") != "mds" or s.get("version") != 2:
+                raise InvalidDataError(
+                    f"{where}: format {s.get('format')!r} version {s.get('version')!r}; ingest "
+                    "reads MDS version 2 (write it with MDSWriter, or convert it)"
+                )
+            names, encodings = s["column_names"], s["column_encodings"]
+            sizes = s["column_sizes"]
+            cols = tuple(
+                Column(n, e, z, _decoder(e, f"{where} column {n!r}"))
+                for n, e, z in zip(names, encodings, sizes, strict=True)
+            )
+            comp = s.get("compression")
+            codec = None
+            if comp:
+                family = str(comp).split(":")[0]
+                if family not in CODECS:
+                    raise InvalidDataError(f"{where}: unknown compression {comp!r}")
+                codec = CODECS[family]
+            raw = s["raw_data"]
+            for info in (raw, s.get("zip_data") or {}):
+                name = str(info.get("basename", ""))
+                if "basename" in info and (Path(name).name != name or name in ("", ".", "..")):
+                    # A shard is a file beside its index: a path is never followed out of it.
+                    raise InvalidDataError(
+                        f"{where}: basename {name!r} is not a file name beside {INDEX}"
+                    )
+            shards.append(
+                Shard(
+                    index,
+                    str(raw["basename"]),
+                    int(raw["bytes"]),
+                    raw,
+                    s.get("zip_data"),
+                    codec,
+                    int(s["samples"]),
+                    cols,
+                )
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidDataError(f"{where}: not a valid MDS shard entry ({e})") from None
+    return shards
+
+
+def _shard_bytes(
+    shard: Shard,
+    max_sample_bytes: int,
+    unchecked: set[str],
+    hashers: dict[str, Callable[[bytes], str]],
+) -> memoryview:
+    """The shard's uncompressed bytes, its size bounded before anything is allocated."""
+    path = shard.path
+    # An honest shard holds at most its samples; a larger declared size is refused before
+    # a decompression buffer of that size exists.
+    bound = shard.samples * (max_sample_bytes + 4) + 4
+    if shard.raw_bytes > bound:
+        raise InvalidDataError(
+            f"{path}: {INDEX} declares {shard.raw_bytes} bytes for {shard.samples} samples, more "
+            f"than --max-sample-bytes ({max_sample_bytes}) allows per sample"
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InvalidDataError(f"{path}: listed in {INDEX} but not readable ({e})") from None
+    if shard.zip_info is not None:
+        _check_hashes(shard.zip_info, data, path, unchecked, hashers)
+        try:
+            raw = pa.decompress(data, decompressed_size=shard.raw_bytes, codec=shard.codec)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise InvalidDataError(
+                f"{path}: does not decompress ({shard.codec}) to the {shard.raw_bytes} bytes "
+                f"{INDEX} lists ({e}); write the dataset again"
+            ) from None
+        out = memoryview(raw)
+    else:
+        out = memoryview(data)
+    if len(out) != shard.raw_bytes:
+        raise InvalidDataError(
+            f"{path}: {len(out)} bytes, {INDEX} lists {shard.raw_bytes}: the file is truncated "
+            "or was replaced; write the dataset again"
+        )
+    _check_hashes(shard.raw_info, out, path, unchecked, hashers)
+    return out
+
+
+def _samples(shard: Shard, data: memoryview, max_sample_bytes: int) -> Iterator[Piece]:
+    path, n = shard.path, shard.samples
+    head = 4 * (n + 2)
+    if len(data) < head or int(np.frombuffer(data, "<u4", count=1)[0]) != n:
+        raise InvalidDataError(f"{path}: does not begin with its {n} samples' offsets")
+    offsets = np.frombuffer(data, "<u4", count=n + 1, offset=4).astype(np.int64)
+    if offsets[0] < head or offsets[-1] != len(data) or np.any(np.diff(offsets) < 0):
+        raise InvalidDataError(f"{path}: its sample offsets are out of order or out of the file")
+    variable = [c for c in shard.columns if c.size is None]
+    for i in range(n):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        where = f"{path} sample {i}"
+        if hi - lo > max_sample_bytes:
+            raise InvalidDataError(
+                f"{where}: {hi - lo} bytes, more than --max-sample-bytes ({max_sample_bytes})"
+            )
+        blob = data[lo:hi]
+        var_sizes = iter(np.frombuffer(blob, "<u4", count=len(variable)).tolist())
+        at = 4 * len(variable)
+        sample: dict[str, object] = {}
+        for col in shard.columns:
+            size = col.size if col.size is not None else next(var_sizes)
+            if at + size > len(blob):
+                raise InvalidDataError(f"{where}: column {col.name!r} runs past the sample's end")
+            sample[col.name] = col.decode(blob[at : at + size], f"{where} column {col.name!r}")
+            at += size
+        if at != len(blob):
+            raise InvalidDataError(f"{where}: {len(blob) - at} bytes after its last column")
+        yield Piece(where=where, sample=sample)
+
+
+def _pieces(shards: list[Shard], source: Source, max_sample_bytes: int) -> Iterator[Piece]:
+    unchecked: set[str] = set()
+    hashers = _hashers()
+    index = shards[0].index
+    yield Piece(where=str(index), files=1, nbytes=index.stat().st_size)
+    for shard in shards:
+        data = _shard_bytes(shard, max_sample_bytes, unchecked, hashers)
+        yield from _samples(shard, data, max_sample_bytes)
+        yield Piece(where=str(shard.path), files=1, nbytes=shard.path.stat().st_size)
+    if unchecked:
+        source.metadata["hashes"] = (
+            f"{', '.join(sorted(unchecked))} listed but not checked (pip install xxhash)"
+        )
+
+
+def open_mds(src: Path, threads: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Source:
+    """A source over the MDS dataset at ``src`` (its folder or its ``index.json``)."""
+    index = src if src.is_file() else src / INDEX
+    shards = _shards(index)
+    if not shards:
+        raise InvalidDataError(f"{index}: lists no shards; nothing to ingest")
+    source = Source(format="mds", files=[index, *(s.path for s in shards)], pieces=iter(()))
+    source.info["mds.shards"] = str(len(shards))
+    source.pieces = _pieces(shards, source, max_sample_bytes)
+    return source
+
+
+def is_mds(src: Path) -> bool:
+    """A folder (or its ``index.json``) whose index lists MDS shards."""
+    index = src if src.name == INDEX and src.is_file() else src / INDEX
+    if not index.is_file():
+        return False
+    try:
+        shards = json.loads(index.read_text()).get("shards")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(shards, list) and bool(shards) and shards[0].get("format") == "mds"
+
+
+READER = Reader("mds", open_mds, claims=is_mds, bounded=True)
