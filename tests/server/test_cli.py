@@ -23,7 +23,12 @@ from shardserve.server.store.ingest.registry import READERS
 
 CLI = [sys.executable, "-m", "shardserve.server"]
 #: How the top-level help names the formats that have no file suffix.
-_FOLDER_FORMATS = {"hf": "Hugging Face", "lmdb": "LMDB", "imagefolder": "image folder"}
+_FOLDER_FORMATS = {
+    "hf": "Hugging Face",
+    "lmdb": "LMDB",
+    "litdata": "LitData",
+    "imagefolder": "image folder",
+}
 
 
 def _run(
