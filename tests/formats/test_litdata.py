@@ -4,6 +4,7 @@ server and Loader (what is got), value by value."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import warnings
@@ -23,6 +24,8 @@ from tests.support.server import ServerProc, run_server
 
 litdata = pytest.importorskip("litdata")
 Image = pytest.importorskip("PIL.Image")
+#: LitData writes zstd with the ``zstd`` package; without it the tuple set is written plain.
+ZSTD = importlib.util.find_spec("zstd") is not None
 
 
 def mixed(i: int) -> dict[str, Any]:
@@ -111,7 +114,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = tmp_path_factory.mktemp("store")
     _write(src / "mixed", mixed, 23)
     _write(src / "flat", flat, 30)
-    _write(src / "pair", pair, 17, compression="zstd")
+    _write(src / "pair", pair, 17, **({"compression": "zstd"} if ZSTD else {}))
     want = {}
     for name in ("mixed", "flat", "pair"):
         ingest(src / name, store, name, progress=False)
@@ -142,7 +145,8 @@ def test_written_chunk_layouts_are_the_ones_read(built: dict[str, Any]) -> None:
     src = built["src"]
     assert len(list((src / "mixed").glob("chunk-*.bin"))) > 1
     assert (src / "flat" / "chunk-0-0.bin").read_bytes().endswith(b"LDARW01\0")
-    assert (src / "pair" / "chunk-0-0.bin").read_bytes().startswith(b"LDFZ01\0\0")
+    if ZSTD:
+        assert (src / "pair" / "chunk-0-0.bin").read_bytes().startswith(b"LDFZ01\0\0")
 
 
 def test_pickled_field_is_refused(tmp_path: Path) -> None:
