@@ -28,7 +28,8 @@ ENV_STORE = "SHARDSERVE_STORE"
 #: without importing what they run).
 STORE_COMMANDS: dict[str, str] = {
     "ingest": "pack a source into a dataset: .pt/.pth, .npz/.npy, .parquet, .arrow/.feather, "
-    "WebDataset .tar, HDF5 .h5, LMDB, a Hugging Face save_to_disk folder, an image folder",
+    "WebDataset .tar, HDF5 .h5, LMDB, a Hugging Face save_to_disk folder, a MosaicML MDS or "
+    "LitData folder, an image folder",
     "ls": "list the datasets of a store",
     "inspect": "show a dataset's schema, counts and shards",
     "verify": "check every shard's checksum and readability",
@@ -238,7 +239,7 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
         choices=FORMATS,
         default="auto",
         help="the source's format (default auto: from the files' suffixes, or the folder's "
-        "marker files for hf and lmdb)",
+        "marker files for hf, lmdb, mds and litdata)",
     )
     p.add_argument(
         "--shard-size",

@@ -16,7 +16,7 @@ def test_each_suffix_names_one_reader_and_every_reader_is_a_format() -> None:
     suffixes = [s for r in READERS for s in r.suffixes]
     assert len(suffixes) == len(set(suffixes)) and all(s == s.lower() for s in suffixes)
     assert ("auto", *(r.name for r in READERS)) == FORMATS
-    assert {r.name for r in READERS if r.claims is not None} == {"hf", "lmdb"}
+    assert {r.name for r in READERS if r.claims is not None} == {"hf", "lmdb", "mds", "litdata"}
 
 
 @pytest.mark.parametrize("reader", READERS, ids=lambda r: r.name)
@@ -29,7 +29,9 @@ def test_a_file_is_detected_by_its_readers_suffixes(tmp_path: Path, reader: obje
 
 
 def test_folder_formats_are_claimed_by_their_marker_files(tmp_path: Path) -> None:
-    """A save_to_disk folder and an LMDB environment are known by their files, not suffixes."""
+    """A save_to_disk folder, an LMDB environment, an MDS folder and a LitData folder are known
+    by their files, not suffixes (the last two both by an index.json, told apart by what it
+    lists)."""
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "state.json").write_text("{}")
@@ -40,6 +42,16 @@ def test_folder_formats_are_claimed_by_their_marker_files(tmp_path: Path) -> Non
     env.mkdir()
     (env / "data.mdb").write_bytes(b"")
     assert detect(env) == "lmdb" and detect(env / "data.mdb") == "lmdb"
+    lit = tmp_path / "lit"
+    lit.mkdir()
+    (lit / "index.json").write_text('{"chunks": [], "config": {}}')
+    (lit / "chunk-0-0.bin").write_bytes(b"")
+    assert detect(lit) == "litdata"
+    mds = tmp_path / "mds"
+    mds.mkdir()
+    (mds / "index.json").write_text('{"shards": [{"format": "mds"}], "version": 2}')
+    (mds / "shard.00000.mds").write_bytes(b"")
+    assert detect(mds) == "mds"
 
 
 def test_missing_mixed_and_unknown_sources_are_refused_by_name(tmp_path: Path) -> None:

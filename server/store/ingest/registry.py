@@ -3,9 +3,10 @@
 Each reader module declares its :class:`~.source.Reader` (name, suffixes, opener); this
 module only lists them. ``open_source(src, "auto")`` picks the format from file suffixes; a
 folder holding files of more than one known format is refused with a request for
-``--format``. Three formats are known by their folder, not a suffix: a Hugging Face
+``--format``. Formats known by their folder, not a suffix: a Hugging Face
 ``save_to_disk`` folder (``state.json`` beside ``dataset_info.json``), an LMDB environment
-(``data.mdb``) and a MosaicML MDS folder (an ``index.json`` listing MDS shards).
+(``data.mdb``), a MosaicML MDS folder (an ``index.json`` listing MDS shards) and a LitData
+``optimize()`` folder (an ``index.json`` with ``chunks`` and ``config``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from . import (
     hdf5_files,
     hf_folder,
     image_folder,
+    litdata_chunks,
     lmdb_env,
     mds,
     numpy_files,
@@ -39,6 +41,7 @@ READERS: tuple[Reader, ...] = (
     hf_folder.READER,
     lmdb_env.READER,
     mds.READER,
+    litdata_chunks.READER,
     image_folder.READER,
 )
 _BY_NAME = {r.name: r for r in READERS}
@@ -50,7 +53,8 @@ SUFFIXES: tuple[str, ...] = tuple(s for r in READERS for s in r.suffixes)
 
 
 def claimed(src: Path) -> str | None:
-    """The folder format that claims ``src`` (a save_to_disk folder, an LMDB environment)."""
+    """The folder format that claims ``src`` (a save_to_disk folder, an LMDB environment, a
+    LitData folder)."""
     for r in READERS:
         if r.claims is not None and r.claims(src):
             return r.name
