@@ -247,6 +247,8 @@ class _Items:
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self.header = struct.Struct(f"<{len(layout.leaves)}I")
+        #: What an error adds to an item's place, per leaf (made once, not per item).
+        self.labels = [f" field {leaf.field!r}" for leaf in layout.leaves]
 
     def sample(self, item: memoryview, where: str) -> object:
         if len(item) < self.header.size:
@@ -259,11 +261,11 @@ class _Items:
             )
         values = []
         pos = self.header.size
-        for leaf, size in zip(self.layout.leaves, sizes, strict=True):
-            at = f"{where} field {leaf.field!r}"
+        for leaf, size, label in zip(self.layout.leaves, sizes, self.labels, strict=True):
+            at = where + label
             if leaf.size is not None and size != leaf.size:
                 raise InvalidDataError(f"{at}: {size} bytes, its serializer writes {leaf.size}")
-            values.append(leaf.decode(bytes(item[pos : pos + size]), leaf.arg, at))
+            values.append(leaf.decode(item[pos : pos + size], leaf.arg, at))
             pos += size
         return _build(self.layout.tree, iter(values))
 

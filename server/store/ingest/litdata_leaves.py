@@ -29,6 +29,7 @@ serializer                  value
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 
@@ -68,37 +69,40 @@ PIL_MODES: dict[str, tuple[str, int]] = {
     "I;16B": (">u2", 1),
 }  # fmt: skip
 
+#: A leaf's bytes: a view into the chunk (no copy before the one a value needs).
+Buffer = bytes | memoryview
+
 #: A leaf decoder: (its bytes, the suffix after ``:`` in its serializer name, where) -> value.
-Decode = Callable[[bytes, str, str], object]
+Decode = Callable[[Buffer, str, str], object]
 
 
-def _sized(data: bytes, size: int, what: str, where: str) -> bytes:
+def _sized(data: Buffer, size: int, what: str, where: str) -> Buffer:
     if len(data) != size:
         raise InvalidDataError(f"{where}: {what} should be {size} bytes, found {len(data)}")
     return data
 
 
-def _int(data: bytes, _arg: str, where: str) -> object:
+def _int(data: Buffer, _arg: str, where: str) -> object:
     return int(struct.unpack("<q", _sized(data, 8, "an int", where))[0])
 
 
-def _float(data: bytes, _arg: str, where: str) -> object:
+def _float(data: Buffer, _arg: str, where: str) -> object:
     return float(struct.unpack("<d", _sized(data, 8, "a float", where))[0])
 
 
-def _bool(data: bytes, _arg: str, where: str) -> object:
+def _bool(data: Buffer, _arg: str, where: str) -> object:
     return _sized(data, 1, "a bool", where)[0] != 0
 
 
-def _text(data: bytes, _arg: str, where: str) -> object:
+def _text(data: Buffer, _arg: str, where: str) -> object:
     try:
-        return data.decode("utf-8")
+        return bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidDataError(f"{where}: text is not UTF-8 ({e})") from None
 
 
-def _bytes(data: bytes, _arg: str, _where: str) -> object:
-    return data
+def _bytes(data: Buffer, _arg: str, _where: str) -> object:
+    return bytes(data)
 
 
 def _dtype(table: tuple[tuple[str, bool], ...], number: int, where: str) -> np.dtype:
@@ -115,9 +119,9 @@ def _dtype(table: tuple[tuple[str, bool], ...], number: int, where: str) -> np.d
     return np.dtype(name).newbyteorder("<")
 
 
-def _array(data: bytes, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _array(data: Buffer, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
     """``data`` as an array of ``shape``, its size checked against the shape first."""
-    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    want = math.prod(shape) * dtype.itemsize
     if len(data) != want:
         raise InvalidDataError(
             f"{where}: shape {shape} of {dtype.name} needs {want} bytes, found {len(data)}"
@@ -128,13 +132,13 @@ def _array(data: bytes, dtype: np.dtype, shape: tuple[int, ...], where: str) -> 
     )
 
 
-def _header(data: bytes, fmt: str, where: str) -> tuple[int, ...]:
+def _header(data: Buffer, fmt: str, where: str) -> tuple[int, ...]:
     if len(data) < struct.calcsize(fmt):
         raise InvalidDataError(f"{where}: the array header is cut short ({len(data)} bytes)")
     return struct.unpack_from(fmt, data)
 
 
-def _numpy(data: bytes, _arg: str, where: str) -> object:
+def _numpy(data: Buffer, _arg: str, where: str) -> object:
     # uint32 dtype number, uint32 rank, uint32 per dimension, then the C-order values.
     number, rank = _header(data, "<II", where)
     start = 8 + 4 * rank
@@ -142,7 +146,7 @@ def _numpy(data: bytes, _arg: str, where: str) -> object:
     return _array(data[start:], _dtype(NUMPY_DTYPES, number, where), shape, where)
 
 
-def _tensor(data: bytes, _arg: str, where: str) -> object:
+def _tensor(data: Buffer, _arg: str, where: str) -> object:
     # As numpy's, but the header is big-endian (struct ">II", ">{rank}I").
     number, rank = _header(data, ">II", where)
     start = 8 + 4 * rank
@@ -153,7 +157,7 @@ def _tensor(data: bytes, _arg: str, where: str) -> object:
 def _flat(table: tuple[tuple[str, bool], ...]) -> Decode:
     """A no-header array: 1-D, its dtype number in the serializer's name (``:N``)."""
 
-    def decode(data: bytes, arg: str, where: str) -> object:
+    def decode(data: Buffer, arg: str, where: str) -> object:
         if not arg.isdigit():
             raise InvalidDataError(f"{where}: the serializer names no dtype number ({arg!r})")
         dtype = _dtype(table, int(arg), where)
@@ -166,7 +170,7 @@ def _flat(table: tuple[tuple[str, bool], ...]) -> Decode:
     return decode
 
 
-def _pil(data: bytes, _arg: str, where: str) -> object:
+def _pil(data: Buffer, _arg: str, where: str) -> object:
     # uint32 width, height, len(mode); the mode's name; then Image.tobytes() (raw pixels).
     width, height, mode_len = _header(data, "<III", where)
     mode = _text(data[12 : 12 + mode_len], "", where)
@@ -185,8 +189,8 @@ def _pil(data: bytes, _arg: str, where: str) -> object:
     return _array(raw, np.dtype(dtype), shape, where)
 
 
-def _json(data: bytes, _arg: str, where: str) -> object:
-    return plain(loads(data, where), where)
+def _json(data: Buffer, _arg: str, where: str) -> object:
+    return plain(loads(bytes(data), where), where)
 
 
 #: Serializer name (before ``:``) -> decoder.
