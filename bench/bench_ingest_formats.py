@@ -5,13 +5,17 @@ vs. torch_geometric's DataLoader.
 
 For every format ingest reads (nested ``.pt`` with ``None``, ``.pt`` chunks holding lists,
 ``(image, label)`` tuples, structured ``.npy``, PyG ``Data`` files, a Hugging Face
-``save_to_disk`` folder, WebDataset tars, HDF5, LMDB, and a Hugging Face dataset with every
-feature type written by ``datasets`` itself with ``save_to_disk`` and ``to_parquet``), in one run on the same page-cache-warm
+``save_to_disk`` folder, WebDataset tars, HDF5, LMDB, a Hugging Face dataset with every
+feature type written by ``datasets`` itself with ``save_to_disk`` and ``to_parquet``, and
+CIFAR-like samples written by MosaicML Streaming's ``MDSWriter`` and by ``litdata.optimize``),
+in one run on the same page-cache-warm
 files: samples/s of ``shardserve ingest`` vs. a raw read of the same files with the same
 library and the same threads (the floor: ingest must at least read them). Target: ratio
 >= 0.8. The HF all-types rows compare with ``datasets`` reading the same data once
 (``load_from_disk`` / ``Dataset.from_parquet``, one pass of ``ds.iter(batch_size=256)``, its
-default Python formatting): no target, but a row under 1/3 is explained in the report.
+default Python formatting), and the MDS and LitData rows with that library's
+``StreamingDataset`` reading every sample once: no target, but a row under 1/3 is explained
+in the report.
 
 Graphs: per-file PyG ``Data`` graphs delivered as collated batches, by
 ``Loader(collate="graph")`` from the ingested store vs. a PyG ``Dataset`` that
@@ -338,6 +342,30 @@ def raw_mds(d: Path) -> float:
     return float(_mds_side("read", str(d)).strip())
 
 
+def _litdata_sample(i: int) -> dict[str, Any]:
+    rng = np.random.default_rng(i)
+    return {"x": rng.integers(0, 256, (3, 32, 32), dtype=np.uint8), "y": i % 10}
+
+
+def make_litdata(d: Path, n: int) -> int:
+    import warnings
+
+    import litdata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # LitData's own notes
+        litdata.optimize(fn=_litdata_sample, inputs=list(range(n * 10)), output_dir=str(d),
+                         chunk_bytes="64MB", num_workers=1)  # fmt: skip
+    return n * 10
+
+
+def raw_litdata(d: Path) -> None:
+    import litdata
+
+    for _ in litdata.StreamingDataset(str(d)):  # as a training loop reads it
+        pass
+
+
 FORMATS: dict[
     str, tuple[Callable[[Path, int], int], Callable[[Path], float | None], dict[str, Any]]
 ] = {
@@ -353,6 +381,7 @@ FORMATS: dict[
     "HF all types save_to_disk": (make_hf_all_disk, raw_hf_all_disk, {}),
     "HF all types to_parquet": (make_hf_all_parquet, raw_hf_all_parquet, {}),
     "MDS (MDSWriter)": (make_mds, raw_mds, {}),
+    "LitData (optimize)": (make_litdata, raw_litdata, {}),
 }
 
 
@@ -370,7 +399,7 @@ def _best(fn: Callable[[], float | None], repeat: int) -> float:
 def bench_formats(work: Path, n: int, repeat: int, only: str = "") -> dict[str, dict[str, float]]:
     out = {}
     for k, (label, (make, raw, kw)) in enumerate(FORMATS.items()):
-        if only and only.lower() not in label.lower():
+        if only and not any(o.strip().lower() in label.lower() for o in only.split(",")):
             continue
         if make is make_mds and not MDS_PYTHON.exists():
             print(f"{label}: skipped, no MosaicML Streaming environment at {MDS_PYTHON}")
@@ -442,7 +471,11 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--only", default="", help="formats whose label contains this (e.g. HF)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="formats whose label contains one of these, comma-separated (e.g. HF,MDS)",
+    )
     ap.add_argument("--no-graphs", action="store_true", help="skip the graph comparison")
     args = ap.parse_args()
     n, repeat, graphs = (400, 1, 2000) if args.quick else (4000, 3, 10000)
