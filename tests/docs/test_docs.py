@@ -138,6 +138,26 @@ def test_every_shardserve_command_in_the_docs_parses() -> None:
     assert problems == []
 
 
+def test_every_include_is_well_formed_and_the_loop_is_included() -> None:
+    """An include marker a formatter mangled (``--8 < --"file"``) is valid Python, so the
+    compile test passes while the page shows the marker instead of the file: every line that
+    looks like one must be a real include of a file, and Getting started must include the
+    loop the next test runs."""
+    for page in pages():
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if "8<" not in line.replace(" ", ""):
+                continue
+            found = _SNIPPET.match(line)
+            assert found, f'{page}:{n}: {line!r} is not an include; write --8<-- "path"'
+            assert (ROOT / found.group(1)).is_file(), f"{page}:{n}: no file {found.group(1)}"
+    quickstart = (ROOT / "examples" / "quickstart.py").read_text()
+    assert any(
+        code == quickstart + "\n" or code == quickstart
+        for page, code in blocks("python")
+        if page.endswith("getting-started.md")
+    ), "docs/getting-started.md does not include examples/quickstart.py"
+
+
 def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -> None:
     """examples/quickstart.py (included in Getting started) runs to the end."""
     data = tmp_path / "digits.npz"
