@@ -60,14 +60,17 @@ PIL_MODES: dict[str, tuple[str, int]] = {
     "F": ("<f4", 0), "I;16": ("<u2", 0),
 }  # fmt: skip
 
+_IMAGE_LISTS = (
+    "is a list of images, which ingest does not read; write each image as its own column or "
+    "as bytes"
+)
+#: Encodings refused, and why (each error names the column and what to write instead).
 REFUSED = {
     "pkl": "is pickled and is never unpickled; write it with another encoding "
     "(ndarray, json, str, bytes...)",
-    "list[pil]": "is a list of images, which ingest does not read; write each image "
-    "as its own column or as bytes",
-}
-REFUSED["list[jpeg]"] = REFUSED["list[png]"] = REFUSED["jpeg_array"] = REFUSED["list[pil]"]
-REFUSED["jpegarray"] = REFUSED["list[pil]"]
+    **dict.fromkeys(("list[pil]", "list[jpeg]", "list[png]", "jpeg_array", "jpegarray"),
+                    _IMAGE_LISTS),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def _decoder(encoding: str, where: str) -> Callable[[memoryview, str], object]:
         raise InvalidDataError(f"{where} {REFUSED[encoding]}")
     if encoding in SCALARS:
         dt = SCALARS[encoding]
-        return lambda b, w: np.frombuffer(b, dt, count=1).reshape(())
+        return lambda b, w: np.frombuffer(b, dt, count=1).reshape(()).copy()
     if encoding == "ndarray" or encoding.startswith("ndarray:"):
         return _ndarray_decoder(encoding, where)
     plain: dict[str, Callable[[memoryview, str], object]] = {
@@ -165,20 +168,25 @@ def _pil(b: memoryview, where: str) -> np.ndarray:
         raise InvalidDataError(f"{where}: not a valid 'pil' value ({e})") from None
 
 
-def _hashers() -> dict[str, Callable[[bytes], str]]:
+Hasher = Callable[[bytes | memoryview], str]
+
+
+def _hashlib(algo: str) -> Hasher:
+    return lambda data: hashlib.new(algo, data).hexdigest()
+
+
+def _hashers() -> dict[str, Hasher]:
     """The hash algorithms MDSWriter names that can be checked here."""
-    out: dict[str, Callable[[bytes], str]] = {
-        a: (lambda data, a=a: hashlib.new(a, data).hexdigest())  # type: ignore[misc]
-        for a in hashlib.algorithms_available
-        if not a.startswith("shake_")
-    }
+    out = {a: _hashlib(a) for a in hashlib.algorithms_available if not a.startswith("shake_")}
     try:
         xxhash = importlib.import_module("xxhash")
     except ImportError:
         return out
-    for a in ("xxh32", "xxh64", "xxh128", "xxh3_64", "xxh3_128"):
-        fn = getattr(xxhash, f"{a}_hexdigest")
-        out[a] = fn
+    out.update({
+        "xxh32": xxhash.xxh32_hexdigest, "xxh64": xxhash.xxh64_hexdigest,
+        "xxh128": xxhash.xxh128_hexdigest, "xxh3_64": xxhash.xxh3_64_hexdigest,
+        "xxh3_128": xxhash.xxh3_128_hexdigest,
+    })  # fmt: skip
     return out
 
 
@@ -187,14 +195,14 @@ def _check_hashes(
     data: bytes | memoryview,
     path: Path,
     unchecked: set[str],
-    hashers: dict[str, Callable[[bytes], str]],
+    hashers: dict[str, Hasher],
 ) -> None:
     for algo, want in sorted((info.get("hashes") or {}).items()):
         fn = hashers.get(algo)
         if fn is None:
             unchecked.add(algo)
             continue
-        if fn(bytes(data)) != want:
+        if fn(data) != want:
             raise InvalidDataError(
                 f"{path}: its {algo} hash is not the one {INDEX} lists ({want}): the file "
                 "changed or is damaged; write the dataset again"
@@ -275,7 +283,7 @@ def _shard_bytes(
     shard: Shard,
     max_sample_bytes: int,
     unchecked: set[str],
-    hashers: dict[str, Callable[[bytes], str]],
+    hashers: dict[str, Hasher],
 ) -> memoryview:
     """The shard's uncompressed bytes, its size bounded before anything is allocated."""
     path = shard.path
