@@ -359,6 +359,7 @@ OTHER_ENV: dict[str, str] = {
     "SHARDSERVE_SCREENSHOT": "tests: where the status-page test saves its screenshot",
     "SHARDSERVE_KILL_SEED": "tests: the seed of the random-kill test",
     "SHARDSERVE_BENCH_TF_PYTHON": "bench: the python that has TensorFlow",
+    "SHARDSERVE_MDS_PYTHON": "tests, bench: the python that has MosaicML Streaming",
     "SHARDSERVE_TEST_SESSION": "tests: the prefix of this test session's shared memory",
     "SHARDSERVE_TEST_SLOWNESS": "tests: a fixed slowness factor for test deadlines",
 }
