@@ -18,6 +18,8 @@ import numpy as np
 
 from shardserve.proto.errors import InvalidDataError
 
+from .raw import utf8
+
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
 INT_EXTS = ("cls", "cls2", "id", "index", "inx")
@@ -72,13 +74,6 @@ def _msgpack(data: bytes, where: str) -> object:
     return plain(value, where)
 
 
-def _text(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidDataError(f"{where}: text is not UTF-8 ({e})") from None
-
-
 def load_npy(data: bytes, where: str) -> np.ndarray:
     try:
         arr = np.load(io.BytesIO(data), allow_pickle=False)
@@ -99,7 +94,7 @@ def by_extension(ext: str, data: bytes, where: str) -> object:
 
         return load_file(where, data)
     if last in TEXT_EXTS:
-        return _text(data, where)
+        return utf8(data, where)
     if last in JSON_EXTS:
         return _json(data, where)
     if last in MSGPACK_EXTS:

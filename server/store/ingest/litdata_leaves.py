@@ -29,7 +29,6 @@ serializer                  value
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Callable
 
@@ -39,6 +38,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .decode import plain
 from .litdata_json import loads
+from .raw import Buffer, array, header, pil_pixels, utf8
 
 #: LitData's numpy dtype numbers (``constants._NUMPY_DTYPES_MAPPING``: the order of numpy's
 #: scalar types). ``None`` where the store has no such dtype; the name says what it was.
@@ -58,19 +58,6 @@ TORCH_DTYPES: tuple[tuple[str, bool], ...] = (
     ("int32", True), ("int32", True), ("int64", True), ("int64", True),
     ("bool", True), ("uint16", True),
 )  # fmt: skip
-
-#: PIL modes: (element dtype, channels) as ``np.asarray(image)`` gives them. Mode ``1``
-#: (one bit per pixel, rows padded to a byte) is unpacked on its own.
-PIL_MODES: dict[str, tuple[str, int]] = {
-    "L": ("u1", 1), "P": ("u1", 1), "LA": ("u1", 2), "La": ("u1", 2), "PA": ("u1", 2),
-    "RGB": ("u1", 3), "YCbCr": ("u1", 3), "LAB": ("u1", 3), "HSV": ("u1", 3),
-    "RGBA": ("u1", 4), "RGBa": ("u1", 4), "RGBX": ("u1", 4), "CMYK": ("u1", 4),
-    "I": ("<i4", 1), "F": ("<f4", 1), "I;16": ("<u2", 1), "I;16L": ("<u2", 1),
-    "I;16B": (">u2", 1),
-}  # fmt: skip
-
-#: A leaf's bytes: a view into the chunk (no copy before the one a value needs).
-Buffer = bytes | memoryview
 
 #: A leaf decoder: (its bytes, the suffix after ``:`` in its serializer name, where) -> value.
 Decode = Callable[[Buffer, str, str], object]
@@ -95,10 +82,7 @@ def _bool(data: Buffer, _arg: str, where: str) -> object:
 
 
 def _text(data: Buffer, _arg: str, where: str) -> object:
-    try:
-        return bytes(data).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidDataError(f"{where}: text is not UTF-8 ({e})") from None
+    return utf8(data, where)
 
 
 def _bytes(data: Buffer, _arg: str, _where: str) -> object:
@@ -119,39 +103,20 @@ def _dtype(table: tuple[tuple[str, bool], ...], number: int, where: str) -> np.d
     return np.dtype(name).newbyteorder("<")
 
 
-def _array(data: Buffer, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
-    """``data`` as an array of ``shape``, its size checked against the shape first."""
-    want = math.prod(shape) * dtype.itemsize
-    if len(data) != want:
-        raise InvalidDataError(
-            f"{where}: shape {shape} of {dtype.name} needs {want} bytes, found {len(data)}"
-        )
-    # A copy in native order: the value outlives the chunk's mapping.
-    return (
-        np.frombuffer(data, dtype=dtype).astype(dtype.newbyteorder("="), copy=True).reshape(shape)
-    )
-
-
-def _header(data: Buffer, fmt: str, where: str) -> tuple[int, ...]:
-    if len(data) < struct.calcsize(fmt):
-        raise InvalidDataError(f"{where}: the array header is cut short ({len(data)} bytes)")
-    return struct.unpack_from(fmt, data)
-
-
 def _numpy(data: Buffer, _arg: str, where: str) -> object:
     # uint32 dtype number, uint32 rank, uint32 per dimension, then the C-order values.
-    number, rank = _header(data, "<II", where)
+    number, rank = header(data, "<II", where)
     start = 8 + 4 * rank
-    shape = _header(data, f"<{2 + rank}I", where)[2:]
-    return _array(data[start:], _dtype(NUMPY_DTYPES, number, where), shape, where)
+    shape = header(data, f"<{2 + rank}I", where)[2:]
+    return array(data[start:], _dtype(NUMPY_DTYPES, number, where), shape, where)
 
 
 def _tensor(data: Buffer, _arg: str, where: str) -> object:
     # As numpy's, but the header is big-endian (struct ">II", ">{rank}I").
-    number, rank = _header(data, ">II", where)
+    number, rank = header(data, ">II", where)
     start = 8 + 4 * rank
-    shape = _header(data, f">{2 + rank}I", where)[2:]
-    return _array(data[start:], _dtype(TORCH_DTYPES, number, where), shape, where)
+    shape = header(data, f">{2 + rank}I", where)[2:]
+    return array(data[start:], _dtype(TORCH_DTYPES, number, where), shape, where)
 
 
 def _flat(table: tuple[tuple[str, bool], ...]) -> Decode:
@@ -165,28 +130,13 @@ def _flat(table: tuple[tuple[str, bool], ...]) -> Decode:
             raise InvalidDataError(
                 f"{where}: {len(data)} bytes is not a whole number of {dtype.name} values"
             )
-        return _array(data, dtype, (len(data) // dtype.itemsize,), where)
+        return array(data, dtype, (len(data) // dtype.itemsize,), where)
 
     return decode
 
 
 def _pil(data: Buffer, _arg: str, where: str) -> object:
-    # uint32 width, height, len(mode); the mode's name; then Image.tobytes() (raw pixels).
-    width, height, mode_len = _header(data, "<III", where)
-    mode = _text(data[12 : 12 + mode_len], "", where)
-    raw = data[12 + mode_len :]
-    if mode == "1":
-        row = (width + 7) // 8
-        bits = _array(raw, np.dtype("u1"), (height, row), where)
-        return np.unpackbits(bits, axis=1)[:, :width].astype(np.bool_)
-    if mode not in PIL_MODES:
-        raise InvalidDataError(
-            f"{where}: PIL mode {mode!r} is not one ingest reads ({', '.join(PIL_MODES)}); "
-            "convert the image (e.g. image.convert('RGB')) in the optimize() function"
-        )
-    dtype, channels = PIL_MODES[mode]
-    shape = (height, width) if channels == 1 else (height, width, channels)
-    return _array(raw, np.dtype(dtype), shape, where)
+    return pil_pixels(data, where)
 
 
 def _json(data: Buffer, _arg: str, where: str) -> object:

@@ -12,14 +12,13 @@ Each encoding comes back as ``StreamingDataset`` gives it, except images: ``jpeg
 columns stay their encoded bytes (the ``decode_image`` transform reads them), and a ``pil``
 column (raw pixels) is its pixel array, ``np.asarray(image)``. ``str_decimal`` is kept as
 its text. Pickled columns (``pkl``) are refused, never loaded; so are lists of images.
-Listed hashes are checked (``xxh*`` ones when the ``xxhash`` package is there, else the
-summary says they were not).
+Listed hashes are checked (an algorithm Streaming does not write is named in the summary as
+not checked).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,10 +27,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import as_value
+from .raw import Buffer, pil_pixels, utf8
 from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source
 
 INDEX = "index.json"
@@ -52,13 +53,6 @@ NDARRAY_DTYPES: dict[int, str] = {
 
 #: The compression families (the part of ``zstd:7`` before the level) and pyarrow's codec.
 CODECS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2", "br": "brotli", "snappy": "snappy"}
-
-#: A ``pil`` column's raw pixel layouts: mode -> (dtype, channels; 0 for a 2-d image).
-PIL_MODES: dict[str, tuple[str, int]] = {
-    "L": ("uint8", 0), "P": ("uint8", 0), "LA": ("uint8", 2), "RGB": ("uint8", 3),
-    "RGBA": ("uint8", 4), "CMYK": ("uint8", 4), "YCbCr": ("uint8", 3), "I": ("<i4", 0),
-    "F": ("<f4", 0), "I;16": ("<u2", 0),
-}  # fmt: skip
 
 _IMAGE_LISTS = (
     "is a list of images, which ingest does not read; write each image as its own column or "
@@ -95,13 +89,13 @@ def _decoder(encoding: str, where: str) -> Callable[[memoryview, str], object]:
         "bytes": lambda b, w: bytes(b),
         "jpeg": lambda b, w: bytes(b),
         "png": lambda b, w: bytes(b),
-        "str": lambda b, w: _text(b, w),
-        "str_decimal": lambda b, w: _text(b, w),
-        "str_int": lambda b, w: int(_text(b, w)),
-        "str_float": lambda b, w: float(_text(b, w)),
+        "str": utf8,
+        "str_decimal": utf8,
+        "str_int": lambda b, w: int(utf8(b, w)),
+        "str_float": lambda b, w: float(utf8(b, w)),
         "int": lambda b, w: int(np.frombuffer(b, "<i8", count=1)[0]),
         "json": lambda b, w: as_value(bytes(b), w, "json"),
-        "pil": _pil,
+        "pil": pil_pixels,
     }
     if encoding not in plain:
         raise InvalidDataError(
@@ -109,13 +103,6 @@ def _decoder(encoding: str, where: str) -> Callable[[memoryview, str], object]:
             f"{', '.join(sorted([*plain, *SCALARS, 'ndarray']))}); write it with one of those"
         )
     return plain[encoding]
-
-
-def _text(b: memoryview, where: str) -> str:
-    try:
-        return bytes(b).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidDataError(f"{where}: text is not UTF-8 ({e})") from None
 
 
 def _ndarray_decoder(encoding: str, where: str) -> Callable[[memoryview, str], object]:
@@ -151,24 +138,7 @@ def _ndarray_decoder(encoding: str, where: str) -> Callable[[memoryview, str], o
     return decode
 
 
-def _pil(b: memoryview, where: str) -> np.ndarray:
-    """A ``pil`` column: ``uint32 width, height, len(mode)``, the mode and the raw pixels."""
-    try:
-        width, height, mode_len = (int(v) for v in np.frombuffer(b, "<u4", count=3))
-        mode = bytes(b[12 : 12 + mode_len]).decode("ascii")
-        dtype, channels = PIL_MODES[mode]
-        shape = (height, width, channels) if channels else (height, width)
-        return np.frombuffer(b, dtype, offset=12 + mode_len).reshape(shape).copy()
-    except KeyError:
-        raise InvalidDataError(
-            f"{where}: a PIL image of mode {mode!r}, which ingest does not read "
-            f"({', '.join(PIL_MODES)}); convert it or write it as png"
-        ) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidDataError(f"{where}: not a valid 'pil' value ({e})") from None
-
-
-Hasher = Callable[[bytes | memoryview], str]
+Hasher = Callable[[Buffer], str]
 
 
 def _hashlib(algo: str) -> Hasher:
@@ -178,10 +148,6 @@ def _hashlib(algo: str) -> Hasher:
 def _hashers() -> dict[str, Hasher]:
     """The hash algorithms MDSWriter names that can be checked here."""
     out = {a: _hashlib(a) for a in hashlib.algorithms_available if not a.startswith("shake_")}
-    try:
-        xxhash = importlib.import_module("xxhash")
-    except ImportError:
-        return out
     out.update({
         "xxh32": xxhash.xxh32_hexdigest, "xxh64": xxhash.xxh64_hexdigest,
         "xxh128": xxhash.xxh128_hexdigest, "xxh3_64": xxhash.xxh3_64_hexdigest,
@@ -192,7 +158,7 @@ def _hashers() -> dict[str, Hasher]:
 
 def _check_hashes(
     info: dict[str, Any],
-    data: bytes | memoryview,
+    data: Buffer,
     path: Path,
     unchecked: set[str],
     hashers: dict[str, Hasher],
@@ -362,7 +328,7 @@ def _pieces(shards: list[Shard], source: Source, max_sample_bytes: int) -> Itera
         yield Piece(where=str(shard.path), files=1, nbytes=shard.path.stat().st_size)
     if unchecked:
         source.metadata["hashes"] = (
-            f"{', '.join(sorted(unchecked))} listed but not checked (pip install xxhash)"
+            f"{', '.join(sorted(unchecked))} listed but not checked (an unknown algorithm)"
         )
 
 
