@@ -262,6 +262,14 @@ def _shard_bytes(
             f"than --max-sample-bytes ({max_sample_bytes}) allows per sample"
         )
     try:
+        size = path.stat().st_size
+        # The file is read whole: its size is bounded first, as the declared one was.
+        want = shard.raw_bytes if shard.zip_info is None else shard.zip_info.get("bytes", size)
+        if size != want or size > bound + (1 << 20):
+            raise InvalidDataError(
+                f"{path}: {size} bytes, {INDEX} lists {want}: the file is truncated or was "
+                "replaced; write the dataset again"
+            )
         data = path.read_bytes()
     except OSError as e:
         raise InvalidDataError(f"{path}: listed in {INDEX} but not readable ({e})") from None
