@@ -70,10 +70,17 @@ class HelloHandling:
         now = time.monotonic()
         if not self.rate.allow(ident, now):
             if self.rate.defer(ident, hello) is not None:
-                self.out.send(ident, refusal := self.rate.refusal())
-                self.notices.hello_limited(ident, refusal)
+                self._superseded(ident)
             return
+        if self.rate.deferred.pop(ident, None) is not None:
+            # The older Hello still waiting would otherwise be admitted after this one and
+            # replace its stream; it is answered now, before this one, in the order they came.
+            self._superseded(ident)
         self._admit(ident, hello, now)
+
+    def _superseded(self, ident: bytes) -> None:
+        self.out.send(ident, refusal := self.rate.refusal())
+        self.notices.hello_limited(ident, refusal)
 
     def _admit(self, ident: bytes, hello: Hello, now: float) -> None:
         prev = self.claims.pop(ident, None)  # a new Hello replaces the peer's held one

@@ -233,6 +233,30 @@ def test_hello_flood_is_rate_limited(store: Path, ctx: zmq.Context) -> None:
         assert "peer.hello_limited" in _log(srv)
 
 
+def test_hellos_are_answered_in_the_order_sent(store: Path, ctx: zmq.Context) -> None:
+    """A Hello that gets a token while an older one of its peer still waits for one supersedes
+    it: the older is answered first (stream_limit), never admitted after the newer one (which
+    would replace the newer stream). Rare ticks keep the older one waiting past the refill."""
+    with run_server(
+        store, "--max-hellos-per-s", "1", "--heartbeat-s", "60", "--stream-timeout-s", "3600"
+    ) as srv:
+        p = _peer(srv, ctx)
+        names = ["order-a", "order-b", "order-c"]
+        p.send(Hello(job=names[0], rank=0, epoch=0, credit=1, transport="socket"))
+        p.send(Hello(job=names[1], rank=0, epoch=0, credit=1, transport="socket"))  # no token
+        time.sleep(1.5)  # the peer's token is back; the server's next tick is seconds away
+        p.send(Hello(job=names[2], rank=0, epoch=0, credit=1, transport="socket"))
+        answered: list[str] = []
+        while not answered or answered[-1] != names[2]:
+            err = _error(p)
+            if err.code is ErrorCode.STREAM_LIMIT:
+                answered.append(names[1])  # only the waiting Hello can be superseded
+            else:
+                assert err.code is ErrorCode.JOB_NOT_FOUND, err
+                answered.append(next(n for n in names if repr(n) in err.message))
+        assert answered == names, f"answered in the order {answered}"
+
+
 def _shm_hello(job: str, rank: int, boot: str) -> Hello:
     return Hello(job=job, rank=rank, epoch=0, credit=2, transport="auto", boot_id=boot)
 
