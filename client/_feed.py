@@ -84,7 +84,7 @@ class Feed:
             recreate_job=self.job.recreate, describe=self.job.describe, rings=self.ctx.rings,
             # What every message and the Welcome are checked against: the job's own plan.
             rows=self.job.spec.batch_size, num_batches=self._batches(offset),
-            graphs=self.job.spec.collate == "graph",
+            graphs=self.job.spec.graph is not None,
         )  # fmt: skip
 
     def _batches(self, offset: int) -> int | None:

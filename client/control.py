@@ -34,7 +34,7 @@ from shardserve.proto.errors import (
     ShardserveError,
     error_for_code,
 )
-from shardserve.proto.jobs import MAX_ENVS, Collate, JobSpec, OnError, ShuffleMode
+from shardserve.proto.jobs import MAX_ENVS, CollateArg, JobSpec, OnError, ShuffleMode
 
 from .distributed import World, agree_with_rank0
 from .mixture import Mixture, mixture_sources
@@ -259,7 +259,7 @@ def job_spec(
     drop_last: bool,
     world_size: int,
     fields: Sequence[str] | None,
-    collate: Collate | None,
+    collate: CollateArg | None,
     transforms: Sequence[Mapping[str, Any]] | None,
     on_error: OnError | None,
     envs: int = 1,

@@ -17,7 +17,7 @@ import torch
 
 from shardserve.proto.api import MixtureStatus
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import Collate, OnError
+from shardserve.proto.jobs import CollateArg, OnError
 
 from ._credit import auto_prefetch, check_prefetch
 from ._feed import Feed, store_order
@@ -121,7 +121,9 @@ class Loader:
         envs: environments per step: a list of ``envs`` batches, each from its own plan.
         devices: the device of each environment (``devices[e % len(devices)]``).
         collate: ``"graph"``: the server collates graphs for message passing (see
-            :mod:`.graphs`).
+            :mod:`.graphs`); ``{"graph": {"node_field": "atom_fea"}}`` names the field whose
+            first dimension counts each graph's nodes, when it is not ``num_nodes``, ``x``
+            or ``pos``.
         transforms: ``[{"name": ..., "params": {...}}, ...]``, transforms installed on the
             server, run on every batch there.
         on_error: ``"replace"``: a sample whose transform raises is swapped for a
@@ -198,7 +200,7 @@ class Loader:
         resident: ResidentMemory | None = None,
         envs: int = 1,
         devices: Sequence[str | torch.device] | None = None,
-        collate: Collate | None = None,
+        collate: CollateArg | None = None,
         transforms: Sequence[Mapping[str, Any]] | None = None,
         on_error: OnError | None = None,
         epoch_samples: int | None = None,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from shardserve.proto.errors import BadRequest, DataError
-from shardserve.proto.jobs import Collate, OnError
+from shardserve.proto.jobs import CollateArg, OnError
 
 from ._position import Position, Start
 from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
@@ -190,7 +190,7 @@ def plan(
     device: str | torch.device = "cpu",
     timeout: float = 60.0,
     token: str | None = None,
-    collate: Collate | None = None,
+    collate: CollateArg | None = None,
     transforms: Sequence[Mapping[str, Any]] | None = None,
     on_error: OnError | None = None,
     epoch_samples: int | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,7 +22,8 @@ from .manifest import validate_dataset_name
 ShuffleMode = Literal["global", "block", "none"]
 #: How a batch's samples are put together: ``None`` stacks each field (the default);
 #: ``"graph"`` collates graphs for message passing (node fields concatenated, ``edge_index``
-#: offset, a ``batch`` vector), as ``torch_geometric`` does.
+#: offset, a ``batch`` vector), as ``torch_geometric`` does; ``{"graph": {...}}`` says how
+#: (:class:`GraphCollate`).
 Collate = Literal["graph"]
 
 #: What a failing sample transform does: fail the job, serve a deterministic other sample,
@@ -42,6 +44,36 @@ MAX_MIXTURE_SOURCES = 64
 MAX_SCHEDULE = 1024
 #: A mixture job's ``dataset`` starts with this: it names the mixture, not a dataset.
 MIXTURE_PREFIX = "mix:"
+
+
+class GraphOptions(BaseModel):
+    """How ``collate="graph"`` reads a dataset's graphs.
+
+    >>> GraphOptions(node_field="atom_fea").node_field
+    'atom_fea'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: The field whose first dimension is each graph's node count (``atom_fea [n, F]``);
+    #: ``None``: ``num_nodes``, else ``x``, else ``pos``, else the one field that can be.
+    node_field: str | None = Field(default=None, min_length=1, max_length=128)
+
+
+class GraphCollate(BaseModel):
+    """``collate={"graph": {"node_field": "atom_fea"}}``: graph collation with options.
+
+    >>> GraphCollate.model_validate({"graph": {"node_field": "atom_fea"}}).graph.node_field
+    'atom_fea'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    graph: GraphOptions = GraphOptions()
+
+
+#: What ``Loader(collate=...)`` takes: ``"graph"``, or ``{"graph": {"node_field": NAME}}``.
+CollateArg = Collate | GraphCollate | Mapping[str, Mapping[str, str]]
 
 
 class MixtureSource(BaseModel):
@@ -152,7 +184,7 @@ class JobSpec(BaseModel):
     block_window: int = Field(default=4, ge=1, le=1 << 16)
     #: See :data:`Collate`; left out of the job id when ``None``, so ids of specs without it
     #: stay what they were.
-    collate: Collate | None = None
+    collate: Collate | GraphCollate | None = None
     #: The dataset version (content id, see ``server/store/versions.py``) the job serves.
     #: Clients leave it out; the server pins the version current at creation, so the job id
     #: covers it and a Loader created after ``ingest --overwrite`` gets a job of its own.
@@ -267,6 +299,25 @@ class JobSpec(BaseModel):
         'web'
         """
         return self.mixture[0].name if self.mixture else self.dataset
+
+    @field_validator("collate")
+    @classmethod
+    def _plain_graph(cls, v: Collate | GraphCollate | None) -> Collate | GraphCollate | None:
+        # {"graph": {}} asks for what "graph" does: one spec, one job id.
+        if isinstance(v, GraphCollate) and v.graph == GraphOptions():
+            return "graph"
+        return v
+
+    @property
+    def graph(self) -> GraphOptions | None:
+        """The graph collation asked for, ``None`` when samples are stacked.
+
+        >>> JobSpec(dataset="d", batch_size=2, collate="graph").graph
+        GraphOptions(node_field=None)
+        """
+        if self.collate is None:
+            return None
+        return self.collate.graph if isinstance(self.collate, GraphCollate) else GraphOptions()
 
     @model_validator(mode="after")
     def _check_envs(self) -> JobSpec:

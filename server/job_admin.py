@@ -85,12 +85,10 @@ class JobAdmin:
             # newer version now.
             return self._admit(existing.spec, existing.num_samples, existing.source_sizes)
         spec = pin_version(spec, manifest)
-        known = [f.name for f in manifest.fields]
-        if spec.transforms:  # the fields served are the chain's outputs
-            known = list(self._transforms.compile(spec, manifest).outputs)
-        self._check_fields(spec, known)
-        if spec.collate == "graph":
-            check_graph_job(manifest, spec.fields)
+        served = self._transforms.served(spec, manifest)  # a chain's outputs, when it has one
+        self._check_fields(spec, [f.name for f in served.fields])
+        if spec.graph is not None:
+            check_graph_job(served, spec.fields, spec.graph)
         per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
         check_batch(
             spec.batch_size,

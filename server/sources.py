@@ -50,9 +50,10 @@ def open_source(
         source = mixed_dataset(spec.dataset, sources, stored)
     else:
         source = open_dataset(spec.dataset, spec.version)  # the version the job pinned
-    if spec.collate == "graph":
-        # Graphs collated for message passing, each batch on its own terms.
-        source = GraphCollated(source, spec.batch_size)
     if transforms is not None:
         source = transforms.bind(source, spec, epoch, seed, rank, quarantine)
+    if spec.graph is not None:
+        # Graphs collated for message passing, each batch on its own terms; a chain has
+        # already run on each graph.
+        source = GraphCollated(source, spec.batch_size, spec.graph)
     return source

@@ -12,10 +12,17 @@ calls per field instead of a Python loop over graphs:
 * ``batch`` (int64 ``[sum N]``: the graph of each node) and ``ptr`` (int64 ``[B+1]``) are
   added.
 
-The node count of a graph is its ``num_nodes`` field (PyG ``Data`` ingest stores it), else
-the first dimension of ``x``, else of ``pos``. ``num_nodes`` itself is not sent (``ptr``
-says it). Bytes fields and fields that may be missing have no place in such a batch and are
-refused when the job is created, as is a dataset with no way to count nodes.
+The node count of a graph is the first dimension of the field the job names
+(``collate={"graph": {"node_field": "atom_fea"}}``), else its ``num_nodes`` field (PyG
+``Data`` ingest stores it), else the first dimension of ``x``, else of ``pos``, else of the
+one top-level field that can count nodes (its first dimension varies; not an index field).
+Several such fields are refused, never guessed between: ``atom_fea [n, F]`` and
+``bond_fea [E, D]`` look alike. ``num_nodes`` itself is not sent (``ptr`` says it). Bytes
+fields and fields that may be missing have no place in such a batch and are refused when the
+job is created, as is a dataset with no way to count nodes.
+
+With transforms, each graph goes through the chain first and the chain's outputs are
+collated: a transform sees one graph as stored.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import numpy as np
 
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.graphs import is_index_field
+from shardserve.proto.jobs import GraphOptions
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import OFFSETS, SHAPES, SPLITS
 
@@ -37,25 +45,59 @@ ADDED = ("batch", "ptr")
 NODE_FIELDS = ("x", "pos")
 
 
-def _node_source(specs: Mapping[str, FieldSpec]) -> str | None:
+def _counts_nodes(name: str, spec: FieldSpec) -> bool:
+    """Whether ``name``'s first dimension may be a node count."""
+    return spec.kind in ("tensor", "variable") and bool(spec.shape) and not is_index_field(name)
+
+
+def node_source(
+    specs: Mapping[str, FieldSpec], served: Sequence[str], node_field: str | None, where: str
+) -> str:
+    """The field that counts each graph's nodes (see the module docstring), or ``BadRequest``
+    naming what to change. ``served``: the fields the job sends (a counting field need not be
+    one of them when it is named or is ``num_nodes``)."""
+    if node_field is not None:
+        spec = specs.get(node_field)
+        if spec is None or not _counts_nodes(node_field, spec):
+            what = "is not a field" if spec is None else f"is {spec.kind} {list(spec.shape)}"
+            raise BadRequest(
+                f"{where}: node_field {node_field!r} {what}; it must be a tensor whose first "
+                f"dimension is the graph's node count, not an index field. Fields: {list(specs)}"
+            )
+        return node_field
     if "num_nodes" in specs and specs["num_nodes"].kind == "scalar":
         return "num_nodes"
     for n in NODE_FIELDS:
-        if n in specs and specs[n].kind in ("tensor", "variable") and specs[n].shape:
+        if n in served and _counts_nodes(n, specs[n]):
             return n
-    return None
+    # Top-level fields only: nested ones (a HeteroData's "paper.x") count one node type of
+    # several, and shifting every index by them would be wrong.
+    varying = [
+        n for n in served if "." not in n and _counts_nodes(n, specs[n]) and specs[n].shape[0] == -1
+    ]
+    if len(varying) == 1:
+        return varying[0]
+    how = 'say which field counts them: collate={"graph": {"node_field": NAME}}'
+    if varying:
+        raise BadRequest(
+            f"{where}: more than one field could count each graph's nodes: {varying} (node "
+            f"features and edge features look alike); {how}"
+        )
+    raise BadRequest(
+        f"{where}: no way to count each graph's nodes: it needs a num_nodes field, or x or "
+        f"pos, or a top-level field whose first dimension varies; its fields are {list(specs)}. Else "
+        f"{how}"
+    )
 
 
-def check_graph_job(manifest: Manifest, fields: Sequence[str] | None) -> None:
-    """Refuse (``BadRequest``) a graph job this dataset's fields cannot make."""
+def check_graph_job(manifest: Manifest, fields: Sequence[str] | None, graph: GraphOptions) -> str:
+    """Refuse (``BadRequest``) a graph job this dataset's fields cannot make; returns the
+    field that counts nodes. ``manifest``: what the job's batches are made from (a chain's
+    outputs when it has transforms)."""
     specs = {f.name: f for f in manifest.fields}
     names = list(fields) if fields is not None else list(specs)
     where = f'collate="graph" on dataset {manifest.name!r}'
-    if _node_source({n: specs[n] for n in names if n in specs} | _counts_only(specs)) is None:
-        raise BadRequest(
-            f"{where}: no way to count each graph's nodes: it needs a num_nodes field, or x or "
-            f"pos; its fields are {list(specs)}"
-        )
+    counter = node_source(specs, names, graph.node_field, where)
     for n in names:
         s = specs[n]
         if n in ADDED:
@@ -68,11 +110,7 @@ def check_graph_job(manifest: Manifest, fields: Sequence[str] | None) -> None:
                 f"{where}: field {n!r} has shape {list(s.shape)}; only its "
                 f"{'last' if is_index_field(n) else 'first'} dimension may vary to be concatenated"
             )
-
-
-def _counts_only(specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
-    # num_nodes counts nodes even when the job does not serve it.
-    return {"num_nodes": specs["num_nodes"]} if "num_nodes" in specs else {}
+    return counter
 
 
 #: Average edges per graph from which each graph's rows are copied as slices (a Python step
@@ -117,14 +155,19 @@ class GraphCollated(Wrapped):
     concatenates (:func:`~shardserve.proto.graphs.concat_dim`).
     """
 
-    def __init__(self, inner: BatchSource, batch_size: int = 0) -> None:
+    def __init__(
+        self, inner: BatchSource, batch_size: int = 0, graph: GraphOptions | None = None
+    ) -> None:
         super().__init__(inner)
         self._specs = {f.name: f for f in inner.manifest.fields}
         self.batch_size = batch_size
+        self._node_field = graph.node_field if graph is not None else None
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
         """Every part's size depends on the graphs in the batch: all variable."""
-        names = [n for n in self.inner.field_names(fields) if n != "num_nodes"]
+        served = self.inner.field_names(fields)
+        counter = self._counter(served)
+        names = [n for n in served if not (n == "num_nodes" == counter)]
         return dict.fromkeys([*names, *ADDED])
 
     def take(
@@ -136,20 +179,18 @@ class GraphCollated(Wrapped):
     ) -> BatchParts:
         """Graphs ``indices`` collated (``out`` is not used: every part is variable)."""
         names = self.inner.field_names(fields)
-        source = _node_source({n: self._specs[n] for n in names} | _counts_only(self._specs))
+        source = self._counter(names)
         want = list(names)
-        if source is not None and source not in want:
+        if source not in want:
             want.append(source)
         parts = self.inner.take(indices, want, batch=batch)
         b = len(np.asarray(indices).reshape(-1))
-        if source == "num_nodes":
-            counts = parts["num_nodes"].astype(np.int64)
-        elif source is not None and self._specs[source].kind == "variable":
+        if self._specs[source].kind == "scalar":  # num_nodes
+            counts = parts[source].astype(np.int64)
+        elif self._specs[source].kind == "variable":
             counts = parts[source + SHAPES][:, 0]
-        elif source is not None:
-            counts = np.full(b, self._specs[source].shape[0], dtype=np.int64)
         else:
-            raise BadRequest("graph collation needs a num_nodes, x or pos field")
+            counts = np.full(b, self._specs[source].shape[0], dtype=np.int64)
         bs = self.batch_size if 0 < self.batch_size < b else b
         edges = np.append(np.arange(0, b, bs, dtype=np.int64), b)  # where each batch begins
         first, sizes = edges[:-1], np.diff(edges)
@@ -160,7 +201,7 @@ class GraphCollated(Wrapped):
         out_parts: dict[str, np.ndarray] = {}
         rows: dict[str, np.ndarray] = {}  # rows of each part per graph, along its concat dim
         for n in names:
-            if n == "num_nodes":
+            if n == "num_nodes" == source:  # ptr says it
                 continue
             out_parts[n], rows[n] = self._field(n, self._specs[n], parts, b, base)
         out_parts["batch"] = np.arange(b, dtype=np.int64).repeat(counts)
@@ -174,6 +215,10 @@ class GraphCollated(Wrapped):
         splits.insert(list(out_parts).index("ptr"), edges + np.arange(len(edges)))
         out_parts[SPLITS] = np.stack(splits)
         return out_parts
+
+    def _counter(self, served: Sequence[str]) -> str:
+        where = f'collate="graph" on dataset {self.manifest.name!r}'
+        return node_source(self._specs, served, self._node_field, where)
 
     @staticmethod
     def _field(

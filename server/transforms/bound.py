@@ -71,12 +71,15 @@ class Transforms:
             fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
             return fut
 
+    def served(self, spec: JobSpec, manifest: Manifest) -> Manifest:
+        """What job ``spec`` serves of the stored dataset ``manifest``: the chain's outputs
+        when it has transforms (``BadRequest`` when the chain does not fit), else itself."""
+        if not spec.transforms:
+            return manifest
+        return chain_manifest(self.compile(spec, manifest), manifest)
+
     def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
         """The job's checked chain (``BadRequest`` when it does not fit)."""
-        if spec.collate is not None:
-            raise BadRequest(
-                f"transforms cannot be combined with collate={spec.collate!r} (yet): leave one out"
-            )
         nullable = [f.name for f in manifest.fields if f.nullable]
         if nullable:
             raise BadRequest(
@@ -112,6 +115,18 @@ class Transforms:
         self._assembly.close()
 
 
+def chain_manifest(chain: Chain, stored: Manifest) -> Manifest:
+    """The ``stored`` dataset as a job with ``chain`` serves it: the chain's outputs as its
+    fields, and its bytes at least the outputs' fixed ones."""
+    fields = tuple(to_field_spec(n, f) for n, f in chain.outputs.items())
+    per_sample = sum(
+        int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in chain.outputs.values()
+        if f.fixed
+    )  # fmt: skip
+    total = max(stored.total_bytes, per_sample * stored.num_samples)
+    return stored.model_copy(update={"fields": fields, "total_bytes": total})
+
+
 class TransformedDataset(Wrapped):
     """A source whose ``take`` runs a chain and whose fields are the chain's outputs; it
     never runs inline, and each batch is assembled on its job's own lane."""
@@ -127,14 +142,8 @@ class TransformedDataset(Wrapped):
         #: The job's own transform lane: a transform of this job that hangs keeps only it.
         self._lane = job_id(spec)
         self._epoch, self._seed, self._rank = epoch, seed, rank
-        self.fields = tuple(to_field_spec(n, f) for n, f in chain.outputs.items())
-        m = inner.manifest
-        per_sample = sum(
-            int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in chain.outputs.values()
-            if f.fixed
-        )  # fmt: skip
-        total = max(m.total_bytes, per_sample * m.num_samples)
-        self._manifest = m.model_copy(update={"fields": self.fields, "total_bytes": total})
+        self._manifest = chain_manifest(chain, inner.manifest)
+        self.fields = self._manifest.fields
 
     @property
     def manifest(self) -> Manifest:

@@ -107,3 +107,21 @@ def _grow_out(p: _Grow, inputs: Any) -> dict[str, Field]:
 def grow(sample: dict[str, Any], p: _Grow, rng: np.random.Generator) -> dict[str, Any]:
     """A variable-size output of ``mib`` MiB per sample (ones: the pages are really touched)."""
     return {"blob": np.ones(p.mib << 20, dtype=np.uint8)}
+
+
+class _Add(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    field: str
+    value: float = 1.0
+
+
+def _add_out(p: _Add, inputs: Any) -> dict[str, Field]:
+    """{field: as stored}"""
+    return {p.field: inputs[p.field]}
+
+
+@sample_transform(params=_Add, outputs=_add_out)
+def add_const(sample: dict[str, Any], p: _Add, rng: np.random.Generator) -> dict[str, Any]:
+    """``value`` added to every element of ``field``, whatever its shape (a graph's nodes)."""
+    x = sample[p.field]
+    return {p.field: (x + np.asarray(p.value, dtype=x.dtype)).astype(x.dtype)}
