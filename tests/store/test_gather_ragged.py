@@ -33,8 +33,8 @@ def _odd(i: int) -> dict[str, object]:
     return {
         "flags": rng.integers(0, 2, n).astype(bool),
         "seq": rng.integers(-9, 9, (n, 3)).astype(np.int16),
-        # Far more units per sample than MAX_UNITS_PER_SAMPLE: the Arrow row-copy path.
-        "big": np.full(gather.MAX_UNITS_PER_SAMPLE * 2 + i % 7, i, dtype=np.float32),
+        # Far more units per sample than SLICE_MIN_UNITS: one slice per sample.
+        "big": np.full(gather.SLICE_MIN_UNITS * 20 + i % 7, i, dtype=np.float32),
         "maybe": None if i % 4 == 0 else np.arange(i % 5, dtype=np.int32),
     }
 
