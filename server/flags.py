@@ -106,7 +106,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "http", "data", "ipc", "token", "insecure", "allowed_hosts", "ready_file",
     ),
     "streams, memory and limits": (
-        "assembly_threads", "shm", "shm_limit_bytes", "shm_unproven_rings", "max_batch_bytes",
+        "assembly_threads", "shm", "shm_limit_bytes", "shm_ring_bytes", "shm_unproven_rings", "max_batch_bytes",
         "max_streams", "max_streams_per_job", "max_hellos_per_s", "heartbeat_s",
         "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
     ),

@@ -86,6 +86,13 @@ class Settings(BaseSettings):
         "back to the socket",
         json_schema_extra={"metavar": "SIZE"},
     )
+    shm_ring_bytes: ByteSize = Field(
+        default=ByteSize(256 << 20),
+        ge=0,
+        description="shared memory one stream's ring takes at most (at least 2 slots): credit "
+        "past it waits for a slot the client hands back",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     max_batch_bytes: int = Field(
         default=1 << 30,
         ge=1,

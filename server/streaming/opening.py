@@ -44,6 +44,7 @@ class Opener:
             config.shm_dir or Path("/nonexistent"),
             config.shm_limit_bytes,
             config.shm_unproven_rings,
+            ring_bytes=config.shm_ring_bytes,
         )
 
     def session(self, ident: bytes, stream: int, job: Job, hello: Hello) -> Session:

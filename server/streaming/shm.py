@@ -192,6 +192,8 @@ def remove_stale(shm_dir: Path = DEFAULT_DIR) -> list[str]:
 RingKey = tuple[int, str, str, tuple[str, ...], int] | tuple[()]
 #: Headroom over the dataset's average variable bytes per batch before overflowing to the socket.
 VARIABLE_HEADROOM = 2.0
+#: Fewest slots a ring capped by ``--shm-ring-bytes`` keeps: one the client reads, one filled.
+MIN_RING_SLOTS = 2
 
 
 class ShmSlots:
@@ -243,8 +245,16 @@ class ShmSlots:
         batch_size: int,
         shm_dir: Path,
         limit_bytes: int | None,
+        *,
+        ring_bytes: int | None = None,
     ) -> ShmSlots:
-        """Size and make the ring; raises ``ShmUnavailable`` (caller falls back to the socket)."""
+        """Size and make the ring; raises ``ShmUnavailable`` (caller falls back to the socket).
+
+        ``slots`` is the credit's; ``ring_bytes`` caps the ring at fewer (at least
+        ``MIN_RING_SLOTS``) when its slots are big: batches that grow in a transform (bits
+        unpacked to floats) would otherwise map credit x their size. The pump then waits for
+        a slot the client hands back, and the client copies out rather than lend past half
+        the ring, so fewer slots cost neither correctness nor a deadlock."""
         shapes = dataset.part_shapes(fields)
         offsets: dict[str, int] = {}
         cursor = fixed_per_sample = 0
@@ -265,8 +275,10 @@ class ShmSlots:
             # of the three parts starting on an aligned boundary.
             companions = (batch_size + 1) * 8 * (1 + MAX_NDIM) + 3 * ALIGN
             cursor += len(variable) * companions
+        key = cls.key_for(slots, dataset, fields, batch_size)  # what was asked: reuse matches it
+        if ring_bytes is not None:
+            slots = min(slots, max(MIN_RING_SLOTS, ring_bytes // align(max(cursor, 1))))
         ring = create_ring(stream, slots, cursor, shm_dir, limit_bytes)
-        key = cls.key_for(slots, dataset, fields, batch_size)
         return cls(ring, offsets, shapes, var_start, batch_size, key)
 
     @staticmethod

@@ -300,9 +300,11 @@ class RingBook:
     """
 
     def __init__(self, shm_dir: Path, limit_bytes: int | None, max_unproven: int = 16,
-                 keep_s: float = IDLE_KEEP_S) -> None:  # fmt: skip
+                 keep_s: float = IDLE_KEEP_S, ring_bytes: int | None = None) -> None:  # fmt: skip
         self.shm_dir = shm_dir
         self.limit_bytes = limit_bytes
+        #: Most bytes of one ring (see :meth:`~.shm.ShmSlots.create`).
+        self.ring_bytes = ring_bytes
         self.max_unproven = max_unproven
         self.keep_s = keep_s
         self._live: dict[int, ShmSlots] = {}
@@ -355,8 +357,9 @@ class RingBook:
             # The limit is for all proven rings together: same-host peers cannot fill /dev/shm.
             limit = max(limit - self.live_bytes, 0)
         slots = ShmSlots.create(
-            route.stream, nslots, source, fields, batch_size, self.shm_dir, limit
-        )
+            route.stream, nslots, source, fields, batch_size, self.shm_dir, limit,
+            ring_bytes=self.ring_bytes,
+        )  # fmt: skip
         self._live[id(slots)] = slots
         self._unproven.add(id(slots))
         return SlotSink(route, slots, self)

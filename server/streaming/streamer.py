@@ -149,6 +149,8 @@ class StreamerConfig:
     #: Where shared-memory slot rings are made; ``None`` turns the shm path off.
     shm_dir: Path | None = None
     shm_limit_bytes: int | None = None
+    #: Most bytes of one stream's ring (at least ``MIN_RING_SLOTS`` slots); ``None``: credit.
+    shm_ring_bytes: int | None = None
     #: This kernel's boot id; a Hello with the same one comes from this host.
     boot_id: str = ""
     #: Largest batch (bytes, at the dataset's average sample) a stream may ask for.

@@ -168,6 +168,27 @@ def test_tiny_shm_limit_falls_back_with_one_clear_line(store: Path) -> None:
     assert "shm_size" in lines[0] and "--shm-size" in lines[0] and "ipc: host" in lines[0]
 
 
+def test_ring_of_grown_batches_is_capped_and_serves_every_batch(store: Path) -> None:
+    """A transform that quadruples each batch (uint8 to float32) under the default prefetch
+    (sized from stored bytes: credit 54) would map credit x its batches; --shm-ring-bytes caps
+    the ring at fewer slots, and a loop keeping every batch still gets them all, equal to the
+    socket path's."""
+    chain = [{"name": "normalize", "params": {"layout": "CHW", "scale": 1 / 255}}]
+    with run_server(store, "--shm-ring-bytes", "4MiB") as srv:
+        kw = dict(shuffle="none", transforms=chain, timeout=scaled(10.0))
+        with Loader(srv.http_url, "cifar", 50, transport="auto", **kw) as ld:
+            kept = [b["image"] for b in ld]
+            assert ld.stats().transport == "shm" and ld.prefetch > 8
+            (ring,) = [DEFAULT_DIR / n for n in segments_of(srv.proc.pid)]
+            size = ring.stat().st_size
+        with Loader(srv.http_url, "cifar", 50, transport="socket", **kw) as ld:
+            want = [b["image"] for b in ld]
+    batch_bytes = 50 * 3 * 32 * 32 * 4
+    assert 2 * batch_bytes <= size <= 4 << 20, f"ring of {size} bytes"
+    assert len(kept) == len(want) == 12
+    assert all(torch.equal(a, b) for a, b in zip(kept, want, strict=True))
+
+
 def test_no_shm_flag_serves_sockets(store: Path) -> None:
     """--no-shm turns the fast path off: same-host clients get the socket path."""
     with run_server(store, "--no-shm") as srv:
