@@ -79,15 +79,11 @@ class Transforms:
         return chain_manifest(self.compile(spec, manifest), manifest)
 
     def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
-        """The job's checked chain (``BadRequest`` when it does not fit)."""
-        nullable = [f.name for f in manifest.fields if f.nullable]
-        if nullable:
-            raise BadRequest(
-                f"transforms need a value in every sample; dataset {manifest.name!r} has fields "
-                f"missing in some: {nullable}"
-            )
-        inputs = {f.name: from_field_spec(f) for f in manifest.fields}
-        chain = compile_chain(spec.transforms or (), self.registry, inputs, manifest.name)
+        """The job's checked chain (``BadRequest`` when it does not fit). Fields missing in
+        some samples are not its inputs: they pass by it, masks and all."""
+        inputs = {f.name: from_field_spec(f) for f in manifest.fields if not f.nullable}
+        passed = [f.name for f in manifest.fields if f.nullable]
+        chain = compile_chain(spec.transforms or (), self.registry, inputs, manifest.name, passed)
         check_chain_bytes(chain, spec.batch_size, self.limits.max_batch_bytes)
         return chain
 
@@ -116,9 +112,13 @@ class Transforms:
 
 
 def chain_manifest(chain: Chain, stored: Manifest) -> Manifest:
-    """The ``stored`` dataset as a job with ``chain`` serves it: the chain's outputs as its
-    fields, and its bytes at least the outputs' fixed ones."""
-    fields = tuple(to_field_spec(n, f) for n, f in chain.outputs.items())
+    """The ``stored`` dataset as a job with ``chain`` serves it: the chain's outputs, then the
+    fields missing in some samples (as stored), as its fields; its bytes at least the
+    outputs' fixed ones."""
+    fields = (
+        *(to_field_spec(n, f) for n, f in chain.outputs.items()),
+        *(f for f in stored.fields if f.nullable),
+    )
     per_sample = sum(
         int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in chain.outputs.values()
         if f.fixed
@@ -144,10 +144,13 @@ class TransformedDataset(Wrapped):
         self._epoch, self._seed, self._rank = epoch, seed, rank
         self._manifest = chain_manifest(chain, inner.manifest)
         self.fields = self._manifest.fields
+        #: Fields missing in some samples: read after the chain, for the samples it kept.
+        self._passed = {f.name for f in self.fields if f.nullable}
 
     @property
     def manifest(self) -> Manifest:
-        """The stored dataset's, with the chain's outputs as its fields."""
+        """The stored dataset's, with the chain's outputs (then the fields missing in some
+        samples, which pass by it) as its fields."""
         return self._manifest
 
     @property
@@ -167,11 +170,12 @@ class TransformedDataset(Wrapped):
         return not self.chain.batch_steps and self.inner.groupable
 
     def field_names(self, fields: Sequence[str] | None = None) -> list[str]:
-        names = list(fields) if fields is not None else list(self.chain.outputs)
-        unknown = [n for n in names if n not in self.chain.outputs]
+        known = [f.name for f in self.fields]
+        names = list(fields) if fields is not None else known
+        unknown = [n for n in names if n not in known]
         if unknown:
             raise BadRequest(f"no field(s) {unknown} after the transforms; fields are "
-                             f"{list(self.chain.outputs)}")  # fmt: skip
+                             f"{known}")  # fmt: skip
         return names
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
@@ -180,8 +184,21 @@ class TransformedDataset(Wrapped):
 
     def take(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None,
              out: Mapping[str, np.ndarray] | None = None, batch: int = -1) -> BatchParts:  # fmt: skip
-        """Batch ``batch`` of this stream: stored fields of ``indices`` through the chain."""
+        """Batch ``batch`` of this stream: stored fields of ``indices`` through the chain, and
+        the fields missing in some samples as stored, for the samples the chain kept."""
         names = self.field_names(fields)
+        passed = [n for n in names if n in self._passed]
+        if passed:
+            ran = self._run([n for n in names if n not in self._passed], indices, out, batch)
+            kept, parts = ran
+            parts.update(self.inner.take(kept, passed, out=out, batch=batch))
+            return {p: parts[p] for p in self.part_shapes(names)}  # in the layout's order
+        return self._run(names, indices, out, batch)[1]
+
+    def _run(self, names: list[str], indices: np.ndarray | Sequence[int],
+             out: Mapping[str, np.ndarray] | None, batch: int) -> tuple[np.ndarray, BatchParts]:  # fmt: skip
+        """The chain's outputs ``names`` of ``indices``, and the samples they are of (failing
+        ones replaced with ``on_error="replace"``)."""
         idx = np.array(indices, dtype=np.int64).reshape(-1)
         where = Where(self._seed, self._epoch, self._rank, batch)
         name = self.manifest.name
@@ -190,7 +207,7 @@ class TransformedDataset(Wrapped):
         while True:
             stored = self.inner.take(idx, list(self.chain.inputs), batch=batch)
             try:
-                return self._rt.pool.run(
+                return idx, self._rt.pool.run(
                     self.chain, stored, idx, where, names,
                     partial(pool_error, name, self._epoch, chain_names, idx),
                     out, lane=self._lane,

@@ -61,10 +61,17 @@ def _problems(e: ValidationError) -> str:
 
 def compile_chain(
     steps: Sequence[TransformStep | Mapping[str, object]], registry: TransformRegistry,
-    inputs: Mapping[str, Field], dataset: str,
+    inputs: Mapping[str, Field], dataset: str, passed: Sequence[str] = (),
 ) -> Chain:  # fmt: skip
-    """The checked chain, or ``BadRequest`` naming the step and what to change."""
+    """The checked chain, or ``BadRequest`` naming the step and what to change. ``passed``:
+    fields of the dataset the chain never sees (missing in some samples), served as stored."""
     fields = dict(inputs)
+    aside = (
+        f"; fields missing in some samples ({list(passed)}) are served as stored, never given "
+        "to transforms"
+        if passed
+        else ""
+    )
     out: list[Step] = []
     for i, raw in enumerate(steps):
         step = raw if isinstance(raw, TransformStep) else TransformStep.model_validate(raw)
@@ -89,8 +96,13 @@ def compile_chain(
             have = {n: f.describe() for n, f in fields.items()}
             raise BadRequest(
                 f"transforms[{i}] {step.name!r} does not fit dataset {dataset!r}: {e}; the fields "
-                f"at that step are {have}"
+                f"at that step are {have}{aside}"
             ) from None
+        if clash := sorted(set(writes) & set(passed)):
+            raise BadRequest(
+                f"transforms[{i}] {step.name!r} writes {clash}, a field missing in some samples "
+                f"of dataset {dataset!r}; write another name"
+            )
         if t.shape == "batch" and any(not f.fixed for f in writes.values()):
             raise BadRequest(
                 f"transforms[{i}] {step.name!r}: a batch transform writes fixed shapes"

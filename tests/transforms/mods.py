@@ -125,3 +125,16 @@ def add_const(sample: dict[str, Any], p: _Add, rng: np.random.Generator) -> dict
     """``value`` added to every element of ``field``, whatever its shape (a graph's nodes)."""
     x = sample[p.field]
     return {p.field: (x + np.asarray(p.value, dtype=x.dtype)).astype(x.dtype)}
+
+
+class _FailLabels(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    labels: list[int]
+
+
+@sample_transform(params=_FailLabels, outputs={"label": Field("int64", ())})
+def fail_labels(sample: dict[str, Any], p: _FailLabels, rng: np.random.Generator) -> dict[str, Any]:
+    """Raises ValueError on samples whose label is one of ``labels``."""
+    if int(sample["label"]) in p.labels:
+        raise ValueError(f"label {int(sample['label'])} is cursed")
+    return {"label": sample["label"]}
