@@ -23,6 +23,12 @@ One run, ratios within it (the machine is shared and noisy: compare rows of one 
   ``torch_geometric`` is installed), and the per-file ``DataLoader`` with 0 and 2 workers
   (``torch.load(weights_only=True)`` per graph). Targets: >= 1.2x the list DataLoader,
   >= 20x the per-file DataLoader with 2 workers.
+* ``upt``: 5,000 UPT-like samples (a point cloud ``points[N,3]`` of 1,000-5,000 points,
+  ``params[4]`` missing in a third of the samples, ``bc`` int32 ``[-1]`` missing in a fifth),
+  batch 16: 512 random query points per sample. ``Loader(transforms=[random_subset])`` on the
+  server against the trainer doing it in its loop over the same samples held in RAM
+  (``Generator.choice`` per sample, ``stack``, the masked fields collated by hand).
+  Target: >= 1x the trainer.
 * ``cifar``: CIFAR-like batches of 256 and of 32 through ``Loader`` (shared memory) against
   the store's own ``take`` in this process into reused buffers (in-process Arrow take).
   Targets: batch 256 >= 0.8x, batch 32 >= 0.5x.
@@ -75,6 +81,8 @@ CRYSTAL = (
     FieldSpec(name="bond_fea", dtype="float32", shape=(-1, 8)),
     FieldSpec(name="energy", dtype="float32", shape=()),
 )  # fmt: skip
+UPT_QUERIES, UPT_BATCH = 512, 16
+UPT_SUBSET = [{"name": "random_subset", "params": {"field": "points", "n": UPT_QUERIES}}]
 #: CHGNet's fields do not say which counts the nodes (atom_fea and bond_fea look alike).
 CRYSTAL_COLLATE = {"graph": {"node_field": "atom_fea"}}
 Step = Any  # a batch (dict of tensors) or a list of them
@@ -126,6 +134,23 @@ def crystals(n: int) -> Iterator[dict[str, np.ndarray]]:
             "bond_fea": rng.standard_normal((e, 8), dtype=np.float32),
             "energy": np.float32(i),
         }
+
+
+def upt(n: int) -> Iterator[dict[str, Any]]:
+    rng = np.random.default_rng(2)
+    for i in range(n):
+        yield {
+            "points": rng.standard_normal((int(rng.integers(1000, 5001)), 3), dtype=np.float32),
+            "params": None if i % 3 == 0 else rng.standard_normal(4, dtype=np.float32),
+            "bc": None if i % 5 == 0 else np.arange(i % 7, dtype=np.int32),
+        }
+
+
+def make_upt(root: Path, n: int) -> str:
+    with ShardWriter(root, "upt", shard_bytes=64 << 20, variable=["bc"]) as w:
+        for s in upt(n):
+            w.add(s)
+    return "upt"
 
 
 def make_crystals(root: Path, files: Path, n: int) -> str:
@@ -388,6 +413,42 @@ def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict
     return rows
 
 
+def bench_upt(url: str, store: Path, n: int) -> dict[str, dict[str, float]]:
+    held = list(upt(n))
+
+    def trainer(e: int) -> Iterator[Step]:
+        """What the trainer does without the sidecar: sample each cloud's queries itself."""
+        rng = np.random.default_rng(e)
+        order = rng.permutation(n)
+        for i in range(0, n - UPT_BATCH + 1, UPT_BATCH):
+            items = [held[j] for j in order[i : i + UPT_BATCH]]
+            pts = [
+                s["points"][rng.choice(len(s["points"]), UPT_QUERIES, replace=False)] for s in items
+            ]
+            mask = torch.tensor([s["params"] is not None for s in items])
+            params = torch.stack([torch.from_numpy(s["params"]) if s["params"] is not None
+                                  else torch.zeros(4) for s in items])  # fmt: skip
+            bcs = [torch.from_numpy(s["bc"]) if s["bc"] is not None else torch.zeros(0, dtype=torch.int32)
+                   for s in items]  # fmt: skip
+            yield {"points": torch.from_numpy(np.stack(pts)), "params": params, "mask": mask,
+                   "bc": torch.cat(bcs)}  # fmt: skip
+
+    rows = {"trainer samples its queries (RAM)": measure(trainer, UPT_BATCH)}
+    with Loader(url, "upt", UPT_BATCH, transforms=UPT_SUBSET, seed=0, rank=0, world_size=1,
+                drop_last=True) as ld:  # fmt: skip
+
+        def epoch(e: int) -> Iterable[Step]:
+            ld.set_epoch(e)
+            # Masked fields come as Masked(values, mask): touch their tensors.
+            return ({"points": b["points"], "params": b["params"].values, "mask": b["params"].mask}
+                    for b in ld)  # fmt: skip
+
+        rows["shardserve Loader(transforms=[random_subset])"] = measure(
+            epoch, UPT_BATCH, server_pid(store), loader=ld
+        )
+    return rows
+
+
 def bench_cifar(url: str, store: Path, n: int, batch: int) -> dict[str, dict[str, float]]:
     ds = Store(store).open("cifar")
     out = {k: np.empty((batch, *s[1]), dtype=s[0]) for k, s in ds.part_shapes(None).items()}  # type: ignore[index]
@@ -436,6 +497,8 @@ def main() -> None:
         arrays = make_cifar(store, n_cifar)
         names = [make_graphs(store, n_graphs, s) for s in (2, 15)]
         make_crystals(store, Path(tmp) / "crystal-files", n_graphs)
+        n_upt = 1_000 if args.quick else 5_000
+        make_upt(store, n_upt)
         with serve_local(store) as url:
             sections = {
                 "envs (4 x 32)": lambda: bench_envs(url, arrays, store),
@@ -443,6 +506,7 @@ def main() -> None:
                 "crystals (batch 64)": lambda: bench_crystals(
                     url, store, Path(tmp) / "crystal-files", n_graphs
                 ),
+                "upt (batch 16)": lambda: bench_upt(url, store, n_upt),
                 "cifar batch 256": lambda: bench_cifar(url, store, n_cifar, 256),
                 "cifar batch 32": lambda: bench_cifar(url, store, n_cifar, 32),
             }
@@ -474,6 +538,7 @@ def main() -> None:
         ("graphs 15 shards / 2 shards", ratio(g, g15, g2), 0.8),
         ("crystals / DataLoader list", ratio(c, cs, "DataLoader(list in RAM, workers 0)"), 1.2),
         ("crystals / per-file DataLoader w2", ratio(c, cs, "DataLoader(per-file .pt, workers 2)"), 20.0),
+        ("upt server query sampling / trainer", ratio(rows["upt (batch 16)"], "shardserve Loader(transforms=[random_subset])", "trainer samples its queries (RAM)"), 1.0),
         ("cifar 256 / Arrow take", ratio(rows["cifar batch 256"], "shardserve Loader (shm)", "in-process Arrow take"), 0.8),
         ("cifar 32 / Arrow take", ratio(rows["cifar batch 32"], "shardserve Loader (shm)", "in-process Arrow take"), 0.5),
     ]  # fmt: skip

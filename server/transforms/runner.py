@@ -17,7 +17,7 @@ import numpy as np
 from shardserve.proto.parts import OFFSETS, SHAPES
 
 from .errors import StepFailed
-from .rng import batch_rng, sample_rng
+from .rng import batch_rng, sample_rngs
 from .schema import Field
 from .spec import Chain, Step
 
@@ -139,11 +139,12 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
     written: dict[str, list[np.ndarray]] = {k: [] for k in step.writes}
     names = list(cols)
     failed: StepFailed | None = None
+    rngs = sample_rngs(where.seed, where.epoch, indices, si)
     for i in range(n):
         idx = int(indices[i])
         sample = {k: cols[k][i] for k in names}
         try:
-            got = t.fn(sample, step.params, sample_rng(where.seed, where.epoch, idx, si), *more)
+            got = t.fn(sample, step.params, rngs[i], *more)
         except Exception as e:
             # Go on through the step: a replacing job then swaps every failing sample at once.
             if failed is None:

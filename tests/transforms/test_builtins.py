@@ -13,7 +13,13 @@ from PIL import Image
 
 from shardserve.proto.errors import BadRequest
 from shardserve.server.transforms.registry import TransformRegistry
-from shardserve.server.transforms.rng import batch_rng, replacement, sample_rng
+from shardserve.server.transforms.rng import (
+    VECTOR_MIN,
+    batch_rng,
+    replacement,
+    sample_rng,
+    sample_rngs,
+)
 from shardserve.server.transforms.runner import Where, run_chain
 from shardserve.server.transforms.schema import Field
 from shardserve.server.transforms.spec import compile_chain
@@ -156,6 +162,27 @@ def test_generators_are_pure_functions_of_their_keys() -> None:
     assert other.stdout.strip() == str(a)
     picks = {replacement(0, 0, 5, k, 10) for k in range(1, 30)}
     assert 5 not in picks and picks <= set(range(10)) and len(picks) > 3
+
+
+def test_batch_generators_are_the_sample_generators() -> None:
+    """sample_rngs (numpy's SeedSequence hashing done over a batch) gives each sample the very
+    generator sample_rng makes: seeds of 1 and 2 words, indices on both sides of 2**32,
+    large epochs and steps, and batches below and above the vectorised size."""
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        seed = int(rng.integers(0, 1 << 63)) if trial % 3 else int(rng.integers(0, 3))
+        epoch = int(rng.integers(0, 1 << (trial % 40 + 1)))
+        step = int(rng.integers(0, 5)) if trial % 5 else int(rng.integers(0, 1 << 40))
+        n = 8 if trial % 2 else VECTOR_MIN + 9
+        idx = np.concatenate(
+            [rng.integers(0, 1 << 62, n // 2), rng.integers(0, 1 << 32, n - n // 2)]
+        )
+        idx[:3] = [0, (1 << 32) - 1, 1 << 32]
+        got = [g.integers(0, 1 << 62, 3).tolist() for g in sample_rngs(seed, epoch, idx, step)]
+        want = [
+            sample_rng(seed, epoch, i, step).integers(0, 1 << 62, 3).tolist() for i in idx.tolist()
+        ]
+        assert got == want, (seed, epoch, step)
 
 
 def test_two_transforms_with_one_name_refuse_to_load() -> None:
