@@ -69,7 +69,8 @@ class GraphCollate(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    graph: GraphOptions = GraphOptions()
+    #: Required: ``collate={}`` (an empty config default) must not turn graphs on.
+    graph: GraphOptions
 
 
 #: What ``Loader(collate=...)`` takes: ``"graph"``, or ``{"graph": {"node_field": NAME}}``.

@@ -75,7 +75,8 @@ class JobAdmin:
                 mixed = mixture_manifest(
                     spec.dataset, [self._manifest(s.name) for s in spec.mixture or ()]
                 )
-                self._check_fields(spec, list(self._transforms.compile(spec, mixed).outputs))
+                served = self._transforms.served(spec, mixed)  # masked fields pass by the chain
+                self._check_fields(spec, [f.name for f in served.fields])
             return self._admit(spec, length, sizes)
         manifest = self._manifest(spec.dataset)
         existing = self.jobs.find(spec_job_id(spec)) if spec.version is not None else None

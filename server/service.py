@@ -160,7 +160,7 @@ class Service:
                 # Clients map rings from their own /dev/shm, so the server makes them there too.
                 shm_dir=SHM_DIR if settings.shm else None,
                 shm_limit_bytes=settings.shm_limit_bytes,
-                shm_ring_bytes=settings.shm_ring_bytes,
+                shm_ring_bytes=settings.shm_ring_bytes or None,  # 0: no cap
                 boot_id=read_boot_id(),
                 max_batch_bytes=settings.max_batch_bytes,
                 max_streams=settings.max_streams,

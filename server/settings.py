@@ -90,7 +90,7 @@ class Settings(BaseSettings):
         default=ByteSize(256 << 20),
         ge=0,
         description="shared memory one stream's ring takes at most (at least 2 slots): credit "
-        "past it waits for a slot the client hands back",
+        "past it waits for a slot the client hands back; 0: no cap (credit x slot)",
         json_schema_extra={"metavar": "SIZE"},
     )
     max_batch_bytes: int = Field(

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from shardserve.proto.errors import BadRequest
+from shardserve.proto.errors import BadRequest, InvalidDataError
 from shardserve.proto.graphs import is_index_field
 from shardserve.proto.jobs import GraphOptions
 from shardserve.proto.manifest import FieldSpec, Manifest
@@ -46,34 +46,43 @@ NODE_FIELDS = ("x", "pos")
 
 
 def _counts_nodes(name: str, spec: FieldSpec) -> bool:
-    """Whether ``name``'s first dimension may be a node count."""
-    return spec.kind in ("tensor", "variable") and bool(spec.shape) and not is_index_field(name)
+    """Whether ``name``'s first dimension may be a node count (every sample has it)."""
+    return (
+        spec.kind in ("tensor", "variable")
+        and bool(spec.shape)
+        and not spec.nullable
+        and not is_index_field(name)
+    )
 
 
-def node_source(
-    specs: Mapping[str, FieldSpec], served: Sequence[str], node_field: str | None, where: str
-) -> str:
+def node_source(specs: Mapping[str, FieldSpec], node_field: str | None, where: str) -> str:
     """The field that counts each graph's nodes (see the module docstring), or ``BadRequest``
-    naming what to change. ``served``: the fields the job sends (a counting field need not be
-    one of them when it is named or is ``num_nodes``)."""
+    naming what to change. Chosen from every field of the dataset, served or not: leaving a
+    field out with ``fields=`` never changes what counts the nodes."""
     if node_field is not None:
         spec = specs.get(node_field)
         if spec is None or not _counts_nodes(node_field, spec):
-            what = "is not a field" if spec is None else f"is {spec.kind} {list(spec.shape)}"
+            what = (
+                "is not a field"
+                if spec is None
+                else f"is {spec.kind} {spec.dtype}{list(spec.shape)}"
+                + (", missing in some samples" if spec.nullable else "")
+            )
             raise BadRequest(
-                f"{where}: node_field {node_field!r} {what}; it must be a tensor whose first "
-                f"dimension is the graph's node count, not an index field. Fields: {list(specs)}"
+                f"{where}: node_field {node_field!r} {what}; it must be a tensor every sample "
+                f"has, whose first dimension is the graph's node count, not an index field. "
+                f"Fields: {list(specs)}"
             )
         return node_field
     if "num_nodes" in specs and specs["num_nodes"].kind == "scalar":
         return "num_nodes"
     for n in NODE_FIELDS:
-        if n in served and _counts_nodes(n, specs[n]):
+        if n in specs and _counts_nodes(n, specs[n]):
             return n
     # Top-level fields only: nested ones (a HeteroData's "paper.x") count one node type of
     # several, and shifting every index by them would be wrong.
     varying = [
-        n for n in served if "." not in n and _counts_nodes(n, specs[n]) and specs[n].shape[0] == -1
+        n for n, f in specs.items() if "." not in n and _counts_nodes(n, f) and f.shape[0] == -1
     ]
     if len(varying) == 1:
         return varying[0]
@@ -85,8 +94,8 @@ def node_source(
         )
     raise BadRequest(
         f"{where}: no way to count each graph's nodes: it needs a num_nodes field, or x or "
-        f"pos, or a top-level field whose first dimension varies; its fields are {list(specs)}. Else "
-        f"{how}"
+        f"pos, or a top-level field whose first dimension varies; its fields are "
+        f"{list(specs)}. Else {how}"
     )
 
 
@@ -97,7 +106,7 @@ def check_graph_job(manifest: Manifest, fields: Sequence[str] | None, graph: Gra
     specs = {f.name: f for f in manifest.fields}
     names = list(fields) if fields is not None else list(specs)
     where = f'collate="graph" on dataset {manifest.name!r}'
-    counter = node_source(specs, names, graph.node_field, where)
+    counter = node_source(specs, graph.node_field, where)
     for n in names:
         s = specs[n]
         if n in ADDED:
@@ -161,13 +170,13 @@ class GraphCollated(Wrapped):
         super().__init__(inner)
         self._specs = {f.name: f for f in inner.manifest.fields}
         self.batch_size = batch_size
-        self._node_field = graph.node_field if graph is not None else None
+        where = f'collate="graph" on dataset {inner.manifest.name!r}'
+        #: The field that counts each graph's nodes (checked when the job was made).
+        self._counter = node_source(self._specs, graph.node_field if graph else None, where)
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
         """Every part's size depends on the graphs in the batch: all variable."""
-        served = self.inner.field_names(fields)
-        counter = self._counter(served)
-        names = [n for n in served if not (n == "num_nodes" == counter)]
+        names = [n for n in self.inner.field_names(fields) if n != "num_nodes"]
         return dict.fromkeys([*names, *ADDED])
 
     def take(
@@ -179,7 +188,7 @@ class GraphCollated(Wrapped):
     ) -> BatchParts:
         """Graphs ``indices`` collated (``out`` is not used: every part is variable)."""
         names = self.inner.field_names(fields)
-        source = self._counter(names)
+        source = self._counter
         want = list(names)
         if source not in want:
             want.append(source)
@@ -187,6 +196,7 @@ class GraphCollated(Wrapped):
         b = len(np.asarray(indices).reshape(-1))
         if self._specs[source].kind == "scalar":  # num_nodes
             counts = parts[source].astype(np.int64)
+            self._agree(counts, parts, np.asarray(indices).reshape(-1))
         elif self._specs[source].kind == "variable":
             counts = parts[source + SHAPES][:, 0]
         else:
@@ -201,7 +211,7 @@ class GraphCollated(Wrapped):
         out_parts: dict[str, np.ndarray] = {}
         rows: dict[str, np.ndarray] = {}  # rows of each part per graph, along its concat dim
         for n in names:
-            if n == "num_nodes" == source:  # ptr says it
+            if n == "num_nodes":  # ptr says it
                 continue
             out_parts[n], rows[n] = self._field(n, self._specs[n], parts, b, base)
         out_parts["batch"] = np.arange(b, dtype=np.int64).repeat(counts)
@@ -216,9 +226,26 @@ class GraphCollated(Wrapped):
         out_parts[SPLITS] = np.stack(splits)
         return out_parts
 
-    def _counter(self, served: Sequence[str]) -> str:
-        where = f'collate="graph" on dataset {self.manifest.name!r}'
-        return node_source(self._specs, served, self._node_field, where)
+    def _agree(self, counts: np.ndarray, parts: BatchParts, ids: np.ndarray) -> None:
+        """``num_nodes`` against the rows of a served ``x`` / ``pos`` (ingest checked them as
+        stored; a transform before collation may have changed the nodes)."""
+        for n in NODE_FIELDS:
+            spec = self._specs.get(n)
+            if n not in parts or spec is None or not _counts_nodes(n, spec):
+                continue
+            rows = (
+                parts[n + SHAPES][:, 0]
+                if n + SHAPES in parts
+                else np.full(counts.size, spec.shape[0], dtype=np.int64)
+            )
+            if (bad := np.flatnonzero(rows != counts)).size:
+                i = int(bad[0])
+                raise InvalidDataError(
+                    f'collate="graph" on dataset {self.manifest.name!r}: sample {int(ids[i])} '
+                    f"has num_nodes {int(counts[i])} but {n!r} has {int(rows[i])} rows (did a "
+                    f"transform change its nodes?); count them by {n!r}: "
+                    f'collate={{"graph": {{"node_field": "{n}"}}}}'
+                )
 
     @staticmethod
     def _field(

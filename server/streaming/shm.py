@@ -188,8 +188,11 @@ def remove_stale(shm_dir: Path = DEFAULT_DIR) -> list[str]:
     return removed
 
 
-#: What a ring's layout was made for: (slots, dataset, its creation time, fields, batch size).
-RingKey = tuple[int, str, str, tuple[str, ...], int] | tuple[()]
+#: Each part's dtype and per-sample shape (``None``: variable), as a ring lays them out.
+PartLayout = tuple[tuple[str, tuple[str, tuple[int, ...]] | None], ...]
+#: What a ring's layout was made for: (slots, dataset, its creation time, fields, batch size,
+#: the parts' layout, the dataset's bytes). A chain changes the last two, not the others.
+RingKey = tuple[int, str, str, tuple[str, ...], int, PartLayout, int] | tuple[()]
 #: Headroom over the dataset's average variable bytes per batch before overflowing to the socket.
 VARIABLE_HEADROOM = 2.0
 #: Fewest slots a ring capped by ``--shm-ring-bytes`` keeps: one the client reads, one filled.
@@ -286,7 +289,12 @@ class ShmSlots:
         slots: int, dataset: BatchSource, fields: tuple[str, ...], batch_size: int
     ) -> RingKey:
         """What a ring's layout depends on: a next stream with the same key may reuse it."""
-        return (slots, dataset.manifest.name, dataset.manifest.created_at, fields, batch_size)
+        m = dataset.manifest
+        layout = tuple(
+            (n, None if s is None else (np.dtype(s[0]).str, tuple(s[1])))
+            for n, s in dataset.part_shapes(fields).items()
+        )
+        return (slots, m.name, m.created_at, fields, batch_size, layout, m.total_bytes)
 
     def reset(self, keep: Iterable[int] = ()) -> None:
         """Every slot but ``keep`` (still read by the client) free again, for the same client's

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import numpy as np
-from numpy.random.bit_generator import ISeedSequence
+from numpy.random.bit_generator import ISpawnableSeedSequence
 
 _SAMPLE, _BATCH, _REPLACE = 1, 2, 3
 
@@ -54,8 +54,9 @@ def sample_rngs(seed: int, epoch: int, indices: np.ndarray, step: int) -> list[n
         entropy = [np.full(sel.size, w, np.uint32) for w in head] + cols
         entropy += [np.full(sel.size, w, np.uint32) for w in tail]
         for k, words in zip(sel.tolist(), _state_words(entropy), strict=True):
+            key = [_SAMPLE, seed, epoch, int(idx[k]), step]
             # numpy takes any ISeedSequence here; its stubs name only SeedSequence.
-            seeded = cast(np.random.SeedSequence, _Seeded(words))
+            seeded = cast(np.random.SeedSequence, _Seeded(words, key))
             out[k] = np.random.Generator(np.random.PCG64(seeded))
     return [g for g in out if g is not None]
 
@@ -120,17 +121,29 @@ def _state_words(entropy: list[np.ndarray]) -> np.ndarray:
     return np.stack([words[2 * k] | (words[2 * k + 1] << np.uint64(32)) for k in range(_POOL)], 1)
 
 
-class _Seeded(ISeedSequence):
-    """A seed sequence whose state words are already known (what ``PCG64`` asks it for)."""
+class _Seeded(ISpawnableSeedSequence):
+    """``SeedSequence(key)`` whose state words for ``PCG64`` are already known; anything else
+    asked of it (``spawn``, other words) goes to the real one, made then: a transform that
+    spawns child generators gets the same children from either path."""
 
-    def __init__(self, words: np.ndarray) -> None:
+    def __init__(self, words: np.ndarray, key: list[int]) -> None:
         self.words = words
+        self.key = key
+        self._seq: np.random.SeedSequence | None = None
+
+    @property
+    def seq(self) -> np.random.SeedSequence:
+        if self._seq is None:
+            self._seq = np.random.SeedSequence(self.key)
+        return self._seq
 
     def generate_state(self, n_words: int, dtype: Any = np.uint32) -> np.ndarray:
-        # PCG64 asks for 4 uint64 words, the only call made of it.
-        if n_words != _POOL or np.dtype(dtype) != np.uint64:
-            raise ValueError(f"seeded for 4 uint64 words, asked for {n_words} {dtype}")
-        return self.words
+        if n_words == _POOL and np.dtype(dtype) == np.uint64:  # what PCG64 asks
+            return self.words
+        return self.seq.generate_state(n_words, dtype)
+
+    def spawn(self, n_children: int) -> Any:
+        return self.seq.spawn(n_children)
 
 
 def batch_rng(seed: int, epoch: int, rank: int, batch: int, step: int) -> np.random.Generator:

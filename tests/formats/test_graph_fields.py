@@ -46,10 +46,13 @@ def server(
     tmp_path_factory: pytest.TempPathFactory, crystals: list[dict[str, torch.Tensor]]
 ) -> Iterator[ServerProc]:
     src = tmp_path_factory.mktemp("crystals")
+    atoms = tmp_path_factory.mktemp("atoms")  # the same graphs without edge features
     for i, c in enumerate(crystals):
         torch.save(c, src / f"{i:05d}.pt")
+        torch.save({k: v for k, v in c.items() if k != "bond_fea"}, atoms / f"{i:05d}.pt")
     store = tmp_path_factory.mktemp("store")
     ingest(src, store, "chg", progress=False, threads=2)
+    ingest(atoms, store, "atoms", progress=False, threads=2)
     with run_server(store, "--transforms", "tests.transforms.mods") as srv:
         yield srv
 
@@ -63,8 +66,8 @@ def _pyg_batches(crystals: list[dict[str, torch.Tensor]], fields: list[str]) -> 
     return [pyg_data.Batch.from_data_list(data[i : i + BATCH]) for i in range(0, len(data), BATCH)]
 
 
-def _read(server: ServerProc, **kw: Any) -> list[dict[str, torch.Tensor]]:
-    with Loader(server.http_url, "chg", BATCH, shuffle=False, timeout=30, **kw) as loader:
+def _read(server: ServerProc, name: str = "chg", **kw: Any) -> list[dict[str, torch.Tensor]]:
+    with Loader(server.http_url, name, BATCH, shuffle=False, timeout=30, **kw) as loader:
         return list(loader)
 
 
@@ -104,23 +107,33 @@ def test_two_candidates_are_refused_naming_both(server: ServerProc) -> None:
         Loader(server.http_url, "chg", BATCH, collate={"graph": {"node_field": "atoms"}})
 
 
-def test_the_one_candidate_served_is_inferred(
+def test_the_one_candidate_is_inferred_whatever_is_served(
     server: ServerProc, crystals: list[dict[str, torch.Tensor]]
 ) -> None:
-    """With fields= leaving bond_fea out, atom_fea is the only field that can count nodes;
-    {"graph": {}} is the plain "graph" job (one spec, one id)."""
-    fields = ["atom_fea", "edge_index"]
-    got = _read(server, collate="graph", fields=fields)
-    _assert_like_pyg(got, _pyg_batches(crystals, fields), fields)
+    """Without edge features atom_fea is the only field that can count nodes, and is used;
+    with them, leaving bond_fea out with fields= still refuses (what counts the nodes never
+    depends on what is served: it would count edges). {"graph": {}} is the plain "graph"."""
+    fields = ["atom_fea", "edge_index", "energy"]
+    _assert_like_pyg(
+        _read(server, "atoms", collate="graph"), _pyg_batches(crystals, fields), fields
+    )
+    with pytest.raises(BadRequest, match="more than one field"):
+        Loader(server.http_url, "chg", BATCH, collate="graph", fields=["bond_fea", "edge_index"])
     ids = {
         httpx.post(
             f"{server.http_url}/v1/jobs",
-            json={"dataset": "chg", "batch_size": BATCH, "fields": fields, "collate": c},
+            json={"dataset": "atoms", "batch_size": BATCH, "collate": c},
             timeout=10,
         ).json()["id"]
         for c in ("graph", {"graph": {}})
     }
     assert len(ids) == 1
+    r = httpx.post(
+        f"{server.http_url}/v1/jobs",
+        json={"dataset": "atoms", "batch_size": BATCH, "collate": {}},
+        timeout=10,
+    )
+    assert r.status_code == 422, "an empty collate dict must not turn graphs on"
 
 
 def test_transforms_run_on_each_graph_before_collation(

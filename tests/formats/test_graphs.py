@@ -14,6 +14,7 @@ import torch
 
 from shardserve.client import Loader
 from shardserve.client.graphs import to_pyg
+from shardserve.proto.errors import ShardserveError
 from shardserve.server.store.ingest.run import ingest
 from tests.formats.support import assert_same, read_all
 from tests.support.server import ServerProc, run_server
@@ -87,6 +88,30 @@ def test_to_pyg_gives_a_batch_models_accept(server: ServerProc, graphs: list[Any
     assert isinstance(batch, pyg_data.Batch) and batch.num_graphs == 16
     assert batch.num_nodes == sum(d.num_nodes for d in graphs[:16])
     assert torch.equal(batch.edge_index, pyg_data.Batch.from_data_list(graphs[:16]).edge_index)
+
+
+def test_named_node_field_beside_num_nodes(server: ServerProc, graphs: list[Any]) -> None:
+    """node_field="x" on PyG graphs (which also store num_nodes) gives PyG's batch: num_nodes
+    is never a part of it (ptr says it; a [B] tensor would become the Batch's num_nodes)."""
+    with Loader(server.http_url, "graphs", 16, shuffle=False,
+                collate={"graph": {"node_field": "x"}}) as loader:  # fmt: skip
+        got = next(iter(loader))
+    assert "num_nodes" not in got
+    want = pyg_data.Batch.from_data_list(graphs[:16])
+    assert all(torch.equal(got[k], want[k]) for k in ("x", "edge_index", "batch", "ptr"))
+    assert to_pyg(got).num_nodes == want.num_nodes
+
+
+def test_a_transform_that_changes_the_nodes_is_caught(server: ServerProc) -> None:
+    """Stored num_nodes counts the nodes by default; a transform keeping one row of x makes
+    them disagree, and the stream fails naming both fields and the node_field that fixes it,
+    never a batch whose ptr does not match x."""
+    chain = [{"name": "random_subset", "params": {"field": "x", "n": 1}}]
+    with Loader(server.http_url, "graphs", 16, shuffle=False, collate="graph", transforms=chain,
+                timeout=30) as loader, pytest.raises(ShardserveError) as caught:  # fmt: skip
+        next(iter(loader))
+    assert "num_nodes" in str(caught.value) and "'x'" in str(caught.value)
+    assert "node_field" in str(caught.value)
 
 
 def test_each_graph_reads_back_as_saved(server: ServerProc, graphs: list[Any]) -> None:

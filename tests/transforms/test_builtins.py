@@ -183,6 +183,12 @@ def test_batch_generators_are_the_sample_generators() -> None:
             sample_rng(seed, epoch, i, step).integers(0, 1 << 62, 3).tolist() for i in idx.tolist()
         ]
         assert got == want, (seed, epoch, step)
+    # A transform spawning child generators gets the same children either way.
+    ids = np.arange(VECTOR_MIN + 1) << 27
+    (batch, one) = sample_rngs(3, 4, ids, 1)[-1], sample_rng(3, 4, int(ids[-1]), 1)
+    assert [g.integers(1 << 40) for g in batch.spawn(3)] == [
+        g.integers(1 << 40) for g in one.spawn(3)
+    ]
 
 
 def test_two_transforms_with_one_name_refuse_to_load() -> None:
