@@ -51,6 +51,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -307,25 +308,34 @@ def _epochs(loader: Loader) -> Callable[[int], Iterable[Step]]:
     return epoch
 
 
-def collate_graphs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """PyG's ``Batch.from_data_list`` for these fields, in torch."""
-    counts = torch.tensor([g["x"].shape[0] for g in items])
+def collate_like_pyg(
+    items: list[dict[str, torch.Tensor]], node_field: str
+) -> dict[str, torch.Tensor]:
+    """PyG's ``Batch.from_data_list`` in torch: ``edge_index`` shifted by the nodes (rows of
+    ``node_field``) before each graph and joined along its last dim, scalars stacked, every
+    other field joined along its first; ``batch`` and ``ptr`` added."""
+    counts = torch.tensor([g[node_field].shape[0] for g in items])
     ptr = torch.zeros(len(items) + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=ptr[1:])
-    return {
-        "x": torch.cat([g["x"] for g in items]),
-        "pos": torch.cat([g["pos"] for g in items]),
-        "edge_index": torch.cat([g["edge_index"] + int(o) for g, o in zip(items, ptr[:-1], strict=True)], 1),
-        "y": torch.stack([g["y"] for g in items]),
-        "batch": torch.repeat_interleave(torch.arange(len(items)), counts),
-        "ptr": ptr,
-    }  # fmt: skip
+    out = {
+        k: torch.cat([g[k] + int(o) for g, o in zip(items, ptr[:-1], strict=True)], 1)
+        if k == "edge_index"
+        else torch.stack([g[k] for g in items])
+        if v.dim() == 0
+        else torch.cat([g[k] for g in items])
+        for k, v in items[0].items()
+    }
+    return {**out, "batch": torch.repeat_interleave(torch.arange(len(items)), counts), "ptr": ptr}
 
 
 def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, dict[str, float]]:
     held = [{k: torch.from_numpy(np.asarray(v)) for k, v in g.items()} for g in graphs(n)]
     dl = DataLoader(
-        held, batch_size=GRAPH_BATCH, shuffle=True, num_workers=0, collate_fn=collate_graphs
+        held,
+        batch_size=GRAPH_BATCH,
+        shuffle=True,
+        num_workers=0,
+        collate_fn=partial(collate_like_pyg, node_field="x"),
     )  # type: ignore[arg-type]
 
     def dataloader(e: int) -> Iterable[Step]:
@@ -340,21 +350,6 @@ def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, d
                 _epochs(ld), GRAPH_BATCH, pid, loader=ld
             )
     return rows
-
-
-def collate_crystals(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """PyG's ``Batch.from_data_list`` for CHGNet's fields, in torch."""
-    counts = torch.tensor([g["atom_fea"].shape[0] for g in items])
-    ptr = torch.zeros(len(items) + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=ptr[1:])
-    return {
-        "atom_fea": torch.cat([g["atom_fea"] for g in items]),
-        "edge_index": torch.cat([g["edge_index"] + int(o) for g, o in zip(items, ptr[:-1], strict=True)], 1),
-        "bond_fea": torch.cat([g["bond_fea"] for g in items]),
-        "energy": torch.stack([g["energy"] for g in items]),
-        "batch": torch.repeat_interleave(torch.arange(len(items)), counts),
-        "ptr": ptr,
-    }  # fmt: skip
 
 
 class CrystalFiles(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -389,7 +384,7 @@ def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict
 
     rows = {
         "DataLoader(list in RAM, workers 0)": measure(
-            loader(held, 0, collate_crystals), GRAPH_BATCH
+            loader(held, 0, partial(collate_like_pyg, node_field="atom_fea")), GRAPH_BATCH
         )
     }
     try:
@@ -403,7 +398,9 @@ def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict
         )
     for workers in (0, 2):
         rows[f"DataLoader(per-file .pt, workers {workers})"] = measure(
-            loader(CrystalFiles(files), workers, collate_crystals), GRAPH_BATCH, repeats=1
+            loader(CrystalFiles(files), workers, partial(collate_like_pyg, node_field="atom_fea")),
+            GRAPH_BATCH,
+            repeats=1,
         )
     with Loader(url, "crystals", GRAPH_BATCH, collate=CRYSTAL_COLLATE, seed=0, rank=0,
                 world_size=1) as ld:  # fmt: skip
