@@ -264,6 +264,7 @@ def job_spec(
     on_error: OnError | None,
     envs: int = 1,
     epoch_samples: int | None = None,
+    share: str | None = None,
 ) -> JobSpec:
     """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
     argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
@@ -297,7 +298,7 @@ def job_spec(
             "collate": collate, "envs": envs,
             # Transforms installed on the server, named with JSON params (never code).
             "transforms": tuple(transforms) if transforms is not None else None,
-            "on_error": on_error,
+            "on_error": on_error, "share": share,
         })  # fmt: skip
     except ValueError as e:  # pydantic's ValidationError: name the argument, not the model
         raise BadRequest(f"these Loader arguments make no job: {e}") from None

@@ -131,6 +131,11 @@ class Loader:
             from the next epoch on; default: ``TransformError``.
         epoch_samples: a mixture's samples per epoch, all ranks together (``None``: its
             datasets' sizes summed).
+        share: a share group's name: Loaders with the same arguments and ``share`` (trials
+            of a sweep, notebooks on one machine) get the same batches from one pass of the
+            server, planned, gathered and transformed once (see the "Sweeps and notebooks"
+            guide). Without it a second Loader of the same arguments and rank gets
+            ``RankInUse``.
 
     Everything after ``batch_size`` is keyword-only (passing it by position still works,
     with a ``DeprecationWarning``).
@@ -204,6 +209,7 @@ class Loader:
         transforms: Sequence[Mapping[str, Any]] | None = None,
         on_error: OnError | None = None,
         epoch_samples: int | None = None,
+        share: str | None = None,
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
@@ -214,6 +220,11 @@ class Loader:
             )
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
+        if share is not None and resident is not None:
+            raise BadRequest(
+                "resident mode gathers in this process: there is no server pass to share; "
+                "leave share or resident out"
+            )
         self.world = resolve_world(rank, world_size)
         self.device = resolve_device(device, self.world.local_rank)
         envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
@@ -227,7 +238,7 @@ class Loader:
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
             world_size=self.world.world_size, fields=fields, collate=collate,
             envs=len(step_envs) or 1, transforms=transforms, on_error=on_error,
-            epoch_samples=epoch_samples,
+            epoch_samples=epoch_samples, share=share,
         )  # fmt: skip
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")

@@ -29,6 +29,7 @@ class StatsClock:
         self.reconnects = 0
         self.copied = 0
         self.messages = 0
+        self.detached = 0
         self._handed_out: float | None = None
         self._last_report = 0.0
 
@@ -76,4 +77,5 @@ class StatsClock:
             reconnects=self.reconnects,
             copied=self.copied,
             messages=self.messages,
+            detached=self.detached,
         )

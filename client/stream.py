@@ -313,6 +313,9 @@ class EpochStream:
             raise error_for_code(code, f"{message} {where}")
         if code in RECOVERABLE:
             self._recover(f"server said {code.value}: {message}")
+        elif code is ErrorCode.SHARE_DETACHED:
+            self.stats.detached += 1
+            log.warning("shardserve: %s %s", message, where)
         else:
             log.warning("non-fatal error from the server %s: %s %s", code.value, message, where)
 

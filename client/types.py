@@ -147,6 +147,9 @@ class LoaderStats:
     copied: int = 0
     #: Messages received: small batches travel several to a message (``batches / messages``).
     messages: int = 0
+    #: Times a shared stream (``share=``) fell out of its group's window and went on on its
+    #: own pass of the same plan: same bytes, no longer shared (the server's notice).
+    detached: int = 0
 
     @property
     def stall_fraction(self) -> float:

@@ -53,6 +53,29 @@ class RankStatus(BaseModel):
     last_seen_s: float | None = None
 
 
+class ShareStatus(BaseModel):
+    """One share group of a job: the subscribers of one rank's pass (``Loader(share=...)``)."""
+
+    share: str
+    rank: int
+    epoch: int
+    subscribers: int
+    #: Batches kept below the front for members behind it, at most, and kept now.
+    window: int
+    kept: int
+    #: The furthest batch any subscriber took.
+    front: int
+    #: Batches assembled for the group (once each), and handed to subscribers from it.
+    assembled: int
+    handed: int
+    #: Batches subscribers assembled on their own passes (behind the window).
+    own: int
+    #: Times a subscriber fell behind the window.
+    detaches: int
+    #: Each subscriber's batches behind the front, ascending.
+    lags: list[int] = Field(default_factory=list)
+
+
 class JobStatus(BaseModel):
     id: str
     spec: JobSpec
@@ -65,6 +88,8 @@ class JobStatus(BaseModel):
     batches_per_epoch: int
     #: Ranks that have opened a stream (a rank never seen is absent), by rank.
     ranks: list[RankStatus]
+    #: Share groups of the job (``spec.share``), one per rank and epoch being streamed.
+    shares: list[ShareStatus] = Field(default_factory=list)
     error: str | None = None
     #: Elastic resume: the id of the job, of another world size, whose ``state_dict`` a rank
     #: of this job resumed (that job's metrics and status end where this one's begin).

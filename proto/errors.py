@@ -57,6 +57,9 @@ class ErrorCode(str, Enum):
     RANK_IN_USE = "rank_in_use"
     STREAM_LIMIT = "stream_limit"
     STEP_IN_THE_PAST = "step_in_the_past"
+    #: Not an error: a notice (never fatal) that a shared stream fell out of its share group's
+    #: window and is served on its own pass of the same plan (same bytes, no longer shared).
+    SHARE_DETACHED = "share_detached"
 
 
 class ShardserveError(Exception):
@@ -198,6 +201,7 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
     ErrorCode.RANK_IN_USE: RankInUse,
     ErrorCode.STREAM_LIMIT: StreamLimitExceeded,
     ErrorCode.STEP_IN_THE_PAST: StepInThePast,
+    ErrorCode.SHARE_DETACHED: ShardserveError,  # a notice: never raised
 }
 
 

@@ -42,6 +42,8 @@ MAX_ENVS = 1024
 MAX_MIXTURE_SOURCES = 64
 #: Most weight changes a job may carry, in its spec and set later together.
 MAX_SCHEDULE = 1024
+#: A share group's name: a letter or digit, then up to 63 letters, digits, ``.``, ``_``, ``-``.
+SHARE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 #: A mixture job's ``dataset`` starts with this: it names the mixture, not a dataset.
 MIXTURE_PREFIX = "mix:"
 
@@ -216,6 +218,12 @@ class JobSpec(BaseModel):
     #: Weight changes by global step, ascending; more can be added while training
     #: (``PUT /v1/jobs/{id}/mixture``).
     schedule: tuple[WeightChange, ...] | None = Field(default=None, max_length=MAX_SCHEDULE)
+    #: A share group's name: Loaders of the same spec and ``share`` are subscribers of one pass
+    #: per rank (each batch planned, gathered and transformed once for all of them, see the
+    #: "Sweeps and notebooks" guide). It never changes the batches; it is in the job id so that
+    #: an unshared duplicate of the spec still meets ``RankInUse``. Left out of the id when
+    #: ``None``.
+    share: str | None = Field(default=None, pattern=SHARE_NAME)
 
     @model_validator(mode="before")
     @classmethod
@@ -258,6 +266,7 @@ class JobSpec(BaseModel):
             ("envs", self.envs != 1),
             ("collate", self.collate is not None),
             ("version", self.version is not None),
+            ("share", self.share is not None),
         ):
             if value:
                 raise ValueError(f"a mixture job cannot set {other} (yet): leave it out")
@@ -373,6 +382,7 @@ def job_id(spec: JobSpec) -> str:
             ("mixture", spec.mixture is None),
             ("epoch_samples", spec.epoch_samples is None),
             ("schedule", spec.schedule is None),
+            ("share", spec.share is None),
         )
         if unset
     }

@@ -258,6 +258,7 @@ class JobAdmin:
                 job.num_samples, s.world_size, s.batch_size // s.envs, s.drop_last
             ),
             ranks=self.board.ranks(job.id),
+            shares=self.board.shares(job.id),
             error=job.error,
             resumed_from=job.resumed_from,
         )

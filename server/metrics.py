@@ -17,6 +17,8 @@ name                                        type       labels          meaning
 shardserve_batches_sent_total               counter                    batches sent on the data plane (not messages)
 shardserve_messages_sent_total              counter                    data-plane messages carrying them (small batches go several to one)
 shardserve_bytes_sent_total                 counter                    payload bytes of those batches
+shardserve_batches_assembled_total          counter                    batches gathered (and transformed), once for all of a share group's subscribers
+shardserve_share_batches_handed_total       counter                    batches a share group's subscriber got from the group's pass, not assembled for it
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
@@ -215,6 +217,18 @@ class Metrics:
         )
         self.bytes_sent = Counter(
             "shardserve_bytes_sent", "Payload bytes of the batches sent.", registry=r
+        )
+        self.batches_assembled = Counter(
+            "shardserve_batches_assembled",
+            "Batches gathered from the store (and transformed): a share group's batch counts "
+            "once, however many subscribers are sent it.",
+            registry=r,
+        )
+        self.share_handed = Counter(
+            "shardserve_share_batches_handed",
+            "Batches a share group's subscriber was handed from the group's pass (the work "
+            "sharing saved).",
+            registry=r,
         )
         self.assembly_seconds = Histogram(
             "shardserve_assembly_seconds",

@@ -166,7 +166,29 @@ class Settings(BaseSettings):
         description="data-plane streams open at once, all jobs (each holds its credit in batches)",
     )
     max_streams_per_job: int = Field(
-        default=0, ge=0, description="streams one job may have open (0: its world size)"
+        default=0,
+        ge=0,
+        description="streams one job may have open (0: its world size, times "
+        "--share-subscribers for a shared job)",
+    )
+    share_subscribers: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="subscribers one rank of a shared job (Loader(share=...)) may have",
+    )
+    share_window: int = Field(
+        default=64,
+        ge=1,
+        le=1 << 16,
+        description="batches a share group keeps below its fastest subscriber; one further "
+        "behind goes on on its own pass",
+    )
+    share_window_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        ge=1,
+        description="bytes a share group's window keeps at most (fewer batches for big ones)",
+        json_schema_extra={"metavar": "SIZE"},
     )
     max_hellos_per_s: float = Field(
         default=20.0,

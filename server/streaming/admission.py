@@ -3,7 +3,8 @@
 Decisions only (no socket); the handler acts on them. Checked after :func:`.handshake.check_hello`
 (version, token, job, bounds) passed.
 
-**One stream per (job, rank).** A Hello for a rank that another client's stream holds is
+**One stream per (job, rank)**, or one per subscriber of a shared job's rank
+(``spec.share``, see :mod:`.shares`): those are many Loaders on purpose. A Hello for a rank that another client's stream holds is
 either a second process that resolved the same ``RANK`` (a launch bug: both would get the same
 half of the data and the other half would never be served) or a trainer that was killed and
 restarted faster than the server noticed. The two look the same at the Hello; they differ in
@@ -66,6 +67,8 @@ class Limits:
     #: A claimed rank's holder whose connection outlives the claim by this long is alive
     #: (:func:`.streamer.liveness_s`: libzmq drops a silent peer's connection sooner).
     alive_after_s: float = 12.0
+    #: Streams one rank of a shared job may have (its share group's subscribers).
+    share_subscribers: int = 16
 
 
 @dataclass
@@ -132,10 +135,14 @@ def limit_refusal(
 
     The peer's own stream (a new Hello replaces it) and the rank's current holder (the claim
     either replaces it or is refused) are not counted; ``held``: Hellos waiting on a rank's
-    holder (they count against the total).
+    holder (they count against the total). A shared job's rank has no single holder: its
+    subscribers all count, up to ``share_subscribers`` a rank.
     """
+    shared = job.spec.share is not None
     others = [
-        s for s in sessions if s.ident != ident and not (s.job_id == job.id and s.rank == rank)
+        s
+        for s in sessions
+        if s.ident != ident and (shared or not (s.job_id == job.id and s.rank == rank))
     ]
     if len(others) + held >= limits.max_streams:
         return Error(
@@ -146,14 +153,23 @@ def limit_refusal(
             "or raise the limit",
         )
     ws = job.spec.world_size
-    cap = min(limits.max_streams_per_job or ws, ws)
+    subs = limits.share_subscribers if shared else 1
+    cap = min(limits.max_streams_per_job or ws * subs, ws * subs)
+    if shared and (n := sum(s.job_id == job.id and s.rank == rank for s in others)) >= subs:
+        return Error(
+            code=ErrorCode.STREAM_LIMIT,
+            fatal=True,
+            message=f"rank {rank} of job {job.id} (share {job.spec.share!r}) already has {n} "
+            f"subscribers, the limit (--share-subscribers {subs})",
+        )
     mine = sum(s.job_id == job.id for s in others)
     if mine >= cap:
         return Error(
             code=ErrorCode.STREAM_LIMIT,
             fatal=True,
             message=f"job {job.id} already has {mine} streams, its limit of {cap} (world size "
-            f"{ws}, --max-streams-per-job {limits.max_streams_per_job or 'unset'})",
+            f"{ws}, --max-streams-per-job {limits.max_streams_per_job or 'unset'}"
+            + (f", --share-subscribers {subs})" if shared else ")"),
         )
     return None
 

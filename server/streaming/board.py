@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardserve.proto.api import RankStatus
+from shardserve.proto.api import RankStatus, ShareStatus
 from shardserve.proto.endpoints import Delivery as Transport
 
 
@@ -30,6 +30,8 @@ class RankRecord:
 
     connected: bool = False
     stream: int | None = None
+    #: Open streams of the rank: one, or a share group's subscribers (``spec.share``).
+    streams: set[int] = field(default_factory=set)
     epoch: int | None = None
     transport: Transport | None = None
     batches_delivered: int = 0
@@ -149,6 +151,16 @@ class StreamBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankRecord] = {}
+        self._shares: dict[str, list[ShareStatus]] = {}
+
+    def set_shares(self, shares: dict[str, list[ShareStatus]]) -> None:
+        """Every job's share groups now (the streamer's snapshot, replaced whole)."""
+        with self._lock:
+            self._shares = shares
+
+    def shares(self, job: str) -> list[ShareStatus]:
+        with self._lock:
+            return list(self._shares.get(job, ()))
 
     def opened(
         self,
@@ -164,6 +176,7 @@ class StreamBoard:
         now = time.monotonic()
         with self._lock:
             rec = self._ranks.setdefault((job, rank), RankRecord())
+            rec.streams.add(stream)
             rec.connected, rec.stream, rec.epoch, rec.transport = True, stream, epoch, transport
             rec.next_batch, rec.num_batches, rec.credit = start, num_batches, credit
             rec.opened_at, rec.stream_batches, rec.last_seen = now, 0, now
@@ -245,11 +258,14 @@ class StreamBoard:
             self._ranks.setdefault((job, rank), RankRecord()).conflict = what
 
     def closed(self, job: str, rank: int, stream: int) -> None:
-        """Stream ``stream`` of that rank ended; a newer stream of the rank stays connected."""
+        """Stream ``stream`` of that rank ended; the rank stays connected while another of its
+        streams is open (a newer one, or another subscriber of its share group)."""
         with self._lock:
             rec = self._ranks.get((job, rank))
-            if rec is not None and rec.stream == stream:
-                rec.connected, rec.credit = False, 0
+            if rec is not None and stream in rec.streams:
+                rec.streams.discard(stream)
+                if not rec.streams:
+                    rec.connected, rec.credit = False, 0
                 rec.last_active = time.monotonic()
 
     def drop_job(self, job: str) -> None:

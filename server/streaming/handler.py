@@ -52,6 +52,7 @@ from .opening import Opener
 from .pipeline import CreditOverflow, Work, WorkKind
 from .pump import AssemblyFailed, PeerGone, Pump
 from .sessions import Assembled, HandlerDeps, Prepared, Session
+from .shares import ShareBook
 from .streamer import StreamerConfig, liveness_s, shutdown_error
 
 log = logging.getLogger("shardserve.streaming")
@@ -73,13 +74,15 @@ class StreamHandler(HelloHandling):
         self.config = config
         self.sessions: dict[bytes, Session] = {}
         self.out = replies.Outbox(sock, self._peer_gone)
-        self.pump = Pump(assembler, deps.metrics, deps.board)
+        self.pump = Pump(assembler, deps.metrics, deps.board, self._detached)
+        self.shares = ShareBook(config.share_window, config.share_window_bytes)
         self.notices = StreamNotices(deps.board, deps.metrics)
         self.opener = Opener(sock, self.notices, config)
         self.limits = Limits(
             config.max_streams,
             config.max_streams_per_job,
             liveness_s(config.heartbeat_s, config.stream_timeout_s),
+            config.share_subscribers,
         )
         self.rate = HelloRate(config.max_hellos_per_s)
         self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds
@@ -132,6 +135,9 @@ class StreamHandler(HelloHandling):
         """Apply finished assembly work (prepared streams, assembled batches)."""
         for done in self.assembler.results():
             work: Work = done.tag
+            if work.kind is WorkKind.SHARED:
+                self._shared_done(work, done)
+                continue
             s = self.sessions.get(work.ident)
             live = s is not None and s.stream == work.stream
             if work.kind is WorkKind.BATCH:
@@ -155,11 +161,61 @@ class StreamHandler(HelloHandling):
             # A mixture whose source ran out ("stop") ends its epoch before the nominal count.
             s.flow.num_batches = min(s.flow.num_batches, len(prepared.plan))
             s.sink = self.opener.sink_for(s, prepared, self.sessions.values())
+            if (share := s.job.spec.share) is not None:
+                key = (s.job_id, s.rank, s.epoch, s.seed, s.offset, s.group)
+                s.share = self.shares.join(
+                    key, share, s.ident, s.stream, s.flow.start_batch, prepared.batch_bytes
+                )
+                s.flow.grid = s.group  # every subscriber takes the same spans
             self._welcome(s)
             self._pump(s)
         else:
             s.flow.assembled(work.index, Assembled(done.value, work.ticket))
             self._pump(s)
+
+    def _shared_done(self, work: Work, done: Done[Work]) -> None:
+        """A share group's span is assembled (or failed): hand it to every member waiting."""
+        g = self.shares.get(work.share) if work.share is not None else None
+        if g is None:
+            return  # every member left while it ran
+        failed = done.error is not None
+        waiters = g.failed(work.index) if failed else g.produced(work.index, done.value)
+        for w in waiters:
+            s = self.sessions.get(w.ident)
+            if s is None or s.stream != w.stream:
+                w.sink.release(w.ticket)  # its stream closed while it waited
+                continue
+            s.flow.returned()
+            try:
+                if done.error is not None:
+                    w.sink.release(w.ticket)
+                    self._stream_failed(s, done.error)
+                    continue
+                count = s.flow.span(work.index)
+                s.flow.assembled(work.index, Assembled(w.sink.fill(w.ticket, done.value), w.ticket))
+                if (w.ident, w.stream) != (work.ident, work.stream):
+                    g.hand(w.ident, count)
+                    self.deps.metrics.share_handed.inc(count)
+                self._pump(s)
+            except Exception as e:
+                self._contain(s, e)
+
+    def _detached(self, s: Session, index: int) -> None:
+        """Tell a subscriber it fell behind its group's window (not fatal: same bytes)."""
+        g = s.share
+        if g is None:
+            return
+        notice = Error(
+            code=ErrorCode.SHARE_DETACHED,
+            fatal=False,
+            stream=s.stream,
+            message=f"this Loader fell more than {g.window} batches behind the fastest of share "
+            f"group {g.share!r} (rank {s.rank}, epoch {s.epoch}): from batch {index} it is "
+            "served on its own pass of the same plan (the same batches, no longer shared); "
+            "it rejoins if it catches up (--share-window sets how far behind it may be)",
+        )
+        self.out.try_send(s.ident, notice)
+        log_event(log, "share.detached", **s.describe(), share=g.share, at=index, front=g.front)
 
     def on_tick(self, now: float) -> None:
         """Heartbeats, liveness probes, idle cleanup, retries of sends that hit the HWM, held
@@ -168,6 +224,7 @@ class StreamHandler(HelloHandling):
             self._admission_tick(now)
         except Exception:  # a bug here must not stop the streams' timers below
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
+        self.deps.board.set_shares(self.shares.statuses())
         try:
             self.opener.tidy(now, self.sessions.values())
         except Exception:  # memory housekeeping must not stop the streams' timers below
@@ -213,6 +270,7 @@ class StreamHandler(HelloHandling):
         """End every stream of a job with a fatal error (job deleted or failed)."""
         self.opener.forget_job(job_id)
         self.notices.forget_job(job_id)
+        self.shares.forget_job(job_id)
         for s in [s for s in self.sessions.values() if s.job_id == job_id]:
             if self.sessions.get(s.ident) is not s:
                 continue
@@ -307,6 +365,8 @@ class StreamHandler(HelloHandling):
         s.closed = True
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
+        if s.share is not None:
+            self.shares.leave(s.ident, s.stream)
         sink = s.sink
         if sink is None:  # closed before its Welcome: the ring it was to take over goes
             self.opener.rings.discard(s.ident)

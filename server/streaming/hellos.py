@@ -101,7 +101,9 @@ class HelloHandling:
                 self.out.send(ident, refusal)
                 self.notices.refused(hello, refusal)
             return
-        holder = holder_of(self.sessions.values(), job.id, hello.rank, ident)
+        # A shared job's rank is many subscribers' on purpose: no holder to probe.
+        shared = job.spec.share is not None
+        holder = None if shared else holder_of(self.sessions.values(), job.id, hello.rank, ident)
         if holder is None:
             self._open(ident, job, hello)
             return

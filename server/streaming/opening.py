@@ -94,6 +94,8 @@ class Opener:
                 )
             except ShmUnavailable as e:
                 self.notices.fell_back(s, str(e))
+        if s.job.spec.share is not None:
+            return SocketSink(route, None)  # sends the share group's buffers (see .shares)
         live = {(x.job_id, x.rank) for x in sessions}
         pool = self.pools.get((s.job_id, s.rank), prep.part_shapes, rows, live)
         return SocketSink(route, pool)

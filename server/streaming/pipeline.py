@@ -25,6 +25,8 @@ from typing import Generic, Protocol, TypeVar
 
 from shardserve.proto.messages import GROUP_BYTES, MAX_CREDIT
 
+from .shares import ShareKey
+
 #: Assemblies one stream may have queued at once: enough to keep the pool busy, few enough
 #: that one greedy stream does not starve the others of assembly threads.
 MAX_INFLIGHT_PER_STREAM = 4
@@ -77,6 +79,8 @@ def ring_slots(credit: int, group: int) -> int:
 class WorkKind(Enum):
     PREPARE = "prepare"
     BATCH = "batch"
+    #: A span assembled for a share group (``Work.share``), whoever of its members asked.
+    SHARED = "shared"
 
 
 class TicketOwner(Protocol):
@@ -101,6 +105,8 @@ class Work:
     index: int = -1
     ticket: int = -1
     owner: TicketOwner | None = None
+    #: The share group a ``SHARED`` span is for.
+    share: ShareKey | None = None
 
     def abandon(self) -> None:
         """The batch will not be sent (failed, or its stream is gone): free its memory."""
@@ -129,6 +135,9 @@ class Pipeline(Generic[T]):
     ready: dict[int, T] = field(default_factory=dict)
     #: Batches in each span taken and not yet released, by its first index.
     spans: dict[int, int] = field(default_factory=dict)
+    #: A shared stream's spans end on multiples of this many batches, each taken only with the
+    #: credit for all of it, so every subscriber of the group takes the same spans; 0: any.
+    grid: int = 0
 
     def __post_init__(self) -> None:
         self.next_submit = self.next_send = self.start_batch
@@ -154,10 +163,16 @@ class Pipeline(Generic[T]):
             )
         self.credit += n
 
+    def _aligned(self) -> int:
+        """The length of the next span on the grid (to the next multiple, or the epoch's end)."""
+        i = self.next_submit
+        return min(self.grid - i % self.grid, self.num_batches - i)
+
     def wants_work(self) -> bool:
-        """Whether one more batch may be taken for assembly now."""
+        """Whether one more batch (one more span, on a grid) may be taken for assembly now."""
         return (
-            self.credit > 0
+            self.credit >= (self._aligned() if self.grid else 1)
+            and self.credit > 0
             and self.next_submit < self.num_batches
             and self.assembling < MAX_INFLIGHT_PER_STREAM
         )
@@ -172,7 +187,10 @@ class Pipeline(Generic[T]):
                 f"{self.num_batches}, {self.assembling} assembling"
             )
         index = self.next_submit
-        count = max(1, min(most, self.credit, self.num_batches - index))
+        if self.grid:
+            count = self._aligned()
+        else:
+            count = max(1, min(most, self.credit, self.num_batches - index))
         self.next_submit += count
         self.credit -= count
         self.spans[index] = count

@@ -8,6 +8,7 @@ metrics and the board. Streamer thread only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -18,7 +19,11 @@ from ..metrics import Metrics
 from .board import StreamBoard
 from .pipeline import Work, WorkKind
 from .sessions import Assembled, Prepared, Session
+from .shares import ShareGroup, Take, Waiter
 from .sinks import BatchSink
+
+#: ``detached(session, first batch of its own pass)``: tell a subscriber it left its group.
+Detached = Callable[[Session, int], None]
 
 
 class PeerGone(Exception):
@@ -32,10 +37,13 @@ class AssemblyFailed(Exception):
 class Pump:
     """Submits and sends batches of sessions; see the module docstring."""
 
-    def __init__(self, assembler: Assembler[Work], metrics: Metrics, board: StreamBoard) -> None:
+    def __init__(
+        self, assembler: Assembler[Work], metrics: Metrics, board: StreamBoard, detached: Detached
+    ) -> None:
         self.assembler = assembler
         self.metrics = metrics
         self.board = board
+        self.detached = detached
 
     def run(self, s: Session, others_busy: bool) -> bool:
         """Submit work within credit, send what is ready in order. ``False`` when the peer's
@@ -66,6 +74,11 @@ class Pump:
         ticket: int,
         inline: bool,
     ) -> None:
+        if s.share is not None and self._shared(
+            s, s.share, prep, sink, index, count, ticket, inline
+        ):
+            return
+        self.metrics.batches_assembled.inc(count)
         indices = prep.indices(index, count)
         out = sink.out(ticket, len(indices))
         place = sink.placer(ticket)
@@ -84,6 +97,56 @@ class Pump:
             raise AssemblyFailed(str(e)) from e
         s.flow.timed_inline(index, time.perf_counter() - t0)
         s.flow.assembled(index, Assembled(parts, ticket))
+
+    def _shared(
+        self,
+        s: Session,
+        g: ShareGroup,
+        prep: Prepared,
+        sink: BatchSink,
+        index: int,
+        count: int,
+        ticket: int,
+        inline: bool,
+    ) -> bool:
+        """A shared stream's span from its group (see :mod:`.shares`); ``False``: the stream
+        assembles it on its own (below the window)."""
+        take, entry, newly_detached = g.take(s.ident, index, count)
+        if take is Take.OWN:
+            if newly_detached:
+                self.detached(s, index)
+            return False
+        assert entry is not None  # READY, WAIT and PRODUCE name their entry
+        if take is Take.READY:
+            assert entry.parts is not None
+            s.flow.assembled(index, Assembled(sink.fill(ticket, entry.parts), ticket))
+            g.hand(s.ident, count)
+            self.metrics.share_handed.inc(count)
+            return True
+        entry.waiters.append(Waiter(s.ident, s.stream, ticket, sink))
+        s.flow.offloaded()
+        if take is Take.WAIT:
+            return True
+        self.metrics.batches_assembled.inc(count)
+        indices = prep.indices(index, count)
+        if not inline:
+            # Assembled for the group, into memory of its own that no member writes again.
+            work = Work(WorkKind.SHARED, s.ident, s.stream, index, share=g.key)
+            self.assembler.gather(work, prep.source, indices, prep.fields, None, None, index)
+            return True
+        try:
+            parts = self.assembler.assemble_now(
+                prep.source, indices, prep.fields, None, None, index
+            )
+        except Exception as e:
+            g.failed(index)
+            s.flow.returned()
+            sink.release(ticket)
+            raise AssemblyFailed(str(e)) from e
+        g.produced(index, parts)  # its only waiter is this stream: nobody ran meanwhile
+        s.flow.returned()
+        s.flow.assembled(index, Assembled(sink.fill(ticket, parts), ticket))
+        return True
 
     def _send_ready(self, s: Session, sink: BatchSink) -> bool:
         """Send assembled batches in index order; ``False`` once the peer's queue is full."""

@@ -23,6 +23,7 @@ from ..sources import OpenSource
 from .board import StreamBoard
 from .limits import StreamCancelled, check_batch
 from .pipeline import Pipeline
+from .shares import ShareGroup
 from .sinks import BatchSink
 
 
@@ -111,6 +112,8 @@ class Session:
     credited: bool = False
     #: Who the client says it is: (kernel boot id, pid); ``("", 0)`` when it did not say.
     client: tuple[str, int] = ("", 0)
+    #: The share group of a shared job's stream (``spec.share``), joined at its Welcome.
+    share: ShareGroup | None = None
 
     @property
     def job_id(self) -> str:

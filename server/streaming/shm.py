@@ -368,6 +368,23 @@ class ShmSlots:
             cursor = align(cursor + arr.nbytes)
         return placed
 
+    def copy_in(self, slot: int, parts: BatchParts) -> BatchParts:
+        """Copy a batch assembled elsewhere into ``slot``: fixed-size parts to their places,
+        the others into the tail as :meth:`place` does (left out when they do not fit)."""
+        fixed = {n: a for n, a in parts.items() if n in self._shapes}
+        rows = len(next(iter(fixed.values()))) if fixed else self._rows
+        if rows > self._rows:
+            return parts  # more rows than a slot holds: the socket carries it
+        out = self.out(slot, rows)
+        placed = dict(parts)
+        for name, a in fixed.items():
+            view = out[name]
+            if view.shape != a.shape or view.dtype != a.dtype:
+                return parts  # not this ring's layout: the socket carries it
+            view[...] = a
+            placed[name] = view
+        return self.place(slot, placed)
+
     # -- on the streamer thread -----------------------------------------------------------
 
     def offset_of(self, slot: int, arr: np.ndarray) -> int | None:

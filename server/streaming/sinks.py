@@ -103,6 +103,11 @@ class BatchSink(ABC):
         return None
 
     @abstractmethod
+    def fill(self, ticket: int, parts: BatchParts) -> BatchParts:
+        """A batch assembled elsewhere (a share group's, read-only and kept by the group)
+        made this ticket's: the parts to send."""
+
+    @abstractmethod
     def send(self, ticket: int, index: int, parts: BatchParts, count: int = 1) -> int:
         """Send batches ``index`` to ``index + count - 1`` (one message) and end its ticket;
         returns the payload bytes. On ``zmq.Again`` the ticket stays held, to be sent again."""
@@ -133,11 +138,13 @@ class SocketSink(BatchSink):
 
     An array sent with ``copy=False`` belongs to libzmq until its I/O thread has written it,
     so a set goes back to the pool only when the ``MessageTracker`` of its send says so.
+    Without a pool (a shared stream) every batch is a share group's, never written again:
+    sent zero-copy from the group's buffer, which libzmq's reference keeps alive.
     """
 
     transport: ClassVar[Delivery] = "socket"
 
-    def __init__(self, route: Route, pool: BufferPool) -> None:
+    def __init__(self, route: Route, pool: BufferPool | None) -> None:
         super().__init__(route)
         self.pool = pool
         self._sets: dict[int, BufferSet] = {}
@@ -146,7 +153,7 @@ class SocketSink(BatchSink):
     def acquire(self) -> int:
         ticket = self._next_ticket
         self._next_ticket += 1
-        bufs = self.pool.acquire()
+        bufs = self.pool.acquire() if self.pool is not None else None
         if bufs is not None:  # None: every part is variable-size, take allocates them
             self._sets[ticket] = bufs
         return ticket
@@ -155,20 +162,24 @@ class SocketSink(BatchSink):
         bufs = self._sets.get(ticket)
         return None if bufs is None else bufs.views(rows)
 
+    def fill(self, ticket: int, parts: BatchParts) -> BatchParts:
+        self.release(ticket)  # sent from the group's buffer: the ticket's own is not needed
+        return parts
+
     def send(self, ticket: int, index: int, parts: BatchParts, count: int = 1) -> int:
         r = self.route
         header = r.header(index, count, part_headers(parts))
         bufs = self._sets.get(ticket)
         frames = [zmq.Frame(a, track=bufs is not None) for a in parts.values()]
         r.send(header, frames)
-        if bufs is not None:
+        if bufs is not None and self.pool is not None:
             del self._sets[ticket]
             self.pool.release(bufs, zmq.MessageTracker(*frames))
         return header.nbytes
 
     def release(self, ticket: int) -> None:
         bufs = self._sets.pop(ticket, None)
-        if bufs is not None:
+        if bufs is not None and self.pool is not None:
             self.pool.release(bufs)
 
 
@@ -194,6 +205,9 @@ class SlotSink(BatchSink):
 
     def placer(self, ticket: int) -> Placer:
         return partial(self.slots.place, ticket)
+
+    def fill(self, ticket: int, parts: BatchParts) -> BatchParts:
+        return self.slots.copy_in(ticket, parts)
 
     def send(self, ticket: int, index: int, parts: BatchParts, count: int = 1) -> int:
         r = self.route

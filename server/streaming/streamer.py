@@ -159,6 +159,10 @@ class StreamerConfig:
     max_streams: int = 1024
     max_streams_per_job: int = 0
     max_hellos_per_s: float = 20.0
+    #: Shared jobs (see :mod:`.shares`): subscribers per rank, and each group's window.
+    share_subscribers: int = 16
+    share_window: int = 64
+    share_window_bytes: int = 1 << 30
     #: Rings that may wait for their client's first Credit at once (see ``sinks.RingBook``).
     shm_unproven_rings: int = 16
 

@@ -1,0 +1,255 @@
+"""One pass for many subscribers: the batches of a shared job's rank, assembled once.
+
+Loaders with the same job spec and ``share`` name (a sweep's trials, notebooks on one machine)
+open one stream each, with their own credit, plan, sink and ``state_dict``. What they share is
+the work: streams of one (job, rank, epoch, seed, offset, batches per message) form a
+:class:`ShareGroup`, and a span of batches one of them takes is assembled once, on the group's
+behalf, and handed to every member that takes the same span::
+
+    member takes span i ─┬─ ready in the window ──────────> its sink fills it (a copy into its
+                         │                                  slot; on the socket, the same buffer)
+                         ├─ being assembled ──────────────> waits for it
+                         ├─ not yet assembled, in window ─> assembles it for the group
+                         └─ below the window ─────────────> assembles it on its own (detached)
+
+The window is the ``window`` batches below the *front*, the furthest span any member took.
+The fastest member never waits for the slowest: a member that falls further behind than the
+window goes on on its own pass of the same plan (the same bytes, no longer shared), is told so
+once (a non-fatal ``share_detached`` notice) and rejoins if it catches up. So memory is at
+most the window's batches plus the spans being assembled, whatever the members do.
+
+Why each member has its own sink and not one ring mapped by all: a Loader hands out batches
+that live in its slot, and a trainer may change a batch in place (``x.sub_(mean)``); pages
+shared by several trainers would let one trial corrupt another's batches. A copy into each
+member's own slot costs a memcpy, not a gather or a transform.
+
+Plan positions are exact by construction: a member's batches come from its own plan, and a
+span found in the window is the one that plan asks for (same key, same first index, same
+length). Streamer thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shardserve.proto.api import ShareStatus
+
+from ..source import BatchParts
+from .sinks import BatchSink
+
+#: (job id, rank, epoch, seed, offset of the plan, batches per message): members of one group
+#: take the same spans of the same plan.
+ShareKey = tuple[str, int, int, int, int, int]
+
+
+class Take(Enum):
+    """What a member does for a span it takes."""
+
+    #: Assembled already: fill the member's sink from the window.
+    READY = "ready"
+    #: Another member's assembly of it is running: wait for it.
+    WAIT = "wait"
+    #: Nobody has it: assemble it for the group.
+    PRODUCE = "produce"
+    #: Below the window (or the member's spans do not line up): its own assembly, not kept.
+    OWN = "own"
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A member waiting for a span: its stream and the ticket of the memory it fills."""
+
+    ident: bytes
+    stream: int
+    ticket: int
+    sink: BatchSink
+
+
+@dataclass(eq=False)
+class Entry:
+    """One span of the window: ``parts`` once assembled; who waits for it meanwhile."""
+
+    count: int
+    parts: BatchParts | None = None
+    waiters: list[Waiter] = field(default_factory=list)
+
+
+@dataclass
+class Member:
+    """One subscriber's place in its group."""
+
+    stream: int
+    #: The next batch it takes (the end of its last span).
+    next: int
+    detached: bool = False
+    #: Batches it was handed from the window (not assembled for it alone).
+    shared: int = 0
+    #: Batches it assembled on its own pass.
+    own: int = 0
+
+
+@dataclass(eq=False)
+class ShareGroup:
+    """The window and the members of one shared pass (see the module docstring)."""
+
+    key: ShareKey
+    #: Batches kept below the front.
+    window: int
+    share: str
+    entries: dict[int, Entry] = field(default_factory=dict)
+    members: dict[bytes, Member] = field(default_factory=dict)
+    front: int = 0
+    #: Batches assembled for the group (each once, however many members are handed it).
+    assembled: int = 0
+    #: Batches handed to members from the window (each hand-off saved an assembly).
+    handed: int = 0
+    #: Times a member fell below the window.
+    detaches: int = 0
+    #: Batches members that left assembled on their own passes.
+    gone_own: int = 0
+
+    @property
+    def low(self) -> int:
+        """The first batch still kept: spans that start below it are gone."""
+        return self.front - self.window
+
+    def join(self, ident: bytes, stream: int, start: int) -> None:
+        self.members[ident] = Member(stream, start)
+
+    def leave(self, ident: bytes) -> None:
+        if (m := self.members.pop(ident, None)) is not None:
+            self.gone_own += m.own
+
+    def take(self, ident: bytes, index: int, count: int) -> tuple[Take, Entry | None, bool]:
+        """What member ``ident`` does for span (``index``, ``count``); the entry to fill
+        from, wait on or produce into; and whether it was just detached (tell it so)."""
+        m = self.members[ident]
+        m.next = index + count
+        self.front = max(self.front, m.next)
+        e = self.entries.get(index)
+        if e is not None and e.count == count:
+            m.detached = False  # caught up again
+            return (Take.READY if e.parts is not None else Take.WAIT), e, False
+        if e is not None or index < self.low:
+            # A span that starts below the window is gone; one that does not line up with the
+            # group's (another length at this index) would be a second copy of the same batches.
+            m.own += count
+            newly = not m.detached
+            m.detached = True
+            self.detaches += newly
+            self._evict()
+            return Take.OWN, None, newly
+        m.detached = False
+        e = self.entries[index] = Entry(count)
+        self._evict()
+        return Take.PRODUCE, e, False
+
+    def produced(self, index: int, parts: BatchParts) -> list[Waiter]:
+        """The span at ``index`` is assembled; returns who waited for it."""
+        e = self.entries.get(index)
+        if e is None:
+            return []
+        e.parts = parts
+        self.assembled += e.count
+        waiters, e.waiters = e.waiters, []
+        self._evict()
+        return waiters
+
+    def hand(self, ident: bytes, count: int) -> None:
+        """A member was handed ``count`` batches from the window."""
+        self.handed += count
+        if (m := self.members.get(ident)) is not None:
+            m.shared += count
+
+    def failed(self, index: int) -> list[Waiter]:
+        """The span's assembly failed: forgotten (a later take assembles it again); returns
+        who waited for it."""
+        e = self.entries.pop(index, None)
+        return e.waiters if e is not None else []
+
+    def _evict(self) -> None:
+        low = self.low
+        for i in [i for i, e in self.entries.items() if i + e.count <= low and e.parts is not None]:
+            del self.entries[i]
+
+    def lags(self) -> list[int]:
+        """Each member's batches behind the front."""
+        return sorted(self.front - m.next for m in self.members.values())
+
+    @property
+    def kept(self) -> int:
+        """Batches in the window now."""
+        return sum(e.count for e in self.entries.values() if e.parts is not None)
+
+    def status(self) -> ShareStatus:
+        _, rank, epoch, *_ = self.key
+        return ShareStatus(
+            share=self.share, rank=rank, epoch=epoch, subscribers=len(self.members),
+            window=self.window, kept=self.kept, front=self.front, assembled=self.assembled,
+            handed=self.handed, own=sum(m.own for m in self.members.values()) + self.gone_own,
+            detaches=self.detaches, lags=self.lags(),
+        )  # fmt: skip
+
+
+class ShareBook:
+    """Every share group of the server, by key. Streamer thread only."""
+
+    def __init__(self, window: int, window_bytes: int) -> None:
+        self.window = window
+        self.window_bytes = window_bytes
+        self._groups: dict[ShareKey, ShareGroup] = {}
+        #: Which group each member's stream is in.
+        self._of: dict[bytes, ShareKey] = {}
+
+    def window_for(self, batch_bytes: int, group: int) -> int:
+        """Batches a group of batches this big keeps: ``window``, fewer when they would pass
+        ``window_bytes``, never fewer than two messages' worth (one read, one assembled)."""
+        by_bytes = self.window_bytes // max(batch_bytes, 1)
+        return max(2 * group, min(self.window, by_bytes))
+
+    def join(
+        self, key: ShareKey, share: str, ident: bytes, stream: int, start: int, batch_bytes: int
+    ) -> ShareGroup:
+        """Add a member's stream to the group of ``key`` (made if new)."""
+        self.leave(ident)
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = ShareGroup(key, self.window_for(batch_bytes, key[5]), share)
+        g.join(ident, stream, start)
+        self._of[ident] = key
+        return g
+
+    def leave(self, ident: bytes, stream: int | None = None) -> None:
+        """A member's stream closed (``stream``: only that one, not a newer stream of the same
+        peer); a group without members goes, its window with it."""
+        key = self._of.get(ident)
+        if key is None:
+            return
+        g = self._groups[key]
+        if stream is not None and (m := g.members.get(ident)) is not None and m.stream != stream:
+            return
+        del self._of[ident]
+        g.leave(ident)
+        if not g.members:
+            del self._groups[key]
+
+    def get(self, key: ShareKey) -> ShareGroup | None:
+        return self._groups.get(key)
+
+    def groups(self) -> Iterator[ShareGroup]:
+        return iter(list(self._groups.values()))
+
+    def statuses(self) -> dict[str, list[ShareStatus]]:
+        """Every group's status, by job id (ordered by rank, epoch, share)."""
+        out: dict[str, list[ShareStatus]] = {}
+        for key in sorted(self._groups):
+            out.setdefault(key[0], []).append(self._groups[key].status())
+        return out
+
+    def forget_job(self, job_id: str) -> None:
+        for key in [k for k in self._groups if k[0] == job_id]:
+            g = self._groups.pop(key)
+            for ident in g.members:
+                self._of.pop(ident, None)
