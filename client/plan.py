@@ -200,7 +200,7 @@ def plan(
 
     Every argument that defines a Loader's job is accepted here with the Loader's meaning
     and default (see :class:`~.loader.Loader`); the ones about delivery (``prefetch``,
-    ``transport``, ``copy``, ``pad_variable``, ``resident``) have no use for ids.
+    ``transport``, ``copy``, ``pad_variable``, ``resident``, ``share``) have no use for ids.
     ``transforms`` do not change which samples a batch holds (``on_error="replace"``
     replaces samples inside the server, after the plan), but they are part of the job: with
     them the ids are those of the Loader's job, and a state dict passes between the two.

@@ -151,8 +151,9 @@ def parse_states(states: object, version: int = VERSION) -> ResumeState:
 
 
 def check_same_job(st: ResumeState, spec: JobSpec, what: str) -> None:
-    """``BadRequest`` unless ``st`` was saved by ``spec``'s job at some world size."""
-    if st.spec.model_copy(update={"world_size": spec.world_size}) != spec:
+    """``BadRequest`` unless ``st`` was saved by ``spec``'s job at some world size, shared or
+    not (a share group's batches are the unshared job's)."""
+    if st.spec.model_copy(update={"world_size": spec.world_size, "share": spec.share}) != spec:
         raise BadRequest(f"state is for job {st.spec!r}, this {what} serves {spec!r}")
 
 

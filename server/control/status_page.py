@@ -187,9 +187,33 @@ def _job_section(j: JobStatus, mixture: MixtureStatus | None = None) -> str:
         return head + "<p class='meta'>no rank has opened a stream yet</p>"
     rows = "\n".join(_rank_row(r) for r in j.ranks)
     return (
-        head + "<table class='ranks'><tr><th>rank</th><th class='l'>stream</th><th>epoch</th>"
+        head
+        + _shares_table(j)
+        + "<table class='ranks'><tr><th>rank</th><th class='l'>stream</th><th>epoch</th>"
         "<th class='l'>transport</th><th>next/total</th><th>batches</th><th>bytes</th>"
         "<th>batches/s</th><th>credit</th><th>data stall</th><th>last heard</th></tr>\n"
+        + rows
+        + "\n</table>"
+    )
+
+
+def _shares_table(j: JobStatus) -> str:
+    """A shared job's groups: subscribers, how far each is behind, and the work saved."""
+    if not j.shares:
+        return ""
+    rows = "\n".join(
+        f"<tr><td class='l'>{_e(g.share)}</td><td>{g.rank}</td><td>{g.epoch}</td>"
+        f"<td>{g.subscribers}</td><td class='l'>{', '.join(map(str, g.lags))}</td>"
+        f"<td>{g.kept}/{g.window}</td><td>{g.assembled:,}</td><td>{g.handed:,}</td>"
+        f"<td>{g.own:,}</td><td>{g.detaches}</td>"
+        f"<td>{g.handed / max(g.assembled + g.handed + g.own, 1):.0%}</td></tr>"
+        for g in j.shares
+    )
+    return (
+        "<table class='shares'><tr><th class='l'>share</th><th>rank</th><th>epoch</th>"
+        "<th>subscribers</th><th class='l'>behind the front</th><th>window</th>"
+        "<th>assembled</th><th>handed</th><th>own passes</th><th>detaches</th>"
+        "<th title='batches delivered without an assembly of their own'>saved</th></tr>\n"
         + rows
         + "\n</table>"
     )

@@ -160,9 +160,12 @@ class StreamHandler(HelloHandling):
             s.prepared = prepared
             # A mixture whose source ran out ("stop") ends its epoch before the nominal count.
             s.flow.num_batches = min(s.flow.num_batches, len(prepared.plan))
-            s.sink = self.opener.sink_for(s, prepared, self.sessions.values())
-            if (share := s.job.spec.share) is not None:
-                key = (s.job_id, s.rank, s.epoch, s.seed, s.offset, s.group)
+            share = s.job.spec.share
+            plan = (s.job_id, s.rank, s.epoch, s.seed, s.offset)
+            joins = self.shares.spans_of(plan) if share is not None else None
+            s.sink = self.opener.sink_for(s, prepared, self.sessions.values(), joins)
+            if share is not None:
+                key = (*plan, s.group)
                 s.share = self.shares.join(
                     key, share, s.ident, s.stream, s.flow.start_batch, prepared.batch_bytes
                 )

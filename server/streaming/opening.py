@@ -76,14 +76,20 @@ class Opener:
             and hello.boot_id == c.boot_id
         )
 
-    def sink_for(self, s: Session, prep: Prepared, sessions: Iterable[Session]) -> BatchSink:
+    def sink_for(
+        self, s: Session, prep: Prepared, sessions: Iterable[Session], joins: int | None = None
+    ) -> BatchSink:
         """The stream's sink: its slot ring if it wants one and can have one, else the socket.
-        Also settles how many batches go in one message (``s.group``)."""
+        Also settles how many batches go in one message (``s.group``): ``joins``, the batches
+        per message of the share group the stream joins, when its credit allows them (members
+        share spans only of one length)."""
         batch_size = s.job.spec.batch_size
         credit = min(s.flow.credit, MAX_CREDIT)
         most = s.max_group if prep.groupable else 1
         ragged = any(shape is None for shape in prep.part_shapes.values())
         s.group = choose_group(prep.batch_bytes, credit, most, ragged)
+        if joins is not None and joins <= min(most, max(credit // 2, 1)):
+            s.group = joins
         route = Route(self.sock, s.ident, s.stream, s.epoch, batch_size)
         rows = batch_size * s.group  # what one message's memory holds
         if s.want_shm:

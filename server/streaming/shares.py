@@ -235,6 +235,17 @@ class ShareBook:
         if not g.members:
             del self._groups[key]
 
+    def spans_of(self, plan: tuple[str, int, int, int, int]) -> int | None:
+        """Batches per message of the group with the most members streaming ``plan`` (the
+        key without its last element), if there is one: a new member takes that length when
+        its credit allows, so that it shares spans with them."""
+        best = max(
+            (g for k, g in self._groups.items() if k[:5] == plan),
+            key=lambda g: len(g.members),
+            default=None,
+        )
+        return best.key[5] if best is not None else None
+
     def get(self, key: ShareKey) -> ShareGroup | None:
         return self._groups.get(key)
 

@@ -17,8 +17,9 @@ from shardserve.server.planning import plan as server_plan
 from tests.client.conftest import N_CIFAR, ids
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Loader arguments about delivery, not about which batches the job holds.
-DELIVERY = {"prefetch", "transport", "pad_variable", "copy", "resident", "devices"}
+#: Loader arguments about delivery, not about which batches the job holds (``share``: which
+#: Loaders are handed one pass's batches).
+DELIVERY = {"prefetch", "transport", "pad_variable", "copy", "resident", "devices", "share"}
 
 
 def test_plan_accepts_every_argument_that_defines_a_loaders_job() -> None:

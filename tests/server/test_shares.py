@@ -1,0 +1,122 @@
+"""A share group's window as pure bookkeeping: who assembles a span, who is handed it, who
+goes on on its own pass; and the grid that makes every member take the same spans."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardserve.server.streaming.pipeline import Pipeline
+from shardserve.server.streaming.shares import ShareBook, ShareGroup, Take
+
+KEY = ("job", 0, 0, 0, 0, 4)
+
+
+def span_at(index: int, grid: int, num: int) -> int:
+    return min(grid - index % grid, num - index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    starts=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    window=st.integers(1, 24),
+    grid=st.integers(1, 6),
+    steps=st.lists(st.tuples(st.integers(0, 4), st.booleans()), max_size=300),
+)
+def test_each_span_is_assembled_once_for_the_group_and_memory_stays_in_the_window(
+    starts: list[int], window: int, grid: int, steps: list[tuple[int, bool]]
+) -> None:
+    """Members at any speeds: a span inside the window is assembled by one member and
+    handed to the others; a member below the window goes on its own (told once per fall);
+    the window holds at most ``window`` batches below the front plus the last span."""
+    num = 60
+    window = max(window, 2 * grid)
+    g = ShareGroup(("job", 0, 0, 0, 0, grid), window, "s")
+    nxt = {bytes([m]): s for m, s in enumerate(starts)}
+    for ident, s in nxt.items():
+        g.join(ident, 1, s)
+    pending: list[int] = []
+    front = 0
+    produced: dict[int, int] = {}  # first index -> times assembled for the group
+    for who, finish in steps:
+        if finish and pending:
+            index = pending.pop(0)
+            parts = {"x": np.arange(index, index + 2)}
+            g.produced(index, parts)
+            produced[index] = produced.get(index, 0) + 1
+            continue
+        ident = bytes([who % len(starts)])
+        index = nxt[ident]
+        if index >= num:
+            continue
+        count = span_at(index, grid, num)
+        take, entry, _ = g.take(ident, index, count)
+        nxt[ident] = index + count
+        front = max(front, index + count)
+        if take is Take.OWN:
+            assert index < g.low or (index in g.entries and g.entries[index].count != count)
+            continue
+        assert entry is not None and entry.count == count and g.entries[index] is entry
+        if take is Take.READY:
+            assert entry.parts is not None and int(entry.parts["x"][0]) == index
+        elif take is Take.PRODUCE:
+            pending.append(index)
+        assert g.kept <= window + grid
+    assert all(n == 1 for n in produced.values()), produced
+    assert g.front == front
+
+
+def test_a_member_behind_the_window_is_detached_once_and_rejoins_when_it_catches_up() -> None:
+    g = ShareGroup(KEY, 8, "s")
+    g.join(b"fast", 1, 0)
+    g.join(b"slow", 2, 0)
+    for i in range(0, 20, 4):
+        take, _, _ = g.take(b"fast", i, 4)
+        assert take is Take.PRODUCE
+        g.produced(i, {"x": np.zeros(1)})
+    assert g.low == 12 and sorted(g.entries) == [12, 16]
+    assert g.take(b"slow", 0, 4)[::2] == (Take.OWN, True)
+    assert g.take(b"slow", 4, 4)[::2] == (Take.OWN, False)  # told once
+    assert g.take(b"slow", 8, 4)[::2] == (Take.OWN, False)
+    take, entry, _ = g.take(b"slow", 12, 4)  # back in the window
+    assert take is Take.READY and entry is g.entries[12]
+    assert g.detaches == 1 and not g.members[b"slow"].detached
+    assert g.lags() == [0, 4]
+
+
+def test_a_group_goes_with_its_last_member_and_a_newer_stream_is_not_dropped() -> None:
+    book = ShareBook(window=64, window_bytes=1 << 30)
+    book.join(KEY, "s", b"a", 1, 0, 1000)
+    book.join(KEY, "s", b"b", 2, 0, 1000)
+    assert book.spans_of(KEY[:5]) == 4
+    book.join(KEY, "s", b"a", 3, 5, 1000)  # a's next stream (a resume) replaces its first
+    book.leave(b"a", 1)  # the first one's close comes late: a's newer stream stays
+    assert set(book.get(KEY).members) == {b"a", b"b"}  # type: ignore[union-attr]
+    book.leave(b"a", 3)
+    book.leave(b"b")
+    assert book.get(KEY) is None and book.spans_of(KEY[:5]) is None
+
+
+def test_the_window_is_bounded_by_bytes_but_holds_two_messages() -> None:
+    book = ShareBook(window=64, window_bytes=100 << 20)
+    assert book.window_for(1 << 20, 4) == 64
+    assert book.window_for(10 << 20, 4) == 10
+    assert book.window_for(80 << 20, 4) == 8
+
+
+@given(start=st.integers(0, 50), grid=st.integers(1, 8), num=st.integers(1, 80))
+def test_a_grid_makes_spans_end_on_its_multiples(start: int, grid: int, num: int) -> None:
+    """Members that start anywhere take the same spans after their first one, and a span is
+    taken only with the credit for all of it."""
+    flow: Pipeline[object] = Pipeline(min(start, num), num, credit=2 * grid)
+    flow.grid = grid
+    while flow.wants_work():
+        index, count = flow.take(grid)
+        end = index + count
+        assert end == num or end % grid == 0
+        assert count == min(grid - index % grid, num - index)
+        flow.assembled(index, object())
+        flow.released()
+        flow.grant(count)
+    assert flow.next_submit == num
