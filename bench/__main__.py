@@ -27,6 +27,7 @@ ORDER = [
     "bench_small",
     "bench_mixture",
     "bench_transforms",
+    "bench_share",
 ]
 
 

@@ -137,7 +137,7 @@ def group_with(srv: ServerProc, job: str, subscribers: int) -> dict[str, Any]:
         seen.append(share_groups(srv, job))
         return len(seen[-1]) == 1 and seen[-1][0]["subscribers"] == subscribers
 
-    wait_until(ok, f"one share group with {subscribers} subscribers (last seen: {seen[-1:]})")
+    wait_until(ok, f"one share group with {subscribers} subscribers")
     return seen[-1][0]
 
 
@@ -273,6 +273,9 @@ def test_three_subscribers_get_unshared_bytes_assembled_once(
         assert {s.job_id for s in subs} == {subs[0].job_id}
         group = group_with(srv, str(subs[0].job_id), 3)
         assert group["detaches"] == 0, group
+        page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=30).text
+        row = f"<tr><td class='l'>{kw['share']}</td><td>0</td><td>0</td><td>3</td>"
+        assert row in page, "the status page shows no row for the group's 3 subscribers"
         gate.set()
         results = [s.result() for s in subs]
     after = counters(srv)
