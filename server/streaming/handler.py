@@ -227,6 +227,7 @@ class StreamHandler(HelloHandling):
             self._admission_tick(now)
         except Exception:  # a bug here must not stop the streams' timers below
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
+        self.shares.expire(now)
         self.deps.board.set_shares(self.shares.statuses())
         try:
             self.opener.tidy(now, self.sessions.values())

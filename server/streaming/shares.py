@@ -16,7 +16,8 @@ The window is the ``window`` batches below the *front*, the furthest span any me
 The fastest member never waits for the slowest: a member that falls further behind than the
 window goes on on its own pass of the same plan (the same bytes, no longer shared), is told so
 once (a non-fatal ``share_detached`` notice) and rejoins if it catches up. So memory is at
-most the window's batches plus the spans being assembled, whatever the members do.
+most the window's batches plus the spans being assembled, whatever the members do; a group
+whose members all left keeps its window a few seconds (:class:`ShareBook`).
 
 Why each member has its own sink and not one ring mapped by all: a Loader hands out batches
 that live in its slot, and a trainer may change a batch in place (``x.sub_(mean)``); pages
@@ -30,6 +31,7 @@ length). Streamer thread only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -37,7 +39,10 @@ from enum import Enum
 from shardserve.proto.api import ShareStatus
 
 from ..source import BatchParts
-from .sinks import BatchSink
+from .sinks import IDLE_KEEP_S, BatchSink
+
+#: Groups without members kept at once (each holds at most its window).
+MAX_IDLE_GROUPS = 16
 
 #: (job id, rank, epoch, seed, offset of the plan, batches per message): members of one group
 #: take the same spans of the same plan.
@@ -194,14 +199,29 @@ class ShareGroup:
 
 
 class ShareBook:
-    """Every share group of the server, by key. Streamer thread only."""
+    """Every share group of the server, by key. Streamer thread only.
 
-    def __init__(self, window: int, window_bytes: int) -> None:
+    A group whose last member left is kept ``keep_s`` (at most ``max_idle`` such groups,
+    oldest dropped first): a trial that ends its epoch before another starts it, or one that
+    restarts, finds the window where the group left it.
+    """
+
+    def __init__(
+        self,
+        window: int,
+        window_bytes: int,
+        keep_s: float = IDLE_KEEP_S,
+        max_idle: int = MAX_IDLE_GROUPS,
+    ) -> None:
         self.window = window
         self.window_bytes = window_bytes
+        self.keep_s = keep_s
+        self.max_idle = max_idle
         self._groups: dict[ShareKey, ShareGroup] = {}
         #: Which group each member's stream is in.
         self._of: dict[bytes, ShareKey] = {}
+        #: Groups without members, and since when (oldest first).
+        self._idle: dict[ShareKey, float] = {}
 
     def window_for(self, batch_bytes: int, group: int) -> int:
         """Batches a group of batches this big keeps: ``window``, fewer when they would pass
@@ -214,6 +234,7 @@ class ShareBook:
     ) -> ShareGroup:
         """Add a member's stream to the group of ``key`` (made if new)."""
         self.leave(ident)
+        self._idle.pop(key, None)
         g = self._groups.get(key)
         if g is None:
             g = self._groups[key] = ShareGroup(key, self.window_for(batch_bytes, key[5]), share)
@@ -221,9 +242,9 @@ class ShareBook:
         self._of[ident] = key
         return g
 
-    def leave(self, ident: bytes, stream: int | None = None) -> None:
+    def leave(self, ident: bytes, stream: int | None = None, now: float | None = None) -> None:
         """A member's stream closed (``stream``: only that one, not a newer stream of the same
-        peer); a group without members goes, its window with it."""
+        peer); a group without members is kept for a while (see the class docstring)."""
         key = self._of.get(ident)
         if key is None:
             return
@@ -233,7 +254,21 @@ class ShareBook:
         del self._of[ident]
         g.leave(ident)
         if not g.members:
-            del self._groups[key]
+            self._idle[key] = time.monotonic() if now is None else now
+            while len(self._idle) > self.max_idle:
+                self._drop(next(iter(self._idle)))
+
+    def expire(self, now: float) -> None:
+        """Drop groups that have had no member for ``keep_s``."""
+        for key, since in list(self._idle.items()):
+            if now - since >= self.keep_s:
+                self._drop(key)
+
+    def _drop(self, key: ShareKey) -> None:
+        self._idle.pop(key, None)
+        g = self._groups.pop(key, None)
+        for ident in g.members if g is not None else ():
+            self._of.pop(ident, None)
 
     def spans_of(self, plan: tuple[str, int, int, int, int]) -> int | None:
         """Batches per message of the group with the most members streaming ``plan`` (the
@@ -261,6 +296,4 @@ class ShareBook:
 
     def forget_job(self, job_id: str) -> None:
         for key in [k for k in self._groups if k[0] == job_id]:
-            g = self._groups.pop(key)
-            for ident in g.members:
-                self._of.pop(ident, None)
+            self._drop(key)

@@ -179,6 +179,31 @@ def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -
     assert "epoch 1: loss" in out.stdout
 
 
+def test_the_sweep_example_runs_its_trials_on_one_shared_pass(tmp_path: Path) -> None:
+    """examples/sweep.py (included in the sharing guide): three trials, each every batch of
+    its two epochs; their share group's window is longer than an epoch, so none is detached."""
+    assert '--8<-- "examples/sweep.py"' in (DOCS / "guides" / "sharing.md").read_text()
+    data = tmp_path / "digits.npz"
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(data),
+         str(tmp_path / "test.npz")], check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    store = tmp_path / "store"
+    subprocess.run(
+        [sys.executable, "-m", "shardserve.server", "ingest", str(data), "--store", str(store),
+         "--name", "digits-train", "--quiet"], check=True, timeout=120, capture_output=True,
+    )  # fmt: skip
+    with run_server(store) as srv:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "sweep.py"), srv.http_url, "digits-train"],
+            capture_output=True, text=True, timeout=scaled(240.0),
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["lr 0.03", "lr 0.1", "lr 0.3"], out.stdout
+    assert all(line.endswith("46 batches, detached 0") for line in lines), out.stdout
+
+
 def test_the_readme_is_short_and_its_links_exist() -> None:
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 250

@@ -85,17 +85,31 @@ def test_a_member_behind_the_window_is_detached_once_and_rejoins_when_it_catches
     assert g.lags() == [0, 4]
 
 
-def test_a_group_goes_with_its_last_member_and_a_newer_stream_is_not_dropped() -> None:
-    book = ShareBook(window=64, window_bytes=1 << 30)
+def test_a_group_outlives_its_last_member_briefly_and_a_newer_stream_is_not_dropped() -> None:
+    book = ShareBook(window=64, window_bytes=1 << 30, keep_s=10.0, max_idle=1)
     book.join(KEY, "s", b"a", 1, 0, 1000)
     book.join(KEY, "s", b"b", 2, 0, 1000)
     assert book.spans_of(KEY[:5]) == 4
     book.join(KEY, "s", b"a", 3, 5, 1000)  # a's next stream (a resume) replaces its first
     book.leave(b"a", 1)  # the first one's close comes late: a's newer stream stays
     assert set(book.get(KEY).members) == {b"a", b"b"}  # type: ignore[union-attr]
-    book.leave(b"a", 3)
-    book.leave(b"b")
+    book.leave(b"a", 3, now=100.0)
+    book.leave(b"b", now=100.0)
+    g = book.get(KEY)
+    assert g is not None and not g.members  # kept for a joiner that comes soon
+    book.expire(109.0)
+    assert book.get(KEY) is g
+    book.join(KEY, "s", b"c", 4, 0, 1000)  # found where the group left it
+    assert book.get(KEY) is g
+    book.leave(b"c", now=200.0)
+    book.expire(210.0)
     assert book.get(KEY) is None and book.spans_of(KEY[:5]) is None
+    other = ("job", 1, 0, 0, 0, 4)
+    book.join(KEY, "s", b"d", 5, 0, 1000)
+    book.join(other, "s", b"e", 6, 0, 1000)
+    book.leave(b"d", now=300.0)
+    book.leave(b"e", now=301.0)  # a second idle group: the older one goes (max_idle=1)
+    assert book.get(KEY) is None and book.get(other) is not None
 
 
 def test_the_window_is_bounded_by_bytes_but_holds_two_messages() -> None:
