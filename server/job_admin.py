@@ -240,6 +240,7 @@ class JobAdmin:
             for c in self.board.counters()
             if c.job in exported
         ]
+        snap.shares = [sh for sh in self.board.share_series() if sh.job_id in exported]
         return snap
 
     def status_of(self, job: Job, state: JobState | None = None) -> JobStatus:

@@ -34,6 +34,10 @@ shardserve_mixture_samples_sent_total       counter    job_id, source  samples o
 shardserve_mixture_share                    gauge      job_id, source  share of that source sent over the ranks' current streams
 shardserve_mixture_deviation_sigmas         gauge      job_id          largest gap of those shares from the schedule's, in binomial sigmas
 shardserve_quarantined_samples              gauge      dataset         sample ids of the dataset in quarantine
+shardserve_job_share_subscribers            gauge      job_id, rank    subscribers of the rank's share groups (``Loader(share=...)``)
+shardserve_job_share_lag_batches            gauge      job_id, rank    the largest lag of a subscriber behind its group's front, in batches
+shardserve_job_share_batches_handed_total   counter    job_id, rank    batches the rank's subscribers were handed from their group's pass
+shardserve_job_share_detaches_total         counter    job_id, rank    times a subscriber of the rank fell behind its group's window
 ==========================================  =========  ==============  ============================================
 """
 
@@ -73,6 +77,20 @@ class RankSeries:
     compute_s: float
 
 
+@dataclass(frozen=True)
+class ShareSeries:
+    """One rank of a shared job as a scrape exports it (its share groups together)."""
+
+    job_id: str
+    rank: int
+    subscribers: int
+    #: The largest lag behind its group's front of any subscriber now, in batches.
+    lag: int
+    #: Since the server started (groups that ended included).
+    handed: int
+    detaches: int
+
+
 @dataclass
 class JobsSnapshot:
     """What the per-job metrics show at one scrape (built by the service)."""
@@ -91,9 +109,11 @@ class JobsSnapshot:
     mixture_sigmas: dict[str, float] = field(default_factory=dict)
     #: Quarantined sample ids per dataset.
     quarantined: dict[str, int] = field(default_factory=dict)
+    #: Ranks of shared jobs (``Loader(share=...)``).
+    shares: list[ShareSeries] = field(default_factory=list)
 
 
-#: The kinds of per-source series a mixture job exports.
+#: The kinds of per-source series a mixture job exports (and per-rank ones a shared job).
 _SourceFamily = type[GaugeMetricFamily] | type[CounterMetricFamily]
 
 
@@ -192,6 +212,25 @@ class _JobCollector(Collector):
         for name, n in sorted(snap.quarantined.items()):
             quarantined.add_metric([name], n)
         yield quarantined
+        per_share: list[tuple[_SourceFamily, str, str, Callable[[ShareSeries], int]]] = [
+            (GaugeMetricFamily, "shardserve_job_share_subscribers",
+             "Subscribers of the rank's share groups (Loader(share=...)).",
+             lambda sh: sh.subscribers),
+            (GaugeMetricFamily, "shardserve_job_share_lag_batches",
+             "The largest lag of a subscriber behind its share group's front, in batches.",
+             lambda sh: sh.lag),
+            (CounterMetricFamily, "shardserve_job_share_batches_handed",
+             "Batches the rank's subscribers were handed from their group's pass.",
+             lambda sh: sh.handed),
+            (CounterMetricFamily, "shardserve_job_share_detaches",
+             "Times a subscriber of the rank fell behind its share group's window.",
+             lambda sh: sh.detaches),
+        ]  # fmt: skip
+        for kind, name, doc, read in per_share:
+            ranks = kind(name, doc, labels=["job_id", "rank"])
+            for sh in snap.shares:
+                ranks.add_metric([sh.job_id, str(sh.rank)], float(read(sh)))
+            yield ranks
 
 
 class Metrics:

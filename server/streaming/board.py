@@ -23,6 +23,8 @@ import numpy as np
 from shardserve.proto.api import RankStatus, ShareStatus
 from shardserve.proto.endpoints import Delivery as Transport
 
+from ..metrics import ShareSeries
+
 
 @dataclass
 class RankRecord:
@@ -152,15 +154,21 @@ class StreamBoard:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankRecord] = {}
         self._shares: dict[str, list[ShareStatus]] = {}
+        self._share_series: list[ShareSeries] = []
 
-    def set_shares(self, shares: dict[str, list[ShareStatus]]) -> None:
-        """Every job's share groups now (the streamer's snapshot, replaced whole)."""
+    def set_shares(self, shares: dict[str, list[ShareStatus]], series: list[ShareSeries]) -> None:
+        """Every job's share groups now, and their metric series (the streamer's snapshot,
+        replaced whole)."""
         with self._lock:
-            self._shares = shares
+            self._shares, self._share_series = shares, series
 
     def shares(self, job: str) -> list[ShareStatus]:
         with self._lock:
             return list(self._shares.get(job, ()))
+
+    def share_series(self) -> list[ShareSeries]:
+        with self._lock:
+            return list(self._share_series)
 
     def opened(
         self,

@@ -228,7 +228,7 @@ class StreamHandler(HelloHandling):
         except Exception:  # a bug here must not stop the streams' timers below
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
         self.shares.expire(now)
-        self.deps.board.set_shares(self.shares.statuses())
+        self.deps.board.set_shares(self.shares.statuses(), self.shares.series())
         try:
             self.opener.tidy(now, self.sessions.values())
         except Exception:  # memory housekeeping must not stop the streams' timers below

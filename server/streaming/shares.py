@@ -38,6 +38,7 @@ from enum import Enum
 
 from shardserve.proto.api import ShareStatus
 
+from ..metrics import ShareSeries
 from ..source import BatchParts
 from .sinks import IDLE_KEEP_S, BatchSink
 
@@ -222,6 +223,9 @@ class ShareBook:
         self._of: dict[bytes, ShareKey] = {}
         #: Groups without members, and since when (oldest first).
         self._idle: dict[ShareKey, float] = {}
+        #: (handed, detaches) of the groups that ended, by (job id, rank): the counters of
+        #: :meth:`series` only grow.
+        self._ended: dict[tuple[str, int], tuple[int, int]] = {}
 
     def window_for(self, batch_bytes: int, group: int) -> int:
         """Batches a group of batches this big keeps: ``window``, fewer when they would pass
@@ -267,8 +271,30 @@ class ShareBook:
     def _drop(self, key: ShareKey) -> None:
         self._idle.pop(key, None)
         g = self._groups.pop(key, None)
-        for ident in g.members if g is not None else ():
+        if g is None:
+            return
+        for ident in g.members:
             self._of.pop(ident, None)
+        handed, detaches = self._ended.get(key[:2], (0, 0))
+        self._ended[key[:2]] = (handed + g.handed, detaches + g.detaches)
+
+    def series(self) -> list[ShareSeries]:
+        """Per (job, rank) of a shared job: subscribers and the largest lag now, batches
+        handed and detaches since the server started."""
+        live: dict[tuple[str, int], list[ShareGroup]] = {}
+        for key, g in self._groups.items():
+            live.setdefault(key[:2], []).append(g)
+        out = []
+        for job_rank in sorted(live.keys() | self._ended.keys()):
+            gs = live.get(job_rank, [])
+            handed, detaches = self._ended.get(job_rank, (0, 0))
+            out.append(ShareSeries(
+                *job_rank, subscribers=sum(len(g.members) for g in gs),
+                lag=max((lag for g in gs for lag in g.lags()), default=0),
+                handed=handed + sum(g.handed for g in gs),
+                detaches=detaches + sum(g.detaches for g in gs),
+            ))  # fmt: skip
+        return out
 
     def spans_of(self, plan: tuple[str, int, int, int, int]) -> int | None:
         """Batches per message of the group with the most members streaming ``plan`` (the
@@ -297,3 +323,5 @@ class ShareBook:
     def forget_job(self, job_id: str) -> None:
         for key in [k for k in self._groups if k[0] == job_id]:
             self._drop(key)
+        for job_rank in [k for k in self._ended if k[0] == job_id]:
+            del self._ended[job_rank]

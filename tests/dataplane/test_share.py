@@ -314,6 +314,13 @@ def test_a_paused_subscriber_is_detached_and_stalls_nobody(
         for s in others:  # while the paused one still waits at its batch 2
             assert_exact(s.name, s.result(), want)
         assert not paused.done.is_set() and len(paused.records) == 2
+        # The metrics show it: the paused subscriber alone, far behind the group's front.
+        series = f'{{job_id="{paused.job_id}",rank="0"}}'
+        wait_until(
+            lambda: counter(narrow, "shardserve_job_share_lag_batches" + series) >= 40
+            and counter(narrow, "shardserve_job_share_subscribers" + series) == 1,
+            "the share metrics to show one subscriber 40+ batches behind the front",
+        )
         later.set()
         assert_exact(paused.name, paused.result(), want)
     # Told while it waited or when it went on (not when it joined: counted at its batch 2).
