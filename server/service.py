@@ -258,6 +258,7 @@ class Service:
 
     def stop(self) -> None:
         self.streamer.stop()
+        self.plans.close()
         self.transforms.close()
         self.journal.release()
         self.store.close()  # and its cache: no prefetch outlives the service
@@ -339,7 +340,10 @@ class Service:
         mixture's plan follows its schedule batch by batch; any other is fixed when made."""
         if job.spec.mixture is not None:
             return self.mixture_admin.stream_plan(job, epoch, seed, rank, offset)
-        return self.plans.rank_plan(job, epoch, seed, rank, shard_rows=shard_rows, offset=offset)
+        plan = self.plans.rank_plan(job, epoch, seed, rank, shard_rows=shard_rows, offset=offset)
+        if job.spec.shuffle != "none":  # the next epoch's order, while this one streams
+            self.plans.plan_ahead(job, epoch + 1, seed, shard_rows)
+        return plan
 
     def cache_summary(self) -> dict[str, float] | None:
         """The shard cache's counters, or ``None`` for a local store."""

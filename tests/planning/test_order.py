@@ -7,7 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardserve.proto.jobs import JobSpec, job_id
+from shardserve.server.jobs import Job
 from shardserve.server.planning import SHUFFLES, epoch_order
+from shardserve.server.planning.cache import PlanCache
 from shardserve.server.planning.rng import order_dtype
 
 from .strategies import epochs, seeds, shard_layouts, shuffles, sizes, windows
@@ -139,3 +142,18 @@ def test_bad_arguments_name_the_bound(kwargs: dict[str, object], message: str) -
     with pytest.raises(ValueError) as err:
         epoch_order(**args)  # type: ignore[arg-type]
     assert message in str(err.value)
+
+
+def test_an_order_planned_ahead_is_the_one_its_epoch_gets() -> None:
+    """The next epoch's order computed in the background is the order of that epoch (the
+    same function of the same arguments), and is the one a stream of that epoch is handed."""
+    spec = JobSpec(dataset="d", batch_size=8, envs=2)
+    job = Job(job_id(spec), spec, num_samples=300_000)
+    cache = PlanCache()
+    cache.plan_ahead(job, 3, 7)
+    cache.close(wait=True)  # both envs' orders planned in the background
+    ahead = [cache.order(job, 3, 7, env=e) for e in range(2)]
+    for e, order in enumerate(ahead):
+        assert order is cache.order(job, 3, 7, env=e)  # cached, not computed again
+        assert np.array_equal(order, epoch_order(300_000, 7, 3, "global", env=e))
+    assert not np.array_equal(ahead[0], ahead[1])

@@ -1,0 +1,126 @@
+"""The first batch of each epoch: a new server, then later epochs of a large dataset.
+
+``python bench/bench_epochs.py [--quick] [--n N] [--epochs E] [--workdir DIR]``
+
+A dataset of ``n`` samples (5,000,000; ``--quick`` 2,000,000) of one ``int64`` each (so
+the store is small and the plan is the work), global shuffle, batch 256, one Loader over
+shared memory. Each epoch reads 200 batches, then the loop "trains" for 0.5 s (sleeps)
+before the next ``set_epoch``, as a real epoch lasts far longer than planning the next
+one. Per epoch: seconds from ``iter()`` to the first batch. The baseline in the same run is
+what that wait was before the next epoch's order was planned while the current one streams:
+``epoch_order`` of ``n`` samples in this process (median of 3).
+
+Target (issue 34): first batch of each later epoch <= 20 ms at 5M samples. Writes
+``bench/results/epochs.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from shardserve.client import Loader  # noqa: E402
+from shardserve.proto.manifest import FieldSpec  # noqa: E402
+from shardserve.server.planning import epoch_order  # noqa: E402
+from shardserve.server.store.writer import ShardWriter  # noqa: E402
+from tests.support.server import run_server  # noqa: E402
+
+RESULTS = HERE / "results" / "epochs.json"
+TARGET_S = 0.020
+BATCH = 256
+READ_BATCHES = 200
+TRAIN_S = 0.5
+
+
+def make_store(root: Path, n: int) -> Path:
+    store = root / f"store-{n}"
+    if (store / "ints").exists():
+        return store
+    with ShardWriter(
+        store, "ints", fields=[FieldSpec(name="x", dtype="int64", shape=())], shard_bytes=8 << 20
+    ) as w:
+        for s in range(0, n, 1 << 20):
+            w.add_batch({"x": np.arange(s, min(n, s + (1 << 20)), dtype=np.int64)})
+    return store
+
+
+def first_batches(url: str, epochs: int) -> list[float]:
+    out = []
+    with Loader(url, "ints", BATCH, seed=0, prefetch=8) as loader:
+        for e in range(epochs):
+            loader.set_epoch(e)
+            t0 = time.perf_counter()
+            first = None
+            for i, _ in enumerate(loader):
+                if first is None:
+                    first = time.perf_counter() - t0
+                if i + 1 == READ_BATCHES:
+                    break
+            out.append(float(first or 0.0))
+            time.sleep(TRAIN_S)  # the rest of the epoch's training
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="2M samples, 4 epochs")
+    p.add_argument("--n", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help="keep the data here")
+    args = p.parse_args(argv)
+    n = args.n or (2_000_000 if args.quick else 5_000_000)
+    epochs = args.epochs or (4 if args.quick else 6)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ss-epochs-") as tmp:
+        store = make_store(args.workdir or Path(tmp), n)
+        plans = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            epoch_order(n, 0, 1, "global")
+            plans.append(time.perf_counter() - t0)
+        with run_server(store) as srv:
+            firsts = first_batches(srv.http_url, epochs)
+    later = statistics.median(firsts[1:])
+    plan_s = statistics.median(plans)
+    load_after = os.getloadavg()
+    print(f"first batch of each epoch, {n:,} samples, global shuffle, batch {BATCH}, shm")
+    for e, s in enumerate(firsts):
+        print(
+            f"  epoch {e}: {s * 1000:8.1f} ms" + ("  (a new server: plan, then gather)" * (e == 0))
+        )
+    print(f"  planning an epoch in-process (the wait before plan-ahead): {plan_s * 1000:.0f} ms")
+    verdict = "met" if later <= TARGET_S else "MISSED"
+    print(
+        f"  later epochs, median: {later * 1000:.1f} ms = {later / plan_s:.3f}x the plan "
+        f"(target <= {TARGET_S * 1000:.0f} ms: {verdict})"
+    )
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "epochs",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "n_samples": n, "batch_size": BATCH,
+        "first_batch_s": firsts, "later_median_s": later, "plan_s": plan_s,
+        "later_vs_plan": later / plan_s,
+        "target": {"later_first_batch_s": TARGET_S, "met": later <= TARGET_S},
+        "load_before": load_before, "load_after": load_after,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
