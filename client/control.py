@@ -133,6 +133,7 @@ class ControlClient:
         later = (
             ("collate", spec.collate), ("mixture", spec.mixture),
             ("epoch_samples", spec.epoch_samples), ("schedule", spec.schedule),
+            ("share", spec.share),
         )  # fmt: skip
         unset = {k for k, v in later if v is None}
         body = spec.model_dump(mode="json", exclude=unset or None)
@@ -330,6 +331,8 @@ class JobHandle:
         self.epoch = created.status.epoch
         self.num_samples = created.status.num_samples
         self.batches_per_epoch = created.status.batches_per_epoch
+        #: A sample as the job serves it, in bytes (after transforms); ``None``: unknown.
+        self.sample_bytes = created.sample_bytes
 
     @classmethod
     def create(

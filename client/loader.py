@@ -254,15 +254,16 @@ class Loader:
         def check(info: Any) -> None:
             if step_envs:
                 check_env_fields(info, self.spec.fields)
-            if prefetch is None:
-                self.prefetch = auto_prefetch(info, self.spec.batch_size)
 
-        need_info = bool(step_envs) or prefetch is None
+        need_info = bool(step_envs)
         self._job = JobHandle.create(
             url, token, self.spec, timeout=timeout, world=self.world,
             check=check if need_info else None,
         )  # fmt: skip
         try:
+            if prefetch is None:  # sized by the samples as served (a chain may grow them)
+                job = self._job
+                self.prefetch = auto_prefetch(job.info(), self.spec.batch_size, job.sample_bytes)
             self._rebuild = rebuild_for(self._job.api, self.spec, pad_variable)
             self._feed = Feed(
                 self._job, self.world.rank, transport=transport, prefetch=self.prefetch,

@@ -100,6 +100,10 @@ class CreatedJob(BaseModel):
     id: str
     created: bool
     status: JobStatus
+    #: Bytes of one sample as the job serves it (after its transforms; variable-size fields at
+    #: the dataset's average): what a client sizes its default prefetch by. ``None``: unknown
+    #: (a mixture), the stored size stands in.
+    sample_bytes: float | None = None
 
 
 class DatasetInfo(BaseModel):

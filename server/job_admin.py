@@ -87,6 +87,7 @@ class JobAdmin:
             return self._admit(existing.spec, existing.num_samples, existing.source_sizes)
         spec = pin_version(spec, manifest)
         served = self._transforms.served(spec, manifest)  # a chain's outputs, when it has one
+        sample_bytes = self._transforms.sample_bytes(spec, manifest)
         self._check_fields(spec, [f.name for f in served.fields])
         if spec.graph is not None:
             check_graph_job(served, spec.fields, spec.graph)
@@ -97,7 +98,7 @@ class JobAdmin:
             int(per_sample * spec.batch_size),
             self.settings.max_batch_bytes,
         )
-        return self._admit(spec, manifest.num_samples)
+        return self._admit(spec, manifest.num_samples, sample_bytes=sample_bytes)
 
     @staticmethod
     def _check_fields(spec: JobSpec, known: list[str]) -> None:
@@ -109,7 +110,11 @@ class JobAdmin:
             )
 
     def _admit(
-        self, spec: JobSpec, num_samples: int, sizes: tuple[int, ...] | None = None
+        self,
+        spec: JobSpec,
+        num_samples: int,
+        sizes: tuple[int, ...] | None = None,
+        sample_bytes: float | None = None,
     ) -> CreatedJob:
         with self._admit_lock:
             self.sweep()
@@ -117,7 +122,9 @@ class JobAdmin:
                 self._refuse_other_version(spec)
                 self._make_room()
             job, created = self.jobs.create(spec, num_samples, sizes)
-        return CreatedJob(id=job.id, created=created, status=self.status_of(job))
+        return CreatedJob(
+            id=job.id, created=created, status=self.status_of(job), sample_bytes=sample_bytes
+        )
 
     def job(self, job_id: str) -> JobStatus:
         return self.status_of(self.jobs.get(job_id))

@@ -66,6 +66,12 @@ class BatchSource(Protocol):
         ...
 
     @property
+    def sample_bytes(self) -> float:
+        """Bytes of one sample as served (variable-size fields at the dataset's average):
+        what a batch's memory is sized by before its first take."""
+        ...
+
+    @property
     def groupable(self) -> bool:
         """Whether several batches may travel in one message: not when a step draws its
         numbers per batch, which would change what it sees."""
@@ -128,6 +134,10 @@ class Wrapped:
     @property
     def shard_rows(self) -> np.ndarray:
         return self.inner.shard_rows
+
+    @property
+    def sample_bytes(self) -> float:
+        return self.inner.sample_bytes
 
     @property
     def groupable(self) -> bool:

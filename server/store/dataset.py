@@ -59,6 +59,11 @@ class Dataset:
         self.shards = shards
         self._closed = False
 
+    @property
+    def sample_bytes(self) -> float:
+        """Stored bytes of the average sample."""
+        return self.manifest.total_bytes / max(self.num_samples, 1)
+
     @classmethod
     def mapped(cls, folder: Path, manifest: Manifest, verify: str = "lazy") -> Dataset:
         """A local store's dataset: every shard in ``folder`` mapped now."""

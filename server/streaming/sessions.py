@@ -152,7 +152,7 @@ def prepare(
     source = open_source(job.spec, s.epoch, s.seed, s.rank)
     m = source.manifest
     fields = tuple(job.spec.fields or (f.name for f in m.fields))
-    batch_bytes = int(m.total_bytes / max(m.num_samples, 1) * job.spec.batch_size)
+    batch_bytes = int(source.sample_bytes * job.spec.batch_size)  # as served (after a chain)
     # A job journaled before the limits existed is refused here, before any allocation.
     check_batch(job.spec.batch_size, m.num_samples, batch_bytes, max_batch_bytes)
     if s.closed:

@@ -271,8 +271,7 @@ class ShmSlots:
         var_start = cursor
         variable = [n for n, s in shapes.items() if s is None]
         if variable:
-            m = dataset.manifest
-            avg = m.total_bytes / max(m.num_samples, 1)
+            avg = dataset.sample_bytes
             cursor += int(VARIABLE_HEADROOM * batch_size * max(avg - fixed_per_sample, 0))
             # Companions of each variable field: int64 offsets [B+1] and shapes [B, ndim], each
             # of the three parts starting on an aligned boundary.

@@ -16,6 +16,7 @@ way and hands the failing samples to the stream's ``quarantine`` (see
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -78,6 +79,13 @@ class Transforms:
             return manifest
         return chain_manifest(self.compile(spec, manifest), manifest)
 
+    def sample_bytes(self, spec: JobSpec, manifest: Manifest) -> float:
+        """Bytes of one sample as job ``spec`` serves the stored dataset ``manifest``."""
+        stored = manifest.total_bytes / max(manifest.num_samples, 1)
+        if not spec.transforms:
+            return stored
+        return chain_sample_bytes(self.compile(spec, manifest), stored)
+
     def compile(self, spec: JobSpec, manifest: Manifest) -> Chain:
         """The job's checked chain (``BadRequest`` when it does not fit). Fields missing in
         some samples are not its inputs: they pass by it, masks and all."""
@@ -113,18 +121,22 @@ class Transforms:
 
 def chain_manifest(chain: Chain, stored: Manifest) -> Manifest:
     """The ``stored`` dataset as a job with ``chain`` serves it: the chain's outputs, then the
-    fields missing in some samples (as stored), as its fields; its bytes at least the
-    outputs' fixed ones."""
+    fields missing in some samples (as stored), as its fields (its bytes are the stored
+    shards'; a served sample's are :func:`chain_sample_bytes`)."""
     fields = (
         *(to_field_spec(n, f) for n, f in chain.outputs.items()),
         *(f for f in stored.fields if f.nullable),
     )
-    per_sample = sum(
-        int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in chain.outputs.values()
-        if f.fixed
-    )  # fmt: skip
-    total = max(stored.total_bytes, per_sample * stored.num_samples)
-    return stored.model_copy(update={"fields": fields, "total_bytes": total})
+    return stored.model_copy(update={"fields": fields})
+
+
+def chain_sample_bytes(chain: Chain, stored_sample_bytes: float) -> float:
+    """Bytes of a sample as ``chain`` serves it: its fixed-size outputs' bytes, or the stored
+    average when that is more (variable-size outputs are counted at the stored size)."""
+    fixed = sum(
+        math.prod(f.shape) * np.dtype(f.dtype).itemsize for f in chain.outputs.values() if f.fixed
+    )
+    return max(stored_sample_bytes, float(fixed))
 
 
 class TransformedDataset(Wrapped):
@@ -143,6 +155,7 @@ class TransformedDataset(Wrapped):
         self._lane = job_id(spec)
         self._epoch, self._seed, self._rank = epoch, seed, rank
         self._manifest = chain_manifest(chain, inner.manifest)
+        self._sample_bytes = chain_sample_bytes(chain, inner.sample_bytes)
         self.fields = self._manifest.fields
         #: Fields missing in some samples: read after the chain, for the samples it kept.
         self._passed = {f.name for f in self.fields if f.nullable}
@@ -152,6 +165,11 @@ class TransformedDataset(Wrapped):
         """The stored dataset's, with the chain's outputs (then the fields missing in some
         samples, which pass by it) as its fields."""
         return self._manifest
+
+    @property
+    def sample_bytes(self) -> float:
+        """A sample's bytes after the chain (see :func:`chain_sample_bytes`)."""
+        return self._sample_bytes
 
     @property
     def lane(self) -> str:

@@ -180,3 +180,18 @@ def test_decode_bomb_is_refused_from_its_header_naming_the_sample(tmp_path: Path
                     transforms=chain, on_error="replace") as ld:  # fmt: skip
             ld.set_epoch(0)
             assert sum(len(b["image"]) for b in ld) == 8
+
+
+def test_the_default_prefetch_is_sized_by_the_samples_as_served(srv: ServerProc) -> None:
+    """A chain that makes samples 4x bigger (uint8 to float32) gets a 4x smaller default
+    prefetch than the stored samples would: the credit holds what is delivered."""
+    from shardserve.client._credit import AUTO_PREFETCH_BYTES
+    from tests.transforms.conftest import CIFAR_CHAIN
+
+    with (
+        Loader(srv.http_url, "cifar", 32) as stored,
+        Loader(srv.http_url, "cifar", 32, transforms=CIFAR_CHAIN) as grown,
+    ):
+        served = 3 * 32 * 32 * 4 + 8  # float32 image, int64 label
+        assert grown.prefetch == AUTO_PREFETCH_BYTES // (served * 32)
+        assert stored.prefetch == 64 > grown.prefetch
