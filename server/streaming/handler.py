@@ -178,9 +178,9 @@ class StreamHandler(HelloHandling):
 
     def _shared_done(self, work: Work, done: Done[Work]) -> None:
         """A share group's span is assembled (or failed): hand it to every member waiting."""
-        g = self.shares.get(work.share) if work.share is not None else None
-        if g is None:
-            return  # every member left while it ran
+        g = work.share
+        if g is None or self.shares.get(g.key) is not g:
+            return  # the group was dropped while it ran (its members left, its job ended)
         failed = done.error is not None
         waiters = g.failed(work.index) if failed else g.produced(work.index, done.value)
         for w in waiters:
@@ -195,7 +195,7 @@ class StreamHandler(HelloHandling):
                     self._stream_failed(s, done.error)
                     continue
                 count = s.flow.span(work.index)
-                s.flow.assembled(work.index, Assembled(w.sink.fill(w.ticket, done.value), w.ticket))
+                self.pump.hand(s, w.sink, work.index, w.ticket, done.value)
                 if (w.ident, w.stream) != (work.ident, work.stream):
                     g.hand(w.ident, count)
                     self.deps.metrics.share_handed.inc(count)

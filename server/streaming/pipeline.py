@@ -25,7 +25,7 @@ from typing import Generic, Protocol, TypeVar
 
 from shardserve.proto.messages import GROUP_BYTES, MAX_CREDIT
 
-from .shares import ShareKey
+from .shares import ShareGroup
 
 #: Assemblies one stream may have queued at once: enough to keep the pool busy, few enough
 #: that one greedy stream does not starve the others of assembly threads.
@@ -105,8 +105,9 @@ class Work:
     index: int = -1
     ticket: int = -1
     owner: TicketOwner | None = None
-    #: The share group a ``SHARED`` span is for.
-    share: ShareKey | None = None
+    #: The share group a ``SHARED`` span is for (the group itself: a later group of the same
+    #: key, made after this one was dropped, is not the one that asked).
+    share: ShareGroup | None = None
 
     def abandon(self) -> None:
         """The batch will not be sent (failed, or its stream is gone): free its memory."""

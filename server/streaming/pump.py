@@ -16,8 +16,9 @@ from shardserve.proto.parts import SOURCE_PART
 
 from ..assembly import Assembler
 from ..metrics import Metrics
+from ..source import BatchParts
 from .board import StreamBoard
-from .pipeline import Work, WorkKind
+from .pipeline import INLINE_MAX_BYTES, Work, WorkKind
 from .sessions import Assembled, Prepared, Session
 from .shares import ShareGroup, Take, Waiter
 from .sinks import BatchSink
@@ -119,7 +120,7 @@ class Pump:
         assert entry is not None  # READY, WAIT and PRODUCE name their entry
         if take is Take.READY:
             assert entry.parts is not None
-            s.flow.assembled(index, Assembled(sink.fill(ticket, entry.parts), ticket))
+            self.hand(s, sink, index, ticket, entry.parts)
             g.hand(s.ident, count)
             self.metrics.share_handed.inc(count)
             return True
@@ -131,7 +132,7 @@ class Pump:
         indices = prep.indices(index, count)
         if not inline:
             # Assembled for the group, into memory of its own that no member writes again.
-            work = Work(WorkKind.SHARED, s.ident, s.stream, index, share=g.key)
+            work = Work(WorkKind.SHARED, s.ident, s.stream, index, share=g)
             self.assembler.gather(work, prep.source, indices, prep.fields, None, None, index)
             return True
         try:
@@ -145,8 +146,19 @@ class Pump:
             raise AssemblyFailed(str(e)) from e
         g.produced(index, parts)  # its only waiter is this stream: nobody ran meanwhile
         s.flow.returned()
-        s.flow.assembled(index, Assembled(sink.fill(ticket, parts), ticket))
+        self.hand(s, sink, index, ticket, parts)
         return True
+
+    def hand(self, s: Session, sink: BatchSink, index: int, ticket: int, parts: BatchParts) -> None:
+        """Make a share group's span ``s``'s: filled into its ticket's memory, then ready to
+        send. A copy of a big one runs on the pool, as a gather would: the streamer thread
+        serves every stream."""
+        if sink.copies_on_fill and sum(a.nbytes for a in parts.values()) > INLINE_MAX_BYTES:
+            s.flow.offloaded()
+            work = Work(WorkKind.BATCH, s.ident, s.stream, index, ticket, sink)
+            self.assembler.submit(work, sink.fill, ticket, parts)
+            return
+        s.flow.assembled(index, Assembled(sink.fill(ticket, parts), ticket))
 
     def _send_ready(self, s: Session, sink: BatchSink) -> bool:
         """Send assembled batches in index order; ``False`` once the peer's queue is full."""

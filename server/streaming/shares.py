@@ -13,11 +13,14 @@ behalf, and handed to every member that takes the same span::
                          └─ below the window ─────────────> assembles it on its own (detached)
 
 The window is the ``window`` batches below the *front*, the furthest span any member took.
-The fastest member never waits for the slowest: a member that falls further behind than the
-window goes on on its own pass of the same plan (the same bytes, no longer shared), is told so
-once (a non-fatal ``share_detached`` notice) and rejoins if it catches up. So memory is at
-most the window's batches plus the spans being assembled, whatever the members do; a group
-whose members all left keeps its window a few seconds (:class:`ShareBook`).
+The fastest member never waits for the slowest. Members behind the window share among
+themselves (trials started together, a little after the first): a span below the window is
+kept while another member will take it within ``window`` batches, up to one window more of
+such spans. A member alone behind the window goes on on its own pass of the same plan (the
+same bytes, no longer shared), is told so (a non-fatal ``share_detached`` notice) and rejoins
+when it catches up. So memory is at most two windows' batches plus the spans being
+assembled, whatever the members do; a group whose members all left keeps its window a few
+seconds (:class:`ShareBook`).
 
 Why each member has its own sink and not one ring mapped by all: a Loader hands out batches
 that live in its slot, and a trainer may change a batch in place (``x.sub_(mean)``); pages
@@ -43,7 +46,7 @@ from ..source import BatchParts
 from .sinks import IDLE_KEEP_S, BatchSink
 
 #: Groups without members kept at once (each holds at most its window).
-MAX_IDLE_GROUPS = 16
+MAX_IDLE_GROUPS = 4
 
 #: (job id, rank, epoch, seed, offset of the plan, batches per message): members of one group
 #: take the same spans of the same plan.
@@ -138,19 +141,35 @@ class ShareGroup:
         if e is not None and e.count == count:
             m.detached = False  # caught up again
             return (Take.READY if e.parts is not None else Take.WAIT), e, False
-        if e is not None or index < self.low:
-            # A span that starts below the window is gone; one that does not line up with the
-            # group's (another length at this index) would be a second copy of the same batches.
-            m.own += count
-            newly = not m.detached
-            m.detached = True
-            self.detaches += newly
+        if e is None and (index >= self.low or self._trailing(ident, index, count)):
+            m.detached = False
+            e = self.entries[index] = Entry(count)
             self._evict()
-            return Take.OWN, None, newly
-        m.detached = False
-        e = self.entries[index] = Entry(count)
+            return Take.PRODUCE, e, False
+        # A span that starts below the window, and that no other member is near, was
+        # assembled for the front and is gone; one that does not line up with the group's
+        # (another length at this index) would be a second copy of the same batches.
+        m.own += count
+        newly = not m.detached
+        m.detached = True
+        self.detaches += newly
         self._evict()
-        return Take.PRODUCE, e, False
+        return Take.OWN, None, newly
+
+    def _awaited(self, index: int, but: bytes | None = None) -> bool:
+        """Whether a member (other than ``but``) will take the span at ``index`` within the
+        window: its next batch is at most ``window`` batches before it."""
+        return any(
+            i != but and m.next <= index < m.next + self.window for i, m in self.members.items()
+        )
+
+    def _trailing(self, ident: bytes, index: int, count: int) -> bool:
+        """Whether a span below the window is kept for members behind the front (trials that
+        started late, together): another member will take it soon, and the spans kept below
+        the window stay within one window more."""
+        low = self.low
+        below = sum(e.count for i, e in self.entries.items() if i < low)
+        return below + count <= self.window and self._awaited(index, but=ident)
 
     def produced(self, index: int, parts: BatchParts) -> list[Waiter]:
         """The span at ``index`` is assembled; returns who waited for it."""
@@ -176,9 +195,19 @@ class ShareGroup:
         return e.waiters if e is not None else []
 
     def _evict(self) -> None:
+        """Drop assembled spans below the window that no member will take soon, and past one
+        window of them, the lowest (the members furthest behind go on on their own)."""
         low = self.low
-        for i in [i for i, e in self.entries.items() if i + e.count <= low and e.parts is not None]:
-            del self.entries[i]
+        below = sorted((i for i, e in self.entries.items() if i + e.count <= low), reverse=True)
+        kept = 0
+        for i in below:
+            e = self.entries[i]
+            if e.parts is None:
+                continue  # being assembled: its waiters get it, then it goes
+            if kept + e.count <= self.window and self._awaited(i):
+                kept += e.count
+            else:
+                del self.entries[i]
 
     def lags(self) -> list[int]:
         """Each member's batches behind the front."""

@@ -83,6 +83,8 @@ class BatchSink(ABC):
     """One stream's way of delivering batches (see the module docstring)."""
 
     transport: ClassVar[Delivery]
+    #: Whether :meth:`fill` copies the batch (into memory of the sink's own).
+    copies_on_fill: ClassVar[bool] = False
 
     def __init__(self, route: Route) -> None:
         self.route = route
@@ -191,6 +193,7 @@ class SlotSink(BatchSink):
     """
 
     transport: ClassVar[Delivery] = "shm"
+    copies_on_fill: ClassVar[bool] = True
 
     def __init__(self, route: Route, slots: ShmSlots, book: RingBook) -> None:
         super().__init__(route)

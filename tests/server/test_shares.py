@@ -28,8 +28,9 @@ def test_each_span_is_assembled_once_for_the_group_and_memory_stays_in_the_windo
     starts: list[int], window: int, grid: int, steps: list[tuple[int, bool]]
 ) -> None:
     """Members at any speeds: a span inside the window is assembled by one member and
-    handed to the others; a member below the window goes on its own (told once per fall);
-    the window holds at most ``window`` batches below the front plus the last span."""
+    handed to the others; below the window, only for members that will take it soon; a
+    member alone below the window goes on its own; at most two windows of batches are kept
+    (below the front, and below it for members behind)."""
     num = 60
     window = max(window, 2 * grid)
     g = ShareGroup(("job", 0, 0, 0, 0, grid), window, "s")
@@ -57,12 +58,17 @@ def test_each_span_is_assembled_once_for_the_group_and_memory_stays_in_the_windo
         if take is Take.OWN:
             assert index < g.low or (index in g.entries and g.entries[index].count != count)
             continue
+        assert (
+            index >= g.low
+            or take is not Take.PRODUCE
+            or any(n <= index < n + window for other, n in nxt.items() if other != ident)
+        ), "a span below the window kept for nobody"
         assert entry is not None and entry.count == count and g.entries[index] is entry
         if take is Take.READY:
             assert entry.parts is not None and int(entry.parts["x"][0]) == index
         elif take is Take.PRODUCE:
             pending.append(index)
-        assert g.kept <= window + grid
+        assert g.kept <= 2 * window + grid
     assert all(n == 1 for n in produced.values()), produced
     assert g.front == front
 
@@ -75,14 +81,48 @@ def test_a_member_behind_the_window_is_detached_once_and_rejoins_when_it_catches
         take, _, _ = g.take(b"fast", i, 4)
         assert take is Take.PRODUCE
         g.produced(i, {"x": np.zeros(1)})
-    assert g.low == 12 and sorted(g.entries) == [12, 16]
-    assert g.take(b"slow", 0, 4)[::2] == (Take.OWN, True)
-    assert g.take(b"slow", 4, 4)[::2] == (Take.OWN, False)  # told once
-    assert g.take(b"slow", 8, 4)[::2] == (Take.OWN, False)
-    take, entry, _ = g.take(b"slow", 12, 4)  # back in the window
-    assert take is Take.READY and entry is g.entries[12]
+    # Below the window, the spans the slow member will take within a window are kept.
+    assert g.low == 12 and sorted(g.entries) == [0, 4, 12, 16]
+    assert g.take(b"slow", 0, 4)[::2] == (Take.READY, False)
+    for i in range(20, 40, 4):  # the fast one goes on; the slow one falls behind
+        g.take(b"fast", i, 4)
+        g.produced(i, {"x": np.zeros(1)})
+    assert g.low == 32 and sorted(g.entries) == [4, 32, 36]
+    assert g.take(b"slow", 4, 4)[::2] == (Take.READY, False)
+    assert g.take(b"slow", 8, 4)[::2] == (Take.OWN, True)
+    assert g.take(b"slow", 12, 4)[::2] == (Take.OWN, False)  # told once
+    for i in range(16, 32, 4):
+        g.take(b"slow", i, 4)
+    take, entry, _ = g.take(b"slow", 32, 4)  # back in the window
+    assert take is Take.READY and entry is g.entries[32]
     assert g.detaches == 1 and not g.members[b"slow"].detached
     assert g.lags() == [0, 4]
+
+
+def test_members_behind_the_window_share_among_themselves() -> None:
+    """Three trials started together after a first one that is far ahead: one of them
+    assembles each span, the other two are handed it; none is detached."""
+    g = ShareGroup(KEY, 8, "s")
+    g.join(b"first", 1, 0)
+    for i in range(0, 200, 4):
+        assert g.take(b"first", i, 4)[0] is Take.PRODUCE
+        g.produced(i, {"x": np.full(1, i)})
+    for m in (b"a", b"b", b"c"):
+        g.join(m, 2, 0)
+    for i in range(0, 40, 4):
+        takes = [g.take(m, i, 4) for m in (b"a", b"b", b"c")]
+        assert [t[0] for t in takes] == [Take.PRODUCE, Take.WAIT, Take.WAIT], i
+        g.produced(i, {"x": np.full(1, i)})
+    assert g.detaches == 0 and g.assembled == 200 + 40  # batches: each span once
+    assert g.kept <= 2 * g.window
+    lone = ShareGroup(KEY, 8, "s")  # one trial alone behind: its own pass, told once
+    lone.join(b"first", 1, 0)
+    lone.join(b"late", 2, 0)
+    for i in range(0, 40, 4):
+        lone.take(b"first", i, 4)
+        lone.produced(i, {"x": np.full(1, i)})
+    got = [lone.take(b"late", i, 4)[::2] for i in range(0, 20, 4)]
+    assert got == [(Take.READY, False)] * 2 + [(Take.OWN, True)] + [(Take.OWN, False)] * 2
 
 
 def test_a_group_outlives_its_last_member_briefly_and_a_newer_stream_is_not_dropped() -> None:
