@@ -10,7 +10,8 @@ behalf, and handed to every member that takes the same span::
                          │                                  slot; on the socket, the same buffer)
                          ├─ being assembled ──────────────> waits for it
                          ├─ not yet assembled, in window ─> assembles it for the group
-                         └─ below the window ─────────────> assembles it on its own (detached)
+                         │  (or below it, for members near)
+                         └─ below the window, alone ──────> assembles it on its own (detached)
 
 The window is the ``window`` batches below the *front*, the furthest span any member took.
 The fastest member never waits for the slowest. Members behind the window share among
@@ -45,7 +46,7 @@ from ..metrics import ShareSeries
 from ..source import BatchParts
 from .sinks import IDLE_KEEP_S, BatchSink
 
-#: Groups without members kept at once (each holds at most its window).
+#: Groups without members kept at once (each holds at most two windows).
 MAX_IDLE_GROUPS = 4
 
 #: (job id, rank, epoch, seed, offset of the plan, batches per message): members of one group
@@ -62,7 +63,8 @@ class Take(Enum):
     WAIT = "wait"
     #: Nobody has it: assemble it for the group.
     PRODUCE = "produce"
-    #: Below the window (or the member's spans do not line up): its own assembly, not kept.
+    #: Below the window with no member near (or spans that do not line up): its own
+    #: assembly, not kept.
     OWN = "own"
 
 
@@ -121,7 +123,8 @@ class ShareGroup:
 
     @property
     def low(self) -> int:
-        """The first batch still kept: spans that start below it are gone."""
+        """The window's first batch: a span that starts below it is kept only for members
+        that will take it soon."""
         return self.front - self.window
 
     def join(self, ident: bytes, stream: int, start: int) -> None:
