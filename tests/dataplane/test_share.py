@@ -317,8 +317,10 @@ def test_a_paused_subscriber_is_detached_and_stalls_nobody(
         # The metrics show it: the paused subscriber alone, far behind the group's front.
         series = f'{{job_id="{paused.job_id}",rank="0"}}'
         wait_until(
-            lambda: counter(narrow, "shardserve_job_share_lag_batches" + series) >= 40
-            and counter(narrow, "shardserve_job_share_subscribers" + series) == 1,
+            lambda: (
+                counter(narrow, "shardserve_job_share_lag_batches" + series) >= 40
+                and counter(narrow, "shardserve_job_share_subscribers" + series) == 1
+            ),
             "the share metrics to show one subscriber 40+ batches behind the front",
         )
         later.set()
