@@ -19,6 +19,7 @@ shardserve_messages_sent_total              counter                    data-plan
 shardserve_bytes_sent_total                 counter                    payload bytes of those batches
 shardserve_batches_assembled_total          counter                    batches gathered (and transformed), once for all of a share group's subscribers
 shardserve_share_batches_handed_total       counter                    batches a share group's subscriber got from the group's pass, not assembled for it
+shardserve_share_bytes                      gauge                      bytes every share group's window keeps now (at most ``--share-bytes``)
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
@@ -261,6 +262,11 @@ class Metrics:
             "shardserve_batches_assembled",
             "Batches gathered from the store (and transformed): a share group's batch counts "
             "once, however many subscribers are sent it.",
+            registry=r,
+        )
+        self.share_bytes = Gauge(
+            "shardserve_share_bytes",
+            "Bytes every share group's window keeps now (at most --share-bytes).",
             registry=r,
         )
         self.share_handed = Counter(

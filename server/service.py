@@ -168,6 +168,7 @@ class Service:
                 share_subscribers=settings.share_subscribers,
                 share_window=settings.share_window,
                 share_window_bytes=settings.share_window_bytes,
+                share_bytes=settings.share_bytes,
                 max_hellos_per_s=settings.max_hellos_per_s,
                 shm_unproven_rings=settings.shm_unproven_rings,
             ),

@@ -190,6 +190,13 @@ class Settings(BaseSettings):
         description="bytes a share group's window keeps at most (fewer batches for big ones)",
         json_schema_extra={"metavar": "SIZE"},
     )
+    share_bytes: ByteSize = Field(
+        default=ByteSize(2 << 30),
+        ge=0,
+        description="bytes all share groups keep together; past it a batch is handed to the "
+        "subscribers waiting for it and not kept (the others assemble it on their own)",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     max_hellos_per_s: float = Field(
         default=20.0,
         gt=0,

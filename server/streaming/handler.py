@@ -75,7 +75,9 @@ class StreamHandler(HelloHandling):
         self.sessions: dict[bytes, Session] = {}
         self.out = replies.Outbox(sock, self._peer_gone)
         self.pump = Pump(assembler, deps.metrics, deps.board, self._detached)
-        self.shares = ShareBook(config.share_window, config.share_window_bytes)
+        self.shares = ShareBook(
+            config.share_window, config.share_window_bytes, total_bytes=config.share_bytes
+        )
         self.notices = StreamNotices(deps.board, deps.metrics)
         self.opener = Opener(sock, self.notices, config)
         self.limits = Limits(
@@ -229,6 +231,7 @@ class StreamHandler(HelloHandling):
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
         self.shares.expire(now)
         self.deps.board.set_shares(self.shares.statuses(), self.shares.series())
+        self.deps.metrics.share_bytes.set(self.shares.budget.used)
         try:
             self.opener.tidy(now, self.sessions.values())
         except Exception:  # memory housekeeping must not stop the streams' timers below

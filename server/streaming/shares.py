@@ -80,11 +80,31 @@ class Waiter:
 
 @dataclass(eq=False)
 class Entry:
-    """One span of the window: ``parts`` once assembled; who waits for it meanwhile."""
+    """One span of the window: ``parts`` once assembled (``nbytes`` of them, counted against
+    the server's :class:`Budget`); who waits for it meanwhile."""
 
     count: int
     parts: BatchParts | None = None
     waiters: list[Waiter] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class Budget:
+    """Bytes every share group's window keeps together, at most ``limit``: a span past it is
+    handed to its waiters and not kept (members behind it then assemble it on their own)."""
+
+    limit: int = 1 << 62
+    used: int = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 @dataclass
@@ -120,6 +140,8 @@ class ShareGroup:
     detaches: int = 0
     #: Batches members that left assembled on their own passes.
     gone_own: int = 0
+    #: The server's bytes for every group's window (see :class:`Budget`).
+    budget: Budget = field(default_factory=Budget)
 
     @property
     def low(self) -> int:
@@ -179,9 +201,13 @@ class ShareGroup:
         e = self.entries.get(index)
         if e is None:
             return []
-        e.parts = parts
         self.assembled += e.count
         waiters, e.waiters = e.waiters, []
+        nbytes = sum(a.nbytes for a in parts.values())
+        if self.budget.take(nbytes):
+            e.parts, e.nbytes = parts, nbytes
+        else:
+            del self.entries[index]  # over the server's budget: handed to its waiters only
         self._evict()
         return waiters
 
@@ -210,7 +236,16 @@ class ShareGroup:
             if kept + e.count <= self.window and self._awaited(i):
                 kept += e.count
             else:
-                del self.entries[i]
+                self._forget(i)
+
+    def _forget(self, index: int) -> None:
+        e = self.entries.pop(index)
+        self.budget.give(e.nbytes)
+
+    def empty(self) -> None:
+        """Forget every span (the group is dropped): their bytes go back to the budget."""
+        for i in list(self.entries):
+            self._forget(i)
 
     def lags(self) -> list[int]:
         """Each member's batches behind the front."""
@@ -245,9 +280,12 @@ class ShareBook:
         window_bytes: int,
         keep_s: float = IDLE_KEEP_S,
         max_idle: int = MAX_IDLE_GROUPS,
+        total_bytes: int = 1 << 62,
     ) -> None:
         self.window = window
         self.window_bytes = window_bytes
+        #: What all groups' windows keep together (``--share-bytes``).
+        self.budget = Budget(total_bytes)
         self.keep_s = keep_s
         self.max_idle = max_idle
         self._groups: dict[ShareKey, ShareGroup] = {}
@@ -273,7 +311,8 @@ class ShareBook:
         self._idle.pop(key, None)
         g = self._groups.get(key)
         if g is None:
-            g = self._groups[key] = ShareGroup(key, self.window_for(batch_bytes, key[5]), share)
+            window = self.window_for(batch_bytes, key[5])
+            g = self._groups[key] = ShareGroup(key, window, share, budget=self.budget)
         g.join(ident, stream, start)
         self._of[ident] = key
         return g
@@ -305,6 +344,7 @@ class ShareBook:
         g = self._groups.pop(key, None)
         if g is None:
             return
+        g.empty()
         for ident in g.members:
             self._of.pop(ident, None)
         handed, detaches = self._ended.get(key[:2], (0, 0))

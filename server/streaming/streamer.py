@@ -163,6 +163,7 @@ class StreamerConfig:
     share_subscribers: int = 16
     share_window: int = 64
     share_window_bytes: int = 1 << 30
+    share_bytes: int = 2 << 30
     #: Rings that may wait for their client's first Credit at once (see ``sinks.RingBook``).
     shm_unproven_rings: int = 16
 

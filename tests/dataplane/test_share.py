@@ -483,3 +483,29 @@ def test_a_shared_mixture_is_refused_at_creation(srv: ServerProc) -> None:
     assert r.status_code == 422 and "share" in r.text, r.text
     with pytest.raises(BadRequest, match="share"):
         Loader(srv.http_url, {"cifar": 1.0}, 64, share="mix", timeout=BATCH_TIMEOUT_S)
+
+
+def test_past_the_servers_share_budget_nothing_is_kept_and_nothing_is_wrong(
+    store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With ``--share-bytes 0`` no window is kept: a subscriber that waits while another
+    reads the epoch assembles the epoch again, exact, and the kept-bytes gauge stays 0."""
+    state = str(tmp_path_factory.mktemp("state"))
+    with run_server(store, "--share-bytes", "0", "--state-dir", state) as none_kept:
+        kw = kwargs(400, share="nothing-kept")
+        want = unshared_epoch(none_kept, 64, kw)
+        before = counters(none_kept)
+        gate = threading.Event()
+        with opened(gate):
+            waiting = Subscriber(none_kept, 64, kw, "waiting subscriber", stop_at=1, gate=gate)
+            waiting.wait_reached()
+            reader = Subscriber(none_kept, 64, kw, "reading subscriber")
+            assert_exact(reader.name, reader.result(), want)
+            assert counter(none_kept, "shardserve_share_bytes") == 0
+            gate.set()
+            assert_exact(waiting.name, waiting.result(), want)
+        after = counters(none_kept)
+    assembled = (
+        after["shardserve_batches_assembled_total"] - before["shardserve_batches_assembled_total"]
+    )
+    assert assembled == 2 * len(want), f"assembled {assembled} for two passes of {len(want)}"

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardserve.server.streaming.pipeline import Pipeline
-from shardserve.server.streaming.shares import ShareBook, ShareGroup, Take
+from shardserve.server.streaming.shares import ShareBook, ShareGroup, Take, Waiter
 
 KEY = ("job", 0, 0, 0, 0, 4)
 
@@ -174,3 +174,24 @@ def test_a_grid_makes_spans_end_on_its_multiples(start: int, grid: int, num: int
         flow.released()
         flow.grant(count)
     assert flow.next_submit == num
+
+
+def test_every_groups_window_stays_within_the_servers_budget() -> None:
+    """Spans past ``--share-bytes`` (all groups together) are handed to their waiters and not
+    kept; dropped groups give their bytes back."""
+    book = ShareBook(window=64, window_bytes=1 << 30, keep_s=0.0, total_bytes=3000)
+    one, two = KEY, ("job", 1, 0, 0, 0, 4)
+    g1 = book.join(one, "s", b"a", 1, 0, 1000)
+    g2 = book.join(two, "s", b"b", 2, 0, 1000)
+    kilo = {"x": np.zeros(1000, np.uint8)}
+    for g, ident in ((g1, b"a"), (g2, b"b"), (g1, b"a"), (g2, b"b")):
+        index = g.front
+        take, entry, _ = g.take(ident, index, 4)
+        assert take is Take.PRODUCE and entry is not None
+        entry.waiters.append(Waiter(ident, 1, 0, None))  # type: ignore[arg-type]
+        assert len(g.produced(index, kilo)) == 1  # its waiter is handed it either way
+    assert book.budget.used == 3000  # the fourth span was not kept
+    assert sorted(g1.entries) == [0, 4] and sorted(g2.entries) == [0]
+    book.leave(b"a", now=0.0)
+    book.expire(1.0)
+    assert book.get(one) is None and book.budget.used == 1000
