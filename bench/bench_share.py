@@ -63,7 +63,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_transforms import CIFAR_CHAIN, IMAGE_CHAIN, make_images  # noqa: E402
+from bench.bench_transforms import CIFAR_CHAIN, IMAGE_CHAIN, make_images, tree_cpu  # noqa: E402
 from tests.support.data import make_cifar_like  # noqa: E402
 from tests.support.server import run_server  # noqa: E402
 
@@ -144,29 +144,9 @@ def trial(
 
 
 # -- the server's side ---------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def server_cpu(pid: int) -> float:
     """CPU seconds of the server and its transform workers, live and reaped."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, todo, top = 0.0, [pid], True
-    while todo:
-        p = todo.pop()
-        try:
-            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # utime + stime (+ cutime + cstime of the server: children it already reaped).
-        total += (int(f[11]) + int(f[12]) + (int(f[13]) + int(f[14]) if top else 0)) / tick
-        top = False
-        todo += _children(p)
-    return total
+    return tree_cpu(pid, reaped=True)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -78,8 +78,9 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu(pid: int, include_self: bool = True) -> float:
-    """CPU seconds of ``pid``'s live descendants (and of ``pid`` itself)."""
+def tree_cpu(pid: int, include_self: bool = True, reaped: bool = False) -> float:
+    """CPU seconds of ``pid``'s live descendants (and of ``pid`` itself); ``reaped``: also
+    of the children ``pid`` already reaped (transform workers that were replaced)."""
     tick = os.sysconf("SC_CLK_TCK")
     total, todo = 0.0, ([pid] if include_self else _children(pid))
     while todo:
@@ -87,6 +88,8 @@ def tree_cpu(pid: int, include_self: bool = True) -> float:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
+            if reaped and p == pid:  # cutime + cstime
+                total += (int(fields[13]) + int(fields[14])) / tick
         except (OSError, IndexError):
             continue
         todo += _children(p)

@@ -183,8 +183,9 @@ class StreamHandler(HelloHandling):
         g = work.share
         if g is None or self.shares.get(g.key) is not g:
             return  # the group was dropped while it ran (its members left, its job ended)
-        failed = done.error is not None
-        waiters = g.failed(work.index) if failed else g.produced(work.index, done.value)
+        waiters = (
+            g.failed(work.index) if done.error is not None else g.produced(work.index, done.value)
+        )
         for w in waiters:
             s = self.sessions.get(w.ident)
             if s is None or s.stream != w.stream:
@@ -197,10 +198,9 @@ class StreamHandler(HelloHandling):
                     self._stream_failed(s, done.error)
                     continue
                 count = s.flow.span(work.index)
-                self.pump.hand(s, w.sink, work.index, w.ticket, done.value)
+                self.pump.fill(s, w.sink, work.index, w.ticket, done.value)
                 if (w.ident, w.stream) != (work.ident, work.stream):
-                    g.hand(w.ident, count)
-                    self.deps.metrics.share_handed.inc(count)
+                    self.pump.handed(g, count)
                 self._pump(s)
             except Exception as e:
                 self._contain(s, e)

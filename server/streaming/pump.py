@@ -120,9 +120,8 @@ class Pump:
         assert entry is not None  # READY, WAIT and PRODUCE name their entry
         if take is Take.READY:
             assert entry.parts is not None
-            self.hand(s, sink, index, ticket, entry.parts)
-            g.hand(s.ident, count)
-            self.metrics.share_handed.inc(count)
+            self.fill(s, sink, index, ticket, entry.parts)
+            self.handed(g, count)
             return True
         entry.waiters.append(Waiter(s.ident, s.stream, ticket, sink))
         s.flow.offloaded()
@@ -146,10 +145,15 @@ class Pump:
             raise AssemblyFailed(str(e)) from e
         g.produced(index, parts)  # its only waiter is this stream: nobody ran meanwhile
         s.flow.returned()
-        self.hand(s, sink, index, ticket, parts)
+        self.fill(s, sink, index, ticket, parts)
         return True
 
-    def hand(self, s: Session, sink: BatchSink, index: int, ticket: int, parts: BatchParts) -> None:
+    def handed(self, g: ShareGroup, count: int) -> None:
+        """A member was handed ``count`` batches of ``g``'s pass, not assembled for it."""
+        g.hand(count)
+        self.metrics.share_handed.inc(count)
+
+    def fill(self, s: Session, sink: BatchSink, index: int, ticket: int, parts: BatchParts) -> None:
         """Make a share group's span ``s``'s: filled into its ticket's memory, then ready to
         send. A copy of a big one runs on the pool, as a gather would: the streamer thread
         serves every stream."""

@@ -36,7 +36,6 @@ length). Streamer thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -115,8 +114,6 @@ class Member:
     #: The next batch it takes (the end of its last span).
     next: int
     detached: bool = False
-    #: Batches it was handed from the window (not assembled for it alone).
-    shared: int = 0
     #: Batches it assembled on its own pass.
     own: int = 0
 
@@ -211,11 +208,9 @@ class ShareGroup:
         self._evict()
         return waiters
 
-    def hand(self, ident: bytes, count: int) -> None:
+    def hand(self, count: int) -> None:
         """A member was handed ``count`` batches from the window."""
         self.handed += count
-        if (m := self.members.get(ident)) is not None:
-            m.shared += count
 
     def failed(self, index: int) -> list[Waiter]:
         """The span's assembly failed: forgotten (a later take assembles it again); returns
@@ -381,9 +376,6 @@ class ShareBook:
 
     def get(self, key: ShareKey) -> ShareGroup | None:
         return self._groups.get(key)
-
-    def groups(self) -> Iterator[ShareGroup]:
-        return iter(list(self._groups.values()))
 
     def statuses(self) -> dict[str, list[ShareStatus]]:
         """Every group's status, by job id (ordered by rank, epoch, share)."""

@@ -158,8 +158,8 @@ def test_every_include_is_well_formed_and_the_loop_is_included() -> None:
     ), "docs/getting-started.md does not include examples/quickstart.py"
 
 
-def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -> None:
-    """examples/quickstart.py (included in Getting started) runs to the end."""
+def digits_store(tmp_path: Path) -> Path:
+    """A store holding Getting started's ``digits-train``, made as its commands make it."""
     data = tmp_path / "digits.npz"
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(data),
@@ -170,7 +170,12 @@ def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -
         [sys.executable, "-m", "shardserve.server", "ingest", str(data), "--store", str(store),
          "--name", "digits-train", "--quiet"], check=True, timeout=120, capture_output=True,
     )  # fmt: skip
-    with run_server(store) as srv:
+    return store
+
+
+def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -> None:
+    """examples/quickstart.py (included in Getting started) runs to the end."""
+    with run_server(digits_store(tmp_path)) as srv:
         out = subprocess.run(
             [sys.executable, str(ROOT / "examples" / "quickstart.py"), srv.http_url,
              "digits-train"], capture_output=True, text=True, timeout=scaled(120.0),
@@ -183,17 +188,7 @@ def test_the_sweep_example_runs_its_trials_on_one_shared_pass(tmp_path: Path) ->
     """examples/sweep.py (included in the sharing guide): three trials, each every batch of
     its two epochs; their share group's window is longer than an epoch, so none is detached."""
     assert '--8<-- "examples/sweep.py"' in (DOCS / "guides" / "sharing.md").read_text()
-    data = tmp_path / "digits.npz"
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(data),
-         str(tmp_path / "test.npz")], check=True, timeout=120, capture_output=True,
-    )  # fmt: skip
-    store = tmp_path / "store"
-    subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "ingest", str(data), "--store", str(store),
-         "--name", "digits-train", "--quiet"], check=True, timeout=120, capture_output=True,
-    )  # fmt: skip
-    with run_server(store) as srv:
+    with run_server(digits_store(tmp_path)) as srv:
         out = subprocess.run(
             [sys.executable, str(ROOT / "examples" / "sweep.py"), srv.http_url, "digits-train"],
             capture_output=True, text=True, timeout=scaled(240.0),
