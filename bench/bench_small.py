@@ -5,11 +5,13 @@
 One run, ratios within it (the machine is shared and noisy: compare rows of one run only):
 
 * ``envs``: a PPO-like step of 4 environments x 32 CIFAR-like samples, each environment
-  from its own shuffle, against the per-sample ``select``/``stack`` loop over tensors held in
+  from its own shuffle (and, in ``envs split``, the seed's semantics: one shuffle dealt
+  across the 4, ``env_shuffle="split"``), against the per-sample ``select``/``stack`` loop over tensors held in
   RAM (what the user wanted gone) and an in-process ``index_select`` per environment (the
   floor). shardserve rows: ``Loader(envs=4)`` streaming, resident (``resident="cpu"``), and
   ``plan(envs=4)`` + ``index_select``. Env batches are checked never to share storage.
-  Target: streaming >= 5x the select/stack loop.
+  Targets: streaming >= 5x the select/stack loop; split streaming >= 3x it and >= 0.9x the
+  in-process ``index_select``.
 * ``graphs``: 20k variable-size graphs (2-200 atoms: ``x[N,16]``, ``pos[N,3]``,
   ``edge_index[2,2N]``, ``y``), batch 64, ``Loader(collate="graph")`` over a 2-shard and a
   15-shard store, against a ``DataLoader`` (``num_workers=0``) over the same graphs held in a
@@ -59,7 +61,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from shardserve.client import BadRequest, Loader, plan, serve_local
+from shardserve.client import Loader, plan, serve_local
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.writer import ShardWriter
@@ -242,26 +244,32 @@ def assert_no_aliasing(epoch: Iterable[Step]) -> int:
 
 
 # -- rows ----------------------------------------------------------------------------------
-def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str, dict[str, float]]:
+def bench_envs(
+    url: str, arrays: dict[str, np.ndarray], store: Path, split: bool
+) -> dict[str, dict[str, float]]:
+    """``split``: the seed's semantics, one shuffle dealt across the 4 envs (an epoch of
+    ``n / 128`` steps); else a shuffle per env (``n / 32`` steps)."""
     n = len(arrays["label"])
     images, labels = torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["label"])
     per_step = ENVS * ENV_BATCH
 
-    def perms(e: int) -> list[torch.Tensor]:
-        return [
-            torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)
-        ]
+    def step_ids(e: int) -> Iterator[list[torch.Tensor]]:
+        if split:
+            p = torch.from_numpy(np.random.default_rng(e).permutation(n))
+            for s in range(0, n - per_step + 1, per_step):
+                yield list(p[s : s + per_step].split(ENV_BATCH))
+            return
+        ps = [torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)]
+        for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
+            yield [p[s : s + ENV_BATCH] for p in ps]
 
     def select_stack(e: int) -> Iterator[Step]:
-        ps = [p.tolist() for p in perms(e)]
-        for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
-            yield [{"image": torch.stack([images[i] for i in p[s : s + ENV_BATCH]]),
-                    "label": torch.stack([labels[i] for i in p[s : s + ENV_BATCH]])} for p in ps]  # fmt: skip
+        for idx in step_ids(e):
+            yield [{"image": torch.stack([images[i] for i in p.tolist()]),
+                    "label": torch.stack([labels[i] for i in p.tolist()])} for p in idx]  # fmt: skip
 
     def index_select(e: int) -> Iterator[Step]:
-        ps = perms(e)
-        for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
-            idx = [p[s : s + ENV_BATCH] for p in ps]
+        for idx in step_ids(e):
             yield [
                 {"image": images.index_select(0, i), "label": labels.index_select(0, i)}
                 for i in idx
@@ -272,21 +280,21 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
         "index_select in process (RAM)": measure(index_select, per_step),
     }
     pid = server_pid(store)
-    kw = dict(seed=0, rank=0, world_size=1, drop_last=True)
-    try:
-        with Loader(url, "cifar", ENV_BATCH, envs=ENVS, **kw) as ld:  # type: ignore[arg-type]
-            ld.set_epoch(5)
-            assert_no_aliasing(ld)
-            rows["shardserve Loader(envs=4) streaming"] = measure(
-                _epochs(ld), per_step, pid, loader=ld
-            )
-    except BadRequest as e:
-        print(f"  streaming envs: not available in this tree ({e})")
-    with Loader(url, "cifar", ENV_BATCH, envs=ENVS, resident="cpu", **kw) as ld:  # type: ignore[arg-type]
+    mode = "split" if split else "independent"
+    kw = dict(seed=0, rank=0, world_size=1, drop_last=True, envs=ENVS, env_shuffle=mode)
+    with Loader(url, "cifar", ENV_BATCH, **kw) as ld:  # type: ignore[arg-type]
         ld.set_epoch(5)
         assert_no_aliasing(ld)
-        rows["shardserve Loader(envs=4, resident='cpu')"] = measure(_epochs(ld), per_step, pid)
-    with plan(url, "cifar", ENV_BATCH, envs=ENVS, **kw) as p:  # type: ignore[arg-type]
+        rows[f"shardserve Loader(envs=4{', split' * split}) streaming"] = measure(
+            _epochs(ld), per_step, pid, loader=ld
+        )
+    with Loader(url, "cifar", ENV_BATCH, resident="cpu", **kw) as ld:  # type: ignore[arg-type]
+        ld.set_epoch(5)
+        assert_no_aliasing(ld)
+        rows[f"shardserve Loader(envs=4{', split' * split}, resident='cpu')"] = measure(
+            _epochs(ld), per_step, pid
+        )
+    with plan(url, "cifar", ENV_BATCH, **kw) as p:  # type: ignore[arg-type]
 
         def planned(e: int) -> Iterator[Step]:
             p.set_epoch(e)
@@ -296,7 +304,9 @@ def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path) -> dict[str
                     for i in ids
                 ]
 
-        rows["shardserve plan(envs=4) + index_select"] = measure(planned, per_step, pid)
+        rows[f"shardserve plan(envs=4{', split' * split}) + index_select"] = measure(
+            planned, per_step, pid
+        )
     return rows
 
 
@@ -498,7 +508,10 @@ def main() -> None:
         make_upt(store, n_upt)
         with serve_local(store) as url:
             sections = {
-                "envs (4 x 32)": lambda: bench_envs(url, arrays, store),
+                "envs (4 x 32)": lambda: bench_envs(url, arrays, store, split=False),
+                "envs split (4 x 32, one shuffle)": lambda: bench_envs(
+                    url, arrays, store, split=True
+                ),
                 "graphs (batch 64)": lambda: bench_graphs(url, store, names, n_graphs),
                 "crystals (batch 64)": lambda: bench_crystals(
                     url, store, Path(tmp) / "crystal-files", n_graphs
@@ -527,9 +540,12 @@ def main() -> None:
         f"shardserve Loader(collate='graph'), {names[0]}",
         f"shardserve Loader(collate='graph'), {names[1]}",
     )
+    es = rows["envs split (4 x 32, one shuffle)"]
     c, cs = rows["crystals (batch 64)"], "shardserve Loader(collate=graph, node_field)"
     res["targets"] = [
         ("envs streaming / select-stack loop", ratio(rows["envs (4 x 32)"], "shardserve Loader(envs=4) streaming", "select/stack loop (RAM)"), 5.0),
+        ("envs split streaming / select-stack loop", ratio(es, "shardserve Loader(envs=4, split) streaming", "select/stack loop (RAM)"), 3.0),
+        ("envs split streaming / index_select", ratio(es, "shardserve Loader(envs=4, split) streaming", "index_select in process (RAM)"), 0.9),
         ("graphs 2 shards / DataLoader list", ratio(g, g2, "DataLoader(list in RAM, workers 0)"), 1.0),
         ("graphs 15 shards / DataLoader list", ratio(g, g15, "DataLoader(list in RAM, workers 0)"), 1.0),
         ("graphs 15 shards / 2 shards", ratio(g, g15, g2), 0.8),

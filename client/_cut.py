@@ -16,7 +16,6 @@ of the message's tensor there.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +24,7 @@ from shardserve.proto.graphs import concat_dim
 from shardserve.proto.messages import BatchHeader, PartHeader
 from shardserve.proto.parts import OFFSETS, SPLITS, owner_of
 
-from ._frames import own_storage
+from ._frames import own_rows, own_storage
 from .types import Batch, VarTensor
 
 
@@ -87,17 +86,16 @@ def cut_rows(batch: Batch, rows: int, count: int) -> list[Batch]:
         return cut_graphs(batch, count)
     out: list[Batch] = [{} for _ in range(count)]
     for name, t in batch.items():
-        pieces: Sequence[torch.Tensor | VarTensor]
         if isinstance(t, VarTensor):
-            pieces = _cut_var(name, t, rows, count)
+            for b, var in zip(out, _cut_var(name, t, rows, count), strict=True):
+                b[name] = var
         elif isinstance(t, torch.Tensor):
             total = int(t.shape[0]) if t.dim() else -1
             _check(name, total, rows, count)
-            pieces = [own_storage(t[lo:hi]) for lo, hi in _bounds(total, rows, count)]
+            for b, piece in zip(out, own_rows(t, _bounds(total, rows, count)), strict=True):
+                b[name] = piece
         else:
             raise ProtocolError(f"field {name!r} of a message of {count} batches has no rows")
-        for b, piece in zip(out, pieces, strict=True):
-            b[name] = piece
     return out
 
 
@@ -119,14 +117,13 @@ def _cut_var(name: str, v: VarTensor, rows: int, count: int) -> list[VarTensor]:
     bounds = _bounds(total, rows, count)
     # Where each batch's values start and end, read in one go.
     edges = v.offsets[[lo for lo, _ in bounds] + [total]].tolist()
-    pieces = []
-    for j, (lo, hi) in enumerate(bounds):
-        start, end = edges[j], edges[j + 1]
-        offsets = v.offsets[lo : hi + 1] - start  # a new tensor: rebased to this batch
-        pieces.append(
-            VarTensor(own_storage(v.values[start:end]), offsets, own_storage(v.shapes[lo:hi]))
-        )
-    return pieces
+    values = own_rows(v.values, list(itertools.pairwise(edges)))
+    shapes = own_rows(v.shapes, bounds)
+    return [
+        # The offsets are a new tensor: rebased to this batch.
+        VarTensor(values[j], v.offsets[lo : hi + 1] - edges[j], shapes[j])
+        for j, (lo, hi) in enumerate(bounds)
+    ]
 
 
 def cut_graphs(batch: Batch, count: int) -> list[Batch]:

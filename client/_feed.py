@@ -96,7 +96,7 @@ class Feed:
             return self.ctx.pos.per_epoch
         s = self.job.spec
         rest = self.job.num_samples - offset
-        return rank_plan_size(rest, s.world_size, s.batch_size // s.envs, s.drop_last)[1]
+        return rank_plan_size(rest, s.deal_world, s.env_batch, s.drop_last)[1]
 
     def pass_(
         self, start: Start, stream: EpochStream, rebuild: Callable[[Batch], Any] | None

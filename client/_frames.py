@@ -99,6 +99,23 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(view.view(as_int).numpy()).view(view.dtype)
 
 
+def own_rows(t: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """The row ranges ``t[lo:hi]`` of ``t`` (contiguous), each with a storage of its own as
+    :func:`own_storage` makes it. Sliced in numpy: a torch slice and ``.numpy()`` per piece
+    cost about five times as much, which a step of many small env batches pays per field.
+
+    >>> [p.tolist() for p in own_rows(torch.arange(5), [(0, 2), (2, 5)])]
+    [[0, 1], [2, 3, 4]]
+    """
+    if t.device.type != "cpu":
+        return [t[lo:hi] for lo, hi in bounds]
+    try:
+        rows = t.numpy()
+    except TypeError:  # a dtype numpy does not have
+        return [own_storage(t[lo:hi]) for lo, hi in bounds]
+    return [torch.from_numpy(rows[lo:hi]) for lo, hi in bounds]
+
+
 def check_variable(parts: Mapping[str, torch.Tensor]) -> None:
     """Refuse variable fields whose companions lie: ``x.offsets`` must start at 0, never
     decrease and end at ``x``'s length; ``x.shapes`` (one row per sample) must multiply out

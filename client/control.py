@@ -34,7 +34,14 @@ from shardserve.proto.errors import (
     ShardserveError,
     error_for_code,
 )
-from shardserve.proto.jobs import MAX_ENVS, CollateArg, JobSpec, OnError, ShuffleMode
+from shardserve.proto.jobs import (
+    MAX_ENVS,
+    CollateArg,
+    EnvShuffle,
+    JobSpec,
+    OnError,
+    ShuffleMode,
+)
 
 from .distributed import World, agree_with_rank0
 from .mixture import Mixture, mixture_sources
@@ -136,6 +143,8 @@ class ControlClient:
             ("share", spec.share),
         )  # fmt: skip
         unset = {k for k, v in later if v is None}
+        if spec.env_shuffle == "independent":
+            unset.add("env_shuffle")
         body = spec.model_dump(mode="json", exclude=unset or None)
         return CreatedJob.model_validate_json(
             self._request("POST", "/v1/jobs", json=body, timeout=timeout).content
@@ -264,12 +273,13 @@ def job_spec(
     transforms: Sequence[Mapping[str, Any]] | None,
     on_error: OnError | None,
     envs: int = 1,
+    env_shuffle: EnvShuffle = "independent",
     epoch_samples: int | None = None,
     share: str | None = None,
 ) -> JobSpec:
     """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
     argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
-    of ``envs`` batches of ``batch_size``. ``dataset`` as ``{name: weight}`` (or a list of
+    of ``envs`` batches of ``batch_size``, drawn as ``env_shuffle`` says. ``dataset`` as ``{name: weight}`` (or a list of
     sources): a mixture (see :mod:`.mixture`), ``epoch_samples`` long (``None``: the
     datasets' sizes summed).
 
@@ -296,7 +306,7 @@ def job_spec(
             "epoch_samples": epoch_samples, "batch_size": batch_size * envs, "seed": seed,
             "shuffle": SHUFFLE[shuffle], "drop_last": drop_last, "world_size": world_size,
             "fields": tuple(fields) if fields is not None else None,
-            "collate": collate, "envs": envs,
+            "collate": collate, "envs": envs, "env_shuffle": env_shuffle,
             # Transforms installed on the server, named with JSON params (never code).
             "transforms": tuple(transforms) if transforms is not None else None,
             "on_error": on_error, "share": share,

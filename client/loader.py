@@ -17,7 +17,7 @@ import torch
 
 from shardserve.proto.api import MixtureStatus
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import CollateArg, OnError
+from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._credit import auto_prefetch, check_prefetch
 from ._feed import Feed, store_order
@@ -136,6 +136,9 @@ class Loader:
             server, planned, gathered and transformed once (see the "Sweeps and notebooks"
             guide). Without it a second Loader of the same arguments and rank gets
             ``RankInUse``.
+        env_shuffle: ``"independent"`` (default): each environment shuffles on its own;
+            ``"split"``: one shuffle dealt across the environments, so no two take the same
+            sample in a step or an epoch (an epoch is ``len / (envs * batch_size)`` steps).
 
     Everything after ``batch_size`` is keyword-only (passing it by position still works,
     with a ``DeprecationWarning``).
@@ -210,6 +213,7 @@ class Loader:
         on_error: OnError | None = None,
         epoch_samples: int | None = None,
         share: str | None = None,
+        env_shuffle: EnvShuffle = "independent",
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
@@ -234,11 +238,14 @@ class Loader:
             if resident is None and envs > 1
             else []
         )
+        # A job's batch is a step of its envs when streaming; resident envs gather from plans
+        # of a one-env job, unless they split one shuffle, which the job must deal.
+        job_envs = envs if step_envs or env_shuffle == "split" else 1
         self.spec = job_spec(
             dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
             world_size=self.world.world_size, fields=fields, collate=collate,
-            envs=len(step_envs) or 1, transforms=transforms, on_error=on_error,
-            epoch_samples=epoch_samples, share=share,
+            envs=job_envs, env_shuffle=env_shuffle, transforms=transforms,
+            on_error=on_error, epoch_samples=epoch_samples, share=share,
         )  # fmt: skip
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
@@ -393,7 +400,7 @@ class Loader:
                 )  # fmt: skip
 
         return Resident.load(
-            self._job.api, self.job_id, self.world.rank, self.spec.batch_size, info, layout,
+            self._job.api, self.job_id, self.world.rank, self.spec.env_batch, info, layout,
             envs_on, one_pass, self.batch_timeout,
         )  # fmt: skip
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from shardserve.proto.errors import BadRequest, DataError
-from shardserve.proto.jobs import CollateArg, OnError
+from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._position import Position, Start
 from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
@@ -187,6 +187,7 @@ def plan(
     rank: int | None = None,
     world_size: int | None = None,
     envs: int = 1,
+    env_shuffle: EnvShuffle = "independent",
     device: str | torch.device = "cpu",
     timeout: float = 60.0,
     token: str | None = None,
@@ -215,7 +216,7 @@ def plan(
     spec = job_spec(
         dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
         world_size=world.world_size, fields=fields, collate=collate, envs=envs,
-        transforms=transforms, on_error=on_error, epoch_samples=epoch_samples,
+        env_shuffle=env_shuffle, transforms=transforms, on_error=on_error, epoch_samples=epoch_samples,
     )  # fmt: skip
     dev = resolve_device(device, world.local_rank)
     job = JobHandle.create(url, token, spec, timeout=timeout, world=world)

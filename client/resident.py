@@ -11,7 +11,8 @@ mode's.
 
 Environments (the PPO case): ``envs=n`` hands out ``n`` batches a step, environment ``e``
 from its own plan (``SeedSequence([seed, epoch, e])`` on the server; environment 0 is the
-job's own plan), each on its device from ``devices``.
+job's own plan), each on its device from ``devices``; with ``env_shuffle="split"`` the
+plans are the parts of one shuffle (a job of ``envs=n``, see ``JobSpec.env_shuffle``).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class Resident:
             self._job = self.api.job(self.job_id, timeout=self.timeout)
         spec, rows = self._job.spec, self.num_samples
         want_ids, want_batches = rank_plan_size(
-            self._job.num_samples - offset, spec.world_size, self.batch_size, spec.drop_last
+            self._job.num_samples - offset, spec.deal_world, self.batch_size, spec.drop_last
         )
         if self._job.num_samples != rows:
             raise ProtocolError(

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import JobSpec
+from shardserve.proto.jobs import JobSpec, deal_world
 from shardserve.proto.messages import MAX_REPORTED_COUNT
 from shardserve.proto.resume import ResumePoint, resume_point
 
@@ -54,7 +54,7 @@ class ResumeState:
     @property
     def batch(self) -> int:
         """Samples of one rank's batch of one environment: the unit of the position."""
-        return self.spec.batch_size // self.spec.envs
+        return self.spec.env_batch
 
 
 def _int(state: Mapping[str, Any], key: str, low: int = 0, high: int = MAX_REPORTED_COUNT) -> int:
@@ -102,7 +102,7 @@ def parse_state(state: object, version: int = VERSION) -> ResumeState:
         )
     epoch = _int(state, "epoch", 0, MAX_EPOCH)
     next_batch = _int(state, "next_batch")
-    step = spec.batch_size // spec.envs * world_size
+    step = spec.env_batch * spec.deal_world
     if got == 1:
         position = next_batch * step
         job = ""
@@ -158,8 +158,10 @@ def check_same_job(st: ResumeState, spec: JobSpec, what: str) -> None:
 
 
 def resume_at(st: ResumeState, world_size: int) -> ResumePoint:
-    """Where a rank of ``world_size`` starts: ``st.position`` dealt over ``world_size`` ranks."""
-    return resume_point(st.position, world_size, st.batch)
+    """Where a rank of ``world_size`` starts: ``st.position`` dealt over ``world_size`` ranks
+    (and their environments, when they split one shuffle)."""
+    world = deal_world(world_size, st.spec.envs, st.spec.env_shuffle)
+    return resume_point(st.position, world, st.batch)
 
 
 def make_state(
@@ -167,7 +169,9 @@ def make_state(
 ) -> dict[str, Any]:
     """The dict ``state_dict()`` returns for a rank whose next iteration starts at ``start``.
     ``spec_dump`` is used as is: the caller passes a copy of its own."""
-    step = spec_dump["batch_size"] // spec_dump.get("envs", 1) * world_size
+    envs = spec_dump.get("envs", 1)
+    world = deal_world(world_size, envs, spec_dump.get("env_shuffle", "independent"))
+    step = spec_dump["batch_size"] // envs * world
     return {
         "version": VERSION, "spec": spec_dump, "job": job, "epoch": start.epoch,
         "next_batch": start.batch, "position": start.offset + start.batch * step,
@@ -181,7 +185,7 @@ def start_for(
     """Where a rank of ``world_size`` resumes ``st`` (of a job of ``num_samples`` samples and
     ``num_batches`` batches a rank) and the saving job's id when the world size changed (the
     link a resumed job shows), else ``""``."""
-    step = st.batch * st.world_size
+    step = st.batch * st.spec.deal_world
     if st.world_size == world_size:  # the plan it was streaming, at the batch it was at
         return Start(st.epoch, st.next_batch, st.position - st.next_batch * step), ""
     # An honest position is below n + 2 * step (at most one round of batches past the end).

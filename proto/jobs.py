@@ -26,6 +26,11 @@ ShuffleMode = Literal["global", "block", "none"]
 #: (:class:`GraphCollate`).
 Collate = Literal["graph"]
 
+#: How the environments of a step draw their samples (``JobSpec.env_shuffle``): each from a
+#: shuffle of its own, or all from one shuffle dealt across them (disjoint within a step and
+#: an epoch, an epoch as long as one batch of ``envs * batch_size``).
+EnvShuffle = Literal["independent", "split"]
+
 #: What a failing sample transform does: fail the job, serve a deterministic other sample,
 #: or (a mixture) serve another and quarantine the failing one in its dataset.
 OnError = Literal["fail", "replace", "quarantine"]
@@ -206,6 +211,12 @@ class JobSpec(BaseModel):
     #: ``SeedSequence([seed, epoch, e])`` (environment 0: the job's own plan); env ``e``'s rows
     #: are the ``e``-th of ``envs`` equal parts. Left out of the job id when 1.
     envs: int = Field(default=1, ge=1, le=MAX_ENVS)
+    #: ``"split"``: one shuffle, the job's own, dealt across the environments: environment
+    #: ``e`` of rank ``r`` takes the plan of rank ``r * envs + e`` of ``world_size * envs``
+    #: (:func:`env_deal`), so a step's environments never share a sample and an epoch has
+    #: ``len / (world_size * batch_size)`` steps. Needs ``envs > 1``; left out of the job id
+    #: when ``"independent"``.
+    env_shuffle: EnvShuffle = "independent"
 
     #: Several datasets with weights (issue 30): each batch position draws its source with
     #: probability ``weight / sum(weights)``; see ``docs`` "Mixtures and curriculum". Left out
@@ -264,6 +275,7 @@ class JobSpec(BaseModel):
         check_weights(tuple(s.weight for s in self.mixture), len(names), "mixture weights")
         for other, value in (
             ("envs", self.envs != 1),
+            ("env_shuffle", self.env_shuffle != "independent"),
             ("collate", self.collate is not None),
             ("version", self.version is not None),
             ("share", self.share is not None),
@@ -329,8 +341,29 @@ class JobSpec(BaseModel):
             return None
         return self.collate.graph if isinstance(self.collate, GraphCollate) else GraphOptions()
 
+    @property
+    def env_batch(self) -> int:
+        """Samples of one environment's batch (the whole batch when ``envs`` is 1)."""
+        return self.batch_size // self.envs
+
+    @property
+    def env_orders(self) -> int:
+        """How many epoch orders the job follows: one per environment, or with ``"split"``
+        environments the job's own only."""
+        return 1 if self.env_shuffle == "split" else self.envs
+
+    @property
+    def deal_world(self) -> int:
+        """Over how many plans the epoch order is dealt, see :func:`env_deal`."""
+        return deal_world(self.world_size, self.envs, self.env_shuffle)
+
     @model_validator(mode="after")
     def _check_envs(self) -> JobSpec:
+        if self.env_shuffle == "split" and self.envs == 1:
+            raise ValueError(
+                "env_shuffle='split' deals one shuffle across a step's environments: "
+                "it needs envs > 1 (or leave env_shuffle out)"
+            )
         if self.envs > 1:
             if self.batch_size % self.envs:
                 raise ValueError(
@@ -379,6 +412,7 @@ def job_id(spec: JobSpec) -> str:
             ("transforms", spec.transforms is None),
             ("on_error", spec.on_error is None),
             ("envs", spec.envs == 1),
+            ("env_shuffle", spec.env_shuffle == "independent"),
             ("mixture", spec.mixture is None),
             ("epoch_samples", spec.epoch_samples is None),
             ("schedule", spec.schedule is None),
@@ -388,6 +422,34 @@ def job_id(spec: JobSpec) -> str:
     }
     canonical = spec.model_dump_json(exclude_none=False, exclude=exclude or None).encode()
     return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+def deal_world(world_size: int, envs: int, env_shuffle: str) -> int:
+    """Over how many plans an epoch order is dealt: one per rank; with ``env_shuffle="split"``
+    one per environment of every rank (:func:`env_deal`).
+
+    >>> deal_world(2, 4, "independent"), deal_world(2, 4, "split")
+    (2, 8)
+    """
+    return world_size * envs if env_shuffle == "split" else world_size
+
+
+def env_deal(spec: JobSpec, rank: int, env: int) -> tuple[int, int, int]:
+    """Environment ``env`` of ``rank``: which order it follows (the ``env`` of
+    ``SeedSequence([seed, epoch, env])``), dealt over how many plans, and as which one.
+    Independent environments follow orders of their own, dealt over the ranks; split ones
+    share the job's order, each environment dealt as a rank of its own, so within a step
+    (and an epoch) no two environments of any rank take the same position.
+
+    >>> spec = JobSpec(dataset="d", batch_size=8, envs=4, world_size=2, env_shuffle="split")
+    >>> env_deal(spec, rank=1, env=2)
+    (0, 8, 6)
+    >>> env_deal(spec.model_copy(update={"env_shuffle": "independent"}), rank=1, env=2)
+    (2, 2, 1)
+    """
+    if spec.env_shuffle == "split":
+        return 0, spec.world_size * spec.envs, rank * spec.envs + env
+    return env, spec.world_size, rank
 
 
 def rank_plan_size(

@@ -262,9 +262,7 @@ class JobAdmin:
             epoch=job.epoch,
             seed=job.seed,
             num_samples=job.num_samples,
-            batches_per_epoch=num_batches(
-                job.num_samples, s.world_size, s.batch_size // s.envs, s.drop_last
-            ),
+            batches_per_epoch=num_batches(job.num_samples, s.deal_world, s.env_batch, s.drop_last),
             ranks=self.board.ranks(job.id),
             shares=self.board.shares(job.id),
             error=job.error,

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from shardserve.proto.errors import BadRequest
+from shardserve.proto.jobs import env_deal
 
 from ..jobs import Job
 from . import RankPlan, epoch_order
@@ -56,7 +57,7 @@ class PlanCache:
         """Compute ``epoch``'s orders in the background, if they are not cached or being
         computed: the first batch of that epoch then waits for no plan. Same orders as
         :meth:`order` computes (the same function of the same arguments)."""
-        for env in range(job.spec.envs):
+        for env in range(job.spec.env_orders):
             with self._lock:
                 key = (job.id, epoch, seed, env)
                 if key in self._orders or key in self._computing:
@@ -128,9 +129,11 @@ class PlanCache:
         dealt from that position of the order on (elastic resume)."""
         spec = job.spec
         if spec.envs > 1:  # steps of several environments (issue 22)
-            orders = [self.order(job, epoch, seed, shard_rows, e) for e in range(spec.envs)]
-            b = spec.batch_size // spec.envs
-            return EnvSteps.from_orders(orders, spec.world_size, rank, b, spec.drop_last, offset)
+            plans = [
+                self.env_plan(job, epoch, seed, rank, e, shard_rows, offset)
+                for e in range(spec.envs)
+            ]
+            return EnvSteps.of(plans)
         order = self.order(job, epoch, seed, shard_rows, env)
         return RankPlan.from_order(
             order, spec.world_size, rank, spec.batch_size, spec.drop_last, offset
@@ -148,17 +151,18 @@ class PlanCache:
     ) -> RankPlan:
         """Environment ``env``'s own batches of the epoch for ``rank``: of a job that streams
         steps of several environments (``envs > 1``), the ``env``-th part of every step
-        (batches of ``batch_size // envs``); of any other job, ``env``'s order cut into
-        batches of ``batch_size`` (resident environments); ``offset``: dealt from there."""
+        (batches of ``batch_size // envs``, dealt as :func:`~shardserve.proto.jobs.env_deal`
+        says); of any other job, ``env``'s order cut into batches of ``batch_size`` (resident
+        environments); ``offset``: dealt from there."""
         spec = job.spec
         if spec.envs > 1 and not 0 <= env < spec.envs:
             raise BadRequest(
                 f"env {env} is out of range for job {job.id}: it streams steps of "
                 f"{spec.envs} environments, 0 <= env < {spec.envs}"
             )
-        order = self.order(job, epoch, seed, shard_rows, env)
-        size = spec.batch_size // spec.envs
-        return RankPlan.from_order(order, spec.world_size, rank, size, spec.drop_last, offset)
+        which, world, as_rank = env_deal(spec, rank, env)
+        order = self.order(job, epoch, seed, shard_rows, which)
+        return RankPlan.from_order(order, world, as_rank, spec.env_batch, spec.drop_last, offset)
 
     def forget(self, job_id: str) -> None:
         """Drop a deleted job's orders."""

@@ -8,6 +8,11 @@ order of ``SeedSequence([seed, epoch, e])`` (environment 0: the job's own order,
 :func:`~.order.epoch_order`), partitioned across ranks like any plan, so each environment's
 batches are exactly those of ``GET /v1/jobs/{id}/plan?env=e`` for a job of batch size ``b``.
 
+With ``env_shuffle="split"`` the environments share the job's order instead, environment
+``e`` of rank ``r`` dealt as rank ``r * n + e`` of ``world_size * n``
+(:func:`~shardserve.proto.jobs.env_deal`): one shuffle, no sample twice within a step or an
+epoch, and an epoch of ``len / (world_size * n * b)`` steps.
+
 Every environment plans the same number of samples, so each has the same number of batches,
 and a short last batch is equally short in each: the client cuts a step into ``n`` equal parts.
 
@@ -16,6 +21,9 @@ and a short last batch is equally short in each: the client cuts a step into ``n
 >>> s = EnvSteps.from_orders(orders, world_size=1, rank=0, env_batch=4, drop_last=False)
 >>> len(s), [b.tolist() for b in s]
 (2, [[0, 1, 2, 3, 5, 4, 3, 2], [4, 5, 1, 0]])
+>>> split = [RankPlan.from_order(orders[0], 2, e, 2, drop_last=False) for e in range(2)]
+>>> [b.tolist() for b in EnvSteps.of(split)]  # one order dealt: env 0 evens, env 1 odds
+[[0, 2, 1, 3], [4, 5]]
 """
 
 from __future__ import annotations
@@ -26,14 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .partition import RankPlan, num_batches
-
-
-def step_batches(
-    n_samples: int, world_size: int, batch_size: int, drop_last: bool, envs: int
-) -> int:
-    """Steps per epoch of a job whose ``batch_size`` holds ``envs`` environment batches."""
-    return num_batches(n_samples, world_size, batch_size // envs, drop_last)
+from .partition import RankPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,20 +54,25 @@ class EnvSteps:
         drop_last: bool,
         offset: int = 0,
     ) -> EnvSteps:
-        """Partition each environment's epoch order for ``rank``, batches of ``env_batch``;
-        ``offset``: deal each order from there on (elastic resume: every environment has
-        consumed the same number of positions of its own order, since a step holds one
-        batch of each)."""
-        if not orders:
-            raise ValueError("an EnvSteps needs at least one environment's order")
-        plans = tuple(
+        """Independent environments: partition each one's epoch order for ``rank``, batches
+        of ``env_batch``; ``offset``: deal each order from there on (elastic resume: every
+        environment has consumed the same number of positions of its own order, since a
+        step holds one batch of each)."""
+        return cls.of([
             RankPlan.from_order(o, world_size, rank, env_batch, drop_last, offset) for o in orders
-        )
+        ])  # fmt: skip
+
+    @classmethod
+    def of(cls, plans: Sequence[RankPlan]) -> EnvSteps:
+        """The steps of these environment plans, side by side; they must be equally long
+        (every environment plans the same number of samples)."""
+        if not plans:
+            raise ValueError("an EnvSteps needs at least one environment's plan")
         if len({p.num_batches for p in plans}) != 1:  # orders of different lengths
             raise ValueError(
                 f"environment plans differ in length: {[p.num_batches for p in plans]}"
             )
-        return cls(plans)
+        return cls(tuple(plans))
 
     @property
     def num_batches(self) -> int:

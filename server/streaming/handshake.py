@@ -45,14 +45,14 @@ def batches_per_rank(job: Job, offset: int = 0) -> int:
     """Batches of each rank's plan dealt from ``offset`` (0: the whole epoch)."""
     s = job.spec
     rest = job.num_samples - offset
-    return num_batches(rest, s.world_size, s.batch_size // s.envs, s.drop_last)
+    return num_batches(rest, s.deal_world, s.env_batch, s.drop_last)
 
 
 def offset_bound(job: Job) -> int:
     """One more than the largest ``Hello.offset`` of ``job``: below one batch of every rank
     (the canonical form of a resume point) and within the epoch."""
     s = job.spec
-    return min(s.batch_size // s.envs * s.world_size, job.num_samples + 1)
+    return min(s.env_batch * s.deal_world, job.num_samples + 1)
 
 
 def check_hello(hello: Hello, job: Job | None, token: str | None) -> Reject | Error | None:

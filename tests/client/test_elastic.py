@@ -215,3 +215,35 @@ def test_resumed_epoch_survives_a_kill9_while_streaming(store: Path, tmp_path: P
         want = plan(N_CIFAR, 5, EPOCH, 3, r, BATCH, "global", position=80)
         assert got == [tuple(int(i) for i in b) for b in want]
     assert status["resumed_from"] == states[0]["job"]
+
+
+def test_split_env_steps_resume_on_another_world_size(server: ServerProc) -> None:
+    """env_shuffle="split": a state of 4 ranks of 2 envs resumes on 3 ranks, every sample of
+    the one order exactly once (plus padding), as a deal over 4*2 then 3*2 plans."""
+
+    def loaders(world: int) -> list[Loader]:
+        return [
+            Loader(server.http_url, "cifar", BATCH, seed=5, envs=2, env_shuffle="split",
+                   rank=r, world_size=world)
+            for r in range(world)
+        ]  # fmt: skip
+
+    before: list[int] = []
+    states = []
+    for ld in loaders(SAVED_ON):
+        with ld:
+            ld.set_epoch(EPOCH)
+            for step in itertools.islice(iter(ld), 1):
+                before += [i for b in step for i in ids(b)]
+            states.append(ld.state_dict())
+    assert {s["position"] for s in states} == {SAVED_ON * 2 * BATCH}
+    after: list[list[tuple[int, ...]]] = []
+    for ld in loaders(3):
+        with ld:
+            ld.load_state_dict(states[0])
+            steps = list(ld)
+            after += [[ids(s[e]) for s in steps] for e in range(2)]
+    counts = Counter(before + [i for env in after for b in env for i in b])
+    rest = N_CIFAR - len(before)
+    pads = -(-rest // 6) * 6 - rest
+    assert set(counts) == set(range(N_CIFAR)) and sum(counts.values()) == N_CIFAR + pads

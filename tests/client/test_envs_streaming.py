@@ -152,3 +152,71 @@ def test_plan_endpoint_env_k_is_env_k_of_the_stream(server) -> None:
         ]
         bad = httpx.get(url, params={"epoch": 3, "rank": 1, "env": ENVS}, timeout=10)
         assert bad.status_code == 422 and f"0 <= env < {ENVS}" in bad.json()["detail"]
+
+
+def test_split_envs_deal_one_shuffle(server) -> None:
+    """env_shuffle="split": the job's own order dealt across the envs (env e of rank r as rank
+    r*n+e of world*n), so a step's envs never share a sample, an epoch covers each sample once
+    in len/(n*b) steps, and env 0 is not the single-env Loader's plan."""
+    order = epoch_order(N_CIFAR, 11, 6, "global").tolist()
+    seen: list[int] = []
+    for rank in range(2):
+        with Loader(server.http_url, "cifar", BS, seed=11, envs=2, env_shuffle="split",
+                    rank=rank, world_size=2) as ld:  # fmt: skip
+            ld.set_epoch(6)
+            steps = list(ld)
+        assert len(steps) == len(ld) == -(-N_CIFAR // 4 // BS)
+        for e in range(2):
+            got = [i for s in steps for i in ids(s[e])]
+            assert got == order[rank * 2 + e :: 4], f"rank {rank} env {e}"
+        for s in steps:
+            flat = [i for b in s for i in ids(b)]
+            assert len(set(flat)) == len(flat), "two envs of a step share a sample"
+        seen += [i for s in steps for b in s for i in ids(b)]
+    assert sorted(seen) == list(range(N_CIFAR)), "the epoch is not every sample once"
+    with Loader(server.http_url, "cifar", BS, seed=11, envs=4, env_shuffle="split",
+                drop_last=True, rank=0, world_size=1) as ld:  # fmt: skip
+        assert len(ld) == N_CIFAR // 4 // BS == len(list(ld))
+
+
+def test_split_envs_agree_with_plan_resident_and_the_plan_endpoint(server) -> None:
+    """plan(), a resident Loader and GET .../plan?env=K give the stream's split steps; a
+    state passes between the stream and plan() and resumes exactly."""
+    import httpx
+
+    kw = dict(seed=9, rank=0, world_size=1, envs=3, env_shuffle="split")
+    with Loader(server.http_url, "cifar", BS, **kw) as ld, \
+         Loader(server.http_url, "cifar", BS, resident="cpu", **kw) as res, \
+         plan(server.http_url, "cifar", BS, **kw) as p:  # fmt: skip
+        for x in (ld, res, p):
+            x.set_epoch(2)
+        got = [_step_ids(s) for s in ld]
+        assert got == [_step_ids(s) for s in res]
+        assert got == [tuple(tuple(i.tolist()) for i in s) for s in p]
+        assert p.job_id == ld.job_id
+        url = f"{server.http_url}/v1/jobs/{ld.job_id}/plan"
+        for env in range(3):
+            r = httpx.get(url, params={"epoch": 2, "rank": 0, "env": env}, timeout=10)
+            assert np.frombuffer(r.content, "<i8").tolist() == [i for s in got for i in s[env]]
+        ld.set_epoch(3)
+        it = iter(ld)
+        next(it), next(it)
+        p.load_state_dict(ld.state_dict())
+        assert [tuple(tuple(i.tolist()) for i in s) for s in p] == [_step_ids(s) for s in it]
+
+    def make_iter(state):
+        loader = Loader(server.http_url, "cifar", BS, **kw)
+        if state is not None:
+            loader.load_state_dict(state)
+        else:
+            loader.set_epoch(4)
+        return iter(loader), loader.state_dict
+
+    assert_resumes_exactly(make_iter, midpoint=3, key=_step_ids)
+
+
+def test_split_envs_refuse_one_env_and_unknown_modes(server) -> None:
+    with pytest.raises(BadRequest, match=r"env_shuffle='split'.*envs > 1"):
+        Loader(server.http_url, "cifar", BS, env_shuffle="split", rank=0, world_size=1)
+    with pytest.raises(BadRequest, match="env_shuffle"):
+        Loader(server.http_url, "cifar", BS, envs=2, env_shuffle="each", rank=0, world_size=1)  # type: ignore[arg-type]

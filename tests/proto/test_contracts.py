@@ -94,6 +94,12 @@ def test_job_id_is_stable_and_spec_sensitive() -> None:
         {"fields": ("image",)},
     ):
         assert job_id(a.model_copy(update=change)) != job_id(a)
+    # Fields at their defaults are left out: an envs job's id is what it was before
+    # env_shuffle existed, and "split" is another job.
+    envs = JobSpec(dataset="cifar", batch_size=256, envs=4, env_shuffle="independent")
+    assert job_id(envs) == "4474abb4d185ff5f"  # this spec's id before env_shuffle existed
+    split = envs.model_copy(update={"env_shuffle": "split"})
+    assert job_id(split) != job_id(envs)
 
 
 @pytest.mark.parametrize(
