@@ -259,7 +259,9 @@ def bench_envs(
             for s in range(0, n - per_step + 1, per_step):
                 yield list(p[s : s + per_step].split(ENV_BATCH))
             return
-        ps = [torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)]
+        ps = [
+            torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)
+        ]
         for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
             yield [p[s : s + ENV_BATCH] for p in ps]
 
