@@ -28,6 +28,7 @@ ORDER = [
     "bench_mixture",
     "bench_transforms",
     "bench_share",
+    "bench_peers",
     "bench_epochs",
 ]
 

@@ -3,11 +3,14 @@ Python of ``.venv-mds`` (Streaming's pins conflict with the dev extra):
 
     python bench/mds_side.py write DIR N    # N CIFAR-like samples with MDSWriter
     python bench/mds_side.py read DIR       # one pass of StreamingDataset; prints seconds
+    python bench/mds_side.py load DIR W B   # bench_peers' row: shuffled, DataLoader with W
+                                            # workers, batch B; prints JSON
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 import types
@@ -40,8 +43,29 @@ def read(out: str) -> float:
     return time.perf_counter() - t0
 
 
+def load(out: str, workers: int, batch: int) -> dict[str, object]:
+    """As ``bench_peers.measure`` does: epoch 0 warms up, epoch 1 is timed."""
+    from torch.utils.data import DataLoader
+
+    ds = StreamingDataset(local=out, shuffle=True, shuffle_seed=0, batch_size=batch)
+    dl = DataLoader(ds, batch_size=batch, num_workers=workers)
+    for _ in dl:
+        pass
+    t0 = time.perf_counter()
+    first, seen = float("nan"), 0
+    for b in dl:
+        if seen == 0:
+            first = time.perf_counter() - t0
+        seen += len(b["y"])
+    wall = time.perf_counter() - t0
+    return {"row": {"samples_s": seen / wall, "first_batch_s": first, "epoch_s": wall},
+            "samples": seen}  # fmt: skip
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "load":
+        print(json.dumps(load(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
     else:
         print(read(sys.argv[2]))

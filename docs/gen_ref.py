@@ -269,9 +269,10 @@ def results_page(results: Path = RESULTS) -> str:
     files = sorted(results.glob("*.json")) if results.is_dir() else []
     out = [
         "# Benchmark results\n",
-        "Generated at docs build time from `bench/results/*.json` (what `python -m bench` "
-        "writes on the machine that builds the docs); never copied by hand. Ratios are "
-        "within one run; the load average is part of each result.\n",
+        "Generated at docs build time from `bench/results/*.json`: the runs committed with "
+        "the code (what `python -m bench` wrote on the machine each names), or a run on the "
+        "machine that built these docs. Never copied by hand. Ratios are within one run; "
+        "the load average is part of each result.\n",
     ]
     if not files:
         out.append(
