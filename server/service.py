@@ -335,13 +335,27 @@ class Service:
         return ids.astype("<i8", copy=False), len(plan)
 
     def plan_stream(
-        self, job: Job, epoch: int, seed: int, rank: int, shard_rows: np.ndarray, offset: int
+        self,
+        job: Job,
+        epoch: int,
+        seed: int,
+        rank: int,
+        shard_rows: np.ndarray,
+        offset: int,
+        start: int,
     ) -> StreamPlan:
-        """What a stream of ``rank`` reads in ``epoch`` (see ``HandlerDeps.plan_stream``): a
-        mixture's plan follows its schedule batch by batch; any other is fixed when made."""
+        """What a stream of ``rank`` reads in ``epoch`` from batch ``start`` on (see
+        ``HandlerDeps.plan_stream``): a mixture's plan follows its schedule batch by batch;
+        any other is fixed when made."""
         if job.spec.mixture is not None:
             return self.mixture_admin.stream_plan(job, epoch, seed, rank, offset)
         plan = self.plans.rank_plan(job, epoch, seed, rank, shard_rows=shard_rows, offset=offset)
+        if start < len(plan):
+            # Read here, on the planning lane: an order handed out before its last buckets
+            # were shuffled (see PlanCache) makes a stream that starts deep in it (a resume)
+            # wait for its bucket now, not on the streamer thread. Later batches lie behind
+            # the shuffle, which runs tens of times faster than any stream reads.
+            plan.batch(start)
         if job.spec.shuffle != "none":  # the next epoch's order, while this one streams
             self.plans.plan_ahead(job, epoch + 1, seed, shard_rows)
         return plan

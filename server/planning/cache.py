@@ -12,6 +12,13 @@ least the newest entry.
 The next epoch's order is computed while the current one streams (:meth:`PlanCache.plan_ahead`,
 on a thread of its own): a 5M-sample global shuffle takes ~0.3 s, which would otherwise be the
 wait for the first batch of every epoch.
+
+An epoch no one planned ahead (the first of a job) is not waited for whole either: a global
+shuffle lays its samples out in buckets, then shuffles each bucket
+(:func:`~.permute.shuffle_steps`). The rank plans of it are handed out once the layout and the
+first bucket are done (the first 131,072 positions: every rank's first batches), and a thread
+of its own shuffles the other buckets while those batches are gathered; a plan's read of a
+later position waits for its bucket (:class:`Finishing`). Same order, same draws, sooner.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -27,8 +36,9 @@ from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import env_deal
 
 from ..jobs import Job
-from . import RankPlan, epoch_order
+from . import RankPlan
 from .envs import EnvSteps
+from .order import epoch_order_steps
 
 #: Bytes of orders kept across all jobs.
 ORDER_CACHE_BYTES = 512 << 20
@@ -40,6 +50,51 @@ OrderKey = tuple[str, int, int, int]
 log = logging.getLogger("shardserve.planning")
 
 
+class Finishing:
+    """An order whose leading positions are final while a thread shuffles the rest: how far
+    it got, and the wait of a plan that reads further (bounded, naming the order)."""
+
+    def __init__(self, what: str, n: int, upto: int) -> None:
+        self.what, self.n = what, n
+        #: Positions ``0 .. upto - 1`` are final.
+        self.upto = upto
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            self.upto = upto
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+
+    def wait(self, position: int) -> None:
+        """Return once ``position`` is final; raise if its shuffle failed or took too long."""
+        if position < self.upto:  # the common case, without the lock
+            return
+        with self._cond:
+            self._cond.wait_for(
+                lambda: position < self.upto or self.error is not None, ORDER_WAIT_S
+            )
+            if position < self.upto:
+                return
+            if self.error is not None:
+                raise RuntimeError(f"shuffling the rest of {self.what} failed: {self.error}")
+            raise TimeoutError(
+                f"waited {ORDER_WAIT_S} s for position {position} of {self.what}'s order "
+                f"({self.upto} of {self.n} positions shuffled)"
+            )
+
+
+def _stopped(finishing: Finishing, done: Future[None]) -> None:
+    """A finishing shuffle dropped before it ran (the server is stopping) fails its waiters."""
+    if done.cancelled():
+        finishing.fail(RuntimeError("the server stopped"))
+
+
 class PlanCache:
     """LRU of epoch orders keyed by ``(job id, epoch, seed, env)``; thread-safe."""
 
@@ -47,9 +102,14 @@ class PlanCache:
         self._max_bytes = max_bytes
         self._orders: OrderedDict[OrderKey, np.ndarray] = OrderedDict()
         self._computing: dict[OrderKey, threading.Event] = {}
+        #: Orders handed out before their last buckets were shuffled, until they are.
+        self._finishing: dict[OrderKey, Finishing] = {}
         self._lock = threading.Lock()
         # One thread: planning ahead never takes more than a core from the streams.
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ss-plan-ahead")
+        # Another for the rest of an order whose first batches are already out: it must not
+        # queue behind the next epochs planned ahead.
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ss-plan-finish")
 
     def plan_ahead(
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None
@@ -76,17 +136,35 @@ class PlanCache:
         """Stop planning ahead: drop the orders queued (one running finishes on its own), or
         with ``wait``, plan them all first."""
         self._ahead.shutdown(wait=wait, cancel_futures=not wait)
+        self._finisher.shutdown(wait=wait, cancel_futures=not wait)
 
     def order(
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None, env: int = 0
     ) -> np.ndarray:
-        """The epoch's global order for ``job``, computing it at most once at a time."""
+        """The epoch's global order for ``job``, whole, computing it at most once at a time."""
+        order, finishing = self._get(job, epoch, seed, shard_rows, env, staged=False)
+        if finishing is not None and len(order):
+            finishing.wait(len(order) - 1)
+        return order
+
+    def _get(
+        self,
+        job: Job,
+        epoch: int,
+        seed: int,
+        shard_rows: np.ndarray | None,
+        env: int,
+        staged: bool,
+    ) -> tuple[np.ndarray, Finishing | None]:
+        """The order and, while its last buckets are being shuffled, how far that got.
+        ``staged``: a new order is handed out after its first bucket (see the module
+        docstring); else it is computed whole here."""
         key = (job.id, epoch, seed, env)
         while True:
             with self._lock:
                 if key in self._orders:
                     self._orders.move_to_end(key)
-                    return self._orders[key]
+                    return self._orders[key], self._finishing.get(key)
                 event = self._computing.get(key)
                 if event is None:
                     event = self._computing[key] = threading.Event()
@@ -97,7 +175,7 @@ class PlanCache:
                 )
         try:
             spec = job.spec
-            order = epoch_order(
+            order, steps = epoch_order_steps(
                 job.num_samples,
                 seed,
                 epoch,
@@ -106,14 +184,52 @@ class PlanCache:
                 block_window=spec.block_window,
                 env=env,
             )
+            upto = next(steps)
+            finishing = None
+            if upto < len(order):
+                if staged:
+                    finishing = Finishing(f"job {job.id} epoch {epoch}", len(order), upto)
+                else:
+                    for _ in steps:
+                        pass
             with self._lock:
                 self._orders[key] = order
+                if finishing is not None:
+                    self._finishing[key] = finishing
                 self._evict()
-            return order
+            if finishing is not None:
+                done = self._finisher.submit(self._finish, key, order, steps, finishing)
+                done.add_done_callback(partial(_stopped, finishing))
+            return order, finishing
         finally:
             with self._lock:
                 self._computing.pop(key, None)
             event.set()
+
+    def _finish(
+        self, key: OrderKey, order: np.ndarray, steps: Iterator[int], finishing: Finishing
+    ) -> None:
+        """Shuffle the rest of an order handed out early, publishing each bucket."""
+        try:
+            for upto in steps:
+                finishing.advance(upto)
+        except BaseException as e:
+            log.error("shuffling the rest of %s failed", finishing.what, exc_info=True)
+            finishing.fail(e)
+            with self._lock:  # a later ask computes it again
+                if self._orders.get(key) is order:
+                    del self._orders[key]
+        finally:
+            with self._lock:
+                if self._finishing.get(key) is finishing:
+                    del self._finishing[key]
+
+    def _ready(
+        self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None, env: int
+    ) -> tuple[np.ndarray, Callable[[int], None] | None]:
+        """The order a rank plan deals, and the wait for its positions still being shuffled."""
+        order, finishing = self._get(job, epoch, seed, shard_rows, env, staged=True)
+        return order, finishing.wait if finishing is not None else None
 
     def rank_plan(
         self,
@@ -134,9 +250,9 @@ class PlanCache:
                 for e in range(spec.envs)
             ]
             return EnvSteps.of(plans)
-        order = self.order(job, epoch, seed, shard_rows, env)
+        order, ready = self._ready(job, epoch, seed, shard_rows, env)
         return RankPlan.from_order(
-            order, spec.world_size, rank, spec.batch_size, spec.drop_last, offset
+            order, spec.world_size, rank, spec.batch_size, spec.drop_last, offset, ready
         )
 
     def env_plan(
@@ -161,14 +277,17 @@ class PlanCache:
                 f"{spec.envs} environments, 0 <= env < {spec.envs}"
             )
         which, world, as_rank = env_deal(spec, rank, env)
-        order = self.order(job, epoch, seed, shard_rows, which)
-        return RankPlan.from_order(order, world, as_rank, spec.env_batch, spec.drop_last, offset)
+        order, ready = self._ready(job, epoch, seed, shard_rows, which)
+        return RankPlan.from_order(
+            order, world, as_rank, spec.env_batch, spec.drop_last, offset, ready
+        )
 
     def forget(self, job_id: str) -> None:
         """Drop a deleted job's orders."""
         with self._lock:
             for key in [k for k in self._orders if k[0] == job_id]:
                 del self._orders[key]
+                self._finishing.pop(key, None)
 
     def _evict(self) -> None:
         total = sum(o.nbytes for o in self._orders.values())

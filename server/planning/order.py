@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -12,7 +12,7 @@ from shardserve.proto.jobs import ShuffleMode
 
 from .rng import epoch_rng, order_dtype
 from .shuffle_block import block_order
-from .shuffle_global import global_order
+from .shuffle_global import global_order, global_order_steps
 from .shuffle_none import none_order
 
 # With no shard sizes, "block" treats the store as shards of this many rows.
@@ -88,6 +88,31 @@ def epoch_order(
     >>> bool((epoch_order(100, 0, 1) == epoch_order(100, 0, 1)).all())
     True
     """
+    order, steps = epoch_order_steps(n_samples, seed, epoch, shuffle, shard_rows, block_window, env)
+    for _ in steps:
+        pass
+    return order
+
+
+def epoch_order_steps(
+    n_samples: int,
+    seed: int,
+    epoch: int,
+    shuffle: ShuffleMode = "global",
+    shard_rows: Sequence[int] | np.ndarray | None = None,
+    block_window: int = 4,
+    env: int = 0,
+) -> tuple[np.ndarray, Iterator[int]]:
+    """:func:`epoch_order` as the array it is written into and the steps that write it:
+    each step yields how many leading positions are final. ``"global"`` does its work in
+    the steps (the first: the bucket layout and the first bucket, see
+    :func:`.permute.shuffle_steps`), so a caller can use the first positions while the rest
+    are shuffled; the other shuffles are computed in this call and yield once.
+
+    >>> order, steps = epoch_order_steps(5, 0, 0, "none")
+    >>> list(steps), order.tolist()
+    ([5], [0, 1, 2, 3, 4])
+    """
     n_samples = operator.index(n_samples)
     block_window = operator.index(block_window)
     if n_samples < 0:
@@ -100,6 +125,8 @@ def epoch_order(
         raise ValueError(f"shuffle must be one of {sorted(SHUFFLES)}, got {shuffle!r}") from None
     rows = shard_sizes(n_samples, shard_rows)
     rng = epoch_rng(seed, epoch, env)
-    return algorithm(
-        n_samples, rng, dtype=order_dtype(n_samples), shard_rows=rows, block_window=block_window
-    )
+    dtype = order_dtype(n_samples)
+    if shuffle == "global":
+        return global_order_steps(n_samples, rng, dtype=dtype)
+    order = algorithm(n_samples, rng, dtype=dtype, shard_rows=rows, block_window=block_window)
+    return order, iter([n_samples])

@@ -23,7 +23,7 @@ its first ``k`` batches, padding ids included.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +85,10 @@ class RankPlan:
     num_batches: int
     _ids: np.ndarray = field(repr=False)  # strided view of the shared order
     _pad: int = field(repr=False)  # the padding id, when _ids is one short
+    #: ``ready(p)`` returns once position ``p`` of the order is final (an order whose last
+    #: buckets are still being shuffled, see :meth:`PlanCache.rank_plan`); ``None``: all is.
+    _ready: Callable[[int], None] | None = field(default=None, repr=False)
+    _first: int = field(default=0, repr=False)  # the order position of _ids[0]
 
     @classmethod
     def from_order(
@@ -95,9 +99,11 @@ class RankPlan:
         batch_size: int,
         drop_last: bool,
         offset: int = 0,
+        ready: Callable[[int], None] | None = None,
     ) -> RankPlan:
         """Partition ``order`` (the epoch order every rank shares) for ``rank`` of ``world_size``;
-        ``offset``: deal only ``order[offset:]``, the rest of an epoch resumed elastically.
+        ``offset``: deal only ``order[offset:]``, the rest of an epoch resumed elastically;
+        ``ready``: see the field (every read of the order waits on it first).
 
         >>> o = np.arange(10, dtype=np.uint32)
         >>> [b.tolist() for b in RankPlan.from_order(o, 3, 2, 2, False, offset=5)]  # pads with o[0]
@@ -119,12 +125,21 @@ class RankPlan:
         num_samples = batches * batch_size if drop_last else per_rank
         ids = order[offset + rank : n : world_size][:num_samples]
         # Only the last id can be padding: the padded tail is shorter than world_size.
-        pad = (
-            int(order[(offset + rank + (per_rank - 1) * world_size) % n])
-            if len(ids) < num_samples
-            else 0
-        )
-        return cls(world_size, rank, batch_size, drop_last, num_samples, batches, ids, pad)
+        pad = 0
+        if len(ids) < num_samples:
+            at = (offset + rank + (per_rank - 1) * world_size) % n
+            if ready is not None:
+                ready(at)
+            pad = int(order[at])
+        return cls(
+            world_size, rank, batch_size, drop_last, num_samples, batches, ids, pad, ready,
+            offset + rank,
+        )  # fmt: skip
+
+    def _wait_for(self, count: int) -> None:
+        """Wait until the first ``count`` ids of this rank are final in the order."""
+        if self._ready is not None and count > 0:
+            self._ready(self._first + (count - 1) * self.world_size)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -136,6 +151,7 @@ class RankPlan:
         >>> RankPlan.from_order(np.arange(5, dtype=np.uint32), 2, 1, 2, False).sample_ids().tolist()
         [1, 3, 0]
         """
+        self._wait_for(len(self._ids))
         if len(self._ids) == self.num_samples:
             return self._ids
         return np.append(self._ids.astype(np.int64), self._pad)
@@ -157,6 +173,7 @@ class RankPlan:
             raise IndexError(f"{which} out of range 0 <= i < {self.num_batches}")
         lo = i * self.batch_size
         hi = min(lo + count * self.batch_size, self.num_samples)
+        self._wait_for(min(hi, len(self._ids)))
         if hi <= len(self._ids):
             return self._ids[lo:hi].astype(np.int64)
         out = np.empty(hi - lo, dtype=np.int64)

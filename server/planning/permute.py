@@ -16,6 +16,8 @@ Peak memory is the output plus one byte a sample plus ~30 MB of chunk temporarie
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 # 2**17 uint32 ids = 512 KiB: a bucket shuffles inside a 1 MiB L2.
@@ -42,6 +44,32 @@ def shuffle_into(
     >>> sorted(shuffle_into(np.empty(5, np.uint32), rng).tolist())
     [0, 1, 2, 3, 4]
     """
+    for _ in shuffle_steps(out, rng, src, bucket_rows=bucket_rows, chunk_rows=chunk_rows):
+        pass
+    return out
+
+
+def shuffle_steps(
+    out: np.ndarray,
+    rng: np.random.Generator,
+    src: np.ndarray | None = None,
+    *,
+    bucket_rows: int = BUCKET_ROWS,
+    chunk_rows: int = CHUNK_ROWS,
+) -> Iterator[int]:
+    """:func:`shuffle_into` one step at a time: a generator that lays out the buckets, then
+    shuffles them in order, yielding after each bucket how many leading positions of ``out``
+    are final. The same draws in the same order as :func:`shuffle_into`, whoever drives it:
+    a caller can take the first bucket (the first batches of an epoch) and leave the rest to
+    another thread.
+
+    >>> out = np.empty(300, np.uint32)
+    >>> steps = shuffle_steps(out, np.random.default_rng(0), bucket_rows=100)
+    >>> first = next(steps); rest = list(steps)
+    >>> rest[-1], out.tolist() == shuffle_into(np.empty(300, np.uint32),
+    ...                          np.random.default_rng(0), bucket_rows=100).tolist()
+    (300, True)
+    """
     n = len(out)
     if src is not None and len(src) != n:
         raise ValueError(f"src has {len(src)} ids, out has room for {n}")
@@ -49,7 +77,8 @@ def shuffle_into(
     if n_buckets <= 1:
         out[:] = np.arange(n, dtype=out.dtype) if src is None else src
         rng.shuffle(out)
-        return out
+        yield n
+        return
     labels = rng.integers(0, n_buckets, size=n, dtype=np.uint8)
     counts = np.zeros(n_buckets, dtype=np.int64)
     for lo in range(0, n, chunk_rows):
@@ -76,7 +105,7 @@ def shuffle_into(
     del labels
     for b0, b1 in zip(bucket_start[:-1].tolist(), bucket_start[1:].tolist(), strict=True):
         rng.shuffle(out[b0:b1])
-    return out
+        yield b1
 
 
 def shuffle_inplace(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:

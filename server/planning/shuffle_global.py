@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
-from .permute import shuffle_into
+from .permute import shuffle_steps
 
 
 def global_order(
@@ -24,4 +26,16 @@ def global_order(
     >>> sorted(o.tolist())
     [0, 1, 2, 3, 4]
     """
-    return shuffle_into(np.empty(n_samples, dtype=dtype), rng)
+    order, steps = global_order_steps(n_samples, rng, dtype=dtype)
+    for _ in steps:
+        pass
+    return order
+
+
+def global_order_steps(
+    n_samples: int, rng: np.random.Generator, *, dtype: np.dtype
+) -> tuple[np.ndarray, Iterator[int]]:
+    """:func:`global_order` as its array and the steps that write it (each yields how many
+    leading positions are final, see :func:`.permute.shuffle_steps`)."""
+    out = np.empty(n_samples, dtype=dtype)
+    return out, shuffle_steps(out, rng)

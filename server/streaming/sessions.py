@@ -133,9 +133,10 @@ class Session:
         return {"job": self.job_id, "rank": self.rank, "stream": self.stream, "epoch": self.epoch}
 
 
-#: ``plan_stream(job, epoch, seed, rank, shard_rows, offset)``: the rank's batches of the
-#: epoch, dealt from position ``offset`` of its order (see ``Service.plan_stream``).
-PlanStream = Callable[[Job, int, int, int, np.ndarray, int], StreamPlan]
+#: ``plan_stream(job, epoch, seed, rank, shard_rows, offset, start)``: the rank's batches of
+#: the epoch, dealt from position ``offset`` of its order, ready to read from batch ``start``
+#: on (see ``Service.plan_stream``).
+PlanStream = Callable[[Job, int, int, int, np.ndarray, int, int], StreamPlan]
 
 
 def prepare(
@@ -157,7 +158,9 @@ def prepare(
     check_batch(job.spec.batch_size, m.num_samples, batch_bytes, max_batch_bytes)
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
-    plan = plan_stream(job, s.epoch, s.seed, s.rank, source.shard_rows, s.offset)
+    plan = plan_stream(
+        job, s.epoch, s.seed, s.rank, source.shard_rows, s.offset, s.flow.start_batch
+    )
     source.plan_hint(plan)  # a remote dataset fetches what comes next
     return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable)
 

@@ -157,3 +157,46 @@ def test_an_order_planned_ahead_is_the_one_its_epoch_gets() -> None:
         assert order is cache.order(job, 3, 7, env=e)  # cached, not computed again
         assert np.array_equal(order, epoch_order(300_000, 7, 3, "global", env=e))
     assert not np.array_equal(ahead[0], ahead[1])
+
+
+def test_an_order_handed_out_before_its_last_buckets_is_the_whole_order() -> None:
+    """A new epoch's rank plans are handed out after the bucket layout and the first bucket;
+    every batch read from them, on any rank and from a deep offset, is the batch of the
+    whole order, and the cache's order is that order once it is whole."""
+    n = 1_000_003  # 8 buckets of ~2**17
+    spec = JobSpec(dataset="d", batch_size=64, world_size=3)
+    job = Job(job_id(spec), spec, num_samples=n)
+    cache = PlanCache()
+    whole = epoch_order(n, 5, 2, "global")
+    try:
+        plans = [cache.rank_plan(job, 2, 5, r) for r in range(3)]
+        deep = cache.rank_plan(job, 2, 5, 1, offset=900_000)
+        padded = np.concatenate([whole, whole[:2]])  # n % 3 == 1: ranks 1 and 2 pad once
+        for r, p in enumerate(plans):
+            ids = np.concatenate(list(p))
+            assert np.array_equal(ids, padded[r::3][: p.num_samples]), f"rank {r}"
+        assert np.array_equal(deep.sample_ids()[:5], whole[900_001:900_016:3])
+        assert np.array_equal(cache.order(job, 2, 5), whole)
+    finally:
+        cache.close(wait=True)
+
+
+def test_finishing_waits_for_its_bucket_and_names_a_failed_shuffle() -> None:
+    """A read past the shuffled positions waits until they are; a failed shuffle is an error
+    naming the order, not a wait to the deadline."""
+    import threading
+
+    from shardserve.server.planning.cache import Finishing
+
+    f = Finishing("job j epoch 3", 100, 10)
+    f.wait(9)  # already final
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(f.wait(50) or "read"))
+    reader.start()
+    f.advance(40)
+    f.advance(60)
+    reader.join(timeout=60)
+    assert got == ["read"]
+    f.fail(ValueError("boom"))
+    with pytest.raises(RuntimeError, match=r"shuffling the rest of job j epoch 3 failed: boom"):
+        f.wait(80)
