@@ -29,6 +29,7 @@ ORDER = [
     "bench_transforms",
     "bench_share",
     "bench_peers",
+    "bench_scaling",
     "bench_epochs",
 ]
 
