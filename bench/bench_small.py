@@ -31,6 +31,10 @@ One run, ratios within it (the machine is shared and noisy: compare rows of one 
   server against the trainer doing it in its loop over the same samples held in RAM
   (``Generator.choice`` per sample, ``stack``, the masked fields collated by hand).
   Target: >= 1x the trainer.
+* ``shogi``: 100,000 shogi-like positions (104 planes of 9x9 bits packed into 1,053 bytes,
+  a move, a result), batch 256: the ``unpack_bits`` transform to float32 planes on the
+  server against the trainer doing the same in its main thread (gather, ``np.unpackbits``,
+  ``astype``) over the records held in RAM. Target: >= 1.5x the trainer (data only).
 * ``cifar``: CIFAR-like batches of 256 and of 32 through ``Loader`` (shared memory) against
   the store's own ``take`` in this process into reused buffers (in-process Arrow take).
   Targets: batch 256 >= 0.8x, batch 32 >= 0.5x.
@@ -84,6 +88,15 @@ CRYSTAL = (
     FieldSpec(name="bond_fea", dtype="float32", shape=(-1, 8)),
     FieldSpec(name="energy", dtype="float32", shape=()),
 )  # fmt: skip
+SHOGI_PLANES, SHOGI_BATCH = (104, 9, 9), 256
+SHOGI_BYTES = -(-104 * 81 // 8)
+SHOGI = (
+    FieldSpec(name="packed", dtype="uint8", shape=(SHOGI_BYTES,)),
+    FieldSpec(name="move", dtype="int64", shape=()),
+    FieldSpec(name="result", dtype="float32", shape=()),
+)  # fmt: skip
+SHOGI_FEATURIZE = [{"name": "unpack_bits", "params": {
+    "field": "packed", "shape": list(SHOGI_PLANES), "dtype": "float32", "to": "planes"}}]  # fmt: skip
 UPT_QUERIES, UPT_BATCH = 512, 16
 UPT_SUBSET = [{"name": "random_subset", "params": {"field": "points", "n": UPT_QUERIES}}]
 #: CHGNet's fields do not say which counts the nodes (atom_fea and bond_fea look alike).
@@ -154,6 +167,20 @@ def make_upt(root: Path, n: int) -> str:
         for s in upt(n):
             w.add(s)
     return "upt"
+
+
+def make_shogi(root: Path, n: int) -> dict[str, np.ndarray]:
+    """Shogi-like positions as the seed keeps them: 104 planes of 9x9 bits packed into 1,053
+    bytes a position, a move label and a game result."""
+    rng = np.random.default_rng(3)
+    arrays = {
+        "packed": rng.integers(0, 256, (n, SHOGI_BYTES), dtype=np.uint8),
+        "move": rng.integers(0, 2187, n, dtype=np.int64),
+        "result": rng.random(n, dtype=np.float32),
+    }
+    with ShardWriter(root, "shogi", fields=SHOGI, shard_bytes=64 << 20) as w:
+        w.add_batch(arrays)
+    return arrays
 
 
 def make_crystals(root: Path, files: Path, n: int) -> str:
@@ -458,6 +485,32 @@ def bench_upt(url: str, store: Path, n: int) -> dict[str, dict[str, float]]:
     return rows
 
 
+def bench_shogi(
+    url: str, store: Path, arrays: dict[str, np.ndarray]
+) -> dict[str, dict[str, float]]:
+    """The trainer featurizing in its own main thread (gather the records, unpack the bits to
+    float32 planes) against the same featurizing as a server transform (data only)."""
+    n = len(arrays["move"])
+    packed, move, result = arrays["packed"], arrays["move"], arrays["result"]
+    bits = int(np.prod(SHOGI_PLANES))
+
+    def trainer(e: int) -> Iterator[Step]:
+        order = np.random.default_rng(e).permutation(n)
+        for i in range(0, n - SHOGI_BATCH + 1, SHOGI_BATCH):
+            idx = order[i : i + SHOGI_BATCH]
+            planes = np.unpackbits(packed[idx], axis=1, count=bits).reshape(-1, *SHOGI_PLANES)
+            yield {"planes": torch.from_numpy(planes.astype(np.float32)),
+                   "move": torch.from_numpy(move[idx]), "result": torch.from_numpy(result[idx])}  # fmt: skip
+
+    rows = {"trainer featurizes in its main thread (RAM)": measure(trainer, SHOGI_BATCH)}
+    with Loader(url, "shogi", SHOGI_BATCH, transforms=SHOGI_FEATURIZE, seed=0, rank=0,
+                world_size=1, drop_last=True) as ld:  # fmt: skip
+        rows["shardserve Loader(transforms=[unpack_bits])"] = measure(
+            _epochs(ld), SHOGI_BATCH, server_pid(store), loader=ld
+        )
+    return rows
+
+
 def bench_cifar(url: str, store: Path, n: int, batch: int) -> dict[str, dict[str, float]]:
     ds = Store(store).open("cifar")
     out = {k: np.empty((batch, *s[1]), dtype=s[0]) for k, s in ds.part_shapes(None).items()}  # type: ignore[index]
@@ -508,6 +561,7 @@ def main() -> None:
         make_crystals(store, Path(tmp) / "crystal-files", n_graphs)
         n_upt = 1_000 if args.quick else 5_000
         make_upt(store, n_upt)
+        shogi = make_shogi(store, 20_000 if args.quick else 100_000)
         with serve_local(store) as url:
             sections = {
                 "envs (4 x 32)": lambda: bench_envs(url, arrays, store, split=False),
@@ -519,6 +573,7 @@ def main() -> None:
                     url, store, Path(tmp) / "crystal-files", n_graphs
                 ),
                 "upt (batch 16)": lambda: bench_upt(url, store, n_upt),
+                "shogi (batch 256)": lambda: bench_shogi(url, store, shogi),
                 "cifar batch 256": lambda: bench_cifar(url, store, n_cifar, 256),
                 "cifar batch 32": lambda: bench_cifar(url, store, n_cifar, 32),
             }
@@ -554,6 +609,7 @@ def main() -> None:
         ("crystals / DataLoader list", ratio(c, cs, "DataLoader(list in RAM, workers 0)"), 1.2),
         ("crystals / per-file DataLoader w2", ratio(c, cs, "DataLoader(per-file .pt, workers 2)"), 20.0),
         ("upt server query sampling / trainer", ratio(rows["upt (batch 16)"], "shardserve Loader(transforms=[random_subset])", "trainer samples its queries (RAM)"), 1.0),
+        ("shogi featurize on the server / trainer", ratio(rows["shogi (batch 256)"], "shardserve Loader(transforms=[unpack_bits])", "trainer featurizes in its main thread (RAM)"), 1.5),
         ("cifar 256 / Arrow take", ratio(rows["cifar batch 256"], "shardserve Loader (shm)", "in-process Arrow take"), 0.8),
         ("cifar 32 / Arrow take", ratio(rows["cifar batch 32"], "shardserve Loader (shm)", "in-process Arrow take"), 0.5),
     ]  # fmt: skip
