@@ -279,9 +279,9 @@ def job_spec(
 ) -> JobSpec:
     """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
     argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
-    of ``envs`` batches of ``batch_size``, drawn as ``env_shuffle`` says. ``dataset`` as ``{name: weight}`` (or a list of
-    sources): a mixture (see :mod:`.mixture`), ``epoch_samples`` long (``None``: the
-    datasets' sizes summed).
+    of ``envs`` batches of ``batch_size``, drawn as ``env_shuffle`` says. ``dataset`` as
+    ``{name: weight}`` (or a list of sources): a mixture (see :mod:`.mixture`),
+    ``epoch_samples`` long (``None``: the datasets' sizes summed).
 
     >>> job_spec("cifar", 64, seed=0, shuffle=False, drop_last=False, world_size=2,
     ...          fields=None, collate=None, transforms=None, on_error=None).shuffle

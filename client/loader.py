@@ -138,7 +138,8 @@ class Loader:
             ``RankInUse``.
         env_shuffle: ``"independent"`` (default): each environment shuffles on its own;
             ``"split"``: one shuffle dealt across the environments, so no two take the same
-            sample in a step or an epoch (an epoch is ``len / (envs * batch_size)`` steps).
+            sample in a step or an epoch (an epoch is ``len / (world_size * envs * batch_size)``
+            steps).
 
     Everything after ``batch_size`` is keyword-only (passing it by position still works,
     with a ``DeprecationWarning``).

@@ -216,7 +216,8 @@ def plan(
     spec = job_spec(
         dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
         world_size=world.world_size, fields=fields, collate=collate, envs=envs,
-        env_shuffle=env_shuffle, transforms=transforms, on_error=on_error, epoch_samples=epoch_samples,
+        env_shuffle=env_shuffle, transforms=transforms, on_error=on_error,
+        epoch_samples=epoch_samples,
     )  # fmt: skip
     dev = resolve_device(device, world.local_rank)
     job = JobHandle.create(url, token, spec, timeout=timeout, world=world)

@@ -219,4 +219,7 @@ def test_split_envs_refuse_one_env_and_unknown_modes(server) -> None:
     with pytest.raises(BadRequest, match=r"env_shuffle='split'.*envs > 1"):
         Loader(server.http_url, "cifar", BS, env_shuffle="split", rank=0, world_size=1)
     with pytest.raises(BadRequest, match="env_shuffle"):
-        Loader(server.http_url, "cifar", BS, envs=2, env_shuffle="each", rank=0, world_size=1)  # type: ignore[arg-type]
+        Loader(
+            server.http_url, "cifar", BS, envs=2, rank=0, world_size=1,
+            env_shuffle="each",  # type: ignore[arg-type]
+        )  # fmt: skip
