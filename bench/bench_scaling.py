@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_small import make_cifar  # noqa: E402
+from bench.bench_small import make_cifar, server_pid  # noqa: E402
 from bench.bench_transforms import CIFAR_CHAIN, tree_cpu  # noqa: E402
 from shardserve.client import serve_local  # noqa: E402
 
@@ -90,18 +90,6 @@ def run(url: str, server: int, world: int, chain: list[dict[str, Any]] | None) -
     }  # fmt: skip
 
 
-def server_pid(store: Path) -> int:
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"serve" in cmd and str(store).encode() in cmd:
-                return int(proc.name)
-    raise RuntimeError(f"no server process for {store}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,6 +110,8 @@ def main() -> None:
         make_cifar(store, n)
         with serve_local(store) as url:
             pid = server_pid(store)
+            if pid is None:
+                raise RuntimeError(f"no server process for {store}")
             for name, chain in WORKLOADS.items():
                 for world in worlds:
                     row = run(url, pid, world, chain)

@@ -137,7 +137,9 @@ class Dataset:
             if first == last:
                 touched = [first]
             else:
-                touched = np.unique(np.searchsorted(self._starts, idx, "right") - 1).tolist()
+                # The shards touched, in order: a count per shard, not a sort of the batch.
+                shard = np.searchsorted(self._starts, idx, "right") - 1
+                touched = np.flatnonzero(np.bincount(shard)).tolist()
         chunks = self.shards.acquire(touched)
         try:
             return self._read(names, idx, lo, hi, chunks, out)

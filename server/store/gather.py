@@ -29,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+#: Most chunks a batch touches for which :func:`groups` compares instead of sorting.
+FEW_CHUNKS = 8
 #: Row size from which a batch spanning several chunks is copied row by row (see take_fixed).
 ROW_COPY_BYTES = 16 << 10
 #: Positions of a batch: an index array, or every position.
@@ -37,13 +39,23 @@ ALL = slice(None)
 
 
 def groups(chunk: np.ndarray) -> list[tuple[int, Positions]]:
-    """``[(chunk id, positions in the batch)]`` for each chunk the batch touches; the
-    positions are :data:`ALL` (a full slice) when one chunk holds the whole batch."""
+    """``[(chunk id, positions in the batch)]`` for each chunk the batch touches, in chunk
+    order, positions ascending; the positions are :data:`ALL` (a full slice) when one chunk
+    holds the whole batch.
+
+    >>> [(c, p.tolist()) for c, p in groups(np.array([2, 0, 2, 1]))]
+    [(0, [1]), (1, [3]), (2, [0, 2])]
+    """
     if chunk.size == 0:
         return []
     first = int(chunk[0])
     if (chunk == first).all():
         return [(first, ALL)]
+    touched = np.flatnonzero(np.bincount(chunk))
+    if len(touched) <= FEW_CHUNKS:
+        # A comparison per touched chunk costs less than a sort of the batch's chunk ids
+        # (896 ids over 3 chunks: 27 us against 68 us).
+        return [(c, np.flatnonzero(chunk == c)) for c in touched.tolist()]
     order = np.argsort(chunk, kind="stable")
     sorted_chunks = chunk[order]
     cuts = np.flatnonzero(np.diff(sorted_chunks)) + 1
