@@ -99,13 +99,18 @@ class Feed:
         return rank_plan_size(rest, s.deal_world, s.env_batch, s.drop_last)[1]
 
     def pass_(
-        self, start: Start, stream: EpochStream, rebuild: Callable[[Batch], Any] | None
+        self,
+        start: Start,
+        stream: EpochStream,
+        rebuild: Callable[[Batch], Any] | None,
+        owner: object = None,
     ) -> StreamPass:
-        """A new pass over ``stream`` (older passes of this feed stop)."""
+        """A new pass over ``stream`` (older passes of this feed stop), keeping ``owner`` (the
+        iterable it is of) alive while it lives."""
         self.ctx.current += 1
         self.ctx.active = stream
         self.ctx.pos.begin(start)
-        return StreamPass(self.ctx, self.ctx.current, start, stream, rebuild)
+        return StreamPass(self.ctx, self.ctx.current, start, stream, rebuild, owner)
 
     @property
     def transport(self) -> str:

@@ -68,8 +68,12 @@ class PassContext:
 class _Pass(Iterator[Any]):
     """What both passes share: the checks before each step, and the end of the epoch."""
 
-    def __init__(self, ctx: PassContext, number: int, start: Start) -> None:
+    def __init__(self, ctx: PassContext, number: int, start: Start, owner: object) -> None:
         self.ctx, self.number, self.start = ctx, number, start
+        # The iterable this pass is of, kept alive while the pass is: in
+        # ``for batch in Loader(...)`` the loop holds only the pass, and a Loader that nothing
+        # held would be collected, and closed, after its first batch.
+        self.owner = owner
         self.finished = False
         self.watcher = ctx.watch() if ctx.watch is not None else None
         if self.watcher is not None:
@@ -136,8 +140,9 @@ class StreamPass(_Pass):
         start: Start,
         stream: EpochStream,
         rebuild: Callable[[Batch], Any] | None,
+        owner: object = None,
     ) -> None:
-        super().__init__(ctx, number, start)
+        super().__init__(ctx, number, start, owner)
         self.stream, self.rebuild = stream, rebuild
         #: Steps of the last message not handed out yet: (index, batch or env batches).
         self.pending: deque[tuple[int, Batch | list[Batch]]] = deque()
@@ -202,8 +207,9 @@ class ResidentPass(_Pass):
         start: Start,
         resident: Resident,
         rebuild: Callable[[Batch], Any] | None,
+        owner: object = None,
     ) -> None:
-        super().__init__(ctx, number, start)
+        super().__init__(ctx, number, start, owner)
         self.resident, self.rebuild, self.index = resident, rebuild, start[1]
         self.plans: list[EnvPlan] | None = None  # fetched at the first next(), not at iter()
 

@@ -414,8 +414,8 @@ class Loader:
         if self._resident is not None:
             ctx.current += 1
             ctx.pos.begin(start)
-            return ResidentPass(ctx, ctx.current, start, self._resident, self._rebuild)
-        return self._feed.pass_(start, self._stream_for(start), self._rebuild)
+            return ResidentPass(ctx, ctx.current, start, self._resident, self._rebuild, self)
+        return self._feed.pass_(start, self._stream_for(start), self._rebuild, self)
 
     def _stream_for(self, start: Start) -> EpochStream:
         """The stream opened ahead, or that of an iteration that never delivered (an iter() to

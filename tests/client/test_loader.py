@@ -28,6 +28,25 @@ def test_single_rank_epoch_equals_the_plan(server, store) -> None:
     assert batches[3]["image"].dtype == torch.uint8 and batches[3]["image"].shape == (64, 3, 32, 32)
 
 
+def test_a_loader_nothing_holds_serves_its_whole_epoch(server) -> None:
+    """``for batch in Loader(...)``: the loop holds only the iterator, which keeps its Loader
+    (and so its stream) alive to the epoch's end; after it the Loader is collected."""
+    import gc
+    import weakref
+
+    got = []
+    for batch in Loader(server.http_url, "cifar", 64, seed=3, rank=0, world_size=1):
+        gc.collect()  # a Loader held by nothing would be closed here
+        got.append(ids(batch))
+    want = plan(N_CIFAR, seed=3, epoch=0, world_size=1, rank=0, batch_size=64)
+    assert got == [tuple(int(i) for i in b) for b in want]
+    it = iter(Loader(server.http_url, "cifar", 64, seed=3, rank=0, world_size=1))
+    ref = weakref.ref(it.owner)  # type: ignore[attr-defined]
+    del it
+    gc.collect()
+    assert ref() is None
+
+
 def test_set_epoch_changes_the_order_and_the_seed_reproduces_it(server) -> None:
     """Epochs differ, the same (seed, epoch) gives the same order, and iterating again without
     set_epoch advances the epoch instead of repeating it."""

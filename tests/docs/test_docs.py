@@ -23,13 +23,9 @@ import yaml
 
 from shardserve.server.cli import COMMANDS, build_parser
 from shardserve.server.settings import Settings, env_name
+from tests.docs.pages import DOCS, ROOT, SNIPPET, blocks, pages
 from tests.support.server import run_server
 from tests.support.slowness import scaled
-
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs"
-_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
-_SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.M)
 
 
 def gen_ref() -> ModuleType:
@@ -38,21 +34,6 @@ def gen_ref() -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def pages() -> list[Path]:
-    return sorted(p for p in DOCS.rglob("*.md") if "_incoming" not in p.parts)
-
-
-def blocks(lang: str) -> list[tuple[str, str]]:
-    """(page, code) of every fenced block of ``lang``, snippets (``--8<--``) resolved."""
-    out = []
-    for page in pages():
-        for found, code in _FENCE.findall(page.read_text()):
-            if found == lang:
-                code = _SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text(), code)
-                out.append((str(page.relative_to(ROOT)), code))
-    return out
 
 
 def test_generated_cli_and_settings_pages_cover_the_code() -> None:
@@ -112,19 +93,19 @@ def test_every_page_is_in_the_nav() -> None:
 def test_every_python_block_compiles() -> None:
     found = blocks("python")
     assert len(found) > 10
-    for page, code in found:
+    for b in found:
         try:
-            compile(code, page, "exec")
+            compile(b.code, b.where, "exec")
         except SyntaxError as e:
-            pytest.fail(f"{page}: a python block does not compile: {e}\n{code}")
+            pytest.fail(f"{b.where}: does not compile: {e}\n{b.code}")
 
 
 def test_every_shardserve_command_in_the_docs_parses() -> None:
     """Each `shardserve ...` line of a bash block parses with the real CLI parser."""
     parser = build_parser()
     problems = []
-    for page, code in [*blocks("bash"), *blocks("sh"), *blocks("console")]:
-        for line in code.replace("\\\n", " ").splitlines():
+    for b in [*blocks("bash"), *blocks("sh"), *blocks("console")]:
+        for line in b.code.replace("\\\n", " ").splitlines():
             line = line.split("#")[0].strip().removeprefix("$ ")
             if not line.startswith("shardserve ") or "..." in line or "<" in line:
                 continue
@@ -134,7 +115,9 @@ def test_every_shardserve_command_in_the_docs_parses() -> None:
                 args, rest = parser.parse_known_args(argv)
                 if not rest or args.command == "demo":
                     continue
-            problems.append(f"{page}: {line}: {err.getvalue().strip() or 'unknown: ' + str(rest)}")
+            problems.append(
+                f"{b.where}: {line}: {err.getvalue().strip() or 'unknown: ' + str(rest)}"
+            )
     assert problems == []
 
 
@@ -147,14 +130,13 @@ def test_every_include_is_well_formed_and_the_loop_is_included() -> None:
         for n, line in enumerate(page.read_text().splitlines(), 1):
             if "8<" not in line.replace(" ", ""):
                 continue
-            found = _SNIPPET.match(line)
+            found = SNIPPET.match(line)
             assert found, f'{page}:{n}: {line!r} is not an include; write --8<-- "path"'
             assert (ROOT / found.group(1)).is_file(), f"{page}:{n}: no file {found.group(1)}"
-    quickstart = (ROOT / "examples" / "quickstart.py").read_text()
     assert any(
-        code == quickstart + "\n" or code == quickstart
-        for page, code in blocks("python")
-        if page.endswith("getting-started.md")
+        b.included == ("examples/quickstart.py",)
+        for b in blocks("python")
+        if b.page.endswith("getting-started.md")
     ), "docs/getting-started.md does not include examples/quickstart.py"
 
 
