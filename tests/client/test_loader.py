@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import httpx
 import pytest
 import torch
@@ -31,9 +34,6 @@ def test_single_rank_epoch_equals_the_plan(server, store) -> None:
 def test_a_loader_nothing_holds_serves_its_whole_epoch(server) -> None:
     """``for batch in Loader(...)``: the loop holds only the iterator, which keeps its Loader
     (and so its stream) alive to the epoch's end; after it the Loader is collected."""
-    import gc
-    import weakref
-
     got = []
     for batch in Loader(server.http_url, "cifar", 64, seed=3, rank=0, world_size=1):
         gc.collect()  # a Loader held by nothing would be closed here

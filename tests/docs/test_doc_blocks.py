@@ -1,4 +1,5 @@
-"""Every Python block of the docs and the README runs, against a real server holding the datasets they name.
+"""Every Python block of the docs and the README runs, against a real server holding the
+datasets they name.
 
 A page's blocks run in order in one fresh interpreter, as a reader would paste them into one
 session: a later block may use what an earlier one imported or made. Before them, a prelude
@@ -10,8 +11,8 @@ see :data:`PRELUDE`. Three rules map the page to this machine:
 * the working directory holds the store as ``store`` (the folder the pages ingest into).
 
 Anything else a block needs changed is said on the page, above the block, as a
-``docs-test replace`` or ``docs-test skip`` directive (``tests/docs/pages.py``). Blocks that are
-an include of an example file are run by that example's own test.
+``docs-test replace`` or ``docs-test skip`` directive (``tests/docs/pages.py``). A block that
+only includes an example file runs in that example's own test.
 """
 
 from __future__ import annotations
