@@ -35,6 +35,7 @@ from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.ingest.run import ingest
 from shardserve.server.store.writer import ShardWriter
 from tests.docs.pages import ROOT, Block, page_blocks, pages
+from tests.docs.test_docs import digits_store
 from tests.support.data import make_cifar_like, make_graph_like
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
@@ -118,15 +119,10 @@ def _jpeg(i: int) -> bytes:
 def build_store(tmp: Path) -> Path:
     """The datasets the pages name, written as users write them (``.pt`` files ingested, the
     digits example, the store's writer)."""
-    store = tmp / "store"
+    store = digits_store(tmp)  # digits-train, and beside it the held-out split:
+    ingest(tmp / "test.npz", store, "digits-test", progress=False)
     src = tmp / "src"
     src.mkdir()
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(src / "train.npz"),
-         str(src / "test.npz")], check=True, timeout=scaled(120.0), capture_output=True,
-    )  # fmt: skip
-    ingest(src / "train.npz", store, "digits-train", progress=False)
-    ingest(src / "test.npz", store, "digits-test", progress=False)
     ingest(_pt_folder(src / "pde", [_pde(i) for i in range(128)]), store, "pde", progress=False)
     tuples = [(torch.full((3, 32, 32), i, dtype=torch.uint8), i % 10) for i in range(256)]
     ingest(_pt_folder(src / "tuples", tuples), store, "cifar", progress=False)
@@ -174,14 +170,13 @@ def runnable(blocks: list[Block]) -> list[Block]:
 
 
 #: The README's loop runs too: it is the first code a user reads.
-PAGES = [p for p in [ROOT / "README.md", *pages()] if runnable(page_blocks(p))]
+WITH_README = [ROOT / "README.md", *pages()]
+PAGES = [p for p in WITH_README if runnable(page_blocks(p))]
 
 
 def test_every_python_block_runs_or_says_why_not() -> None:
     """A block the test leaves out says why on its page; most blocks run."""
-    every = [
-        b for p in [ROOT / "README.md", *pages()] for b in page_blocks(p) if b.lang == "python"
-    ]
+    every = [b for p in WITH_README for b in page_blocks(p) if b.lang == "python"]
     run = [b for p in PAGES for b in runnable(page_blocks(p))]
     left_out = [b for b in every if b.skip is not None]
     assert all(b.skip and len(b.skip) > 20 for b in left_out), [b.where for b in left_out]
@@ -202,7 +197,7 @@ def test_the_pages_python_runs(
             '"exec"), globals())'
         )
     (tmp_path / "page.py").write_text("\n".join(script))
-    env = {**os.environ, "SHARDSERVE_URL": srv.http_url, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "SHARDSERVE_URL": srv.http_url}
     out = subprocess.run(
         [sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=scaled(240.0),
