@@ -93,6 +93,12 @@ build=(podman build --quiet --pull=never --format docker --network host
 # layer cache does not look into (see docker/Dockerfile, SOURCE_ID).
 source_id=$(tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --exclude=__pycache__ \
   -cf - pyproject.toml README.md proto server client | sha256sum | cut -c1-16)
+# The images these builds replace: each is a GB or so, and one left behind per run fills a disk.
+replaced=()
+for image in "$SERVER_IMAGE" "$TRAINER_IMAGE"; do
+  id=$(podman image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
+  [ -n "$id" ] && replaced+=("$id")
+done
 step "building $SERVER_IMAGE (sources $source_id)"
 "${build[@]}" --build-arg "SOURCE_ID=$source_id" -f docker/Dockerfile -t "$SERVER_IMAGE" . >/dev/null
 
@@ -109,9 +115,13 @@ fi
 step "building $TRAINER_IMAGE (torch from ${wheels:-the CPU wheel index})"
 "${build[@]}" "${torch_args[@]}" -f docker/Dockerfile.trainer -t "$TRAINER_IMAGE" . >/dev/null
 
-# Untagged images are replaced builds and build stages; the stages are the next run's cache
-# (the server's wheel stage above all), so only those left unused for a week go.
-podman image prune --force --filter until=168h >/dev/null
+# A replaced build that no tag names any more goes now. Other untagged images are build stages,
+# the next run's cache (the server's wheel stage above all): those older than a day go.
+for id in "${replaced[@]}"; do
+  tags=$(podman image inspect --format '{{len .RepoTags}}' "$id" 2>/dev/null || echo gone)
+  if [ "$tags" = 0 ]; then podman rmi --force "$id" >/dev/null; fi
+done
+podman image prune --force --filter until=24h >/dev/null
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' \
   | grep -E "^($SERVER_IMAGE|$TRAINER_IMAGE|$BASE) " | sed 's/^/   /'
 printf 'SHARDSERVE_IMAGE=%s\nSHARDSERVE_TRAINER_IMAGE=%s\n' "$SERVER_IMAGE" "$TRAINER_IMAGE" >"$READY"

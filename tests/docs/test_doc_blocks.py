@@ -1,8 +1,9 @@
 """Every Python block of the docs and the README runs, against a real server holding the
 datasets they name.
 
-A page's blocks run in order in one fresh interpreter, as a reader would paste them into one
-session: a later block may use what an earlier one imported or made. Before them, a prelude
+A page's blocks run in order in one fresh process, as a reader would paste them into one
+session: a later block may use what an earlier one imported or made. Each page's process is
+forked from one that imported torch and the client once (``tests/support/zygote.py``). Before them, a prelude
 gives the names the pages leave to the reader's own code (``model``, ``opt``, ``act``, ...);
 see :data:`PRELUDE`. Three rules map the page to this machine:
 
@@ -21,8 +22,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from tests.docs.test_docs import digits_store
 from tests.support.data import make_cifar_like, make_graph_like
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
+from tests.support.zygote import Zygote
 
 LOCAL_URL = "http://127.0.0.1:7070"
 CIFAR10 = 512
@@ -158,6 +158,12 @@ def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
         yield srv, store
 
 
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    with Zygote(["torch", "numpy", "shardserve.client"]) as z:
+        yield z
+
+
 def _for_here(code: str) -> str:
     """The three rules of the module docstring, less the working directory."""
     if not torch.cuda.is_available():
@@ -185,7 +191,7 @@ def test_every_python_block_runs_or_says_why_not() -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_the_pages_python_runs(
-    docs_server: tuple[ServerProc, Path], page: Path, tmp_path: Path
+    docs_server: tuple[ServerProc, Path], zygote: Zygote, page: Path, tmp_path: Path
 ) -> None:
     """The page's blocks, in order, in one interpreter, against the docs' datasets."""
     srv, store = docs_server
@@ -198,8 +204,5 @@ def test_the_pages_python_runs(
         )
     (tmp_path / "page.py").write_text("\n".join(script))
     env = {**os.environ, "SHARDSERVE_URL": srv.http_url}
-    out = subprocess.run(
-        [sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=scaled(240.0),
-    )  # fmt: skip
+    out = zygote.run(tmp_path / "page.py", cwd=tmp_path, env=env, timeout=scaled(240.0))
     assert out.returncode == 0, f"{page.relative_to(ROOT)}:\n{out.stdout}\n{out.stderr[-6000:]}"
