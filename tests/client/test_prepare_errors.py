@@ -131,9 +131,12 @@ def test_a_stream_the_server_cannot_plan_raises_the_reason_not_a_stall(
             assert ids == list(range(200))
 
 
-@pytest.fixture
-def server(store: Path) -> Iterator[ServerProc]:
-    with run_server(store, "--token", "s3cret") as srv:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server for the refusals: each is of its own Hello and leaves nothing behind."""
+    root = tmp_path_factory.mktemp("refusals") / "store"
+    make_cifar_like(root, "cifar", n=N, shard_bytes=256 << 10)
+    with run_server(root, "--token", "s3cret") as srv:
         yield srv
 
 

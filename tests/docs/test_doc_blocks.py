@@ -204,5 +204,5 @@ def test_the_pages_python_runs(
         )
     (tmp_path / "page.py").write_text("\n".join(script))
     env = {**os.environ, "SHARDSERVE_URL": srv.http_url}
-    out = zygote.run(tmp_path / "page.py", cwd=tmp_path, env=env, timeout=scaled(240.0))
+    out = zygote.run(["page.py"], cwd=tmp_path, env=env, timeout=scaled(240.0))
     assert out.returncode == 0, f"{page.relative_to(ROOT)}:\n{out.stdout}\n{out.stderr[-6000:]}"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,27 +15,34 @@ from shardserve.client import Loader
 from shardserve.server.planning import plan
 from tests.frameworks.conftest import N_SAMPLES
 from tests.support.data import sample_id_of
+from tests.support.zygote import Zygote
 
 pytest.importorskip("lightning")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fit(url: str, out: Path, *args: str, timeout: float = 150) -> dict[int, dict]:
-    """Run the Lightning worker; its records by rank."""
+@pytest.fixture(scope="module")
+def forked() -> Iterator[Zygote]:
+    """One-device runs fork from a process that imported Lightning once (its import is most of
+    a short run's CPU); DDP runs start as real commands, which Lightning's launcher re-runs."""
+    with Zygote(["torch", "lightning.pytorch", "shardserve.client.lightning"]) as z:
+        yield z
+
+
+def fit(url: str, out: Path, *args: str, timeout: float = 150,
+        forked: Zygote | None = None) -> dict[int, dict]:  # fmt: skip
+    """Run the Lightning worker (forked from ``forked`` when given); its records by rank."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.frameworks._lightning_worker",
-        "--url",
-        url,
-        "--out",
-        str(out),
-        *args,
-    ]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    argv = ["-m", "tests.frameworks._lightning_worker", "--url", url, "--out", str(out), *args]
+    if forked is not None:
+        done = forked.run(argv, cwd=ROOT, env=os.environ, timeout=timeout)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    else:
+        r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout)  # fmt: skip
+        code, stdout, stderr = r.returncode, r.stdout, r.stderr
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
 
 
@@ -45,12 +54,14 @@ def planned(
 
 
 @pytest.mark.parametrize("how", ["datamodule", "bare", "bare-hook"])
-def test_one_device_epochs_follow_the_plan(server, tmp_path: Path, how: str) -> None:
+def test_one_device_epochs_follow_the_plan(
+    server, forked: Zygote, tmp_path: Path, how: str
+) -> None:
     """Trainer(devices=1) epochs 0..2 stream plan epochs 0..2, the same as a plain
     `for epoch: set_epoch(epoch)` loop, whether through the DataModule or a bare Loader with
     or without a set_epoch hook; Lightning passes the Loader through unwrapped."""
     args = {"datamodule": ["--val"], "bare": ["--bare"], "bare-hook": ["--bare", "--hook"]}[how]
-    rec = fit(server.http_url, tmp_path, "--epochs", "3", *args)[0]
+    rec = fit(server.http_url, tmp_path, "--epochs", "3", *args, forked=forked)[0]
     assert rec["loader_type"] == "Loader" and rec["loader_world"] == [0, 1]
     with Loader(server.http_url, "cifar", 100, seed=5, rank=0, world_size=1) as loader:
         plain = {}
@@ -65,13 +76,15 @@ def test_one_device_epochs_follow_the_plan(server, tmp_path: Path, how: str) -> 
         assert rec["seen"][str(epoch)] == planned(epoch, 1, 0), f"epoch {epoch}"
 
 
-def test_mid_epoch_checkpoint_resumes_exactly(server, tmp_path: Path) -> None:
+def test_mid_epoch_checkpoint_resumes_exactly(server, forked: Zygote, tmp_path: Path) -> None:
     """A checkpoint saved after 4 batches of epoch 1, resumed in a new process, trains on
     exactly the batches the uninterrupted run had left: the rest of epoch 1, then epoch 2."""
-    full = fit(server.http_url, tmp_path / "full", "--epochs", "3", "--ckpt-every", "14")[0]
+    full = fit(server.http_url, tmp_path / "full", "--epochs", "3", "--ckpt-every", "14",
+               forked=forked)[0]  # fmt: skip
     ckpt = tmp_path / "full" / "ckpt" / "step=14.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (tmp_path / "full" / "ckpt").iterdir())
-    resumed = fit(server.http_url, tmp_path / "resumed", "--epochs", "3", "--resume", str(ckpt))[0]
+    resumed = fit(server.http_url, tmp_path / "resumed", "--epochs", "3", "--resume", str(ckpt),
+                  forked=forked)[0]  # fmt: skip
     assert resumed["seen"] == {"1": full["seen"]["1"][4:], "2": full["seen"]["2"]}
     assert full["seen"]["1"] == planned(1, 1, 0)
 

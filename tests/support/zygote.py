@@ -4,10 +4,11 @@ in each: one process imports the heavy modules once and forks a child per script
 ::
 
     with Zygote(["torch", "shardserve.client"]) as z:
-        done = z.run(Path("page.py"), cwd=tmp, env=os.environ, timeout=60)
+        done = z.run(["page.py"], cwd=tmp, env=os.environ, timeout=60)    # python page.py
         assert done.returncode == 0, done.stderr
+        z.run(["-m", "tests.worker", "--out", "x"], cwd=ROOT, env=os.environ, timeout=60)
 
-A child is a new process, as ``python page.py`` would be: its own ``__main__``, working
+A child is a new process, as ``python ARGS`` would be: its own ``__main__``, working
 directory, environment, file descriptors and module state (a singleton one script sets up is
 gone for the next). What it shares is what the parent imported before forking, which does
 nothing but import, so no thread or thread pool is running at the fork. A script that does
@@ -19,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +51,16 @@ class Zygote:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
             cwd=ROOT,
         )  # fmt: skip
+        self._outputs = Path(tempfile.mkdtemp(prefix="zygote-"))
+        self._runs = 0
 
-    def run(self, script: Path, cwd: Path, env: Mapping[str, str], timeout: float) -> Done:
-        """Run ``script`` as ``python script`` would in ``cwd`` with ``env``; wait at most
-        ``timeout`` seconds for it."""
+    def run(self, args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float) -> Done:
+        """Run ``python *args`` (a script and its arguments, or ``-m module ...``) in ``cwd``
+        with ``env``; wait at most ``timeout`` seconds for it."""
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        out, err = cwd / f".{script.name}.stdout", cwd / f".{script.name}.stderr"
-        request = {"script": str(script), "cwd": str(cwd), "env": dict(env),
+        self._runs += 1
+        out, err = (self._outputs / f"{self._runs}.{n}" for n in ("stdout", "stderr"))
+        request = {"args": list(args), "cwd": str(cwd), "env": dict(env),
                    "stdout": str(out), "stderr": str(err)}  # fmt: skip
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
@@ -63,10 +69,12 @@ class Zygote:
             ready = sel.select(timeout)
         if not ready:
             self.close()
-            raise TimeoutError(f"{script} did not finish within {timeout:.0f} s (killed)")
+            raise TimeoutError(f"python {' '.join(args)} did not finish within {timeout:.0f} s "
+                               "(killed)")  # fmt: skip
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the zygote died running {script} (exit {self._proc.wait()})")
+            raise RuntimeError(f"the zygote died running python {' '.join(args)} "
+                               f"(exit {self._proc.wait()})")  # fmt: skip
         return Done(json.loads(line)["returncode"], out.read_text(), err.read_text())
 
     def close(self) -> None:
@@ -77,6 +85,7 @@ class Zygote:
         for pipe in (self._proc.stdin, self._proc.stdout):
             if pipe is not None:
                 pipe.close()
+        shutil.rmtree(self._outputs, ignore_errors=True)
 
     def __enter__(self) -> Zygote:
         return self
@@ -86,14 +95,14 @@ class Zygote:
         self.close()
 
 
-def _child(request: dict[str, str | dict[str, str]]) -> int:
-    """In the forked child: become ``python script`` and run it; its exit code."""
+def _child(request: dict[str, str | list[str] | dict[str, str]]) -> int:
+    """In the forked child: become ``python ARGS`` and run them; its exit code."""
     import runpy
     import traceback
 
-    env = request["env"]
-    assert isinstance(env, dict)
-    os.chdir(str(request["cwd"]))
+    env, args, cwd = request["env"], request["args"], str(request["cwd"])
+    assert isinstance(env, dict) and isinstance(args, list)
+    os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     # The zygote's stdin and stdout are its requests and replies: not the script's.
@@ -101,11 +110,13 @@ def _child(request: dict[str, str | dict[str, str]]) -> int:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the script's stdin for its whole life
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    script = str(request["script"])
-    sys.argv = [script]
-    sys.path[0] = str(Path(script).resolve().parent)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if args[0] == "-m":  # python -m: the module's file as argv[0], the cwd first on the path
+            sys.argv, sys.path[0] = ["-m", *args[2:]], cwd
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[0] = list(args), str(Path(args[0]).resolve().parent)
+            runpy.run_path(args[0], run_name="__main__")
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except BaseException:
