@@ -48,6 +48,14 @@ def srv(store: Path, tmp_path: Path) -> Iterator[ServerProc]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def shared_srv(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server for the tests whose jobs are their own and left as made: none of them
+    changes weights or quarantines (the tests that do get ``srv``)."""
+    with run_server(store, "--state-dir", str(tmp_path_factory.mktemp("state"))) as s:
+        yield s
+
+
 def loaders(srv: ServerProc, ranks: range = range(WORLD), **kw: object) -> list[Loader]:
     # prefetch 4: the steps a rank has been granted (and may have read) stay well below K.
     args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "world_size": WORLD, "timeout": 60.0,
@@ -319,14 +327,20 @@ def test_a_source_that_ends_the_epoch(store: Path, tmp_path: Path) -> None:
     assert len(math) == len(set(math)) and len(math) > 500
 
 
-def test_source_is_a_field_served_when_asked_for(srv: ServerProc) -> None:
+def test_source_is_a_field_served_when_asked_for(shared_srv: ServerProc) -> None:
     """``fields=`` chooses the mixture's ``source`` like any field: left out, the batch has
     none; named, it comes in the same place as with every field."""
-    args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "token": srv.token}
+    args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "token": shared_srv.token}
     with (
-        Loader(srv.http_url, dict(WEIGHTS), BATCH, **args) as every,  # type: ignore[arg-type]
-        Loader(srv.http_url, dict(WEIGHTS), BATCH, fields=["image"], **args) as bare,  # type: ignore[arg-type]
-        Loader(srv.http_url, dict(WEIGHTS), BATCH, fields=["source", "label"], **args) as some,  # type: ignore[arg-type]
+        Loader(shared_srv.http_url, dict(WEIGHTS), BATCH, **args) as every,  # type: ignore[arg-type]
+        Loader(shared_srv.http_url, dict(WEIGHTS), BATCH, fields=["image"], **args) as bare,  # type: ignore[arg-type]
+        Loader(
+            shared_srv.http_url,
+            dict(WEIGHTS),
+            BATCH,
+            fields=["source", "label"],
+            **args,  # type: ignore[arg-type]
+        ) as some,
     ):
         a, b, c = (next(iter(ld)) for ld in (every, bare, some))
     assert set(a) == {"image", "label", "source"} and set(b) == {"image"}
@@ -335,28 +349,28 @@ def test_source_is_a_field_served_when_asked_for(srv: ServerProc) -> None:
 
 
 def test_a_dataset_with_a_field_named_source_streams_as_before(
-    srv: ServerProc, store: Path
+    shared_srv: ServerProc, store: Path
 ) -> None:
     """``source`` is a mixture's field only: a plain dataset's own float ``source`` field
     streams untouched (the server counts sources of mixture jobs alone)."""
     values = np.linspace(-1, 1, 64, dtype=np.float32)
     with ShardWriter(store, "floaty", fields=(FieldSpec(name="source", dtype="float32"),)) as w:
         w.add_batch({"source": values})
-    with Loader(srv.http_url, "floaty", 16, shuffle=False, token=srv.token) as ld:
+    with Loader(shared_srv.http_url, "floaty", 16, shuffle=False, token=shared_srv.token) as ld:
         got = torch.cat([b["source"] for b in ld]).numpy()
     assert np.array_equal(got, values)
 
 
-def test_mixture_arguments_refused_up_front(srv: ServerProc) -> None:
+def test_mixture_arguments_refused_up_front(shared_srv: ServerProc) -> None:
     """What a mixture cannot do is refused before anything streams, naming the argument."""
     with pytest.raises(BadRequest, match="resident"):
-        Loader(srv.http_url, {"web": 1.0}, 8, resident="cpu", token=srv.token)
+        Loader(shared_srv.http_url, {"web": 1.0}, 8, resident="cpu", token=shared_srv.token)
     with pytest.raises(BadRequest, match="epoch_samples"):
-        Loader(srv.http_url, "web", 8, epoch_samples=100, token=srv.token)
+        Loader(shared_srv.http_url, "web", 8, epoch_samples=100, token=shared_srv.token)
     with pytest.raises(BadRequest, match="needs a mixture"):
-        Loader(srv.http_url, "web", 8, on_error="quarantine", token=srv.token)
+        Loader(shared_srv.http_url, "web", 8, on_error="quarantine", token=shared_srv.token)
     with (
-        Loader(srv.http_url, "web", 8, token=srv.token) as one,
+        Loader(shared_srv.http_url, "web", 8, token=shared_srv.token) as one,
         pytest.raises(BadRequest, match="reads one dataset"),
     ):
         one.set_mixture({"web": 1.0})

@@ -308,47 +308,44 @@ print("got a batch")
 """
 
 
-def test_a_second_process_on_a_live_rank_raises_rank_in_use(store: Path) -> None:
+def test_a_second_process_on_a_live_rank_raises_rank_in_use(srv: ServerProc) -> None:
     """Through the real client: while one Loader reads rank 0, a Loader for rank 0 in another
     process raises RankInUse (typed, well within its deadline) and the first reads its whole
     epoch."""
     from shardserve.client import Loader
 
-    with run_server(
-        store, "--heartbeat-s", str(HEARTBEAT_S), "--stream-timeout-s", str(STREAM_TIMEOUT_S)
-    ) as srv:
-        kw = {"seed": 21, "rank": 0, "world_size": 2, "timeout": 30.0, "transport": "socket"}
-        got: list[int] = []
-        failure: list[BaseException] = []
+    kw = {"seed": 21, "rank": 0, "world_size": 2, "timeout": 30.0, "transport": "socket"}
+    got: list[int] = []
+    failure: list[BaseException] = []
 
-        def first_reads() -> None:
-            try:
-                with Loader(srv.http_url, "cifar", 2, prefetch=2, **kw) as first:
-                    first.set_epoch(0)
-                    for batch in first:  # 50 batches, ~12 s: the second process starts meanwhile
-                        got.append(len(batch["label"]))
-                        time.sleep(0.25)  # computing, and reading again: alive
-            except BaseException as e:  # reported in the main thread
-                failure.append(e)
+    def first_reads() -> None:
+        try:
+            with Loader(srv.http_url, "cifar", 2, prefetch=2, **kw) as first:
+                first.set_epoch(0)
+                for batch in first:  # 50 batches, ~12 s: the second process starts meanwhile
+                    got.append(len(batch["label"]))
+                    time.sleep(0.25)  # computing, and reading again: alive
+        except BaseException as e:  # reported in the main thread
+            failure.append(e)
 
-        reader = threading.Thread(target=first_reads)
-        reader.start()
-        deadline = time.monotonic() + 15
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert got, "the first Loader received no batch"
-        t0 = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        second = subprocess.run(
-            [sys.executable, "-c", SECOND_LOADER, srv.http_url],
-            capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
-        )  # fmt: skip
-        assert second.returncode == 3, second.stdout + second.stderr
-        assert "rank 0" in second.stdout and "world size 2" in second.stdout
-        assert time.monotonic() - t0 < scaled(30.0)
-        reader.join(timeout=60)
-        assert not failure, failure
-        assert sum(got) == 100  # rank 0's half of 200 samples, every batch
+    reader = threading.Thread(target=first_reads)
+    reader.start()
+    deadline = time.monotonic() + 15
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got, "the first Loader received no batch"
+    t0 = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    second = subprocess.run(
+        [sys.executable, "-c", SECOND_LOADER, srv.http_url],
+        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert second.returncode == 3, second.stdout + second.stderr
+    assert "rank 0" in second.stdout and "world size 2" in second.stdout
+    assert time.monotonic() - t0 < scaled(30.0)
+    reader.join(timeout=60)
+    assert not failure, failure
+    assert sum(got) == 100  # rank 0's half of 200 samples, every batch
 
 
 def test_a_new_stream_of_the_same_process_replaces_its_old_one(

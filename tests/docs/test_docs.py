@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -24,7 +25,7 @@ import yaml
 from shardserve.server.cli import COMMANDS, build_parser
 from shardserve.server.settings import Settings, env_name
 from tests.docs.pages import DOCS, ROOT, SNIPPET, blocks, pages
-from tests.support.server import run_server
+from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
 
 
@@ -155,26 +156,32 @@ def digits_store(tmp_path: Path) -> Path:
     return store
 
 
-def test_the_getting_started_loop_trains_against_a_real_server(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def digits_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """A server on Getting started's store, for both examples: they read it through jobs of
+    their own arguments (the sweep's in its own share group) and change nothing."""
+    with run_server(digits_store(tmp_path_factory.mktemp("digits"))) as srv:
+        yield srv
+
+
+def test_the_getting_started_loop_trains_against_a_real_server(digits_server: ServerProc) -> None:
     """examples/quickstart.py (included in Getting started) runs to the end."""
-    with run_server(digits_store(tmp_path)) as srv:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "quickstart.py"), srv.http_url,
-             "digits-train"], capture_output=True, text=True, timeout=scaled(120.0),
-        )  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py"), digits_server.http_url,
+         "digits-train"], capture_output=True, text=True, timeout=scaled(120.0),
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "epoch 1: loss" in out.stdout
 
 
-def test_the_sweep_example_runs_its_trials_on_one_shared_pass(tmp_path: Path) -> None:
+def test_the_sweep_example_runs_its_trials_on_one_shared_pass(digits_server: ServerProc) -> None:
     """examples/sweep.py (included in the sharing guide): three trials, each every batch of
     its two epochs; their share group's window is longer than an epoch, so none is detached."""
     assert '--8<-- "examples/sweep.py"' in (DOCS / "guides" / "sharing.md").read_text()
-    with run_server(digits_store(tmp_path)) as srv:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "sweep.py"), srv.http_url, "digits-train"],
-            capture_output=True, text=True, timeout=scaled(240.0),
-        )  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "sweep.py"), digits_server.http_url,
+         "digits-train"], capture_output=True, text=True, timeout=scaled(240.0),
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["lr 0.03", "lr 0.1", "lr 0.3"], out.stdout

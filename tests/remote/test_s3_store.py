@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,14 +15,31 @@ import pytest
 
 from shardserve.client import Loader
 from shardserve.proto.errors import DatasetCorruptError, ShardserveError
+from shardserve.proto.manifest import Manifest
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.remote import RemoteStore, StoreOptions
 from tests.support.data import make_cifar_like
-from tests.support.server import run_server
+from tests.support.server import ServerProc, run_server
 
 from .conftest import ACCESS_KEY, S3, SECRET_KEY
 
 N = 1200  # cifar-like samples of ~3 KiB: 1 MiB shards make 4 of them, 256 KiB ones 15
+
+
+@pytest.fixture(scope="module")
+def local_cifar(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+    """``cifar`` (N samples in 256 KiB shards) on local disk; read-only: each test uploads it
+    to its own fresh bucket."""
+    root = tmp_path_factory.mktemp("local")
+    return root, make_cifar_like(root, n=N, shard_bytes=256 << 10)
+
+
+@pytest.fixture(scope="module")
+def local_server(local_cifar: tuple[Path, Manifest]) -> Iterator[ServerProc]:
+    """A server on ``local_cifar`` giving the reference bytes: shared, as a job's batches
+    depend on its arguments alone and nothing here changes the store or a job."""
+    with run_server(local_cifar[0]) as srv:
+        yield srv
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -120,16 +138,16 @@ def test_cli_ingests_to_a_bucket_and_reads_it_back(s3: S3, tmp_path: Path) -> No
     b.close()
 
 
-def test_cache_smaller_than_the_dataset_serves_identical_bytes(s3: S3, tmp_path: Path) -> None:
+def test_cache_smaller_than_the_dataset_serves_identical_bytes(
+    s3: S3, tmp_path: Path, local_cifar: tuple[Path, Manifest], local_server: ServerProc
+) -> None:
     """Served from the bucket through a cache of a third of the dataset, every epoch's bytes
     equal the local store's, shards are evicted while an epoch streams, and /metrics counts
     hits, misses and fetched bytes."""
-    root = tmp_path / "local"
-    m = make_cifar_like(root, n=N, shard_bytes=256 << 10)
+    root, m = local_cifar
     upload(s3, root, "cifar")
     limit = m.total_bytes // 3
-    with run_server(root) as local:
-        want = {e: epoch_bytes(local.http_url, e, shuffle="block") for e in (0, 1)}
+    want = {e: epoch_bytes(local_server.http_url, e, shuffle="block") for e in (0, 1)}
     with run_server(
         s3.uri("store"),  # type: ignore[arg-type]
         "--cache-dir",
@@ -200,7 +218,11 @@ def test_a_shard_corrupted_in_the_bucket_fails_loudly_with_its_name(s3: S3, tmp_
 
 @pytest.mark.parametrize("how", ["stopped", "hung"])
 def test_endpoint_going_away_mid_epoch_errors_then_recovers(
-    s3: S3, tmp_path: Path, how: str
+    s3: S3,
+    tmp_path: Path,
+    local_cifar: tuple[Path, Manifest],
+    local_server: ServerProc,
+    how: str,
 ) -> None:
     """When the S3 endpoint stops (connections refused) or hangs (accepts, never answers)
     mid-epoch, the loop gets a clear error naming the store within its deadline; once the
@@ -208,11 +230,9 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(
     import contextlib
     import socket
 
-    root = tmp_path / "local"
-    m = make_cifar_like(root, n=N, shard_bytes=256 << 10)
+    root, m = local_cifar
     upload(s3, root, "cifar")
-    with run_server(root) as local:
-        want = epoch_bytes(local.http_url, 0, shuffle="none")
+    want = epoch_bytes(local_server.http_url, 0, shuffle="none")
     smallest = max(s.bytes for s in m.shards)
     with (
         contextlib.ExitStack() as stack,
@@ -316,18 +336,18 @@ def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_pa
     assert any("unavailable" in t for t in seen)
 
 
-def test_two_servers_sharing_one_cache_dir_serve_identical_bytes(s3: S3, tmp_path: Path) -> None:
+def test_two_servers_sharing_one_cache_dir_serve_identical_bytes(
+    s3: S3, tmp_path: Path, local_cifar: tuple[Path, Manifest], local_server: ServerProc
+) -> None:
     """Two server processes on one host, one cache folder smaller than the dataset, streaming
     at the same time: both give the local store's bytes, and every cached file verifies."""
     from concurrent.futures import ThreadPoolExecutor
 
     import xxhash
 
-    root = tmp_path / "local"
-    m = make_cifar_like(root, n=N, shard_bytes=256 << 10)
+    root, m = local_cifar
     upload(s3, root, "cifar")
-    with run_server(root) as local:
-        want = epoch_bytes(local.http_url, 0, shuffle="block")
+    want = epoch_bytes(local_server.http_url, 0, shuffle="block")
     cache = tmp_path / "cache"
     args = ("--cache-dir", str(cache), "--cache-limit-bytes", str(m.total_bytes // 2))
     with (

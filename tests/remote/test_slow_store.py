@@ -34,25 +34,34 @@ def _epoch(url: str, dataset: str, epoch: int, **kw: object) -> list[bytes]:
         return [b["image"].numpy().tobytes() for b in ld]
 
 
-def _two_datasets(s3: S3, tmp_path: Path) -> tuple[dict[str, list[bytes]], Path]:
-    root = tmp_path / "local"
+@pytest.fixture(scope="module")
+def local_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[bytes]], Path]:
+    """``cached`` and ``slow`` on local disk, and ``cached``'s epochs 0 and 1 as a local server
+    streams them; made once, as no test changes them: each uploads both to its own bucket."""
+    root = tmp_path_factory.mktemp("local")
     make_cifar_like(root, name="cached", n=600, shard_bytes=256 << 10)
     make_cifar_like(root, name="slow", n=600, seed=7, shard_bytes=256 << 10)
-    for name in ("cached", "slow"):
-        upload(s3, root, name)
     with run_server(root) as local:
         want = {f"cached{e}": _epoch(local.http_url, "cached", e) for e in (0, 1)}
     return want, root
 
 
+def _two_datasets(s3: S3, local_two: tuple[dict[str, list[bytes]], Path]) -> dict[str, list[bytes]]:
+    """Upload both datasets of ``local_two`` to ``s3``; the local server's bytes of ``cached``."""
+    want, root = local_two
+    for name in ("cached", "slow"):
+        upload(s3, root, name)
+    return want
+
+
 @pytest.mark.slow
 def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
-    s3: S3, tmp_path: Path
+    s3: S3, tmp_path: Path, local_two: tuple[dict[str, list[bytes]], Path]
 ) -> None:
     """With the endpoint trickling 2 kB/s (every piece within the request timeout), a stream
     of the uncached dataset fails with 'unavailable' (never DataStallError) within its fetch
     deadline, while the cached dataset's next epoch arrives byte for byte."""
-    want, _ = _two_datasets(s3, tmp_path)
+    want = _two_datasets(s3, local_two)
     with (
         ThrottlingProxy((s3.host, s3.port)) as proxy,
         run_server(
@@ -100,10 +109,12 @@ def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
         assert r.status_code == 200, r.text
 
 
-def test_tampered_cache_file_is_fetched_again(s3: S3, tmp_path: Path) -> None:
+def test_tampered_cache_file_is_fetched_again(
+    s3: S3, tmp_path: Path, local_two: tuple[dict[str, list[bytes]], Path]
+) -> None:
     """A cached shard whose bytes were changed on disk fails its checksum at first use, is
     removed and fetched again: the epoch is exact, and the log says what happened."""
-    want, _ = _two_datasets(s3, tmp_path)
+    want = _two_datasets(s3, local_two)
     cache = tmp_path / "cache"
     args = ("--cache-dir", str(cache), "--store-timeout-s", "5")
     with run_server(s3.uri("store"), *args, env=s3.env) as srv:  # type: ignore[arg-type]

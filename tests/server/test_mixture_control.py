@@ -64,6 +64,14 @@ def srv(mix_store: Path, tmp_path: Path) -> Iterator[ServerProc]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def shared_srv(mix_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server for the tests that only create jobs, read plans or are refused: none of
+    them changes a job's weights or quarantines a sample (those tests get ``srv``)."""
+    with run_server(mix_store, "--state-dir", str(tmp_path_factory.mktemp("state"))) as s:
+        yield s
+
+
 def post_job(srv: ServerProc, body: dict) -> httpx.Response:
     return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=30)
 
@@ -98,18 +106,18 @@ def put_mixture(srv: ServerProc, job: str, body: dict) -> httpx.Response:
     )
 
 
-def test_mixture_plan_shares_ranks_and_the_planner(srv: ServerProc) -> None:
+def test_mixture_plan_shares_ranks_and_the_planner(shared_srv: ServerProc) -> None:
     """A 3-source job over 2 ranks: shares within 5 sigma of the weights over 10k samples,
     equal batches, sources that do not wrap disjoint across ranks, and exactly the pure
     planner's order."""
-    r = post_job(srv, SPEC)
+    r = post_job(shared_srv, SPEC)
     assert r.status_code == 201, r.text
     body = r.json()
     assert body["status"]["spec"]["dataset"] == "mix:web+code+math"
     assert body["status"]["batches_per_epoch"] == STEPS
     job = body["id"]
-    assert post_job(srv, SPEC).json()["id"] == job  # idempotent, as every rank posts it
-    ranks = [plan(srv, job, r) for r in range(WORLD)]
+    assert post_job(shared_srv, SPEC).json()["id"] == job  # idempotent, as every rank posts it
+    ranks = [plan(shared_srv, job, r) for r in range(WORLD)]
     order = global_order(ranks)
     assert shares_ok(order, WEIGHTS)
     for name in ("web", "code"):  # fewer draws than samples: each sample at most once
@@ -168,35 +176,35 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
             assert plan(second, job, r).tobytes() == c.tobytes()
 
 
-def test_mixture_update_refusals(srv: ServerProc) -> None:
+def test_mixture_update_refusals(shared_srv: ServerProc) -> None:
     """Weights that name an unknown source, miss one, or sum to 0 are 422s saying so; a
     single-dataset job has no mixture to steer."""
-    job = post_job(srv, SPEC).json()["id"]
-    r = put_mixture(srv, job, {"weights": {"web": 1, "code": 1, "nope": 1}})
+    job = post_job(shared_srv, SPEC).json()["id"]
+    r = put_mixture(shared_srv, job, {"weights": {"web": 1, "code": 1, "nope": 1}})
     assert r.status_code == 422 and "unknown ['nope']" in r.text and "missing ['math']" in r.text
-    r = put_mixture(srv, job, {"weights": [0, 0, 0]})
+    r = put_mixture(shared_srv, job, {"weights": [0, 0, 0]})
     assert r.status_code == 422 and "at least one weight" in r.text
-    r = put_mixture(srv, job, {"weights": [1, 1]})
+    r = put_mixture(shared_srv, job, {"weights": [1, 1]})
     assert r.status_code == 422 and "2 weights for 3 sources" in r.text
-    single = post_job(srv, {"dataset": "web", "batch_size": 8}).json()["id"]
-    r = put_mixture(srv, single, {"weights": [1]})
+    single = post_job(shared_srv, {"dataset": "web", "batch_size": 8}).json()["id"]
+    r = put_mixture(shared_srv, single, {"weights": [1]})
     assert r.status_code == 422 and "not a mixture" in r.text
 
 
-def test_creation_refusals_name_what_to_change(srv: ServerProc) -> None:
+def test_creation_refusals_name_what_to_change(shared_srv: ServerProc) -> None:
     """An unknown source is a 404 naming it; a source whose field differs is a 422 naming the
     source and field; bad weights and unsupported combinations are 422s."""
-    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "nope", "weight": 1}]})  # fmt: skip
+    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "nope", "weight": 1}]})  # fmt: skip
     assert r.status_code == 404 and "nope" in r.text
-    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}]})  # fmt: skip
+    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}]})  # fmt: skip
     assert r.status_code == 422 and "'other' field 'label' is int32" in r.text
-    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 0}]})
+    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 0}]})
     assert r.status_code == 422 and "at least one weight" in r.text
-    r = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}], "envs": 2})
+    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}], "envs": 2})
     assert r.status_code == 422 and "envs" in r.text
-    r = post_job(srv, {**SPEC, "epoch_samples": 10**9})
+    r = post_job(shared_srv, {**SPEC, "epoch_samples": 10**9})
     assert r.status_code == 422 and "epoch_samples <= " in r.text
-    ok = post_job(srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
+    ok = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
     assert ok.status_code == 201, ok.text
 
 
@@ -300,13 +308,13 @@ def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
     assert "class='mixchart'" in page  # the schedule drawn
 
 
-def test_spec_schedule_and_stop_over_http(srv: ServerProc) -> None:
+def test_spec_schedule_and_stop_over_http(shared_srv: ServerProc) -> None:
     """A job created with a schedule plans exactly what the planner plans with that schedule
     in positions; a ``stop`` source ends the epoch early, equally on every rank."""
     k = 30
     body = {**SPEC, "schedule": [{"at_step": k, "weights": [0, 1, 1]}]}
-    job = post_job(srv, body).json()["id"]
-    order = global_order([plan(srv, job, r) for r in range(WORLD)])
+    job = post_job(shared_srv, body).json()["id"]
+    order = global_order([plan(shared_srv, job, r) for r in range(WORLD)])
     expected = mixture_order(
         [MixSource(n) for n in SIZES.values()], 11, 0, EPOCH_SAMPLES,
         [Segment(0, WEIGHTS), Segment(k * WORLD * BATCH, (0, 1, 1))], world_size=WORLD,
@@ -315,12 +323,12 @@ def test_spec_schedule_and_stop_over_http(srv: ServerProc) -> None:
     src, _ = split_ids(order[k * WORLD * BATCH :], OFFSETS)
     assert not (src == 0).any()  # web has weight 0 from step k on
     stop = {**SPEC, "mixture": [*SPEC["mixture"][:2], {"name": "math", "weight": 0.2, "on_exhausted": "stop"}]}  # fmt: skip
-    job = post_job(srv, stop).json()["id"]
+    job = post_job(shared_srv, stop).json()["id"]
     lengths = []
     for r in range(WORLD):
         resp = httpx.get(
-            f"{srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
-            headers=srv.headers, timeout=60,
+            f"{shared_srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
+            headers=shared_srv.headers, timeout=60,
         )  # fmt: skip
         ids = np.frombuffer(resp.content, dtype="<i8")
         lengths.append((len(ids), resp.headers["X-Shardserve-Num-Batches"]))
