@@ -58,6 +58,9 @@ class Zygote:
         """Run ``python *args`` (a script and its arguments, or ``-m module ...``) in ``cwd``
         with ``env``; wait at most ``timeout`` seconds for it."""
         assert self._proc.stdin is not None and self._proc.stdout is not None
+        if self._proc.poll() is not None:
+            raise RuntimeError(f"cannot run python {' '.join(args)}: the zygote has ended "
+                               f"(exit {self._proc.returncode}; an earlier script timed out?)")  # fmt: skip
         self._runs += 1
         out, err = (self._outputs / f"{self._runs}.{n}" for n in ("stdout", "stderr"))
         request = {"args": list(args), "cwd": str(cwd), "env": dict(env),
