@@ -1,4 +1,4 @@
-"""Server-side transforms (issue 15): the per-sample work DataLoader workers did, done in the
+"""Server-side transforms: the per-sample work DataLoader workers did, done in the
 sidecar, seeded per sample, deterministic and resumable.
 
 Writing one::

@@ -10,6 +10,7 @@ resize and random resized crop run per sample (images of different sizes).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import numpy as np
@@ -182,23 +183,30 @@ def _norm_outputs(p: Normalize, inputs: Schema) -> dict[str, F]:
     return {p.field: F(p.dtype, shape)}
 
 
-@batch_transform(params=Normalize, outputs=_norm_outputs)
-def normalize(batch: Columns, p: Normalize, rng: np.random.Generator) -> Columns:
+@batch_transform(params=Normalize, outputs=_norm_outputs, takes_out=True)
+def normalize(batch: Columns, p: Normalize, rng: np.random.Generator,
+              out: Mapping[str, np.ndarray]) -> Columns:  # fmt: skip
     """``(x * scale - mean) / std`` per channel, as ``dtype``."""
     x = batch[p.field]
     if p.to_chw:
         x = np.transpose(x, (0, 3, 1, 2))
     chw = p.to_chw or p.layout == "CHW"
     dt = np.dtype(p.dtype)
-    out = x.astype(dt) if p.scale == 1.0 else x.astype(dt) * dt.type(p.scale)
-    view = [1] * out.ndim
-    if out.ndim == 4:
+    # Computed in place in the batch's own memory when the runtime gives it (no copy after).
+    y = out.get(p.field)
+    if y is None:
+        y = np.empty(x.shape, dt)
+    np.copyto(y, x, casting="unsafe")
+    if p.scale != 1.0:
+        y *= dt.type(p.scale)
+    view = [1] * y.ndim
+    if y.ndim == 4:
         view[1 if chw else 3] = -1
     if p.mean is not None:
-        out -= np.asarray(p.mean, dtype=dt).reshape(view if len(p.mean) > 1 else [1])
+        y -= np.asarray(p.mean, dtype=dt).reshape(view if len(p.mean) > 1 else [1])
     if p.std is not None:
-        out /= np.asarray(p.std, dtype=dt).reshape(view if len(p.std) > 1 else [1])
-    return {p.field: np.ascontiguousarray(out)}
+        y /= np.asarray(p.std, dtype=dt).reshape(view if len(p.std) > 1 else [1])
+    return {p.field: y}
 
 
 # -- resize and random resized crop (per sample) -----------------------------------------------
@@ -379,11 +387,18 @@ def _unpack_outputs(p: UnpackBits, inputs: Schema) -> dict[str, F]:
     return {p.to or p.field: F(p.dtype, tuple(p.shape))}
 
 
-@batch_transform(params=UnpackBits, outputs=_unpack_outputs)
-def unpack_bits(batch: Columns, p: UnpackBits, rng: np.random.Generator) -> Columns:
+@batch_transform(params=UnpackBits, outputs=_unpack_outputs, takes_out=True)
+def unpack_bits(batch: Columns, p: UnpackBits, rng: np.random.Generator,
+                out: Mapping[str, np.ndarray]) -> Columns:  # fmt: skip
     """Packed bit records (uint8) into planes of ``shape`` (``numpy.unpackbits``)."""
     x = batch[p.field]
     b = x.shape[0]
     need = math.prod(p.shape)
+    name = p.to or p.field
     bits = np.unpackbits(x.reshape(b, -1), axis=1, count=need, bitorder=p.bitorder)
-    return {p.to or p.field: bits.reshape(b, *p.shape).astype(p.dtype, copy=False)}
+    planes = bits.reshape(b, *p.shape)
+    dest = out.get(name)
+    if dest is None:
+        return {name: planes.astype(p.dtype, copy=False)}
+    np.copyto(dest, planes, casting="unsafe")  # the cast writes where the batch is sent from
+    return {name: dest}

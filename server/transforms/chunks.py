@@ -52,7 +52,8 @@ def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str
             rows = sum(len(p[name]) for p in pieces)
             if dest is None or dest.shape[0] != rows or dest.dtype != pieces[0][name].dtype:
                 dest = np.empty((rows, *pieces[0][name].shape[1:]), pieces[0][name].dtype)
-            np.concatenate([p[name] for p in pieces], out=dest)
+            if not _in_place([p[name] for p in pieces], dest):
+                np.concatenate([p[name] for p in pieces], out=dest)
             joined[name] = dest
             continue
         joined[name] = np.concatenate([p[name] for p in pieces])
@@ -65,3 +66,16 @@ def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str
         if name + SHAPES in pieces[0]:
             joined[name + SHAPES] = np.concatenate([p[name + SHAPES] for p in pieces])
     return joined
+
+
+def _in_place(arrays: Sequence[np.ndarray], dest: np.ndarray) -> bool:
+    """Whether ``arrays`` already are ``dest``'s consecutive rows (pieces that wrote their
+    rows of a batch where it is sent from): nothing to copy then."""
+    row = 0
+    for a in arrays:
+        if a.shape[1:] != dest.shape[1:] or a.dtype != dest.dtype or not a.flags.c_contiguous:
+            return False
+        if len(a) and a.ctypes.data != dest[row:].ctypes.data:
+            return False
+        row += len(a)
+    return row == len(dest)

@@ -82,6 +82,10 @@ class _Worker:
         self.proc.join(5.0)
 
 
+def _failed(f: Future[Any]) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is not None
+
+
 class TransformPool:
     """``run`` a chain on a batch within ``timeout_s``; see the module docstring."""
 
@@ -139,14 +143,25 @@ class TransformPool:
                 futs.append(job_lane.submit(self._remote, chain, sub, indices[lo:hi], where,
                                             names, deadline, describe, limits))  # fmt: skip
             else:
+                # A piece on a thread writes its rows of the fixed-size outputs in place.
+                rows = {k: v[lo:hi] for k, v in out.items()} if out is not None else None
                 futs.append(job_lane.submit(run_chain, chain, sub, indices[lo:hi], where, names,
-                                            None, limits, prog))  # fmt: skip
+                                            rows, limits, prog))  # fmt: skip
         # A worker process's own wait ends at the deadline; the grace covers the hand-off.
         grace = 5.0 if remote else 1.0
         pending = self._wait(futs, deadline + grace)
         if self._closing.done():
             job_lane.cancel_queued()
             raise describe("the server is stopping")
+        if pending and not remote and any(_failed(f) for f in futs):
+            # A piece failed while others run: they write into ``out``, which a retry of this
+            # batch (failing samples replaced) writes too, so they end first.
+            for p in pending:
+                p.cancel()
+            pending = self._wait([p for p in pending if not p.cancelled()], deadline + grace,
+                                 until_all=True)  # fmt: skip
+            if pending and not self._closing.done():
+                return self._hung_run(chain, job_lane, generation, futs, progress, describe)
         for (lo, _), f in zip(pieces, futs, strict=True):
             if f.done() and not f.cancelled() and (e := f.exception()) is not None:
                 for p in pending:
@@ -176,9 +191,10 @@ class TransformPool:
         self._metrics.ran(spent, len(indices))
         return concat_parts([r for r, _ in results], chain.outputs, names, out)
 
-    def _wait(self, futs: Sequence[Future[Any]], until: float) -> set[Future[Any]]:
-        """Wait until every piece is done, one raised, the pool closes or ``until`` passes;
-        the pieces still pending."""
+    def _wait(self, futs: Sequence[Future[Any]], until: float,
+              until_all: bool = False) -> set[Future[Any]]:  # fmt: skip
+        """Wait until every piece is done, one raised (unless ``until_all``), the pool closes
+        or ``until`` passes; the pieces still pending."""
         pending: set[Future[Any]] = set(futs)
         while pending and not self._closing.done():
             left = until - time.monotonic()
@@ -186,7 +202,8 @@ class TransformPool:
                 break
             done, _ = wait([*pending, self._closing], timeout=left, return_when=FIRST_COMPLETED)
             pending -= done
-            if any(not f.cancelled() and f.exception() is not None for f in done):
+            if not until_all and any(not f.cancelled() and f.exception() is not None
+                                     for f in done):  # fmt: skip
                 break
         return pending
 

@@ -80,9 +80,14 @@ def join_parts(
     for name in names:
         f, col = schema[name], cols[name]
         if f.fixed:
-            arr = col if isinstance(col, np.ndarray) else _stack(col, f)
             dest = out.get(name) if out is not None else None
-            if dest is not None and dest.shape == arr.shape and dest.dtype == arr.dtype:
+            if isinstance(col, np.ndarray):
+                arr = col
+            elif dest is not None and _fits(dest, (len(col), *f.shape), f.dtype):
+                arr = np.stack(col, out=dest) if col else dest  # stacked straight into place
+            else:
+                arr = _stack(col, f)
+            if arr is not dest and dest is not None and _fits(dest, arr.shape, arr.dtype):
                 np.copyto(dest, arr)
                 arr = dest
             parts[name] = np.ascontiguousarray(arr)
@@ -103,6 +108,10 @@ def join_parts(
                 len(items), len(f.shape)
             )
     return parts
+
+
+def _fits(dest: np.ndarray, shape: tuple[int, ...], dtype: object) -> bool:
+    return dest.shape == tuple(shape) and dest.dtype == dtype
 
 
 def _stack(items: list[np.ndarray], f: Field) -> np.ndarray:
@@ -179,12 +188,13 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
 
 
 def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Where,
-                 limits: Limits) -> None:  # fmt: skip
+                 limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     t = step.transform
     rng = batch_rng(where.seed, where.epoch, where.rank, where.batch, si)
     more = (limits,) if t.takes_limits else ()
+    into = {"out": dest} if t.takes_out else {}
     try:
-        got = t.fn(dict(cols), step.params, rng, *more)
+        got = t.fn(dict(cols), step.params, rng, *more, **into)
     except Exception as e:
         raise StepFailed(t.name, None, None, f"{type(e).__name__}: {e}") from e
     for k, f in step.writes.items():
@@ -194,14 +204,33 @@ def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Wh
         cols[k] = _check(step, k, f, got[k], None, None, n)
 
 
+def _dest(step: Step, chain: Chain, names: Sequence[str], n: int,
+          out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:  # fmt: skip
+    """The arrays of ``out`` the last step may write its fixed-size outputs into: only the
+    fields served (``names``) whose array has exactly the declared shape and dtype."""
+    if out is None or not step.transform.takes_out:
+        return {}
+    dest = {}
+    for name, f in step.writes.items():
+        a = out.get(name)
+        served = name in names and f.fixed and f == chain.outputs.get(name)
+        if a is not None and served and _fits(a, (n, *f.shape), np.dtype(f.dtype)):
+            dest[name] = a
+    return dest
+
+
 def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray, where: Where,
               names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
               limits: Limits | None = None, progress: Progress | None = None,
               ) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
-    """``(parts of names, seconds per transform)``; raises :class:`StepFailed`."""
+    """``(parts of names, seconds per transform)``; raises :class:`StepFailed`.
+
+    ``out``: where the fixed-size outputs go (the stream's memory); the last step gets the
+    ones it writes when it takes ``out=``, and sample steps' outputs are stacked into them."""
     cols = split_parts(parts, chain.inputs)
     spent: dict[str, float] = {}
     limits = limits or Limits()
+    last = len(chain.steps) - 1
     for si, step in enumerate(chain.steps):
         if progress is not None:
             progress.step = step.transform.name
@@ -209,7 +238,8 @@ def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray
         if step.transform.shape == "sample":
             _apply_sample(step, si, cols, indices, where, limits)
         else:
-            _apply_batch(step, si, cols, len(indices), where, limits)
+            dest = _dest(step, chain, names, len(indices), out) if si == last else {}
+            _apply_batch(step, si, cols, len(indices), where, limits, dest)
         name = step.transform.name
         spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
     return join_parts(cols, chain.outputs, names, out), spent

@@ -7,6 +7,7 @@ way (raises, returns the wrong shape, hangs, kills its worker).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -137,4 +138,32 @@ def fail_labels(sample: dict[str, Any], p: _FailLabels, rng: np.random.Generator
     """Raises ValueError on samples whose label is one of ``labels``."""
     if int(sample["label"]) in p.labels:
         raise ValueError(f"label {int(sample['label'])} is cursed")
+    return {"label": sample["label"]}
+
+
+class _FailOrWait(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    fail: int
+    wait: int
+    seconds: float
+
+
+#: Set by :func:`fail_or_wait` once its waiting sample runs (tests in one process clear it).
+WAITING = threading.Event()
+
+
+@sample_transform(params=_FailOrWait, outputs={"label": Field("int64", ())})
+def fail_or_wait(
+    sample: dict[str, Any], p: _FailOrWait, rng: np.random.Generator
+) -> dict[str, Any]:
+    """Sleeps ``seconds`` on label ``wait``; raises on label ``fail``, but only once the
+    waiting sample runs (another thread's), so the failure lands while it sleeps."""
+    label = int(sample["label"])
+    if label == p.wait:
+        WAITING.set()
+        time.sleep(p.seconds)
+    if label == p.fail:
+        if not WAITING.wait(60.0):
+            raise RuntimeError("the waiting sample did not start within 60 s")
+        raise ValueError(f"label {label} fails")
     return {"label": sample["label"]}

@@ -1,0 +1,111 @@
+"""A chain writes its fixed-size outputs where the batch is sent from (the stream's slot or
+buffer) instead of copying them there: the last step of a chain gets ``out=`` when it takes
+it, sample outputs are stacked into place, and the bytes are those of a run without ``out``.
+A run whose piece failed returns only once its other pieces stopped writing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from shardserve.proto.errors import TransformError
+from shardserve.server.transforms.errors import StepFailed
+from shardserve.server.transforms.metrics import TransformMetrics
+from shardserve.server.transforms.pool import TransformPool
+from shardserve.server.transforms.registry import TransformRegistry
+from shardserve.server.transforms.runner import Where, run_chain
+from shardserve.server.transforms.schema import Field
+from shardserve.server.transforms.spec import compile_chain
+from tests.transforms import mods
+
+REG = TransformRegistry.load(["tests.transforms.mods"])
+W = Where(seed=3, epoch=2, rank=0, batch=7)
+B = 12
+IMAGE = {"image": Field("uint8", (3, 8, 8))}
+NORM = {"name": "normalize", "params": {"field": "image", "layout": "CHW", "scale": 1 / 255,
+                                        "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.3, 0.4]}}  # fmt: skip
+FLIP = {"name": "hflip", "params": {"field": "image", "layout": "CHW"}}
+
+
+def _images() -> dict[str, np.ndarray]:
+    return {"image": np.random.default_rng(1).integers(0, 256, (B, 3, 8, 8), dtype=np.uint8)}
+
+
+def _both(steps: list, inputs: dict, parts: dict, out: dict) -> tuple[dict, dict]:
+    chain = compile_chain(steps, REG, inputs, "t")
+    names = list(chain.outputs)
+    idx = np.arange(40, 40 + B)
+    alone, _ = run_chain(chain, parts, idx, W, names)
+    into, _ = run_chain(chain, parts, idx, W, names, out=out)
+    return alone, into
+
+
+@pytest.mark.parametrize(
+    "steps", [[NORM], [FLIP, NORM], [NORM, FLIP]], ids=["norm", "flip-norm", "norm-flip"]
+)
+def test_the_chain_writes_into_the_batch_memory_with_the_same_bytes(steps: list) -> None:
+    dest = np.full((B, 3, 8, 8), np.nan, np.float32)
+    alone, into = _both(steps, IMAGE, _images(), {"image": dest})
+    assert into["image"] is dest
+    assert into["image"].tobytes() == alone["image"].tobytes()
+    assert alone["image"] is not dest and not np.isnan(dest).any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bool", "uint8"])
+def test_unpacked_bits_land_in_place(dtype: str) -> None:
+    packed = np.random.default_rng(2).integers(0, 256, (B, 11), dtype=np.uint8)
+    step = {"name": "unpack_bits", "params": {"field": "packed", "shape": [2, 5, 8],
+                                              "dtype": dtype, "to": "planes"}}  # fmt: skip
+    dest = np.zeros((B, 2, 5, 8), dtype)
+    alone, into = _both([step], {"packed": Field("uint8", (11,))}, {"packed": packed},
+                        {"planes": dest})  # fmt: skip
+    want = np.unpackbits(packed, axis=1, count=80).reshape(B, 2, 5, 8).astype(dtype)
+    assert into["planes"] is dest
+    np.testing.assert_array_equal(dest, want)
+    np.testing.assert_array_equal(alone["planes"], want)
+
+
+def test_sample_outputs_are_stacked_into_place() -> None:
+    rng = np.random.default_rng(3)
+    pts = [rng.normal(size=(int(n), 3)).astype(np.float32) for n in rng.integers(20, 40, B)]
+    offsets = np.zeros(B + 1, np.int64)
+    np.cumsum([p.size for p in pts], out=offsets[1:])
+    parts = {"points": np.concatenate([p.ravel() for p in pts]), "points.offsets": offsets,
+             "points.shapes": np.array([p.shape for p in pts], np.int64)}  # fmt: skip
+    step = {"name": "random_subset", "params": {"field": "points", "n": 16}}
+    dest = np.full((B, 16, 3), np.nan, np.float32)
+    alone, into = _both([step], {"points": Field("float32", (-1, 3))}, parts, {"points": dest})
+    assert into["points"] is dest
+    assert into["points"].tobytes() == alone["points"].tobytes()
+
+
+def test_memory_of_another_layout_is_left_alone() -> None:
+    """A destination that does not have the declared dtype is not written; the output is."""
+    dest = np.zeros((B, 3, 8, 8), np.float64)
+    alone, into = _both([NORM], IMAGE, _images(), {"image": dest})
+    assert into["image"] is not dest and not dest.any()
+    assert into["image"].tobytes() == alone["image"].tobytes()
+
+
+def test_a_failed_piece_returns_after_the_other_pieces_wrote() -> None:
+    """A retry of the batch (failing samples replaced) writes the same memory: the run that
+    failed must not return while another of its pieces still writes its rows into it."""
+    pool = TransformPool(2, "thread", ["tests.transforms.mods"], 60.0,
+                         TransformMetrics(CollectorRegistry()))  # fmt: skip
+    try:
+        step = {"name": "fail_or_wait", "params": {"fail": 1, "wait": 4, "seconds": 0.5}}
+        chain = compile_chain([step], REG, {"label": Field("int64", ())}, "t")
+        labels = np.array([1, 2, 3, 4], np.int64)  # piece 1: rows 0-1 fail; piece 2: 2-3 wait
+        out = {"label": np.full(4, -1, np.int64)}
+        mods.WAITING.clear()
+
+        def describe(what: str) -> TransformError:
+            return TransformError(what)
+
+        with pytest.raises(StepFailed) as failed:
+            pool.run(chain, {"label": labels}, np.arange(4), W, ["label"], describe, out)
+        assert failed.value.position == 0
+        assert out["label"][2:].tolist() == [3, 4], "returned while a piece was still writing"
+    finally:
+        pool.close()
