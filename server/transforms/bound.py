@@ -58,7 +58,8 @@ class Transforms:
         self.registry = TransformRegistry.load(modules)
         self.metrics = TransformMetrics(registry)
         self.limits = limits or Limits()
-        self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics, self.limits)
+        self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics, self.limits,
+                                  ASSEMBLY_PER_JOB)  # fmt: skip
         #: Each job's batches with transforms are assembled here (apart from the transform
         #: pieces' own lanes, which these wait on).
         self._assembly = Lanes(ASSEMBLY_PER_JOB)
