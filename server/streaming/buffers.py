@@ -90,6 +90,12 @@ class BufferPool:
         else:
             self._free.append(bufs)
 
+    def forfeit(self, bufs: BufferSet) -> None:
+        """Never reuse ``bufs``: a batch that failed may still be written by a transform thread
+        past its deadline (a thread cannot be stopped). The pool makes a fresh set in its
+        place; this one goes when the last writer lets go of it."""
+        self._owned -= int(bufs.pooled)
+
     def reclaim(self) -> None:
         """Move sets whose sends have completed back to the free list."""
         if self._pending:

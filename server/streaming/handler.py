@@ -145,7 +145,9 @@ class StreamHandler(HelloHandling):
             if work.kind is WorkKind.BATCH:
                 if s is not None and live:
                     s.flow.returned()
-                if not live or done.error is not None:
+                if done.error is not None:
+                    work.forfeit()  # never to be sent, and maybe still written
+                elif not live:
                     work.abandon()  # never to be sent, and the worker is done with its memory
             if s is None or not live:
                 continue  # the stream was replaced or closed while this ran

@@ -88,6 +88,8 @@ class TicketOwner(Protocol):
 
     def release(self, ticket: int) -> None: ...
 
+    def forfeit(self, ticket: int) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -110,9 +112,15 @@ class Work:
     share: ShareGroup | None = None
 
     def abandon(self) -> None:
-        """The batch will not be sent (failed, or its stream is gone): free its memory."""
+        """The batch will not be sent (its stream is gone): free its memory."""
         if self.owner is not None:
             self.owner.release(self.ticket)
+
+    def forfeit(self) -> None:
+        """The batch failed: end its ticket without reusing its memory (a transform thread
+        past its deadline may still write into it)."""
+        if self.owner is not None:
+            self.owner.forfeit(self.ticket)
 
 
 class CreditOverflow(ValueError):

@@ -118,6 +118,11 @@ class BatchSink(ABC):
     def release(self, ticket: int) -> None:
         """End a ticket whose batch will never be sent."""
 
+    @abstractmethod
+    def forfeit(self, ticket: int) -> None:
+        """End a ticket whose assembly failed without reusing its memory: a transform thread
+        that missed its deadline cannot be stopped and may still write into it."""
+
     def returned(self, slots: Iterable[int]) -> list[int]:
         """Slots a Credit gives back; returns those the client did not hold (ignored)."""
         return list(slots)
@@ -184,6 +189,11 @@ class SocketSink(BatchSink):
         if bufs is not None and self.pool is not None:
             self.pool.release(bufs)
 
+    def forfeit(self, ticket: int) -> None:
+        bufs = self._sets.pop(ticket, None)
+        if bufs is not None and self.pool is not None:
+            self.pool.forfeit(bufs)
+
 
 class SlotSink(BatchSink):
     """Batches gathered into shared-memory slots; the socket carries only slot numbers.
@@ -229,6 +239,11 @@ class SlotSink(BatchSink):
     def release(self, ticket: int) -> None:
         with contextlib.suppress(Exception):  # a closed ring: nothing to release
             self.slots.release(ticket)
+
+    def forfeit(self, ticket: int) -> None:
+        # The slot is neither freed nor lent: the ring serves on with one slot fewer, and a
+        # ring is handed to the peer's next stream only when nothing was being assembled.
+        return
 
     def returned(self, slots: Iterable[int]) -> list[int]:
         return self.slots.give_back(slots)

@@ -84,11 +84,14 @@ class _Worker:
 
 
 def _failed(f: Future[Any]) -> bool:
+    """Whether piece ``f`` ended with an exception."""
     return f.done() and not f.cancelled() and f.exception() is not None
 
 
 class TransformPool:
-    """``run`` a chain on a batch within ``timeout_s``; see the module docstring."""
+    """``run`` a chain on a batch within ``timeout_s``; see the module docstring.
+    ``batches_at_once``: how many batches of one job are assembled at a time (it sets how
+    many pieces a batch is cut into on threads)."""
 
     def __init__(self, workers: int, kind: PoolSetting, modules: Sequence[str], timeout_s: float,
                  metrics: TransformMetrics, limits: Limits | None = None,
@@ -168,7 +171,9 @@ class TransformPool:
                 p.cancel()
             pending = self._wait([p for p in pending if not p.cancelled()], deadline + grace,
                                  until_all=True)  # fmt: skip
-            if pending and not self._closing.done():
+            if self._closing.done():
+                raise describe("the server is stopping")
+            if pending:
                 return self._hung_run(chain, job_lane, generation, futs, progress, describe)
         for (lo, _), f in zip(pieces, futs, strict=True):
             if f.done() and not f.cancelled() and (e := f.exception()) is not None:

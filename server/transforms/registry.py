@@ -139,7 +139,8 @@ def batch_transform(
     writes to the arrays the batch is sent from (``[B, *shape]``, the declared dtype; often
     empty: only the last step of a chain run on threads gets them). Writing a result into its
     ``out`` array and returning that array saves the copy into the stream's memory (8 MiB of
-    float32 planes a batch is ~1 ms); a field not in ``out`` is returned as usual.
+    float32 planes a batch is ~1 ms); a field not in ``out`` is returned as usual. An ``out``
+    array holds an earlier batch's bytes: write every element of it.
 
     >>> import numpy as np
     >>> @batch_transform(outputs={"x": Field("float32", (4,))}, takes_out=True)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from shardserve.proto.parts import OFFSETS, SHAPES
 
@@ -80,13 +81,9 @@ def join_parts(
     for name in names:
         f, col = schema[name], cols[name]
         if f.fixed:
+            arr = col if isinstance(col, np.ndarray) else _stack(col, f)
             dest = out.get(name) if out is not None else None
-            if isinstance(col, np.ndarray):
-                arr = col
-            elif dest is not None and _fits(dest, (len(col), *f.shape), f.dtype):
-                arr = np.stack(col, out=dest) if col else dest  # stacked straight into place
-            else:
-                arr = _stack(col, f)
+            # The last step may have written it in place already: then there is nothing to copy.
             if arr is not dest and dest is not None and _fits(dest, arr.shape, arr.dtype):
                 np.copyto(dest, arr)
                 arr = dest
@@ -110,7 +107,8 @@ def join_parts(
     return parts
 
 
-def _fits(dest: np.ndarray, shape: tuple[int, ...], dtype: object) -> bool:
+def _fits(dest: np.ndarray, shape: tuple[int, ...], dtype: DTypeLike) -> bool:
+    """Whether ``dest`` has exactly this shape and dtype (so a result can live there)."""
     return dest.shape == tuple(shape) and dest.dtype == dtype
 
 
@@ -137,7 +135,7 @@ def _check(step: Step, name: str, f: Field, arr: object, position: int | None, i
 
 
 def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndarray,
-                  where: Where, limits: Limits) -> None:  # fmt: skip
+                  where: Where, limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     t = step.transform
     n = len(indices)
     more = (limits,) if t.takes_limits else ()
@@ -184,7 +182,10 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
     if failed is not None:
         raise failed
     for k, f in step.writes.items():
-        cols[k] = _stack(written[k], f) if f.fixed else written[k]
+        if k in dest and written[k]:
+            cols[k] = np.stack(written[k], out=dest[k])  # stacked where the batch is sent from
+        else:
+            cols[k] = _stack(written[k], f) if f.fixed else written[k]
 
 
 def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Where,
@@ -207,8 +208,10 @@ def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Wh
 def _dest(step: Step, chain: Chain, names: Sequence[str], n: int,
           out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:  # fmt: skip
     """The arrays of ``out`` the last step may write its fixed-size outputs into: only the
-    fields served (``names``) whose array has exactly the declared shape and dtype."""
-    if out is None or not step.transform.takes_out:
+    fields served (``names``) whose array has exactly the declared shape and dtype. A sample
+    step's outputs are stacked there by the runner; a batch step writes there itself only if
+    it takes ``out=``. (An earlier step never gets them: a later one reads its outputs.)"""
+    if out is None or (step.transform.shape == "batch" and not step.transform.takes_out):
         return {}
     dest = {}
     for name, f in step.writes.items():
@@ -225,8 +228,8 @@ def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray
               ) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
     """``(parts of names, seconds per transform)``; raises :class:`StepFailed`.
 
-    ``out``: where the fixed-size outputs go (the stream's memory); the last step gets the
-    ones it writes when it takes ``out=``, and sample steps' outputs are stacked into them."""
+    ``out``: where the fixed-size outputs go (the stream's memory); the last step writes the
+    ones it produces there (see :func:`_dest`), the others are copied there at the end."""
     cols = split_parts(parts, chain.inputs)
     spent: dict[str, float] = {}
     limits = limits or Limits()
@@ -235,10 +238,10 @@ def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray
         if progress is not None:
             progress.step = step.transform.name
         t0 = time.perf_counter()
+        dest = _dest(step, chain, names, len(indices), out) if si == last else {}
         if step.transform.shape == "sample":
-            _apply_sample(step, si, cols, indices, where, limits)
+            _apply_sample(step, si, cols, indices, where, limits, dest)
         else:
-            dest = _dest(step, chain, names, len(indices), out) if si == last else {}
             _apply_batch(step, si, cols, len(indices), where, limits, dest)
         name = step.transform.name
         spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0

@@ -89,3 +89,17 @@ def test_buffer_pool_reuses_only_finished_sets() -> None:
     pool.release(overflow)  # past capacity: dropped, not kept
     pool.release(second)
     assert pool.acquire() is second and pool.acquire() is not overflow
+
+
+def test_a_forfeited_buffer_set_is_never_handed_out_again() -> None:
+    """A failed batch's set may still be written by a transform thread past its deadline: the
+    pool makes a fresh one in its place and keeps its size."""
+    pool = BufferPool({"x": ("float32", (4,))}, batch_size=8, capacity=2)
+    a, b = pool.acquire(), pool.acquire()
+    assert a is not None and b is not None and a.pooled and b.pooled
+    pool.forfeit(a)
+    pool.release(b)
+    fresh = pool.acquire()
+    again = pool.acquire()
+    assert fresh is b and again is not None and again is not a and again.pooled
+    assert pool.nbytes == 2 * 8 * 4 * 4

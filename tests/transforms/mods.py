@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from shardserve.server.transforms import Field, sample_transform
+from shardserve.server.transforms import Field, batch_transform, sample_transform
 
 
 class _Noise(BaseModel):
@@ -167,3 +167,19 @@ def fail_or_wait(
             raise RuntimeError("the waiting sample did not start within 60 s")
         raise ValueError(f"label {label} fails")
     return {"label": sample["label"]}
+
+
+#: What :func:`double_into` was given: whether ``out`` held its field (tests in one process).
+GOT_OUT: list[bool] = []
+
+
+@batch_transform(outputs={"label": Field("int64", ())}, takes_out=True)
+def double_into(batch: dict[str, Any], p: Any, rng: np.random.Generator,
+                out: dict[str, np.ndarray]) -> dict[str, Any]:  # fmt: skip
+    """Labels times two, written into ``out`` when it is given (recorded in ``GOT_OUT``)."""
+    dest = out.get("label")
+    GOT_OUT.append(dest is not None)
+    if dest is None:
+        return {"label": batch["label"] * 2}
+    np.multiply(batch["label"], 2, out=dest)
+    return {"label": dest}

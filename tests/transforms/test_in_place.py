@@ -5,6 +5,8 @@ A run whose piece failed returns only once its other pieces stopped writing."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -78,6 +80,41 @@ def test_sample_outputs_are_stacked_into_place() -> None:
     alone, into = _both([step], {"points": Field("float32", (-1, 3))}, parts, {"points": dest})
     assert into["points"] is dest
     assert into["points"].tobytes() == alone["points"].tobytes()
+
+
+def test_only_the_last_step_gets_the_memory_and_only_when_it_takes_it() -> None:
+    labels = {"label": np.arange(B, dtype=np.int64)}
+    double = {"name": "double_into"}
+    keep = {"name": "fail_labels", "params": {"labels": []}}
+    for steps, given in (([double], [True]), ([double, keep], [False]), ([keep, double], [True])):
+        mods.GOT_OUT.clear()
+        dest = np.full(B, -1, np.int64)
+        chain = compile_chain(steps, REG, {"label": Field("int64", ())}, "t")
+        into, _ = run_chain(chain, labels, np.arange(B), W, ["label"], out={"label": dest})
+        seen = list(mods.GOT_OUT)
+        assert seen == given, steps
+        assert into["label"] is dest and dest.tolist() == [2 * i for i in range(B)]
+
+
+def test_sample_outputs_need_no_batch_sized_temporary() -> None:
+    """Stacked where the batch goes, a sample step's outputs allocate no second batch."""
+    rng = np.random.default_rng(4)
+    pts = rng.normal(size=64 * 4096 * 3).astype(np.float32)
+    x = {"points": pts, "points.offsets": np.arange(0, 64 * 4096 * 3 + 1, 4096 * 3),
+         "points.shapes": np.full((64, 2), [4096, 3], np.int64)}  # fmt: skip
+    step = {"name": "random_subset", "params": {"field": "points", "n": 2048}}
+    chain = compile_chain([step], REG, {"points": Field("float32", (-1, 3))}, "t")
+    dest = np.zeros((64, 2048, 3), np.float32)
+
+    def peak(out: dict | None) -> int:
+        tracemalloc.start()
+        try:
+            run_chain(chain, x, np.arange(64), W, ["points"], out=out)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    assert peak(None) - peak({"points": dest}) >= 0.9 * dest.nbytes
 
 
 def test_memory_of_another_layout_is_left_alone() -> None:
