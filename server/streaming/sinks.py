@@ -241,8 +241,9 @@ class SlotSink(BatchSink):
             self.slots.release(ticket)
 
     def forfeit(self, ticket: int) -> None:
-        # The slot is neither freed nor lent: the ring serves on with one slot fewer, and a
-        # ring is handed to the peer's next stream only when nothing was being assembled.
+        # The slot is neither freed nor lent. A failed batch fails its stream, whose ring is
+        # then unlinked: a ring goes to the peer's next stream only when nothing was being
+        # assembled, so no later batch is written into this slot.
         return
 
     def returned(self, slots: Iterable[int]) -> list[int]:
