@@ -215,8 +215,7 @@ class TransformPool:
                 break
             done, _ = wait([*pending, self._closing], timeout=left, return_when=FIRST_COMPLETED)
             pending -= done
-            if not until_all and any(not f.cancelled() and f.exception() is not None
-                                     for f in done):  # fmt: skip
+            if not until_all and any(_failed(f) for f in done):
                 break
         return pending
 
