@@ -174,6 +174,9 @@ class FieldSpec(BaseModel):
         return n
 
 
+_HEX = re.compile(r"[0-9a-f]*")
+
+
 class ShardInfo(BaseModel):
     """One shard file, relative to the dataset folder."""
 
@@ -184,6 +187,39 @@ class ShardInfo(BaseModel):
     bytes: int = Field(ge=0)
     #: ``xxh3_64:<16 hex digits>`` of the whole file.
     checksum: str
+    #: The size of the blocks in ``blocks``; absent in shards written before blocks were kept.
+    block_bytes: int | None = Field(default=None, gt=0)
+    #: The xxh3_64 of each ``block_bytes`` block of the file (the last one shorter), 16 hex
+    #: digits each, concatenated: a reader verifies the blocks a read needs, not the whole file.
+    blocks: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.block_bytes is None:
+            out.pop("block_bytes", None)
+            out.pop("blocks", None)
+        return out
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> ShardInfo:
+        if (self.block_bytes is None) != (self.blocks is None):
+            raise ValueError("block_bytes and blocks come together or not at all")
+        if self.block_bytes is not None and self.blocks is not None:
+            want = 16 * -(-self.bytes // self.block_bytes)
+            if len(self.blocks) != want or not _HEX.fullmatch(self.blocks):
+                raise ValueError(
+                    f"blocks of shard {self.path} must be {want} hex digits (16 per block of "
+                    f"{self.block_bytes} bytes), got {len(self.blocks)} characters"
+                )
+        return self
+
+    @property
+    def num_blocks(self) -> int:
+        """How many checksummed blocks the file has (1, the whole file, without ``blocks``)."""
+        if self.block_bytes is None:
+            return 1
+        return -(-self.bytes // self.block_bytes)
 
     @field_validator("path")
     @classmethod

@@ -9,8 +9,10 @@ Thread-safe: the views are read-only and the shard sets guard their own state. O
 ``Dataset`` is meant to be shared by every job and thread of a process (the store caches it),
 so the page cache holds one copy.
 
-``verify`` modes: ``"lazy"`` checks a shard's whole-file checksum before the first ``take``
-that reads it; ``"full"`` checks every shard at open; ``"off"`` never (sizes, schemas and row
+``verify`` modes: ``"lazy"`` checks, before a ``take`` reads them, the blocks of a shard that
+the read needs (and, before a shard's first read, its framing and the blocks outside row
+data: :mod:`.blocks`; a shard written without block checksums, its whole file); ``"full"``
+checks every shard's whole-file checksum at open; ``"off"`` never (sizes, schemas and row
 counts are always checked at open).
 """
 
@@ -142,6 +144,7 @@ class Dataset:
                 touched = np.flatnonzero(np.bincount(shard)).tolist()
         chunks = self.shards.acquire(touched)
         try:
+            self.shards.check_reads(idx, names)
             return self._read(names, idx, lo, hi, chunks, out)
         finally:
             self.shards.release(touched)

@@ -151,6 +151,12 @@ class ConcatShards:
         for s, mine in zip(self._sets, self._split(shards), strict=True):
             s.release(mine)
 
+    def check_reads(self, ids: np.ndarray, fields: Sequence[str]) -> None:
+        """Each source checks its own samples of ``ids`` (ids within it)."""
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        for k in np.unique(source).tolist():
+            self._sets[k].check_reads(ids[source == k] - self.offsets[k], fields)
+
     def plan_hint(self, plan: Planned) -> None:
         """Each source is told its own part of the plan (ids within it, in plan order)."""
         for k, s in enumerate(self._sets):

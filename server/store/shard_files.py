@@ -1,7 +1,7 @@
 """The shard files of one dataset being written, in its temporary folder.
 
-At most one shard is open at a time; closing it fsyncs the file while its xxh3 checksum is
-computed and records its :class:`ShardInfo`. A shard keeps the schema it was opened with;
+At most one shard is open at a time; closing it fsyncs the file while its xxh3 checksums are
+computed (of the whole file and of each block) and records its :class:`ShardInfo`. A shard keeps the schema it was opened with;
 :meth:`ShardFiles.upgrade` rewrites those whose schema is not the final one (:mod:`.migrate`)
 before anything is published.
 """
@@ -17,6 +17,19 @@ from shardserve.proto.manifest import FieldSpec, ShardInfo
 
 from . import layout
 from .migrate import needs_upgrade, upgrade_shard
+
+
+def _info(path: Path, rel: str, rows: int) -> ShardInfo:
+    """The record of a finished shard file: durable, checksummed whole and by block."""
+    digest = layout.digest_file(path, blocks=True, fsync=True)
+    return ShardInfo(
+        path=rel,
+        rows=rows,
+        bytes=path.stat().st_size,
+        checksum=digest.checksum,
+        block_bytes=layout.BLOCK_BYTES,
+        blocks=digest.blocks,
+    )
 
 
 class ShardFiles:
@@ -51,9 +64,7 @@ class ShardFiles:
         self._ipc = None
         rel = layout.shard_name(len(self.shards))
         path = self.folder / rel
-        checksum = layout.checksum_file(path, fsync=True)
-        size = path.stat().st_size
-        self.shards.append(ShardInfo(path=rel, rows=self._rows, bytes=size, checksum=checksum))
+        self.shards.append(_info(path, rel, self._rows))
         self._specs_of.append(self._ipc_specs)
         self.committed = 0
         self._rows = 0
@@ -66,12 +77,7 @@ class ShardFiles:
             info = self.shards[i]
             path = self.folder / info.path
             upgrade_shard(path, old, final)
-            self.shards[i] = ShardInfo(
-                path=info.path,
-                rows=info.rows,
-                bytes=path.stat().st_size,
-                checksum=layout.checksum_file(path, fsync=True),
-            )
+            self.shards[i] = _info(path, info.path, info.rows)
 
     def abort(self) -> None:
         """Close the open shard without recording it (its folder is about to go)."""

@@ -33,6 +33,7 @@ from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo
 
 from ..source import Planned
+from .blocks import DatasetBlocks
 from .cache import Lease, ShardCache
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
@@ -112,6 +113,11 @@ class ShardSet(Protocol):
 
     def release(self, shards: Sequence[int]) -> None: ...
 
+    def check_reads(self, ids: np.ndarray, fields: Sequence[str]) -> None:
+        """Before fields ``fields`` of samples ``ids`` (in acquired shards) are read: verify
+        the stored bytes they lie in, where the set verifies by block and not whole shards."""
+        ...
+
     def plan_hint(self, plan: Planned) -> None:
         """The plan a stream reads (a set that fetches reads ahead)."""
         ...
@@ -156,9 +162,13 @@ class MappedShards:
         self._chunks = Chunks.of(
             self._shards, shard_starts(manifest)[:-1].tolist(), manifest.fields, JoinedColumns()
         )
+        #: Shards whose framing and blocks outside row data are verified (:mod:`.blocks`).
         self._verified = [verify != "lazy"] * len(self._shards)
         self._failed: dict[int, DatasetCorruptError] = {}
-        self._all_verified = all(self._verified)
+        self._rows = DatasetBlocks(self._shards, self._chunks.starts, self._failed)
+        if verify != "lazy":
+            self._rows.verified[:] = True
+        self._all_verified = all(self._verified) and bool(self._rows.verified.all())
         if verify == "full":
             self.verify()
 
@@ -176,8 +186,17 @@ class MappedShards:
         if not self._all_verified:
             for s in shards:
                 if not self._verified[s]:
-                    self._verify_one(s)
+                    self._open_one(s)
         return self._chunks
+
+    def check_reads(self, ids: np.ndarray, fields: Sequence[str]) -> None:
+        """Verify the blocks that fields ``fields`` of samples ``ids`` lie in, if not yet
+        (their shards are acquired, so the rest of each shard is verified already)."""
+        if self._all_verified or not ids.size:
+            return
+        self._rows.check(ids, fields)
+        if self._rows.verified.all() and all(self._verified):
+            self._all_verified = True
 
     def release(self, shards: Sequence[int]) -> None:
         """Nothing to give back: the shards stay mapped while the dataset is open."""
@@ -185,19 +204,30 @@ class MappedShards:
     def plan_hint(self, plan: Planned) -> None:
         """Nothing to fetch: every shard is here (and the plan's ids are never made)."""
 
+    def _open_one(self, s: int) -> None:
+        """Verify what every read of shard ``s`` relies on (:meth:`.ShardBlocks.open`)."""
+        spans = [list(c.values()) for c in self._shards[s].spans]
+        self._once(s, partial(self._rows.blocks[s].open, spans))
+
     def _verify_one(self, s: int, progress: tqdm | None = None) -> None:
-        with self._lock:  # one thread hashes a shard; the others wait for its verdict
+        """Check shard ``s``'s whole-file checksum; every block of it is verified then."""
+        self._once(s, partial(self._shards[s].verify, progress))
+        self._rows.blocks[s].verified[:] = True
+        self._all_verified = all(self._verified) and bool(self._rows.verified.all())
+
+    def _once(self, s: int, check: Callable[[], None]) -> None:
+        """Run ``check`` of shard ``s`` unless it passed already; a failure is its verdict."""
+        with self._lock:  # one thread checks a shard; the others wait for its verdict
             if s in self._failed:
                 raise self._failed[s]
             if self._verified[s]:
                 return
             try:
-                self._shards[s].verify(progress)
+                check()
             except DatasetCorruptError as e:
                 self._failed[s] = e
                 raise
             self._verified[s] = True
-            self._all_verified = all(self._verified)
 
     def verify(self, progress: bool = False) -> None:
         total = sum(s.info.bytes for s in self._shards)
@@ -347,6 +377,9 @@ class CachedShards:
                 raise
             self._checked.add(s)
         return lease, shard
+
+    def check_reads(self, ids: np.ndarray, fields: Sequence[str]) -> None:
+        """Nothing: a shard is checksummed whole when it is fetched, before any read."""
 
     def release(self, shards: Sequence[int]) -> None:
         """One user fewer for each of ``shards``; unmap idle ones past the cache limit."""

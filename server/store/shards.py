@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec, ShardInfo
 
+from .blocks import RowSpan
 from .layout import checksum_buffer, checksum_file
 from .schema import check_arrow_schema
 
@@ -102,6 +103,8 @@ class MappedShard:
             self.chunks = [
                 self._views(reader.get_batch(i), specs) for i in range(reader.num_record_batches)
             ]
+            #: Where each chunk's rows lie in the file, for the fields read straight from it.
+            self.spans = [self._spans(c, specs) for c in self.chunks]
         except DatasetCorruptError:
             self.close()
             raise
@@ -140,6 +143,42 @@ class MappedShard:
                 )
         return chunk
 
+    def _spans(self, chunk: Chunk, specs: tuple[FieldSpec, ...]) -> dict[str, RowSpan]:
+        """The :class:`RowSpan` of each field whose rows a read takes from the mapping
+        itself (a column copied at open, a packed bool, is left out: it is verified whole)."""
+        assert self._whole is not None
+        base, size = self._whole.address, self._whole.size
+        spans: dict[str, RowSpan] = {}
+        for spec in specs:
+            view = chunk.fixed.get(spec.name)
+            if view is not None:
+                start = view.ctypes.data - base
+                if view.nbytes and start >= 0 and start + view.nbytes <= size:
+                    spans[spec.name] = RowSpan(
+                        start, view.nbytes, row_bytes=view.nbytes // chunk.rows
+                    )
+                continue
+            arr = chunk.arrays.get(spec.name)
+            if arr is None or spec.dtype == "bool" or arr.offset or not chunk.rows:
+                continue
+            bufs = arr.buffers()
+            if spec.kind == "binary":
+                offsets, data, itemsize = bufs[1], bufs[2], 1
+            elif arr.values.offset == 0:  # a list of numbers: its child's values
+                offsets, data, itemsize = bufs[1], bufs[3], np.dtype(spec.dtype).itemsize
+            else:
+                continue
+            start = data.address - base if data is not None else -1
+            if offsets is None or data is None or start < 0 or start + data.size > size:
+                continue  # no values at all (an empty buffer lies outside the mapping)
+            spans[spec.name] = RowSpan(
+                start,
+                data.size,
+                offsets=np.frombuffer(offsets, dtype=np.int32, count=chunk.rows + 1),
+                itemsize=itemsize,
+            )
+        return spans
+
     def verify(self, progress: object | None = None) -> None:
         """Check the checksum of the bytes this shard serves (the mapping itself, not the path:
         after an overwrite the path names a different file)."""
@@ -173,9 +212,23 @@ class MappedShard:
                 f"{st.st_size}, mtime changed): shards must never change in place; re-ingest"
             )
 
+    @property
+    def whole(self) -> pa.Buffer:
+        """The whole file as mapped (what reads are served from)."""
+        if self._whole is None:
+            raise ValueError(f"shard {self.path} is closed")
+        return self._whole
+
+    def fileno(self) -> int:
+        """The descriptor of the mapped file (the one read, whatever its path names now)."""
+        if self._mm is None:
+            raise ValueError(f"shard {self.path} is closed")
+        return self._mm.fileno()
+
     def close(self) -> None:
         """Drop the views and close the mapping (arrays already returned by take are copies)."""
         self.chunks = []
+        self.spans = []
         self._whole = None
         if self._mm is not None:
             self._mm.close()

@@ -7,11 +7,13 @@ first open under ``--verify full``, and a shard truncated underneath a running s
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from shardserve.client import DatasetCorruptError, Loader, ShardserveError
@@ -115,3 +117,58 @@ def test_shard_truncated_while_served_fails_the_job_not_the_server(
             f"server died with exit code {code} (-7 is SIGBUS); client saw {raised!r}"
         )
         assert isinstance(raised, DatasetCorruptError), repr(raised)
+
+
+def _image_byte(shard: Path, row: int) -> int:
+    """The file offset of a byte inside sample ``row``'s image in ``shard``."""
+    mm = pa.memory_map(str(shard))
+    whole = mm.read_buffer(mm.size())
+    mm.seek(0)
+    reader = pa.ipc.open_file(mm)
+    for i in range(reader.num_record_batches):
+        batch = reader.get_batch(i)
+        if row < batch.num_rows:
+            values = batch.column("image").flatten()
+            return int(values.buffers()[1].address - whole.address) + row * 3072 + 100
+        row -= batch.num_rows
+    raise AssertionError(f"no row {row} in {shard}")
+
+
+@pytest.mark.parametrize("manifest", ["blocks", "whole-file"])
+def test_a_flipped_byte_fails_the_batch_that_reads_its_block(tmp_path: Path, manifest: str) -> None:
+    """A flipped byte inside sample 2000 (the first shard, 8 MiB in 1 MiB blocks): reading in
+    order, every batch before the damaged block arrives exact, then the job fails naming the
+    shard and the block. Without block checksums (a manifest written before they were kept)
+    the shard's whole file is checked before its first read, so nothing of it arrives."""
+    root = tmp_path / "store"
+    m = make_cifar_like(root, "cifar", n=4000, shard_bytes=8 << 20)
+    folder = root / "cifar"
+    assert m.shards[0].rows > 2000 and m.shards[0].block_bytes == 1 << 20
+    if manifest == "whole-file":
+        doc = json.loads((folder / "manifest.json").read_text())
+        for shard in doc["shards"]:
+            del shard["block_bytes"], shard["blocks"]
+        (folder / "manifest.json").write_text(json.dumps(doc))
+    victim = folder / m.shards[0].path
+    at = _image_byte(victim, 2000)
+    data = bytearray(victim.read_bytes())
+    data[at] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with run_server(root, "--state-dir", str(tmp_path / "state")) as srv:
+        loader = Loader(
+            srv.http_url, "cifar", batch_size=50, shuffle=False, prefetch=2, timeout=DEADLINE_S
+        )
+        delivered: list[np.ndarray] = []
+        with loader, pytest.raises(DatasetCorruptError) as err:
+            for b in loader:
+                delivered.append(_ids(b))
+    got = np.concatenate(delivered) if delivered else np.array([], dtype=np.int64)
+    assert np.array_equal(got, np.arange(len(got)))  # exact, in plan order
+    assert victim.name in str(err.value) and "checksum" in str(err.value)
+    if manifest == "whole-file":
+        assert len(got) == 0
+    else:
+        block = at // (1 << 20)
+        assert f"block {block}" in str(err.value), err.value
+        # Everything before the damaged block arrived: a block holds about 341 samples.
+        assert 2000 - 341 - 50 <= len(got) <= 2000, len(got)
