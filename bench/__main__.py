@@ -31,6 +31,7 @@ ORDER = [
     "bench_peers",
     "bench_scaling",
     "bench_epochs",
+    "bench_cold",
 ]
 
 

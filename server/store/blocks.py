@@ -42,6 +42,7 @@ _MAGIC_BYTES = 8
 #: A message's prefix: the continuation marker, then the header's length (0: end of stream).
 _PREFIX = struct.Struct("<Ii")
 _CONTINUATION = 0xFFFFFFFF
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,12 @@ class ShardBlocks:
     def prefetch(self, blocks: Iterable[int]) -> None:
         """Ask the kernel to read ``blocks`` now, all at once: hashing them through the
         mapping would otherwise fault them in one readahead window at a time."""
-        for b in blocks:
-            lo = int(b) * self.block_bytes
-            os.posix_fadvise(self._fd, lo, self.block_bytes, os.POSIX_FADV_WILLNEED)
+        try:
+            for b in blocks:
+                lo = int(b) * self.block_bytes
+                os.posix_fadvise(self._fd, lo, self.block_bytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # only a hint: where a filesystem refuses it, the hashing reads on demand
 
     def verify(self, blocks: Iterable[int]) -> None:
         """Hash each of ``blocks`` not verified yet; ``DatasetCorruptError`` names a bad one."""
@@ -120,17 +124,17 @@ class ShardBlocks:
             if self.verified[b]:
                 continue
             if self.info.blocks is None:
-                got = checksum_buffer(view)
-                want = self.info.checksum
+                got, want, where = checksum_buffer(view), self.info.checksum, ""
             else:
                 lo = b * self.block_bytes
-                got = block_digest(view[lo : lo + self.block_bytes])
+                hi = min(lo + self.block_bytes, self.info.bytes)
+                got = block_digest(view[lo:hi])
                 want = self.info.blocks[16 * b : 16 * b + 16]
+                where = f" at block {b} (bytes {lo}..{hi})"
             if got != want:
                 raise DatasetCorruptError(
-                    f"shard {self.path} failed its checksum at block {b} (bytes "
-                    f"{b * self.block_bytes}..{min((b + 1) * self.block_bytes, self.info.bytes)}): "
-                    f"the file has {got}, the manifest says {want}; re-ingest"
+                    f"shard {self.path} failed its checksum{where}: the file has {got}, the "
+                    f"manifest says {want}; re-ingest"
                 )
             self.verified[b] = True
 
@@ -140,6 +144,14 @@ class ShardBlocks:
             blocks = range(start // self.block_bytes, (end - 1) // self.block_bytes + 1)
             self.prefetch(blocks)
             self.verify(blocks)
+
+    def read_ahead_of_open(self, chunk_spans: list[list[RowSpan]]) -> None:
+        """Ask the kernel for the blocks :meth:`open` will verify, so that the shards a batch
+        opens are read at once, not one after another."""
+        # A whole-file checksum reads sequentially, which the kernel reads ahead by itself;
+        # asking for every such file at once would only make them compete.
+        if self.info.blocks is not None:
+            self.prefetch(np.flatnonzero(~self._inside_rows(chunk_spans) & ~self.verified))
 
     def open(self, chunk_spans: list[list[RowSpan]]) -> None:
         """Verify what every read of this shard relies on: the message headers, then every
@@ -153,8 +165,6 @@ class ShardBlocks:
                 f"shard {self.path} frames {len(bodies)} record batches, its footer "
                 f"{len(chunk_spans)}; re-ingest"
             )
-        lazy = np.zeros(self.verified.size, dtype=bool)
-        bb = self.block_bytes
         for (lo, hi), spans in zip(bodies, chunk_spans, strict=True):
             for span in spans:
                 if not lo <= span.start <= span.end <= hi:
@@ -162,13 +172,21 @@ class ShardBlocks:
                         f"shard {self.path}: a column's rows at bytes {span.start}..{span.end} "
                         f"lie outside their record batch (bytes {lo}..{hi}); re-ingest"
                     )
-                # Blocks wholly inside the rows: verified when a read needs them.
-                first = -(-span.start // bb)
-                last = span.end // bb if span.end < self.info.bytes else self.verified.size
-                lazy[first:last] = True
-        eager = np.flatnonzero(~lazy & ~self.verified)
+        eager = np.flatnonzero(~self._inside_rows(chunk_spans) & ~self.verified)
         self.prefetch(eager)
         self.verify(eager)
+
+    def _inside_rows(self, chunk_spans: list[list[RowSpan]]) -> np.ndarray:
+        """Which blocks lie wholly inside some chunk's row data (verified when a read needs
+        them; every other block is verified by :meth:`open`)."""
+        inside = np.zeros(self.verified.size, dtype=bool)
+        bb = self.block_bytes
+        for spans in chunk_spans:
+            for span in spans:
+                first = -(-span.start // bb)
+                last = span.end // bb if span.end < self.info.bytes else self.verified.size
+                inside[first:last] = True
+        return inside
 
     def _bodies(self) -> list[tuple[int, int]]:
         """Byte ranges of the record batch bodies, in file order, from the message headers,
@@ -255,11 +273,32 @@ class DatasetBlocks:
             row_bytes = next(sp.row_bytes for sp in mine if sp is not None)
             start = np.asarray([-1 if sp is None else sp.start for sp in mine], dtype=np.int64)
             self._fixed[n] = (start, row_bytes)
+        #: Per field, the blocks its rows lie in that are not verified yet: a field whose
+        #: blocks are all verified costs a read one lookup.
+        self._pending: dict[str, np.ndarray] = {}
+        for n in names:
+            runs = [
+                np.arange(
+                    self._base[c] + sp.start // self._bytes[c],
+                    self._base[c] + (sp.end - 1) // self._bytes[c] + 1,
+                )
+                for c, sp in enumerate(chunk.get(n) for chunk in spans)
+                if sp is not None and sp.end > sp.start
+            ]
+            self._pending[n] = np.unique(np.concatenate(runs)) if runs else _NONE
         #: A shard's verdict once one of its blocks failed (shared with its shard set).
         self._failed = failed
 
+    @property
+    def done(self) -> bool:
+        """Whether every block that a read's rows can lie in is verified."""
+        return not any(p.size for p in self._pending.values())
+
     def check(self, ids: np.ndarray, fields: Sequence[str]) -> None:
         """Verify the blocks that ``fields`` of samples ``ids`` lie in, if not yet."""
+        fields = [n for n in fields if self._pending.get(n, _NONE).size]
+        if not fields:
+            return
         chunk, rows = locate(ids, self._starts)
         firsts: list[np.ndarray] = []
         lasts: list[np.ndarray] = []
@@ -296,3 +335,6 @@ class DatasetBlocks:
             except DatasetCorruptError as e:
                 self._failed[s] = e
                 raise
+        for n in fields:  # a racing reader may see the longer list: it only checks more
+            pending = self._pending[n]
+            self._pending[n] = pending[~self.verified[pending]]

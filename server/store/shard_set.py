@@ -33,11 +33,11 @@ from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo
 
 from ..source import Planned
-from .blocks import DatasetBlocks
+from .blocks import DatasetBlocks, RowSpan
 from .cache import Lease, ShardCache
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
-from .shards import MappedShard
+from .shards import MappedShard, read_ends_ahead
 
 VERIFY_MODES = ("lazy", "full", "off")
 #: Shards fetched ahead of the reader at most (and never more than half the cache limit).
@@ -145,6 +145,7 @@ class MappedShards:
         self.manifest = manifest
         self._lock = threading.Lock()
         self._shards: list[MappedShard] = []
+        read_ends_ahead(Path(folder) / info.path for info in manifest.shards)
         try:
             for info in manifest.shards:
                 self._shards.append(MappedShard(Path(folder) / info.path, info, manifest.fields))
@@ -184,9 +185,11 @@ class MappedShards:
                 self._failed[s] = e
                 raise
         if not self._all_verified:
-            for s in shards:
-                if not self._verified[s]:
-                    self._open_one(s)
+            first_reads = [s for s in shards if not self._verified[s]]
+            for s in first_reads:
+                self._rows.blocks[s].read_ahead_of_open(self._spans(s))
+            for s in first_reads:
+                self._open_one(s)
         return self._chunks
 
     def check_reads(self, ids: np.ndarray, fields: Sequence[str]) -> None:
@@ -195,7 +198,7 @@ class MappedShards:
         if self._all_verified or not ids.size:
             return
         self._rows.check(ids, fields)
-        if self._rows.verified.all() and all(self._verified):
+        if self._rows.done and all(self._verified):
             self._all_verified = True
 
     def release(self, shards: Sequence[int]) -> None:
@@ -206,8 +209,11 @@ class MappedShards:
 
     def _open_one(self, s: int) -> None:
         """Verify what every read of shard ``s`` relies on (:meth:`.ShardBlocks.open`)."""
-        spans = [list(c.values()) for c in self._shards[s].spans]
-        self._once(s, partial(self._rows.blocks[s].open, spans))
+        self._once(s, partial(self._rows.blocks[s].open, self._spans(s)))
+
+    def _spans(self, s: int) -> list[list[RowSpan]]:
+        """Each chunk's row spans of shard ``s``."""
+        return [list(c.values()) for c in self._shards[s].spans]
 
     def _verify_one(self, s: int, progress: tqdm | None = None) -> None:
         """Check shard ``s``'s whole-file checksum; every block of it is verified then."""

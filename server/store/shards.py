@@ -14,6 +14,7 @@ shard file and the reason.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,30 @@ def _fixed_view(arr: pa.Array, spec: FieldSpec) -> np.ndarray:
     else:
         flat = arr if spec.shape == () else arr.flatten()
     return flat.to_numpy(zero_copy_only=zero_copy).reshape(len(arr), *spec.shape)
+
+
+#: Bytes at each end of a shard file read ahead before it is opened: the schema at its head,
+#: the footer (and the last record batch's header) at its tail.
+_ENDS_BYTES = 64 << 10
+
+
+def read_ends_ahead(paths: Iterable[Path]) -> None:
+    """Ask the kernel to read the head and tail of every file of ``paths`` now, all at once:
+    opening shards from a cold disk one after another otherwise waits for each in turn (a
+    missing file is left for its open to name)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, _ENDS_BYTES, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, max(0, size - _ENDS_BYTES), _ENDS_BYTES, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # only a hint
+        finally:
+            os.close(fd)
 
 
 def check_file(path: Path, info: ShardInfo) -> None:
