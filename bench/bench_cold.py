@@ -17,7 +17,7 @@ Two manifests over the same shard files (hard links), in one run:
   before: each shard's whole file is checksummed before its first read, so a global first
   batch reads the whole dataset.
 
-Target (issue 34): on a dataset larger than RAM, the first batch <= 2 s. Writes
+Target: on a dataset larger than RAM, the first batch <= 2 s. Writes
 ``bench/results/cold.json``.
 """
 

@@ -29,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .arrow_numpy import bits, buffer_view, indices
+
 #: Most chunks a batch touches for which :func:`groups` compares instead of sorting.
 FEW_CHUNKS = 8
 #: Row size from which a batch spanning several chunks is copied row by row (see take_fixed).
@@ -119,19 +121,13 @@ def take_arrow(
     """Gather rows of variable-length Arrow arrays (list or binary) in batch order."""
     if len(chunk_groups) == 1:
         c, _ = chunk_groups[0]
-        return pc.take(arrays[c], pa.array(rows))
-    pieces = [pc.take(arrays[c], pa.array(rows[pos])) for c, pos in chunk_groups]
+        return pc.take(arrays[c], indices(rows))
+    pieces = [pc.take(arrays[c], indices(rows[pos])) for c, pos in chunk_groups]
     grouped = pa.concat_arrays(pieces)
     order = np.concatenate([pos for _, pos in chunk_groups])
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
-    return pc.take(grouped, pa.array(inverse))
-
-
-def _buffer_view(buf: pa.Buffer | None, dtype: np.dtype, start: int, stop: int) -> np.ndarray:
-    if buf is None or stop <= start:
-        return np.empty(0, dtype=dtype)
-    return np.frombuffer(buf, dtype=dtype)[start:stop]
+    return pc.take(grouped, indices(inverse))
 
 
 def ragged_parts(arr: pa.Array, value_dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -141,17 +137,17 @@ def ragged_parts(arr: pa.Array, value_dtype: str) -> tuple[np.ndarray, np.ndarra
     storage as far as any consumer can tell.
     """
     n = len(arr)
-    raw_offsets = _buffer_view(arr.buffers()[1], np.dtype(np.int32), arr.offset, arr.offset + n + 1)
+    raw_offsets = buffer_view(arr.buffers()[1], np.dtype(np.int32), arr.offset, arr.offset + n + 1)
     offsets = raw_offsets.astype(np.int64)
     lo, hi = (int(offsets[0]), int(offsets[-1])) if n else (0, 0)
     offsets -= lo
     if pa.types.is_binary(arr.type):
-        return _buffer_view(arr.buffers()[2], np.dtype(np.uint8), lo, hi), offsets
+        return buffer_view(arr.buffers()[2], np.dtype(np.uint8), lo, hi), offsets
     child = arr.values
     if value_dtype == "bool":  # bit-packed in Arrow
-        return child.slice(lo, hi - lo).to_numpy(zero_copy_only=False), offsets
+        return bits(child.buffers()[1], child.offset + lo, hi - lo), offsets
     dt = np.dtype(value_dtype)
-    return _buffer_view(child.buffers()[1], dt, child.offset + lo, child.offset + hi), offsets
+    return buffer_view(child.buffers()[1], dt, child.offset + lo, child.offset + hi), offsets
 
 
 #: Average units per sample from which :func:`take_ragged` moves each sample as one slice
@@ -164,7 +160,7 @@ JOIN_MAX_ROWS = 1 << 26
 def _chunk_parts(arr: pa.Array, dt: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """``(offsets int32 [len+1], values 1-d of dt)`` views of a list or binary chunk (no copy)."""
     n = len(arr)
-    offsets = _buffer_view(arr.buffers()[1], np.dtype(np.int32), arr.offset, arr.offset + n + 1)
+    offsets = buffer_view(arr.buffers()[1], np.dtype(np.int32), arr.offset, arr.offset + n + 1)
     if pa.types.is_binary(arr.type):
         buf = arr.buffers()[2]
         start = 0

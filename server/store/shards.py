@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec, ShardInfo
 
+from .arrow_numpy import numbers, validity
 from .blocks import RowSpan
 from .layout import checksum_buffer, checksum_file
 from .schema import check_arrow_schema
@@ -44,16 +44,18 @@ class Chunk:
 
 def _fixed_view(arr: pa.Array, spec: FieldSpec) -> np.ndarray:
     # Arrow bools are bit-packed, so that one dtype is materialised (copied once, at open).
-    zero_copy = spec.dtype != "bool"
+    dtype = np.dtype(spec.dtype)
     if arr.null_count:
         # Missing rows hold zeros in the values; the validity view says they are not there.
         if spec.shape == ():
-            return pc.fill_null(arr, 0).to_numpy(zero_copy_only=False)
+            values = numbers(arr, dtype).copy()
+            values[~validity(arr)] = 0
+            return values
         k = spec.numel
         flat = arr.values.slice(arr.offset * k, len(arr) * k)
     else:
         flat = arr if spec.shape == () else arr.flatten()
-    return flat.to_numpy(zero_copy_only=zero_copy).reshape(len(arr), *spec.shape)
+    return numbers(flat, dtype).reshape(len(arr), *spec.shape)
 
 
 #: Bytes at each end of a shard file read ahead before it is opened: the schema at its head,
@@ -151,11 +153,7 @@ class MappedShard:
             if col.null_count and not spec.nullable:
                 raise DatasetCorruptError(f"column {spec.name!r} has nulls")
             if spec.nullable:
-                chunk.valid[spec.name] = (
-                    col.is_valid().to_numpy(zero_copy_only=False)
-                    if col.null_count
-                    else np.ones(len(col), dtype=bool)
-                )
+                chunk.valid[spec.name] = validity(col)
             if spec.kind in ("scalar", "tensor"):
                 chunk.fixed[spec.name] = _fixed_view(col, spec)
             else:
@@ -163,8 +161,8 @@ class MappedShard:
             if spec.kind == "variable":
                 shapes = batch.column(SHAPE_COLUMN_PREFIX + spec.name)
                 ndim = len(spec.shape)
-                chunk.shapes[spec.name] = (
-                    shapes.flatten().to_numpy(zero_copy_only=True).reshape(len(shapes), ndim)
+                chunk.shapes[spec.name] = numbers(shapes.flatten(), np.dtype(np.int64)).reshape(
+                    len(shapes), ndim
                 )
         return chunk
 
