@@ -49,8 +49,8 @@ CHECKSUM_ALGO = "xxh3_64"
 _READ_CHUNK = 16 << 20
 #: Bytes per checksummed block of a shard: a first read verifies the blocks it reads, not the
 #: whole shard. 1 MiB: a random batch of 256 samples reads at most 256 MiB to verify them on a
-#: cold disk, and the manifest holds 16 hex digits per MiB stored. A multiple of it divides
-#: ``_READ_CHUNK``, so the blocks are hashed from the chunks the whole-file pass reads.
+#: cold disk, and the manifest holds 16 hex digits per MiB stored. ``_READ_CHUNK`` is a
+#: multiple of it, so the blocks are hashed from the pieces the whole-file pass reads.
 BLOCK_BYTES = 1 << 20
 
 

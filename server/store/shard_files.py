@@ -1,9 +1,9 @@
 """The shard files of one dataset being written, in its temporary folder.
 
 At most one shard is open at a time; closing it fsyncs the file while its xxh3 checksums are
-computed (of the whole file and of each block) and records its :class:`ShardInfo`. A shard keeps the schema it was opened with;
-:meth:`ShardFiles.upgrade` rewrites those whose schema is not the final one (:mod:`.migrate`)
-before anything is published.
+computed (of the whole file and of each block) and records its :class:`ShardInfo`. A shard
+keeps the schema it was opened with; :meth:`ShardFiles.upgrade` rewrites those whose schema
+is not the final one (:mod:`.migrate`) before anything is published.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from shardserve.proto.manifest import SHAPE_COLUMN_PREFIX, FieldSpec, ShardInfo
 
 from .arrow_numpy import numbers, validity
 from .blocks import RowSpan
-from .layout import checksum_buffer, checksum_file
+from .layout import checksum_buffer, digest_file
 from .schema import check_arrow_schema
 
 
@@ -55,6 +55,8 @@ def _fixed_view(arr: pa.Array, spec: FieldSpec) -> np.ndarray:
         flat = arr.values.slice(arr.offset * k, len(arr) * k)
     else:
         flat = arr if spec.shape == () else arr.flatten()
+    if flat.null_count:  # a missing element inside a present tensor: not something we write
+        raise DatasetCorruptError(f"column {spec.name!r} has nulls inside its values")
     return numbers(flat, dtype).reshape(len(arr), *spec.shape)
 
 
@@ -96,12 +98,24 @@ def check_file(path: Path, info: ShardInfo) -> None:
 
 
 def verify_checksum(path: Path, info: ShardInfo, progress: object | None = None) -> None:
-    """Raise ``DatasetCorruptError`` unless the whole file hashes to the manifest's checksum."""
+    """Raise ``DatasetCorruptError`` unless the whole file hashes to the manifest's checksum
+    and each block to its block checksum (which the reads under ``--verify lazy`` check)."""
     check_file(path, info)
-    got = checksum_file(path, progress=progress)
-    if got != info.checksum:
+    got = digest_file(path, blocks=info.blocks is not None, progress=progress)
+    if got.checksum != info.checksum:
         raise DatasetCorruptError(
-            f"shard {path} failed its checksum: the file has {got}, the manifest says {info.checksum}"
+            f"shard {path} failed its checksum: the file has {got.checksum}, the manifest says "
+            f"{info.checksum}"
+        )
+    if info.blocks is not None and got.blocks != info.blocks:
+        b = next(
+            i // 16
+            for i in range(0, len(got.blocks), 16)
+            if got.blocks[i : i + 16] != info.blocks[i : i + 16]
+        )
+        raise DatasetCorruptError(
+            f"shard {path}: block {b} does not match its checksum in the manifest, though the "
+            "whole file does: the manifest is damaged; re-ingest"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,6 +82,21 @@ def test_verify_flags_bad_shard_with_exit_1(store_root: Path, cli: Cli) -> None:
     path.write_bytes(bytes(data[:1000]))
     r = cli("verify", "--store", store_root, "cifar")
     assert r.returncode == 1 and "shard-00001.arrow is truncated" in r.stderr
+
+
+def test_verify_checks_block_checksums_too(store_root: Path, cli: Cli) -> None:
+    """A manifest whose block checksums disagree with an intact file (a damaged manifest):
+    verify exits 1 naming the shard and the block, as a read of that block would fail."""
+    m = make_cifar_like(store_root, n=1000, shard_bytes=4 << 20)
+    manifest = store_root / "cifar" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    blocks = doc["shards"][0]["blocks"]
+    assert len(blocks) >= 32 and m.shards[0].block_bytes == 1 << 20
+    doc["shards"][0]["blocks"] = blocks[:16] + ("0" if blocks[16] != "0" else "1") + blocks[17:]
+    manifest.write_text(json.dumps(doc))
+    r = cli("verify", "--store", store_root, "cifar")
+    assert r.returncode == 1, r.stderr
+    assert "shard-00000.arrow: block 1 does not match its checksum" in r.stderr, r.stderr
 
 
 def test_killed_ingest_publishes_nothing_and_is_cleaned(
