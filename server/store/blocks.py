@@ -323,8 +323,16 @@ class DatasetBlocks:
             return
         needed = block_runs(np.concatenate(firsts), np.concatenate(lasts))
         todo = needed[~self.verified[needed]]
-        if not todo.size:
-            return
+        if todo.size:
+            self._verify(todo)
+        # Whoever verified them (this read, an open, another field's read); a racing reader
+        # that sees the longer list only checks more.
+        for n in fields:
+            pending = self._pending[n]
+            self._pending[n] = pending[~self.verified[pending]]
+
+    def _verify(self, todo: np.ndarray) -> None:
+        """Verify dataset-wide blocks ``todo``, their reads asked for at once."""
         shards = np.searchsorted(self.first_block, todo, side="right") - 1
         local = todo - self.first_block[shards]
         for s in np.unique(shards).tolist():
@@ -335,6 +343,8 @@ class DatasetBlocks:
             except DatasetCorruptError as e:
                 self._failed[s] = e
                 raise
-        for n in fields:  # a racing reader may see the longer list: it only checks more
-            pending = self._pending[n]
-            self._pending[n] = pending[~self.verified[pending]]
+
+    def close(self) -> None:
+        """Drop every view of the shards' mappings (so that closing them unmaps them)."""
+        self.blocks = []
+        self._fixed, self._ragged, self._pending = {}, {}, {}

@@ -49,8 +49,7 @@ CHECKSUM_ALGO = "xxh3_64"
 _READ_CHUNK = 16 << 20
 #: Bytes per checksummed block of a shard: a first read verifies the blocks it reads, not the
 #: whole shard. 1 MiB: a random batch of 256 samples reads at most 256 MiB to verify them on a
-#: cold disk, and the manifest holds 16 hex digits per MiB stored. ``_READ_CHUNK`` is a
-#: multiple of it, so the blocks are hashed from the pieces the whole-file pass reads.
+#: cold disk, and the manifest holds 16 hex digits per MiB stored.
 BLOCK_BYTES = 1 << 20
 
 
@@ -164,21 +163,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def checksum_file(path: Path, *, fsync: bool = False, progress: object | None = None) -> str:
-    """``xxh3_64:<hex>`` of the whole file; optionally fsync it on the way (one pass).
-
-    ``progress`` is anything with ``update(nbytes)`` (a tqdm bar).
-    """
-    return digest_file(path, fsync=fsync, progress=progress).checksum
-
-
 @dataclass(frozen=True)
 class FileDigest:
     """A shard file's checksum, and those of its blocks when asked for."""
 
     #: ``xxh3_64:<hex>`` of the whole file.
     checksum: str
-    #: :func:`block_digest` of each ``BLOCK_BYTES`` block, concatenated ("" when not asked).
+    #: :func:`block_digest` of each block, concatenated ("" when not asked).
     blocks: str
 
 
@@ -188,22 +179,28 @@ def block_digest(data: memoryview | bytes) -> str:
 
 
 def digest_file(
-    path: Path, *, blocks: bool = False, fsync: bool = False, progress: object | None = None
+    path: Path,
+    *,
+    block_bytes: int | None = None,
+    fsync: bool = False,
+    progress: object | None = None,
 ) -> FileDigest:
-    """The whole file's checksum and, with ``blocks``, each ``BLOCK_BYTES`` block's, in one
-    pass (optionally fsyncing the file on the way)."""
+    """The whole file's checksum and, with ``block_bytes``, each block's, in one pass
+    (optionally fsyncing the file on the way). ``progress`` is anything with
+    ``update(nbytes)`` (a tqdm bar)."""
     h = xxhash.xxh3_64()
     parts: list[str] = []
+    # Pieces of whole blocks, so that block boundaries fall where a reader expects them (a
+    # buffered read returns the whole size asked for until the end of the file).
+    piece = _READ_CHUNK if block_bytes is None else block_bytes * max(1, _READ_CHUNK // block_bytes)
     with open(path, "rb") as f:
-        # A buffered read returns the whole size asked for until the end of the file, so
-        # block boundaries fall where the reader expects them.
-        while chunk := f.read(_READ_CHUNK):
+        while chunk := f.read(piece):
             h.update(chunk)
-            if blocks:
+            if block_bytes is not None:
                 view = memoryview(chunk)
                 parts.extend(
-                    block_digest(view[i : i + BLOCK_BYTES])
-                    for i in range(0, len(view), BLOCK_BYTES)
+                    block_digest(view[i : i + block_bytes])
+                    for i in range(0, len(view), block_bytes)
                 )
             if progress is not None:
                 progress.update(len(chunk))  # type: ignore[attr-defined]

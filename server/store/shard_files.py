@@ -21,7 +21,7 @@ from .migrate import needs_upgrade, upgrade_shard
 
 def _info(path: Path, rel: str, rows: int) -> ShardInfo:
     """The record of a finished shard file: durable, checksummed whole and by block."""
-    digest = layout.digest_file(path, blocks=True, fsync=True)
+    digest = layout.digest_file(path, block_bytes=layout.BLOCK_BYTES, fsync=True)
     return ShardInfo(
         path=rel,
         rows=rows,

@@ -145,6 +145,7 @@ class MappedShards:
         self.manifest = manifest
         self._lock = threading.Lock()
         self._shards: list[MappedShard] = []
+        self._rows = DatasetBlocks([], np.zeros(1, dtype=np.int64), {})  # until all are mapped
         read_ends_ahead(Path(folder) / info.path for info in manifest.shards)
         try:
             for info in manifest.shards:
@@ -208,32 +209,38 @@ class MappedShards:
         """Nothing to fetch: every shard is here (and the plan's ids are never made)."""
 
     def _open_one(self, s: int) -> None:
-        """Verify what every read of shard ``s`` relies on (:meth:`.ShardBlocks.open`)."""
-        self._once(s, partial(self._rows.blocks[s].open, self._spans(s)))
+        """Verify what every read of shard ``s`` relies on (:meth:`.ShardBlocks.open`), once;
+        a failure is the shard's verdict."""
+        with self._lock:  # one thread opens a shard; the others wait for its verdict
+            if s in self._failed:
+                raise self._failed[s]
+            if self._verified[s]:
+                return
+            try:
+                self._rows.blocks[s].open(self._spans(s))
+            except DatasetCorruptError as e:
+                self._failed[s] = e
+                raise
+            self._verified[s] = True
 
     def _spans(self, s: int) -> list[list[RowSpan]]:
         """Each chunk's row spans of shard ``s``."""
         return [list(c.values()) for c in self._shards[s].spans]
 
     def _verify_one(self, s: int, progress: tqdm | None = None) -> None:
-        """Check shard ``s``'s whole-file checksum; every block of it is verified then."""
-        self._once(s, partial(self._shards[s].verify, progress))
-        self._rows.blocks[s].verified[:] = True
-        self._all_verified = all(self._verified) and bool(self._rows.verified.all())
-
-    def _once(self, s: int, check: Callable[[], None]) -> None:
-        """Run ``check`` of shard ``s`` unless it passed already; a failure is its verdict."""
-        with self._lock:  # one thread checks a shard; the others wait for its verdict
+        """Check shard ``s``'s whole-file checksum, whatever reads verified of it already
+        (an open verifies only part of a shard); every block of it is verified then."""
+        with self._lock:
             if s in self._failed:
                 raise self._failed[s]
-            if self._verified[s]:
-                return
             try:
-                check()
+                self._shards[s].verify(progress)
             except DatasetCorruptError as e:
                 self._failed[s] = e
                 raise
             self._verified[s] = True
+            self._rows.blocks[s].verified[:] = True
+            self._all_verified = all(self._verified) and bool(self._rows.verified.all())
 
     def verify(self, progress: bool = False) -> None:
         total = sum(s.info.bytes for s in self._shards)
@@ -246,13 +253,12 @@ class MappedShards:
             file=sys.stderr,
         ) as bar:
             for s in range(len(self._shards)):
-                with self._lock:
-                    self._verified[s] = False
                 self._verify_one(s, bar)
 
     def close(self) -> None:
         # The joined copies are this dataset's own memory; dropping the chunks drops them.
         self._chunks = Chunks.of([], [], (), None)
+        self._rows.close()  # its views of the mappings too, or they would stay mapped
         for s in self._shards:
             s.close()
         self._shards = []

@@ -101,7 +101,7 @@ def verify_checksum(path: Path, info: ShardInfo, progress: object | None = None)
     """Raise ``DatasetCorruptError`` unless the whole file hashes to the manifest's checksum
     and each block to its block checksum (which the reads under ``--verify lazy`` check)."""
     check_file(path, info)
-    got = digest_file(path, blocks=info.blocks is not None, progress=progress)
+    got = digest_file(path, block_bytes=info.block_bytes, progress=progress)
     if got.checksum != info.checksum:
         raise DatasetCorruptError(
             f"shard {path} failed its checksum: the file has {got.checksum}, the manifest says "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, ShardInfo
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.layout import BLOCK_BYTES
+from shardserve.server.store.layout import BLOCK_BYTES, digest_file
+from shardserve.server.store.verify import verify_dataset
 from shardserve.server.store.writer import ShardWriter
 
 N = 3000
@@ -222,3 +224,44 @@ def test_block_checksums_must_cover_the_file() -> None:
     with pytest.raises(ValueError, match="come together"):
         ShardInfo(path="s", rows=1, bytes=10, checksum="x", block_bytes=BLOCK_BYTES)
     assert "blocks" not in ShardInfo(path="s", rows=1, bytes=10, checksum="x").model_dump()
+
+
+def test_a_full_verify_after_partial_reads_still_hashes_whole_files(store: Path) -> None:
+    """Reads verify only the blocks they need; a later ``verify()`` of the same open dataset
+    still checks every byte (a damaged block no read touched is found), and closing the
+    dataset unmaps every shard."""
+    shard = sorted((store / "d").rglob("*.arrow"))[0]
+    original = _flipped(shard, _row_byte(shard, "img", 1500))
+    st = Store(store)
+    try:
+        ds = st.open("d")
+        assert ds.take([5])["img"][0, 0, 0] == 5  # opens the shard: framing and small columns
+        with pytest.raises(DatasetCorruptError, match=rf"{shard.name} failed its checksum"):
+            ds.verify()
+        ds.close()
+        gc.collect()  # this test's own pyarrow views of the file, made to find the row
+        with open("/proc/self/maps") as f:
+            assert str(shard) not in f.read(), "a closed dataset still maps its shard"
+    finally:
+        st.close()
+        shard.write_bytes(original)
+
+
+def test_blocks_of_another_size_are_read_and_verified(tmp_path: Path) -> None:
+    """A manifest written with 256 KiB blocks (any size is valid): reads, ``verify`` and
+    the whole-store check all accept it."""
+    with ShardWriter(tmp_path, "one", fields=[ROW_FIELDS["img"]], shard_bytes=8 << 20) as w:
+        for i in range(N):
+            w.add({"img": _row("img", i)})
+    manifest = tmp_path / "one" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    for entry in doc["shards"]:
+        digest = digest_file(tmp_path / "one" / entry["path"], block_bytes=256 << 10)
+        entry["block_bytes"], entry["blocks"] = 256 << 10, digest.blocks
+    manifest.write_text(json.dumps(doc))
+    st = Store(tmp_path)
+    ds = st.open("one")
+    assert ds.take([2999])["img"][0, 0, 0] == 2999 % 251
+    ds.verify()
+    st.close()
+    verify_dataset(tmp_path / "one", Store(tmp_path).open("one").manifest)
