@@ -188,7 +188,8 @@ class ShardInfo(BaseModel):
     #: ``xxh3_64:<16 hex digits>`` of the whole file.
     checksum: str
     #: The size of the blocks in ``blocks``; absent in shards written before blocks were kept.
-    block_bytes: int | None = Field(default=None, gt=0)
+    #: At least 4 KiB, which bounds what a reader keeps per block (a flag, an index).
+    block_bytes: int | None = Field(default=None, ge=4096)
     #: The xxh3_64 of each ``block_bytes`` block of the file (the last one shorter), 16 hex
     #: digits each, concatenated: a reader verifies the blocks a read needs, not the whole file.
     blocks: str | None = None

@@ -8,31 +8,9 @@ import numpy as np
 import pytest
 
 from shardserve.client import Loader
-from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.writer import ShardWriter
+from tests.support.data import EVERY_KIND_FIELDS, every_kind_sample
 from tests.support.server import run_server
-
-FIELDS = [
-    FieldSpec(name="img", dtype="uint8", shape=(4, 4)),
-    FieldSpec(name="n", dtype="float32", shape=(), nullable=True),
-    FieldSpec(name="t", dtype="float32", shape=(4,), nullable=True),
-    FieldSpec(name="v", dtype="int16", shape=(-1,)),
-    FieldSpec(name="b", dtype="binary", shape=()),
-    FieldSpec(name="f", dtype="bool", shape=()),
-    FieldSpec(name="vb", dtype="bool", shape=(-1,)),
-]
-
-
-def _sample(i: int) -> dict[str, object]:
-    return {
-        "img": np.full((4, 4), i % 251, np.uint8),
-        "n": None if i % 3 == 0 else np.float32(i),
-        "t": None if i % 5 == 0 else np.full(4, i, np.float32),
-        "v": np.full(i % 20, i, np.int16),
-        "b": bytes([i % 256]) * (i % 30),
-        "f": bool(i % 2),
-        "vb": np.arange(i % 7) % 3 == 0,
-    }
 
 
 def _maps_pandas(pid: int) -> bool:
@@ -47,9 +25,9 @@ def test_streaming_every_kind_of_field_never_loads_pandas(tmp_path: Path) -> Non
     returns every value exactly and has no pandas library mapped."""
     pytest.importorskip("pandas")  # only meaningful where pyarrow could import it
     n = 2000
-    with ShardWriter(tmp_path, "d", fields=FIELDS, shard_bytes=64 << 10) as w:
+    with ShardWriter(tmp_path, "d", fields=EVERY_KIND_FIELDS, shard_bytes=64 << 10) as w:
         for i in range(n):
-            w.add(_sample(i))
+            w.add(every_kind_sample(i))
     assert w.manifest is not None and len(w.manifest.shards) > 3
     with run_server(tmp_path) as srv, Loader(srv.http_url, "d", 64, shuffle=False) as ld:
         seen = 0
@@ -63,7 +41,7 @@ def test_streaming_every_kind_of_field_never_loads_pandas(tmp_path: Path) -> Non
 
 def _check(batch: dict, j: int, i: int) -> None:
     """Row ``j`` of ``batch`` is exactly sample ``i``."""
-    want = _sample(i)
+    want = every_kind_sample(i)
     assert (batch["img"][j].numpy() == want["img"]).all()
     for name in ("n", "t"):
         masked = batch[name]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
@@ -13,30 +12,11 @@ import pytest
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, ShardInfo
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.layout import BLOCK_BYTES, digest_file
-from shardserve.server.store.verify import verify_dataset
+from shardserve.server.store.layout import BLOCK_BYTES
 from shardserve.server.store.writer import ShardWriter
+from tests.support.data import EVERY_KIND_FIELDS, every_kind_sample
 
 N = 3000
-FIELDS = [
-    FieldSpec(name="img", dtype="uint8", shape=(16, 64)),
-    FieldSpec(name="n", dtype="float32", shape=(), nullable=True),
-    FieldSpec(name="t", dtype="float32", shape=(4,), nullable=True),
-    FieldSpec(name="v", dtype="int16", shape=(-1,)),
-    FieldSpec(name="b", dtype="binary", shape=()),
-    FieldSpec(name="f", dtype="bool", shape=()),
-]
-
-
-def _sample(i: int) -> dict[str, object]:
-    return {
-        "img": np.full((16, 64), i % 251, np.uint8),
-        "n": None if i % 3 == 0 else np.float32(i),
-        "t": None if i % 5 == 0 else np.full(4, i, np.float32),
-        "v": np.full(i % 200, i, np.int16),
-        "b": bytes([i % 256]) * (i % 300),
-        "f": bool(i % 2),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +24,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every kind of field (fixed, nullable with and without nulls, variable, binary, bool)
     in two shards of several 1 MiB blocks."""
     root = tmp_path_factory.mktemp("blocks")
-    with ShardWriter(root, "d", fields=FIELDS, shard_bytes=3 << 20) as w:
+    with ShardWriter(root, "d", fields=EVERY_KIND_FIELDS, shard_bytes=3 << 20) as w:
         for i in range(N):
-            w.add(_sample(i))
+            w.add(every_kind_sample(i))
     assert w.manifest is not None and w.manifest.shards[0].num_blocks >= 3
     return root
 
@@ -201,67 +181,19 @@ def test_a_store_written_before_block_checksums_checks_whole_shards(
     st.close()
 
 
+def _entry(nbytes: int, **blocks: object) -> ShardInfo:
+    return ShardInfo(path="s", rows=1, bytes=nbytes, checksum="x", **blocks)
+
+
 def test_block_checksums_must_cover_the_file() -> None:
-    """A manifest entry with blocks of the wrong count, or one half of the pair, is refused."""
-    ok = ShardInfo(
-        path="s",
-        rows=1,
-        bytes=3 * BLOCK_BYTES + 1,
-        checksum="x",
-        block_bytes=BLOCK_BYTES,
-        blocks="0" * 64,
-    )
-    assert ok.num_blocks == 4
+    """A manifest entry with blocks of the wrong count, one half of the pair, or blocks too
+    small to bound what a reader allocates for them is refused."""
+    size = 3 * BLOCK_BYTES + 1
+    assert _entry(size, block_bytes=BLOCK_BYTES, blocks="0" * 64).num_blocks == 4
     with pytest.raises(ValueError, match="must be 64 hex digits"):
-        ShardInfo(
-            path="s",
-            rows=1,
-            bytes=3 * BLOCK_BYTES + 1,
-            checksum="x",
-            block_bytes=BLOCK_BYTES,
-            blocks="0" * 48,
-        )
+        _entry(size, block_bytes=BLOCK_BYTES, blocks="0" * 48)
     with pytest.raises(ValueError, match="come together"):
-        ShardInfo(path="s", rows=1, bytes=10, checksum="x", block_bytes=BLOCK_BYTES)
-    assert "blocks" not in ShardInfo(path="s", rows=1, bytes=10, checksum="x").model_dump()
-
-
-def test_a_full_verify_after_partial_reads_still_hashes_whole_files(store: Path) -> None:
-    """Reads verify only the blocks they need; a later ``verify()`` of the same open dataset
-    still checks every byte (a damaged block no read touched is found), and closing the
-    dataset unmaps every shard."""
-    shard = sorted((store / "d").rglob("*.arrow"))[0]
-    original = _flipped(shard, _row_byte(shard, "img", 1500))
-    st = Store(store)
-    try:
-        ds = st.open("d")
-        assert ds.take([5])["img"][0, 0, 0] == 5  # opens the shard: framing and small columns
-        with pytest.raises(DatasetCorruptError, match=rf"{shard.name} failed its checksum"):
-            ds.verify()
-        ds.close()
-        gc.collect()  # this test's own pyarrow views of the file, made to find the row
-        with open("/proc/self/maps") as f:
-            assert str(shard) not in f.read(), "a closed dataset still maps its shard"
-    finally:
-        st.close()
-        shard.write_bytes(original)
-
-
-def test_blocks_of_another_size_are_read_and_verified(tmp_path: Path) -> None:
-    """A manifest written with 256 KiB blocks (any size is valid): reads, ``verify`` and
-    the whole-store check all accept it."""
-    with ShardWriter(tmp_path, "one", fields=[ROW_FIELDS["img"]], shard_bytes=8 << 20) as w:
-        for i in range(N):
-            w.add({"img": _row("img", i)})
-    manifest = tmp_path / "one" / "manifest.json"
-    doc = json.loads(manifest.read_text())
-    for entry in doc["shards"]:
-        digest = digest_file(tmp_path / "one" / entry["path"], block_bytes=256 << 10)
-        entry["block_bytes"], entry["blocks"] = 256 << 10, digest.blocks
-    manifest.write_text(json.dumps(doc))
-    st = Store(tmp_path)
-    ds = st.open("one")
-    assert ds.take([2999])["img"][0, 0, 0] == 2999 % 251
-    ds.verify()
-    st.close()
-    verify_dataset(tmp_path / "one", Store(tmp_path).open("one").manifest)
+        _entry(10, block_bytes=BLOCK_BYTES)
+    with pytest.raises(ValueError, match="greater than or equal to 4096"):
+        _entry(10, block_bytes=16, blocks="0" * 16)
+    assert "blocks" not in _entry(10).model_dump()

@@ -95,3 +95,29 @@ def sample_id_of(batch_parts: Mapping[str, np.ndarray]) -> np.ndarray:
         bad = np.flatnonzero(labels != ids % 10)
         assert bad.size == 0, f"label of sample {ids[bad[0]]} is {labels[bad[0]]}, not id % 10"
     return ids
+
+
+#: One field of every kind: fixed, nullable scalar and tensor (with nulls), variable, binary,
+#: bool and variable bool (about 1.7 KB a sample).
+EVERY_KIND_FIELDS = (
+    FieldSpec(name="img", dtype="uint8", shape=(16, 64)),
+    FieldSpec(name="n", dtype="float32", shape=(), nullable=True),
+    FieldSpec(name="t", dtype="float32", shape=(4,), nullable=True),
+    FieldSpec(name="v", dtype="int16", shape=(-1,)),
+    FieldSpec(name="b", dtype="binary", shape=()),
+    FieldSpec(name="f", dtype="bool", shape=()),
+    FieldSpec(name="vb", dtype="bool", shape=(-1,)),
+)
+
+
+def every_kind_sample(i: int) -> dict[str, object]:
+    """Sample ``i`` of a dataset of :data:`EVERY_KIND_FIELDS` (``None``: a missing value)."""
+    return {
+        "img": np.full((16, 64), i % 251, np.uint8),
+        "n": None if i % 3 == 0 else np.float32(i),
+        "t": None if i % 5 == 0 else np.full(4, i, np.float32),
+        "v": np.full(i % 200, i, np.int16),
+        "b": bytes([i % 256]) * (i % 300),
+        "f": bool(i % 2),
+        "vb": np.arange(i % 7) % 3 == 0,
+    }
