@@ -254,10 +254,9 @@ class DatasetBlocks:
             for sh, a, b in zip(shards, self.first_block[:-1], self.first_block[1:], strict=True)
         ]
         self._starts = chunk_starts
-        #: Per chunk: its shard, its shard's first block and block size.
-        shard_of = [i for i, sh in enumerate(shards) for _ in sh.spans]
-        self._shard = np.asarray(shard_of, dtype=np.int64)
-        self._base = self.first_block[self._shard] if shard_of else np.zeros(0, dtype=np.int64)
+        #: Per chunk: its shard's first block, and its shard's block size.
+        shard_of = np.asarray([i for i, sh in enumerate(shards) for _ in sh.spans], dtype=np.int64)
+        self._base = self.first_block[shard_of]
         self._bytes = np.asarray([self.blocks[i].block_bytes for i in shard_of], dtype=np.int64)
         #: Fixed fields: per chunk, the byte of row 0 (-1: not read from the mapping), and
         #: the bytes of a row; ragged fields: per chunk, the span (or ``None``).
