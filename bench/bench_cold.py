@@ -38,8 +38,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench.bench_small import CIFAR  # noqa: E402
 from shardserve.client import Loader  # noqa: E402
-from shardserve.proto.manifest import FieldSpec  # noqa: E402
 from shardserve.server.store.writer import ShardWriter  # noqa: E402
 from tests.support.server import run_server  # noqa: E402
 
@@ -47,10 +47,6 @@ RESULTS = HERE / "results" / "cold.json"
 TARGET_S = 2.0
 BATCH = 256
 PIECE = 100_000
-FIELDS = [
-    FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
-    FieldSpec(name="label", dtype="int64", shape=()),
-]
 
 
 def make_store(root: Path, n: int) -> Path:
@@ -59,7 +55,7 @@ def make_store(root: Path, n: int) -> Path:
     if (store / "whole-file" / "manifest.json").exists():
         return store
     rng = np.random.default_rng(0)
-    with ShardWriter(store, "blocks", fields=FIELDS) as w:
+    with ShardWriter(store, "blocks", fields=CIFAR) as w:
         for s in range(0, n, PIECE):
             k = min(n, s + PIECE) - s
             w.add_batch(
