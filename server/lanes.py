@@ -64,6 +64,8 @@ class Lane:
         self._threads = 0
         self._idle = 0
         self._closed = False
+        #: Threads given up on while they run (see :meth:`abandon`), by ident.
+        self._abandoned: set[int] = set()
         #: Bumped when a run of this lane missed its deadline: runs begun before it fail at
         #: once (their job has failed), runs begun after it go on.
         self.generation = 0
@@ -84,13 +86,22 @@ class Lane:
                 raise RuntimeError(f"lane {self.name} is closed")
             self._queue.append(call)
             if self._idle == 0 and self._threads < self.size:
-                self._threads += 1
-                threading.Thread(
-                    target=self._work, name=f"ss-lane-{self.name[:12]}", daemon=True
-                ).start()
+                self._start_thread()
             else:
                 self._cv.notify()
         return call.fut
+
+    def abandon(self, thread: int) -> None:
+        """Stop counting lane thread ``thread`` (by ident), stuck in work that missed its
+        deadline: queued work gets a new thread now, and the stuck one ends when its work
+        returns instead of taking more."""
+        with self._cv:
+            if thread in self._abandoned:
+                return
+            self._abandoned.add(thread)
+            self._threads -= 1
+            if self._queue and self._idle == 0 and not self._closed:
+                self._start_thread()
 
     def cancel_queued(self) -> int:
         """Cancel every piece not yet started; how many were cancelled."""
@@ -106,9 +117,18 @@ class Lane:
             self._cv.notify_all()
         self.cancel_queued()
 
+    def _start_thread(self) -> None:
+        """Under ``_cv``."""
+        self._threads += 1
+        threading.Thread(target=self._work, name=f"ss-lane-{self.name[:12]}", daemon=True).start()
+
     def _work(self) -> None:
+        me = threading.get_ident()
         while True:
             with self._cv:
+                if me in self._abandoned:
+                    self._abandoned.discard(me)
+                    return
                 while not self._queue:
                     if self._closed:
                         self._threads -= 1

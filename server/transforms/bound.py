@@ -30,7 +30,6 @@ from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
-from ..lanes import Lanes
 from ..source import BatchParts, BatchSource, PartShapes, Wrapped
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
@@ -60,18 +59,11 @@ class Transforms:
         self.limits = limits or Limits()
         self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics, self.limits,
                                   ASSEMBLY_PER_JOB)  # fmt: skip
-        #: Each job's batches with transforms are assembled here (apart from the transform
-        #: pieces' own lanes, which these wait on).
-        self._assembly = Lanes(ASSEMBLY_PER_JOB)
 
     def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
-        """Run ``fn(*args)`` on job ``lane``'s assembly threads."""
-        try:
-            return self._assembly.get(lane).submit(fn, *args)
-        except RuntimeError as e:  # closed: the server is stopping
-            fut: Future[object] = Future()
-            fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
-            return fut
+        """Run ``fn(*args)`` on job ``lane``'s assembly threads (see
+        :meth:`~.pool.TransformPool.on_job_lane`)."""
+        return self.pool.on_job_lane(lane, fn, *args)
 
     def served(self, spec: JobSpec, manifest: Manifest) -> Manifest:
         """What job ``spec`` serves of the stored dataset ``manifest``: the chain's outputs
@@ -117,7 +109,6 @@ class Transforms:
 
     def close(self) -> None:
         self.pool.close()
-        self._assembly.close()
 
 
 def chain_manifest(chain: Chain, stored: Manifest) -> Manifest:

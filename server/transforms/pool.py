@@ -6,21 +6,30 @@ with ``spawn``: never a fork of the threaded server) suit pure-Python ones. A ch
 transforms only is cut into row ranges: one per worker process, so one batch uses the whole
 pool; on threads, as many as leave no thread idle while a job assembles its batches at once.
 
-Every run has a deadline, and a job's pieces run on its own :class:`~.lanes.Lane` of threads
-(a thread in a process run only waits on its worker). A worker process that misses the
-deadline is killed and replaced and the batch fails with a ``TransformError``; one that dies
-is replaced and its piece retried once on a fresh worker (a second death fails the batch).
-A thread cannot be killed, so a run that misses its deadline on threads:
+Each job's batches are assembled on a :class:`~.lanes.Lane` of threads of its own
+(:meth:`TransformPool.on_job_lane`), and its pieces run on another lane of its own (a thread
+in a process run only waits on its worker). A chain cut into one piece on threads (the
+default: two workers, two batches of a job at a time) runs on the thread assembling its
+batch instead: a hand-off to another thread and back cost 60-90 us a batch on a quiet
+2-core machine, more under load. Every run has a deadline, kept by a waiting thread or, for
+a run on the assembling thread, by a :class:`~..deadlines.Deadlines` watcher. A worker
+process that misses the deadline is killed and replaced and the batch fails with a
+``TransformError``; one that dies is replaced and its piece retried once on a fresh worker
+(a second death fails the batch). A thread cannot be killed, so a run that misses its
+deadline on threads:
 
 - fails with ``TransformError`` at the deadline, and so do the job's other batches already
-  under way (their queued pieces are cancelled), at once;
-- leaves its hung thread on that job's lane, never on one another job needs;
+  under way (queued pieces are cancelled at once; a batch whose chain runs on its
+  assembling thread fails when that chain returns);
+- leaves its hung thread on that job's lane, never on one another job needs (a lane whose
+  thread hung starts another for the job's next batches);
 - moves the transform that hung to worker processes for every later run, whatever
   ``--transform-pool`` says: there it can be killed at its deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -28,7 +37,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
+from dataclasses import dataclass
+from functools import partial
 from multiprocessing.context import SpawnContext
 from typing import Any, Literal
 
@@ -36,6 +47,7 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
+from ..deadlines import Deadlines
 from ..lanes import Lane, Lanes
 from . import codec
 from .chunks import bounds, concat_parts, slice_parts
@@ -88,6 +100,45 @@ def _failed(f: Future[Any]) -> bool:
     return f.done() and not f.cancelled() and f.exception() is not None
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A batch being assembled on its job's lane (:meth:`TransformPool.on_job_lane`): what a
+    chain run on that same thread fails through when it misses its deadline."""
+
+    lane: Lane
+    #: What the batch's consumer waits on.
+    fut: Future[object]
+    #: The lane thread assembling it.
+    thread: int
+
+
+class _Assembling(threading.local):
+    #: The batch this thread is assembling, if any.
+    batch: _Batch | None = None
+
+
+_assembling = _Assembling()
+
+
+def _hung_message(timeout_s: float, culprits: Sequence[str], cancelled: str) -> str:
+    return (
+        f"did not finish within {timeout_s} s on a transform thread (stuck in {culprits}; a "
+        f"thread cannot be stopped: it was left to finish on this job's own lane{cancelled}, "
+        f"and {culprits} run in worker processes from now on)"
+    )
+
+
+def _settle(fut: Future[object], fn: Callable[..., object], args: tuple[object, ...]) -> None:
+    try:
+        result = fn(*args)
+    except BaseException as e:
+        with contextlib.suppress(InvalidStateError):  # failed at its deadline already
+            fut.set_exception(e)
+    else:
+        with contextlib.suppress(InvalidStateError):
+            fut.set_result(result)
+
+
 class TransformPool:
     """``run`` a chain on a batch within ``timeout_s``; see the module docstring.
     ``batches_at_once``: how many batches of one job are assembled at a time (it sets how
@@ -106,6 +157,12 @@ class TransformPool:
         self._modules = list(modules)
         self._metrics = metrics
         self._lanes = Lanes(workers)
+        #: Each job's batches with transforms are assembled on threads of its own here; a
+        #: chain run on threads in one piece runs on that same thread (no hand-off), under
+        #: a deadline kept by ``_deadlines``.
+        self._assembly = Lanes(max(1, batches_at_once))
+        self._deadlines = Deadlines("transforms")
+        self._running_here = 0
         #: Transforms that hung on a thread: they run in worker processes from then on.
         self._hung: set[str] = set()
         #: Completed with an exception by :meth:`close`: wakes every run waiting on its pieces.
@@ -119,6 +176,16 @@ class TransformPool:
         self._waiting = 0
 
     # -- public ---------------------------------------------------------------------------------
+    def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
+        """Run ``fn(*args)`` (the assembly of a batch) on job ``lane``'s own assembly threads."""
+        fut: Future[object] = Future()
+        try:
+            job = self._assembly.get(lane)
+            job.submit(self._assemble, job, fut, fn, args)
+        except RuntimeError as e:  # closed: the server is stopping
+            fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
+        return fut
+
     def uses_processes(self, chain: Chain) -> bool:
         if self.kind == "process" or any(n in self._hung for n in chain.names):
             return True
@@ -135,6 +202,10 @@ class TransformPool:
         remote = self.uses_processes(chain)
         cut = self.size if remote else self._thread_pieces
         pieces = [(0, len(indices))] if chain.batch_steps else bounds(len(indices), cut)
+        batch = _assembling.batch
+        if not remote and len(pieces) == 1 and batch is not None:
+            return self._run_here(batch, chain, parts, indices, where, names, describe, out,
+                                  deadline)  # fmt: skip
         if remote:
             self._start()
         try:
@@ -219,6 +290,65 @@ class TransformPool:
                 break
         return pending
 
+    def _run_here(self, batch: _Batch, chain: Chain, parts: Mapping[str, np.ndarray],
+                  indices: np.ndarray, where: Where, names: Sequence[str],
+                  describe: Callable[[str], TransformError],
+                  out: Mapping[str, np.ndarray] | None,
+                  deadline: float) -> dict[str, np.ndarray]:  # fmt: skip
+        """A chain in one piece on threads, run on the thread assembling its batch: a
+        hand-off to another thread and back costs two wake-ups per batch. At the deadline
+        :meth:`_late` fails the batch, as a run on another thread would fail there."""
+        generation = batch.lane.generation
+        progress = Progress()
+        try:
+            watch = self._deadlines.watch(
+                deadline, partial(self._late, batch, chain, progress, describe)
+            )
+        except RuntimeError as closed:
+            raise describe(str(closed)) from None
+        with self._lock:
+            self._running_here += 1
+        try:
+            result, spent = run_chain(chain, parts, indices, where, names, out, self.limits,
+                                      progress)  # fmt: skip
+        finally:
+            in_time = watch.finish()
+            with self._lock:
+                self._running_here -= 1
+        if not in_time:  # its batch has failed already: nothing of this run is used
+            raise describe(f"finished after its deadline of {self.timeout_s} s")
+        if batch.lane.generation != generation:
+            raise describe("another batch of this job hung on its transform threads; the "
+                           "job fails with it")  # fmt: skip
+        self._metrics.ran(spent, len(indices))
+        return concat_parts([result], chain.outputs, names, out)
+
+    def _late(self, batch: _Batch, chain: Chain, progress: Progress,
+              describe: Callable[[str], TransformError], why: str) -> None:  # fmt: skip
+        """A chain run on its batch's own thread missed its deadline (``why="late"``) or the
+        server stops under it: fail the batch now; the thread, which cannot be stopped, is
+        left to finish on its job's lane, which starts another for the job's next batches."""
+        if why == "stopping":
+            err = describe("the server is stopping")
+        else:
+            culprits = [progress.step] if progress.step else chain.names
+            batch.lane.generation += 1
+            batch.lane.abandon(batch.thread)
+            self._metrics.count("hung")
+            self._metrics.errors.labels(",".join(chain.names)).inc()
+            self._move_to_processes(culprits, batch.lane.name)
+            err = describe(_hung_message(self.timeout_s, culprits, ""))
+        with contextlib.suppress(InvalidStateError):  # it finished meanwhile, failing
+            batch.fut.set_exception(err)
+
+    def _move_to_processes(self, culprits: Sequence[str], lane: str) -> None:
+        with self._lock:
+            fresh = [c for c in culprits if c not in self._hung]
+            self._hung.update(culprits)
+        if fresh:
+            log.warning("transform(s) %s hung on a thread of lane %s; they run in worker "
+                        "processes from now on", fresh, lane)  # fmt: skip
+
     def _hung_run(self, chain: Chain, job_lane: Lane, generation: int,
                   futs: Sequence[Future[Any]], progress: Sequence[Progress],
                   describe: Callable[[str], TransformError]) -> dict[str, np.ndarray]:  # fmt: skip
@@ -233,17 +363,9 @@ class TransformPool:
         cancelled = job_lane.cancel_queued()
         self._metrics.count("hung")
         self._metrics.errors.labels(",".join(chain.names)).inc()
-        with self._lock:
-            fresh = [c for c in culprits if c not in self._hung]
-            self._hung.update(culprits)
-        if fresh:
-            log.warning("transform(s) %s hung on a thread of lane %s; they run in worker "
-                        "processes from now on", fresh, job_lane.name)  # fmt: skip
+        self._move_to_processes(culprits, job_lane.name)
         raise describe(
-            f"did not finish within {self.timeout_s} s on a transform thread (stuck in "
-            f"{culprits}; a thread cannot be stopped: it was left to finish on this job's own "
-            f"lane, {cancelled} queued piece(s) cancelled, and {culprits} run in worker "
-            "processes from now on)"
+            _hung_message(self.timeout_s, culprits, f", {cancelled} queued piece(s) cancelled")
         )
 
     def status(self) -> dict[str, Any]:
@@ -256,6 +378,8 @@ class TransformPool:
             "timeout_s": self.timeout_s,
             "lanes": len(self._lanes),
             "lane_threads": self._lanes.threads(),
+            "assembly_threads": self._assembly.threads(),
+            "running_on_assembly_threads": self._running_here,
             "moved_to_processes": sorted(self._hung),
         }
 
@@ -273,9 +397,21 @@ class TransformPool:
         for w in workers:
             w.stop()
         self._metrics.workers.set(0)
+        self._deadlines.close()
         self._lanes.close()
+        self._assembly.close()
 
     # -- on a pool thread ----------------------------------------------------------------------
+    def _assemble(self, lane: Lane, fut: Future[object], fn: Callable[..., object],
+                  args: tuple[object, ...]) -> None:  # fmt: skip
+        if not fut.set_running_or_notify_cancel():
+            return
+        _assembling.batch = _Batch(lane, fut, threading.get_ident())
+        try:
+            _settle(fut, fn, args)
+        finally:
+            _assembling.batch = None
+
     def _remote(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
                 where: Where, names: Sequence[str], deadline: float,
                 describe: Callable[[str], TransformError],

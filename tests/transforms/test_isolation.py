@@ -113,7 +113,7 @@ def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
         for rank in (0, 1):
             threading.Thread(target=hang, args=(rank,), daemon=True).start()
         deadline = time.monotonic() + 30
-        while pool_status(s.http_url)["pool"]["lane_threads"] < 2:  # the hang has begun
+        while pool_status(s.http_url)["pool"]["running_on_assembly_threads"] < 2:  # hung
             assert time.monotonic() < deadline, s.log_tail()
             time.sleep(0.05)
         with Loader(s.http_url, "other", batch_size=20, seed=5, timeout=20,
