@@ -52,6 +52,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -65,12 +66,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_transforms import tree_cpu
 from shardserve.client import Loader, plan, serve_local
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small.json"
+#: The second server's options: transforms in worker processes.
+PROCESS_POOL = ("--transform-pool", "process")
 ENVS, ENV_BATCH, GRAPH_BATCH = 4, 32, 64
 CIFAR = (
     FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
@@ -204,23 +210,24 @@ def touch(step: Step) -> None:
                 float(t.reshape(-1)[-1])
 
 
-def server_pid(store: Path) -> int | None:
+def server_pid(store: Path, processes: bool = False) -> int | None:
+    """The pid of the server of ``store`` (``processes``: the one started with
+    ``PROCESS_POOL``)."""
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 cmd = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"serve" in cmd and str(store).encode() in cmd:
+            pooled = PROCESS_POOL[0].encode() in cmd
+            if b"serve" in cmd and str(store).encode() in cmd and pooled == processes:
                 return int(proc.name)
     return None
 
 
 def cpu_of(pid: int | None) -> float:
-    if pid is None:
-        return float("nan")
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of server ``pid`` and of its transform worker processes."""
+    return float("nan") if pid is None else tree_cpu(pid)
 
 
 def measure(
@@ -449,7 +456,7 @@ def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict
     return rows
 
 
-def bench_upt(url: str, store: Path, n: int) -> dict[str, dict[str, float]]:
+def bench_upt(url: str, purl: str, store: Path, n: int) -> dict[str, dict[str, float]]:
     held = list(upt(n))
 
     def trainer(e: int) -> Iterator[Step]:
@@ -470,23 +477,24 @@ def bench_upt(url: str, store: Path, n: int) -> dict[str, dict[str, float]]:
                    "bc": torch.cat(bcs)}  # fmt: skip
 
     rows = {"trainer samples its queries (RAM)": measure(trainer, UPT_BATCH)}
-    with Loader(url, "upt", UPT_BATCH, transforms=UPT_SUBSET, seed=0, rank=0, world_size=1,
-                drop_last=True) as ld:  # fmt: skip
+    for where, label in ((url, ""), (purl, ", process pool")):
+        with Loader(where, "upt", UPT_BATCH, transforms=UPT_SUBSET, seed=0, rank=0,
+                    world_size=1, drop_last=True) as ld:  # fmt: skip
 
-        def epoch(e: int) -> Iterable[Step]:
-            ld.set_epoch(e)
-            # Masked fields come as Masked(values, mask): touch their tensors.
-            return ({"points": b["points"], "params": b["params"].values, "mask": b["params"].mask}
-                    for b in ld)  # fmt: skip
+            def epoch(e: int, ld: Loader = ld) -> Iterable[Step]:
+                ld.set_epoch(e)
+                # Masked fields come as Masked(values, mask): touch their tensors.
+                return ({"points": b["points"], "params": b["params"].values,
+                         "mask": b["params"].mask} for b in ld)  # fmt: skip
 
-        rows["shardserve Loader(transforms=[random_subset])"] = measure(
-            epoch, UPT_BATCH, server_pid(store), loader=ld
-        )
+            rows[f"shardserve Loader(transforms=[random_subset]){label}"] = measure(
+                epoch, UPT_BATCH, server_pid(store, where == purl), loader=ld
+            )
     return rows
 
 
 def bench_shogi(
-    url: str, store: Path, arrays: dict[str, np.ndarray]
+    url: str, purl: str, store: Path, arrays: dict[str, np.ndarray]
 ) -> dict[str, dict[str, float]]:
     """The trainer featurizing in its own main thread (gather the records, unpack the bits to
     float32 planes) against the same featurizing as a server transform (data only)."""
@@ -503,11 +511,12 @@ def bench_shogi(
                    "move": torch.from_numpy(move[idx]), "result": torch.from_numpy(result[idx])}  # fmt: skip
 
     rows = {"trainer featurizes in its main thread (RAM)": measure(trainer, SHOGI_BATCH)}
-    with Loader(url, "shogi", SHOGI_BATCH, transforms=SHOGI_FEATURIZE, seed=0, rank=0,
-                world_size=1, drop_last=True) as ld:  # fmt: skip
-        rows["shardserve Loader(transforms=[unpack_bits])"] = measure(
-            _epochs(ld), SHOGI_BATCH, server_pid(store), loader=ld
-        )
+    for where, label in ((url, ""), (purl, ", process pool")):
+        with Loader(where, "shogi", SHOGI_BATCH, transforms=SHOGI_FEATURIZE, seed=0, rank=0,
+                    world_size=1, drop_last=True) as ld:  # fmt: skip
+            rows[f"shardserve Loader(transforms=[unpack_bits]){label}"] = measure(
+                _epochs(ld), SHOGI_BATCH, server_pid(store, where == purl), loader=ld
+            )
     return rows
 
 
@@ -562,7 +571,7 @@ def main() -> None:
         n_upt = 1_000 if args.quick else 5_000
         make_upt(store, n_upt)
         shogi = make_shogi(store, 20_000 if args.quick else 100_000)
-        with serve_local(store) as url:
+        with serve_local(store) as url, serve_local(store, *PROCESS_POOL) as purl:
             sections = {
                 "envs (4 x 32)": lambda: bench_envs(url, arrays, store, split=False),
                 "envs split (4 x 32, one shuffle)": lambda: bench_envs(
@@ -572,8 +581,8 @@ def main() -> None:
                 "crystals (batch 64)": lambda: bench_crystals(
                     url, store, Path(tmp) / "crystal-files", n_graphs
                 ),
-                "upt (batch 16)": lambda: bench_upt(url, store, n_upt),
-                "shogi (batch 256)": lambda: bench_shogi(url, store, shogi),
+                "upt (batch 16)": lambda: bench_upt(url, purl, store, n_upt),
+                "shogi (batch 256)": lambda: bench_shogi(url, purl, store, shogi),
                 "cifar batch 256": lambda: bench_cifar(url, store, n_cifar, 256),
                 "cifar batch 32": lambda: bench_cifar(url, store, n_cifar, 32),
             }
@@ -609,7 +618,9 @@ def main() -> None:
         ("crystals / DataLoader list", ratio(c, cs, "DataLoader(list in RAM, workers 0)"), 1.2),
         ("crystals / per-file DataLoader w2", ratio(c, cs, "DataLoader(per-file .pt, workers 2)"), 20.0),
         ("upt server query sampling / trainer", ratio(rows["upt (batch 16)"], "shardserve Loader(transforms=[random_subset])", "trainer samples its queries (RAM)"), 1.0),
+        ("upt query sampling, process pool / trainer", ratio(rows["upt (batch 16)"], "shardserve Loader(transforms=[random_subset]), process pool", "trainer samples its queries (RAM)"), 1.0),
         ("shogi featurize on the server / trainer", ratio(rows["shogi (batch 256)"], "shardserve Loader(transforms=[unpack_bits])", "trainer featurizes in its main thread (RAM)"), 1.5),
+        ("shogi featurize, process pool / trainer", ratio(rows["shogi (batch 256)"], "shardserve Loader(transforms=[unpack_bits]), process pool", "trainer featurizes in its main thread (RAM)"), 1.5),
         ("cifar 256 / Arrow take", ratio(rows["cifar batch 256"], "shardserve Loader (shm)", "in-process Arrow take"), 0.8),
         ("cifar 32 / Arrow take", ratio(rows["cifar batch 32"], "shardserve Loader (shm)", "in-process Arrow take"), 0.5),
     ]  # fmt: skip

@@ -39,6 +39,7 @@ import numpy as np
 
 from shardserve.proto.messages import MAX_NDIM, PartHeader, ShmRing
 
+from ..shared_files import SHARED_FILES
 from ..source import BatchParts, BatchSource, PartShapes
 
 PREFIX = "shardserve-"
@@ -99,6 +100,8 @@ class SlotRing:
 
     def close(self) -> None:
         """Unmap and unlink; a client that still has it mapped keeps its pages until it unmaps."""
+        if not self._mm.closed:
+            SHARED_FILES.remove(self.address)
         # A view still alive somewhere (an in-flight send) keeps the mapping; it goes with the view.
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -156,7 +159,10 @@ def create_ring(
         raise ShmUnavailable(
             f"cannot reserve {size} bytes in {shm_dir} ({free_bytes(shm_dir)} free): {e.strerror}; {hint}"
         ) from None
-    return SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
+    ring = SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
+    # Transform worker processes write batches straight into it (see ..transforms.pool).
+    SHARED_FILES.add(ring.address, size, str(path))
+    return ring
 
 
 def owner_alive(path: Path) -> bool:

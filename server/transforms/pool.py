@@ -49,6 +49,7 @@ from shardserve.proto.errors import TransformError
 
 from ..deadlines import Deadlines
 from ..lanes import Lane, Lanes
+from ..shared_files import SHARED_FILES
 from . import codec
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed
@@ -118,6 +119,35 @@ class _Assembling(threading.local):
 
 
 _assembling = _Assembling()
+
+
+@dataclass(frozen=True, slots=True)
+class _SharedRows:
+    """A piece's rows of a fixed-size output, and where they lie in a shared file."""
+
+    rows: np.ndarray
+    path: str
+    offset: int
+    nbytes: int
+
+
+def _shared_rows(chain: Chain, names: Sequence[str], n: int,
+                 rows: Mapping[str, np.ndarray] | None) -> dict[str, _SharedRows]:  # fmt: skip
+    """The outputs among ``names`` a worker process can write straight into ``rows``: fixed
+    ones whose rows are exactly their declared shape and dtype, in a shared-memory file."""
+    found: dict[str, _SharedRows] = {}
+    if rows is None:
+        return found
+    for name in names:
+        f, a = chain.outputs.get(name), rows.get(name)
+        if f is None or a is None or not f.fixed:
+            continue
+        if a.shape != (n, *f.shape) or a.dtype != np.dtype(f.dtype):
+            continue
+        span = SHARED_FILES.locate(a)
+        if span is not None:
+            found[name] = _SharedRows(a, span.path, span.offset, span.nbytes)
+    return found
 
 
 def _hung_message(timeout_s: float, culprits: Sequence[str], cancelled: str) -> str:
@@ -221,12 +251,13 @@ class TransformPool:
         progress = [Progress() for _ in pieces]
         for (lo, hi), prog in zip(pieces, progress, strict=True):
             sub = slice_parts(parts, chain.inputs, lo, hi) if len(pieces) > 1 else parts
+            # A piece writes its rows of the fixed-size outputs in place (a worker process:
+            # those in shared memory).
+            rows = {k: v[lo:hi] for k, v in out.items()} if out is not None else None
             if remote:
                 futs.append(job_lane.submit(self._remote, chain, sub, indices[lo:hi], where,
-                                            names, deadline, describe, limits))  # fmt: skip
+                                            names, deadline, describe, limits, rows))  # fmt: skip
             else:
-                # A piece on a thread writes its rows of the fixed-size outputs in place.
-                rows = {k: v[lo:hi] for k, v in out.items()} if out is not None else None
                 futs.append(job_lane.submit(run_chain, chain, sub, indices[lo:hi], where, names,
                                             rows, limits, prog))  # fmt: skip
         # A worker process's own wait ends at the deadline; the grace covers the hand-off.
@@ -414,8 +445,10 @@ class TransformPool:
 
     def _remote(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
                 where: Where, names: Sequence[str], deadline: float,
-                describe: Callable[[str], TransformError],
-                limits: Limits) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
+                describe: Callable[[str], TransformError], limits: Limits,
+                rows: Mapping[str, np.ndarray] | None,
+                ) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
+        spans = _shared_rows(chain, names, len(indices), rows)
         meta = {
             "chain": [{"name": s.transform.name, "params": s.params.model_dump(mode="json")}
                       for s in chain.steps],
@@ -425,6 +458,8 @@ class TransformPool:
                       "batch": where.batch},
             "limits": dataclasses.asdict(limits),
             "names": list(names),
+            "out": {n: {"path": sp.path, "offset": sp.offset, "nbytes": sp.nbytes}
+                    for n, sp in spans.items()},
         }  # fmt: skip
         arrays = {**parts, "__indices__": np.asarray(indices, dtype=np.int64)}
         for attempt in (1, 2):
@@ -453,6 +488,12 @@ class TransformPool:
             self._idle.put(w)
             if not reply["ok"]:
                 raise StepFailed.from_json(reply["failed"])
+            for n in reply["in_place"]:
+                if n not in spans:
+                    raise describe(f"worker pid {w.proc.pid} says it wrote {n!r} in place; it "
+                                   "was not asked to")  # fmt: skip
+                out[n] = spans[n].rows
+                self._metrics.count("worker_bytes_in_place", spans[n].rows.nbytes)
             return out, reply["spent"]
         raise AssertionError("unreachable")
 

@@ -4,17 +4,28 @@ It loads the same transform modules as the server, then answers requests one at 
 a chain (names and params), where the batch is, the input fields and the batch's parts;
 the reply is the output parts and seconds per transform, or the step that failed.
 Compiled chains are cached by their JSON. It exits when its pipe closes.
+
+A request may also name, for fixed-size outputs, a span of a shared-memory file (the
+stream's slot ring, by path and offset): the chain writes those outputs straight there and
+the reply lists them instead of carrying their bytes (:class:`OutputFiles`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import mmap
 import os
 import signal
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
+
+import numpy as np
 
 from . import codec
 from .errors import StepFailed
@@ -25,6 +36,63 @@ from .spec import Chain, compile_chain
 
 #: Seconds between checks that the server still runs.
 PARENT_POLL_S = 0.5
+#: Seconds an idle worker waits before unmapping output files the server has removed.
+SWEEP_S = 5.0
+#: Output files kept mapped at most (the least recently used is unmapped first).
+MAX_FILES = 8
+
+
+class OutputFiles:
+    """Shared-memory files this worker writes outputs into, mapped once each. A file the
+    server has removed (its stream ended) is unmapped at the next request or idle sweep:
+    a mapping would keep its memory allocated."""
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[str, tuple[tuple[int, int], mmap.mmap]] = OrderedDict()
+
+    def view(self, span: Mapping[str, Any], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable array of ``shape`` at ``span`` (``path``, ``offset``); ``ValueError``
+        if it does not lie inside the file."""
+        path, offset = str(span["path"]), int(span["offset"])
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino)
+        hit = self._maps.get(path)
+        if hit is None or hit[0] != ident:
+            if hit is not None:
+                self._unmap(path)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self._maps[path] = hit = (ident, mm)
+            while len(self._maps) > MAX_FILES:
+                self._unmap(next(iter(self._maps)))
+        self._maps.move_to_end(path)
+        mm = hit[1]
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
+        fits = offset >= 0 and offset + nbytes <= len(mm) and not offset % dtype.itemsize
+        if not fits or nbytes != int(span["nbytes"]):
+            raise ValueError(f"output span of {span['nbytes']} bytes at {offset} of {path} "
+                             f"({len(mm)} bytes) does not hold {shape} {dtype}")  # fmt: skip
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def sweep(self) -> None:
+        """Unmap files that are gone (or replaced) from their paths."""
+        for path, (ident, _) in list(self._maps.items()):
+            try:
+                st = os.stat(path)
+            except OSError:
+                self._unmap(path)
+                continue
+            if (st.st_dev, st.st_ino) != ident:
+                self._unmap(path)
+
+    def _unmap(self, path: str) -> None:
+        _, mm = self._maps.pop(path)
+        with contextlib.suppress(BufferError):  # no view outlives a request
+            mm.close()
 
 
 def _die_with_parent() -> None:
@@ -48,9 +116,12 @@ def main(conn: Connection, modules: list[str]) -> None:
     _die_with_parent()
     registry = TransformRegistry.load(modules)
     chains: dict[str, Chain] = {}
+    files = OutputFiles()
     conn.send_bytes(b"ready")
     while True:
         try:
+            while not conn.poll(SWEEP_S):
+                files.sweep()
             meta, arrays = codec.recv(conn)
         except (EOFError, OSError):
             return
@@ -63,10 +134,20 @@ def main(conn: Connection, modules: list[str]) -> None:
                 chain = chains[key] = compile_chain(meta["chain"], registry, inputs, "")
             indices = arrays.pop("__indices__")
             limits = Limits(**meta.get("limits", {}))
+            files.sweep()
+            out = {name: files.view(span, np.dtype(chain.outputs[name].dtype),
+                                    (len(indices), *chain.outputs[name].shape))
+                   for name, span in meta.get("out", {}).items()}  # fmt: skip
             parts, spent = run_chain(
-                chain, arrays, indices, Where(**meta["where"]), meta["names"], limits=limits
+                chain, arrays, indices, Where(**meta["where"]), meta["names"], out, limits
             )
-            reply: dict[str, Any] = {"ok": True, "spent": spent}
+            # Written where the server sends the batch from: only their names go back.
+            in_place = [
+                n for n, v in out.items() if n in parts and parts[n].ctypes.data == v.ctypes.data
+            ]
+            parts = {k: v for k, v in parts.items() if k not in in_place}
+            del out
+            reply: dict[str, Any] = {"ok": True, "spent": spent, "in_place": in_place}
         except StepFailed as e:
             parts, reply = {}, {"ok": False, "failed": e.to_json()}
         except Exception as e:  # a bug or bad request: still an answer, never a dead pipe

@@ -242,12 +242,13 @@ def test_restart_removes_stale_segments(store: Path) -> None:
         next(iter(loader))
         left = segments_of(srv.proc.pid)
         assert left, "the stream got no ring"
-        srv.kill()
+        srv.kill()  # a killed server cannot clean up: the next one to start does
         loader.close()
-    assert segments_of(srv.proc.pid) == left  # a killed server cannot clean up...
+    # (Whether its ring is still there now is not asserted: a server another test starts
+    # meanwhile sweeps it too.)
     with run_server(store):
         pass
-    assert segments_of(srv.proc.pid) == [] and not planted.exists()  # ...the next one does
+    assert segments_of(srv.proc.pid) == [] and not planted.exists()
 
 
 def test_variable_overflow_goes_to_the_socket(store: Path) -> None:

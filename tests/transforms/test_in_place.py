@@ -1,16 +1,19 @@
 """A chain writes its fixed-size outputs where the batch is sent from (the stream's slot or
 buffer) instead of copying them there: the last step of a chain gets ``out=`` when it takes
-it, sample outputs are stacked into place, and the bytes are those of a run without ``out``.
-A run whose piece failed returns only once its other pieces stopped writing."""
+it, sample outputs are stacked into place, and the bytes are those of a run without ``out``;
+worker processes write them straight into the stream's shared memory. A run whose piece
+failed returns only once its other pieces stopped writing."""
 
 from __future__ import annotations
 
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
 from shardserve.server.transforms.errors import StepFailed
 from shardserve.server.transforms.metrics import TransformMetrics
@@ -19,7 +22,9 @@ from shardserve.server.transforms.registry import TransformRegistry
 from shardserve.server.transforms.runner import Where, run_chain
 from shardserve.server.transforms.schema import Field
 from shardserve.server.transforms.spec import compile_chain
+from tests.support.server import run_server
 from tests.transforms import mods
+from tests.transforms.conftest import CIFAR_CHAIN, N, digest, pool_status
 
 REG = TransformRegistry.load(["tests.transforms.mods"])
 W = Where(seed=3, epoch=2, rank=0, batch=7)
@@ -146,3 +151,69 @@ def test_a_failed_piece_returns_after_the_other_pieces_wrote() -> None:
         assert out["label"][2:].tolist() == [3, 4], "returned while a piece was still writing"
     finally:
         pool.close()
+
+
+def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
+    store: Path, no_leftovers: list[int]
+) -> None:
+    """Over shared memory, worker processes write the chain's outputs (float32 images and
+    the labels) into the stream's slots, counted byte for byte, and the batches are those of
+    a thread pool; over a socket the same bytes come back through the worker's pipe."""
+
+    def epoch(url: str, transport: str) -> tuple[list[str], int]:
+        with Loader(
+            url,
+            "cifar",
+            batch_size=50,
+            seed=3,
+            transforms=CIFAR_CHAIN,
+            timeout=30,
+            transport=transport,
+        ) as ld:  # type: ignore[arg-type]
+            batches = list(ld)
+            return [digest(b) for b in batches], sum(t.nbytes for b in batches for t in b.values())
+
+    with run_server(store, "--transform-pool", "thread") as srv:
+        want, served = epoch(srv.http_url, "auto")
+    assert served == N * (3 * 32 * 32 * 4 + 8)
+    with run_server(store, "--transform-pool", "process", "--transform-workers", "2") as srv:
+        no_leftovers.append(srv.proc.pid)
+        assert epoch(srv.http_url, "tcp")[0] == want
+        status = pool_status(srv.http_url)
+        no_leftovers.extend(status["pool"]["pids"])
+        assert status["counts"].get("worker_bytes_in_place", 0) == 0, status["counts"]
+        assert epoch(srv.http_url, "auto")[0] == want
+        counts = pool_status(srv.http_url)["counts"]
+        assert counts["worker_bytes_in_place"] == served, counts
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_a_worker_writes_only_inside_its_span_and_unmaps_removed_files(tmp_path: Path) -> None:
+    """A span is written exactly where it says; one past the file's end or of another size
+    than the output is refused; a file removed by the server is unmapped at the next sweep
+    (a mapping would keep a finished stream's memory allocated)."""
+    from shardserve.server.transforms.worker import OutputFiles
+
+    ring = tmp_path / "ring"
+    ring.write_bytes(bytes(4096))
+    files = OutputFiles()
+    dt = np.dtype(np.float32)
+    view = files.view({"path": str(ring), "offset": 128, "nbytes": 64}, dt, (4, 4))
+    view[:] = 1.5
+    del view
+    data = np.fromfile(ring, dtype=np.float32)
+    assert (data[32:48] == 1.5).all() and not data[:32].any() and not data[48:].any()
+    for span, shape in (({"offset": 4032, "nbytes": 128}, (8, 4)),
+                        ({"offset": 0, "nbytes": 60}, (4, 4)),
+                        ({"offset": 2, "nbytes": 64}, (4, 4))):  # fmt: skip
+        with pytest.raises(ValueError, match="does not hold"):
+            files.view({"path": str(ring), **span}, dt, shape)
+    assert _mapped(ring)
+    files.sweep()
+    assert _mapped(ring), "a file still in place stays mapped"
+    ring.unlink()
+    files.sweep()
+    assert not _mapped(ring)
