@@ -29,12 +29,13 @@ One run, ratios within it (the machine is shared and noisy: compare rows of one 
   ``params[4]`` missing in a third of the samples, ``bc`` int32 ``[-1]`` missing in a fifth),
   batch 16: 512 random query points per sample. ``Loader(transforms=[random_subset])`` on the
   server against the trainer doing it in its loop over the same samples held in RAM
-  (``Generator.choice`` per sample, ``stack``, the masked fields collated by hand).
-  Target: >= 1x the trainer.
+  (``Generator.choice`` per sample, ``stack``, the masked fields collated by hand); the
+  same on a second server with ``--transform-pool process``. Target: >= 1x the trainer.
 * ``shogi``: 100,000 shogi-like positions (104 planes of 9x9 bits packed into 1,053 bytes,
   a move, a result), batch 256: the ``unpack_bits`` transform to float32 planes on the
   server against the trainer doing the same in its main thread (gather, ``np.unpackbits``,
-  ``astype``) over the records held in RAM. Target: >= 1.5x the trainer (data only).
+  ``astype``) over the records held in RAM; and with the process pool. Target: >= 1.5x the
+  trainer (data only).
 * ``cifar``: CIFAR-like batches of 256 and of 32 through ``Loader`` (shared memory) against
   the store's own ``take`` in this process into reused buffers (in-process Arrow take).
   Targets: batch 256 >= 0.8x, batch 32 >= 0.5x.
@@ -43,7 +44,8 @@ Loader rows run with the default ``prefetch`` (credit for about 8 MiB of small b
 the server sends several to a message; each row notes the batches per message). Each
 row is the best of 3 epochs after a warm-up one. Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
 the batches; the server runs in its own process) and, for shardserve rows, the server's CPU
-per batch. Writes ``bench/results/small.json``.
+per batch (with a process pool: the server's and its workers'). Writes
+``bench/results/small.json``.
 """
 
 from __future__ import annotations
