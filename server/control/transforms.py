@@ -30,6 +30,12 @@ def status_section(service: Service) -> str:
     seconds = c.get("seconds", {})
     busy = sum(seconds.values())
     rate = f"{c.get('samples', 0) / busy:,.0f}" if busy else "—"
+    in_place = (
+        f" · outputs workers wrote into streams' shared memory "
+        f"{c.get('worker_bytes_in_place', 0) / 2**20:,.1f} MiB"
+        if pool["processes"]
+        else ""
+    )
     per = " · ".join(
         f"{html.escape(k)} {v / max(c.get('batches', 1), 1) * 1000:.2f} ms/batch"
         for k, v in sorted(seconds.items())
@@ -40,5 +46,5 @@ def status_section(service: Service) -> str:
         f" · samples {c.get('samples', 0)} · batches {c.get('batches', 0)}"
         f" · samples/s of transform time {rate} · errors {c.get('errors', 0)}"
         f" · replaced {c.get('replaced', 0)} · workers hung {c.get('workers_hung', 0)}"
-        f" · workers died {c.get('workers_died', 0)}</p><p class='meta'>{per}</p>"
+        f" · workers died {c.get('workers_died', 0)}{in_place}</p><p class='meta'>{per}</p>"
     )

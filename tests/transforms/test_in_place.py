@@ -9,6 +9,7 @@ from __future__ import annotations
 import tracemalloc
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -157,8 +158,9 @@ def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
     store: Path, no_leftovers: list[int]
 ) -> None:
     """Over shared memory, worker processes write the chain's outputs (float32 images and
-    the labels) into the stream's slots, counted byte for byte, and the batches are those of
-    a thread pool; over a socket the same bytes come back through the worker's pipe."""
+    the labels) into the stream's slots, counted byte for byte (and shown on the status
+    page), and the batches are those of a thread pool; over a socket the same bytes come back
+    through the worker's pipe."""
 
     def epoch(url: str, transport: str) -> tuple[list[str], int]:
         with Loader(
@@ -185,6 +187,8 @@ def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
         assert epoch(srv.http_url, "auto")[0] == want
         counts = pool_status(srv.http_url)["counts"]
         assert counts["worker_bytes_in_place"] == served, counts
+        page = httpx.get(f"{srv.http_url}/", timeout=10).text
+        assert f"shared memory {served / 2**20:,.1f} MiB" in page
 
 
 def _mapped(path: Path) -> bool:
