@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from .metrics import Metrics
-from .source import BatchParts, BatchSource
+from .source import FRESH, BatchParts, BatchSource, Placer, Tail
 
 log = logging.getLogger("shardserve.assembly")
 
@@ -49,14 +49,16 @@ def assemble_batch(
     fields: Sequence[str],
     out: Mapping[str, np.ndarray] | None,
     batch: int | None = None,
+    tail: Tail = FRESH,
 ) -> BatchParts:
     """The parts of one batch, in frame order, each C-contiguous (so it can be sent zero-copy).
 
     ``out`` holds preallocated arrays for the fixed-size parts (``take`` writes into them);
-    variable-size parts come back freshly allocated. ``batch``: the batch's index in its
-    stream (a transform chain's batch steps draw from (seed, epoch, rank, batch)).
+    variable-size parts are made in ``tail`` (fresh memory by default). ``batch``: the
+    batch's index in its stream (a transform chain's batch steps draw from (seed, epoch,
+    rank, batch)).
     """
-    parts = ds.take(indices, fields, out=out, batch=-1 if batch is None else batch)
+    parts = ds.take(indices, fields, out=out, batch=-1 if batch is None else batch, tail=tail)
     return {name: np.ascontiguousarray(arr) for name, arr in parts.items()}
 
 
@@ -102,11 +104,12 @@ class Assembler(Generic[Tag]):
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
-        place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        place: Placer | None = None,
         batch: int | None = None,
     ) -> None:
-        """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` moves
-        the result where it is sent from (a shared-memory slot), still on the worker. A batch
+        """Assemble one batch (timed into ``shardserve_assembly_seconds``); ``place`` is where
+        it is sent from (a shared-memory slot): ``take`` makes its variable-size parts there
+        and ``place`` moves the rest in, still on the worker. A batch
         with transforms is assembled on its job's own lane: one that waits on a hung transform
         until its deadline never holds a thread another job's batches need."""
         if ds.lane is not None and self._job_lanes is not None:
@@ -123,13 +126,13 @@ class Assembler(Generic[Tag]):
         indices: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, np.ndarray] | None,
-        place: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+        place: Placer | None = None,
         batch: int | None = None,
     ) -> dict[str, np.ndarray]:
         """What :meth:`gather` runs on a worker, run on the calling thread instead: a small
         batch of a lone stream costs less than the two thread hand-offs of the pool."""
         t0 = time.perf_counter()
-        parts = assemble_batch(ds, indices, fields, out, batch)
+        parts = assemble_batch(ds, indices, fields, out, batch, FRESH if place is None else place)
         if place is not None:
             parts = place(parts)
         if self._metrics is not None:

@@ -31,6 +31,8 @@ def status_section(service: Service) -> str:
     busy = sum(seconds.values())
     rate = f"{c.get('samples', 0) / busy:,.0f}" if busy else "—"
     in_place = (
+        f" · inputs workers read from shared memory "
+        f"{c.get('worker_input_bytes_via_shm', 0) / 2**20:,.1f} MiB"
         f" · outputs workers wrote into streams' shared memory "
         f"{c.get('worker_bytes_in_place', 0) / 2**20:,.1f} MiB"
         if pool["processes"]

@@ -19,6 +19,7 @@ counts are always checked at open).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import MASK, OFFSETS, SHAPES, PartShape, parts_of
 
-from ..source import Planned
+from ..source import FRESH, Planned, Tail
 from .cache import ShardCache
 from .gather import ALL, Positions, groups, take_fixed, take_ragged
 from .index import as_indices, check_bounds, chunk_of, locate
@@ -116,13 +117,15 @@ class Dataset:
         fields: Sequence[str] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
         batch: int = -1,
+        tail: Tail = FRESH,
     ) -> dict[str, np.ndarray]:
         """Gather samples ``indices`` (global ids, any order, repeats allowed) into batch parts.
 
         Fixed field ``x`` -> ``x`` ``[B, *shape]``, written into ``out["x"]`` when given.
-        Variable field ``x`` -> ``x`` (values, 1-d), ``x.offsets`` (int64 ``[B+1]``),
-        ``x.shapes`` (int64 ``[B, ndim]``). Binary ``x`` -> ``x`` (uint8) and ``x.offsets``.
-        Nullable ``x`` adds ``x.mask``. ``batch`` is not needed to read stored samples.
+        Variable field ``x`` -> ``x`` (values, 1-d, made in ``tail``), ``x.offsets`` (int64
+        ``[B+1]``), ``x.shapes`` (int64 ``[B, ndim]``). Binary ``x`` -> ``x`` (uint8) and
+        ``x.offsets``. Nullable ``x`` adds ``x.mask``. ``batch`` is not needed to read stored
+        samples.
         """
         if self._closed:
             raise ValueError(f"dataset {self.manifest.name!r} is closed")
@@ -145,7 +148,7 @@ class Dataset:
         chunks = self.shards.acquire(touched)
         try:
             self.shards.check_reads(idx, names)
-            return self._read(names, idx, lo, hi, chunks, out)
+            return self._read(names, idx, lo, hi, chunks, out, tail)
         finally:
             self.shards.release(touched)
 
@@ -157,6 +160,7 @@ class Dataset:
         hi: int,
         chunks: Chunks,
         out: Mapping[str, np.ndarray] | None,
+        tail: Tail,
     ) -> dict[str, np.ndarray]:
         """The one field loop: fields ``names`` of samples ``idx`` (within ``lo..hi``)."""
         b = idx.size
@@ -189,11 +193,11 @@ class Dataset:
                     mask = np.empty(b, dtype=bool)
                 parts[n + MASK] = small(chunks.valid, "valid", n, mask)
             if spec.kind in ("scalar", "tensor"):
-                parts[n] = small(chunks.fixed, "fixed", n, self._out_array(spec, b, out))
+                parts[n] = small(chunks.fixed, "fixed", n, self._out_array(spec, b, out, tail))
                 continue
             if b:
                 parts[n], parts[n + OFFSETS] = take_ragged(
-                    chunks.arrays[n], g, rows, spec.dtype, spec.shape
+                    chunks.arrays[n], g, rows, spec.dtype, spec.shape, partial(tail.empty, n)
                 )
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
@@ -204,11 +208,13 @@ class Dataset:
         return parts
 
     @staticmethod
-    def _out_array(spec: FieldSpec, b: int, out: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    def _out_array(
+        spec: FieldSpec, b: int, out: Mapping[str, np.ndarray] | None, tail: Tail
+    ) -> np.ndarray:
         want = (b, *spec.shape)
         dest = out.get(spec.name) if out is not None else None
-        if dest is None:
-            return np.empty(want, dtype=spec.dtype)
+        if dest is None:  # a part whose size the layout does not fix (a graph batch's)
+            return tail.empty(spec.name, want, np.dtype(spec.dtype))
         if dest.shape != want or dest.dtype != np.dtype(spec.dtype) or not dest.flags.c_contiguous:
             raise ValueError(
                 f"out[{spec.name!r}] is {dest.dtype}{list(dest.shape)} (contiguous="

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -229,16 +229,27 @@ def _ranges(starts: np.ndarray, lens: np.ndarray, total: int) -> np.ndarray:
     return np.repeat(starts - (ends - lens), lens) + np.arange(total, dtype=np.int64)
 
 
+#: ``empty(shape, dtype)``: where a gather's result is made (a part's share of a
+#: :class:`~shardserve.server.source.Tail`).
+Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _fresh(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
 def take_ragged(
     arrays: Sequence[pa.Array],
     chunk_groups: list[tuple[int, Positions]],
     rows: np.ndarray,
     value_dtype: str,
     shape: Sequence[int] = (-1,),
+    empty: Empty = _fresh,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(values 1-d, offsets int64 [B+1] from 0)`` of rows of list or binary chunks, in batch
-    order, in fresh memory (see the module docstring). ``shape`` is the field's declared
-    shape; the product of its fixed dims is the unit one index entry moves."""
+    order (see the module docstring), the values in memory from ``empty`` (fresh by default;
+    a :class:`~shardserve.server.source.Tail`'s). ``shape`` is the field's declared shape; the
+    product of its fixed dims is the unit one index entry moves."""
     if not chunk_groups or value_dtype == "bool":  # bool values are bit-packed: no views
         return ragged_parts(take_arrow(arrays, chunk_groups, rows), value_dtype)
     first = arrays[chunk_groups[0][0]]
@@ -275,7 +286,7 @@ def take_ragged(
     total = int(offsets[-1])
     if unit > 1 and ((starts % unit).any() or (lens % unit).any()):
         unit = 1  # values that do not start on a unit (not written by our writer)
-    out = np.empty(total, dtype=dtype)
+    out = empty((total,), dtype)
     if total == 0:
         return out, offsets
     # Whole units (rows of the fixed dims) move as opaque items: fewer, wider index entries.

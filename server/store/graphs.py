@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -38,7 +40,8 @@ from shardserve.proto.jobs import GraphOptions
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import OFFSETS, SHAPES, SPLITS
 
-from ..source import BatchParts, BatchSource, PartShapes, Wrapped
+from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
+from .gather import Empty
 
 #: Parts a graph batch adds; no field may have these names.
 ADDED = ("batch", "ptr")
@@ -127,8 +130,24 @@ def check_graph_job(manifest: Manifest, fields: Sequence[str] | None, graph: Gra
 SLICE_MIN_EDGES = 16
 
 
-def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np.ndarray:
-    """Concatenate ``[k, E_g]`` blocks (flat, row-major, one per graph) into ``[k, sum E]``."""
+@dataclass(frozen=True, slots=True)
+class _Except:
+    """A tail that leaves ``parts`` in fresh memory: the index fields' values as stored are
+    laid out anew (and shifted) into the tail afterwards."""
+
+    tail: Tail
+    parts: frozenset[str]
+
+    def empty(self, part: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if part in self.parts:
+            return np.empty(shape, dtype)
+        return self.tail.empty(part, shape, dtype)
+
+
+def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray,
+              empty: Empty) -> np.ndarray:  # fmt: skip
+    """Concatenate ``[k, E_g]`` blocks (flat, row-major, one per graph) into ``[k, sum E]``,
+    in memory from ``empty``."""
     b = len(shapes)
     if b == 0:
         return values.reshape(0, 0)
@@ -137,7 +156,7 @@ def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np
     total = int(e.sum())
     if total >= SLICE_MIN_EDGES * b:
         # Row r of graph g is one slice: k * B slices, no index of sum-E entries to build.
-        out = np.empty((k, total), dtype=values.dtype)
+        out = empty((k, total), values.dtype)
         starts, counts = offsets[:-1].tolist(), e.tolist()
         for r in range(k):
             pieces = [
@@ -149,7 +168,7 @@ def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray) -> np
     col = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(e) - e, e)
     rows = np.repeat(e, e)
     idx = start[None, :] + np.arange(k, dtype=np.int64)[:, None] * rows[None, :] + col[None, :]
-    return values[idx]
+    return np.take(values, idx, out=empty(idx.shape, values.dtype))
 
 
 class GraphCollated(Wrapped):
@@ -185,6 +204,7 @@ class GraphCollated(Wrapped):
         fields: Sequence[str] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
         batch: int = -1,
+        tail: Tail = FRESH,
     ) -> BatchParts:
         """Graphs ``indices`` collated (``out`` is not used: every part is variable)."""
         names = self.inner.field_names(fields)
@@ -192,7 +212,9 @@ class GraphCollated(Wrapped):
         want = list(names)
         if source not in want:
             want.append(source)
-        parts = self.inner.take(indices, want, batch=batch)
+        # Node and edge features are sent as gathered: straight into the tail.
+        stored = _Except(tail, frozenset(n for n in want if is_index_field(n)))
+        parts = self.inner.take(indices, want, batch=batch, tail=stored)
         b = len(np.asarray(indices).reshape(-1))
         if self._specs[source].kind == "scalar":  # num_nodes
             counts = parts[source].astype(np.int64)
@@ -213,7 +235,7 @@ class GraphCollated(Wrapped):
         for n in names:
             if n == "num_nodes":  # ptr says it
                 continue
-            out_parts[n], rows[n] = self._field(n, self._specs[n], parts, b, base)
+            out_parts[n], rows[n] = self._field(n, self._specs[n], parts, b, base, tail)
         out_parts["batch"] = np.arange(b, dtype=np.int64).repeat(counts)
         out_parts["ptr"] = _ptrs(node, edges)
         if bs == b:
@@ -249,16 +271,22 @@ class GraphCollated(Wrapped):
 
     @staticmethod
     def _field(
-        n: str, spec: FieldSpec, parts: Mapping[str, np.ndarray], b: int, base: np.ndarray
+        n: str,
+        spec: FieldSpec,
+        parts: Mapping[str, np.ndarray],
+        b: int,
+        base: np.ndarray,
+        tail: Tail,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Field ``n`` collated, and its rows per graph along the dimension it concatenates."""
         index = is_index_field(n)
         if spec.kind == "variable":
             values, offsets, shapes = parts[n], parts[n + OFFSETS], parts[n + SHAPES]
             if index:
-                cat = _cat_last(values, offsets, shapes)  # fresh memory: shifted in place
+                # Fresh or the tail's memory, not the store's: shifted in place.
+                cat = _cat_last(values, offsets, shapes, partial(tail.empty, n))
                 e = shapes[:, -1] if b else np.zeros(0, np.int64)
-                cat += np.repeat(base, e)[None, :].astype(cat.dtype)
+                cat += np.repeat(base, e)[None, :].astype(cat.dtype, copy=False)
                 return cat, e
             rest = (
                 tuple(int(d) for d in shapes[0, 1:])
@@ -272,7 +300,9 @@ class GraphCollated(Wrapped):
         if index:
             width = spec.shape[-1]
             cat = np.moveaxis(arr, 0, -2).reshape(*spec.shape[:-1], b * width)
-            return cat + np.repeat(base, width).astype(cat.dtype), np.full(b, width, np.int64)
+            shifted = np.add(cat, np.repeat(base, width).astype(cat.dtype, copy=False),
+                             out=tail.empty(n, cat.shape, cat.dtype))  # fmt: skip
+            return shifted, np.full(b, width, np.int64)
         per = spec.shape[0]
         return arr.reshape(b * per, *spec.shape[1:]), np.full(b, per, np.int64)
 

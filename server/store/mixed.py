@@ -25,7 +25,7 @@ import numpy as np
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import SOURCE_PART
 
-from ..source import BatchParts, BatchSource, PartShapes, Planned, Wrapped
+from ..source import FRESH, BatchParts, BatchSource, PartShapes, Planned, Tail, Wrapped
 from .dataset import Dataset
 from .gather import JoinedColumns, RaggedChunks
 from .shard_set import Chunks, ShardSet
@@ -252,9 +252,10 @@ class SourceLabels(Wrapped):
         fields: Sequence[str] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
         batch: int = -1,
+        tail: Tail = FRESH,
     ) -> BatchParts:
         stored, label = _stored(fields)
-        parts = self.inner.take(indices, stored, out, batch)
+        parts = self.inner.take(indices, stored, out, batch, tail)
         if not label:
             return parts
         ids = np.asarray(indices, dtype=np.int64)

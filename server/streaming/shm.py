@@ -205,9 +205,46 @@ VARIABLE_HEADROOM = 2.0
 MIN_RING_SLOTS = 2
 
 
+class SlotTail:
+    """One assembly's use of a slot's variable-size region, on the worker holding the slot:
+    ``take`` makes variable-size parts there (a :class:`~..source.Tail`), then ``__call__``
+    copies the parts still elsewhere after them. Parts that do not fit go to fresh memory,
+    and then the whole batch goes on the socket."""
+
+    def __init__(self, ring: SlotRing, slot: int, start: int) -> None:
+        self._ring, self._slot = ring, slot
+        self._lo = ring.address + slot * ring.slot_bytes  # the slot in this process
+        #: The next free byte of the region, from the slot's start.
+        self.cursor = start
+
+    def empty(self, part: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.cursor + nbytes > self._ring.slot_bytes:
+            return np.empty(shape, dtype)
+        view = self._ring.slot_array(self._slot, self.cursor, dtype, shape)
+        self.cursor = align(self.cursor + nbytes)
+        return view
+
+    def __call__(self, parts: BatchParts) -> BatchParts:
+        """``parts`` with every one outside the slot copied into its region, or ``parts``
+        unchanged when they do not all fit (it goes on the socket)."""
+        placed = dict(parts)
+        hi = self._lo + self._ring.slot_bytes
+        for name, arr in parts.items():
+            if self._lo <= arr.ctypes.data and arr.ctypes.data + arr.nbytes <= hi:
+                continue  # made in the slot
+            if self.cursor + arr.nbytes > self._ring.slot_bytes:
+                return parts  # overflow: this batch goes on the socket
+            view = self._ring.slot_array(self._slot, self.cursor, arr.dtype, arr.shape)
+            view[...] = arr
+            placed[name] = view
+            self.cursor = align(self.cursor + arr.nbytes)
+        return placed
+
+
 class ShmSlots:
     """The slot ring of one stream and the state of each slot. Streamer thread, except
-    :meth:`place`, which runs on the assembly worker that holds the slot.
+    :meth:`out` and :meth:`tail`, used by the assembly worker that holds the slot.
 
     A slot's life::
 
@@ -357,21 +394,9 @@ class ShmSlots:
             return full
         return {name: a[:rows] for name, a in full.items()}
 
-    def place(self, slot: int, parts: BatchParts) -> BatchParts:
-        """Copy the variable-size parts into the slot's tail when they fit (else leave them)."""
-        cursor = self._var_start
-        placed = dict(parts)
-        full = self._full.get(slot, {})
-        for name, arr in parts.items():
-            if full.get(name) is arr or self.offset_of(slot, arr) is not None:
-                continue
-            if cursor + arr.nbytes > self.ring.slot_bytes:
-                return parts  # overflow: this batch goes on the socket
-            view = self.ring.slot_array(slot, cursor, arr.dtype, arr.shape)
-            view[...] = arr
-            placed[name] = view
-            cursor = align(cursor + arr.nbytes)
-        return placed
+    def tail(self, slot: int) -> SlotTail:
+        """The variable-size region of ``slot`` for one assembly (on its worker)."""
+        return SlotTail(self.ring, slot, self._var_start)
 
     def copy_in(self, slot: int, parts: BatchParts) -> BatchParts:
         """Copy a batch assembled elsewhere into ``slot``: fixed-size parts to their places,
@@ -388,7 +413,7 @@ class ShmSlots:
                 return parts  # not this ring's layout: the socket carries it
             view[...] = a
             placed[name] = view
-        return self.place(slot, placed)
+        return self.tail(slot)(placed)
 
     # -- on the streamer thread -----------------------------------------------------------
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,7 +37,7 @@ from shardserve.proto.endpoints import Delivery
 from shardserve.proto.framing import encode_batch
 from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
 
-from ..source import BatchParts, BatchSource, PartShapes
+from ..source import BatchParts, BatchSource, PartShapes, Placer
 from .buffers import BufferPool, BufferSet
 from .shm import ShmSlots, ShmUnavailable
 
@@ -48,8 +47,6 @@ IDLE_POOL_BYTES = 1 << 30
 #: Seconds a pool (or a slot ring) waits for its (job, rank)'s (peer's) next stream: the next
 #: epoch's Hello comes at once; memory of a stream nobody resumes goes back after this.
 IDLE_KEEP_S = 10.0
-
-Placer = Callable[[BatchParts], BatchParts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +214,7 @@ class SlotSink(BatchSink):
         return self.slots.out(ticket, rows)
 
     def placer(self, ticket: int) -> Placer:
-        return partial(self.slots.place, ticket)
+        return self.slots.tail(ticket)
 
     def fill(self, ticket: int, parts: BatchParts) -> BatchParts:
         return self.slots.copy_in(ticket, parts)

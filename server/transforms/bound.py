@@ -30,7 +30,7 @@ from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
-from ..source import BatchParts, BatchSource, PartShapes, Wrapped
+from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
@@ -193,20 +193,23 @@ class TransformedDataset(Wrapped):
         return {p: shape for n in self.field_names(fields) for p, shape in parts_of(specs[n])}
 
     def take(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None,
-             out: Mapping[str, np.ndarray] | None = None, batch: int = -1) -> BatchParts:  # fmt: skip
+             out: Mapping[str, np.ndarray] | None = None, batch: int = -1,
+             tail: Tail = FRESH) -> BatchParts:  # fmt: skip
         """Batch ``batch`` of this stream: stored fields of ``indices`` through the chain, and
         the fields missing in some samples as stored, for the samples the chain kept."""
         names = self.field_names(fields)
         passed = [n for n in names if n in self._passed]
         if passed:
-            ran = self._run([n for n in names if n not in self._passed], indices, out, batch)
+            ran = self._run([n for n in names if n not in self._passed], indices, out, batch,
+                            tail)  # fmt: skip
             kept, parts = ran
-            parts.update(self.inner.take(kept, passed, out=out, batch=batch))
+            parts.update(self.inner.take(kept, passed, out=out, batch=batch, tail=tail))
             return {p: parts[p] for p in self.part_shapes(names)}  # in the layout's order
-        return self._run(names, indices, out, batch)[1]
+        return self._run(names, indices, out, batch, tail)[1]
 
     def _run(self, names: list[str], indices: np.ndarray | Sequence[int],
-             out: Mapping[str, np.ndarray] | None, batch: int) -> tuple[np.ndarray, BatchParts]:  # fmt: skip
+             out: Mapping[str, np.ndarray] | None, batch: int,
+             tail: Tail) -> tuple[np.ndarray, BatchParts]:  # fmt: skip
         """The chain's outputs ``names`` of ``indices``, and the samples they are of (failing
         ones replaced with ``on_error="replace"``)."""
         idx = np.array(indices, dtype=np.int64).reshape(-1)
@@ -220,7 +223,7 @@ class TransformedDataset(Wrapped):
                 return idx, self._rt.pool.run(
                     self.chain, stored, idx, where, names,
                     partial(pool_error, name, self._epoch, chain_names, idx),
-                    out, lane=self._lane,
+                    out, tail, lane=self._lane,
                 )  # fmt: skip
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()

@@ -9,6 +9,7 @@ import numpy as np
 
 from shardserve.proto.parts import OFFSETS, SHAPES
 
+from ..source import FRESH, Tail
 from .schema import Field
 
 
@@ -40,8 +41,9 @@ def slice_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field], lo
 
 def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str, Field],
                  names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
-                 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """The inverse of :func:`slice_parts` over consecutive pieces (fixed fields into ``out``)."""
+                 tail: Tail = FRESH) -> dict[str, np.ndarray]:  # fmt: skip
+    """The inverse of :func:`slice_parts` over consecutive pieces (fixed fields into ``out``,
+    the values of variable ones joined in ``tail``; one piece's are kept as they are)."""
     if len(pieces) == 1 and out is None:
         return dict(pieces[0])
     joined: dict[str, np.ndarray] = {}
@@ -56,7 +58,13 @@ def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str
                 np.concatenate([p[name] for p in pieces], out=dest)
             joined[name] = dest
             continue
-        joined[name] = np.concatenate([p[name] for p in pieces])
+        if len(pieces) == 1:
+            joined.update({k: pieces[0][k] for k in (name, name + OFFSETS, name + SHAPES)
+                           if k in pieces[0]})  # fmt: skip
+            continue
+        values = [p[name] for p in pieces]
+        size = sum(v.size for v in values)
+        joined[name] = np.concatenate(values, out=tail.empty(name, (size,), values[0].dtype))
         offs = [pieces[0][name + OFFSETS]]
         base = int(offs[0][-1])
         for p in pieces[1:]:

@@ -17,6 +17,7 @@ from numpy.typing import DTypeLike
 
 from shardserve.proto.parts import OFFSETS, SHAPES
 
+from ..source import FRESH, Tail
 from .errors import StepFailed
 from .rng import batch_rng, sample_rngs
 from .schema import Field
@@ -74,9 +75,10 @@ def split_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field]) ->
 
 def join_parts(
     cols: Mapping[str, Column], schema: Mapping[str, Field], names: Sequence[str],
-    out: Mapping[str, np.ndarray] | None = None,
+    out: Mapping[str, np.ndarray] | None = None, tail: Tail = FRESH,
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """Columns -> store-layout parts of ``names`` (fixed ones written into ``out`` if it fits)."""
+    """Columns -> store-layout parts of ``names`` (fixed ones written into ``out`` if it fits,
+    the values of variable ones joined in ``tail``)."""
     parts: dict[str, np.ndarray] = {}
     for name in names:
         f, col = schema[name], cols[name]
@@ -94,11 +96,11 @@ def join_parts(
         offsets = np.zeros(len(items) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
         dt = np.dtype(f.dtype)
-        parts[name] = (
-            np.concatenate([a.reshape(-1) for a in items]).astype(dt, copy=False)
-            if items
-            else np.empty(0, dt)
-        )
+        flat = [a.reshape(-1) for a in items]
+        if flat and all(a.dtype == dt for a in flat):  # as the runner checked each sample's
+            parts[name] = np.concatenate(flat, out=tail.empty(name, (int(offsets[-1]),), dt))
+        else:
+            parts[name] = np.concatenate(flat).astype(dt, copy=False) if flat else np.empty(0, dt)
         parts[name + OFFSETS] = offsets
         if not f.binary:
             parts[name + SHAPES] = np.array([a.shape for a in items], dtype=np.int64).reshape(
@@ -225,11 +227,12 @@ def _dest(step: Step, chain: Chain, names: Sequence[str], n: int,
 def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray, where: Where,
               names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
               limits: Limits | None = None, progress: Progress | None = None,
-              ) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
+              tail: Tail = FRESH) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
     """``(parts of names, seconds per transform)``; raises :class:`StepFailed`.
 
     ``out``: where the fixed-size outputs go (the stream's memory); the last step writes the
-    ones it produces there (see :func:`_dest`), the others are copied there at the end."""
+    ones it produces there (see :func:`_dest`), the others are copied there at the end.
+    ``tail``: where the variable-size outputs are joined."""
     cols = split_parts(parts, chain.inputs)
     spent: dict[str, float] = {}
     limits = limits or Limits()
@@ -245,4 +248,4 @@ def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray
             _apply_batch(step, si, cols, len(indices), where, limits, dest)
         name = step.transform.name
         spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-    return join_parts(cols, chain.outputs, names, out), spent
+    return join_parts(cols, chain.outputs, names, out, tail), spent

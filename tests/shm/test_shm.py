@@ -65,11 +65,22 @@ def _same(a: object, b: object) -> bool:
     return all(_same(getattr(a, k), getattr(b, k)) for k in ("values", "offsets", "shapes"))
 
 
-@pytest.mark.parametrize("dataset", ["cifar", "graphs"])
-def test_shm_and_socket_deliver_identical_batches(server: ServerProc, dataset: str) -> None:
-    """The shm path and the socket path deliver byte-identical batches for the same plan."""
-    shm, t1 = _epoch(server.http_url, dataset, "auto")
-    sock, t2 = _epoch(server.http_url, dataset, "socket")
+@pytest.mark.parametrize(
+    ("dataset", "kw"),
+    [
+        ("cifar", {}),
+        ("graphs", {}),
+        ("graphs", {"collate": "graph", "fields": ["x", "edge_index", "y"]}),
+    ],
+    ids=["cifar", "graphs", "graphs-collated"],
+)
+def test_shm_and_socket_deliver_identical_batches(
+    server: ServerProc, dataset: str, kw: dict
+) -> None:
+    """The shm path and the socket path deliver byte-identical batches for the same plan
+    (variable-size parts gathered and collated straight into the slot over shm)."""
+    shm, t1 = _epoch(server.http_url, dataset, "auto", **kw)
+    sock, t2 = _epoch(server.http_url, dataset, "socket", **kw)
     assert (t1, t2) == ("shm", "ipc")
     assert len(shm) == len(sock) > 1
     for a, b in zip(shm, sock, strict=True):
@@ -251,6 +262,33 @@ def test_restart_removes_stale_segments(store: Path) -> None:
     assert segments_of(srv.proc.pid) == [] and not planted.exists()
 
 
+def test_variable_parts_are_made_in_the_slot_not_copied_there(store: Path) -> None:
+    """``take`` gathers variable-size values, and graph collation lays out its shifted
+    ``edge_index``, straight into the slot's tail: placing the batch copies none of them,
+    and the bytes are those of a take into fresh memory."""
+    from shardserve.proto.jobs import GraphOptions
+    from shardserve.server.store.graphs import GraphCollated
+
+    stored = Store(store).open("graphs")
+    fields = ("x", "edge_index", "y")
+    ids = np.arange(40, 48)
+    for ds in (stored, GraphCollated(stored, 8, GraphOptions())):
+        slots = ShmSlots.create(1, 2, ds, fields, 8, DEFAULT_DIR, None)
+        try:
+            slot = slots.acquire()
+            assert slot is not None
+            tail = slots.tail(slot)
+            parts = ds.take(ids, fields, out=slots.out(slot, 8), tail=tail)
+            placed = tail(parts)
+            assert slots.headers(slot, placed) is not None
+            assert placed["x"] is parts["x"] and placed["edge_index"] is parts["edge_index"]
+            want = ds.take(ids, fields)
+            assert placed.keys() == want.keys()
+            assert all(placed[k].tobytes() == want[k].tobytes() for k in want)
+        finally:
+            slots.close()
+
+
 def test_variable_overflow_goes_to_the_socket(store: Path) -> None:
     """A batch whose variable parts exceed the slot's budget is left for the socket, not truncated."""
     ds = Store(store).open("graphs")
@@ -260,10 +298,10 @@ def test_variable_overflow_goes_to_the_socket(store: Path) -> None:
         slot = slots.acquire()
         assert slot is not None
         parts = ds.take(np.arange(8), fields, out=slots.out(slot, 8))
-        placed = slots.place(slot, parts)
+        placed = slots.tail(slot)(parts)
         assert slots.headers(slot, placed) is not None  # a typical batch fits
         huge = {**parts, "x": np.zeros(slots.ring.slot_bytes, dtype=np.float32)}
-        assert slots.place(slot, huge) is huge
+        assert slots.tail(slot)(huge) is huge
         assert slots.headers(slot, huge) is None
     finally:
         slots.close()

@@ -6,6 +6,7 @@ failed returns only once its other pieces stopped writing."""
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
     """Over shared memory, worker processes write the chain's outputs (float32 images and
     the labels) into the stream's slots, counted byte for byte (and shown on the status
     page), and the batches are those of a thread pool; over a socket the same bytes come back
-    through the worker's pipe."""
+    through the worker's pipe. Either way every input byte (images, labels, sample ids)
+    reaches the workers through their input files, not the pipe."""
 
     def epoch(url: str, transport: str) -> tuple[list[str], int]:
         with Loader(
@@ -187,8 +189,11 @@ def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
         assert epoch(srv.http_url, "auto")[0] == want
         counts = pool_status(srv.http_url)["counts"]
         assert counts["worker_bytes_in_place"] == served, counts
+        inputs = 2 * N * (3 * 32 * 32 + 8 + 8)  # two epochs of uint8 images, labels, ids
+        assert counts["worker_input_bytes_via_shm"] == inputs, counts
         page = httpx.get(f"{srv.http_url}/", timeout=10).text
-        assert f"shared memory {served / 2**20:,.1f} MiB" in page
+        assert f"into streams' shared memory {served / 2**20:,.1f} MiB" in page
+        assert f"read from shared memory {inputs / 2**20:,.1f} MiB" in page
 
 
 def _mapped(path: Path) -> bool:
@@ -199,11 +204,11 @@ def test_a_worker_writes_only_inside_its_span_and_unmaps_removed_files(tmp_path:
     """A span is written exactly where it says; one past the file's end or of another size
     than the output is refused; a file removed by the server is unmapped at the next sweep
     (a mapping would keep a finished stream's memory allocated)."""
-    from shardserve.server.transforms.worker import OutputFiles
+    from shardserve.server.transforms.worker import MappedFiles
 
     ring = tmp_path / "ring"
     ring.write_bytes(bytes(4096))
-    files = OutputFiles()
+    files = MappedFiles()
     dt = np.dtype(np.float32)
     view = files.view({"path": str(ring), "offset": 128, "nbytes": 64}, dt, (4, 4))
     view[:] = 1.5
@@ -221,3 +226,58 @@ def test_a_worker_writes_only_inside_its_span_and_unmaps_removed_files(tmp_path:
     ring.unlink()
     files.sweep()
     assert not _mapped(ring)
+
+
+def _input_files(worker: int) -> list[Path]:
+    from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX
+
+    return sorted(DEFAULT_DIR.glob(f"{PREFIX}{os.getpid()}-{worker}-*"))
+
+
+def test_worker_processes_read_their_inputs_from_a_shared_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker process reads each request's inputs (variable-size points, the sample ids)
+    from a shared-memory file of its own, counted byte for byte; a request that needs more
+    gets a bigger file (the old one removed); one over the limit goes on the pipe; the same
+    points come back every way, and closing the pool leaves no file."""
+    from shardserve.server.transforms import pool as pool_module
+
+    step = {"name": "random_subset", "params": {"field": "points", "n": 64}}
+    chain = compile_chain([step], REG, {"points": Field("float32", (-1, 3))}, "t")
+    rng = np.random.default_rng(5)
+
+    def batch(rows: int) -> dict[str, np.ndarray]:
+        n = np.full(4, rows, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(n * 3)])
+        values = rng.normal(size=int(offsets[-1])).astype(np.float32)
+        return {"points": values, "points.offsets": offsets,
+                "points.shapes": np.stack([n, np.full(4, 3)], 1)}  # fmt: skip
+
+    def describe(what: str) -> TransformError:
+        return TransformError(what)
+
+    metrics = TransformMetrics(CollectorRegistry())
+    pool = TransformPool(1, "process", ["tests.transforms.mods"], 30.0, metrics)
+    idx = np.arange(100, 104)
+    try:
+        sent = 0
+        for rows, via_file in ((200, True), (40_000, True), (400_000, False)):
+            if not via_file:
+                monkeypatch.setattr(pool_module, "INPUT_FILE_MAX", 1 << 20)
+            parts = batch(rows)
+            got = pool.run(chain, parts, idx, W, ["points"], describe)
+            want, _ = run_chain(chain, parts, idx, W, ["points"])
+            assert got["points"].tobytes() == want["points"].tobytes()
+            if via_file:
+                sent += sum(a.nbytes for a in parts.values()) + idx.nbytes
+            assert metrics.snapshot().get("worker_input_bytes_via_shm", 0) == sent, rows
+            (worker,) = pool.pids()
+            files = _input_files(worker)
+            assert len(files) == 1, files  # a bigger one replaced the first
+            need = sum(a.nbytes for a in parts.values())
+            assert via_file == (files[0].stat().st_size >= need), (rows, files)
+        assert pool.status()["input_file_bytes"] == files[0].stat().st_size
+    finally:
+        pool.close()
+    assert not _input_files(worker)
