@@ -12,10 +12,12 @@ Three rows, each measured in this one run (ratios, not absolute numbers, are the
    Target: >= 5x the best DataLoader; trainer CPU per batch no higher than without.
 2. ImageFolder of ``--images`` (default 10,000) generated JPEGs of varied sizes (48..160 px a
    side), batch 64: decode + random resized crop to 64x64. shardserve (``decode_image`` +
-   ``random_resized_crop`` with ``method="pillow"`` on the server; the numpy resampler too)
-   vs ``DataLoader`` with PIL per sample
-   (``Image.open`` + a box resize), ``num_workers`` 2. Target: >= 1x its throughput with
-   the trainer spending <= 10% of DataLoader's CPU (main process + workers).
+   ``random_resized_crop`` with ``method="pillow"`` on the server's threads, the numpy
+   resampler too, and ``decode_random_resized_crop`` in one step on threads and on 1 and 2
+   worker processes) vs ``DataLoader`` with PIL per sample
+   (``Image.open`` + a box resize), ``num_workers`` 2. Targets: >= 1.5x its throughput with
+   the trainer spending <= 10% of DataLoader's CPU (main process + workers); 2 worker
+   processes >= 1.6x one.
 3. Transform throughput with 1 and 2 server workers, thread vs process pool: 10,000 CIFAR
    samples through a per-sample ``resize`` (a sample transform: batches are split across
    the workers).
@@ -63,6 +65,9 @@ IMAGE_CHAIN = [
     {"name": "random_resized_crop", "params": {"size": 64, "method": "pillow"}},
 ]
 IMAGE_CHAIN_NUMPY = [IMAGE_CHAIN[0], {"name": "random_resized_crop", "params": {"size": 64}}]
+#: The same in one step: the crop's box from the JPEG's header, then decode (scaled down
+#: where the crop allows) and resize.
+IMAGE_FUSED = [{"name": "decode_random_resized_crop", "params": {"size": 64}}]
 RESIZE_CHAIN = [{"name": "resize", "params": {"size": 24, "layout": "CHW"}}]
 
 
@@ -275,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
                 "shardserve, same with numpy resize",
                 measure(loader_epochs(srv.http_url, "images", 64, IMAGE_CHAIN_NUMPY), n_img),
             )
+        with run_server(store, "--transform-pool", "thread", timeout=60) as srv:
+            record(
+                "shardserve, decode_random_resized_crop, 2 threads",
+                measure(loader_epochs(srv.http_url, "images", 64, IMAGE_FUSED), n_img),
+            )
+        # Worker processes (where it runs by default) read the JPEG bytes from a shared file
+        # and write the crops into the stream's slots; one and two of them.
+        for workers in (1, 2):
+            with run_server(store, "--transform-pool", "process", "--transform-workers",
+                            str(workers), timeout=60) as srv:  # fmt: skip
+                record(
+                    f"shardserve, decode_random_resized_crop, {workers} worker process(es)",
+                    measure(loader_epochs(srv.http_url, "images", 64, IMAGE_FUSED), n_img),
+                )
         epochs = dataloader(FolderPIL(folder), 2, 64)
         c0 = tree_cpu(os.getpid(), include_self=False)
         dl_res = measure(epochs, n_img)
@@ -311,6 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         ]["trainer_cpu_s_per_batch"]
         / rows["shardserve, no transforms (uint8)"]["trainer_cpu_s_per_batch"],
         "images_vs_dataloader": img["samples_s"] / dl["samples_s"],
+        "images_one_step_threads_vs_dataloader": rows[
+            "shardserve, decode_random_resized_crop, 2 threads"
+        ]["samples_s"]
+        / dl["samples_s"],
+        "images_one_step_2_processes_vs_dataloader": rows[
+            "shardserve, decode_random_resized_crop, 2 worker process(es)"
+        ]["samples_s"]
+        / dl["samples_s"],
+        "images_process_2_vs_1": rows[
+            "shardserve, decode_random_resized_crop, 2 worker process(es)"
+        ]["samples_s"]
+        / rows["shardserve, decode_random_resized_crop, 1 worker process(es)"]["samples_s"],
         "images_trainer_cpu_vs_dataloader_main": img["trainer_cpu_s_per_batch"] / dl_cpu,
         "images_trainer_cpu_vs_dataloader_all": img["trainer_cpu_s_per_batch"]
         / (dl_cpu + dl.get("workers_cpu_s_per_batch", 0.0)),

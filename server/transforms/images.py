@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -30,18 +30,46 @@ def pil() -> ModuleType:
     return Image
 
 
+#: What a decoder gives: RGB (``uint8 [H, W, 3]``) or grayscale (``uint8 [H, W]``).
+Mode = Literal["RGB", "L"]
+
+
 class Decode(FieldParams):
-    mode: Literal["RGB", "L"] = "RGB"
+    mode: Mode = "RGB"
+
+
+def check_encoded(inputs: Schema, field: str) -> None:
+    """``ValueError`` unless ``field`` holds encoded bytes and Pillow is installed."""
+    if field not in inputs:
+        raise ValueError(f"no field {field!r}")
+    if not inputs[field].binary:
+        raise ValueError(f"field {field!r} is {inputs[field].describe()}, not encoded bytes")
+    pil()
 
 
 def _decode_outputs(p: Decode, inputs: Schema) -> dict[str, Field]:
     """{field: uint8 [-1, -1, 3] (RGB) or [-1, -1] (L)}"""
-    if p.field not in inputs:
-        raise ValueError(f"no field {p.field!r}")
-    if not inputs[p.field].binary:
-        raise ValueError(f"field {p.field!r} is {inputs[p.field].describe()}, not encoded bytes")
-    pil()
+    check_encoded(inputs, p.field)
     return {p.field: Field("uint8", (-1, -1, 3) if p.mode == "RGB" else (-1, -1))}
+
+
+def open_image(data: np.ndarray, limits: Limits) -> Any:
+    """Pillow's image of encoded bytes ``data`` with only its header read (nothing decoded
+    yet); ``ValueError`` if the header says more than ``--max-decoded-pixels``."""
+    image = pil()
+    try:
+        # open() reads the header only: the size is known before anything is allocated.
+        im = image.open(io.BytesIO(data.tobytes()))
+    except image.DecompressionBombError as e:  # Pillow's own, larger limit
+        raise ValueError(f"refused to decode: {e}") from None
+    w, h = im.size
+    if w * h > limits.max_decoded_pixels:
+        im.close()
+        raise ValueError(
+            f"image is {w} x {h} = {w * h} pixels by its header, more than "
+            f"--max-decoded-pixels {limits.max_decoded_pixels}; refused before decoding"
+        )
+    return im
 
 
 @sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True)
@@ -49,17 +77,5 @@ def decode_image(sample: Columns, p: Decode, rng: np.random.Generator,
                  limits: Limits) -> Columns:  # fmt: skip
     """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L); an image whose header says more
     than ``--max-decoded-pixels`` is refused before a pixel is decoded."""
-    image = pil()
-    try:
-        # open() reads the header only: the size is known before anything is allocated.
-        im = image.open(io.BytesIO(sample[p.field].tobytes()))
-    except image.DecompressionBombError as e:  # Pillow's own, larger limit
-        raise ValueError(f"refused to decode: {e}") from None
-    with im:
-        w, h = im.size
-        if w * h > limits.max_decoded_pixels:
-            raise ValueError(
-                f"image is {w} x {h} = {w * h} pixels by its header, more than "
-                f"--max-decoded-pixels {limits.max_decoded_pixels}; refused before decoding"
-            )
+    with open_image(sample[p.field], limits) as im:
         return {p.field: np.asarray(im.convert(p.mode))}

@@ -215,3 +215,49 @@ def test_pillow_resize_method_is_pillows_own() -> None:
         compile_chain([{"name": "resize", "params": {"size": 8, "method": "pillow",
                                                      "layout": "CHW"}}],
                       REG, {"image": Field("uint8", (3, 32, 32))}, "d")  # fmt: skip
+
+
+def _jpegs(sizes: list[tuple[int, int]], seed: int) -> dict:
+    """JPEGs of ``(h, w)`` each: smooth content with some noise, as photos have."""
+    rng = np.random.default_rng(seed)
+    blobs = []
+    for h, w in sizes:
+        base = Image.fromarray(rng.integers(0, 255, (6, 6, 3), dtype=np.uint8))
+        x = np.asarray(base.resize((w, h), Image.BILINEAR)).astype(np.int16)
+        x = (x + rng.integers(-20, 21, x.shape)).clip(0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(x).save(buf, format="JPEG", quality=90)
+        blobs.append(np.frombuffer(buf.getvalue(), np.uint8))
+    offs = np.zeros(len(blobs) + 1, np.int64)
+    np.cumsum([b.size for b in blobs], out=offs[1:])
+    return {"image": np.concatenate(blobs), "image.offsets": offs}
+
+
+def test_decode_random_resized_crop_is_the_two_steps_in_one() -> None:
+    """Without ``draft`` the fused step gives exactly ``decode_image`` then
+    ``random_resized_crop`` (``method="pillow"``) drawn from the same generator; with it,
+    images several times the crop's size decode at a reduced scale: close to the full
+    decode, not the same bytes, and images the crop needs whole are untouched."""
+    from shardserve.server.transforms import builtins
+
+    sizes = [(60, 90), (120, 100), (480, 640), (500, 375), (300, 420)]
+    parts = _jpegs(sizes, 7)
+    binary = {"image": Field("uint8", (-1,), binary=True)}
+    decoded = _run([{"name": "decode_image"}], binary, parts, len(sizes))
+    want = []
+    crop = builtins.RandomResizedCrop(size=[48, 40], method="pillow")
+    for i, (h, w) in enumerate(sizes):
+        x = decoded["image"][decoded["image.offsets"][i] : decoded["image.offsets"][i + 1]]
+        rng = sample_rng(W.seed, W.epoch, 100 + i, 0)
+        want.append(builtins.random_resized_crop.fn({"image": x.reshape(h, w, 3)}, crop, rng))
+    step = {"name": "decode_random_resized_crop", "params": {"size": [48, 40]}}
+    exact = _run([{**step, "params": {**step["params"], "draft": False}}], binary, parts, 5)
+    assert exact["image"].shape == (5, 48, 40, 3)
+    for i in range(len(sizes)):
+        assert (exact["image"][i] == want[i]["image"]).all(), sizes[i]
+    drafted = _run([step], binary, parts, 5)["image"].astype(int)
+    diff = np.abs(drafted - exact["image"].astype(int)).mean(axis=(1, 2, 3))
+    assert (diff[:2] == 0).all(), diff  # small images: decoded whole either way
+    assert (diff[2:] > 0).any() and (diff < 4).all(), diff
+    with pytest.raises(BadRequest, match="not encoded bytes"):
+        compile_chain([step], REG, {"image": Field("uint8", (-1, -1, 3))}, "d")

@@ -15,7 +15,7 @@ from PIL import Image
 
 from shardserve.client import Loader
 from tests.support.server import run_server
-from tests.transforms.conftest import digest
+from tests.transforms.conftest import digest, pool_status
 
 CLASSES = ["cat", "dog", "zebra"]
 
@@ -73,6 +73,39 @@ def test_image_folder_ingest_and_decode_at_serving_time(tmp_path: Path) -> None:
         assert labels == [lab for _, lab in expected]
         assert all(b["image"].shape[1:] == (3, 16, 16) for b in runs[0])
         assert [digest(b) for b in runs[0]] == [digest(b) for b in runs[1]]
+
+
+def test_one_step_decode_and_crop_is_the_same_on_threads_and_worker_processes(
+    tmp_path: Path, no_leftovers: list[int]
+) -> None:
+    """``decode_random_resized_crop`` serves [B, 16, 16, 3] uint8 crops of JPEGs and PNGs,
+    byte for byte the same from a thread pool and from worker processes; the processes read
+    the encoded bytes from their input files and write every crop into the stream's shared
+    memory."""
+    src, store = tmp_path / "src", tmp_path / "store"
+    expected = _folder(src)
+    assert _ingest(src, store).returncode == 0
+    chain = [{"name": "decode_random_resized_crop", "params": {"size": 16}}]
+
+    def epoch(url: str) -> tuple[list[str], int]:
+        with Loader(url, "pets", batch_size=4, shuffle=False, transforms=chain, timeout=30,
+                    fields=["image"]) as ld:  # fmt: skip
+            ld.set_epoch(0)
+            batches = list(ld)
+        assert all(b["image"].shape[1:] == (16, 16, 3) for b in batches)
+        return [digest(b) for b in batches], sum(b["image"].nbytes for b in batches)
+
+    with run_server(store, "--transform-pool", "thread") as srv:
+        want, served = epoch(srv.http_url)
+    assert served == len(expected) * 16 * 16 * 3
+    with run_server(store, "--transform-pool", "process") as srv:
+        no_leftovers.append(srv.proc.pid)
+        assert epoch(srv.http_url)[0] == want
+        status = pool_status(srv.http_url)
+        no_leftovers.extend(status["pool"]["pids"])
+        counts = status["counts"]
+        assert counts["worker_bytes_in_place"] == served, counts
+        assert counts["worker_input_bytes_via_shm"] > 0, counts
 
 
 def test_image_folder_with_loose_images_is_refused(tmp_path: Path) -> None:
