@@ -76,6 +76,10 @@ INPUT_FILE_MAX = 64 << 20
 
 class _Worker:
     def __init__(self, ctx: SpawnContext, modules: list[str]) -> None:
+        #: The shared-memory file the server lays this worker's inputs out in (one request at
+        #: a time), made at its first request: a pipe moves 64 KiB per wake-up of the other
+        #: side (a 270 KiB request took 240 us there, a copy into the file 10 us).
+        self.inputs: SlotRing | None = None
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=worker_main, args=(child, modules), name="ss-transform", daemon=True
@@ -95,10 +99,6 @@ class _Worker:
                 f"transform worker pid {self.proc.pid} exited while loading transform modules "
                 f"{modules} (exit code {self.proc.exitcode}); see the server log"
             ) from None
-        #: The shared-memory file the server lays this worker's inputs out in (one request at
-        #: a time), made at its first request: a pipe moves 64 KiB per wake-up of the other
-        #: side (a 270 KiB request took 240 us there, a copy into the file 10 us).
-        self.inputs: SlotRing | None = None
 
     def input_file(self, nbytes: int) -> SlotRing:
         """This worker's input file, made anew if it holds less than ``nbytes``; raises

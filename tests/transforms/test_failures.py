@@ -191,3 +191,20 @@ def test_worker_killed_from_outside_is_replaced_and_nothing_served_twice(srv: Se
     assert got == ref
     assert sorted(Counter(ids).values()) == [1] * N
     assert pool_status(srv.http_url)["counts"].get("workers_died", 0) >= died
+
+
+def test_a_worker_that_cannot_load_the_modules_fails_the_job_naming_them(
+    store: Path, no_leftovers: list[int]
+) -> None:
+    """A transform module that imports in the server but not in a worker process fails the
+    job with a TransformError naming the modules, and leaves no worker and no file behind."""
+    with run_server(store, "--transforms", "tests.transforms.worker_refuses") as s:
+        no_leftovers.append(s.proc.pid)
+        with (
+            pytest.raises(TransformError, match=r"exited while loading transform modules.*"
+                          r"worker_refuses"),
+            Loader(s.http_url, "cifar", 50, timeout=scaled(60),
+                   transforms=[{"name": "same_label"}]) as ld,
+        ):  # fmt: skip
+            list(ld)
+        assert pool_status(s.http_url)["pool"]["processes"] == 0
