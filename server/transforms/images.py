@@ -1,8 +1,7 @@
 """Decoding encoded images (JPEG, PNG, ...) with Pillow, from the ``images`` extra.
 
-Pillow releases the GIL while it decodes, so this runs well on the thread pool. It is
-imported when a chain that decodes runs, not when the server starts: a server without the
-extra lists the transform and refuses it at job creation with the extra's name.
+Pillow is imported when a chain that decodes runs, not when the server starts: a server
+without the extra lists the transform and refuses it at job creation with the extra's name.
 """
 
 from __future__ import annotations
@@ -72,7 +71,12 @@ def open_image(data: np.ndarray, limits: Limits) -> Any:
     return im
 
 
-@sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True)
+# Worker processes by default (``--transform-pool auto``): Pillow releases the GIL while it
+# decodes, but around each image Python holds it; on 2 cores, 10,000 small JPEGs decoded and
+# cropped ran twice as fast on 2 worker processes as on 2 threads (7,400 against 3,700
+# images/s), and 300-500 px photos 5-9% faster.
+@sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True,
+                  pool="process")  # fmt: skip
 def decode_image(sample: Columns, p: Decode, rng: np.random.Generator,
                  limits: Limits) -> Columns:  # fmt: skip
     """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L); an image whose header says more
