@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import math
 import mmap
 import os
@@ -76,10 +77,18 @@ class SlotRing:
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
 
-    @property
+    @functools.cached_property
     def address(self) -> int:
         """Where the mapping starts in this process (to tell whether an array lies in a slot)."""
         return np.frombuffer(self._mm, dtype=np.uint8, count=1).ctypes.data
+
+    def offset_in(self, slot: int, arr: np.ndarray) -> int | None:
+        """Where ``arr`` starts inside ``slot``, or ``None`` if it does not lie in the slot."""
+        start = self.address + slot * self.slot_bytes
+        addr = arr.ctypes.data
+        if start <= addr and addr + arr.nbytes <= start + self.slot_bytes:
+            return addr - start
+        return None
 
     def slot_array(
         self, slot: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]
@@ -213,33 +222,35 @@ class SlotTail:
 
     def __init__(self, ring: SlotRing, slot: int, start: int) -> None:
         self._ring, self._slot = ring, slot
-        self._lo = ring.address + slot * ring.slot_bytes  # the slot in this process
         #: The next free byte of the region, from the slot's start.
         self.cursor = start
 
     def empty(self, part: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self.cursor + nbytes > self._ring.slot_bytes:
-            return np.empty(shape, dtype)
-        view = self._ring.slot_array(self._slot, self.cursor, dtype, shape)
-        self.cursor = align(self.cursor + nbytes)
-        return view
+        view = self._next(shape, dtype)
+        return np.empty(shape, dtype) if view is None else view
 
     def __call__(self, parts: BatchParts) -> BatchParts:
         """``parts`` with every one outside the slot copied into its region, or ``parts``
         unchanged when they do not all fit (it goes on the socket)."""
         placed = dict(parts)
-        hi = self._lo + self._ring.slot_bytes
         for name, arr in parts.items():
-            if self._lo <= arr.ctypes.data and arr.ctypes.data + arr.nbytes <= hi:
+            if self._ring.offset_in(self._slot, arr) is not None:
                 continue  # made in the slot
-            if self.cursor + arr.nbytes > self._ring.slot_bytes:
+            view = self._next(arr.shape, arr.dtype)
+            if view is None:
                 return parts  # overflow: this batch goes on the socket
-            view = self._ring.slot_array(self._slot, self.cursor, arr.dtype, arr.shape)
             view[...] = arr
             placed[name] = view
-            self.cursor = align(self.cursor + arr.nbytes)
         return placed
+
+    def _next(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """The region's next array of ``shape``, or ``None`` if it does not fit."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.cursor + nbytes > self._ring.slot_bytes:
+            return None
+        view = self._ring.slot_array(self._slot, self.cursor, dtype, shape)
+        self.cursor = align(self.cursor + nbytes)
+        return view
 
 
 class ShmSlots:
@@ -277,7 +288,6 @@ class ShmSlots:
         }
         self._var_start = var_start
         self._lent: set[int] = set()
-        self._base = ring.address
         self._rows = batch_size
         self._full: dict[int, dict[str, np.ndarray]] = {}
 
@@ -417,20 +427,12 @@ class ShmSlots:
 
     # -- on the streamer thread -----------------------------------------------------------
 
-    def offset_of(self, slot: int, arr: np.ndarray) -> int | None:
-        """Where ``arr`` starts inside ``slot``, or ``None`` if it is not in the slot."""
-        start = self._base + slot * self.ring.slot_bytes
-        addr = arr.ctypes.data
-        if start <= addr and addr + arr.nbytes <= start + self.ring.slot_bytes:
-            return addr - start
-        return None
-
     def headers(self, slot: int, parts: Mapping[str, np.ndarray]) -> tuple[PartHeader, ...] | None:
         """Part headers with slot offsets, or ``None`` if some part lies outside the slot."""
         out = []
         full = self._full.get(slot, {})
         for name, a in parts.items():
-            off = self._offsets[name] if full.get(name) is a else self.offset_of(slot, a)
+            off = self._offsets[name] if full.get(name) is a else self.ring.offset_in(slot, a)
             if off is None:
                 return None
             out.append(PartHeader(name, a.dtype.name, a.shape, a.nbytes, off))

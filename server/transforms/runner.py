@@ -97,10 +97,11 @@ def join_parts(
         np.cumsum(sizes, out=offsets[1:])
         dt = np.dtype(f.dtype)
         flat = [a.reshape(-1) for a in items]
-        if flat and all(a.dtype == dt for a in flat):  # as the runner checked each sample's
-            parts[name] = np.concatenate(flat, out=tail.empty(name, (int(offsets[-1]),), dt))
-        else:
-            parts[name] = np.concatenate(flat).astype(dt, copy=False) if flat else np.empty(0, dt)
+        parts[name] = (
+            np.concatenate(flat, out=tail.empty(name, (int(offsets[-1]),), dt), casting="unsafe")
+            if flat
+            else np.empty(0, dt)
+        )
         parts[name + OFFSETS] = offsets
         if not f.binary:
             parts[name + SHAPES] = np.array([a.shape for a in items], dtype=np.int64).reshape(
