@@ -43,6 +43,7 @@ from shardserve.proto.jobs import (
     ShuffleMode,
 )
 
+from ._offthread import within
 from .distributed import World, agree_with_rank0
 from .mixture import Mixture, mixture_sources
 
@@ -53,6 +54,11 @@ PLAN_OFFSET_HEADER = "X-Shardserve-Offset"
 #: Where a Loader whose ``url`` is ``None`` looks without ``SHARDSERVE_URL``: the node-local
 #: sidecar.
 DEFAULT_URL = "http://127.0.0.1:7070"
+#: Per-operation timeout of re-posting a job while a stream recovers (off the stream's thread).
+RECREATE_TIMEOUT_S = 5.0
+#: Wall-clock bound on what a stall error reports about the server (a name lookup has no
+#: timeout of its own; see ``_offthread``).
+DESCRIBE_WITHIN_S = 2.0
 #: What ``shuffle=`` accepts: True/False or a mode by name.
 Shuffle: TypeAlias = bool | ShuffleMode
 #: The job's shuffle mode for each value of ``shuffle=``.
@@ -418,7 +424,7 @@ class JobHandle:
             self._info = self.api.dataset(self.spec.described_by)
         return self._info
 
-    def recreate(self, timeout: float) -> None:
+    def recreate(self, timeout: float = RECREATE_TIMEOUT_S) -> None:
         """Re-POST the spec (after a server restart the job is unknown until then).
 
         The server pins the dataset's current version; another id than ours means the
@@ -434,7 +440,15 @@ class JobHandle:
             )
 
     def describe(self) -> str:
-        """Facts for a DataStallError, each fetched with a short timeout; never raises."""
+        """Facts for a DataStallError, fetched within ``DESCRIBE_WITHIN_S``; never raises."""
+        return within(
+            self._describe,
+            DESCRIBE_WITHIN_S,
+            f"server {self.api.url} did not answer within {DESCRIBE_WITHIN_S:.0f} s (its name "
+            f"{self.api.host!r} may not resolve, or the host not answer)",
+        )
+
+    def _describe(self) -> str:
         if not self.api.healthy(timeout=0.5):
             return f"server {self.api.url} does not answer GET /healthz"
         try:

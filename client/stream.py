@@ -17,7 +17,6 @@ dropped, so a reconnect never delivers a batch twice.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import time
@@ -46,6 +45,7 @@ from shardserve.proto.messages import (
 )
 
 from ._cut import check_message
+from ._offthread import Background
 from .connection import Connection
 from .shm import AttachedRing, RingCache, ShmAttachError
 from .stats import StatsClock
@@ -75,7 +75,7 @@ class EpochStream:
         hello: Hello,
         timeout: float,
         stats: StatsClock,
-        recreate_job: Callable[[float], None],
+        recreate_job: Callable[[], None],
         describe: Callable[[], str],
         rings: RingCache | None = None,
         rows: int = 0,
@@ -92,7 +92,10 @@ class EpochStream:
         self.next_index = hello.start_batch
         self.timeout = timeout
         self.stats = stats
-        self._recreate_job = recreate_job
+        # Off this thread: a name lookup of the restarted server has no timeout (see _offthread).
+        self._recreate = Background(recreate_job, f"shardserve-recreate-{hello.job}")
+        #: The server said it does not know the job of the Hello now out.
+        self._job_missing = False
         self._describe = describe
         self.welcome: Welcome | None = None
         self.done = False
@@ -129,6 +132,8 @@ class EpochStream:
             frames = self.conn.recv()
             if frames is None:
                 self._flush_grant()
+                if self._recreated() and self.welcome is None and self._job_missing:
+                    self._send_hello(self.next_index)  # the last Hello came before the job
                 now = time.monotonic()
                 if now >= deadline:
                     raise self._stall(now - started)
@@ -311,6 +316,8 @@ class EpochStream:
         where = f"(job {self.hello.job}, rank {self.hello.rank}, epoch {self.epoch}, next batch {self.next_index})"
         if fatal:
             raise error_for_code(code, f"{message} {where}")
+        if code is ErrorCode.JOB_NOT_FOUND:
+            self._job_missing = True
         if code in RECOVERABLE:
             self._recover(f"server said {code.value}: {message}")
         elif code is ErrorCode.SHARE_DETACHED:
@@ -335,6 +342,7 @@ class EpochStream:
             }
         )
         self.welcome = None
+        self._job_missing = False
         self._hello_at = time.monotonic()
         self._pending_grant = 0
         self.credit_outstanding = self.hello.credit
@@ -368,13 +376,23 @@ class EpochStream:
             reason,
         )
         self.stats.reconnects += 1
-        # Still down: the Hello waits in libzmq's queue and goes out on reconnect.
-        with contextlib.suppress(ServerUnavailable):
-            self._recreate_job(min(1.0, self._backoff * 4))
+        # A server that restarted without the job answers this Hello JOB_NOT_FOUND; the job
+        # is posted again meanwhile, and the Hello repeated once it is (see next()). Still
+        # down: the Hello waits in libzmq's queue and goes out on reconnect.
+        self._recreate.start()
         self._send_hello(self.next_index)
         self._last_heard = now
         self._next_recover = now + self._backoff
         self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)
+
+    def _recreated(self) -> bool:
+        """Whether the job was posted again since the last look; a refusal (the dataset
+        changed) is raised here, a server still away is left to the next recovery."""
+        try:
+            return self._recreate.check()
+        except ServerUnavailable as e:
+            log.debug("job %s not re-created yet: %s", self.hello.job, e)
+            return False
 
     def _stall(self, waited: float) -> ShardserveError:
         state = (

@@ -9,6 +9,7 @@ error the client dropped would surface as ``DataStallError`` instead of the real
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,8 @@ from tests.support.server import ServerProc, run_server
 
 N = 300
 DEADLINE_S = 2.5  # < 3 s: the client's silence detection must not be what ends the wait
+#: A bound for waits that only a bug makes long (never met by a working client).
+STEP_BOUND_S = 60.0
 
 
 @pytest.fixture
@@ -140,7 +143,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
         yield srv
 
 
-def _stream(srv: ServerProc, *, recreate: Callable[[float], None] | None = None, **hello) -> None:
+def _stream(srv: ServerProc, *, recreate: Callable[[], None] | None = None, **hello) -> None:
     """Open one stream with a hand-made Hello (what a Loader would never send) and read it."""
     spec = JobSpec(dataset="cifar", batch_size=50, world_size=2)
     with ControlClient(srv.http_url, "s3cret", timeout=10) as api:
@@ -150,7 +153,7 @@ def _stream(srv: ServerProc, *, recreate: Callable[[float], None] | None = None,
     try:
         stream = EpochStream(
             conn, hello=Hello(**{**fields, **hello}), timeout=DEADLINE_S, stats=StatsClock(),
-            recreate_job=recreate or (lambda _t: None), describe=lambda: "",
+            recreate_job=recreate or (lambda: None), describe=lambda: "",
         )  # fmt: skip
         while stream.next() is not None:
             pass
@@ -180,8 +183,42 @@ def test_an_unknown_job_that_cannot_be_created_again_raises_why(server: ServerPr
     """A Hello for a job the server does not know makes the client re-create it; when that
     fails (its dataset is gone), that typed error is what the loop sees."""
 
-    def recreate(_timeout: float) -> None:
+    def recreate() -> None:
         raise DatasetNotFound("dataset 'cifar' is not in the store")
 
     err = _raises_quickly(DatasetNotFound, lambda: _stream(server, job="0" * 16, recreate=recreate))
     assert "'cifar'" in str(err)
+
+
+def test_a_stream_never_waits_on_its_job_being_posted_again(server: ServerProc) -> None:
+    """The re-post of a job a restarted server lost runs off the stream's thread: with the
+    POST reaching the server but its answer never coming back (a name lookup of a restarted
+    container has no timeout), the stream's next Hello finds the job and its batches flow."""
+    spec = JobSpec(dataset="cifar", batch_size=50, world_size=2, seed=11)
+    posted, release, answered = threading.Event(), threading.Event(), threading.Event()
+    with ControlClient(server.http_url, "s3cret", timeout=10) as api:
+        job = api.create_job(spec).id
+        httpx.delete(
+            f"{server.http_url}/v1/jobs/{job}", headers={"Authorization": "Bearer s3cret"}
+        ).raise_for_status()
+
+        def recreate() -> None:
+            api.create_job(spec)
+            posted.set()
+            release.wait(STEP_BOUND_S)  # the answer that never came
+            answered.set()
+
+        hello = Hello(job=job, rank=0, epoch=0, credit=2, token="s3cret")
+        conn = Connection(server.ipc_endpoint or server.tcp_endpoint)
+        try:
+            stream = EpochStream(
+                conn, hello=hello, timeout=STEP_BOUND_S, stats=StatsClock(),
+                recreate_job=recreate, describe=lambda: "",
+            )  # fmt: skip
+            first = stream.next()
+            assert first is not None and first[0].index == 0
+            assert posted.is_set() and not answered.is_set(), "the stream waited for the re-post"
+            assert stream.stats.reconnects >= 1
+        finally:
+            release.set()
+            conn.close()

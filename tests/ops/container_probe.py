@@ -11,6 +11,7 @@ shared-memory fallback among them) go to stderr.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import sys
@@ -27,8 +28,12 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'training' per batch")
     args = p.parse_args()
     logging.basicConfig(
-        level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s"
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
     )
+    # Why a stream re-opened, for a test that fails after a restart.
+    logging.getLogger("shardserve.client").setLevel(logging.INFO)
+    # Where the probe is stuck, should it be: a failing test shows its stderr.
+    faulthandler.dump_traceback_later(15, repeat=True)
     seen: list[int] = []
     with Loader(args.url, args.dataset, args.batch_size, seed=7, timeout=60.0) as loader:
         loader.set_epoch(0)

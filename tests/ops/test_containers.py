@@ -293,7 +293,12 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, stderr[-4000:]
+    if proc.returncode != 0:
+        server_log = stack.podman("logs", "--tail", "40", stack.server)
+        pytest.fail(
+            f"the probe failed ({proc.returncode}):\n{stderr[-6000:]}\n--- the server's last "
+            f"log lines:\n{server_log.stdout[-6000:]}{server_log.stderr[-3000:]}"
+        )
     report = json.loads(rest.strip().splitlines()[-1])
     assert report["reconnects"] >= 1, report
     assert len(report["seen"]) == IDS and sorted(report["seen"]) == list(range(IDS)), (
