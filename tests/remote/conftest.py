@@ -1,14 +1,15 @@
 """A real S3 wire protocol on loopback: moto's server, talked to by pyarrow's own S3 client.
 
-``s3`` starts ``ThreadedMotoServer`` on 127.0.0.1 (a fixed free port, so a test can stop it
-and start it again on the same address), creates a bucket, and sets the environment a user
-would: endpoint, region and (fake) credentials whose values the tests then look for in every
-log, error and page.
+``s3`` starts moto's S3 app on a werkzeug server on 127.0.0.1 (a fixed free port, so a test
+can stop it and start it again on the same address), creates a bucket, and sets the
+environment a user would: endpoint, region and (fake) credentials whose values the tests then
+look for in every log, error and page.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,11 +24,43 @@ SECRET_KEY = "s3cr3t-shardserve-never-shown-0123456789"
 BUCKET = "shards"
 
 
+class MotoServer:
+    """moto's S3 app served on ``host:port`` until :meth:`stop`.
+
+    Not moto's ``ThreadedMotoServer``: its ``stop`` leaves the listening socket open for as
+    long as a request thread still holds the server (seen on a loaded machine), so starting
+    again on the same port failed to bind, and its ``start`` then waited forever for a thread
+    that had died. Here the bind happens in the caller and raises, and ``stop`` closes it.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(
+            host, port, app, threaded=True, request_handler=MotoRequestHandler
+        )
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name=f"moto-s3-{port}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
 @dataclass
 class S3:
     """A running moto S3 server and what a client needs to reach it."""
 
-    server: object
+    server: MotoServer
     host: str
     port: int
 
@@ -50,14 +83,11 @@ class S3:
         return f"s3://{BUCKET}/{prefix}"
 
     def stop(self) -> None:
-        self.server.stop()  # type: ignore[attr-defined]
+        self.server.stop()
 
     def start(self) -> None:
         """Start again on the same port; moto keeps its buckets in this process meanwhile."""
-        from moto.server import ThreadedMotoServer
-
-        self.server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
-        self.server.start()  # type: ignore[attr-defined]
+        self.server = MotoServer(self.host, self.port)
 
     def filesystem(self) -> object:
         import pyarrow.fs as pafs
@@ -76,13 +106,11 @@ class S3:
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     """A fresh moto S3 server with one empty bucket; the environment points at it."""
-    moto_server = pytest.importorskip(
+    pytest.importorskip(
         "moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')"
     )
     port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    s = S3(server, "127.0.0.1", port)
+    s = S3(MotoServer("127.0.0.1", port), "127.0.0.1", port)
     for k, v in s.env.items():
         monkeypatch.setenv(k, v)
     # moto keeps buckets in process-global state, and a test that failed with the endpoint
