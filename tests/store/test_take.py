@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.dataset import Dataset
+from shardserve.server.store.gather import groups
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import (
     cifar_images,
@@ -74,6 +75,17 @@ def test_cifar_take_matches_reference(stores: tuple[Dataset, Dataset], ids: list
 def test_graph_take_matches_reference(stores: tuple[Dataset, Dataset], ids: list[int]) -> None:
     """Variable and binary fields gather into values + offsets (+ shapes) in request order."""
     _check_graphs(stores[1], np.array(ids, dtype=np.int64))
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=70), st.sampled_from([0, 1 << 16]))
+def test_groups_name_each_touched_chunk_with_its_positions(chunks: list[int], base: int) -> None:
+    """A batch's chunk ids (one chunk or several, ids past 16 bits) group into each touched
+    chunk, ascending, with its positions in the batch, ascending: every position once."""
+    chunk = np.array(chunks, dtype=np.int64) + base
+    got = [(c, np.arange(chunk.size)[p].tolist()) for c, p in groups(chunk)]
+    ids = chunk.tolist()
+    want = [(c, [j for j, x in enumerate(ids) if x == c]) for c in sorted(set(ids))]
+    assert got == want
 
 
 def test_single_shard_batch_and_full_permutation(stores: tuple[Dataset, Dataset]) -> None:
