@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardserve.server.planning import RankPlan, epoch_order, num_batches, plan
+from shardserve.server.planning.envs import EnvSteps
 
 from .strategies import batch_sizes, seeds, shard_layouts, shuffles, sizes, windows, world_sizes
 
@@ -174,3 +175,24 @@ def test_num_batches_validates() -> None:
         num_batches(10, 0, 1, False)
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         num_batches(10, 1, 0, True)
+
+
+@SETTINGS
+@given(
+    n=sizes, seed=seeds, ws=world_sizes, bs=batch_sizes, envs=st.integers(1, 4),
+    drop_last=st.booleans(), data=st.data(),
+)  # fmt: skip
+def test_env_steps_span_is_its_steps_one_after_the_other(
+    n: int, seed: int, ws: int, bs: int, envs: int, drop_last: bool, data: st.DataObject
+) -> None:
+    """A span of steps (a message's) holds each step's environment batches in step order,
+    whether its batches are full or it ends with the epoch's short one."""
+    orders = [epoch_order(n, seed, 0, "global", env=e) for e in range(envs)]
+    steps = EnvSteps.from_orders(orders, ws, 0, bs, drop_last)
+    if len(steps) == 0:
+        return
+    i = data.draw(st.integers(0, len(steps) - 1))
+    count = data.draw(st.integers(1, len(steps) - i))
+    want = np.concatenate([steps.batch(j) for j in range(i, i + count)])
+    got = steps.span(i, count)
+    assert got.dtype == np.int64 and got.tolist() == want.tolist()
