@@ -14,8 +14,9 @@ leftovers of writers whose process is gone.
 Ownership is an ``fcntl.flock`` on ``owner.lock``, held by the writer from the folder's
 creation until its publish rename is done: the kernel drops it when the owner dies (whatever
 kills it, in any PID namespace), so a sweep that can take the lock has proof the owner is
-gone, and one that cannot leaves the folder alone. (A pid file alone was unlinked before the
-publish rename, and a concurrent sweep removed a folder about to be published.)
+gone, and one that cannot leaves the folder alone. The lock file gets that name only once
+locked; before, a folder is left alone for its first minute. (A pid file alone was unlinked
+before the publish rename, and a concurrent sweep removed a folder about to be published.)
 """
 
 from __future__ import annotations
@@ -82,8 +83,13 @@ def new_temp_dir(root: Path, name: str) -> OwnedDir:
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"{TMP_PREFIX}{name}-{secrets.token_hex(6)}"
     (path / SHARDS_DIR).mkdir(parents=True)
-    fd = os.open(path / LOCK_FILE, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # our own fresh file: never contended, never blocks
+    # The lock file takes its name already locked: a sweep that opened it between its
+    # creation and our flock would take the lock first and remove the folder. Until the
+    # rename a sweep sees no lock file, and a folder that young is left alone.
+    pending = path / (LOCK_FILE + ".new")
+    fd = os.open(pending, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a file no one else knows of: never blocks
+    os.rename(pending, path / LOCK_FILE)
     (path / OWNER_FILE).write_text(str(os.getpid()))  # for people reading the folder
     return OwnedDir(path, fd)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -195,6 +196,47 @@ def test_sweep_keeps_a_live_writers_folder_and_removes_a_dead_ones(tmp_path: Pat
     assert live.path.is_dir() and not dead.exists()
     live.release()
     assert layout.clean_stale(tmp_path) == [live.path]
+
+
+SWEEPER = """
+import sys
+from pathlib import Path
+from shardserve.server.store import layout
+root = Path(sys.argv[1])
+layout.clean_stale(root)
+print("sweeping", flush=True)
+while True:
+    layout.clean_stale(root)
+"""
+
+
+def test_a_sweep_never_takes_the_lock_of_a_folder_being_created(tmp_path: Path) -> None:
+    """Folders created while another process sweeps in a tight loop all survive, locked: the
+    lock file appears under its name already locked (opened by a sweep between its creation
+    and its writer's flock, it was taken and the folder removed: 1-10 of these 8,000)."""
+    sweeper = subprocess.Popen(
+        [sys.executable, "-c", SWEEPER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    lost: list[str] = []
+    try:
+        assert sweeper.stdout is not None
+        ready, _, _ = select.select([sweeper.stdout], [], [], 60)
+        assert ready and sweeper.stdout.readline().strip() == "sweeping", "sweeper did not start"
+        for i in range(8000):
+            try:
+                d = layout.new_temp_dir(tmp_path, f"n{i}")
+            except FileNotFoundError as e:  # its folder was removed before its pid file
+                lost.append(f"n{i}: {e}")
+                continue
+            if not (d.path / layout.LOCK_FILE).is_file():
+                lost.append(f"n{i}: {d.path} removed")
+            d.release()
+    finally:
+        sweeper.kill()
+        sweeper.wait(timeout=10)
+        if sweeper.stdout is not None:
+            sweeper.stdout.close()
+    assert not lost, f"{len(lost)} new folders removed by a concurrent sweep: {lost[:3]}"
 
 
 RING_HOLDER = """
