@@ -100,9 +100,7 @@ def take_fixed(
         views[c].take(r, axis=0, out=by_chunk[a : a + r.size], mode="clip")
         a += r.size
     order = np.concatenate([pos for _, pos in chunk_groups])
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    return by_chunk.take(inverse, axis=0, out=out, mode="clip")
+    return by_chunk.take(_scatter(np.arange(order.size), order), axis=0, out=out, mode="clip")
 
 
 #: Bytes a joined copy of one small fixed column may take (see :class:`JoinedColumns`).
@@ -142,9 +140,7 @@ def take_arrow(
     pieces = [pc.take(arrays[c], indices(rows[pos])) for c, pos in chunk_groups]
     grouped = pa.concat_arrays(pieces)
     order = np.concatenate([pos for _, pos in chunk_groups])
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    return pc.take(grouped, indices(inverse))
+    return pc.take(grouped, indices(_scatter(np.arange(order.size), order)))
 
 
 def ragged_parts(arr: pa.Array, value_dtype: str) -> tuple[np.ndarray, np.ndarray]:
