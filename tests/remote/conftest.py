@@ -53,7 +53,7 @@ class MotoServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join()
+        self._thread.join(timeout=30)  # serve_forever returned in shutdown: a formality
 
 
 @dataclass
