@@ -173,6 +173,7 @@ class Dataset:
             chunk, rows = locate(idx, chunks.starts) if b else (idx, idx)
             g = groups(chunk)
         joined = chunks.joined if len(g) > 1 else None
+        stitched = chunks.stitched if len(g) > 1 else None
         parts: dict[str, np.ndarray] = {}
 
         def small(
@@ -181,9 +182,12 @@ class Dataset:
             if not b:
                 return dest
             one = joined.get((key, n), kind[n]) if joined is not None else None
-            if one is None:
-                return take_fixed(kind[n], g, rows, dest)
-            return np.take(one, idx, axis=0, out=dest, mode="clip")  # ids are checked
+            if one is not None:
+                return np.take(one, idx, axis=0, out=dest, mode="clip")  # ids are checked
+            across = stitched.get(n, kind[n]) if stitched is not None and key == "fixed" else None
+            if across is not None:
+                return across.take(chunk, rows, dest)
+            return take_fixed(kind[n], g, rows, dest)
 
         for n in names:
             spec = self._specs[n]

@@ -6,7 +6,8 @@ are over the chunks a batch touches, not over samples, except for big rows (belo
 * fixed fields: one ``np.take`` straight into the output when the batch lies in one chunk
   (one copy), else one ``np.take`` per touched chunk into a scratch array grouped by chunk
   and one more into batch order (rows of 16 KiB and more: one copy per row into place, the
-  one loop over samples here);
+  one loop over samples here). A local dataset reads across chunks through :mod:`.stitch`
+  instead where it can: one copy there too;
 * variable / binary fields (:func:`take_ragged`): each touched chunk's offsets are read with
   one fancy index, the batch's offsets are one ``cumsum``, and the values of every sample are
   moved by one ``np.take`` per touched chunk over an index of *units* (the row of the fixed

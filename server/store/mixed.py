@@ -29,6 +29,7 @@ from ..source import FRESH, BatchParts, BatchSource, PartShapes, Planned, Tail, 
 from .dataset import Dataset
 from .gather import JoinedColumns, RaggedChunks
 from .shard_set import Chunks, ShardSet
+from .stitch import StitchedColumns
 
 __all__ = ["ConcatShards", "SourceLabels", "mixed_dataset", "mixture_manifest"]
 
@@ -191,6 +192,7 @@ def _concat(
     ends = [int(c.starts[-1] + offsets[k]) for k, c in enumerate(got) if len(c.starts) > 1]
     names = [f.name for f in fields]
     ragged = {f.name: f.dtype for f in fields if f.kind not in ("scalar", "tensor")}
+    stitched = [c.stitched for c in got if c.stitched is not None] if whole else []
 
     def joined(pick: Callable[[Chunks], Mapping[str, list[np.ndarray]]]) -> Columns:
         """The fields of ``names`` that ``pick`` holds, every source's chunks in order."""
@@ -211,6 +213,7 @@ def _concat(
             for n, dtype in ragged.items()
         },
         joined=JoinedColumns() if whole else None,
+        stitched=StitchedColumns.joining(stitched) if len(stitched) == len(got) else None,
     )
 
 

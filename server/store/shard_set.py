@@ -38,6 +38,7 @@ from .cache import Lease, ShardCache
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
 from .shards import MappedShard, read_ends_ahead
+from .stitch import Piece, StitchedColumns
 
 VERIFY_MODES = ("lazy", "full", "off")
 #: Shards fetched ahead of the reader at most (and never more than half the cache limit).
@@ -58,6 +59,8 @@ class Chunks:
     arrays: Mapping[str, Sequence[pa.Array]]
     #: Small columns joined across chunks; ``None`` where the chunks change between batches.
     joined: JoinedColumns | None
+    #: Fixed fields mapped as one array across chunks; ``None`` where they change, as above.
+    stitched: StitchedColumns | None
 
     @classmethod
     def of(
@@ -66,6 +69,7 @@ class Chunks:
         first_ids: Sequence[int],
         fields: Sequence[FieldSpec],
         joined: JoinedColumns | None,
+        stitched: StitchedColumns | None,
     ) -> Chunks:
         """The chunks of ``shards``, whose first samples have the ids ``first_ids``."""
         chunks = [c for s in shards for c in s.chunks]
@@ -95,6 +99,7 @@ class Chunks:
                 n: RaggedChunks([c.arrays[n] for c in chunks], dtypes[n]) for n in kinds["ragged"]
             },
             joined=joined,
+            stitched=stitched,
         )
 
 
@@ -162,7 +167,11 @@ class MappedShards:
             self.close()
             raise
         self._chunks = Chunks.of(
-            self._shards, shard_starts(manifest)[:-1].tolist(), manifest.fields, JoinedColumns()
+            self._shards,
+            shard_starts(manifest)[:-1].tolist(),
+            manifest.fields,
+            JoinedColumns(),
+            StitchedColumns(self._pieces),
         )
         #: Shards whose framing and blocks outside row data are verified (:mod:`.blocks`).
         self._verified = [verify != "lazy"] * len(self._shards)
@@ -223,6 +232,25 @@ class MappedShards:
                 raise
             self._verified[s] = True
 
+    def _pieces(self, name: str) -> list[Piece] | None:
+        """Where every chunk's rows of fixed field ``name`` lie in the open shard files;
+        ``None`` if a chunk's were copied at open (a column with missing values)."""
+        out: list[Piece] = []
+        try:
+            for sh in self._shards:
+                fd = sh.fileno()
+                for chunk, spans in zip(sh.chunks, sh.spans, strict=True):
+                    span = spans.get(name)
+                    if not chunk.rows:
+                        out.append(Piece(fd, 0, 0))
+                    elif span is None or span.offsets is not None:
+                        return None
+                    else:
+                        out.append(Piece(fd, span.start, chunk.rows))
+        except ValueError:  # closed meanwhile: nothing to stitch
+            return None
+        return out
+
     def _spans(self, s: int) -> list[list[RowSpan]]:
         """Each chunk's row spans of shard ``s``."""
         return [list(c.values()) for c in self._shards[s].spans]
@@ -257,7 +285,8 @@ class MappedShards:
 
     def close(self) -> None:
         # The joined copies are this dataset's own memory; dropping the chunks drops them.
-        self._chunks = Chunks.of([], [], (), None)
+        # A stitched array unmaps itself when the last read over it is done.
+        self._chunks = Chunks.of([], [], (), None, None)
         self._rows.close()  # its views of the mappings too, or they would stay mapped
         for s in self._shards:
             s.close()
@@ -323,7 +352,7 @@ class CachedShards:
             raise
         self._prefetch_after(shards)
         first = [int(self._starts[s]) for s in shards]
-        return Chunks.of(mapped, first, self.manifest.fields, None)
+        return Chunks.of(mapped, first, self.manifest.fields, None, None)
 
     def _map(self, s: int) -> MappedShard:
         """Map shard ``s`` (leasing it from the cache) and count one more user of it."""
