@@ -140,7 +140,10 @@ def test_a_mixture_is_stitched_across_its_sources(store: Store) -> None:
     a, b = store.open("rows"), store.open("more")
     mixed = mixed_dataset("mix:rows+more", [a, b], ["odd", "id"])
     ids = np.random.default_rng(5).permutation(N + 90)[:150]
+    before = _mapped(store.root)
     parts = mixed.take(ids)
+    # One more mapping of every shard of both sources: the mixture's own stitched "odd".
+    assert _mapped(store.root) >= before + len(a.manifest.shards) + len(b.manifest.shards)
     want = np.concatenate([_rows(0, N)["odd"], _rows(0, 90)["odd"]])
     np.testing.assert_array_equal(parts["odd"], want[ids])
     assert parts["source"].tolist() == (ids >= N).astype(int).tolist()
