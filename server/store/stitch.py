@@ -154,8 +154,9 @@ def stitch(pieces: Sequence[Piece], dtype: np.dtype, shape: tuple[int, ...]) -> 
             return None
     buf = (ctypes.c_char * (lay.rows * row_bytes)).from_address(base + lay.skew)
     # The array holds ``buf`` (through a memoryview): the range is unmapped when the last
-    # array over it goes.
-    weakref.finalize(buf, owner.release)
+    # array over it goes. Not at interpreter exit: a thread still reading would crash the
+    # exit, and the kernel unmaps it with the process anyway.
+    weakref.finalize(buf, owner.release).atexit = False
     array = np.frombuffer(memoryview(buf), dtype=dtype).reshape(lay.rows, *shape)
     array.flags.writeable = False  # the pages are mapped read-only: a write would be SIGSEGV
     return Stitched(array, lay.first)
