@@ -12,7 +12,8 @@ server's ``/proc/PID/status`` every 20 ms:
   server's, ~55 MiB of interpreter and libraries) under 10 % of the dataset; the idle
   server's itself <= 60 MiB (the libraries' code pages are file pages, counted in RssFile);
 * ``RssFile``  mapped file pages, i.e. the page cache shared with every other process (one copy
-  of the dataset, the design);
+  of the dataset, the design; counted once per mapping, and the fixed fields of a dataset of
+  several shards are mapped twice, once stitched across shards: up to twice the dataset);
 * ``RssShmem`` the shared-memory slot rings (the clients' prefetch).
 
 Figures are ratios against the dataset's bytes in the same run. Writes JSON to
