@@ -82,7 +82,7 @@ def run(
 ) -> dict[str, float]:
     ctx = mp.get_context("spawn")  # a fresh interpreter per rank, as torchrun starts them
     # The ranks and this process: it learns when the timed epoch starts (every rank is done
-    # with the warm-up one), to count the server's CPU over that epoch only.
+    # with the warm-up one), to count the server's CPU over the timed epochs only.
     barrier, out = ctx.Barrier(world + 1), ctx.Queue()
     procs = [
         ctx.Process(target=rank_main, args=(url, r, world, chain, epochs, barrier, out))

@@ -6,7 +6,8 @@ shards and takes them back after the read:
 
 * :class:`MappedShards` (a local store): every shard mapped at open; its chunks are one set
   for the whole dataset, so small columns can be joined across chunks once
-  (:class:`~.gather.JoinedColumns`); a shard is checksummed before its first read (``lazy``),
+  (:class:`~.gather.JoinedColumns`) and fixed fields mapped as one array across them
+  (:mod:`.stitch`); a shard is checksummed before its first read (``lazy``),
   at open (``full``) or never (``off``).
 * :class:`CachedShards` (a remote store): a shard is fetched whole into the local
   :class:`~.cache.ShardCache`, checksummed and mapped when a batch first needs it, leased while
