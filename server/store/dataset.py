@@ -29,7 +29,15 @@ from shardserve.proto.parts import MASK, OFFSETS, SHAPES, PartShape, parts_of
 
 from ..source import FRESH, Planned, Tail
 from .cache import ShardCache
-from .gather import ALL, Positions, groups, take_fixed, take_ragged
+from .gather import (
+    ALL,
+    Positions,
+    groups,
+    ragged_unit,
+    take_fixed,
+    take_ragged,
+    take_ragged_across,
+)
 from .index import as_indices, check_bounds, chunk_of, locate
 from .shard_set import (
     VERIFY_MODES,
@@ -184,10 +192,28 @@ class Dataset:
             one = joined.get((key, n), kind[n]) if joined is not None else None
             if one is not None:
                 return np.take(one, idx, axis=0, out=dest, mode="clip")  # ids are checked
-            across = stitched.get(n, kind[n]) if stitched is not None and key == "fixed" else None
-            if across is not None:
-                return across.take(chunk, rows, dest)
+            if stitched is not None and key == "fixed":
+                view = kind[n][0]
+                across = stitched.get(n, view.dtype, view.shape[1:])
+                if across is not None:
+                    return across.take(chunk, rows, dest)
             return take_fixed(kind[n], g, rows, dest)
+
+        def ragged(n: str, spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:
+            empty = partial(tail.empty, n)
+            if stitched is not None and spec.dtype != "bool":  # bools are bit-packed
+                binary = spec.kind == "binary"
+                unit = ragged_unit(spec.shape, binary)
+                dtype = np.dtype(np.uint8 if binary else spec.dtype)
+                across = stitched.get(n, dtype, ())
+                got = (
+                    take_ragged_across(across, chunks.arrays[n], chunk, rows, unit, dtype, empty)
+                    if across is not None
+                    else None
+                )
+                if got is not None:
+                    return got
+            return take_ragged(chunks.arrays[n], g, rows, spec.dtype, spec.shape, empty)
 
         for n in names:
             spec = self._specs[n]
@@ -200,9 +226,7 @@ class Dataset:
                 parts[n] = small(chunks.fixed, "fixed", n, self._out_array(spec, b, out, tail))
                 continue
             if b:
-                parts[n], parts[n + OFFSETS] = take_ragged(
-                    chunks.arrays[n], g, rows, spec.dtype, spec.shape, partial(tail.empty, n)
-                )
+                parts[n], parts[n + OFFSETS] = ragged(n, spec)
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
                 parts[n + OFFSETS] = np.zeros(1, dtype=np.int64)

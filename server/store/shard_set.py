@@ -6,8 +6,9 @@ shards and takes them back after the read:
 
 * :class:`MappedShards` (a local store): every shard mapped at open; its chunks are one set
   for the whole dataset, so small columns can be joined across chunks once
-  (:class:`~.gather.JoinedColumns`) and fixed fields mapped as one array across them
-  (:mod:`.stitch`); a shard is checksummed before its first read (``lazy``),
+  (:class:`~.gather.JoinedColumns`) and fixed fields and variable fields' values mapped as
+  one array across them (:mod:`.stitch`); a shard is checksummed before its first read
+  (``lazy``),
   at open (``full``) or never (``off``).
 * :class:`CachedShards` (a remote store): a shard is fetched whole into the local
   :class:`~.cache.ShardCache`, checksummed and mapped when a batch first needs it, leased while
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import pyarrow as pa
 from tqdm import tqdm
 
 from shardserve.proto.errors import DatasetCorruptError
@@ -57,7 +57,7 @@ class Chunks:
     fixed: Mapping[str, list[np.ndarray]]
     valid: Mapping[str, list[np.ndarray]]
     shapes: Mapping[str, list[np.ndarray]]
-    arrays: Mapping[str, Sequence[pa.Array]]
+    arrays: Mapping[str, RaggedChunks]
     #: Small columns joined across chunks; ``None`` where the chunks change between batches.
     joined: JoinedColumns | None
     #: Fixed fields mapped as one array across chunks; ``None`` where they change, as above.
@@ -234,8 +234,11 @@ class MappedShards:
             self._verified[s] = True
 
     def _pieces(self, name: str) -> list[Piece] | None:
-        """Where every chunk's rows of fixed field ``name`` lie in the open shard files;
-        ``None`` if a chunk's were copied at open (a column with missing values)."""
+        """Where every chunk's rows of field ``name`` lie in the open shard files: a fixed
+        field's rows, a variable field's values item by item. ``None`` if a chunk's were
+        copied at open (a column with missing values, bools)."""
+        spec = next(f for f in self.manifest.fields if f.name == name)
+        fixed = spec.kind in ("scalar", "tensor")
         out: list[Piece] = []
         try:
             for sh in self._shards:
@@ -244,10 +247,12 @@ class MappedShards:
                     span = spans.get(name)
                     if not chunk.rows:
                         out.append(Piece(fd, 0, 0))
-                    elif span is None or span.offsets is not None:
+                    elif span is None or (span.offsets is None) != fixed:
                         return None
-                    else:
+                    elif fixed:
                         out.append(Piece(fd, span.start, chunk.rows))
+                    else:
+                        out.append(Piece(fd, span.start, span.nbytes // span.itemsize))
         except ValueError:  # closed meanwhile: nothing to stitch
             return None
         return out

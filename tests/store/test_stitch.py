@@ -116,7 +116,8 @@ def test_every_fixed_field_is_stitched_across_shards(store: Store) -> None:
     try:
         assert chunks.stitched is not None
         for f in FIELDS:
-            got = chunks.stitched.get(f.name, chunks.fixed[f.name])
+            view = chunks.fixed[f.name][0]
+            got = chunks.stitched.get(f.name, view.dtype, view.shape[1:])
             assert got is not None, f.name
             assert got.array.shape[1:] == f.shape and not got.array.flags.writeable
     finally:
@@ -156,12 +157,13 @@ def test_columns_copied_at_open_are_read_piece_by_piece(store: Store) -> None:
     chunks = ds.shards.acquire(range(len(ds.manifest.shards)))
     try:
         assert chunks.stitched is not None
-        assert chunks.stitched.get("n", chunks.fixed["n"]) is None
-        assert chunks.stitched.get("img", chunks.fixed["img"]) is not None
+        assert chunks.stitched.get("n", np.dtype("float32"), ()) is None
+        assert chunks.stitched.get("img", np.dtype("uint8"), (16, 64)) is not None
+        assert chunks.stitched.get("vb", np.dtype("bool"), ()) is None  # bit-packed
     finally:
         ds.shards.release(range(len(ds.manifest.shards)))
     ids = np.random.default_rng(1).permutation(120)[:70]
-    parts = ds.take(ids, ["img", "n", "t"])
+    parts = ds.take(ids)
     for j, i in enumerate(ids.tolist()):
         s = every_kind_sample(i)
         np.testing.assert_array_equal(parts["img"][j], s["img"])
@@ -169,6 +171,79 @@ def test_columns_copied_at_open_are_read_piece_by_piece(store: Store) -> None:
         assert parts["t.mask"][j] == (s["t"] is not None)
         if s["t"] is not None:
             np.testing.assert_array_equal(parts["t"][j], s["t"])
+        for name in ("v", "b", "vb"):  # variable int16, bytes, bit-packed bools
+            lo, hi = parts[f"{name}.offsets"][j : j + 2]
+            want = s[name]
+            got = parts[name][lo:hi]
+            if name == "b":
+                assert got.tobytes() == want
+            else:
+                np.testing.assert_array_equal(got, want)
+
+
+#: Variable fields, their values stitched item by item and moved in units of their fixed
+#: dims: rows of 8 float32, pairs of int64 (``[2, E]``), bytes, and 4 KiB rows.
+RAGGED = (
+    FieldSpec(name="x", dtype="float32", shape=(-1, 8)),
+    FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
+    FieldSpec(name="smiles", dtype="binary", shape=()),
+    FieldSpec(name="wide", dtype="float32", shape=(-1, 1024)),
+)
+RAGGED_DTYPES = {"x": "float32", "edge_index": "int64", "smiles": "uint8", "wide": "float32"}
+N_RAGGED = 150
+
+
+def _ragged_sample(i: int) -> dict[str, object]:
+    atoms, edges, rows = 1 + i % 30, (i * 7) % 41, i % 3
+    return {
+        "x": np.arange(atoms * 8, dtype=np.float32).reshape(atoms, 8) + i,
+        "edge_index": np.arange(2 * edges, dtype=np.int64).reshape(2, edges) * 1000 + i,
+        "smiles": b"C" * atoms + str(i).encode(),
+        "wide": np.full((rows, 1024), i, np.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    root = tmp_path_factory.mktemp("stitch-ragged")
+    with ShardWriter(root, "g", fields=RAGGED, shard_bytes=24 << 10) as w:
+        for i in range(N_RAGGED):
+            w.add(_ragged_sample(i))
+    ds = Store(root).open("g")
+    assert len(ds.manifest.shards) >= 8
+    return ds
+
+
+def test_variable_fields_are_stitched_in_units(ragged: Dataset) -> None:
+    shards = range(len(ragged.manifest.shards))
+    chunks = ragged.shards.acquire(shards)
+    try:
+        assert chunks.stitched is not None
+        for name, dtype in RAGGED_DTYPES.items():
+            got = chunks.stitched.get(name, np.dtype(dtype), ())
+            assert got is not None and got.array.ndim == 1, name
+    finally:
+        ragged.shards.release(shards)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, N_RAGGED - 1), min_size=2, max_size=70))
+def test_variable_fields_across_shards_equal_the_stored_samples(
+    ragged: Dataset, ids: list[int]
+) -> None:
+    """Long samples (one slice each) and short ones (an index per unit) alike."""
+    parts = ragged.take(np.array(ids, dtype=np.int64))
+    for name in ("x", "edge_index", "smiles", "wide"):
+        off = parts[f"{name}.offsets"]
+        assert off[0] == 0 and off.size == len(ids) + 1
+        for j, i in enumerate(ids):
+            want = _ragged_sample(i)[name]
+            got = parts[name][off[j] : off[j + 1]]
+            if name == "smiles":
+                assert got.tobytes() == want
+            else:
+                shape = parts[f"{name}.shapes"][j]
+                np.testing.assert_array_equal(got.reshape(shape), want)
 
 
 def _mapped(folder: Path) -> int:
