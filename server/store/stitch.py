@@ -14,8 +14,12 @@ Where the rows go (:func:`layout`): a mapping starts on a page, so piece ``k``'s
 at a virtual row ``first[k]`` whose address has the same offset within its page as the row's
 offset within its file. With rows of ``R`` bytes and pages of ``P`` that is
 ``skew + first[k] * R == offset[k]  (mod P)``, solvable for every piece when the offsets agree
-modulo ``gcd(R, P)`` (Arrow aligns buffers to 64 bytes, our files put every shard's buffers at
-the same offsets, and odd row sizes need nothing). Otherwise, or off Linux, or past the map
+modulo ``gcd(R, P)``. Arrow IPC places buffers on 8 bytes, so rows whose size has no power
+of two above 8 in it (1,053 bytes, 12, 8,424) always qualify, and so do a variable field's
+values, stitched item by item. Rows of 3 or 4 KiB qualify where every shard has the field at
+the same offset: the first field of our files (the same header comes before it in every
+shard); a field behind others moves with their sizes, so a shorter last shard or a variable
+field before it leaves it to the two copies. Otherwise, or off Linux, or past the map
 budget, there is no stitched array and the two copies serve.
 
 The gaps between pieces are reserved and unreadable: only ``(chunk, row)`` pairs located from

@@ -110,6 +110,7 @@ def _check(ds: Dataset, idx: np.ndarray, out: bool) -> None:
 
 
 def test_every_fixed_field_is_stitched_across_shards(store: Store) -> None:
+    """Shards of equal rows (240 = 20 x 12) keep every field at one offset in every file."""
     ds = store.open("rows")
     assert len(ds.manifest.shards) >= 4
     chunks = ds.shards.acquire(range(len(ds.manifest.shards)))
@@ -266,3 +267,46 @@ def test_closing_a_dataset_unmaps_what_it_stitched(tmp_path: Path) -> None:
     del ds
     gc.collect()
     assert _mapped(tmp_path) == 0
+
+
+#: A variable field first: the fixed fields behind it sit at offsets that move with its sizes.
+BEHIND = (
+    FieldSpec(name="v", dtype="int16", shape=(-1,)),
+    FieldSpec(name="img", dtype="uint8", shape=(3, 32, 32)),
+    FieldSpec(name="odd", dtype="uint8", shape=(1053,)),
+)
+
+
+def _behind(i: int) -> dict[str, np.ndarray]:
+    return {
+        "v": np.full((i * 13) % 97, i, np.int16),
+        "img": np.full((3, 32, 32), i % 251, np.uint8),
+        "odd": ((np.arange(1053) + i) % 253).astype(np.uint8),
+    }
+
+
+def test_fields_that_cannot_be_stitched_are_read_beside_those_that_are(tmp_path: Path) -> None:
+    """3 KiB rows whose offsets disagree modulo 1 KiB are left to the per-shard copies; the
+    1,053-byte rows and the variable values are stitched; one batch reads all three."""
+    with ShardWriter(tmp_path, "b", fields=BEHIND, shard_bytes=64 << 10) as w:
+        for i in range(200):
+            w.add(_behind(i))
+    ds = Store(tmp_path).open("b")
+    shards = range(len(ds.manifest.shards))
+    chunks = ds.shards.acquire(shards)
+    try:
+        assert chunks.stitched is not None
+        assert chunks.stitched.get("img", np.dtype("uint8"), (3, 32, 32)) is None
+        assert chunks.stitched.get("odd", np.dtype("uint8"), (1053,)) is not None
+        assert chunks.stitched.get("v", np.dtype("int16"), ()) is not None
+    finally:
+        ds.shards.release(shards)
+    ids = np.random.default_rng(2).permutation(200)[:90]
+    parts = ds.take(ids)
+    off = parts["v.offsets"]
+    for j, i in enumerate(ids.tolist()):
+        want = _behind(i)
+        np.testing.assert_array_equal(parts["img"][j], want["img"])
+        np.testing.assert_array_equal(parts["odd"][j], want["odd"])
+        np.testing.assert_array_equal(parts["v"][off[j] : off[j + 1]], want["v"])
+    ds.close()
