@@ -8,8 +8,7 @@ shards and takes them back after the read:
   for the whole dataset, so small columns can be joined across chunks once
   (:class:`~.gather.JoinedColumns`) and fixed fields and variable fields' values mapped as
   one array across them (:mod:`.stitch`); a shard is checksummed before its first read
-  (``lazy``),
-  at open (``full``) or never (``off``).
+  (``lazy``), at open (``full``) or never (``off``).
 * :class:`CachedShards` (a remote store): a shard is fetched whole into the local
   :class:`~.cache.ShardCache`, checksummed and mapped when a batch first needs it, leased while
   read, and unmapped least recently used past the cache limit; the shards a stream's plan reads
@@ -60,7 +59,8 @@ class Chunks:
     arrays: Mapping[str, RaggedChunks]
     #: Small columns joined across chunks; ``None`` where the chunks change between batches.
     joined: JoinedColumns | None
-    #: Fixed fields mapped as one array across chunks; ``None`` where they change, as above.
+    #: Fields mapped as one array across chunks (fixed fields' rows, variable fields'
+    #: values); ``None`` where the chunks change, as above.
     stitched: StitchedColumns | None
 
     @classmethod
