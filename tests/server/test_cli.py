@@ -71,6 +71,22 @@ def test_help_imports_nothing_it_does_not_show(argv: list[str]) -> None:
     assert loaded == ("[]" if argv == ["--help"] else "['pydantic']"), loaded
 
 
+def test_ingest_help_loads_the_readers_but_not_pandas() -> None:
+    """`shardserve ingest --help` lists the formats, so it imports the reader modules (numpy
+    and pyarrow come with them); `pyarrow.dataset`, which pulls pandas, waits for an ingest."""
+    code = (
+        "import sys\n"
+        "from shardserve.server.cli import main\n"
+        "try:\n    main(['ingest', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('pandas', 'pyarrow.dataset', 'zmq', 'fastapi') "
+        "if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--format" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 def test_every_flag_of_every_command_has_help() -> None:
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

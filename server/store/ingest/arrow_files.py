@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import TextEncoding
@@ -289,6 +288,10 @@ def variable_columns(fields: pa.Schema | pa.StructType, prefix: str = "") -> set
 
 
 def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | None) -> Source:
+    # Imported here: `import pyarrow.dataset` pulls pandas (~0.3 s), and the registry imports
+    # this module to name the formats in `shardserve ingest --help`.
+    import pyarrow.dataset as pads
+
     files = require_files(source_files(src, suffixes, only), src, "/".join(suffixes))
     try:
         dataset = pads.dataset([str(f) for f in files], format=fmt)
