@@ -17,6 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = [
+    "bench_handoff",
     "bench_cli",
     "bench_plan",
     "bench_store",

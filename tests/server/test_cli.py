@@ -54,37 +54,38 @@ def test_top_level_help_lists_every_command_and_every_ingest_format() -> None:
         assert named, f"`shardserve --help` does not mention format {r.name} ({r.suffixes})"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["ls", "--help"]])
-def test_help_imports_nothing_it_does_not_show(argv: list[str]) -> None:
-    """--help loads neither pyarrow (which pulls pandas) nor numpy nor the server's machinery;
-    the top-level help not even pydantic."""
+def _help_loads(argv: list[str], heavy: list[str]) -> tuple[str, str]:
+    """``shardserve ARGV`` run in a fresh interpreter: its output, and which of ``heavy``
+    it imported (as a printed sorted list)."""
     code = (
         "import sys\n"
         "from shardserve.server.cli import main\n"
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
-        "heavy = ['pyarrow', 'pandas', 'numpy', 'zmq', 'fastapi', 'uvicorn', 'pydantic']\n"
-        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    loaded = out.stdout.strip().splitlines()[-1]
+    *shown, loaded = out.stdout.strip().splitlines()
+    return "\n".join(shown), loaded
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["ls", "--help"]])
+def test_help_imports_nothing_it_does_not_show(argv: list[str]) -> None:
+    """--help loads neither pyarrow (which pulls pandas) nor numpy nor the server's machinery;
+    the top-level help not even pydantic."""
+    heavy = ["pyarrow", "pandas", "numpy", "zmq", "fastapi", "uvicorn", "pydantic"]
+    _, loaded = _help_loads(argv, heavy)
     assert loaded == ("[]" if argv == ["--help"] else "['pydantic']"), loaded
 
 
 def test_ingest_help_loads_the_readers_but_not_pandas() -> None:
     """`shardserve ingest --help` lists the formats, so it imports the reader modules (numpy
     and pyarrow come with them); `pyarrow.dataset`, which pulls pandas, waits for an ingest."""
-    code = (
-        "import sys\n"
-        "from shardserve.server.cli import main\n"
-        "try:\n    main(['ingest', '--help'])\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('pandas', 'pyarrow.dataset', 'zmq', 'fastapi') "
-        "if m in sys.modules))\n"
+    shown, loaded = _help_loads(
+        ["ingest", "--help"], ["pandas", "pyarrow.dataset", "zmq", "fastapi"]
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "--format" in out.stdout
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert "--format" in shown
+    assert loaded == "[]", loaded
 
 
 def test_every_flag_of_every_command_has_help() -> None:
