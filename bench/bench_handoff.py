@@ -29,27 +29,26 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "handoff.json"
 
 
-def _echo(cpu: int | None, rd: int, wr: int, n: int) -> None:
+def _echo(cpu: int, rd: int, wr: int, n: int) -> None:
     """The far end: pinned to ``cpu``, answer each byte read from ``rd`` with one on ``wr``."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})  # this thread or process only
+    os.sched_setaffinity(0, {cpu})  # this thread or process only
     for _ in range(n):
         os.read(rd, 1)
         os.write(wr, b"x")
 
 
-def round_trip(n: int, cpus: tuple[int, int] | None, process: bool) -> dict[str, float]:
-    """Round trips between this thread and a thread (or a process) answering it."""
+def round_trip(n: int, cpus: tuple[int, int], process: bool) -> dict[str, float]:
+    """Round trips between this thread on ``cpus[0]`` and a thread (or a process) on
+    ``cpus[1]`` answering it."""
     to_peer, from_peer = os.pipe(), os.pipe()
-    args = (None if cpus is None else cpus[1], to_peer[0], from_peer[1], n)
+    args = (cpus[1], to_peer[0], from_peer[1], n)
     peer: threading.Thread | mp.process.BaseProcess
     if process:
         peer = mp.get_context("fork").Process(target=_echo, args=args)
     else:
         peer = threading.Thread(target=_echo, args=args)
     before = os.sched_getaffinity(0)
-    if cpus is not None:
-        os.sched_setaffinity(0, {cpus[0]})
+    os.sched_setaffinity(0, {cpus[0]})
     try:
         peer.start()
         os.write(to_peer[1], b"x")  # one round trip first: both ends are running and pinned
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     other = cores[1] if len(cores) > 1 else None
     load_before, machine = os.getloadavg(), f"{platform.machine()} cpus={os.cpu_count()}"
-    cases: dict[str, tuple[tuple[int, int] | None, bool]] = {
+    cases: dict[str, tuple[tuple[int, int], bool]] = {
         "threads, one core": ((cores[0], cores[0]), False),
     }
     if other is not None:
