@@ -48,6 +48,8 @@ def main() -> None:
     args = p.parse_args()
     test = args.test or args.train.with_name(args.train.stem + "-test.npz")
     parts = split()
+    for path in (args.train, test):  # data/ of a fresh clone does not exist yet
+        path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(args.train, **parts["train"])
     np.savez(test, **parts["test"])
     print(
