@@ -68,7 +68,7 @@ class Position:
     def restore(self, epoch: int, next_batch: int, offset: int = 0) -> None:
         """``load_state_dict``: the next iteration starts at batch ``next_batch`` of ``epoch``
         (of the plan dealt from ``offset``)."""
-        if next_batch > self.per_epoch:
+        if not 0 <= next_batch <= self.per_epoch:
             raise BadRequest(
                 f"state next_batch {next_batch} out of range 0 <= next_batch <= "
                 f"{self.per_epoch} (batches per epoch of this rank)"

@@ -8,6 +8,7 @@ exception from :mod:`shardserve.proto.errors`, and an unreachable server becomes
 from __future__ import annotations
 
 import os
+import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -117,6 +118,12 @@ class ControlClient:
                 r = self._http.request(method, path, timeout=timeout or self._http.timeout, **kw)  # type: ignore[arg-type]
                 break
             except httpx.ConnectError as e:
+                if _tls_failed(e):  # not a server that is down: retrying cannot help
+                    raise ServerUnavailable(
+                        f"control plane {self.url}: the TLS handshake failed ({e}); a shardserve "
+                        "server speaks plain HTTP: use an http:// URL, unless a TLS proxy "
+                        "fronts it"
+                    ) from None
                 # Nothing was sent, so any call (all are idempotent) may be tried again.
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -261,9 +268,28 @@ def server_url(url: str | None) -> str:
     return url or os.environ.get("SHARDSERVE_URL") or DEFAULT_URL
 
 
+def _tls_failed(e: BaseException) -> bool:
+    """Whether ``e`` (httpx's, which wraps httpcore's) came from a TLS handshake."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def server_token(token: str | None) -> str | None:
-    """``token``, else ``SHARDSERVE_TOKEN``, else none."""
-    return token or os.environ.get("SHARDSERVE_TOKEN") or None
+    """``token``, else ``SHARDSERVE_TOKEN``, else none; ``BadRequest`` for one with whitespace
+    at either end (the newline of a secret file), which no HTTP header may carry."""
+    found = token or os.environ.get("SHARDSERVE_TOKEN") or None
+    if found is not None and found != found.strip():
+        where = "token" if token else "SHARDSERVE_TOKEN"
+        # Never the secret itself in the message.
+        raise BadRequest(
+            f"{where} has whitespace at its start or end (the newline of the file it was read "
+            "from?): strip it"
+        )
+    return found
 
 
 def job_spec(
@@ -306,6 +332,10 @@ def job_spec(
     )
     if epoch_samples is not None and mix is None:
         raise BadRequest("epoch_samples sets a mixture's epoch: give dataset={name: weight, ...}")
+    if isinstance(fields, (str, bytes)):  # a string is a sequence of its characters
+        raise BadRequest(f"fields={fields!r} must be a list of field names: fields=[{fields!r}]")
+    if isinstance(transforms, Mapping):  # a mapping is a sequence of its keys
+        raise BadRequest(f"transforms must be a list of steps: transforms=[{dict(transforms)!r}]")
     try:
         return JobSpec.model_validate({
             "dataset": None if mix is not None else dataset, "mixture": mix,
@@ -344,6 +374,8 @@ class JobHandle:
         # The server's id: it covers the dataset version the job pinned.
         self.id = created.id
         self.version = created.status.spec.version
+        #: Every dataset version the job reads (a mixture's sources each), as states record it.
+        self.versions = created.status.spec.versions
         self.epoch = created.status.epoch
         self.num_samples = created.status.num_samples
         self.batches_per_epoch = created.status.batches_per_epoch

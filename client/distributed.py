@@ -49,6 +49,10 @@ def resolve_world(
     World(rank=1, world_size=4, local_rank=1, source='explicit')
     >>> resolve_world(env={"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
     World(rank=3, world_size=8, local_rank=1, source='env')
+    >>> resolve_world(env={"RANK": "1"})
+    Traceback (most recent call last):
+    ...
+    shardserve.proto.errors.BadRequest: environment variable RANK='1' is set but WORLD_SIZE is not: set both (as torchrun does), or pass rank= and world_size= to the Loader
     """
     env = os.environ if env is None else env
     local = _env_int(env, "LOCAL_RANK")
@@ -64,12 +68,20 @@ def resolve_world(
             torch.distributed.get_world_size(),
             "torch.distributed",
         )
-    elif (er := _env_int(env, "RANK")) is not None and (
-        ew := _env_int(env, "WORLD_SIZE")
-    ) is not None:
-        r, w, source = er, ew, "env"
     else:
-        r, w, source = 0, 1, "default"
+        er, ew = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+        if er is None and ew is None:
+            r, w, source = 0, 1, "default"
+        elif er is None or ew is None:
+            # Half of the pair would make every such process rank 0 of 1: each would read
+            # the whole epoch.
+            have, lack = ("RANK", "WORLD_SIZE") if er is not None else ("WORLD_SIZE", "RANK")
+            raise BadRequest(
+                f"environment variable {have}={env[have]!r} is set but {lack} is not: set both "
+                "(as torchrun does), or pass rank= and world_size= to the Loader"
+            )
+        else:
+            r, w, source = er, ew, "env"
     if w < 1 or not 0 <= r < w:
         raise BadRequest(f"rank {r} is out of range 0 <= rank < world_size={w} (from {source})")
     return World(r, w, local if local is not None else (r if source == "explicit" else 0), source)

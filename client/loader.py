@@ -135,7 +135,8 @@ class Loader:
             of a sweep, notebooks on one machine) get the same batches from one pass of the
             server, planned, gathered and transformed once (see the "Sweeps and notebooks"
             guide). Without it a second Loader of the same arguments and rank gets
-            ``RankInUse``.
+            ``RankInUse`` in another process; in the same process the two take turns at the
+            rank (each turn after a silence, with a warning logged).
         env_shuffle: ``"independent"`` (default): each environment shuffles on its own;
             ``"split"``: one shuffle dealt across the environments, so no two take the same
             sample in a step or an epoch (an epoch is ``len / (world_size * envs * batch_size)``
@@ -324,7 +325,13 @@ class Loader:
         >>> loader.set_epoch(3); loader.skip_to(10)   # doctest: +SKIP
         >>> next(iter(loader))                        # batch 10 of epoch 3
         """
-        self._ctx.pos.restore(self._ctx.pos.next_start().epoch, batch)
+        pos = self._ctx.pos
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch <= pos.per_epoch:
+            raise BadRequest(
+                f"skip_to({batch!r}): batch must be an integer 0 <= batch <= {pos.per_epoch} "
+                "(batches per epoch of this rank)"
+            )
+        pos.restore(pos.next_start().epoch, batch)
 
     def set_mixture(
         self, weights: Mapping[str, float], at_step: int | None = None
@@ -359,7 +366,7 @@ class Loader:
         consumed, see :mod:`.state`); after an epoch's last batch, the start of the next."""
         return make_state(
             deepcopy(self._spec_dump), self.job_id, self.world.rank, self.world.world_size,
-            self._ctx.pos.state(),
+            self._ctx.pos.state(), self._job.versions,
         )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
@@ -371,7 +378,7 @@ class Loader:
         rank's, which must agree. ``BadRequest`` naming the problem if ``state`` is damaged,
         inconsistent, or belongs to another job or version."""
         st = parse_states(state)
-        check_same_job(st, self.spec, "loader")
+        check_same_job(st, self.spec, "loader", self._job.versions)
         pos = self._ctx.pos
         start, origin = start_for(st, self.world.world_size, self._job.num_samples, pos.per_epoch)
         pos.restore(*start)

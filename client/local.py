@@ -61,10 +61,14 @@ def _wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, log: Path, time
                 pass
         time.sleep(delay)  # polling a readiness condition under a deadline
         delay = min(2 * delay, 0.1)
-    state = f"exited with code {proc.returncode}" if proc.poll() is not None else "still running"
+    if proc.poll() is not None:
+        raise ServerUnavailable(
+            f"shardserve server (pid {proc.pid}) exited with code {proc.returncode} before it "
+            f"was ready (waiting for {waited_for}); its output ends with:\n{_tail(log)}"
+        )
     raise ServerUnavailable(
         f"shardserve server (pid {proc.pid}) not ready within {timeout} s: waited for {waited_for}; "
-        f"process {state}; its output ends with:\n{_tail(log)}"
+        f"process still running; its output ends with:\n{_tail(log)}"
     )
 
 

@@ -122,15 +122,16 @@ class IndexPlan:
         """The epoch in progress and the next step not yet received (a ``Loader`` state)."""
         return make_state(
             self.spec.model_dump(mode="json"), self.job_id, self.world.rank,
-            self.world.world_size, self._pos.state(),
+            self.world.world_size, self._pos.state(), self._live().versions,
         )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Start the next iteration where ``state`` (this plan's or a ``Loader``'s, of any
         world size, or a list of every rank's) left off; a ``Loader``'s rules."""
         st = parse_states(state)
-        check_same_job(st, self.spec, "plan")
-        n = self._live().num_samples
+        job = self._live()
+        check_same_job(st, self.spec, "plan", job.versions)
+        n = job.num_samples
         start, _ = start_for(st, self.world.world_size, n, self._pos.per_epoch)
         self._pos.restore(*start)
 

@@ -33,6 +33,8 @@ from ._position import Start
 VERSION = 2
 READS = (1, 2)
 KEYS = ("version", "spec", "epoch", "next_batch", "rank", "world_size")
+#: Longest ``versions`` a state may carry (a mixture's ``name@version`` of up to 64 sources).
+MAX_VERSIONS_CHARS = 1 << 14
 #: Epochs a Hello can carry.
 MAX_EPOCH = (1 << 31) - 1
 
@@ -50,6 +52,8 @@ class ResumeState:
     position: int
     #: The server's id of the job that saved it (``""`` in version 1 states).
     job: str = ""
+    #: The dataset version(s) that job read (``JobSpec.versions``; ``""`` in older states).
+    versions: str = ""
 
     @property
     def batch(self) -> int:
@@ -117,7 +121,10 @@ def parse_state(state: object, version: int = VERSION) -> ResumeState:
         job = state.get("job", "")
         if not isinstance(job, str) or len(job) > 64:
             raise BadRequest(f"state dict key 'job' is {job!r}; expected a job id string")
-    return ResumeState(spec, epoch, next_batch, rank, world_size, position, job)
+    versions = state.get("versions", "")
+    if not isinstance(versions, str) or len(versions) > MAX_VERSIONS_CHARS:
+        raise BadRequest(f"state dict key 'versions' is {versions!r}; expected the version string")
+    return ResumeState(spec, epoch, next_batch, rank, world_size, position, job, versions)
 
 
 def parse_states(states: object, version: int = VERSION) -> ResumeState:
@@ -140,7 +147,7 @@ def parse_states(states: object, version: int = VERSION) -> ResumeState:
             f"the world it was saved on; got ranks {ranks}"
         )
     for p in parsed[1:]:
-        for key in ("spec", "world_size", "epoch", "position", "job"):
+        for key in ("spec", "world_size", "epoch", "position", "job", "versions"):
             if getattr(p, key) != getattr(first, key):
                 raise BadRequest(
                     f"the states disagree on {key!r}: rank {first.rank} has "
@@ -150,11 +157,30 @@ def parse_states(states: object, version: int = VERSION) -> ResumeState:
     return first
 
 
-def check_same_job(st: ResumeState, spec: JobSpec, what: str) -> None:
+def check_same_job(st: ResumeState, spec: JobSpec, what: str, versions: str) -> None:
     """``BadRequest`` unless ``st`` was saved by ``spec``'s job at some world size, shared or
-    not (a share group's batches are the unshared job's)."""
-    if st.spec.model_copy(update={"world_size": spec.world_size, "share": spec.share}) != spec:
-        raise BadRequest(f"state is for job {st.spec!r}, this {what} serves {spec!r}")
+    not (a share group's batches are the unshared job's), on the dataset version(s)
+    ``versions`` this job reads: a position counts samples of one version's order, so on
+    another version it would resume in the middle of different data."""
+    saved = st.spec.model_copy(update={"world_size": spec.world_size, "share": spec.share})
+    if saved != spec:
+        old, new = saved.model_dump(mode="json"), spec.model_dump(mode="json")
+        diff = "; ".join(
+            f"{k}={old[k]!r} in the state, {new[k]!r} in this {what}"
+            for k in old
+            if old[k] != new[k]
+        )
+        raise BadRequest(
+            f"state is for another job ({diff}); load it into a {what} made with the same "
+            "arguments (world_size may differ)"
+        )
+    if st.versions and versions and st.versions != versions:
+        raise BadRequest(
+            f"state was saved on dataset {spec.dataset!r} version {st.versions}, but this {what}'s "
+            f"job reads version {versions} (the dataset was ingested again since): resumed here, "
+            "one epoch would mix two datasets. Resume on a server that still holds version "
+            f"{st.versions}, or start the epoch over on the new version (do not load the state)"
+        )
 
 
 def resume_at(st: ResumeState, world_size: int) -> ResumePoint:
@@ -165,17 +191,18 @@ def resume_at(st: ResumeState, world_size: int) -> ResumePoint:
 
 
 def make_state(
-    spec_dump: dict[str, Any], job: str, rank: int, world_size: int, start: Start
+    spec_dump: dict[str, Any], job: str, rank: int, world_size: int, start: Start, versions: str
 ) -> dict[str, Any]:
-    """The dict ``state_dict()`` returns for a rank whose next iteration starts at ``start``.
-    ``spec_dump`` is used as is: the caller passes a copy of its own."""
+    """The dict ``state_dict()`` returns for a rank whose next iteration starts at ``start``
+    of job ``job``, which reads dataset version(s) ``versions``. ``spec_dump`` is used as is:
+    the caller passes a copy of its own."""
     envs = spec_dump.get("envs", 1)
     world = deal_world(world_size, envs, spec_dump.get("env_shuffle", "independent"))
     step = spec_dump["batch_size"] // envs * world
     return {
         "version": VERSION, "spec": spec_dump, "job": job, "epoch": start.epoch,
         "next_batch": start.batch, "position": start.offset + start.batch * step,
-        "rank": rank, "world_size": world_size,
+        "rank": rank, "world_size": world_size, "versions": versions,
     }  # fmt: skip
 
 

@@ -115,6 +115,9 @@ def test_dataloader_habits(server) -> None:
         assert len(ld.dataset) == N_CIFAR and ld.dataset.name == "cifar"
         assert ld.sampler is None and ld.num_workers == 0 and ld.timeout == 0
         ld.set_epoch(2)
+        for bad in (-5, len(ld) + 1, 2.0):
+            with pytest.raises(ValueError, match=rf"skip_to\({bad}\): batch must be an integer 0"):
+                ld.skip_to(bad)  # type: ignore[arg-type]
         ld.skip_to(5)
         want = [tuple(int(i) for i in b) for b in server_plan(
             N_CIFAR, seed=4, epoch=2, world_size=2, rank=0, batch_size=64, drop_last=True

@@ -10,7 +10,13 @@ import time
 import httpx
 import pytest
 
-from shardserve.client import DatasetCorruptError, DataStallError, Loader, serve_local
+from shardserve.client import (
+    DatasetCorruptError,
+    DataStallError,
+    Loader,
+    ServerUnavailable,
+    serve_local,
+)
 from shardserve.server.planning import plan
 from shardserve.server.streaming.shm import remove_stale
 from tests.client.conftest import N_CIFAR, ids
@@ -92,6 +98,25 @@ def test_serve_local_starts_and_stops_a_server(store) -> None:
             assert sum(len(b["label"]) for b in loader) == 1000
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/healthz", timeout=1)
+
+
+def test_an_https_url_to_the_plain_http_server_is_named_at_once(server) -> None:
+    """The TLS handshake fails: said at once, not retried for the whole timeout and then
+    reported as a server that refused the connection."""
+    url = server.http_url.replace("http://", "https://")
+    with pytest.raises(ServerUnavailable, match=r"TLS handshake failed .*use an http:// URL"):
+        Loader(url, "cifar", 50, rank=0, world_size=1, timeout=600.0)
+
+
+def test_serve_local_of_a_missing_store_says_the_server_exited(tmp_path) -> None:
+    """A server that exits at start (no such store) is reported as exited, with its reason,
+    not as "not ready within 30 s"."""
+    with (
+        pytest.raises(ServerUnavailable, match=r"exited with code 2 before it was ready") as e,
+        serve_local(tmp_path / "no-such-store"),
+    ):
+        pass
+    assert "no-such-store does not exist" in str(e.value)
 
 
 def test_server_restart_mid_epoch_loses_and_repeats_nothing(store, tmp_path) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +16,9 @@ from shardserve.client import DatasetNotFound, Loader, VarTensor
 from shardserve.server.planning import plan
 from shardserve.server.store.catalog import Store
 from tests.client.conftest import N_CIFAR, ids
+from tests.support.data import cifar_images, make_cifar_like
 from tests.support.resume import assert_resumes_exactly
+from tests.support.server import run_server
 
 
 def test_single_rank_epoch_equals_the_plan(server, store) -> None:
@@ -96,8 +101,40 @@ def test_state_dict_after_an_epoch_points_at_the_next(server) -> None:
         assert (st["epoch"], st["next_batch"], st["position"], st["version"]) == (5, 0, 0, 2)
         with pytest.raises(ValueError, match="'world_size' is 2 but its spec says world_size 1"):
             loader.load_state_dict({**st, "rank": 1, "world_size": 2})
-        with pytest.raises(ValueError, match="state is for job"):
+        with pytest.raises(
+            ValueError, match=r"another job \(seed=1 in the state, 0 in this loader"
+        ):
             loader.load_state_dict({**st, "spec": {**st["spec"], "seed": 1}})
+
+
+def test_a_state_saved_before_an_overwrite_is_refused_on_the_new_version(tmp_path) -> None:
+    """``ingest --overwrite`` with as many samples: a state saved mid-epoch on the old version
+    is refused by a Loader of the new one, naming both versions, instead of resuming at the
+    same position of other data; the old version's own Loader still resumes it."""
+    store = tmp_path / "store"
+    make_cifar_like(store, "versioned", n=400)
+    src = tmp_path / "new.npz"
+    np.savez(src, image=cifar_images(0, 400, seed=7), label=np.arange(400, dtype=np.int64) % 10)
+    with run_server(store) as srv:
+        old = Loader(srv.http_url, "versioned", 50, seed=1, rank=0, world_size=1)
+        it = iter(old)
+        for _ in range(3):
+            next(it)
+        st = old.state_dict()
+        assert isinstance(st["versions"], str) and st["versions"]
+        subprocess.run(
+            [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
+             "--name", "versioned", "--overwrite", "--quiet"],
+            check=True, timeout=120, capture_output=True,
+        )  # fmt: skip
+        with Loader(srv.http_url, "versioned", 50, seed=1, rank=0, world_size=1) as new:
+            assert new.job_id != old.job_id
+            said = f"version {st['versions']}, but this loader's job reads version"
+            with pytest.raises(ValueError, match=said):
+                new.load_state_dict(st)
+        old.load_state_dict(st)  # its own version: resumes at batch 3
+        assert len(list(old)) == len(old) - 3
+        old.close()
 
 
 def test_variable_fields_arrive_as_vartensor_or_padded(server) -> None:

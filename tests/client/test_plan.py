@@ -117,6 +117,8 @@ def test_plan_refuses_bad_arguments(server) -> None:
         with pytest.raises(BadRequest, match="next_batch"):
             p.load_state_dict({**p.state_dict(), "next_batch": 10_000})
         other = plan(server.http_url, "cifar", 16, rank=0, world_size=1)
-        with pytest.raises(BadRequest, match="state is for job"):
+        with pytest.raises(
+            BadRequest, match=r"another job \(batch_size=16 in the state, 8 in this plan"
+        ):
             p.load_state_dict(other.state_dict())
         other.close()

@@ -7,6 +7,7 @@ import torch
 
 from shardserve.client import BadRequest, VarTensor
 from shardserve.client.connection import choose_endpoint
+from shardserve.client.control import job_spec, server_token
 from shardserve.client.distributed import resolve_world
 from shardserve.proto.api import ServerInfo
 from shardserve.proto.messages import PROTOCOL_VERSION
@@ -25,11 +26,39 @@ def test_world_from_env_and_default() -> None:
     assert resolve_world(env={}).world_size == 1
 
 
+@pytest.mark.parametrize("have,lack", [("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")])
+def test_half_of_the_env_pair_is_refused(have: str, lack: str) -> None:
+    """RANK without WORLD_SIZE (or the reverse) is a launch mistake, not rank 0 of 1: every such
+    process would read the whole epoch."""
+    with pytest.raises(BadRequest, match=f"{have}='1' is set but {lack} is not"):
+        resolve_world(env={have: "1"})
+
+
 @pytest.mark.parametrize("rank,world", [(2, 2), (-1, 2), (0, 0)])
 def test_world_out_of_range_is_refused(rank: int, world: int) -> None:
     """A rank outside 0 <= rank < world_size is a BadRequest naming both numbers."""
     with pytest.raises(BadRequest, match=f"rank {rank}"):
         resolve_world(rank, world, env={})
+
+
+@pytest.mark.parametrize("fields", ["label", "xy"])
+def test_fields_as_one_string_is_refused_not_split_into_letters(fields: str) -> None:
+    """``fields="xy"`` would otherwise ask for fields ``x`` and ``y``."""
+    with pytest.raises(BadRequest, match=rf"fields='{fields}' must be a list of field names"):
+        job_spec("cifar", 8, seed=0, shuffle=True, drop_last=False, world_size=1, fields=fields,
+                 collate=None, transforms=None, on_error=None)  # fmt: skip
+
+
+def test_a_token_with_a_trailing_newline_is_refused_without_showing_it(monkeypatch) -> None:
+    """As read from a secret file: refused by name, the secret never in the message (httpx
+    would say only "Illegal header value", as if the server were down)."""
+    with pytest.raises(BadRequest, match="token has whitespace at its start or end") as e:
+        server_token("s3cret\n")
+    assert "s3cret" not in str(e.value)
+    monkeypatch.setenv("SHARDSERVE_TOKEN", "s3cret\n")
+    with pytest.raises(BadRequest, match="SHARDSERVE_TOKEN has whitespace"):
+        server_token(None)
+    assert server_token("s3cret") == "s3cret"
 
 
 def _info(*endpoints: str, boot_id: str = "boot-a") -> ServerInfo:
