@@ -112,8 +112,16 @@ def _options() -> StoreOptions:
 
 
 def _open_store(store: str) -> StoreBackend:
-    from .backend import open_store
+    """An existing store to read (``ls``, ``inspect``, ``verify``): a local path that is not
+    a folder is a typo to name, not an empty store."""
+    from shardserve.proto.errors import InvalidDataError
 
+    from .backend import open_store
+    from .object_fs import is_uri
+
+    if not is_uri(store) and not Path(store).is_dir():
+        what = "is not a folder" if Path(store).exists() else "does not exist"
+        raise InvalidDataError(f"store {store} {what}; pass the folder that ingest wrote")
     return open_store(store, options=_options())
 
 

@@ -307,3 +307,31 @@ def test_parquet_hole_inside_a_fixed_value_is_refused(tmp_path: Path, store: Pat
     with pytest.raises(InvalidDataError, match=r"holes\.parquet.*column 'g'.*inside row 0"):
         ingest(tmp_path / "holes.parquet", store, "holes", progress=False)
     assert not (store / "holes").exists()
+
+
+def test_files_of_no_format_beside_pt_files_are_named_not_dropped_silently(
+    tmp_path: Path, store: Path
+) -> None:
+    """A ``torch.save`` file named ``.pkl`` or with no suffix, and a note, in a folder of
+    ``.pt`` files: the ``.pt`` files are the dataset, and the summary names every file it did
+    not read (hidden files aside), as the manifest counts them."""
+    src = tmp_path / "src"
+    (src / "more").mkdir(parents=True)
+    for i in range(3):
+        torch.save({"x": torch.full((2,), float(i))}, src / f"{i}.pt")
+    torch.save({"x": torch.ones(2)}, src / "extra.pkl")
+    torch.save({"x": torch.ones(2)}, src / "more" / "noext")
+    (src / "notes.txt").write_text("labels are in x")
+    (src / ".DS_Store").write_bytes(b"\0")
+    summary = ingest(src, store, "pts", progress=False)
+    assert summary.manifest.num_samples == 3
+    assert summary.left_out == ("extra.pkl", "more/noext", "notes.txt")
+    assert "left out 3 file(s) that are not pt files: extra.pkl, more/noext, notes.txt" in (
+        summary.line()
+    )
+    assert summary.manifest.source["left_out"] == "3"
+    # A folder with nothing else in it says nothing of the kind.
+    for p in (src / "extra.pkl", src / "more" / "noext", src / "notes.txt"):
+        p.unlink()
+    clean = ingest(src, store, "pts2", progress=False)
+    assert clean.left_out == () and "left out" not in clean.line()

@@ -51,6 +51,9 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path: Path, store_root: Path, cli: 
         (("ingest", tmp_path / "nope", "--store", store_root, "--name", "x"), "does not exist"),
         (("inspect", "--store", store_root, "ghost"), "no dataset 'ghost'"),
         (("ls",), "--store is required"),
+        # A mistyped store is named, not listed as an empty one.
+        (("ls", "--store", tmp_path / "no-such-store"), "no-such-store does not exist"),
+        (("inspect", "--store", tmp_path / "d.npz", "x"), "d.npz is not a folder"),
     ]
     for args, needle in cases:
         r = cli(*args)

@@ -86,6 +86,18 @@ def test_pt_with_pickled_object_is_refused(tmp_path: Path, store_root: Path) -> 
     assert Store(store_root).list() == []
 
 
+def test_pt_empty_file_is_named_with_a_reason(tmp_path: Path, store_root: Path) -> None:
+    """An empty ``.pt`` (a save cut short) is refused naming the file and why, where torch's
+    own error is an ``EOFError`` with no text; nothing is published."""
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"x": torch.zeros(2)}, src / "a.pt")
+    (src / "b.pt").touch()
+    with pytest.raises(InvalidDataError, match=r"b\.pt: torch\.load failed: the file ends before"):
+        ingest(src, store_root, "cut", progress=False)
+    assert Store(store_root).list() == []
+
+
 def test_npz_and_npy_sources(tmp_path: Path, store_root: Path) -> None:
     """.npz files are sample blocks; a folder of .npy files is one field per file."""
     npz = tmp_path / "npz"

@@ -97,6 +97,11 @@ def load_file(path: Path | str, data: bytes | None = None) -> object:
     except InvalidDataError:
         raise
     except Exception as e:  # torch raises many types for unreadable files
+        if isinstance(e, EOFError) and not str(e):  # torch's word for an empty file
+            raise InvalidDataError(
+                f"{path}: torch.load failed: the file ends before any object (is it empty, or "
+                "cut short while being written?)"
+            ) from None
         if type(e).__name__ != "UnpicklingError":
             raise InvalidDataError(f"{path}: torch.load failed: {type(e).__name__}: {e}") from None
         # weights_only refused a pickled object; matched by name so no pickle module is imported here.

@@ -28,7 +28,7 @@ from . import (
     pt_files,
     webdataset_tar,
 )
-from .source import Reader, Source
+from .source import Reader, Source, other_files
 
 #: Every reader; those known by a folder are tried first, in this order.
 READERS: tuple[Reader, ...] = (
@@ -121,4 +121,10 @@ def open_source(
         kw["value_format"] = value_format
     if max_sample_bytes is not None and reader.bounded:
         kw["max_sample_bytes"] = max_sample_bytes
-    return reader.open(src, **kw)
+    source = reader.open(src, **kw)
+    # Files of no format beside the ones read (a .pkl or a suffix-less torch.save file among
+    # .pt files, notes): reported, never dropped without a word. A folder format reads its own
+    # metadata files, and a split's files were chosen by the split: neither is reported.
+    if only is None and src.is_dir() and reader.suffixes:
+        source.left_out = other_files(src, source.files)
+    return source

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
+#: Left-out files a summary names (the rest are counted).
+LEFT_OUT_SHOWN = 5
+
+
 @dataclass(frozen=True)
 class IngestSummary:
     """What one ingest produced."""
@@ -41,6 +45,8 @@ class IngestSummary:
     metadata: Mapping[str, str] = field(default_factory=dict)
     #: The split of the source this dataset holds (``None``: the source is not split).
     split: str | None = None
+    #: Files of the source folder that are not of its format, and so were not read.
+    left_out: tuple[str, ...] = ()
 
     def line(self) -> str:
         m = self.manifest
@@ -65,6 +71,15 @@ class IngestSummary:
         if self.metadata:
             notes = ", ".join(f"{k} ({v})" for k, v in self.metadata.items())
             out += f"; not samples: {notes}"
+        if self.left_out:
+            n = len(self.left_out)
+            shown = ", ".join(self.left_out[:LEFT_OUT_SHOWN])
+            more = f" and {n - LEFT_OUT_SHOWN} more" if n > LEFT_OUT_SHOWN else ""
+            fmt = self.manifest.source.get("format", "")
+            out += (
+                f"; left out {n} file(s) that are not {fmt} files: {shown}{more} (not read; "
+                "give data files their format's suffix, or move them out)"
+            )
         return out
 
 
@@ -140,10 +155,12 @@ def ingest(
         raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
     fn = resolve_map(map_fn) if map_fn else None
     total = source.total_bytes
+    skipped = tuple(p.relative_to(src_path).as_posix() for p in source.left_out)
     info = {
         "path": str(src_path.resolve()),
         "format": source.format,
         "files": str(len(source.files)),
+        **({"left_out": str(len(skipped))} if skipped else {}),
         **source.info,
     }
     with (
@@ -181,8 +198,9 @@ def ingest(
     if manifest is None:  # unreachable: a clean exit of the with-block publishes
         raise InvalidDataError(f"ingest of {name!r} finished without a manifest")
     return IngestSummary(
-        manifest, files, read, time.perf_counter() - started, dict(source.metadata), split
-    )
+        manifest, files, read, time.perf_counter() - started, dict(source.metadata), split,
+        skipped,
+    )  # fmt: skip
 
 
 def _splits(src: Path, fmt: str) -> list[Split]:

@@ -54,6 +54,9 @@ class Source:
     #: without the sample dimension): ``name -> what was done with it``, for the summary.
     #: Also filled while the pieces are read.
     metadata: dict[str, str] = field(default_factory=dict)
+    #: Files of the source folder that are not of its format, so not read (set by
+    #: :func:`~.registry.open_source`, which knows the format's suffixes).
+    left_out: list[Path] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -93,6 +96,25 @@ def list_files(src: Path, suffixes: Iterable[str]) -> list[Path]:
                 elif os.path.splitext(e.name)[1].lower() in wanted and e.is_file():
                     found.append(e.path)
     # Every path starts with src, so this is the order of the paths relative to it.
+    found.sort(key=lambda p: p.replace(os.sep, "/"))
+    return [Path(p) for p in found]
+
+
+def other_files(src: Path, read: Iterable[Path]) -> list[Path]:
+    """Files under folder ``src`` other than ``read``, in sorted path order; hidden files and
+    folders (``.git``, ``.DS_Store``) are never data and are not listed."""
+    skip = {str(p) for p in read}
+    found: list[str] = []
+    stack = [str(src)]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                if e.name.startswith("."):
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.path not in skip and e.is_file():
+                    found.append(e.path)
     found.sort(key=lambda p: p.replace(os.sep, "/"))
     return [Path(p) for p in found]
 
