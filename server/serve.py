@@ -160,6 +160,7 @@ class _Watchdog:
 def _serve(settings: Settings, early: list[int]) -> int:
     from .logs import configure_logging
     from .service import Service
+    from .streaming.streamer import BindError
 
     configure_logging(settings.log_format, settings.log_level)
     try:
@@ -169,6 +170,10 @@ def _serve(settings: Settings, early: list[int]) -> int:
         return 1
     try:
         endpoints = service.start()
+    except BindError as e:  # the message says what to change: no traceback
+        log_event(log, "serve.start_failed", level=logging.ERROR, reason=str(e))
+        service.stop()
+        return 1
     except Exception as e:
         log_event(log, "serve.start_failed", level=logging.ERROR, reason=str(e), exc_info=True)
         service.stop()
@@ -178,8 +183,10 @@ def _serve(settings: Settings, early: list[int]) -> int:
         http_sock = _listen(host, port)
     except OSError as e:
         log_event(
-            log, "serve.http_bind_failed", level=logging.ERROR, address=settings.http, reason=str(e)
-        )
+            log, "serve.http_bind_failed", level=logging.ERROR, address=settings.http,
+            reason=f"{e.strerror or e} (another server may hold it); pass a free one with --http "
+            "(HOST:0 picks any), or stop the other server",
+        )  # fmt: skip
         service.stop()
         return 1
     watchdog = _Watchdog(settings.shutdown_timeout_s)

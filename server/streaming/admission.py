@@ -15,7 +15,9 @@ from libzmq's ZMTP heartbeats, which the holder's libzmq I/O thread answers on i
 the protocol's Heartbeat messages, which only a loop waiting for data sends:
 
 * the claimant is the holder's own process (same kernel boot id and pid in the Hello: a new
-  Loader, or a reconnect on a new socket) -> it replaces its stream at once;
+  Loader, or a reconnect on a new socket) -> it replaces its stream at once, and the holder
+  gets a notice (a reconnect has closed that socket; another Loader logs it, and takes the
+  rank back when it next reads);
 * the holder speaks (a Credit or Heartbeat after the claim), or its connection is still up
   :attr:`Limits.alive_after_s` after the claim (libzmq would have dropped it had the process
   stopped answering PINGs, see :func:`.streamer.liveness_s`) -> it is alive: the claimant is
@@ -111,6 +113,24 @@ def fenced(s: Session, now: float) -> Error:
         message=f"rank {s.rank} of job {s.job_id} was claimed by another client after this "
         f"stream's connection was dropped ({now - s.last_recv:.1f} s after it last spoke: "
         "its process died, froze or was cut off); this stream is closed",
+    )
+
+
+def taken_over(s: Session, hello: Hello) -> Error:
+    """What the holder hears when a new stream of its own process takes its rank. A Loader's
+    reconnect has closed the socket this goes to, so only another Loader of that process for
+    the same (job, rank) receives it: a notice, not an error, since two Loaders used one
+    after the other (an evaluation beside training, a check that a seed repeats) are fine;
+    the client logs it, so that two used at once, each taking the rank back after a silence
+    before its every batch, are not slow without a word."""
+    return Error(
+        code=ErrorCode.RANK_IN_USE,
+        fatal=False,
+        stream=s.stream,
+        message=f"rank {s.rank} of job {s.job_id} was taken over by another Loader of this "
+        f"process (pid {hello.pid}) for the same job and rank; the two take turns at it, each "
+        "turn after a silence: to read one rank from two Loaders at once, give both the same "
+        "share= name",
     )
 
 

@@ -24,6 +24,7 @@ from .admission import (
     limit_refusal,
     rank_in_use,
     same_client,
+    taken_over,
 )
 from .handshake import check_hello
 from .notices import StreamNotices
@@ -118,6 +119,7 @@ class HelloHandling:
         h = claim.holder
         if self.sessions.get(h.ident) is h:
             if same_client(h, claim.hello):
+                self.out.send(h.ident, taken_over(h, claim.hello))
                 self._close(h, "replaced by a new stream of its process")
             else:
                 spoke = h.last_recv > claim.at

@@ -65,6 +65,10 @@ MAX_INCOMING_BYTES = 1 << 20
 RECV_BURST = 256
 
 
+class BindError(OSError):
+    """A data endpoint could not be bound: named, with what to change (no traceback)."""
+
+
 class Handler(Protocol):
     """What the streamer thread calls; it owns the streams (see :mod:`.handler`)."""
 
@@ -237,7 +241,16 @@ class Streamer:
         try:
             self._configure(sock)
             for ep in self.config.endpoints:
-                sock.bind(ep)
+                try:
+                    sock.bind(ep)
+                except zmq.ZMQError as e:
+                    # strerror without pyzmq's "(addr=...)": the endpoint is named once.
+                    why = zmq.strerror(e.errno) if e.errno is not None else str(e)
+                    raise BindError(
+                        f"cannot bind the data endpoint {ep}: {why} (another server may hold "
+                        "it); pass a free one with --data (tcp://HOST:0 picks any) or --ipc, "
+                        "or stop the other server"
+                    ) from None
                 self._bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             handler = self._factory(sock, self._waker)
         except BaseException as e:  # reported to start(), which raises it in the caller

@@ -94,9 +94,15 @@ def compile_chain(
             peak = t.peak(params, fields) if t.peak is not None else 0
         except Exception as e:  # a transform's own check (any exception) is the job's 422
             have = {n: f.describe() for n, f in fields.items()}
+            # A KeyError's text is only the key's repr: say what it means.
+            why = (
+                f"it reads field {e.args[0]!r}, which is not there"
+                if isinstance(e, KeyError)
+                else e
+            )
             raise BadRequest(
-                f"transforms[{i}] {step.name!r} does not fit dataset {dataset!r}: {e}; the fields "
-                f"at that step are {have}{aside}"
+                f"transforms[{i}] {step.name!r} does not fit dataset {dataset!r}: {why}; the "
+                f"fields at that step are {have}{aside}"
             ) from None
         if clash := sorted(set(writes) & set(passed)):
             raise BadRequest(

@@ -114,3 +114,24 @@ def test_a_dead_or_frozen_trainer_loses_its_rank(srv: ServerProc, how: signal.Si
         for f in (holder.stdout, holder.stderr):
             if f is not None:
                 f.close()
+
+
+def test_two_loaders_of_the_process_for_a_rank_take_turns_and_say_so(
+    srv: ServerProc, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two Loaders of one process for the same job and rank (a seed checked against itself):
+    the newer takes the rank, the older is told, logs it, and takes the rank back when read
+    again; each reads the whole epoch, every sample once."""
+    kw = {**KW, "seed": 22}
+    with Loader(srv.http_url, "cifar", 2, prefetch=2, **kw) as first:  # type: ignore[arg-type]
+        first.set_epoch(0)
+        old = iter(first)
+        got_old = _ids(next(old))
+        with Loader(srv.http_url, "cifar", 2, prefetch=2, **kw) as second:  # type: ignore[arg-type]
+            second.set_epoch(0)
+            got_new = [i for batch in second for i in _ids(batch)]
+        with caplog.at_level("WARNING", logger="shardserve"):
+            for batch in old:
+                got_old += _ids(batch)
+    assert sorted(got_old) == sorted(got_new) and len(set(got_new)) == N // 2
+    assert "taken over by another Loader of this process" in caplog.text

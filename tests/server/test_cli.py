@@ -117,6 +117,26 @@ def test_serve_refuses_a_store_that_does_not_exist(tmp_path: Path) -> None:
     assert not missing.exists()
 
 
+def test_serve_on_a_port_in_use_names_the_flag_without_a_traceback(tmp_path: Path) -> None:
+    """A data or HTTP port another program holds: exit 1, one line naming the endpoint and
+    the flag that picks another, no traceback."""
+    import socket
+
+    (tmp_path / "store").mkdir()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for flags, needle in (
+            (["--http", "127.0.0.1:0", "--data", f"tcp://127.0.0.1:{port}"],
+             f"cannot bind the data endpoint tcp://127.0.0.1:{port}"),
+            (["--http", f"127.0.0.1:{port}", "--data", "tcp://127.0.0.1:0"], "--http (HOST:0"),
+        ):  # fmt: skip
+            out = _run("serve", "--store", str(tmp_path / "store"), *flags)
+            assert out.returncode == 1, out.stderr[-2000:]
+            assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_serve_create_makes_the_store_and_starts(tmp_path: Path) -> None:
     from tests.support.server import run_server
 

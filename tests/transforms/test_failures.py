@@ -70,6 +70,8 @@ def test_unknown_transform_and_bad_params_are_422_listing_what_exists(srv: Serve
     assert r.status_code == 422 and "padding" in r.text and "greater than or equal" in r.text
     r = post([{"name": "random_crop", "params": {"size": 32, "colour": 1}}])
     assert r.status_code == 422 and "colour" in r.text
+    r = post([{"name": "add_const", "params": {"field": "img"}}])  # its check: inputs["img"]
+    assert r.status_code == 422 and "it reads field 'img', which is not there" in r.text
     r = post([{"name": "decode_image"}])  # image is uint8[3,32,32], not bytes
     assert r.status_code == 422 and "not encoded bytes" in r.text
     with pytest.raises(BadRequest, match="no transform named 'nope'"):
