@@ -97,7 +97,7 @@ def compile_chain(
             # A KeyError's text is only the key's repr: say what it means.
             why = (
                 f"it reads field {e.args[0]!r}, which is not there"
-                if isinstance(e, KeyError)
+                if isinstance(e, KeyError) and e.args
                 else e
             )
             raise BadRequest(
