@@ -145,6 +145,7 @@ class Service:
             self.board,
             self.plans,
             self.store.manifest,
+            self.store.check_shards,
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
             self.transforms,

@@ -48,6 +48,12 @@ class StoreBackend(Protocol):
         the first bad one."""
         ...
 
+    def check_shards(self, name: str) -> None:
+        """``DatasetCorruptError`` naming the first shard file of ``name`` that is missing or
+        not the size its manifest says: cheap enough (no read) to run when a job is made, so
+        that the job is refused then rather than failing at its first batch."""
+        ...
+
     def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:
         """Let go of old versions no job pins any more."""
         ...

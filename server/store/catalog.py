@@ -20,6 +20,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 from . import layout
 from .cache import ShardCache
 from .dataset import VERIFY_MODES, Dataset
+from .shards import check_file
 from .verify import verify_dataset
 from .versions import VersionShelf, changed_error, content_id
 
@@ -137,6 +138,13 @@ class Store:
         manifest = self.manifest(name)
         verify_dataset(self.root / manifest.name, manifest, progress=progress)
         return manifest
+
+    def check_shards(self, name: str) -> None:
+        """A stat per shard file of ``name``'s current version (see :class:`.StoreBackend`)."""
+        manifest = self.manifest(name)
+        folder = self._folder(name)
+        for info in manifest.shards:
+            check_file(folder / info.path, info)
 
     def unready(self) -> str | None:
         if not self.root.is_dir() or not os.access(self.root, os.R_OK | os.X_OK):
