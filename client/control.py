@@ -507,6 +507,11 @@ def _error_from(r: httpx.Response, what: str) -> ShardserveError:
         code, detail = str(body["code"]), str(body["detail"])
     except (ValueError, KeyError, TypeError):
         code, detail = ("internal" if r.status_code >= 500 else "bad_request"), r.text[:500]
+    if r.status_code == 404 and code in ("not_found", "bad_request"):  # a route, not a dataset
+        detail += (
+            f" (no route {r.request.url.path}: give the server's base URL, such as "
+            "http://127.0.0.1:7070, with no path after it)"
+        )
     if r.status_code == 401 or r.status_code == 403:
         code = code if code != "internal" else "unauthorized"
     return error_for_code(code, f"{what} -> HTTP {r.status_code}: {detail}")

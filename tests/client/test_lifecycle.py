@@ -15,6 +15,7 @@ from shardserve.client import (
     DataStallError,
     Loader,
     ServerUnavailable,
+    ShardserveError,
     serve_local,
 )
 from shardserve.server.planning import plan
@@ -106,6 +107,13 @@ def test_an_https_url_to_the_plain_http_server_is_named_at_once(server) -> None:
     url = server.http_url.replace("http://", "https://")
     with pytest.raises(ServerUnavailable, match=r"TLS handshake failed .*use an http:// URL"):
         Loader(url, "cifar", 50, rank=0, world_size=1, timeout=600.0)
+
+
+def test_a_url_with_a_path_after_the_base_says_so(server) -> None:
+    """``http://HOST:PORT/v1``: the server has no ``/v1/v1/jobs``; the error says to give the
+    base URL instead of a bare 404."""
+    with pytest.raises(ShardserveError, match=r"no route /v1/v1/.*give the server's base URL"):
+        Loader(f"{server.http_url}/v1", "cifar", 50, rank=0, world_size=1, timeout=30.0)
 
 
 def test_serve_local_of_a_missing_store_says_the_server_exited(tmp_path) -> None:
