@@ -44,13 +44,13 @@ class JobAdmin:
         board: StreamBoard,
         plans: PlanCache,
         manifest: Callable[[str], Manifest],
-        check_shards: Callable[[str], None],
+        check_shards: Callable[[Manifest], None],
         end_streams: Callable[[str, str], None],
         release_versions: Callable[[], None],
         transforms: Transforms,
     ) -> None:
         """``manifest(name)``: the dataset's manifest (raising ``DatasetNotFound``);
-        ``check_shards(name)``: ``DatasetCorruptError`` for a missing or cut shard file;
+        ``check_shards(manifest)``: ``DatasetCorruptError`` for a missing or cut shard file;
         ``end_streams(job_id, message)``: tell the job's open streams it is gone;
         ``release_versions()``: let go of replaced dataset versions no job pins any more;
         ``transforms``: the installed transforms a job's chain is checked against."""
@@ -81,7 +81,7 @@ class JobAdmin:
                 served = self._transforms.served(spec, mixed)  # masked fields pass by the chain
                 self._check_fields(spec, [f.name for f in served.fields])
             for source in spec.mixture or ():
-                self._check_shards(source.name)
+                self._check_shards(self._manifest(source.name))
             return self._admit(spec, length, sizes)
         manifest = self._manifest(spec.dataset)
         existing = self.jobs.find(spec_job_id(spec)) if spec.version is not None else None
@@ -104,7 +104,7 @@ class JobAdmin:
             self.settings.max_batch_bytes,
         )
         # A deleted or cut shard: a 409 now beats a job that fails at its first batch.
-        self._check_shards(spec.dataset)
+        self._check_shards(manifest)
         return self._admit(spec, manifest.num_samples, sample_bytes=sample_bytes)
 
     @staticmethod

@@ -48,10 +48,11 @@ class StoreBackend(Protocol):
         the first bad one."""
         ...
 
-    def check_shards(self, name: str) -> None:
-        """``DatasetCorruptError`` naming the first shard file of ``name`` that is missing or
-        not the size its manifest says: cheap enough (no read) to run when a job is made, so
-        that the job is refused then rather than failing at its first batch."""
+    def check_shards(self, manifest: Manifest) -> None:
+        """``DatasetCorruptError`` naming the first shard file of ``manifest``'s dataset that
+        is missing or not the size the manifest says: cheap enough (no read) to run when a
+        job is made, so that the job is refused then rather than failing at its first
+        batch."""
         ...
 
     def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:

@@ -139,10 +139,9 @@ class Store:
         verify_dataset(self.root / manifest.name, manifest, progress=progress)
         return manifest
 
-    def check_shards(self, name: str) -> None:
-        """A stat per shard file of ``name``'s current version (see :class:`.StoreBackend`)."""
-        manifest = self.manifest(name)
-        folder = self._folder(name)
+    def check_shards(self, manifest: Manifest) -> None:
+        """A stat per shard file (see :class:`.StoreBackend`)."""
+        folder = self._folder(manifest.name)
         for info in manifest.shards:
             check_file(folder / info.path, info)
 

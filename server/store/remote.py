@@ -366,7 +366,7 @@ class RemoteStore:
         """Bytes of the datasets opened so far (listing a bucket per scrape is too dear)."""
         return sum(ds.manifest.total_bytes for ds in list(self._open.values()))
 
-    def check_shards(self, name: str) -> None:
+    def check_shards(self, manifest: Manifest) -> None:
         """Nothing: asking the bucket for every shard would cost a request each, at every job
         made; a missing shard is named when its fetch fails (see :meth:`verify_dataset`)."""
 
