@@ -95,7 +95,7 @@ class ControlClient:
         self.connect_retry_s = connect_retry_s
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"server URL {url!r} must look like http://HOST:PORT")
+            raise BadRequest(f"server URL {url!r} must look like http://HOST:PORT")
         self.host = parts.hostname
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # A proxy from the environment must not swallow loopback traffic to our own sidecar.

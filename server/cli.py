@@ -159,7 +159,14 @@ def _main(argv: list[str]) -> int:
     if args.func is _run_demo:
         return _run_demo(args, rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        hint = ""
+        if any(a == "--port" or a.startswith("--port=") for a in rest):
+            # The flag other servers use: say which two take its place here.
+            hint = (
+                "; shardserve serve takes addresses, not a port: --http HOST:PORT for the control "
+                "plane and --data tcp://HOST:PORT for batches (PORT 0 picks a free one)"
+            )
+        parser.error(f"unrecognized arguments: {' '.join(rest)}{hint}")
     _warn_unknown_env()
     return int(args.func(args) or 0)
 

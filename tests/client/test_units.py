@@ -61,6 +61,14 @@ def test_a_token_with_a_trailing_newline_is_refused_without_showing_it(monkeypat
     assert server_token("s3cret") == "s3cret"
 
 
+def test_a_url_without_its_scheme_is_a_bad_request() -> None:
+    """``127.0.0.1:7070`` is refused as the typed error every other bad argument is."""
+    from shardserve.client.control import ControlClient
+
+    with pytest.raises(BadRequest, match=r"'127\.0\.0\.1:7070' must look like http://HOST:PORT"):
+        ControlClient("127.0.0.1:7070")
+
+
 def _info(*endpoints: str, boot_id: str = "boot-a") -> ServerInfo:
     return ServerInfo(version="0", protocols=[PROTOCOL_VERSION], data_endpoints=list(endpoints), host="h",
                       boot_id=boot_id, auth_required=False)  # fmt: skip

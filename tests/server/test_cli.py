@@ -137,6 +137,14 @@ def test_serve_on_a_port_in_use_names_the_flag_without_a_traceback(tmp_path: Pat
             assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+def test_serve_port_says_which_flags_take_its_place(tmp_path: Path) -> None:
+    """``--port`` (other servers' flag) is refused naming ``--http`` and ``--data``."""
+    out = _run("serve", "--store", str(tmp_path), "--port", "7070")
+    assert out.returncode == 2
+    assert "unrecognized arguments: --port 7070" in out.stderr
+    assert "--http HOST:PORT" in out.stderr and "--data tcp://HOST:PORT" in out.stderr
+
+
 def test_serve_create_makes_the_store_and_starts(tmp_path: Path) -> None:
     from tests.support.server import run_server
 
