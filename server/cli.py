@@ -160,7 +160,8 @@ def _main(argv: list[str]) -> int:
         return _run_demo(args, rest)
     if rest:
         hint = ""
-        if any(a == "--port" or a.startswith("--port=") for a in rest):
+        port = any(a == "--port" or a.startswith("--port=") for a in rest)
+        if port and "serve" in _chosen(argv):
             # The flag other servers use: say which two take its place here.
             hint = (
                 "; shardserve serve takes addresses, not a port: --http HOST:PORT for the control "
