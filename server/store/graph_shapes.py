@@ -56,7 +56,11 @@ class ItemFields:
             if self.samples == self.total
             else f"each of the first {self.samples:,} samples"
         )
-        return f"{name!r} has as many rows as {index!r} has items (its last dimension) in {read}"
+        return (
+            f"{name!r} has as many rows as {index!r} has items (its last dimension) in {read}: "
+            "an edge field, or a node field of graphs that all have as many nodes as edges, "
+            "which cannot be told apart"
+        )
 
 
 def _counters(specs: Iterable[FieldSpec]) -> list[FieldSpec]:

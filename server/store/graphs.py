@@ -70,10 +70,10 @@ _FIX = (
 
 def _edge_reason(name: str, items: ItemFields) -> str | None:
     """Why ``name`` is an edge field and never counts nodes, or ``None`` if it is not one."""
+    if name.rsplit(".", 1)[-1] in EDGE_FIELDS:
+        return f"{name!r} is PyG's name for edge features"
     if name in items.follows:
         return items.why(name)
-    if name.rsplit(".", 1)[-1] in EDGE_FIELDS:
-        return f"{name!r} holds edge features (PyG's name for them)"
     return None
 
 
@@ -100,9 +100,7 @@ def node_source(
             )
         if (why := _edge_reason(node_field, items)) is not None:
             raise BadRequest(
-                f"{where}: node_field {node_field!r} is an edge field: {why}, so it would count "
-                f"edges as nodes (or every graph has as many nodes as edges, which cannot be "
-                f"told apart); {_FIX}"
+                f"{where}: node_field {node_field!r} cannot count nodes: {why}; {_FIX}"
             )
         return node_field
     if "num_nodes" in specs and specs["num_nodes"].kind == "scalar":
@@ -128,10 +126,8 @@ def node_source(
     excluded = [n for n in dict.fromkeys([*NODE_FIELDS, *varying]) if n in edges and n in specs]
     if excluded:
         raise BadRequest(
-            f"{where}: no stored field can count each graph's nodes: "
-            + "; ".join(edges[n] for n in excluded)
-            + f", so {excluded} are edge fields (or every graph has as many nodes as edges, "
-            f"which cannot be told apart); {_FIX}"
+            f"{where}: no stored field can count each graph's nodes ({excluded} are edge "
+            f"fields): {'; '.join(edges[n] for n in excluded)}; {_FIX}"
         )
     raise BadRequest(
         f"{where}: no way to count each graph's nodes: it needs a num_nodes field, or x or "

@@ -83,10 +83,14 @@ def store(tmp_path_factory: pytest.TempPathFactory, crystals: list[dict[str, Any
         "cycles": [_cycle(i) for i in range(N_GRAPHS)],
         "edges": pyg_named,
     }
+    # "w" has a row per edge in every graph but the last: a node-level field after all.
+    late = [{**b, "w": torch.zeros(b["bond_fea"].shape[0] + (i == N_GRAPHS - 1))}
+            for i, b in enumerate(no_atoms)]  # fmt: skip
     for name, samples in sets.items():
         ingest(_save(src / name, samples), store, name, progress=False, threads=2)
     # Small shards: the stored shapes are scanned across shards and chunks.
     ingest(src / "bonds", store, "bonds-sharded", progress=False, threads=2, shard_bytes=4096)
+    ingest(_save(src / "late", late), store, "late", progress=False, threads=2, shard_bytes=4096)
     return store
 
 
@@ -158,7 +162,7 @@ def test_as_many_nodes_as_edges_is_refused(server: ServerProc) -> None:
     detail = r.json()["detail"]
     assert "['x', 'bond_fea']" in detail and "as many nodes as edges" in detail, detail
     assert "num_nodes" in detail, detail
-    with pytest.raises(BadRequest, match="node_field 'x' is an edge field"):
+    with pytest.raises(BadRequest, match="node_field 'x' cannot count nodes"):
         Loader(server.http_url, "cycles", BATCH, collate={"graph": {"node_field": "x"}})
 
 
@@ -168,7 +172,7 @@ def test_named_edge_field_is_refused(server: ServerProc) -> None:
     r = _post(server, "chg", {"graph": {"node_field": "bond_fea"}})
     assert 400 <= r.status_code < 500, r.text
     detail = r.json()["detail"]
-    assert "node_field 'bond_fea' is an edge field" in detail, detail
+    assert "node_field 'bond_fea' cannot count nodes" in detail, detail
     assert "'edge_index'" in detail and "num_nodes" in detail, detail
     # The node field itself is still accepted by name.
     ok = _post(server, "chg", {"graph": {"node_field": "atom_fea"}})
@@ -181,7 +185,9 @@ def test_edge_attr_never_counts_nodes(server: ServerProc) -> None:
     r = _post(server, "edges", "graph")
     assert 400 <= r.status_code < 500, r.text
     assert "'edge_attr'" in r.json()["detail"], r.text
-    with pytest.raises(BadRequest, match="node_field 'edge_attr' is an edge field"):
+    with pytest.raises(
+        BadRequest, match="node_field 'edge_attr' cannot count nodes: 'edge_attr' is PyG's name"
+    ):
         Loader(server.http_url, "edges", BATCH, collate={"graph": {"node_field": "edge_attr"}})
 
 
@@ -198,7 +204,14 @@ def test_the_shape_scan_is_bounded_and_errs_towards_refusing(store: Path) -> Non
         assert whole.samples == whole.total == N_GRAPHS
         capped = item_fields(ds, limit=10)
         assert capped.samples == 10 and capped.follows == {"bond_fea": "edge_index"}
-        # A node field differs from the edge count in some sample: not an edge field.
+        # A node field differs from the edge count in some sample: not an edge field, even
+        # when only the last sample of the last shard says so.
         assert item_fields(st.open("chg")).follows == {"bond_fea": "edge_index"}
+        late = st.open("late")
+        assert len(late.manifest.shards) > 4
+        assert item_fields(late).follows == {"bond_fea": "edge_index"}
+        cut = item_fields(late, limit=N_GRAPHS - 1)
+        assert cut.follows == {"bond_fea": "edge_index", "w": "edge_index"}
+        assert "first 63 samples" in cut.why("w")
     finally:
         st.close()
