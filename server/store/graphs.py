@@ -16,10 +16,13 @@ The node count of a graph is the first dimension of the field the job names
 (``collate={"graph": {"node_field": "atom_fea"}}``), else its ``num_nodes`` field (PyG
 ``Data`` ingest stores it), else the first dimension of ``x``, else of ``pos``, else of the
 one top-level field that can count nodes (its first dimension varies; not an index field).
-Several such fields are refused, never guessed between: ``atom_fea [n, F]`` and
-``bond_fea [E, D]`` look alike. ``num_nodes`` itself is not sent (``ptr`` says it). Bytes
-fields and fields that may be missing have no place in such a batch and are refused when the
-job is created, as is a dataset with no way to count nodes.
+An edge field never counts nodes, named or not: ``edge_attr``, and any field whose stored
+shapes give it as many rows as an index field has items in every sample
+(:mod:`.graph_shapes`: ``bond_fea [E, D]`` beside ``edge_index [2, E]``). Several node-level
+candidates are refused, never guessed between, as is a dataset left with none (graphs that
+all have as many nodes as edges included). ``num_nodes`` itself is not sent (``ptr`` says
+it). Bytes fields and fields that may be missing have no place in such a batch and are
+refused when the job is created, as is a dataset with no way to count nodes.
 
 With transforms, each graph goes through the chain first and the chain's outputs are
 collated: a transform sees one graph as stored.
