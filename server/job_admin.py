@@ -26,6 +26,8 @@ from .metrics import JobsSnapshot, RankSeries
 from .planning import num_batches
 from .planning.cache import PlanCache
 from .settings import Settings
+from .store.dataset import Dataset
+from .store.graph_shapes import item_fields
 from .store.graphs import check_graph_job
 from .store.mixed import mixture_manifest
 from .store.versions import pin_version
@@ -48,12 +50,15 @@ class JobAdmin:
         end_streams: Callable[[str, str], None],
         release_versions: Callable[[], None],
         transforms: Transforms,
+        open_dataset: Callable[[str, str | None], Dataset],
     ) -> None:
         """``manifest(name)``: the dataset's manifest (raising ``DatasetNotFound``);
         ``check_shards(manifest)``: ``DatasetCorruptError`` for a missing or cut shard file;
         ``end_streams(job_id, message)``: tell the job's open streams it is gone;
         ``release_versions()``: let go of replaced dataset versions no job pins any more;
-        ``transforms``: the installed transforms a job's chain is checked against."""
+        ``transforms``: the installed transforms a job's chain is checked against;
+        ``open_dataset(name, version)``: the store's shared dataset of that version (a graph
+        job's stored shapes are read from it)."""
         self.settings = settings
         self.jobs = jobs
         self.board = board
@@ -63,6 +68,7 @@ class JobAdmin:
         self._end_streams = end_streams
         self._release_versions = release_versions
         self._transforms = transforms
+        self._open_dataset = open_dataset
         # Admission (cap check, eviction, creation) is one step, or two POSTs could both
         # take the last free place.
         self._admit_lock = threading.Lock()
@@ -94,8 +100,6 @@ class JobAdmin:
         served = self._transforms.served(spec, manifest)  # a chain's outputs, when it has one
         sample_bytes = self._transforms.sample_bytes(spec, manifest)
         self._check_fields(spec, [f.name for f in served.fields])
-        if spec.graph is not None:
-            check_graph_job(served, spec.fields, spec.graph)
         per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
         check_batch(
             spec.batch_size,
@@ -105,6 +109,10 @@ class JobAdmin:
         )
         # A deleted or cut shard: a 409 now beats a job that fails at its first batch.
         self._check_shards(manifest)
+        if spec.graph is not None:
+            # The stored shapes of the pinned version tell edge fields from node fields.
+            items = item_fields(self._open_dataset(spec.dataset, spec.version))
+            check_graph_job(served, spec.fields, spec.graph, items)
         return self._admit(spec, manifest.num_samples, sample_bytes=sample_bytes)
 
     @staticmethod

@@ -149,6 +149,7 @@ class Service:
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
             self.transforms,
+            self.open_dataset,
         )
         self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))

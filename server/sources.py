@@ -13,6 +13,7 @@ from shardserve.proto.jobs import JobSpec
 
 from .source import BatchSource
 from .store.dataset import Dataset
+from .store.graph_shapes import item_fields_of
 from .store.graphs import GraphCollated
 from .store.mixed import mixed_dataset
 from .transforms.bound import Quarantine, Transforms
@@ -42,18 +43,20 @@ def open_source(
     >>> source.take([0, 1], ["label"])                                    # doctest: +SKIP
     """
     source: BatchSource
+    stored: list[Dataset]  # what the job reads, as stored: their shapes tell edge fields
     if spec.mixture is not None:  # each source's version pinned at the job's creation
         # Only the stored fields the job reads (a chain may read any): the sources were
         # checked to agree on those.
-        stored = None if spec.fields is None or spec.transforms else spec.fields
-        sources = [open_dataset(m.name, m.version) for m in spec.mixture]
-        source = mixed_dataset(spec.dataset, sources, stored)
+        read = None if spec.fields is None or spec.transforms else spec.fields
+        stored = [open_dataset(m.name, m.version) for m in spec.mixture]
+        source = mixed_dataset(spec.dataset, stored, read)
     else:
-        source = open_dataset(spec.dataset, spec.version)  # the version the job pinned
+        dataset = open_dataset(spec.dataset, spec.version)  # the version the job pinned
+        source, stored = dataset, [dataset]
     if transforms is not None:
         source = transforms.bind(source, spec, epoch, seed, rank, quarantine)
     if spec.graph is not None:
         # Graphs collated for message passing, each batch on its own terms; a chain has
-        # already run on each graph.
-        source = GraphCollated(source, spec.batch_size, spec.graph)
+        # already run on each graph. Nodes are counted as the job's admission chose.
+        source = GraphCollated(source, spec.batch_size, spec.graph, item_fields_of(stored))
     return source

@@ -18,9 +18,11 @@ counts are always checked at open).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -51,6 +53,8 @@ from .shard_set import (
 
 __all__ = ["VERIFY_MODES", "Dataset"]
 
+T = TypeVar("T")
+
 
 class Dataset:
     """A dataset's samples as batch parts; see the module docstring.
@@ -69,6 +73,9 @@ class Dataset:
         self._starts = shard_starts(manifest)
         self.shards = shards
         self._closed = False
+        #: Facts computed once from this version (:meth:`derived`); a version never changes.
+        self._derived: dict[str, object] = {}
+        self._derived_lock = threading.Lock()
 
     @property
     def sample_bytes(self) -> float:
@@ -249,6 +256,48 @@ class Dataset:
                 f"{dest.flags.c_contiguous}); expected a C-contiguous {spec.dtype}{list(want)}"
             )
         return dest
+
+    def stored_shapes(
+        self, names: Sequence[str], limit: int, visit: Callable[[Mapping[str, np.ndarray]], bool]
+    ) -> int:
+        """Read the stored shapes of variable fields ``names`` (``[rows, ndim]`` int64, read
+        only) of the first ``limit`` samples, chunk by chunk: ``visit`` gets each chunk's and
+        says whether to go on. Returns how many samples were read.
+
+        No value is read: the shape columns lie outside row data (verified when a shard is
+        opened). One shard is held at a time (a remote store's is fetched once, into its cache).
+        """
+        done = 0
+        for s in range(len(self.shard_rows)):
+            lo, hi = int(self._starts[s]), int(self._starts[s + 1])
+            if done >= limit:
+                break
+            if hi == lo:
+                continue
+            chunks = self.shards.acquire([s])
+            try:
+                heads = chunks.starts[:-1]
+                # The chunks of shard s only (a local store's Chunks are the whole dataset's).
+                first, stop = np.searchsorted(heads, [lo, hi], "left").tolist()
+                for c in range(first, stop):
+                    rows = min(int(chunks.starts[c + 1] - chunks.starts[c]), limit - done)
+                    go = visit({n: chunks.shapes[n][c][:rows] for n in names})
+                    done += rows
+                    if not go or done >= limit:
+                        return done
+            finally:
+                self.shards.release([s])
+        return done
+
+    def derived(self, key: str, compute: Callable[[], T]) -> T:
+        """``compute()`` kept under ``key`` for the life of this dataset version: a fact
+        read from its immutable shards once, however many jobs and streams ask."""
+        with self._derived_lock:
+            if key in self._derived:
+                return cast(T, self._derived[key])
+        value = compute()  # outside the lock: a slow scan holds up no other key
+        with self._derived_lock:
+            return cast(T, self._derived.setdefault(key, value))
 
     # -- integrity and life ----------------------------------------------------------------
     def verify(self, progress: bool = False) -> None:

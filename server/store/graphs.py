@@ -16,10 +16,13 @@ The node count of a graph is the first dimension of the field the job names
 (``collate={"graph": {"node_field": "atom_fea"}}``), else its ``num_nodes`` field (PyG
 ``Data`` ingest stores it), else the first dimension of ``x``, else of ``pos``, else of the
 one top-level field that can count nodes (its first dimension varies; not an index field).
-Several such fields are refused, never guessed between: ``atom_fea [n, F]`` and
-``bond_fea [E, D]`` look alike. ``num_nodes`` itself is not sent (``ptr`` says it). Bytes
-fields and fields that may be missing have no place in such a batch and are refused when the
-job is created, as is a dataset with no way to count nodes.
+An edge field never counts nodes, named or not: ``edge_attr``, and any field whose stored
+shapes give it as many rows as an index field has items in every sample
+(:mod:`.graph_shapes`: ``bond_fea [E, D]`` beside ``edge_index [2, E]``). Several node-level
+candidates are refused, never guessed between, as is a dataset left with none (graphs that
+all have as many nodes as edges included). ``num_nodes`` itself is not sent (``ptr`` says
+it). Bytes fields and fields that may be missing have no place in such a batch and are
+refused when the job is created, as is a dataset with no way to count nodes.
 
 With transforms, each graph goes through the chain first and the chain's outputs are
 collated: a transform sees one graph as stored.
@@ -42,6 +45,7 @@ from shardserve.proto.parts import OFFSETS, SHAPES, SPLITS
 
 from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
 from .gather import Empty
+from .graph_shapes import ItemFields
 
 #: Parts a graph batch adds; no field may have these names.
 ADDED = ("batch", "ptr")
@@ -58,10 +62,31 @@ def _counts_nodes(name: str, spec: FieldSpec) -> bool:
     )
 
 
-def node_source(specs: Mapping[str, FieldSpec], node_field: str | None, where: str) -> str:
+#: PyG's name for edge features: never a node count, whatever its shapes.
+EDGE_FIELDS = ("edge_attr",)
+#: What a refusal says to do when no stored field can count nodes.
+_FIX = (
+    'name a stored node-level field: collate={"graph": {"node_field": NAME}}, or store each '
+    "graph's node count as a num_nodes field (e.g. re-ingest with a --map that adds it)"
+)
+
+
+def _edge_reason(name: str, items: ItemFields) -> str | None:
+    """Why ``name`` is an edge field and never counts nodes, or ``None`` if it is not one."""
+    if name.rsplit(".", 1)[-1] in EDGE_FIELDS:
+        return f"{name!r} is PyG's name for edge features"
+    if name in items.follows:
+        return items.why(name)
+    return None
+
+
+def node_source(
+    specs: Mapping[str, FieldSpec], node_field: str | None, where: str, items: ItemFields
+) -> str:
     """The field that counts each graph's nodes (see the module docstring), or ``BadRequest``
     naming what to change. Chosen from every field of the dataset, served or not: leaving a
-    field out with ``fields=`` never changes what counts the nodes."""
+    field out with ``fields=`` never changes what counts the nodes. ``items``: the fields
+    whose stored shapes show they follow an index field's edges (:mod:`.graph_shapes`)."""
     if node_field is not None:
         spec = specs.get(node_field)
         if spec is None or not _counts_nodes(node_field, spec):
@@ -76,24 +101,36 @@ def node_source(specs: Mapping[str, FieldSpec], node_field: str | None, where: s
                 f"has, whose first dimension is the graph's node count, not an index field. "
                 f"Fields: {list(specs)}"
             )
+        if (why := _edge_reason(node_field, items)) is not None:
+            raise BadRequest(
+                f"{where}: node_field {node_field!r} cannot count nodes: {why}; {_FIX}"
+            )
         return node_field
     if "num_nodes" in specs and specs["num_nodes"].kind == "scalar":
         return "num_nodes"
+    edges = {n: why for n in specs if (why := _edge_reason(n, items)) is not None}
     for n in NODE_FIELDS:
-        if n in specs and _counts_nodes(n, specs[n]):
+        if n in specs and _counts_nodes(n, specs[n]) and n not in edges:
             return n
     # Top-level fields only: nested ones (a HeteroData's "paper.x") count one node type of
     # several, and shifting every index by them would be wrong.
     varying = [
         n for n, f in specs.items() if "." not in n and _counts_nodes(n, f) and f.shape[0] == -1
     ]
-    if len(varying) == 1:
-        return varying[0]
+    nodes = [n for n in varying if n not in edges]
+    if len(nodes) == 1:
+        return nodes[0]
     how = 'say which field counts them: collate={"graph": {"node_field": NAME}}'
-    if varying:
+    if nodes:
         raise BadRequest(
-            f"{where}: more than one field could count each graph's nodes: {varying} (node "
+            f"{where}: more than one field could count each graph's nodes: {nodes} (node "
             f"features and edge features look alike); {how}"
+        )
+    excluded = [n for n in dict.fromkeys([*NODE_FIELDS, *varying]) if n in edges and n in specs]
+    if excluded:
+        raise BadRequest(
+            f"{where}: no stored field can count each graph's nodes ({excluded} are edge "
+            f"fields): {'; '.join(edges[n] for n in excluded)}; {_FIX}"
         )
     raise BadRequest(
         f"{where}: no way to count each graph's nodes: it needs a num_nodes field, or x or "
@@ -102,14 +139,17 @@ def node_source(specs: Mapping[str, FieldSpec], node_field: str | None, where: s
     )
 
 
-def check_graph_job(manifest: Manifest, fields: Sequence[str] | None, graph: GraphOptions) -> str:
+def check_graph_job(
+    manifest: Manifest, fields: Sequence[str] | None, graph: GraphOptions, items: ItemFields
+) -> str:
     """Refuse (``BadRequest``) a graph job this dataset's fields cannot make; returns the
     field that counts nodes. ``manifest``: what the job's batches are made from (a chain's
-    outputs when it has transforms)."""
+    outputs when it has transforms); ``items``: what the stored shapes say
+    (:func:`~.graph_shapes.item_fields`)."""
     specs = {f.name: f for f in manifest.fields}
     names = list(fields) if fields is not None else list(specs)
     where = f'collate="graph" on dataset {manifest.name!r}'
-    counter = node_source(specs, graph.node_field, where)
+    counter = node_source(specs, graph.node_field, where, items)
     for n in names:
         s = specs[n]
         if n in ADDED:
@@ -184,14 +224,22 @@ class GraphCollated(Wrapped):
     """
 
     def __init__(
-        self, inner: BatchSource, batch_size: int = 0, graph: GraphOptions | None = None
+        self,
+        inner: BatchSource,
+        batch_size: int = 0,
+        graph: GraphOptions | None = None,
+        items: ItemFields | None = None,
     ) -> None:
+        """``items``: the fields whose stored shapes follow an index field's edges (the same
+        answer the job's admission had: :func:`~.graph_shapes.item_fields`)."""
         super().__init__(inner)
         self._specs = {f.name: f for f in inner.manifest.fields}
         self.batch_size = batch_size
         where = f'collate="graph" on dataset {inner.manifest.name!r}'
         #: The field that counts each graph's nodes (checked when the job was made).
-        self._counter = node_source(self._specs, graph.node_field if graph else None, where)
+        self._counter = node_source(
+            self._specs, graph.node_field if graph else None, where, items or ItemFields()
+        )
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
         """Every part's size depends on the graphs in the batch: all variable."""

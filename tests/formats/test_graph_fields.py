@@ -1,6 +1,7 @@
 """Graphs whose nodes are not called x (CHGNet's ``atom_fea``, ``bond_fea``, ``edge_index``
 dicts saved with torch.save): the node field is named or inferred when only one field can be
-it, never guessed between two; transforms run on each graph before it is collated."""
+it (edge fields set aside: ``test_graph_edge_fields``), never guessed between two node-level
+fields; transforms run on each graph before it is collated."""
 
 from __future__ import annotations
 
@@ -47,12 +48,16 @@ def server(
 ) -> Iterator[ServerProc]:
     src = tmp_path_factory.mktemp("crystals")
     atoms = tmp_path_factory.mktemp("atoms")  # the same graphs without edge features
+    charged = tmp_path_factory.mktemp("charged")  # and with a second node-level field
     for i, c in enumerate(crystals):
         torch.save(c, src / f"{i:05d}.pt")
         torch.save({k: v for k, v in c.items() if k != "bond_fea"}, atoms / f"{i:05d}.pt")
+        charge = torch.ones(c["atom_fea"].shape[0])
+        torch.save({**c, "charge": charge}, charged / f"{i:05d}.pt")
     store = tmp_path_factory.mktemp("store")
     ingest(src, store, "chg", progress=False, threads=2)
     ingest(atoms, store, "atoms", progress=False, threads=2)
+    ingest(charged, store, "charged", progress=False, threads=2)
     with run_server(store, "--transforms", "tests.transforms.mods") as srv:
         yield srv
 
@@ -91,16 +96,17 @@ def test_named_node_field_collates_as_pyg_does(
 
 
 def test_two_candidates_are_refused_naming_both(server: ServerProc) -> None:
-    """atom_fea [n, 8] and bond_fea [E, 3] could both count nodes: a 4xx names both and how to
-    say which, at job creation (not a guess, not a failure at stream time)."""
+    """atom_fea [n, 8] and charge [n] could both count nodes (bond_fea, a row per edge,
+    cannot): a 4xx names both and how to say which, at job creation (not a guess, not a
+    failure at stream time)."""
     r = httpx.post(
         f"{server.http_url}/v1/jobs",
-        json={"dataset": "chg", "batch_size": BATCH, "collate": "graph"},
+        json={"dataset": "charged", "batch_size": BATCH, "collate": "graph"},
         timeout=10,
     )
     assert 400 <= r.status_code < 500, r.text
     detail = r.json()["detail"]
-    assert "['atom_fea', 'bond_fea']" in detail and "node_field" in detail
+    assert "['atom_fea', 'charge']" in detail and "node_field" in detail
     with pytest.raises(BadRequest, match="node_field 'edge_index'"):
         Loader(server.http_url, "chg", BATCH, collate={"graph": {"node_field": "edge_index"}})
     with pytest.raises(BadRequest, match="node_field 'atoms' is not a field"):
@@ -111,14 +117,14 @@ def test_the_one_candidate_is_inferred_whatever_is_served(
     server: ServerProc, crystals: list[dict[str, torch.Tensor]]
 ) -> None:
     """Without edge features atom_fea is the only field that can count nodes, and is used;
-    with them, leaving bond_fea out with fields= still refuses (what counts the nodes never
-    depends on what is served: it would count edges). {"graph": {}} is the plain "graph"."""
+    with a second node-level field, leaving it out with fields= still refuses (what counts
+    the nodes never depends on what is served). {"graph": {}} is the plain "graph"."""
     fields = ["atom_fea", "edge_index", "energy"]
     _assert_like_pyg(
         _read(server, "atoms", collate="graph"), _pyg_batches(crystals, fields), fields
     )
     with pytest.raises(BadRequest, match="more than one field"):
-        Loader(server.http_url, "chg", BATCH, collate="graph", fields=["bond_fea", "edge_index"])
+        Loader(server.http_url, "charged", BATCH, collate="graph", fields=["atom_fea", "energy"])
     ids = {
         httpx.post(
             f"{server.http_url}/v1/jobs",
