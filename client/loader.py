@@ -376,23 +376,13 @@ class Loader:
         other (elastic resume: the samples no rank consumed are dealt over this job's ranks).
 
         ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
-        same position; Lightning and Accelerate checkpoint rank 0's), or a list of every
-        rank's, which must agree. ``BadRequest`` naming the problem if ``state`` is damaged,
-        inconsistent, or belongs to another job. ``ResumeRefused``, before any batch, for a
-        state taken mid-epoch on another dataset version than this Loader's job reads, or on
-        one it cannot be matched to (a state without ``versions`` whose job id is not this
-        job's, or a version 1 state), and for a mixture's state of another world size.
-
-        ``allow_other_version=True``: resume such a state's position on this job's version
-        knowingly (the rest of the epoch is this version's order after that many samples,
-        the ones before it are not delivered); a mixture's weight changes made on the saved
-        job are not carried over: make them again."""
-        st = parse_states(state)
-        pos, job = self._ctx.pos, self._job
-        check_resumable(
-            st, self.spec, job.pinned, self.world.world_size, "loader", allow_other_version
-        )
-        start, origin = start_for(st, self.world.world_size, job.num_samples, pos.per_epoch)
+        same position), or a list of every rank's, which must agree. ``BadRequest`` if it is
+        damaged or another job's; ``ResumeRefused`` (before any batch) if taken mid-epoch on
+        another or an unknown dataset version (:mod:`.state`), or a mixture's of another
+        world size. ``allow_other_version=True``: resume on this version knowingly."""
+        st, pos, job, world = parse_states(state), self._ctx.pos, self._job, self.world.world_size
+        check_resumable(st, self.spec, job.pinned, world, "loader", allow_other_version)
+        start, origin = start_for(st, world, job.num_samples, pos.per_epoch)
         pos.restore(*start)
         self._origin = (start.epoch, origin) if origin else None
 

@@ -235,9 +235,9 @@ def check_version(st: ResumeState, pinned: JobSpec, what: str) -> None:
     elif st.job:
         taken = (
             f"has no 'versions' key (saved before states recorded it, or edited), and its job "
-            f"{st.job} is not this {what}'s job at its world size {st.world_size} (that would "
-            f"be job {saved_job_id(st, pinned)}): it was taken on another version of dataset "
-            f"{pinned.dataset!r}"
+            f"{st.job} is not the job of this {what}'s version at the state's world size "
+            f"{st.world_size} ({saved_job_id(st, pinned)}): it was taken on another version of "
+            f"dataset {pinned.dataset!r} (or by a job made before jobs pinned a version)"
         )
     else:
         taken = (
@@ -245,11 +245,11 @@ def check_version(st: ResumeState, pinned: JobSpec, what: str) -> None:
             f"or one edited): it cannot be matched to a version of dataset {pinned.dataset!r}"
         )
     raise ResumeRefused(
-        f"state {taken}, but this {what}'s job reads version {reads or 'unknown'} (a dataset "
-        f"ingested again since reads another): resumed at position {st.position} of epoch "
-        f"{st.epoch}, one epoch would mix two datasets. Start epoch {st.epoch} again (do not "
-        f"load the state: {what}.set_epoch({st.epoch})), or resume at that position on this "
-        f"version knowingly: {what}.load_state_dict(state, {ALLOW})"
+        f"state {taken}, but this {what}'s job reads version "
+        f"{reads or 'unknown (the server pinned none)'}: resumed at position {st.position} of "
+        f"epoch {st.epoch}, one epoch could mix two versions of the data. Start epoch "
+        f"{st.epoch} again (do not load the state: {what}.set_epoch({st.epoch})), or resume "
+        f"at that position on this version knowingly: {what}.load_state_dict(state, {ALLOW})"
     )
 
 
