@@ -267,6 +267,7 @@ def test_a_state_without_versions_resumes_on_its_version_only(store: Path, tmp_p
             seen = [i for ld in pair for i in _check(next(iter(ld)), old_images)]
             st = pair[0].state_dict()
             assert st["position"] == 2 * BATCH and st["versions"]
+            with_versions = dict(st)
             del st["versions"]
             v1 = {k: st[k] for k in ("spec", "epoch", "next_batch", "rank", "world_size")}
             with pytest.raises(ResumeRefused, match="names neither the dataset version nor"):
@@ -288,7 +289,10 @@ def test_a_state_without_versions_resumes_on_its_version_only(store: Path, tmp_p
             for part in (st["job"], new_version, "set_epoch(0)", "allow_other_version=True"):
                 assert part in said, said
             assert new.state_dict()["position"] == 0  # nothing was restored
-            new.load_state_dict({**st, "next_batch": 0, "position": 0})  # an epoch's start
+            with pytest.raises(ResumeRefused, match=with_versions["versions"]):
+                new.load_state_dict(with_versions)
+            for start in (st, with_versions):  # an epoch's start: nothing of it to mix
+                new.load_state_dict({**start, "next_batch": 0, "position": 0})
             new.load_state_dict(st, allow_other_version=True)
             got = [i for b in new for i in _check(b, new_images)]
             assert len(got) == 1000 - 2 * BATCH
