@@ -16,6 +16,8 @@ Errors (all from :mod:`shardserve.proto.errors`)::
     ├── ProtocolError: VersionMismatch, ...                    client and server disagree
     ├── BadRequest                                             arguments that cannot be served
     │   ├── ResidentTooLarge                                   resident data would not fit
+    │   ├── ResumeRefused                                      a state that would not resume
+    │   │                                                      exactly (version, world size)
     │   └── StreamLimitExceeded                                the server's stream limits
     └── AuthError                                              missing or wrong token
 """
@@ -42,6 +44,7 @@ from .loader import Loader
 from .local import serve_local
 from .plan import plan
 from .resident import ResidentTooLarge
+from .state import ResumeRefused
 from .structure import Masked, Texts
 from .types import LoaderStats, VarTensor
 
@@ -60,6 +63,7 @@ __all__ = [
     "ProtocolError",
     "RankInUse",
     "ResidentTooLarge",
+    "ResumeRefused",
     "ServerUnavailable",
     "ShardserveError",
     "StreamLimitExceeded",

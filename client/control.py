@@ -373,6 +373,8 @@ class JobHandle:
     def _adopt(self, created: CreatedJob) -> None:
         # The server's id: it covers the dataset version the job pinned.
         self.id = created.id
+        #: The spec as the server made the job: dataset version(s) pinned, as its id covers.
+        self.pinned = created.status.spec
         self.version = created.status.spec.version
         #: Every dataset version the job reads (a mixture's sources each), as states record it.
         self.versions = created.status.spec.versions

@@ -30,7 +30,7 @@ from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
 from .mixture import Mixture, next_epoch_step
 from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
-from .state import check_same_job, make_state, parse_states, start_for
+from .state import check_resumable, make_state, parse_states, start_for
 from .stream import EpochStream
 from .structure import rebuild_for
 from .types import LoaderStats
@@ -369,18 +369,20 @@ class Loader:
             self._ctx.pos.state(), self._job.versions,
         )  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any] | list[dict[str, Any]], *, allow_other_version: bool = False
+    ) -> None:
         """Make the next iteration start where ``state`` left off, on this world size or any
         other (elastic resume: the samples no rank consumed are dealt over this job's ranks).
 
         ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
-        same position; Lightning and Accelerate checkpoint rank 0's), or a list of every
-        rank's, which must agree. ``BadRequest`` naming the problem if ``state`` is damaged,
-        inconsistent, or belongs to another job or version."""
-        st = parse_states(state)
-        check_same_job(st, self.spec, "loader", self._job.versions)
-        pos = self._ctx.pos
-        start, origin = start_for(st, self.world.world_size, self._job.num_samples, pos.per_epoch)
+        same position), or a list of every rank's, which must agree. ``BadRequest`` if it is
+        damaged or another job's; ``ResumeRefused`` (before any batch) if taken mid-epoch on
+        another or an unknown dataset version (:mod:`.state`), or a mixture's of another
+        world size. ``allow_other_version=True``: resume on this version knowingly."""
+        st, pos, job, world = parse_states(state), self._ctx.pos, self._job, self.world.world_size
+        check_resumable(st, self.spec, job.pinned, world, "loader", allow_other_version)
+        start, origin = start_for(st, world, job.num_samples, pos.per_epoch)
         pos.restore(*start)
         self._origin = (start.epoch, origin) if origin else None
 

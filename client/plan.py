@@ -36,7 +36,7 @@ from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import World, resolve_world
 from .mixture import Mixture
-from .state import check_same_job, make_state, parse_states, start_for
+from .state import check_resumable, make_state, parse_states, start_for
 
 IdBatch = torch.Tensor
 
@@ -125,14 +125,18 @@ class IndexPlan:
             self.world.world_size, self._pos.state(), self._live().versions,
         )  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any] | list[dict[str, Any]], *, allow_other_version: bool = False
+    ) -> None:
         """Start the next iteration where ``state`` (this plan's or a ``Loader``'s, of any
-        world size, or a list of every rank's) left off; a ``Loader``'s rules."""
+        world size, or a list of every rank's) left off; a ``Loader``'s rules, and its
+        ``allow_other_version``."""
         st = parse_states(state)
         job = self._live()
-        check_same_job(st, self.spec, "plan", job.versions)
-        n = job.num_samples
-        start, _ = start_for(st, self.world.world_size, n, self._pos.per_epoch)
+        check_resumable(
+            st, self.spec, job.pinned, self.world.world_size, "plan", allow_other_version
+        )
+        start, _ = start_for(st, self.world.world_size, job.num_samples, self._pos.per_epoch)
         self._pos.restore(*start)
 
     def __iter__(self) -> Iterator[Any]:

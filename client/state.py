@@ -12,6 +12,15 @@ number of batches, so every rank's state says the same position and any one of t
 other world size. A list of every rank's states is accepted too: it must be one state per rank
 ``0 .. N-1`` of one world size, all at the same epoch and position, else it is refused.
 Version 1 states (no position) are read as ``position = next_batch * batch * world_size``.
+
+What a state was taken on: its ``versions`` (the dataset version(s) its job read) or, in
+states saved before that key, its ``job`` id, which covers the pinned version(s): the id this
+Loader's own job has at the state's world size is the state's id exactly when the state was
+taken on this version. A state matched by neither (version 1 states carry no job id) is
+refused mid-epoch, as is one of another version, unless the caller resumes knowingly
+(``allow_other_version``); at an epoch's start nothing of the epoch was consumed, so it loads.
+A mixture's state resumes on its own world size only: its weight changes are journaled on the
+job of that world size.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import JobSpec, deal_world
+from shardserve.proto.jobs import JobSpec, deal_world, job_id
 from shardserve.proto.messages import MAX_REPORTED_COUNT
 from shardserve.proto.resume import ResumePoint, resume_point
 
@@ -37,6 +46,14 @@ KEYS = ("version", "spec", "epoch", "next_batch", "rank", "world_size")
 MAX_VERSIONS_CHARS = 1 << 14
 #: Epochs a Hello can carry.
 MAX_EPOCH = (1 << 31) - 1
+#: The argument of ``load_state_dict`` that resumes a state on another dataset version.
+ALLOW = "allow_other_version=True"
+
+
+class ResumeRefused(BadRequest):
+    """A state dict that would not resume exactly here: taken on another dataset version, on
+    a version it cannot be matched to, or (a mixture) on another world size. Raised by
+    ``load_state_dict`` before any batch; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -157,11 +174,38 @@ def parse_states(states: object, version: int = VERSION) -> ResumeState:
     return first
 
 
-def check_same_job(st: ResumeState, spec: JobSpec, what: str, versions: str) -> None:
+def check_resumable(
+    st: ResumeState,
+    spec: JobSpec,
+    pinned: JobSpec,
+    world_size: int,
+    what: str,
+    allow_other_version: bool = False,
+) -> None:
+    """Refuse ``st`` unless it resumes exactly in this ``what`` ("loader" or "plan"), whose
+    spec is ``spec``, whose job the server pinned as ``pinned`` and which runs on
+    ``world_size`` ranks: ``BadRequest`` for another job's state, :class:`ResumeRefused` for
+    one of another (or an unknown) dataset version, unless ``allow_other_version``, and for a
+    mixture's state of another world size."""
+    check_same_job(st, spec, what)
+    if spec.mixture is not None and st.world_size != world_size:
+        raise ResumeRefused(
+            f"state dict was saved by a mixture job on {st.world_size} ranks, and this {what} "
+            f"runs on {world_size}: a mixture cannot resume on another world size yet (its "
+            f"weight changes are journaled on the job of {st.world_size} ranks, and its plan "
+            f"is not dealt from a position). Resume on world_size={st.world_size}, or start "
+            f"epoch {st.epoch} again on {world_size} ranks (do not load the state: "
+            f"{what}.set_epoch({st.epoch}))"
+        )
+    # At an epoch's start nothing of the epoch was consumed: no two versions can meet in it.
+    if allow_other_version or st.position == 0:
+        return
+    check_version(st, pinned, what)
+
+
+def check_same_job(st: ResumeState, spec: JobSpec, what: str) -> None:
     """``BadRequest`` unless ``st`` was saved by ``spec``'s job at some world size, shared or
-    not (a share group's batches are the unshared job's), on the dataset version(s)
-    ``versions`` this job reads: a position counts samples of one version's order, so on
-    another version it would resume in the middle of different data."""
+    not (a share group's batches are the unshared job's)."""
     saved = st.spec.model_copy(update={"world_size": spec.world_size, "share": spec.share})
     if saved != spec:
         old, new = saved.model_dump(mode="json"), spec.model_dump(mode="json")
@@ -174,13 +218,52 @@ def check_same_job(st: ResumeState, spec: JobSpec, what: str, versions: str) -> 
             f"state is for another job ({diff}); load it into a {what} made with the same "
             "arguments (world_size may differ)"
         )
-    if st.versions and versions and st.versions != versions:
-        raise BadRequest(
-            f"state was saved on dataset {spec.dataset!r} version {st.versions}, but this {what}'s "
-            f"job reads version {versions} (the dataset was ingested again since): resumed here, "
-            "one epoch would mix two datasets. Resume on a server that still holds version "
-            f"{st.versions}, or start the epoch over on the new version (do not load the state)"
+
+
+def check_version(st: ResumeState, pinned: JobSpec, what: str) -> None:
+    """:class:`ResumeRefused` unless ``st`` was taken on the dataset version(s) of the job
+    ``pinned``: a position counts samples of one version's order, so on another version it
+    would resume in the middle of different data. Matched by the state's ``versions``, else
+    by its job id (see the module docstring)."""
+    reads = _pinned_versions(pinned)
+    if st.versions:
+        if st.versions == reads:
+            return
+        taken = f"was saved on dataset {pinned.dataset!r} version {st.versions}"
+    elif st.job and reads and st.job == saved_job_id(st, pinned):
+        return
+    elif st.job:
+        taken = (
+            f"has no 'versions' key (saved before states recorded it, or edited), and its job "
+            f"{st.job} is not the job of this {what}'s version at the state's world size "
+            f"{st.world_size} ({saved_job_id(st, pinned)}): it was taken on another version of "
+            f"dataset {pinned.dataset!r} (or by a job made before jobs pinned a version)"
         )
+    else:
+        taken = (
+            "names neither the dataset version nor the job it was taken on (a version 1 state, "
+            f"or one edited): it cannot be matched to a version of dataset {pinned.dataset!r}"
+        )
+    raise ResumeRefused(
+        f"state {taken}, but this {what}'s job reads version "
+        f"{reads or 'unknown (the server pinned none)'}: resumed at position {st.position} of "
+        f"epoch {st.epoch}, one epoch could mix two versions of the data. Start epoch "
+        f"{st.epoch} again (do not load the state: {what}.set_epoch({st.epoch})), or resume "
+        f"at that position on this version knowingly: {what}.load_state_dict(state, {ALLOW})"
+    )
+
+
+def saved_job_id(st: ResumeState, pinned: JobSpec) -> str:
+    """The id of the job that saved ``st`` if it was taken on ``pinned``'s version(s): the
+    job id covers the pinned version(s), the world size and the share group."""
+    return job_id(pinned.model_copy(update={"world_size": st.world_size, "share": st.spec.share}))
+
+
+def _pinned_versions(pinned: JobSpec) -> str:
+    """The version(s) ``pinned`` reads as states record them; ``""`` when the server pinned
+    none (such a job serves whatever is current, so no state can be matched to it)."""
+    pins = [s.version for s in pinned.mixture] if pinned.mixture else [pinned.version]
+    return pinned.versions if all(pins) else ""
 
 
 def resume_at(st: ResumeState, world_size: int) -> ResumePoint:

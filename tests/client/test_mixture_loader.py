@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.client import Loader, plan
+from shardserve.client import Loader, ResumeRefused, plan
 from shardserve.client.control import ControlClient
 from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
@@ -214,6 +214,38 @@ def _state(loader: Loader, batch: int) -> dict[str, object]:
     loader.set_epoch(0)
     loader.skip_to(batch)
     return loader.state_dict()
+
+
+def test_a_state_resumes_on_its_world_size_only(shared_srv: ServerProc) -> None:
+    """A mixture's state saved on 2 ranks (mid-epoch, at an epoch's start, or every rank's)
+    is refused by ``load_state_dict`` on 1, 3 and 4 ranks with ResumeRefused, before any
+    batch, saying to resume on 2 ranks or start the epoch again (a resume there would drop
+    the weight changes journaled on the 2-rank job); on 2 ranks it resumes, also without its
+    ``versions`` key (matched by its job id)."""
+    ranks = loaders(shared_srv)
+    try:
+        for ld in ranks:
+            take(iter(ld), 3)
+        states = [ld.state_dict() for ld in ranks]
+        ranks[0].set_epoch(1)
+        ranks[0].load_state_dict({k: v for k, v in states[0].items() if k != "versions"})
+        assert (ranks[0].state_dict()["epoch"], ranks[0].state_dict()["next_batch"]) == (0, 3)
+    finally:
+        for ld in ranks:
+            ld.close()
+    start = {**states[0], "next_batch": 0, "position": 0}
+    for world in (1, 3, 4):
+        [other] = loaders(shared_srv, range(1), world_size=world)
+        with other:
+            for state in (states[0], states, start):
+                with pytest.raises(ResumeRefused) as e:
+                    other.load_state_dict(state)  # type: ignore[arg-type]
+                said = str(e.value)
+                assert f"runs on {world}" in said and "world_size=2" in said, said
+                assert "start epoch 0 again" in said, said
+            assert other.state_dict()["position"] == 0  # nothing was restored
+            if world == 3:  # the refusal leaves the Loader as it was: it streams
+                assert len(take(other, 1)) == 1
 
 
 def test_a_second_server_and_a_kill_9_give_the_same_batches(store: Path, tmp_path: Path) -> None:

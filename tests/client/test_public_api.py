@@ -15,7 +15,7 @@ def test_all_is_pinned() -> None:
     assert sorted(client.__all__) == [
         "AuthError", "BadRequest", "DataStallError", "DatasetChanged", "DatasetCorruptError",
         "DatasetNotFound", "JobFailed", "JobNotFound", "Loader", "LoaderStats", "Masked",
-        "ProtocolError", "RankInUse", "ResidentTooLarge", "ServerUnavailable",
+        "ProtocolError", "RankInUse", "ResidentTooLarge", "ResumeRefused", "ServerUnavailable",
         "ShardserveError", "StreamLimitExceeded", "Texts", "TransformError", "VarTensor", "plan",
         "serve_local",
     ]  # fmt: skip

@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from shardserve.client import Loader
+from shardserve.client import Loader, ResumeRefused
+from shardserve.client.plan import plan as index_plan
 from shardserve.proto.errors import DatasetChanged
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.versions import content_id
@@ -246,3 +247,57 @@ def test_a_rank_created_after_overwrite_is_refused_naming_both_versions(
         finally:
             for ld in ranks:
                 ld.close()
+
+
+def test_a_state_without_versions_resumes_on_its_version_only(store: Path, tmp_path: Path) -> None:
+    """A state without its ``versions`` key (saved before states recorded it, or edited) is
+    matched by its job id, which covers the pinned version: on its own version it resumes,
+    on another world size too. After ``ingest --overwrite`` a Loader (and a plan) of the new
+    version refuses it mid-epoch with ResumeRefused, before any batch, naming the two ways
+    on, instead of 100 old samples then the new version's rest; at an epoch's start it loads;
+    ``allow_other_version=True`` resumes it knowingly. A version 1 state (no job id) cannot
+    be matched: refused mid-epoch even on its own version."""
+    old_images = cifar_images(0, N, 0)
+    kw = {"batch_size": BATCH, "seed": 3, "timeout": 20.0}
+    with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:
+        url = srv.http_url
+        pair = [Loader(url, "cifar", rank=r, world_size=2, prefetch=2, **kw) for r in range(2)]  # type: ignore[arg-type]
+        one = Loader(url, "cifar", **kw)  # type: ignore[arg-type]
+        try:
+            seen = [i for ld in pair for i in _check(next(iter(ld)), old_images)]
+            st = pair[0].state_dict()
+            assert st["position"] == 2 * BATCH and st["versions"]
+            with_versions = dict(st)
+            del st["versions"]
+            v1 = {k: st[k] for k in ("spec", "epoch", "next_batch", "rank", "world_size")}
+            with pytest.raises(ResumeRefused, match="names neither the dataset version nor"):
+                one.load_state_dict({**v1, "version": 1})
+            new_version = _ingest_overwrite(store, tmp_path, 1000, seed=1)
+            # Its own version, 2 ranks' state on 1 rank: the rest of that epoch, old bytes.
+            one.load_state_dict(st)
+            rest = [i for b in one for i in _check(b, old_images)]
+            assert sorted(seen + rest) == list(range(N))
+        finally:
+            for ld in (*pair, one):
+                ld.close()
+        new_images = cifar_images(0, 1000, 1)
+        with Loader(url, "cifar", **kw) as new:  # type: ignore[arg-type]
+            assert new.job_id != st["job"]
+            with pytest.raises(ResumeRefused) as e:
+                new.load_state_dict(st)
+            said = str(e.value)
+            for part in (st["job"], new_version, "set_epoch(0)", "allow_other_version=True"):
+                assert part in said, said
+            assert new.state_dict()["position"] == 0  # nothing was restored
+            with pytest.raises(ResumeRefused, match=with_versions["versions"]):
+                new.load_state_dict(with_versions)
+            for start in (st, with_versions):  # an epoch's start: nothing of it to mix
+                new.load_state_dict({**start, "next_batch": 0, "position": 0})
+            new.load_state_dict(st, allow_other_version=True)
+            got = [i for b in new for i in _check(b, new_images)]
+            assert len(got) == 1000 - 2 * BATCH
+        with index_plan(url, "cifar", BATCH, seed=3, timeout=20.0) as ids:
+            with pytest.raises(ResumeRefused, match=st["job"]):
+                ids.load_state_dict(st)
+            ids.load_state_dict(st, allow_other_version=True)
+            assert len(list(ids)) == (1000 - 2 * BATCH) // BATCH
