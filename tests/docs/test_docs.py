@@ -195,3 +195,19 @@ def test_the_readme_is_short_and_its_links_exist() -> None:
         if "://" not in link:
             assert (ROOT / link).exists(), link
     assert "python -m pytest" in text  # the test command .ci/run runs
+
+
+def test_the_first_install_command_works_from_a_clone() -> None:
+    """The README's and Getting started's first command installs the clone the reader has
+    (shardserve is on no package index): ``pip install '.[demo]'``, then ``shardserve demo``;
+    an install by name is only mentioned as what works once published."""
+    for path in (ROOT / "README.md", DOCS / "getting-started.md", DOCS / "index.md"):
+        text = path.read_text()
+        first = re.search(r"```bash\n(.*?)```", text, re.S)
+        assert first, path
+        commands = [line.split("#")[0].strip() for line in first.group(1).splitlines()]
+        assert commands[0].startswith("pip install '.[demo]'"), (path, commands)
+        assert "shardserve demo" in first.group(1), path
+        for paragraph in text.split("\n\n"):
+            if "pip install 'shardserve[demo]'" in paragraph:
+                assert "index" in paragraph, (path, paragraph)
