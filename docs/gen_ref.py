@@ -211,7 +211,9 @@ def http_page() -> str:
     for name, model in sorted(schema.get("components", {}).get("schemas", {}).items()):
         props = model.get("properties", {})
         fields = ", ".join(f"`{k}`" for k in props)
-        models.append([f"`{name}`", model.get("description", "").split("\n")[0], fields])
+        # The first paragraph: a sentence cut at its first line break reads as a typo.
+        about = model.get("description", "").split("\n\n")[0].replace("\n", " ")
+        models.append([f"`{name}`", about, fields])
     return (
         "# HTTP API reference\n\nGenerated from the control plane's OpenAPI schema (served at "
         "`GET /openapi.json`, behind the token). See also "
