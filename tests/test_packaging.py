@@ -119,11 +119,11 @@ def _extra_closure(extra: str) -> set[str]:
             continue
         seen.add(name)
         for req in extras[name]:
-            dist = re.split(r"[\[<>=~!; ]", req, maxsplit=1)[0].lower().replace("_", "-")
-            if dist == "shardserve":
-                todo += re.search(r"\[(.*)\]", req).group(1).split(",")  # type: ignore[union-attr]
+            named = re.fullmatch(r"shardserve\[(.*)\]", req)
+            if named:
+                todo += named.group(1).split(",")
             else:
-                names.add(dist)
+                names.add(re.split(r"[\[<>=~!; ]", req, maxsplit=1)[0].lower().replace("_", "-"))
     return names
 
 
