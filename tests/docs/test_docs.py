@@ -67,12 +67,19 @@ def test_the_results_page_is_generated_from_bench_json(tmp_path: Path) -> None:
             "DataLoader w2": {"samples_s": 1234.5, "vs_floor": 0.1, "epoch_s": 2.5},
             "shardserve shm": {"samples_s": 98765.4, "vs_floor": 0.9, "epoch_s": 0.04},
         }, "targets": [{"target": "shm vs w2", "value": 80.0, "met": True}]}},
+        "first_batch_s": {"whole_file": 23.6, "blocks": 1.07},
+        "read_share": {"whole_file": 1.0, "blocks": 0.19},
+        "target": {"first_batch_s": 2.0, "met": True},
     }))  # fmt: skip
     page = gen_ref().results_page(tmp_path)
     assert "## E2E" in page
     assert "|  | samples/s | vs floor (×) | epoch (s) |" in page
     assert "| **shardserve shm** | 98,765 | 0.9 | 0.04 |" in page
     assert "| shm vs w2 | 80 | yes |" in page
+    # Groups of the same measurements are rows of one table, each with its unit; a group of
+    # other measurements beside them keeps a section of its own.
+    assert "|  | whole file | blocks |" in page and "| **first batch (s)** | 23.6 | 1.07 |" in page
+    assert "### Target\n\n|  | value |\n|---|---|\n| first batch (s) | 2 |\n| met | yes |" in page
     assert "| load average before | 1.5, 1.2, 1 (1, 5, 15 min) |" in page
     for fact in ("date", "machine", "cores", "load average after"):
         assert f"| {fact} | not recorded |" in page, fact
