@@ -10,9 +10,13 @@ so targets are ratios within one run, not absolute numbers in tests.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,6 +40,20 @@ ORDER = [
 ]
 
 
+def _mtimes() -> dict[Path, float]:
+    return {p: p.stat().st_mtime for p in (HERE / "results").glob("*.json")}
+
+
+def stamp(path: Path, run: dict[str, object]) -> None:
+    """Add how, when and where a benchmark ran to the result it wrote, as its ``run`` object
+    (the results page shows it): the scripts record their measurements, the runner knows the
+    command. A result that has a ``run`` already keeps it."""
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and "run" not in data:
+        data["run"] = run
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under ~2 minutes")
@@ -49,7 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {name} {'(quick)' if args.quick else ''}", flush=True)
         t0 = time.perf_counter()
         cmd = [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if args.quick else [])]
+        before, load_before = _mtimes(), os.getloadavg()
         rc = subprocess.run(cmd, cwd=HERE.parent).returncode
+        run = {
+            # As typed from the repository root: no interpreter or checkout path.
+            "command": " ".join(["python", f"bench/{name}.py", *cmd[2:]]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_before": list(load_before),
+            "load_after": list(os.getloadavg()),
+        }
+        for path, mtime in _mtimes().items():
+            if not rc and before.get(path) != mtime:
+                stamp(path, run)
         print(f"--- {name}: exit {rc} in {time.perf_counter() - t0:.1f} s", flush=True)
         if rc:
             failed.append(name)

@@ -70,8 +70,6 @@ SHUFFLE: dict[object, ShuffleMode] = {
     "block": "block",
     "none": "none",
 }
-#: ``shuffle=`` when not given, for Loader and plan alike (see the Loader's docstring).
-DEFAULT_SHUFFLE: Shuffle = True
 
 
 class ControlClient:

@@ -23,7 +23,7 @@ from ._credit import auto_prefetch, check_prefetch
 from ._feed import Feed, store_order
 from ._passes import PassContext, PassWatcher, ResidentPass
 from ._position import Start
-from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
+from .control import JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import resolve_world
 from .envs import check_env_fields
@@ -79,20 +79,22 @@ def _positional_deprecated(init: _F) -> _F:
 class Loader:
     """Pre-collated batches of ``dataset`` from a shardserve server, for this rank.
 
-    >>> loader = Loader("http://127.0.0.1:7070", "cifar10", 256, seed=0)  # doctest: +SKIP
-    >>> for epoch in range(3):                                             # doctest: +SKIP
-    ...     loader.set_epoch(epoch)
-    ...     for batch in loader:                    # dict[str, torch.Tensor | VarTensor]
-    ...         train_step(batch["image"], batch["label"])
-    >>> loader.stats().stall_fraction                                      # doctest: +SKIP
-    0.02
+    ```python
+    loader = Loader("http://127.0.0.1:7070", "cifar10", 256, seed=0)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:  # dict[str, torch.Tensor | VarTensor]
+            train_step(batch["image"], batch["label"])
+    print(loader.stats().stall_fraction)  # 0.02: waited for data 2% of the time
+    ```
 
     Args:
         url: the server's HTTP URL; ``None``: ``SHARDSERVE_URL``, else
             ``http://127.0.0.1:7070`` (one sidecar per node, each rank talks to its own).
         dataset: the dataset's name in the server's store; ``{name: weight, ...}``: a mixture
             of datasets, each batch position drawing its dataset with that probability, and
-            a ``source`` field saying which (see :meth:`set_mixture`); a list of
+            a ``source`` field saying which (see
+            [set_mixture][shardserve.client.Loader.set_mixture]); a list of
             ``MixtureSource`` (or dicts) says more per dataset (``on_exhausted="stop"``).
         batch_size: samples per batch (per environment with ``envs``).
         seed: the seed of every epoch's order; same seed, same batches on any machine.
@@ -113,15 +115,15 @@ class Loader:
         transport: ``"auto"`` (shared memory on the same host, else ipc, then tcp),
             ``"socket"`` (ipc or tcp), ``"ipc"`` or ``"tcp"``.
         pad_variable: pad variable-shape fields to dense tensors plus ``NAME.lengths``
-            instead of :class:`VarTensor`.
+            instead of ``VarTensor``.
         copy: ``False`` (shared memory only): batches are views into their slot, valid until
             the next batch is asked for.
         resident: ``"cuda"`` or ``"cpu"``: load the dataset once into that memory and gather
             each batch there; the server then sends only plans.
         envs: environments per step: a list of ``envs`` batches, each from its own plan.
         devices: the device of each environment (``devices[e % len(devices)]``).
-        collate: ``"graph"``: the server collates graphs for message passing (see
-            :mod:`.graphs`); ``{"graph": {"node_field": "atom_fea"}}`` names the field whose
+        collate: ``"graph"``: the server collates graphs for message passing (see [what a
+            batch is](../concepts/batches.md)); ``{"graph": {"node_field": "atom_fea"}}`` names the field whose
             first dimension counts each graph's nodes, when it is not ``num_nodes``, ``x``
             or ``pos``.
         transforms: ``[{"name": ..., "params": {...}}, ...]``, transforms installed on the
@@ -161,7 +163,7 @@ class Loader:
 
     Nested datasets come back in the shape their samples were saved in (``batch["params"]
     ["nu"]``, a tuple ``(images, labels)``), and a field missing in some samples as
-    :class:`~.structure.Masked` (see :mod:`.structure`).
+    [Masked][shardserve.client.Masked].
 
     Resident mode gives the same batches, order and ``state_dict`` as streaming, for data
     that fits (refused up front when it does not). With ``envs=n`` each environment's batch
@@ -175,7 +177,7 @@ class Loader:
     DataLoader habits: ``batch_size``, ``drop_last``, ``shuffle`` (a bool: whether the order
     is shuffled) and ``dataset`` (``len()`` is its sample count) read as on a ``DataLoader``;
     Accelerate's ``skip_first_batches`` and ``gather_for_metrics`` work on a Loader (see
-    :mod:`.habits`).
+    [Lightning, Accelerate, torchrun](../guides/frameworks.md)).
     """
 
     #: DataLoader attributes frameworks read: no worker processes (so no worker timeout:
@@ -195,7 +197,7 @@ class Loader:
         batch_size: int,
         *,
         seed: int = 0,
-        shuffle: Shuffle = DEFAULT_SHUFFLE,
+        shuffle: Shuffle = True,  # a literal, so the API page shows it; plan()'s is the same
         drop_last: bool = False,
         fields: Sequence[str] | None = None,
         rank: int | None = None,
@@ -322,8 +324,11 @@ class Loader:
         """Start the next iteration at batch ``batch`` of its epoch (what Accelerate's
         ``skip_first_batches(loader, batch)`` asks for); the batches before it are never sent.
 
-        >>> loader.set_epoch(3); loader.skip_to(10)   # doctest: +SKIP
-        >>> next(iter(loader))                        # batch 10 of epoch 3
+        ```python
+        loader.set_epoch(3)
+        loader.skip_to(10)
+        batch = next(iter(loader))  # batch 10 of epoch 3
+        ```
         """
         pos = self._ctx.pos
         if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch <= pos.per_epoch:
@@ -342,8 +347,10 @@ class Loader:
         this: the server takes the change once). ``StepInThePast`` (409) if a rank already
         read that step. Deterministic: a restart or a resume replays the same batches.
 
-        >>> loader = Loader(url, {"web": 0.7, "code": 0.3}, 256)      # doctest: +SKIP
-        >>> loader.set_mixture({"web": 0.5, "code": 0.5})             # from the next epoch
+        ```python
+        loader = Loader(url, {"web": 0.7, "code": 0.3}, 256)
+        loader.set_mixture({"web": 0.5, "code": 0.5})  # from the next epoch
+        ```
         """
         if self.spec.mixture is None:
             raise BadRequest(
@@ -363,7 +370,7 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Where the loop is: the epoch in progress, the next batch it has not received and
         the epoch's global ``position`` (ids of the epoch's order every rank together has
-        consumed, see :mod:`.state`); after an epoch's last batch, the start of the next."""
+        consumed, see [elastic resume](../guides/elastic-resume.md)); after an epoch's last batch, the start of the next."""
         return make_state(
             deepcopy(self._spec_dump), self.job_id, self.world.rank, self.world.world_size,
             self._ctx.pos.state(), self._job.versions,

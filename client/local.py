@@ -78,9 +78,11 @@ def serve_local(store: str | Path, *args: str, timeout: float = 30.0) -> Iterato
 
     Yields the HTTP URL; ``args`` are extra ``serve`` options (e.g. ``"--token", "s3cret"``).
 
-    >>> with serve_local("/data/store") as url:                     # doctest: +SKIP
-    ...     for batch in Loader(url, dataset="digits", batch_size=64):
-    ...         ...
+    ```python
+    with serve_local("/data/store") as url:
+        for batch in Loader(url, dataset="digits", batch_size=64):
+            ...
+    ```
     """
     tmp = tempfile.TemporaryDirectory(prefix="ss-local-")
     work = Path(tmp.name)

@@ -2,15 +2,17 @@
 
 A trainer that preloaded its dataset (GPU tensors, a NumPy array in RAM) needs no bytes from
 the server, only the order: which sample ids make each batch of each epoch for its rank, the
-same on every machine, resumable mid-epoch. :func:`plan` asks the server for exactly that
-(``GET /v1/jobs/{id}/plan``, one request per epoch and environment) and hands out the ids
-batch by batch::
+same on every machine, resumable mid-epoch. [plan][shardserve.client.plan.plan] asks the
+server for exactly that (``GET /v1/jobs/{id}/plan``, one request per epoch and environment)
+and hands out the ids batch by batch:
 
-    ids = plan("http://127.0.0.1:7070", "cifar10", batch_size=256, seed=0, device="cuda")
-    for epoch in range(10):
-        ids.set_epoch(epoch)
-        for batch_ids in ids:                     # int64 [B] on the device
-            x = images.index_select(0, batch_ids)  # images preloaded on that device
+```python
+ids = plan("http://127.0.0.1:7070", "cifar10", 256, seed=0, device="cuda")
+for epoch in range(10):
+    ids.set_epoch(epoch)
+    for batch_ids in ids:  # int64 [B] on the device
+        x = images.index_select(0, batch_ids)  # images preloaded there
+```
 
 The job is the one a ``Loader`` with the same arguments streams (same spec, same job id), so
 the ids are the samples that Loader would deliver, in its order; ``state_dict()`` is a
@@ -32,7 +34,7 @@ from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._position import Position, Start
-from .control import DEFAULT_SHUFFLE, JobHandle, Shuffle, job_spec
+from .control import JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import World, resolve_world
 from .mixture import Mixture
@@ -42,7 +44,8 @@ IdBatch = torch.Tensor
 
 
 class IndexPlan:
-    """Batches of sample ids of one job for one rank (see the module docstring and :func:`plan`).
+    """Batches of sample ids of one job for one rank (see the module docstring and
+    [plan][shardserve.client.plan.plan]).
 
     Each step yields an int64 tensor ``[B]`` on ``device`` (a list of ``envs`` of them when
     ``envs > 1``). The tensors of one epoch are views of that epoch's id tensor: read them,
@@ -186,7 +189,7 @@ def plan(
     batch_size: int,
     *,
     seed: int = 0,
-    shuffle: Shuffle = DEFAULT_SHUFFLE,
+    shuffle: Shuffle = True,  # a literal, so the API page shows it; the Loader's is the same
     drop_last: bool = False,
     fields: Sequence[str] | None = None,
     rank: int | None = None,
@@ -202,10 +205,11 @@ def plan(
     epoch_samples: int | None = None,
 ) -> IndexPlan:
     """The sample ids a ``Loader`` with these arguments would stream, batch by batch (see the
-    module docstring): an :class:`IndexPlan` to iterate, ``set_epoch`` and resume.
+    module docstring): an [IndexPlan][shardserve.client.plan.IndexPlan] to iterate, ``set_epoch``
+    and resume.
 
     Every argument that defines a Loader's job is accepted here with the Loader's meaning
-    and default (see :class:`~.loader.Loader`); the ones about delivery (``prefetch``,
+    and default (see [Loader][shardserve.client.Loader]); the ones about delivery (``prefetch``,
     ``transport``, ``copy``, ``pad_variable``, ``resident``, ``share``) have no use for ids.
     ``transforms`` do not change which samples a batch holds (``on_error="replace"``
     replaces samples inside the server, after the plan), but they are part of the job: with
@@ -213,9 +217,10 @@ def plan(
     A mixture's ids run over its datasets concatenated in order (dataset ``k``'s sample ``i``
     is ``i`` plus the sizes of the datasets before it).
 
-    >>> ids = plan(None, "cifar10", 256, seed=0)   # doctest: +SKIP
-    >>> next(iter(ids)).shape
-    torch.Size([256])
+    ```python
+    ids = plan(None, "cifar10", 256, seed=0)
+    next(iter(ids)).shape  # torch.Size([256])
+    ```
     """
     world = resolve_world(rank, world_size)
     spec = job_spec(

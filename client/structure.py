@@ -34,9 +34,10 @@ from .types import VarTensor
 class Masked:
     """A field some samples of the batch do not have.
 
-    >>> m = Masked(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([True, False, True]))
-    >>> m.unbind()
-    [tensor(1.), None, tensor(3.)]
+    Examples:
+        >>> m = Masked(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([True, False, True]))
+        >>> m.unbind()
+        [tensor(1.), None, tensor(3.)]
     """
 
     #: ``[B, ...]`` (or a :class:`VarTensor`); rows where ``mask`` is False are not data.

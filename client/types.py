@@ -125,9 +125,10 @@ class LoaderStats:
     """What the loop waited for. ``stall_fraction`` near 0 means data keeps up; near 1 means
     the model is waiting on data.
 
-    >>> LoaderStats(batches=10, bytes=0, wait_s=1.0, compute_s=3.0, transport="tcp",
-    ...             first_batch_s=0.01).stall_fraction
-    0.25
+    Examples:
+        >>> LoaderStats(batches=10, bytes=0, wait_s=1.0, compute_s=3.0, transport="tcp",
+        ...             first_batch_s=0.01).stall_fraction
+        0.25
     """
 
     batches: int

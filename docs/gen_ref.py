@@ -7,6 +7,7 @@ Each page is made from the one place its facts live, so the docs cannot drift fr
 * ``reference/metrics.md``   the Prometheus registry of a real ``Service`` (local and remote store)
 * ``reference/http.md``      the FastAPI app's OpenAPI schema
 * ``performance/results.md`` ``bench/results/*.json`` as ``python -m bench`` wrote them
+  (``gen_results.py``)
 
 Every ``*_page()`` function returns markdown and is tested (tests/docs/test_docs.py);
 ``python docs/gen_ref.py --out DIR`` writes the pages to a folder without mkdocs.
@@ -15,27 +16,15 @@ Every ``*_page()`` function returns markdown and is tested (tests/docs/test_docs
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-
-
-def _cell(value: object) -> str:
-    text = "" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _table(head: list[str], rows: list[list[object]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
+# gen_results.py sits beside this file, which mkdocs-gen-files runs by path, not as a module.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gen_results import results_page, table
 
 # --- CLI -----------------------------------------------------------------------------------
 
@@ -73,13 +62,21 @@ def cli_page() -> str:
             rows = [_flag_row(a) for a in group._group_actions if a.help != argparse.SUPPRESS]
             rows = [r for r in rows if r[0] != "`-h`, `--help`"]
             if rows:
-                out.append(f"**{group.title}**\n\n" + _table(["flag", "meaning"], rows))
+                out.append(f"**{group.title}**\n\n" + table(["flag", "meaning"], rows))
         if sp.epilog:
             out.append("```text\n" + sp.epilog + "\n```\n")
     return "\n".join(out)
 
 
 # --- settings ------------------------------------------------------------------------------
+
+
+def _binary(n: int) -> str:
+    """``n`` bytes in the largest binary unit it fills (``68719476736``: ``64 GiB``)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):g} {unit}"
+    return f"{n} bytes"
 
 
 def settings_page() -> str:
@@ -102,13 +99,15 @@ def settings_page() -> str:
             info = fields[name]
             default = info.get_default(call_default_factory=True)
             shown = "required" if info.is_required() else f"`{default!r}`"
+            if name.endswith("bytes") and isinstance(default, int) and default >= 1 << 20:
+                shown += f" ({_binary(default)})"  # 68719476736 reads as 64 GiB
             rows.append(
                 [f"`{flag_name(name, info)}`", f"`{env_name(name)}`", shown, info.description]
             )
-        out.append(f"## {title[0].upper() + title[1:]}\n\n" + _table(
+        out.append(f"## {title[0].upper() + title[1:]}\n\n" + table(
             ["flag", "variable", "default", "meaning"], rows))  # fmt: skip
     out.append("## Other variables\n\nRead by the client, the compose file and the scripts, "
-               "not by `serve`:\n\n" + _table(
+               "not by `serve`:\n\n" + table(
                    ["variable", "read by"], [[f"`{k}`", v] for k, v in OTHER_ENV.items()]))  # fmt: skip
     return "\n".join(out)
 
@@ -181,7 +180,7 @@ def metrics_page() -> str:
         f"the job is {', '.join(JOB_STATES[:3])}. See also "
         "[the metrics overview](metrics-overview.md) and "
         "[the dashboard](../operations/dashboards.md).\n\n"
-        + _table(["name", "type", "labels", "meaning"], rows)
+        + table(["name", "type", "labels", "meaning"], rows)
     )
 
 
@@ -208,85 +207,17 @@ def http_page() -> str:
     for name, model in sorted(schema.get("components", {}).get("schemas", {}).items()):
         props = model.get("properties", {})
         fields = ", ".join(f"`{k}`" for k in props)
-        models.append([f"`{name}`", model.get("description", "").split("\n")[0], fields])
+        # The first paragraph: a sentence cut at its first line break reads as a typo.
+        about = model.get("description", "").split("\n\n")[0].replace("\n", " ")
+        models.append([f"`{name}`", about, fields])
     return (
         "# HTTP API reference\n\nGenerated from the control plane's OpenAPI schema (served at "
         "`GET /openapi.json`, behind the token). See also "
         "[the control plane overview](http-overview.md).\n\n"
-        + _table(["endpoint", "summary", "responses"], rows)
+        + table(["endpoint", "summary", "responses"], rows)
         + "\n## Models\n\n"
-        + _table(["model", "description", "fields"], models)
+        + table(["model", "description", "fields"], models)
     )
-
-
-# --- performance ---------------------------------------------------------------------------
-
-
-def _scalars(d: dict[str, Any]) -> bool:
-    return all(not isinstance(v, (dict, list)) for v in d.values())
-
-
-def _render(obj: Any, title: str, depth: int) -> list[str]:
-    """Tables for the row-shaped parts of a bench result: a dict of dicts of scalars, or a
-    list of dicts of scalars; scalars beside them as a key/value table."""
-    hashes = "#" * min(depth, 6)
-    out: list[str] = []
-    if isinstance(obj, list) and obj and all(isinstance(r, dict) and _scalars(r) for r in obj):
-        head = list(dict.fromkeys(k for r in obj for k in r))
-        return [f"{hashes} {title}\n", _table(head, [[_fmt(r.get(k)) for k in head] for r in obj])]
-    if not isinstance(obj, dict):
-        return [f"{hashes} {title}\n", f"`{_cell(json.dumps(obj))[:400]}`\n"]
-    rows = {k: v for k, v in obj.items() if isinstance(v, dict) and v and _scalars(v)}
-    if (
-        rows
-        and len(rows) == len([v for v in obj.values() if isinstance(v, dict)])
-        and len(rows) > 1
-    ):
-        head = list(dict.fromkeys(k for r in rows.values() for k in r))
-        out += [f"{hashes} {title}\n", _table(["", *head],
-                [[f"**{k}**", *(_fmt(r.get(c)) for c in head)] for k, r in rows.items()])]  # fmt: skip
-        rest = {k: v for k, v in obj.items() if k not in rows}
-    else:
-        out.append(f"{hashes} {title}\n")
-        rest = obj
-    scal = [[f"`{k}`", _fmt(v)] for k, v in rest.items() if not isinstance(v, (dict, list))]
-    if scal:
-        out.append(_table(["", "value"], scal))
-    for k, v in rest.items():
-        if isinstance(v, (dict, list)) and v:
-            out += _render(v, f"{title} / {k}", depth + 1)
-    return out
-
-
-def _fmt(v: object) -> str:
-    if isinstance(v, float):
-        return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-    return "" if v is None else str(v)
-
-
-def results_page(results: Path = RESULTS) -> str:
-    """One section per ``bench/results/*.json``, its tables generated from the JSON."""
-    files = sorted(results.glob("*.json")) if results.is_dir() else []
-    out = [
-        "# Benchmark results\n",
-        "Generated at docs build time from `bench/results/*.json`: the runs committed with "
-        "the code (what `python -m bench` wrote on the machine each names), or a run on the "
-        "machine that built these docs. Never copied by hand. Ratios are within one run; "
-        "the load average is part of each result.\n",
-    ]
-    if not files:
-        out.append(
-            "No results on the machine that built these docs: run `python -m bench --quick` "
-            "(or `python -m bench`), then build the docs again.\n"
-        )
-    for f in files:
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            out.append(f"## {f.stem}\n\n`{f.name}` could not be read: {e}\n")
-            continue
-        out += _render(data, f.stem, 2)
-    return "\n".join(out)
 
 
 PAGES = {

@@ -1,33 +1,34 @@
 """The exception tree shared by server and client.
 
-::
+```text
+ShardserveError
+├── ProtocolError              the wire contract was broken; fatal for that stream
+│   ├── VersionMismatch        the peers speak no common protocol version
+│   ├── MalformedFrame         a frame could not be decoded (truncated, bad sizes, bad JSON)
+│   └── UnknownMessage         a message kind this side does not know
+├── TransportError             the other side is not there (transient: retry may help)
+│   ├── ServerUnavailable      the server did not answer within the deadline
+│   └── DataStallError         a stream produced no batch within the deadline
+├── DataError                  the data itself is the problem (fatal)
+│   ├── DatasetNotFound
+│   ├── DatasetCorruptError    checksum mismatch, truncated or missing shard
+│   ├── DatasetChanged         the dataset version a job pinned is gone (--overwrite)
+│   │   └── VersionConflict    a rank's job would pin another version than its peers'
+│   └── InvalidDataError       input to ingest that cannot become a dataset
+├── JobError                   the job cannot go on (fatal)
+│   ├── JobNotFound
+│   ├── JobFailed              the server marked the job failed; the reason is in the message
+│   ├── RankInUse              another live client streams this (job, rank)
+│   └── TransformError         a server-side transform failed (names transform, dataset, sample)
+├── BadRequest                 a request with fields that cannot be served
+│   ├── StreamLimitExceeded    a data-plane limit (streams, Hellos a second) refused a stream
+│   └── StepInThePast          a mixture change or quarantine at a step already sent
+└── AuthError                  missing or wrong token
+```
 
-    ShardserveError
-    ├── ProtocolError              the wire contract was broken; fatal for that stream
-    │   ├── VersionMismatch        the peers speak no common protocol version
-    │   ├── MalformedFrame         a frame could not be decoded (truncated, bad sizes, bad JSON)
-    │   └── UnknownMessage         a message kind this side does not know
-    ├── TransportError             the other side is not there (transient: retry may help)
-    │   ├── ServerUnavailable      the server did not answer within the deadline
-    │   └── DataStallError         a stream produced no batch within the deadline
-    ├── DataError                  the data itself is the problem (fatal)
-    │   ├── DatasetNotFound
-    │   ├── DatasetCorruptError    checksum mismatch, truncated or missing shard
-    │   ├── DatasetChanged         the dataset version a job pinned is gone (``--overwrite``)
-    │   │   └── VersionConflict    a rank's job would pin another version than its peers'
-    │   └── InvalidDataError       input to ingest that cannot become a dataset
-    ├── JobError                   the job cannot go on (fatal)
-    │   ├── JobNotFound
-    │   ├── JobFailed              the server marked the job failed; the reason is in the message
-    │   ├── RankInUse              another live client streams this (job, rank)
-    │   └── TransformError         a server-side transform failed (names transform, dataset, sample)
-    ├── BadRequest                 a request with fields that cannot be served
-    │   ├── StreamLimitExceeded    a data-plane limit (streams, Hellos a second) refused a stream
-    │   └── StepInThePast          a mixture change or quarantine at a step already sent
-    └── AuthError                  missing or wrong token
-
-Every error that crosses the wire carries an :class:`ErrorCode`; :func:`error_for_code`
-turns it back into the same class on the other side, so a trainer catches
+Every error that crosses the wire carries an [ErrorCode][shardserve.proto.errors.ErrorCode];
+[error_for_code][shardserve.proto.errors.error_for_code] turns it back into the same class on
+the other side, so a trainer catches
 ``DatasetCorruptError`` whether the corruption was found in its process or in the server's.
 """
 
@@ -208,8 +209,9 @@ _BY_CODE: dict[ErrorCode, type[ShardserveError]] = {
 def error_for_code(code: ErrorCode | str, message: str) -> ShardserveError:
     """The exception a peer's error code stands for, carrying the peer's message.
 
-    >>> type(error_for_code("dataset_corrupt", "shard-00001.arrow: checksum mismatch")).__name__
-    'DatasetCorruptError'
+    Examples:
+        >>> type(error_for_code("dataset_corrupt", "shard-00001.arrow: checksum mismatch"))
+        <class 'shardserve.proto.errors.DatasetCorruptError'>
     """
     try:
         cls = _BY_CODE[ErrorCode(code)]

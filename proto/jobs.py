@@ -317,8 +317,9 @@ class JobSpec(BaseModel):
         """The dataset whose description (fields, structure) the job's batches follow: its
         own, or a mixture's first source (every source serves the same fields).
 
-        >>> JobSpec(mixture=[{"name": "web", "weight": 1.0}], batch_size=8).described_by
-        'web'
+        Examples:
+            >>> JobSpec(mixture=[{"name": "web", "weight": 1.0}], batch_size=8).described_by
+            'web'
         """
         return self.mixture[0].name if self.mixture else self.dataset
 
@@ -334,8 +335,9 @@ class JobSpec(BaseModel):
     def graph(self) -> GraphOptions | None:
         """The graph collation asked for, ``None`` when samples are stacked.
 
-        >>> JobSpec(dataset="d", batch_size=2, collate="graph").graph
-        GraphOptions(node_field=None)
+        Examples:
+            >>> JobSpec(dataset="d", batch_size=2, collate="graph").graph
+            GraphOptions(node_field=None)
         """
         if self.collate is None:
             return None
@@ -354,7 +356,7 @@ class JobSpec(BaseModel):
 
     @property
     def deal_world(self) -> int:
-        """Over how many plans the epoch order is dealt, see :func:`env_deal`."""
+        """Over how many plans the epoch order is dealt (``env_deal`` deals it)."""
         return deal_world(self.world_size, self.envs, self.env_shuffle)
 
     @model_validator(mode="after")

@@ -24,8 +24,9 @@ SERVER_EXTRA_MODULES = (
     "pyarrow", "zmq", "fastapi", "uvicorn", "pydantic_settings", "prometheus_client", "xxhash",
     "tqdm",
 )  # fmt: skip
-INSTALL_SERVER = "pip install 'shardserve[server]'"
-INSTALL_DEMO = "pip install 'shardserve[demo]'"
+# From a clone, as the README says (shardserve is on no package index yet).
+INSTALL_SERVER = "pip install '.[server]' in a clone of shardserve"
+INSTALL_DEMO = "pip install '.[demo]' in a clone of shardserve"
 
 _DEMO_SUMMARY = "ingest a packaged dataset, serve it and train a small model through the Loader"
 

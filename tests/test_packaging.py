@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,50 @@ def test_the_wheel_ships_type_markers_and_the_demo_extra(tmp_path: Path) -> None
     ]
     assert any("scikit-learn" in line for line in demo), demo
     assert any("server" in line and "client" in line for line in demo), demo
+
+
+def _extra_closure(extra: str) -> set[str]:
+    """The distribution names an extra of pyproject.toml brings, its ``shardserve[...]``
+    references followed."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    names: set[str] = set()
+    todo, seen = [extra], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for req in extras[name]:
+            named = re.fullmatch(r"shardserve\[(.*)\]", req)
+            if named:
+                todo += named.group(1).split(",")
+            else:
+                names.add(re.split(r"[\[<>=~!; ]", req, maxsplit=1)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_the_docs_extra_holds_what_the_docs_build_imports() -> None:
+    """`pip install '.[docs]'` then `mkdocs build`: docs/gen_ref.py builds the pages from a
+    real server, so the docs extra brings every dependency of the server; the generated pages
+    are made without torch (the docs extra has none: the Python API pages are read from
+    source)."""
+    docs = _extra_closure("docs")
+    assert _extra_closure("server") <= docs, _extra_closure("server") - docs
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings", "mkdocs-gen-files"} <= docs
+    assert "torch" not in docs
+    code = (
+        "import runpy, sys, tempfile\n"
+        "sys.modules['torch'] = None  # any import of torch fails\n"
+        "out = tempfile.mkdtemp()\n"
+        "sys.argv = ['gen_ref.py', '--out', out]\n"
+        f"runpy.run_path({str(ROOT / 'docs' / 'gen_ref.py')!r}, run_name='__main__')\n"
+        "import pathlib\n"
+        "print(sorted(str(p.relative_to(out)) for p in pathlib.Path(out).rglob('*.md')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "reference/http.md" in out.stdout and "performance/results.md" in out.stdout

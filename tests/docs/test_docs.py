@@ -59,18 +59,73 @@ def test_generated_metrics_and_http_pages_cover_the_server() -> None:
 
 
 def test_the_results_page_is_generated_from_bench_json(tmp_path: Path) -> None:
+    """Each result is a section of tables whose headers carry units; rows of rows are one
+    table, not a heading per key path; what a result did not record says so."""
     (tmp_path / "e2e.json").write_text(json.dumps({
         "load_average": [1.5, 1.2, 1.0],
         "cases": {"cifar": {"n": 4096, "rows": {
-            "DataLoader w2": {"samples_s": 1234.5, "vs_floor": 0.1},
-            "shardserve shm": {"samples_s": 98765.4, "vs_floor": 0.9},
+            "DataLoader w2": {"samples_s": 1234.5, "vs_floor": 0.1, "epoch_s": 2.5},
+            "shardserve shm": {"samples_s": 98765.4, "vs_floor": 0.9, "epoch_s": 0.04},
         }, "targets": [{"target": "shm vs w2", "value": 80.0, "met": True}]}},
+        "first_batch_s": {"whole_file": 23.6, "blocks": 1.07},
+        "read_share": {"whole_file": 1.0, "blocks": 0.19},
+        "target": {"first_batch_s": 2.0, "met": True},
     }))  # fmt: skip
     page = gen_ref().results_page(tmp_path)
-    assert "## e2e" in page
-    assert "| **shardserve shm** | 98,765 | 0.9 |" in page
-    assert "| shm vs w2 | 80 | True |" in page
+    assert "## E2E" in page
+    assert "|  | samples/s | vs floor (×) | epoch (s) |" in page
+    assert "| **shardserve shm** | 98,765 | 0.9 | 0.04 |" in page
+    assert "| shm vs w2 | 80 | yes |" in page
+    # Groups of the same measurements are rows of one table, each with its unit; a group of
+    # other measurements beside them keeps a section of its own.
+    assert "|  | whole file | blocks |" in page and "| **first batch (s)** | 23.6 | 1.07 |" in page
+    assert "### Target\n\n|  | value |\n|---|---|\n| first batch (s) | 2 |\n| met | yes |" in page
+    assert "| load average before | 1.5, 1.2, 1 (1, 5, 15 min) |" in page
+    for fact in ("date", "machine", "cores", "load average after"):
+        assert f"| {fact} | not recorded |" in page, fact
+    assert "| command | not recorded (written by `bench/bench_e2e.py`) |" in page
+    assert " / " not in "".join(line for line in page.splitlines() if line.startswith("#"))
     assert "No results" in gen_ref().results_page(tmp_path / "none")
+
+
+def test_a_result_the_bench_runner_stamped_names_its_command_date_cores_and_load(
+    tmp_path: Path,
+) -> None:
+    """``python -m bench`` adds a ``run`` object to each result a script wrote; the page shows
+    it instead of "not recorded", and never a local path (a venv's interpreter, a store)."""
+    from bench.__main__ import stamp
+
+    result = tmp_path / "cli.json"
+    result.write_text(json.dumps({
+        "command": "/home/someone/project/.venv/bin/shardserve",
+        "rows": {"a": {"median_s": 0.05}, "b": {"median_s": 0.2}},
+        "store": "/tmp/tmpab12/store",
+    }))  # fmt: skip
+    stamp(result, {
+        "command": "python bench/bench_cli.py --quick", "date": "2026-11-28T02:00:00+00:00",
+        "machine": "Linux-x86_64", "cpus": 2, "load_before": [3.5, 2.0, 1.0],
+        "load_after": [4.0, 2.5, 1.5],
+    })  # fmt: skip
+    page = gen_ref().results_page(tmp_path)
+    assert "| command | `python bench/bench_cli.py --quick` |" in page
+    assert "| date | 2026-11-28 02:00 UTC |" in page
+    assert "| cores | 2 |" in page
+    assert "| load average after | 4, 2.5, 1.5 (1, 5, 15 min) |" in page
+    assert "not recorded" not in page.split("## CLI")[1]
+    assert "| program run | shardserve |" in page and "| store | store |" in page
+    assert "/home/" not in page and "/tmp/" not in page
+
+
+#: An absolute path in a generated page: a checkout's, a venv's, a temporary folder's.
+ABS_PATH = re.compile(r"(?<![\w:/.~])/(?:home|work|tmp|root|usr|opt|var|Users|private)/")
+
+
+def test_the_committed_results_render_without_local_paths_and_with_units() -> None:
+    page = gen_ref().results_page()
+    assert not ABS_PATH.search(page), ABS_PATH.search(page)
+    assert page.count("## ") >= len(list((ROOT / "bench" / "results").glob("*.json")))
+    assert "(s)" in page and "samples/s" in page and "(×)" in page
+    assert "| cores |" in page and "| date |" in page
 
 
 def test_every_page_is_in_the_nav() -> None:
@@ -195,3 +250,19 @@ def test_the_readme_is_short_and_its_links_exist() -> None:
         if "://" not in link:
             assert (ROOT / link).exists(), link
     assert "python -m pytest" in text  # the test command .ci/run runs
+
+
+def test_the_first_install_command_works_from_a_clone() -> None:
+    """The README's and Getting started's first command installs the clone the reader has
+    (shardserve is on no package index): ``pip install '.[demo]'``, then ``shardserve demo``;
+    an install by name is only mentioned as what works once published."""
+    for path in (ROOT / "README.md", DOCS / "getting-started.md", DOCS / "index.md"):
+        text = path.read_text()
+        first = re.search(r"```bash\n(.*?)```", text, re.S)
+        assert first, path
+        commands = [line.split("#")[0].strip() for line in first.group(1).splitlines()]
+        assert commands[0].startswith("pip install '.[demo]'"), (path, commands)
+        assert "shardserve demo" in first.group(1), path
+        for paragraph in text.split("\n\n"):
+            if "pip install 'shardserve[demo]'" in paragraph:
+                assert "index" in paragraph, (path, paragraph)

@@ -213,5 +213,6 @@ def test_the_demo_without_its_extra_says_what_to_install() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "shardserve demo: needs the demo extra (sklearn missing): pip install 'shardserve[demo]'"
+        "shardserve demo: needs the demo extra (sklearn missing): "
+        "pip install '.[demo]' in a clone of shardserve"
     ]
