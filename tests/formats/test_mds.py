@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,3 +160,66 @@ def test_a_shard_path_out_of_the_folder_is_refused(built: dict[str, Any], tmp_pa
     (src / "index.json").write_text(json.dumps(index))
     with pytest.raises(InvalidDataError, match=r"'\.\./\.\./etc/passwd' is not a file name"):
         ingest(src, tmp_path / "store", "t", progress=False)
+
+
+def _copy_with_index(built: dict[str, Any], tmp_path: Path, name: str) -> tuple[Path, dict]:
+    src = tmp_path / "src"
+    shutil.copytree(built["src"] / name, src)
+    return src, json.loads((src / "index.json").read_text())
+
+
+def test_a_negative_column_size_is_one_line_naming_the_field(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """``column_sizes: [-4, null, ...]`` ends the ingest command with one line naming the
+    index, the shard entry and the column, not a traceback."""
+    src, index = _copy_with_index(built, tmp_path, "plain")
+    sizes = index["shards"][0]["column_sizes"]
+    index["shards"][0]["column_sizes"] = [-4, None, *sizes[2:]]
+    (src / "index.json").write_text(json.dumps(index))
+    out = subprocess.run(
+        [sys.executable, "-m", "shardserve.server", "ingest", str(src),
+         "--store", str(tmp_path / "store"), "--name", "neg", "--quiet"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "index.json shard 0 column 'b': its column_sizes entry is -4" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2, out.stderr
+    assert not (tmp_path / "store" / "neg").exists()
+
+
+def test_a_shard_listed_twice_is_refused_naming_it(built: dict[str, Any], tmp_path: Path) -> None:
+    """An index listing one shard three times would ingest its samples three times."""
+    src, index = _copy_with_index(built, tmp_path, "zstd")
+    first = index["shards"][0]
+    index["shards"] = [first, *index["shards"], first]
+    (src / "index.json").write_text(json.dumps(index))
+    name = first["zip_data"]["basename"]
+    with pytest.raises(InvalidDataError, match=rf"index\.json lists the shard {re.escape(name)} "
+                                               r"twice \(shards 0 and 1\)"):  # fmt: skip
+        ingest(src, tmp_path / "store", "dup", progress=False)
+    assert not (tmp_path / "store" / "dup").exists()
+
+
+@pytest.mark.parametrize("name", ["plain", "zstd"])
+def test_a_shard_linked_out_of_its_folder_is_refused(
+    built: dict[str, Any], tmp_path: Path, name: str
+) -> None:
+    """A shard file that is a link to a file elsewhere (here: a valid copy of itself) is
+    refused, as a LitData chunk is; a link that stays in the folder is read."""
+    src, index = _copy_with_index(built, tmp_path, name)
+    entry = index["shards"][1]
+    shard = (entry["zip_data"] or entry["raw_data"])["basename"]
+    outside = tmp_path / "elsewhere.mds"
+    (src / shard).rename(outside)
+    (src / shard).symlink_to(outside)
+    with pytest.raises(InvalidDataError, match=rf"lists {re.escape(shard)}, a link to .*"
+                                               r"elsewhere\.mds outside the folder"):  # fmt: skip
+        ingest(src, tmp_path / "store", "link", progress=False)
+    assert not (tmp_path / "store" / "link").exists()
+    (src / shard).unlink()
+    outside.rename(src / "kept.bin")
+    (src / shard).symlink_to(src / "kept.bin")
+    s = ingest(src, tmp_path / "store", "link", progress=False)
+    assert s.manifest.num_samples == WRITTEN[name]

@@ -40,7 +40,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .decode import plain
 from .litdata_leaves import FIXED, Decode, decoder
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source
+from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
 
 INDEX = "index.json"
 FOOTER_MAGIC = b"LDARW01\0"
@@ -183,14 +183,12 @@ def read_layout(src: Path) -> Layout:
 def _listed(src: Path, entry: dict[str, object], codec: str | None, index: Path) -> Chunk:
     """One ``chunks`` entry, its file found in ``src``."""
     name = str(entry["filename"])
-    path = src / name
-    inflated = False
-    if codec == "chunk" and not path.is_file() and name.endswith(".zstd.bin"):
+    file, inflated = name, False
+    if codec == "chunk" and not (src / name).is_file() and name.endswith(".zstd.bin"):
         # StreamingDataset over a local folder inflates chunk-N.zstd.bin in place, leaving
         # chunk-N.bin where the index still names the compressed file.
-        path, inflated = src / (name[: -len(".zstd.bin")] + ".bin"), True
-    if not path.is_file() or path.resolve().parent != src.resolve():
-        raise InvalidDataError(f"{index} lists {name}, which is not in the folder")
+        file, inflated = name[: -len(".zstd.bin")] + ".bin", True
+    path = listed_file(src, file, index)
     try:
         return Chunk(path, int(str(entry["chunk_size"])), int(str(entry["chunk_bytes"])),
                      codec == "chunk" and not inflated)  # fmt: skip

@@ -33,7 +33,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .decode import as_value
 from .raw import Buffer, pil_pixels, utf8
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source
+from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
 
 INDEX = "index.json"
 
@@ -192,56 +192,91 @@ class Shard:
         return self.index.parent / name
 
 
+def _count(value: object, where: str, field: str, what: str) -> int:
+    """``value`` if it is a whole number >= 0; else a one-line refusal naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidDataError(
+            f"{where}: {field} is {value!r}; it must be {what}: write the dataset again with "
+            "MDSWriter, or correct the index"
+        )
+    return value
+
+
+def _columns(s: dict[str, Any], where: str) -> tuple[Column, ...]:
+    names, encodings, sizes = s["column_names"], s["column_encodings"], s["column_sizes"]
+    if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)
+            and len(names) == len(encodings) == len(sizes)):  # fmt: skip
+        raise InvalidDataError(
+            f"{where}: column_names, column_encodings and column_sizes must be lists of one "
+            f"length (got {names!r}, {encodings!r}, {sizes!r})"
+        )
+    cols = []
+    for n, e, z in zip(names, encodings, sizes, strict=True):
+        at = f"{where} column {n!r}"
+        if z is not None:
+            z = _count(z, at, "its column_sizes entry", "a byte count >= 0, or null (variable)")
+        cols.append(Column(str(n), str(e), z, _decoder(str(e), at)))
+    return tuple(cols)
+
+
+def _codec(s: dict[str, Any], where: str) -> str | None:
+    comp = s.get("compression")
+    if not comp:
+        return None
+    family = str(comp).split(":")[0]
+    if family not in CODECS:
+        raise InvalidDataError(f"{where}: unknown compression {comp!r}")
+    return CODECS[family]
+
+
+def _shard(index: Path, s: dict[str, Any], where: str) -> Shard:
+    if s.get("format") != "mds" or s.get("version") != 2:
+        raise InvalidDataError(
+            f"{where}: format {s.get('format')!r} version {s.get('version')!r}; ingest "
+            "reads MDS version 2 (write it with MDSWriter, or convert it)"
+        )
+    cols = _columns(s, where)
+    codec = _codec(s, where)
+    raw = s["raw_data"]
+    for info in (raw, s.get("zip_data") or {}):
+        name = str(info.get("basename", ""))
+        if "basename" in info and (Path(name).name != name or name in ("", ".", "..")):
+            # A shard is a file beside its index: a path is never followed out of it.
+            raise InvalidDataError(f"{where}: basename {name!r} is not a file name beside {INDEX}")
+    raw_bytes = _count(raw["bytes"], where, "raw_data.bytes", "a byte count >= 0")
+    samples = _count(s["samples"], where, "samples", "a sample count >= 0")
+    shard = Shard(index, str(raw["basename"]), raw_bytes, raw, s.get("zip_data"), codec,
+                  samples, cols)  # fmt: skip
+    # The file read is in the index's folder: a link out of it is refused, not followed.
+    listed_file(index.parent, shard.path.name, index)
+    return shard
+
+
 def _shards(index: Path) -> list[Shard]:
     try:
         obj = json.loads(index.read_text())
         entries = obj["shards"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InvalidDataError(f"{index}: not an MDS index ({e})") from None
-    shards = []
+    shards: list[Shard] = []
+    seen: dict[str, int] = {}
     for k, s in enumerate(entries):
         where = f"{index} shard {k}"
         try:
-            if s.get("format") != "mds" or s.get("version") != 2:
-                raise InvalidDataError(
-                    f"{where}: format {s.get('format')!r} version {s.get('version')!r}; ingest "
-                    "reads MDS version 2 (write it with MDSWriter, or convert it)"
-                )
-            names, encodings = s["column_names"], s["column_encodings"]
-            sizes = s["column_sizes"]
-            cols = tuple(
-                Column(n, e, z, _decoder(e, f"{where} column {n!r}"))
-                for n, e, z in zip(names, encodings, sizes, strict=True)
+            shard = _shard(index, s, where)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidDataError(
+                f"{where}: not a valid MDS shard entry ({type(e).__name__}: {e})"
+            ) from None
+        name = shard.path.name
+        if name in seen:
+            # Listed twice, its samples would be ingested twice: never silently repeated.
+            raise InvalidDataError(
+                f"{index} lists the shard {name} twice (shards {seen[name]} and {k}); each "
+                "shard is listed once: remove the repeated entry"
             )
-            comp = s.get("compression")
-            codec = None
-            if comp:
-                family = str(comp).split(":")[0]
-                if family not in CODECS:
-                    raise InvalidDataError(f"{where}: unknown compression {comp!r}")
-                codec = CODECS[family]
-            raw = s["raw_data"]
-            for info in (raw, s.get("zip_data") or {}):
-                name = str(info.get("basename", ""))
-                if "basename" in info and (Path(name).name != name or name in ("", ".", "..")):
-                    # A shard is a file beside its index: a path is never followed out of it.
-                    raise InvalidDataError(
-                        f"{where}: basename {name!r} is not a file name beside {INDEX}"
-                    )
-            shards.append(
-                Shard(
-                    index,
-                    str(raw["basename"]),
-                    int(raw["bytes"]),
-                    raw,
-                    s.get("zip_data"),
-                    codec,
-                    int(s["samples"]),
-                    cols,
-                )
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidDataError(f"{where}: not a valid MDS shard entry ({e})") from None
+        seen[name] = k
+        shards.append(shard)
     return shards
 
 
