@@ -4,6 +4,7 @@ equal to what Streaming's ``StreamingDataset`` yields, with images kept encoded.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -16,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
+import xxhash
 
 from shardserve.proto.errors import InvalidDataError
+from shardserve.server.store.ingest.inflate import CHUNK
 from shardserve.server.store.ingest.run import ingest, ingest_all
 from tests.formats.support import assert_same, read_all
 from tests.support.server import ServerProc, run_server
@@ -223,3 +227,78 @@ def test_a_shard_linked_out_of_its_folder_is_refused(
     (src / shard).symlink_to(src / "kept.bin")
     s = ingest(src, tmp_path / "store", "link", progress=False)
     assert s.manifest.num_samples == WRITTEN[name]
+
+
+#: What the hostile shards below declare (or inflate to): 1.5 GiB, from about 50 kB of zstd.
+HUGE = 1536 << 20
+
+
+def _zstd(path: Path, prefix: bytes, zeros: int) -> None:
+    """``prefix`` then ``zeros`` zero bytes, as one zstd stream, written a block at a time."""
+    block = bytes(16 << 20)
+    with pa.CompressedOutputStream(str(path), "zstd") as f:
+        f.write(prefix)
+        for at in range(0, zeros, len(block)):
+            f.write(block[: min(len(block), zeros - at)])
+
+
+def _rehash(info: dict[str, Any], path: Path) -> None:
+    """The listed hashes of ``info`` made those of ``path`` (a hostile writer lists true ones)."""
+    data = path.read_bytes()
+    info["bytes"] = len(data)
+    info["hashes"] = {
+        algo: hashlib.new(algo, data).hexdigest()
+        if algo != "xxh64"
+        else xxhash.xxh64_hexdigest(data)
+        for algo in info.get("hashes") or {}
+    }
+
+
+def test_a_zstd_shard_declaring_a_huge_size_is_refused_at_its_header(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """A ~50 kB zstd shard of zeros that declares 1.5 GiB for 8 samples (within 8 x
+    --max-sample-bytes) is inflated as a stream: refused after its first 4 bytes, which
+    say 0 samples, not after 1.5 GiB were inflated."""
+    src, index = _copy_with_index(built, tmp_path, "zstd")
+    entry = index["shards"][0]
+    bomb = src / entry["zip_data"]["basename"]
+    _zstd(bomb, b"", HUGE)
+    assert bomb.stat().st_size < 100_000
+    entry["samples"], entry["raw_data"]["bytes"] = 8, HUGE
+    _rehash(entry["zip_data"], bomb)
+    (src / "index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidDataError) as got:
+        ingest(src, tmp_path / "store", "bomb", progress=False)
+    read = re.search(
+        rf"{re.escape(bomb.name)}: does not begin with its 8 samples' offsets \(refused after "
+        rf"reading (\d+) of the {HUGE} bytes index\.json lists\)",
+        str(got.value),
+    )
+    assert read is not None, got.value
+    assert int(read.group(1)) <= 4
+    assert not (tmp_path / "store" / "bomb").exists()
+
+
+def test_a_zstd_shard_inflating_past_its_size_is_refused_within_a_chunk(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """A shard whose samples are as listed but whose zstd stream then goes on for 1.5 GiB
+    is refused once it passes the listed size, having read at most one chunk more."""
+    src, index = _copy_with_index(built, tmp_path, "zstd")
+    entry = index["shards"][0]
+    shard = src / entry["zip_data"]["basename"]
+    listed = int(entry["raw_data"]["bytes"])
+    raw = pa.decompress(shard.read_bytes(), decompressed_size=listed, codec="zstd").to_pybytes()
+    _zstd(shard, raw, HUGE)
+    _rehash(entry["zip_data"], shard)
+    (src / "index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidDataError) as got:
+        ingest(src, tmp_path / "store", "bomb", progress=False)
+    read = re.search(
+        rf"{re.escape(shard.name)}: holds more than the {listed} bytes index\.json lists "
+        r"\(refused after reading (\d+)\)",
+        str(got.value),
+    )
+    assert read is not None, got.value
+    assert listed < int(read.group(1)) <= listed + CHUNK

@@ -18,21 +18,20 @@ not checked).
 
 from __future__ import annotations
 
-import hashlib
 import json
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import xxhash
 
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import as_value
-from .raw import Buffer, pil_pixels, utf8
+from .inflate import CHUNK, Counted, Hash, hash_for, open_counted
+from .raw import pil_pixels, utf8
 from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
 
 INDEX = "index.json"
@@ -136,43 +135,6 @@ def _ndarray_decoder(encoding: str, where: str) -> Callable[[memoryview, str], o
             raise InvalidDataError(f"{w}: not a valid {encoding!r} value ({e})") from None
 
     return decode
-
-
-Hasher = Callable[[Buffer], str]
-
-
-def _hashlib(algo: str) -> Hasher:
-    return lambda data: hashlib.new(algo, data).hexdigest()
-
-
-def _hashers() -> dict[str, Hasher]:
-    """The hash algorithms MDSWriter names that can be checked here."""
-    out = {a: _hashlib(a) for a in hashlib.algorithms_available if not a.startswith("shake_")}
-    out.update({
-        "xxh32": xxhash.xxh32_hexdigest, "xxh64": xxhash.xxh64_hexdigest,
-        "xxh128": xxhash.xxh128_hexdigest, "xxh3_64": xxhash.xxh3_64_hexdigest,
-        "xxh3_128": xxhash.xxh3_128_hexdigest,
-    })  # fmt: skip
-    return out
-
-
-def _check_hashes(
-    info: dict[str, Any],
-    data: Buffer,
-    path: Path,
-    unchecked: set[str],
-    hashers: dict[str, Hasher],
-) -> None:
-    for algo, want in sorted((info.get("hashes") or {}).items()):
-        fn = hashers.get(algo)
-        if fn is None:
-            unchecked.add(algo)
-            continue
-        if fn(data) != want:
-            raise InvalidDataError(
-                f"{path}: its {algo} hash is not the one {INDEX} lists ({want}): the file "
-                "changed or is damaged; write the dataset again"
-            )
 
 
 @dataclass(frozen=True)
@@ -280,17 +242,13 @@ def _shards(index: Path) -> list[Shard]:
     return shards
 
 
-def _shard_bytes(
-    shard: Shard,
-    max_sample_bytes: int,
-    unchecked: set[str],
-    hashers: dict[str, Hasher],
-) -> memoryview:
-    """The shard's uncompressed bytes, its size bounded before anything is allocated."""
+def _open_shard(shard: Shard, max_sample_bytes: int, unchecked: set[str]) -> Counted:
+    """The shard's uncompressed bytes as a stream, every size bounded before it is read:
+    the declared size by the samples it holds, the file by the size the index lists."""
     path = shard.path
-    # An honest shard holds at most its samples; a larger declared size is refused before
-    # a decompression buffer of that size exists.
-    bound = shard.samples * (max_sample_bytes + 4) + 4
+    # An honest shard holds at most its samples (and their offsets): a larger declared size
+    # is refused before a byte is read.
+    bound = shard.samples * (max_sample_bytes + 4) + 8
     if shard.raw_bytes > bound:
         raise InvalidDataError(
             f"{path}: {INDEX} declares {shard.raw_bytes} bytes for {shard.samples} samples, more "
@@ -298,54 +256,85 @@ def _shard_bytes(
         )
     try:
         size = path.stat().st_size
-        # The file is read whole: its size is bounded first, as the declared one was.
-        want = shard.raw_bytes if shard.zip_info is None else shard.zip_info.get("bytes", size)
-        if size != want or size > bound + (1 << 20):
-            raise InvalidDataError(
-                f"{path}: {size} bytes, {INDEX} lists {want}: the file is truncated or was "
-                "replaced; write the dataset again"
-            )
-        data = path.read_bytes()
     except OSError as e:
         raise InvalidDataError(f"{path}: listed in {INDEX} but not readable ({e})") from None
-    if shard.zip_info is not None:
-        _check_hashes(shard.zip_info, data, path, unchecked, hashers)
-        try:
-            raw = pa.decompress(data, decompressed_size=shard.raw_bytes, codec=shard.codec)
-        except (OSError, ValueError, pa.ArrowException) as e:
-            raise InvalidDataError(
-                f"{path}: does not decompress ({shard.codec}) to the {shard.raw_bytes} bytes "
-                f"{INDEX} lists ({e}); write the dataset again"
-            ) from None
-        out = memoryview(raw)
-    else:
-        out = memoryview(data)
-    if len(out) != shard.raw_bytes:
+    on_disk = shard.zip_info or shard.raw_info
+    want = shard.raw_bytes if shard.zip_info is None else shard.zip_info.get("bytes", size)
+    if size != want:
         raise InvalidDataError(
-            f"{path}: {len(out)} bytes, {INDEX} lists {shard.raw_bytes}: the file is truncated "
-            "or was replaced; write the dataset again"
+            f"{path}: {size} bytes, {INDEX} lists {want}: the file is truncated or was "
+            "replaced; write the dataset again"
         )
-    _check_hashes(shard.raw_info, out, path, unchecked, hashers)
+    # The file on disk is hashed before any sample is read (a damaged file is named as such,
+    # not by the first sample it breaks); the inflated bytes of a compressed one as they
+    # come out, checked at its end.
+    with open_counted(path, None, size, INDEX) as whole:
+        whole.hashes = _hashes(on_disk, unchecked)
+        whole.skip(size, "its bytes")
+        whole.end()
+    src = open_counted(path, shard.codec, shard.raw_bytes, INDEX)
+    if shard.zip_info is not None:
+        src.hashes = _hashes(shard.raw_info, unchecked)
+    return src
+
+
+def _hashes(info: dict[str, Any], unchecked: set[str]) -> list[tuple[str, str, Hash]]:
+    out = []
+    for algo, want in sorted((info.get("hashes") or {}).items()):
+        h = hash_for(algo)
+        if h is None:
+            unchecked.add(algo)
+        else:
+            out.append((algo, str(want), h))
     return out
 
 
-def _samples(shard: Shard, data: memoryview, max_sample_bytes: int) -> Iterator[Piece]:
-    path, n = shard.path, shard.samples
+def _offsets(shard: Shard, src: Counted, max_sample_bytes: int) -> np.ndarray:
+    """The shard's ``n + 1`` sample offsets, read and checked a block at a time (in order,
+    inside the declared size, each sample within ``max_sample_bytes``): a header of zeros
+    or lies is refused at its first wrong block, not after the shard is inflated."""
+    path, n, total = shard.path, shard.samples, shard.raw_bytes
     head = 4 * (n + 2)
-    if len(data) < head or int(np.frombuffer(data, "<u4", count=1)[0]) != n:
-        raise InvalidDataError(f"{path}: does not begin with its {n} samples' offsets")
-    offsets = np.frombuffer(data, "<u4", count=n + 1, offset=4).astype(np.int64)
-    if offsets[0] < head or offsets[-1] != len(data) or np.any(np.diff(offsets) < 0):
-        raise InvalidDataError(f"{path}: its sample offsets are out of order or out of the file")
-    variable = [c for c in shard.columns if c.size is None]
-    for i in range(n):
-        lo, hi = int(offsets[i]), int(offsets[i + 1])
-        where = f"{path} sample {i}"
-        if hi - lo > max_sample_bytes:
+    (got,) = struct.unpack("<I", src.read(4, "its sample count")) if total >= head else (None,)
+    if got != n:
+        raise InvalidDataError(
+            f"{path}: does not begin with its {n} samples' offsets (refused after reading "
+            f"{src.produced} of the {total} bytes {INDEX} lists)"
+        )
+    offsets = np.empty(n + 1, np.int64)
+    prev, block = head, CHUNK // 4
+    for lo in range(0, n + 1, block):
+        part = np.frombuffer(src.read(4 * min(block, n + 1 - lo), "its sample offsets"), "<u4")
+        steps = np.diff(part.astype(np.int64), prepend=prev)
+        sizes = steps[1:] if lo == 0 else steps
+        if steps.min() < 0 or part.max() > total:
             raise InvalidDataError(
-                f"{where}: {hi - lo} bytes, more than --max-sample-bytes ({max_sample_bytes})"
+                f"{path}: its sample offsets are out of order or out of the file (refused "
+                f"after reading {src.produced} of the {total} bytes {INDEX} lists)"
             )
-        blob = data[lo:hi]
+        if sizes.size and sizes.max() > max_sample_bytes:
+            i = lo + int(np.argmax(sizes)) - (0 if lo == 0 else 1)
+            raise InvalidDataError(
+                f"{path} sample {i}: {int(sizes.max())} bytes, more than --max-sample-bytes "
+                f"({max_sample_bytes})"
+            )
+        offsets[lo : lo + part.size] = part
+        prev = int(part[-1])
+    if offsets[-1] != total:
+        raise InvalidDataError(
+            f"{path}: its samples end at byte {offsets[-1]}, {INDEX} lists {total}: the file "
+            "is truncated or was replaced; write the dataset again"
+        )
+    return offsets
+
+
+def _samples(shard: Shard, src: Counted, max_sample_bytes: int) -> Iterator[Piece]:
+    offsets = _offsets(shard, src, max_sample_bytes)
+    src.skip(int(offsets[0]) - 4 * (shard.samples + 2), "the gap before its first sample")
+    variable = [c for c in shard.columns if c.size is None]
+    for i in range(shard.samples):
+        where = f"{shard.path} sample {i}"
+        blob = memoryview(src.read(int(offsets[i + 1] - offsets[i]), f"sample {i}"))
         var_sizes = iter(np.frombuffer(blob, "<u4", count=len(variable)).tolist())
         at = 4 * len(variable)
         sample: dict[str, object] = {}
@@ -362,12 +351,12 @@ def _samples(shard: Shard, data: memoryview, max_sample_bytes: int) -> Iterator[
 
 def _pieces(shards: list[Shard], source: Source, max_sample_bytes: int) -> Iterator[Piece]:
     unchecked: set[str] = set()
-    hashers = _hashers()
     index = shards[0].index
     yield Piece(where=str(index), files=1, nbytes=index.stat().st_size)
     for shard in shards:
-        data = _shard_bytes(shard, max_sample_bytes, unchecked, hashers)
-        yield from _samples(shard, data, max_sample_bytes)
+        with _open_shard(shard, max_sample_bytes, unchecked) as src:
+            yield from _samples(shard, src, max_sample_bytes)
+            src.end()
         yield Piece(where=str(shard.path), files=1, nbytes=shard.path.stat().st_size)
     if unchecked:
         source.metadata["hashes"] = (
