@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Streaming pins numpy<2.2 and transformers<5 (whose huggingface_hub<1 the dev extra's
 #: datasets refuses), so it lives in an environment of its own; .ci/run makes it.
 MDS_PYTHON = Path(os.environ.get("SHARDSERVE_MDS_PYTHON", ROOT / ".venv-mds" / "bin" / "python"))
-WRITTEN = {"zstd": 40, "plain": 25, "gz": 12}
+WRITTEN = {"zstd": 40, "plain": 25, "gz": 12, "snappy": 9}
 
 pytestmark = pytest.mark.skipif(
     not MDS_PYTHON.exists(),
@@ -302,3 +302,18 @@ def test_a_zstd_shard_inflating_past_its_size_is_refused_within_a_chunk(
     )
     assert read is not None, got.value
     assert listed < int(read.group(1)) <= listed + CHUNK
+
+
+def test_a_snappy_shard_declaring_another_size_is_refused_before_inflating(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """A snappy block says its size first: a shard whose index lists another one is
+    refused on that, before a buffer of the listed size exists."""
+    src, index = _copy_with_index(built, tmp_path, "snappy")
+    entry = index["shards"][0]
+    entry["raw_data"]["bytes"] = 64 << 20
+    (src / "index.json").write_text(json.dumps(index))
+    shard = re.escape(entry["zip_data"]["basename"])
+    with pytest.raises(InvalidDataError, match=rf"{shard}: a \d+-byte snappy block that says it "
+                                               rf"holds \d+ bytes; index\.json lists {64 << 20}"):  # fmt: skip
+        ingest(src, tmp_path / "store", "snap", progress=False)

@@ -65,6 +65,9 @@ class Counted:
     #: What the index that lists the file is called, for the messages.
     listed_in: str = "the index"
     produced: int = 0
+    #: Bytes read from the stream and not handed out yet start at ``_at``.
+    _buf: bytes = b""
+    _at: int = 0
 
     def __enter__(self) -> Counted:
         return self
@@ -72,8 +75,9 @@ class Counted:
     def __exit__(self, *exc: object) -> None:
         self.stream.close()
 
-    def read(self, n: int, what: str) -> bytes:
-        """The next ``n`` bytes (``what`` they are, for a refusal)."""
+    def read(self, n: int, what: str) -> memoryview:
+        """The next ``n`` bytes (``what`` they are, for a refusal). The view is valid until
+        the next read: a decoder copies what it keeps."""
         end = self.produced + n
         if end > self.limit:
             raise InvalidDataError(
@@ -81,23 +85,37 @@ class Counted:
                 f"{self.listed_in} lists (refused after reading {self.produced}); the file is "
                 "corrupt or hostile: write the dataset again"
             )
+        if len(self._buf) - self._at < n:
+            self._fill(n)
+        have = len(self._buf) - self._at
+        if have < n:
+            raise InvalidDataError(
+                f"{self.where}: ends at byte {self.produced + have}, inside {what} "
+                f"(bytes {self.produced}..{end}); {self.listed_in} lists {self.limit}: the file "
+                "is truncated or was replaced; write the dataset again"
+            )
+        out = memoryview(self._buf)[self._at : self._at + n]
+        self._at += n
+        self.produced = end
+        return out
+
+    def _fill(self, n: int) -> None:
+        # Whole blocks from the stream (one call per block, not per small sample); what is
+        # read past ``limit`` is at most one block, refused by ``end``.
+        rest = self._buf[self._at :]
+        more = self._pull(max(n - len(rest), CHUNK))
+        for _, _, h in self.hashes:
+            h.update(more)
+        self._buf, self._at = (rest + more if rest else more), 0
+
+    def _pull(self, n: int) -> bytes:
         try:
-            data = self.stream.read(n)
+            return self.stream.read(n)
         except (OSError, ValueError, pa.ArrowException) as e:
             raise InvalidDataError(
                 f"{self.where}: does not decompress (after {self.produced} bytes: {e}); write "
                 "the dataset again"
             ) from None
-        if len(data) != n:
-            raise InvalidDataError(
-                f"{self.where}: ends at byte {self.produced + len(data)}, inside {what} "
-                f"(bytes {self.produced}..{end}); {self.listed_in} lists {self.limit}: the file "
-                "is truncated or was replaced; write the dataset again"
-            )
-        self.produced = end
-        for _, _, h in self.hashes:
-            h.update(data)
-        return data
 
     def skip(self, n: int, what: str) -> None:
         """Reads ``n`` bytes and drops them, :data:`CHUNK` at a time."""
@@ -108,10 +126,7 @@ class Counted:
 
     def end(self) -> None:
         """Refuses a stream with bytes past ``limit``, then a hash that differs."""
-        try:
-            extra = len(self.stream.read(CHUNK))
-        except (OSError, ValueError, pa.ArrowException) as e:
-            raise InvalidDataError(f"{self.where}: does not decompress to its end ({e})") from None
+        extra = len(self._buf) - self._at or len(self._pull(CHUNK))
         if extra:
             raise InvalidDataError(
                 f"{self.where}: holds more than the {self.limit} bytes {self.listed_in} lists "

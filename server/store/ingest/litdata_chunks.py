@@ -388,17 +388,17 @@ def _inflated(items: _Items, chunk: Chunk, limit: int) -> Iterator[Piece]:
             for i in range(n):
                 where = f"{chunk.path} item {i}"
                 item = src.read(offsets[i + 1] - offsets[i], f"item {i}")
-                yield Piece(where=where, sample=items.sample(memoryview(item), where))
+                yield Piece(where=where, sample=items.sample(item, where))
         else:
             # What follows the items is LitData's Arrow copy of the rows: read from it alone.
             src.skip(offsets[-1] - head, "its items")
             tail = src.read(chunk.nbytes - offsets[-1], "its Arrow footer")
-            if len(tail) < 12 or tail[-8:] != FOOTER_MAGIC:
+            if len(tail) < 12 or bytes(tail[-8:]) != FOOTER_MAGIC:
                 raise InvalidDataError(
                     f"{chunk.path}: {len(tail)} bytes after its items that are not an Arrow "
                     "footer; the chunk is corrupt"
                 )
-            yield from _footer(memoryview(tail), chunk)
+            yield from _footer(tail, chunk)
         src.end()
     yield Piece(where=str(chunk.path), files=1, nbytes=chunk.path.stat().st_size)
 

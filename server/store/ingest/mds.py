@@ -334,7 +334,7 @@ def _samples(shard: Shard, src: Counted, max_sample_bytes: int) -> Iterator[Piec
     variable = [c for c in shard.columns if c.size is None]
     for i in range(shard.samples):
         where = f"{shard.path} sample {i}"
-        blob = memoryview(src.read(int(offsets[i + 1] - offsets[i]), f"sample {i}"))
+        blob = src.read(int(offsets[i + 1] - offsets[i]), f"sample {i}")
         var_sizes = iter(np.frombuffer(blob, "<u4", count=len(variable)).tolist())
         at = 4 * len(variable)
         sample: dict[str, object] = {}
