@@ -394,7 +394,7 @@ class JobSpec(BaseModel):
         # may be, not the regular expression.
         if v is not None and not re.fullmatch(SHARE_NAME, v):
             raise ValueError(
-                f"share name {v!r} is not one: a share name is 1 to 64 characters, a letter "
+                f"share {v!r} is not a share name: one is 1 to 64 characters, a letter "
                 "or digit first, then letters, digits, '.', '_' or '-' (e.g. 'sweep-3')"
             )
         return v

@@ -301,7 +301,8 @@ def _offsets(shard: Shard, src: Counted, max_sample_bytes: int) -> np.ndarray:
             f"{path}: does not begin with its {n} samples' offsets (refused after reading "
             f"{src.produced} of the {total} bytes {INDEX} lists)"
         )
-    offsets = np.empty(n + 1, np.int64)
+    # 32-bit, as stored: 4 bytes a sample, filled only as far as valid offsets arrive.
+    offsets = np.empty(n + 1, np.uint32)
     prev, block = head, CHUNK // 4
     for lo in range(0, n + 1, block):
         part = np.frombuffer(src.read(4 * min(block, n + 1 - lo), "its sample offsets"), "<u4")
@@ -320,7 +321,7 @@ def _offsets(shard: Shard, src: Counted, max_sample_bytes: int) -> np.ndarray:
             )
         offsets[lo : lo + part.size] = part
         prev = int(part[-1])
-    if offsets[-1] != total:
+    if int(offsets[-1]) != total:
         raise InvalidDataError(
             f"{path}: its samples end at byte {offsets[-1]}, {INDEX} lists {total}: the file "
             "is truncated or was replaced; write the dataset again"
@@ -332,9 +333,10 @@ def _samples(shard: Shard, src: Counted, max_sample_bytes: int) -> Iterator[Piec
     offsets = _offsets(shard, src, max_sample_bytes)
     src.skip(int(offsets[0]) - 4 * (shard.samples + 2), "the gap before its first sample")
     variable = [c for c in shard.columns if c.size is None]
+    path = shard.path  # a Path join: once, not per sample
     for i in range(shard.samples):
-        where = f"{shard.path} sample {i}"
-        blob = src.read(int(offsets[i + 1] - offsets[i]), f"sample {i}")
+        where = f"{path} sample {i}"
+        blob = src.read(int(offsets[i + 1]) - int(offsets[i]), f"sample {i}")
         var_sizes = iter(np.frombuffer(blob, "<u4", count=len(variable)).tolist())
         at = 4 * len(variable)
         sample: dict[str, object] = {}
