@@ -242,3 +242,16 @@ def test_whole_zstd_chunk_declaring_a_huge_size_is_refused_at_its_header(
     )
     assert read is not None, got.value
     assert int(read.group(1)) <= 4
+
+
+def test_a_chunk_linked_out_of_its_folder_is_refused(built: dict[str, Any], tmp_path: Path) -> None:
+    """A chunk that is a link to a file elsewhere is refused naming the index, the chunk and
+    the link's target (the check MDS shards share)."""
+    copy = tmp_path / "mixed"
+    shutil.copytree(built["src"] / "mixed", copy)
+    outside = tmp_path / "elsewhere.bin"
+    (copy / "chunk-0-1.bin").rename(outside)
+    (copy / "chunk-0-1.bin").symlink_to(outside)
+    with pytest.raises(InvalidDataError, match=r"index\.json lists chunk-0-1\.bin, a link to "
+                                               r".*elsewhere\.bin outside the folder"):  # fmt: skip
+        ingest(copy, tmp_path / "store", "link", progress=False)
