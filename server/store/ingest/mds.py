@@ -13,7 +13,8 @@ columns stay their encoded bytes (the ``decode_image`` transform reads them), an
 column (raw pixels) is its pixel array, ``np.asarray(image)``. ``str_decimal`` is kept as
 its text. Pickled columns (``pkl``) are refused, never loaded; so are lists of images.
 Listed hashes are checked (an algorithm Streaming does not write is named in the summary as
-not checked).
+not checked). A shard is read as a counted stream (:mod:`.inflate`), one sample at a time:
+its offsets are checked as they arrive, and no shard is inflated past the size listed.
 """
 
 from __future__ import annotations
