@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -234,7 +235,7 @@ class JobSpec(BaseModel):
     #: "Sweeps and notebooks" guide). It never changes the batches; it is in the job id so that
     #: an unshared duplicate of the spec still meets ``RankInUse``. Left out of the id when
     #: ``None``.
-    share: str | None = Field(default=None, pattern=SHARE_NAME)
+    share: str | None = Field(default=None, json_schema_extra={"pattern": SHARE_NAME})
 
     @model_validator(mode="before")
     @classmethod
@@ -387,6 +388,18 @@ class JobSpec(BaseModel):
             return validate_dataset_name(v)
         except ValueError as e:
             raise ValueError(str(e)) from None
+
+    @field_validator("share")
+    @classmethod
+    def _check_share(cls, v: str | None) -> str | None:
+        # Checked here rather than with Field(pattern=...): the 422 then says what a name
+        # may be, not the regular expression.
+        if v is not None and not re.fullmatch(SHARE_NAME, v):
+            raise ValueError(
+                f"share {v!r} is not a share name: one is 1 to 64 characters, a letter "
+                "or digit first, then letters, digits, '.', '_' or '-' (e.g. 'sweep-3')"
+            )
+        return v
 
     @field_validator("fields")
     @classmethod

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Response, status
+from fastapi import APIRouter, Depends, Path, Query, Response, status
 
 from shardserve.proto.api import CreatedJob, EpochUpdate, ErrorBody, JobStatus
 from shardserve.proto.jobs import JobSpec
 
 from .deps import Authorized, ServiceDep
+from .strict import StrictJson
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=Authorized)
 
@@ -25,6 +26,7 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
         404: {"model": ErrorBody},
         422: {"model": ErrorBody},
     },
+    dependencies=[Depends(StrictJson(JobSpec))],
 )
 def create_job(spec: JobSpec, service: ServiceDep, response: Response) -> CreatedJob:
     """Create the job for ``spec``, or return the existing one: every DDP rank may post the
@@ -47,7 +49,11 @@ def get_job(job_id: JobId, service: ServiceDep) -> JobStatus:
     return service.job_admin.job(job_id)
 
 
-@router.put("/{job_id}/epoch", responses={**_NOT_FOUND, 422: {"model": ErrorBody}})
+@router.put(
+    "/{job_id}/epoch",
+    responses={**_NOT_FOUND, 422: {"model": ErrorBody}},
+    dependencies=[Depends(StrictJson(EpochUpdate))],
+)
 def set_epoch(job_id: JobId, update: EpochUpdate, service: ServiceDep) -> JobStatus:
     """Set the epoch (and optionally a new seed) ranks stream next; survives a restart."""
     return service.job_admin.set_epoch(job_id, update)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Depends, Path
 
 from shardserve.proto.api import (
     ErrorBody,
@@ -16,6 +16,7 @@ from shardserve.proto.api import (
 )
 
 from .deps import Authorized, ServiceDep
+from .strict import StrictJson
 
 jobs_router = APIRouter(prefix="/v1/jobs", tags=["mixtures"], dependencies=Authorized)
 datasets_router = APIRouter(prefix="/v1/datasets", tags=["quarantine"], dependencies=Authorized)
@@ -34,14 +35,20 @@ def get_mixture(job_id: JobId, service: ServiceDep) -> MixtureStatus:
     return service.mixture_admin.status(job_id)
 
 
-@jobs_router.put("/{job_id}/mixture", responses=_ERRORS)
+@jobs_router.put(
+    "/{job_id}/mixture", responses=_ERRORS, dependencies=[Depends(StrictJson(MixtureUpdate))]
+)
 def set_mixture(job_id: JobId, update: MixtureUpdate, service: ServiceDep) -> MixtureStatus:
     """New weights from ``at_step`` on (default: the frontier, the first step no rank has
     been sent); journaled, so restarts and resumes replay it; a step in the past is a 409."""
     return service.mixture_admin.set_mixture(job_id, update)
 
 
-@datasets_router.post("/{name}/quarantine", responses=_ERRORS)
+@datasets_router.post(
+    "/{name}/quarantine",
+    responses=_ERRORS,
+    dependencies=[Depends(StrictJson(QuarantineRequest))],
+)
 def quarantine(name: str, req: QuarantineRequest, service: ServiceDep) -> QuarantineList:
     """Skip these sample ids in every mixture plan reading the dataset, from each job's
     frontier on (jobs created later: from step 0); journaled with those steps."""

@@ -93,6 +93,7 @@ def main(out: Path) -> None:
         "zstd": dict(compression="zstd:3", hashes=["sha1", "xxh64"], n=40),
         "plain": dict(compression=None, hashes=["sha1"], n=25),
         "gz": dict(compression="gz", hashes=[], n=12),
+        "snappy": dict(compression="snappy", hashes=["xxh3_64"], n=9),
     }
     want: dict[str, np.ndarray] = {}
     for name, opts in made.items():

@@ -4,9 +4,11 @@ equal to what Streaming's ``StreamingDataset`` yields, with images kept encoded.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
+import xxhash
 
 from shardserve.proto.errors import InvalidDataError
+from shardserve.server.store.ingest.inflate import CHUNK
 from shardserve.server.store.ingest.run import ingest, ingest_all
 from tests.formats.support import assert_same, read_all
 from tests.support.server import ServerProc, run_server
@@ -26,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Streaming pins numpy<2.2 and transformers<5 (whose huggingface_hub<1 the dev extra's
 #: datasets refuses), so it lives in an environment of its own; .ci/run makes it.
 MDS_PYTHON = Path(os.environ.get("SHARDSERVE_MDS_PYTHON", ROOT / ".venv-mds" / "bin" / "python"))
-WRITTEN = {"zstd": 40, "plain": 25, "gz": 12}
+WRITTEN = {"zstd": 40, "plain": 25, "gz": 12, "snappy": 9}
 
 pytestmark = pytest.mark.skipif(
     not MDS_PYTHON.exists(),
@@ -159,3 +164,156 @@ def test_a_shard_path_out_of_the_folder_is_refused(built: dict[str, Any], tmp_pa
     (src / "index.json").write_text(json.dumps(index))
     with pytest.raises(InvalidDataError, match=r"'\.\./\.\./etc/passwd' is not a file name"):
         ingest(src, tmp_path / "store", "t", progress=False)
+
+
+def _copy_with_index(built: dict[str, Any], tmp_path: Path, name: str) -> tuple[Path, dict]:
+    src = tmp_path / "src"
+    shutil.copytree(built["src"] / name, src)
+    return src, json.loads((src / "index.json").read_text())
+
+
+def test_a_negative_column_size_is_one_line_naming_the_field(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """``column_sizes: [-4, null, ...]`` ends the ingest command with one line naming the
+    index, the shard entry and the column, not a traceback."""
+    src, index = _copy_with_index(built, tmp_path, "plain")
+    sizes = index["shards"][0]["column_sizes"]
+    index["shards"][0]["column_sizes"] = [-4, None, *sizes[2:]]
+    (src / "index.json").write_text(json.dumps(index))
+    out = subprocess.run(
+        [sys.executable, "-m", "shardserve.server", "ingest", str(src),
+         "--store", str(tmp_path / "store"), "--name", "neg", "--quiet"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "index.json shard 0 column 'b': its column_sizes entry is -4" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2, out.stderr
+    assert not (tmp_path / "store" / "neg").exists()
+
+
+def test_a_shard_listed_twice_is_refused_naming_it(built: dict[str, Any], tmp_path: Path) -> None:
+    """An index listing one shard three times would ingest its samples three times."""
+    src, index = _copy_with_index(built, tmp_path, "zstd")
+    first = index["shards"][0]
+    index["shards"] = [first, *index["shards"], first]
+    (src / "index.json").write_text(json.dumps(index))
+    name = first["zip_data"]["basename"]
+    with pytest.raises(InvalidDataError, match=rf"index\.json lists the shard {re.escape(name)} "
+                                               r"twice \(shards 0 and 1\)"):  # fmt: skip
+        ingest(src, tmp_path / "store", "dup", progress=False)
+    assert not (tmp_path / "store" / "dup").exists()
+
+
+@pytest.mark.parametrize("name", ["plain", "zstd"])
+def test_a_shard_linked_out_of_its_folder_is_refused(
+    built: dict[str, Any], tmp_path: Path, name: str
+) -> None:
+    """A shard file that is a link to a file elsewhere (here: a valid copy of itself) is
+    refused, as a LitData chunk is; a link that stays in the folder is read."""
+    src, index = _copy_with_index(built, tmp_path, name)
+    entry = index["shards"][1]
+    shard = (entry["zip_data"] or entry["raw_data"])["basename"]
+    outside = tmp_path / "elsewhere.mds"
+    (src / shard).rename(outside)
+    (src / shard).symlink_to(outside)
+    with pytest.raises(InvalidDataError, match=rf"lists {re.escape(shard)}, a link to .*"
+                                               r"elsewhere\.mds outside the folder"):  # fmt: skip
+        ingest(src, tmp_path / "store", "link", progress=False)
+    assert not (tmp_path / "store" / "link").exists()
+    (src / shard).unlink()
+    outside.rename(src / "kept.bin")
+    (src / shard).symlink_to(src / "kept.bin")
+    s = ingest(src, tmp_path / "store", "link", progress=False)
+    assert s.manifest.num_samples == WRITTEN[name]
+
+
+#: What the hostile shards below declare (or inflate to): 1.5 GiB, from about 50 kB of zstd.
+HUGE = 1536 << 20
+
+
+def _zstd(path: Path, prefix: bytes, zeros: int) -> None:
+    """``prefix`` then ``zeros`` zero bytes, as one zstd stream, written a block at a time."""
+    block = bytes(16 << 20)
+    with pa.CompressedOutputStream(str(path), "zstd") as f:
+        f.write(prefix)
+        for at in range(0, zeros, len(block)):
+            f.write(block[: min(len(block), zeros - at)])
+
+
+def _rehash(info: dict[str, Any], path: Path) -> None:
+    """The listed hashes of ``info`` made those of ``path`` (a hostile writer lists true ones)."""
+    data = path.read_bytes()
+    info["bytes"] = len(data)
+    info["hashes"] = {
+        algo: hashlib.new(algo, data).hexdigest()
+        if algo != "xxh64"
+        else xxhash.xxh64_hexdigest(data)
+        for algo in info.get("hashes") or {}
+    }
+
+
+def test_a_zstd_shard_declaring_a_huge_size_is_refused_at_its_header(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """A ~50 kB zstd shard of zeros that declares 1.5 GiB for 8 samples (within 8 x
+    --max-sample-bytes) is inflated as a stream: refused after its first 4 bytes, which
+    say 0 samples, not after 1.5 GiB were inflated."""
+    src, index = _copy_with_index(built, tmp_path, "zstd")
+    entry = index["shards"][0]
+    bomb = src / entry["zip_data"]["basename"]
+    _zstd(bomb, b"", HUGE)
+    assert bomb.stat().st_size < 100_000
+    entry["samples"], entry["raw_data"]["bytes"] = 8, HUGE
+    _rehash(entry["zip_data"], bomb)
+    (src / "index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidDataError) as got:
+        ingest(src, tmp_path / "store", "bomb", progress=False)
+    read = re.search(
+        rf"{re.escape(bomb.name)}: does not begin with its 8 samples' offsets \(refused after "
+        rf"reading (\d+) of the {HUGE} bytes index\.json lists\)",
+        str(got.value),
+    )
+    assert read is not None, got.value
+    assert int(read.group(1)) <= 4
+    assert not (tmp_path / "store" / "bomb").exists()
+
+
+def test_a_zstd_shard_inflating_past_its_size_is_refused_within_a_chunk(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """A shard whose samples are as listed but whose zstd stream then goes on for 1.5 GiB
+    is refused once it passes the listed size, having read at most one chunk more."""
+    src, index = _copy_with_index(built, tmp_path, "zstd")
+    entry = index["shards"][0]
+    shard = src / entry["zip_data"]["basename"]
+    listed = int(entry["raw_data"]["bytes"])
+    raw = pa.decompress(shard.read_bytes(), decompressed_size=listed, codec="zstd").to_pybytes()
+    _zstd(shard, raw, HUGE)
+    _rehash(entry["zip_data"], shard)
+    (src / "index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidDataError) as got:
+        ingest(src, tmp_path / "store", "bomb", progress=False)
+    read = re.search(
+        rf"{re.escape(shard.name)}: holds more than the {listed} bytes index\.json lists "
+        r"\(refused after reading (\d+)\)",
+        str(got.value),
+    )
+    assert read is not None, got.value
+    assert listed < int(read.group(1)) <= listed + CHUNK
+
+
+def test_a_snappy_shard_declaring_another_size_is_refused_before_inflating(
+    built: dict[str, Any], tmp_path: Path
+) -> None:
+    """A snappy block says its size first: a shard whose index lists another one is
+    refused on that, before a buffer of the listed size exists."""
+    src, index = _copy_with_index(built, tmp_path, "snappy")
+    entry = index["shards"][0]
+    entry["raw_data"]["bytes"] = 64 << 20
+    (src / "index.json").write_text(json.dumps(index))
+    shard = re.escape(entry["zip_data"]["basename"])
+    with pytest.raises(InvalidDataError, match=rf"{shard}: a \d+-byte snappy block that says it "
+                                               rf"holds \d+ bytes; index\.json lists {64 << 20}"):  # fmt: skip
+        ingest(src, tmp_path / "store", "snap", progress=False)

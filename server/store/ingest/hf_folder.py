@@ -20,7 +20,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .arrow_files import convert, variable_columns
 from .hf_features import features_of, fixed_arrays, note_labels, prepare
-from .source import Piece, Reader, Source
+from .source import Piece, Reader, Source, listed_file
 
 
 def _files(src: Path) -> list[Path]:
@@ -31,10 +31,7 @@ def _files(src: Path) -> list[Path]:
         raise InvalidDataError(
             f"{src}/state.json: not a datasets save_to_disk state ({type(e).__name__}: {e})"
         ) from None
-    files = [src / n for n in names]
-    for f in files:
-        if not f.is_file() or f.resolve().parent != src.resolve():
-            raise InvalidDataError(f"{src}/state.json lists {f.name}, which is not in the folder")
+    files = [listed_file(src, n, src / "state.json") for n in names]
     if not files:
         raise InvalidDataError(f"source {src} lists no data files; nothing to ingest")
     return files

@@ -18,8 +18,9 @@ before an item is read. Two other layouts share the ``.bin`` name:
   of the chunk (``... | ipc | u32 len | "LDARW01\\0"``), and LitData reads that: so do we;
 * ``compression="zstd"``: by default the items are zstd frames in the chunk (magic
   ``LDFZ01``, a table of frames with their sizes); with ``compression_level="chunk"`` the
-  whole file is one zstd frame (``.zstd.bin``) whose size ``index.json`` gives. Both are
-  inflated with pyarrow's zstd, to the size written down, never more.
+  whole file is one zstd frame (``.zstd.bin``) whose size ``index.json`` gives. Frames are
+  inflated with pyarrow's zstd to the size written down, never more; a whole-file chunk as
+  a stream (:mod:`.inflate`), one item at a time, never past its size.
 
 Refused: encryption, per-sample zstd (``compression_level="sample"``: no size is stored),
 loaders other than ``PyTreeLoader`` (tokens, Parquet), pickled fields.
@@ -39,8 +40,9 @@ import pyarrow as pa
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import plain
+from .inflate import open_counted
 from .litdata_leaves import FIXED, Decode, decoder
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source
+from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
 
 INDEX = "index.json"
 FOOTER_MAGIC = b"LDARW01\0"
@@ -183,14 +185,12 @@ def read_layout(src: Path) -> Layout:
 def _listed(src: Path, entry: dict[str, object], codec: str | None, index: Path) -> Chunk:
     """One ``chunks`` entry, its file found in ``src``."""
     name = str(entry["filename"])
-    path = src / name
-    inflated = False
-    if codec == "chunk" and not path.is_file() and name.endswith(".zstd.bin"):
+    file, inflated = name, False
+    if codec == "chunk" and not (src / name).is_file() and name.endswith(".zstd.bin"):
         # StreamingDataset over a local folder inflates chunk-N.zstd.bin in place, leaving
         # chunk-N.bin where the index still names the compressed file.
-        path, inflated = src / (name[: -len(".zstd.bin")] + ".bin"), True
-    if not path.is_file() or path.resolve().parent != src.resolve():
-        raise InvalidDataError(f"{index} lists {name}, which is not in the folder")
+        file, inflated = name[: -len(".zstd.bin")] + ".bin", True
+    path = listed_file(src, file, index)
     try:
         return Chunk(path, int(str(entry["chunk_size"])), int(str(entry["chunk_bytes"])),
                      codec == "chunk" and not inflated)  # fmt: skip
@@ -362,29 +362,60 @@ def _chunk(items: _Items, view: memoryview, chunk: Chunk, limit: int) -> Iterato
         yield from items.classic(view, chunk, limit)
 
 
+def _inflated(items: _Items, chunk: Chunk, limit: int) -> Iterator[Piece]:
+    """A whole-file zstd chunk (``compression_level="chunk"``), inflated as a stream: its
+    offsets first, then one item at a time (or the Arrow footer after the items), never a
+    byte past ``chunk_bytes``, which is bounded by the items it may hold before any is read."""
+    # Twice the items' bound: a chunk may hold its rows twice (items and an Arrow copy).
+    bound = 2 * chunk.items * limit + 4 * (chunk.items + 2) + (1 << 20)
+    if chunk.nbytes > bound:
+        raise InvalidDataError(
+            f"{chunk.path}: inflates to {chunk.nbytes} bytes for {chunk.items} "
+            f"items, more than --max-sample-bytes {limit} allows"
+        )
+    with open_counted(chunk.path, "zstd", chunk.nbytes, INDEX) as src:
+        (n,) = struct.unpack("<I", src.read(4, "its item count"))
+        if n != chunk.items:
+            raise InvalidDataError(
+                f"{chunk.path}: holds {n} items, {INDEX} says {chunk.items} (refused after "
+                f"reading {src.produced} of the {chunk.nbytes} bytes {INDEX} lists); the chunk "
+                "is truncated or corrupt"
+            )
+        head = 4 * (n + 2)
+        offsets = list(struct.unpack(f"<{n + 1}I", src.read(4 * (n + 1), "its item offsets")))
+        _check_offsets(offsets, head, chunk.nbytes, chunk.path, limit)
+        if offsets[-1] == chunk.nbytes:
+            for i in range(n):
+                where = f"{chunk.path} item {i}"
+                item = src.read(offsets[i + 1] - offsets[i], f"item {i}")
+                yield Piece(where=where, sample=items.sample(item, where))
+        else:
+            # What follows the items is LitData's Arrow copy of the rows: read from it alone.
+            src.skip(offsets[-1] - head, "its items")
+            tail = src.read(chunk.nbytes - offsets[-1], "its Arrow footer")
+            if len(tail) < 12 or bytes(tail[-8:]) != FOOTER_MAGIC:
+                raise InvalidDataError(
+                    f"{chunk.path}: {len(tail)} bytes after its items that are not an Arrow "
+                    "footer; the chunk is corrupt"
+                )
+            yield from _footer(tail, chunk)
+        src.end()
+    yield Piece(where=str(chunk.path), files=1, nbytes=chunk.path.stat().st_size)
+
+
 def _pieces(layout: Layout, limit: int) -> Iterator[Piece]:
     items = _Items(layout)
     for chunk in layout.chunks:
+        if chunk.zstd:
+            yield from _inflated(items, chunk, limit)
+            continue
         size = chunk.path.stat().st_size
         if size == 0:
             raise InvalidDataError(f"{chunk.path}: empty; the chunk is truncated")
         with chunk.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = memoryview(m)
             try:
-                if chunk.zstd:
-                    # A whole-file zstd chunk inflates to chunk_bytes: bounded by the items
-                    # it may hold (and twice that for an Arrow copy of the rows) first.
-                    bound = 2 * chunk.items * limit + 4 * (chunk.items + 2) + (1 << 20)
-                    if chunk.nbytes > bound:
-                        raise InvalidDataError(
-                            f"{chunk.path}: inflates to {chunk.nbytes} bytes for {chunk.items} "
-                            f"items, more than --max-sample-bytes {limit} allows"
-                        )
-                    codec = pa.Codec("zstd")
-                    yield from _chunk(items, _inflate(codec, view, chunk.nbytes, str(chunk.path)),
-                                      chunk, limit)  # fmt: skip
-                else:
-                    yield from _chunk(items, view, chunk, limit)
+                yield from _chunk(items, view, chunk, limit)
             finally:
                 view.release()
         yield Piece(where=str(chunk.path), files=1, nbytes=size)

@@ -13,27 +13,27 @@ columns stay their encoded bytes (the ``decode_image`` transform reads them), an
 column (raw pixels) is its pixel array, ``np.asarray(image)``. ``str_decimal`` is kept as
 its text. Pickled columns (``pkl``) are refused, never loaded; so are lists of images.
 Listed hashes are checked (an algorithm Streaming does not write is named in the summary as
-not checked).
+not checked). A shard is read as a counted stream (:mod:`.inflate`), one sample at a time:
+its offsets are checked as they arrive, and no shard is inflated past the size listed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import xxhash
 
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import as_value
-from .raw import Buffer, pil_pixels, utf8
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source
+from .inflate import CHUNK, Counted, Hash, hash_for, open_counted
+from .raw import pil_pixels, utf8
+from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
 
 INDEX = "index.json"
 
@@ -138,43 +138,6 @@ def _ndarray_decoder(encoding: str, where: str) -> Callable[[memoryview, str], o
     return decode
 
 
-Hasher = Callable[[Buffer], str]
-
-
-def _hashlib(algo: str) -> Hasher:
-    return lambda data: hashlib.new(algo, data).hexdigest()
-
-
-def _hashers() -> dict[str, Hasher]:
-    """The hash algorithms MDSWriter names that can be checked here."""
-    out = {a: _hashlib(a) for a in hashlib.algorithms_available if not a.startswith("shake_")}
-    out.update({
-        "xxh32": xxhash.xxh32_hexdigest, "xxh64": xxhash.xxh64_hexdigest,
-        "xxh128": xxhash.xxh128_hexdigest, "xxh3_64": xxhash.xxh3_64_hexdigest,
-        "xxh3_128": xxhash.xxh3_128_hexdigest,
-    })  # fmt: skip
-    return out
-
-
-def _check_hashes(
-    info: dict[str, Any],
-    data: Buffer,
-    path: Path,
-    unchecked: set[str],
-    hashers: dict[str, Hasher],
-) -> None:
-    for algo, want in sorted((info.get("hashes") or {}).items()):
-        fn = hashers.get(algo)
-        if fn is None:
-            unchecked.add(algo)
-            continue
-        if fn(data) != want:
-            raise InvalidDataError(
-                f"{path}: its {algo} hash is not the one {INDEX} lists ({want}): the file "
-                "changed or is damaged; write the dataset again"
-            )
-
-
 @dataclass(frozen=True)
 class Shard:
     index: Path
@@ -192,70 +155,101 @@ class Shard:
         return self.index.parent / name
 
 
+def _count(value: object, where: str, field: str, what: str) -> int:
+    """``value`` if it is a whole number >= 0; else a one-line refusal naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidDataError(
+            f"{where}: {field} is {value!r}; it must be {what}: write the dataset again with "
+            "MDSWriter, or correct the index"
+        )
+    return value
+
+
+def _columns(s: dict[str, Any], where: str) -> tuple[Column, ...]:
+    names, encodings, sizes = s["column_names"], s["column_encodings"], s["column_sizes"]
+    if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)
+            and len(names) == len(encodings) == len(sizes)):  # fmt: skip
+        raise InvalidDataError(
+            f"{where}: column_names, column_encodings and column_sizes must be lists of one "
+            f"length (got {names!r}, {encodings!r}, {sizes!r})"
+        )
+    cols = []
+    for n, e, z in zip(names, encodings, sizes, strict=True):
+        at = f"{where} column {n!r}"
+        if z is not None:
+            z = _count(z, at, "its column_sizes entry", "a byte count >= 0, or null (variable)")
+        cols.append(Column(str(n), str(e), z, _decoder(str(e), at)))
+    return tuple(cols)
+
+
+def _codec(s: dict[str, Any], where: str) -> str | None:
+    comp = s.get("compression")
+    if not comp:
+        return None
+    family = str(comp).split(":")[0]
+    if family not in CODECS:
+        raise InvalidDataError(f"{where}: unknown compression {comp!r}")
+    return CODECS[family]
+
+
+def _shard(index: Path, s: dict[str, Any], where: str) -> Shard:
+    if s.get("format") != "mds" or s.get("version") != 2:
+        raise InvalidDataError(
+            f"{where}: format {s.get('format')!r} version {s.get('version')!r}; ingest "
+            "reads MDS version 2 (write it with MDSWriter, or convert it)"
+        )
+    cols = _columns(s, where)
+    codec = _codec(s, where)
+    raw = s["raw_data"]
+    for info in (raw, s.get("zip_data") or {}):
+        name = str(info.get("basename", ""))
+        if "basename" in info and (Path(name).name != name or name in ("", ".", "..")):
+            # A shard is a file beside its index: a path is never followed out of it.
+            raise InvalidDataError(f"{where}: basename {name!r} is not a file name beside {INDEX}")
+    raw_bytes = _count(raw["bytes"], where, "raw_data.bytes", "a byte count >= 0")
+    samples = _count(s["samples"], where, "samples", "a sample count >= 0")
+    shard = Shard(index, str(raw["basename"]), raw_bytes, raw, s.get("zip_data"), codec,
+                  samples, cols)  # fmt: skip
+    # The file read is in the index's folder: a link out of it is refused, not followed.
+    listed_file(index.parent, shard.path.name, index)
+    return shard
+
+
 def _shards(index: Path) -> list[Shard]:
     try:
         obj = json.loads(index.read_text())
         entries = obj["shards"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InvalidDataError(f"{index}: not an MDS index ({e})") from None
-    shards = []
+    shards: list[Shard] = []
+    seen: dict[str, int] = {}
     for k, s in enumerate(entries):
         where = f"{index} shard {k}"
         try:
-            if s.get("format") != "mds" or s.get("version") != 2:
-                raise InvalidDataError(
-                    f"{where}: format {s.get('format')!r} version {s.get('version')!r}; ingest "
-                    "reads MDS version 2 (write it with MDSWriter, or convert it)"
-                )
-            names, encodings = s["column_names"], s["column_encodings"]
-            sizes = s["column_sizes"]
-            cols = tuple(
-                Column(n, e, z, _decoder(e, f"{where} column {n!r}"))
-                for n, e, z in zip(names, encodings, sizes, strict=True)
+            shard = _shard(index, s, where)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidDataError(
+                f"{where}: not a valid MDS shard entry ({type(e).__name__}: {e})"
+            ) from None
+        name = shard.path.name
+        if name in seen:
+            # Listed twice, its samples would be ingested twice: never silently repeated.
+            raise InvalidDataError(
+                f"{index} lists the shard {name} twice (shards {seen[name]} and {k}); each "
+                "shard is listed once: remove the repeated entry"
             )
-            comp = s.get("compression")
-            codec = None
-            if comp:
-                family = str(comp).split(":")[0]
-                if family not in CODECS:
-                    raise InvalidDataError(f"{where}: unknown compression {comp!r}")
-                codec = CODECS[family]
-            raw = s["raw_data"]
-            for info in (raw, s.get("zip_data") or {}):
-                name = str(info.get("basename", ""))
-                if "basename" in info and (Path(name).name != name or name in ("", ".", "..")):
-                    # A shard is a file beside its index: a path is never followed out of it.
-                    raise InvalidDataError(
-                        f"{where}: basename {name!r} is not a file name beside {INDEX}"
-                    )
-            shards.append(
-                Shard(
-                    index,
-                    str(raw["basename"]),
-                    int(raw["bytes"]),
-                    raw,
-                    s.get("zip_data"),
-                    codec,
-                    int(s["samples"]),
-                    cols,
-                )
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidDataError(f"{where}: not a valid MDS shard entry ({e})") from None
+        seen[name] = k
+        shards.append(shard)
     return shards
 
 
-def _shard_bytes(
-    shard: Shard,
-    max_sample_bytes: int,
-    unchecked: set[str],
-    hashers: dict[str, Hasher],
-) -> memoryview:
-    """The shard's uncompressed bytes, its size bounded before anything is allocated."""
+def _open_shard(shard: Shard, max_sample_bytes: int, unchecked: set[str]) -> Counted:
+    """The shard's uncompressed bytes as a stream, every size bounded before it is read:
+    the declared size by the samples it holds, the file by the size the index lists."""
     path = shard.path
-    # An honest shard holds at most its samples; a larger declared size is refused before
-    # a decompression buffer of that size exists.
-    bound = shard.samples * (max_sample_bytes + 4) + 4
+    # An honest shard holds at most its samples (and their offsets): a larger declared size
+    # is refused before a byte is read.
+    bound = shard.samples * (max_sample_bytes + 4) + 8
     if shard.raw_bytes > bound:
         raise InvalidDataError(
             f"{path}: {INDEX} declares {shard.raw_bytes} bytes for {shard.samples} samples, more "
@@ -263,54 +257,87 @@ def _shard_bytes(
         )
     try:
         size = path.stat().st_size
-        # The file is read whole: its size is bounded first, as the declared one was.
-        want = shard.raw_bytes if shard.zip_info is None else shard.zip_info.get("bytes", size)
-        if size != want or size > bound + (1 << 20):
-            raise InvalidDataError(
-                f"{path}: {size} bytes, {INDEX} lists {want}: the file is truncated or was "
-                "replaced; write the dataset again"
-            )
-        data = path.read_bytes()
     except OSError as e:
         raise InvalidDataError(f"{path}: listed in {INDEX} but not readable ({e})") from None
-    if shard.zip_info is not None:
-        _check_hashes(shard.zip_info, data, path, unchecked, hashers)
-        try:
-            raw = pa.decompress(data, decompressed_size=shard.raw_bytes, codec=shard.codec)
-        except (OSError, ValueError, pa.ArrowException) as e:
-            raise InvalidDataError(
-                f"{path}: does not decompress ({shard.codec}) to the {shard.raw_bytes} bytes "
-                f"{INDEX} lists ({e}); write the dataset again"
-            ) from None
-        out = memoryview(raw)
-    else:
-        out = memoryview(data)
-    if len(out) != shard.raw_bytes:
+    on_disk = shard.zip_info or shard.raw_info
+    want = shard.raw_bytes if shard.zip_info is None else shard.zip_info.get("bytes", size)
+    if size != want:
         raise InvalidDataError(
-            f"{path}: {len(out)} bytes, {INDEX} lists {shard.raw_bytes}: the file is truncated "
-            "or was replaced; write the dataset again"
+            f"{path}: {size} bytes, {INDEX} lists {want}: the file is truncated or was "
+            "replaced; write the dataset again"
         )
-    _check_hashes(shard.raw_info, out, path, unchecked, hashers)
+    # The file on disk is hashed before any sample is read (a damaged file is named as such,
+    # not by the first sample it breaks); the inflated bytes of a compressed one as they
+    # come out, checked at its end.
+    with open_counted(path, None, size, INDEX) as whole:
+        whole.hashes = _hashes(on_disk, unchecked)
+        whole.skip(size, "its bytes")
+        whole.end()
+    src = open_counted(path, shard.codec, shard.raw_bytes, INDEX)
+    if shard.zip_info is not None:
+        src.hashes = _hashes(shard.raw_info, unchecked)
+    return src
+
+
+def _hashes(info: dict[str, Any], unchecked: set[str]) -> list[tuple[str, str, Hash]]:
+    out = []
+    for algo, want in sorted((info.get("hashes") or {}).items()):
+        h = hash_for(algo)
+        if h is None:
+            unchecked.add(algo)
+        else:
+            out.append((algo, str(want), h))
     return out
 
 
-def _samples(shard: Shard, data: memoryview, max_sample_bytes: int) -> Iterator[Piece]:
-    path, n = shard.path, shard.samples
+def _offsets(shard: Shard, src: Counted, max_sample_bytes: int) -> np.ndarray:
+    """The shard's ``n + 1`` sample offsets, read and checked a block at a time (in order,
+    inside the declared size, each sample within ``max_sample_bytes``): a header of zeros
+    or lies is refused at its first wrong block, not after the shard is inflated."""
+    path, n, total = shard.path, shard.samples, shard.raw_bytes
     head = 4 * (n + 2)
-    if len(data) < head or int(np.frombuffer(data, "<u4", count=1)[0]) != n:
-        raise InvalidDataError(f"{path}: does not begin with its {n} samples' offsets")
-    offsets = np.frombuffer(data, "<u4", count=n + 1, offset=4).astype(np.int64)
-    if offsets[0] < head or offsets[-1] != len(data) or np.any(np.diff(offsets) < 0):
-        raise InvalidDataError(f"{path}: its sample offsets are out of order or out of the file")
-    variable = [c for c in shard.columns if c.size is None]
-    for i in range(n):
-        lo, hi = int(offsets[i]), int(offsets[i + 1])
-        where = f"{path} sample {i}"
-        if hi - lo > max_sample_bytes:
+    (got,) = struct.unpack("<I", src.read(4, "its sample count")) if total >= head else (None,)
+    if got != n:
+        raise InvalidDataError(
+            f"{path}: does not begin with its {n} samples' offsets (refused after reading "
+            f"{src.produced} of the {total} bytes {INDEX} lists)"
+        )
+    # 32-bit, as stored: 4 bytes a sample, filled only as far as valid offsets arrive.
+    offsets = np.empty(n + 1, np.uint32)
+    prev, block = head, CHUNK // 4
+    for lo in range(0, n + 1, block):
+        part = np.frombuffer(src.read(4 * min(block, n + 1 - lo), "its sample offsets"), "<u4")
+        steps = np.diff(part.astype(np.int64), prepend=prev)
+        sizes = steps[1:] if lo == 0 else steps
+        if steps.min() < 0 or part.max() > total:
             raise InvalidDataError(
-                f"{where}: {hi - lo} bytes, more than --max-sample-bytes ({max_sample_bytes})"
+                f"{path}: its sample offsets are out of order or out of the file (refused "
+                f"after reading {src.produced} of the {total} bytes {INDEX} lists)"
             )
-        blob = data[lo:hi]
+        if sizes.size and sizes.max() > max_sample_bytes:
+            i = lo + int(np.argmax(sizes)) - (0 if lo == 0 else 1)
+            raise InvalidDataError(
+                f"{path} sample {i}: {int(sizes.max())} bytes, more than --max-sample-bytes "
+                f"({max_sample_bytes})"
+            )
+        offsets[lo : lo + part.size] = part
+        prev = int(part[-1])
+    if int(offsets[-1]) != total:
+        raise InvalidDataError(
+            f"{path}: its samples end at byte {offsets[-1]}, {INDEX} lists {total}: the file "
+            "is truncated or was replaced; write the dataset again"
+        )
+    return offsets
+
+
+def _samples(shard: Shard, src: Counted, max_sample_bytes: int) -> Iterator[Piece]:
+    offsets = _offsets(shard, src, max_sample_bytes)
+    src.skip(int(offsets[0]) - 4 * (shard.samples + 2), "the gap before its first sample")
+    variable = [c for c in shard.columns if c.size is None]
+    path = shard.path  # a Path join: once, not per sample
+    for i in range(shard.samples):
+        where = f"{path} sample {i}"
+        blob = src.read(int(offsets[i + 1]) - int(offsets[i]), f"sample {i}")
         var_sizes = iter(np.frombuffer(blob, "<u4", count=len(variable)).tolist())
         at = 4 * len(variable)
         sample: dict[str, object] = {}
@@ -327,12 +354,12 @@ def _samples(shard: Shard, data: memoryview, max_sample_bytes: int) -> Iterator[
 
 def _pieces(shards: list[Shard], source: Source, max_sample_bytes: int) -> Iterator[Piece]:
     unchecked: set[str] = set()
-    hashers = _hashers()
     index = shards[0].index
     yield Piece(where=str(index), files=1, nbytes=index.stat().st_size)
     for shard in shards:
-        data = _shard_bytes(shard, max_sample_bytes, unchecked, hashers)
-        yield from _samples(shard, data, max_sample_bytes)
+        with _open_shard(shard, max_sample_bytes, unchecked) as src:
+            yield from _samples(shard, src, max_sample_bytes)
+            src.end()
         yield Piece(where=str(shard.path), files=1, nbytes=shard.path.stat().st_size)
     if unchecked:
         source.metadata["hashes"] = (

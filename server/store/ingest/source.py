@@ -143,6 +143,23 @@ def put_field(
     seen[name] = origin
 
 
+def listed_file(folder: Path, name: str, index: Path) -> Path:
+    """``folder / name``, a file that ``index`` lists, if it is a file in ``folder`` itself.
+
+    An index names its files beside it: a name with a path in it, or a link whose target lies
+    outside the folder, would have ingest read (and serve) a file the dataset does not hold,
+    so both are refused, naming the index and the entry."""
+    path = folder / name
+    if path.is_symlink() and path.resolve().parent != folder.resolve():
+        raise InvalidDataError(
+            f"{index} lists {name}, a link to {path.resolve()} outside the folder {folder}: "
+            "copy the file into the folder instead of linking it"
+        )
+    if not path.is_file() or path.resolve().parent != folder.resolve():
+        raise InvalidDataError(f"{index} lists {name}, which is not a file in the folder {folder}")
+    return path
+
+
 def require_files(files: list[Path], src: Path, what: str) -> list[Path]:
     if not files:
         raise InvalidDataError(f"source {src} holds no {what} files; nothing to ingest")
