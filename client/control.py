@@ -7,6 +7,7 @@ exception from :mod:`shardserve.proto.errors`, and an unreachable server becomes
 
 from __future__ import annotations
 
+import operator
 import os
 import ssl
 import time
@@ -290,6 +291,18 @@ def server_token(token: str | None) -> str | None:
     return found
 
 
+def _positive_int(batch_size: object) -> int:
+    """``batch_size`` as an ``int``: any integer type (numpy's too, as ``range`` takes them),
+    never a bool, a float or a string; ``BadRequest`` naming it otherwise."""
+    try:
+        value = operator.index(batch_size)  # type: ignore[arg-type]
+    except TypeError:
+        value = 0
+    if isinstance(batch_size, (bool, np.bool_)) or value < 1:
+        raise BadRequest(f"batch_size={batch_size!r} must be a positive integer")
+    return value
+
+
 def job_spec(
     dataset: str | Mixture,
     batch_size: int,
@@ -321,8 +334,7 @@ def job_spec(
         raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
     if not 1 <= envs <= MAX_ENVS:
         raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise BadRequest(f"batch_size={batch_size!r} must be a positive integer")
+    batch_size = _positive_int(batch_size)
     mix = (
         [s.model_dump(mode="json") for s in mixture_sources(dataset)]
         if not isinstance(dataset, str)

@@ -106,8 +106,8 @@ def test_the_same_values_sent_right_are_taken(srv: ServerProc) -> None:
 
 def test_the_client_still_sends_numpy_integers_and_tuples(srv: ServerProc) -> None:
     """The Loader and the control client build the models from Python values: numpy
-    integers, tuples and numpy floats go through, as before."""
-    with Loader(srv.http_url, dataset="a", batch_size=8, seed=np.int64(3),
+    integers (a batch size too, as ``range`` takes one), tuples and numpy floats go through."""
+    with Loader(srv.http_url, dataset="a", batch_size=np.int64(8), seed=np.int64(3),
                 fields=("image", "label"), timeout=60) as loader:  # fmt: skip
         batch = next(iter(loader))
         assert tuple(batch["label"].shape) == (8,)
