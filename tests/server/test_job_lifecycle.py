@@ -8,9 +8,10 @@ from pathlib import Path
 
 import httpx
 
-from shardserve.proto.messages import Hello, Welcome
+from shardserve.proto.messages import Bye, Hello, Welcome
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.server import ServerProc, job_status, make_job, run_server
+from tests.support.slowness import scaled
 
 
 def _wait_state(srv: ServerProc, job: str, state: str, timeout: float = 15.0) -> None:
@@ -135,3 +136,29 @@ def test_two_fresh_runs_on_a_running_server_get_identical_batches(server: Server
     first, second = run(), run()
     assert len(first) == 20 and first[:10] != first[10:], "the two passes should be two epochs"
     assert first == second
+
+
+def test_the_page_says_waiting_for_ranks_while_no_rank_is_connected(cifar_store: Path) -> None:
+    """A live job none of whose ranks holds a stream (its only rank said Bye; the job stays
+    running for --idle-after-s) is shown as "waiting for ranks", not "running"."""
+    with (
+        run_server(cifar_store, "--idle-after-s", "3600") as srv,
+        zmq_context() as ctx,
+    ):
+        jid = make_job(srv, batch_size=100, world_size=2)
+        s = RawStream(ctx, srv.tcp_endpoint)
+        s.hello(jid, rank=0, credit=1)
+        s.recv_kind(Welcome)
+        s.send(Bye())
+        deadline = time.monotonic() + scaled(15.0)
+        status = job_status(srv, jid)
+        while any(r["connected"] for r in status["ranks"]):
+            assert time.monotonic() < deadline, f"rank 0 still connected after Bye: {status}"
+            time.sleep(0.05)
+            status = job_status(srv, jid)
+        s.close()
+        assert status["state"] == "running", status  # the lifecycle state is unchanged
+        page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
+        (head,) = [ln for ln in page.splitlines() if f"id='job-{jid}'" in ln]
+        assert ">waiting for ranks</span>" in head and ">running<" not in head, head
+        assert "0 of 2 ranks" in page
