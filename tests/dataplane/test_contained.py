@@ -96,12 +96,12 @@ def test_peers_vanishing_between_hello_and_welcome_hurt_nobody(srv: ServerProc) 
 
 
 def test_oversized_batches_are_refused_at_job_creation(srv: ServerProc) -> None:
-    """A batch larger than the dataset, or over the byte limit, is a 422 naming the bound when the job is created; the data plane never sees it."""
-    r = httpx.post(
-        f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 2**20}, timeout=10
-    )
+    """A batch larger than the dataset with drop_last=True (no batch would be left), or over the byte limit, is a 422 naming the bound when the job is created; the data plane never sees it."""
+    body = {"dataset": "cifar", "batch_size": 2**20, "drop_last": True}
+    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, timeout=scaled(10))
     assert r.status_code == 422, r.text
     assert "larger than the dataset (400 samples)" in r.json()["detail"]
+    assert "drop_last=False" in r.json()["detail"]
     _healthy(srv)
 
 
@@ -112,6 +112,40 @@ def test_byte_limit_is_configurable(store: Path) -> None:
         assert ok.status_code in (200, 201), ok.text
         r = httpx.post(f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 200})
         assert r.status_code == 422 and "--max-batch-bytes" in r.json()["detail"], r.text
+
+
+def test_a_batch_size_over_a_small_split_is_one_short_batch_as_in_a_dataloader(
+    store: Path,
+) -> None:
+    """With drop_last=False, batch_size 2**20 over 400 samples is what DistributedSampler and
+    DataLoader give: each of 3 ranks one batch of its 134 ids (padded from the start), and the
+    server sizes that batch by those 134 rows: --max-batch-bytes (200 samples) admits it."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from shardserve.client import Loader
+
+    world, n = 3, 400
+    with run_server(store, "--max-batch-bytes", str(200 * 3200)) as s, zmq_context() as ctx:
+        spec = {"batch_size": 2**20, "world_size": world, "shuffle": "none"}
+        job = make_job(s, **spec)
+        for rank in range(world):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
+            (want,) = [b.tolist() for b in DataLoader(range(n), batch_size=2**20, sampler=sampler)]
+            stream = RawStream(ctx, s.tcp_endpoint)
+            stream.hello(job, rank=rank, credit=2)
+            welcome = stream.recv_kind(Welcome)
+            assert welcome.num_batches == 1, welcome  # type: ignore[attr-defined]
+            batch = stream.recv_kind(Batch)
+            assert isinstance(batch, Batch)
+            assert sample_id_of(batch.parts).tolist() == want and len(want) == 134, rank
+            assert isinstance(stream.recv_kind(EndOfEpoch), EndOfEpoch)
+            stream.close()
+        kw = {"rank": 2, "world_size": world, "shuffle": "none", "timeout": scaled(30.0)}
+        with Loader(s.http_url, "cifar", 2**20, **kw) as loader:  # the client: the same batch
+            assert len(loader) == 1
+            (only,) = list(loader)
+            assert isinstance(only["label"], torch.Tensor) and len(only["label"]) == 134
 
 
 def test_hello_flood_does_not_starve_another_job(srv: ServerProc) -> None:
