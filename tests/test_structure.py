@@ -112,3 +112,52 @@ def test_no_getattr_forwarding_in_the_server() -> None:
         if "def __getattr__" in p.read_text()
     ]
     assert offenders == []
+
+
+#: Calls whose ``timeout=`` bounds something a test expects to happen: an HTTP answer, a
+#: process or thread finishing, a message arriving, a server starting or stopping.
+WAITS = frozenset({
+    "get", "post", "put", "delete", "request", "Client", "run", "communicate", "wait", "join",
+    "result", "recv", "recv_kind", "create_connection", "terminate", "run_server",
+})  # fmt: skip
+UNSCALED = "# unscaled:"
+
+
+def literal_waits(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line call`` for each ``timeout=<number>`` given to one of :data:`WAITS` in
+    ``path``, unless its line says why with ``# unscaled: ...``."""
+    text = path.read_text()
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else ""
+        name = func.id if isinstance(func, ast.Name) else name
+        for kw in node.keywords:
+            v = kw.value
+            literal = isinstance(v, ast.Constant) and type(v.value) in (int, float)
+            said = UNSCALED in lines[v.lineno - 1]
+            if name in WAITS and kw.arg == "timeout" and literal and not said:
+                out.append(f"{path.relative_to(root)}:{v.lineno} {ast.unparse(func)}")
+    return out
+
+
+def test_waits_on_expected_events_in_tests_are_scaled() -> None:
+    """A ``timeout=<number>`` that bounds an expected event in a test (an HTTP call, a
+    subprocess, a process or thread wait, a raw receive) is ``scaled(...)``
+    (tests/support/slowness.py): on a busy machine a fixed number fails a passing test.
+    Worker scripts (``_*.py``) run in processes of their own and are left out."""
+    files = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("_")]
+    assert [w for p in files for w in literal_waits(p)] == []
+
+
+def test_the_literal_wait_finder_finds_one(tmp_path: Path) -> None:
+    probe = tmp_path / "test_probe.py"
+    source = (
+        "import httpx\nhttpx.get('u', timeout=10)\nhttpx.get('u', timeout=scaled(10))\n"
+        "t.join(timeout=5)  # unscaled: expected never to finish\n"
+    )
+    probe.write_text(source)
+    assert literal_waits(probe, tmp_path) == ["test_probe.py:2 httpx.get"]

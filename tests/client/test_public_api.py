@@ -31,7 +31,9 @@ def test_client_never_imports_server_dependencies() -> None:
         "bad = [m for m in sys.modules if m.split('.')[0] in ('pyarrow', 'fastapi', 'uvicorn') "
         "or m.startswith('shardserve.server')]; print(bad); sys.exit(1 if bad else 0)"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60)
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -50,7 +52,9 @@ def test_every_documented_client_import_still_works() -> None:
     imports = sorted({m.strip().rstrip(",") for f in files for m in _IMPORT.findall(f.read_text())})
     assert len(imports) > 10, imports
     code = "\n".join(imports)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120)
+    )
     assert r.returncode == 0, code + "\n" + r.stderr
 
 

@@ -15,6 +15,7 @@ from shardserve.client import BadRequest, Loader
 from shardserve.server.planning import epoch_order, plan
 from tests.client.conftest import N_CIFAR, ids
 from tests.support.resume import assert_resumes_exactly
+from tests.support.slowness import scaled
 
 
 @pytest.mark.parametrize(("shuffle", "world_size"), [("global", 1), ("block", 2), ("none", 3)])
@@ -115,7 +116,7 @@ def test_resident_refuses_variable_fields_and_bad_arguments(server) -> None:
 
 def test_plan_endpoint_matches_the_planner_and_rejects_bad_queries(server) -> None:
     spec = {"dataset": "cifar", "batch_size": 30, "seed": 4, "world_size": 3, "shuffle": "block"}
-    r = httpx.post(f"{server.http_url}/v1/jobs", json=spec, timeout=10)
+    r = httpx.post(f"{server.http_url}/v1/jobs", json=spec, timeout=scaled(10))
     job = r.json()["id"]
     got = httpx.get(f"{server.http_url}/v1/jobs/{job}/plan", params={"epoch": 2, "rank": 1})
     assert got.status_code == 200, got.text

@@ -45,8 +45,11 @@ def srv(store: Path, tmp_path_factory: pytest.TempPathFactory):
         yield s
 
 
-def _full_epoch(srv: ServerProc, ctx: zmq.Context, job: str, timeout: float = 10.0) -> list[int]:
+def _full_epoch(
+    srv: ServerProc, ctx: zmq.Context, job: str, timeout: float | None = None
+) -> list[int]:
     """Sample ids of one whole epoch of ``job`` read by a raw stream; fails on any gap."""
+    timeout = scaled(10.0) if timeout is None else timeout
     s = RawStream(ctx, srv.tcp_endpoint)
     try:
         s.hello(job, credit=4)
@@ -67,7 +70,7 @@ def _full_epoch(srv: ServerProc, ctx: zmq.Context, job: str, timeout: float = 10
 
 def _healthy(srv: ServerProc) -> None:
     assert srv.proc.poll() is None, srv.log_tail()
-    r = httpx.get(f"{srv.http_url}/readyz", timeout=5)
+    r = httpx.get(f"{srv.http_url}/readyz", timeout=scaled(5))
     assert r.status_code == 200, r.text
     assert "streamer.crashed" not in srv.log_tail(200_000)
 
@@ -161,9 +164,9 @@ def test_hello_flood_does_not_starve_another_job(srv: ServerProc) -> None:
         assert sorted(ids) == list(range(400))
         assert time.monotonic() - t0 < scaled(15.0)
         last = None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
-            msg = flood.recv(timeout=30, what="the Welcome of the flood's last Hello")
+            msg = flood.recv(timeout=scaled(30), what="the Welcome of the flood's last Hello")
             if isinstance(msg, Welcome):
                 last = msg
                 if msg.epoch == 149:
@@ -206,7 +209,7 @@ def test_dead_data_plane_exits_non_zero(store: Path, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = subprocess.run(
         [sys.executable, "-c", CRASHER, str(store), str(ready), "0.2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(60),
     )  # fmt: skip
     assert proc.returncode == 70, proc.stderr[-3000:]
     assert "data plane thread died: RuntimeError: planted bug" in proc.stderr
@@ -231,13 +234,13 @@ def test_readyz_is_503_with_the_reason_once_the_data_plane_is_dead(store: Path) 
     t.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30  # a loaded 2-core machine starts uvicorn slowly
+        deadline = time.monotonic() + scaled(30)  # a loaded 2-core machine starts uvicorn slowly
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)  # waiting for uvicorn's readiness flag with a deadline
         assert server.started, "uvicorn did not start within 30 s"
         # Generous timeouts: uvicorn, the Service and this test share one process (and GIL)
         # on a loaded 2-core machine; what is tested is the answer, not its speed.
-        assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
+        assert httpx.get(f"{url}/readyz", timeout=scaled(30)).status_code == 200
         died = threading.Event()
         svc.streamer.on_death = lambda reason: died.set()
 
@@ -248,12 +251,16 @@ def test_readyz_is_503_with_the_reason_once_the_data_plane_is_dead(store: Path) 
             handler.on_tick = tick  # type: ignore[attr-defined]
 
         svc.streamer.call(plant_bug)
-        assert died.wait(30), "the streamer thread did not die of the planted bug within 30 s"
-        r = httpx.get(f"{url}/readyz", timeout=30)
+        assert died.wait(scaled(30)), (
+            "the streamer thread did not die of the planted bug within 30 s"
+        )
+        r = httpx.get(f"{url}/readyz", timeout=scaled(30))
         assert r.status_code == 503
         assert r.json()["reason"] == "data plane thread died: RuntimeError: planted bug"
-        assert httpx.get(f"{url}/healthz", timeout=30).status_code == 503  # liveness: restart me
+        assert (
+            httpx.get(f"{url}/healthz", timeout=scaled(30)).status_code == 503
+        )  # liveness: restart me
     finally:
         server.should_exit = True
-        t.join(10)
+        t.join(scaled(10))
         svc.stop()

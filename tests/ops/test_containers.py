@@ -26,6 +26,7 @@ import pytest
 
 from tests.ops.sidecar import ROOT
 from tests.support.server import free_port
+from tests.support.slowness import scaled
 
 READY = ROOT / "docker" / ".engine-ready"
 STACK_SH = ROOT / "docker" / "podman-stack.sh"
@@ -160,7 +161,7 @@ def _headers(stack: Stack) -> dict[str, str]:
 def _image_size(image: str) -> int:
     out = subprocess.run(
         ["podman", "image", "inspect", "--format", "{{.Size}}", image],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(60),
         env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)},
     )  # fmt: skip
     return int(_check(out, f"podman image inspect {image}").strip())
@@ -192,14 +193,16 @@ def test_trainer_image_has_a_cpu_torch(stack: Stack) -> None:
 
 def test_missing_token_refuses_a_public_bind(stack: Stack) -> None:
     """The image listens on 0.0.0.0, so without SHARDSERVE_TOKEN the server exits saying to set it; the stack script refuses too."""
-    out = stack.podman("run", "--rm", "--name", f"{stack.name}-notoken", stack.image, timeout=60)
+    out = stack.podman(
+        "run", "--rm", "--name", f"{stack.name}-notoken", stack.image, timeout=scaled(60)
+    )
     assert out.returncode != 0, out.stdout
     assert (
         "SHARDSERVE_TOKEN" in out.stderr + out.stdout and "refusing" in out.stderr + out.stdout
     ), out.stderr
     env = {k: v for k, v in stack.env.items() if k != "SHARDSERVE_TOKEN"}
     script = subprocess.run(["bash", str(STACK_SH), "up"], env=env, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+                            timeout=scaled(60))  # fmt: skip
     assert script.returncode != 0 and "set SHARDSERVE_TOKEN" in script.stderr, script.stderr
 
 
@@ -211,7 +214,7 @@ def test_healthcheck_turns_healthy(stack: Stack) -> None:
     status = _check(stack.podman("inspect", "--format", "{{.State.Health.Status}}", stack.server),
                     "podman inspect")  # fmt: skip
     assert status.strip() == "healthy"
-    assert httpx.get(f"{stack.http_url}/healthz", timeout=5).status_code == 200
+    assert httpx.get(f"{stack.http_url}/healthz", timeout=scaled(5)).status_code == 200
     idle = f"{stack.name}-idle"
     _check(stack.podman("run", "--detach", "--name", idle, "--entrypoint", "sleep", stack.image, "60"),
            "podman run (idle)")  # fmt: skip
@@ -236,7 +239,7 @@ def test_store_volume_is_read_only_to_the_server_and_readable_by_its_uid(stack: 
     names = {
         d["name"]
         for d in httpx.get(
-            f"{stack.http_url}/v1/datasets", headers=_headers(stack), timeout=10
+            f"{stack.http_url}/v1/datasets", headers=_headers(stack), timeout=scaled(10)
         ).json()
     }
     assert {"digits-train", "digits-test", "ids"} <= names, names
@@ -244,7 +247,7 @@ def test_store_volume_is_read_only_to_the_server_and_readable_by_its_uid(stack: 
 
 def test_readme_stack_trains(stack: Stack) -> None:
     """`podman-stack.sh up` (= `docker compose up trainer`) trains the digits CNN on 2 ranks to a useful accuracy."""
-    out = _check(stack.script("up", timeout=240), "podman-stack.sh up")
+    out = _check(stack.script("up", timeout=scaled(240)), "podman-stack.sh up")
     last = out.strip().splitlines()[-1]
     assert "test accuracy" in last, out[-2000:]
     accuracy = float(last.split("test accuracy")[1].split(",")[0])
@@ -304,7 +307,7 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
     assert len(report["seen"]) == IDS and sorted(report["seen"]) == list(range(IDS)), (
         f"{len(report['seen'])} deliveries, {len(set(report['seen']))} distinct of {IDS}"
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while stack.podman("healthcheck", "run", stack.server).returncode != 0:
         assert time.monotonic() < deadline, "the restarted server did not turn healthy in 30 s"
         time.sleep(1)

@@ -14,7 +14,8 @@ from tests.support.server import ServerProc, job_status, make_job, run_server
 from tests.support.slowness import scaled
 
 
-def _wait_state(srv: ServerProc, job: str, state: str, timeout: float = 15.0) -> None:
+def _wait_state(srv: ServerProc, job: str, state: str, timeout: float | None = None) -> None:
+    timeout = scaled(15.0) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while (got := job_status(srv, job)["state"]) != state:
         assert time.monotonic() < deadline, f"job {job} stayed {got!r}, never {state!r}"
@@ -33,12 +34,14 @@ def test_streams_never_move_the_job_epoch(cifar_store: Path, tmp_path: Path) -> 
         s.close()
         assert job_status(srv, jid)["epoch"] == 0
         r = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 100}, timeout=10
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 100},
+            timeout=scaled(10),
         )
         assert (r.status_code, r.json()["status"]["epoch"]) == (200, 0), r.text
     with run_server(cifar_store, "--state-dir", str(state)) as srv, zmq_context() as ctx:
         assert job_status(srv, jid)["epoch"] == 0, "a restart must not resume a stream's epoch"
-        r = httpx.put(f"{srv.http_url}/v1/jobs/{jid}/epoch", json={"epoch": 5}, timeout=10)
+        r = httpx.put(f"{srv.http_url}/v1/jobs/{jid}/epoch", json={"epoch": 5}, timeout=scaled(10))
         assert r.status_code == 200 and r.json()["epoch"] == 5, r.text
         s = RawStream(ctx, srv.tcp_endpoint)
         s.hello(jid, epoch=2, credit=1)
@@ -65,7 +68,9 @@ def test_idle_jobs_expire_and_only_live_jobs_count_against_the_cap(
         s.hello(a, credit=1)
         s.recv_kind(Welcome)
         r = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 50}, timeout=10
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 50},
+            timeout=scaled(10),
         )
         if r.status_code == 201:  # b went idle already on a slow machine: nothing to refuse
             assert job_status(srv, b)["state"] == "idle"
@@ -74,11 +79,13 @@ def test_idle_jobs_expire_and_only_live_jobs_count_against_the_cap(
             _wait_state(srv, b, "idle")
             c = make_job(srv, batch_size=50)
             assert job_status(srv, c)["state"] == "pending"
-        assert httpx.get(f"{srv.http_url}/v1/jobs/{b}", timeout=10).status_code == 404
+        assert httpx.get(f"{srv.http_url}/v1/jobs/{b}", timeout=scaled(10)).status_code == 404
         assert job_status(srv, a)["state"] == "running"  # a streaming job is never evicted
         s.close()
-        deadline = time.monotonic() + 20
-        while a in {j["id"] for j in httpx.get(f"{srv.http_url}/v1/jobs", timeout=10).json()}:
+        deadline = time.monotonic() + scaled(20)
+        while a in {
+            j["id"] for j in httpx.get(f"{srv.http_url}/v1/jobs", timeout=scaled(10)).json()
+        }:
             assert time.monotonic() < deadline, "an idle job outlived --job-ttl-s"
             time.sleep(0.2)
         assert "job.deleted" in srv.log_tail(100_000) and "expired after 3 s" in srv.log_tail()
@@ -92,7 +99,7 @@ def test_shm_fallback_is_logged_once_per_job_and_shown(cifar_store: Path, tmp_pa
         run_server(cifar_store, "--state-dir", str(tmp_path), "--shm-limit-bytes", "1KiB") as srv,
         zmq_context() as ctx,
     ):
-        boot_id = httpx.get(f"{srv.http_url}/v1/info", timeout=10).json()["boot_id"]
+        boot_id = httpx.get(f"{srv.http_url}/v1/info", timeout=scaled(10)).json()["boot_id"]
         jid = make_job(srv, batch_size=100, world_size=2)
         streams = []
         for rank in (0, 1):
@@ -113,9 +120,9 @@ def test_shm_fallback_is_logged_once_per_job_and_shown(cifar_store: Path, tmp_pa
         assert all(r["transport"] == "socket" and "limit" in r["shm_fallback"] for r in ranks), (
             ranks
         )
-        page = httpx.get(f"{srv.http_url}/", timeout=10).text
+        page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
         assert "shm fallback" in page and "shared memory fallback" in page
-        metrics = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{srv.http_url}/metrics", timeout=scaled(10)).text
         assert "shardserve_shm_fallbacks_total 4.0" in metrics
         for s in streams:
             s.close()

@@ -57,7 +57,7 @@ def test_sigterm_tells_streams_and_exits_zero(cifar_store: Path, tmp_path: Path)
             t0 = time.monotonic()
             code = srv.terminate(timeout=scaled(10.0))
             elapsed = time.monotonic() - t0
-            err = s.recv_kind(Error, timeout=5)
+            err = s.recv_kind(Error, timeout=scaled(5))
             s.close()
         assert code == 0, srv.log_tail()
         assert err.code == ErrorCode.SERVER_SHUTDOWN and not err.fatal
@@ -151,7 +151,7 @@ def test_public_bind_without_token_is_refused(cifar_store: Path, tmp_path: Path)
         ],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert out.returncode == 2 and "--insecure" in out.stderr and "token" in out.stderr
     assert not ready.exists()

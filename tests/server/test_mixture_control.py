@@ -26,6 +26,7 @@ from shardserve.server.planning.mixture import (
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import CIFAR_FIELDS, make_cifar_like
 from tests.support.server import ServerProc, free_port, run_server
+from tests.support.slowness import scaled
 
 SIZES = {"web": 6000, "code": 4000, "math": 600}
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -73,7 +74,7 @@ def shared_srv(mix_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def post_job(srv: ServerProc, body: dict) -> httpx.Response:
-    return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=30)
+    return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=scaled(30))
 
 
 def plan(srv: ServerProc, job: str, rank: int, epoch: int = 0) -> np.ndarray:
@@ -81,7 +82,7 @@ def plan(srv: ServerProc, job: str, rank: int, epoch: int = 0) -> np.ndarray:
         f"{srv.http_url}/v1/jobs/{job}/plan",
         params={"epoch": epoch, "rank": rank},
         headers=srv.headers,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert r.status_code == 200, r.text
     return np.frombuffer(r.content, dtype="<i8").reshape(STEPS, BATCH)
@@ -102,7 +103,7 @@ def shares_ok(ids: np.ndarray, weights: tuple[float, ...]) -> bool:
 
 def put_mixture(srv: ServerProc, job: str, body: dict) -> httpx.Response:
     return httpx.put(
-        f"{srv.http_url}/v1/jobs/{job}/mixture", json=body, headers=srv.headers, timeout=30
+        f"{srv.http_url}/v1/jobs/{job}/mixture", json=body, headers=srv.headers, timeout=scaled(30)
     )
 
 
@@ -155,7 +156,7 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
             assert not np.array_equal(b[k:], c[k:])
         assert shares_ok(global_order([p[k:] for p in after]), (0.1, 0.1, 0.8))
         a.kill()  # kill -9
-        a.proc.wait(timeout=30)
+        a.proc.wait(timeout=scaled(30))
         with run_server(
             mix_store, "--state-dir", str(state), http_port=http, data_port=data
         ) as restarted:
@@ -328,7 +329,7 @@ def test_spec_schedule_and_stop_over_http(shared_srv: ServerProc) -> None:
     for r in range(WORLD):
         resp = httpx.get(
             f"{shared_srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
-            headers=shared_srv.headers, timeout=60,
+            headers=shared_srv.headers, timeout=scaled(60),
         )  # fmt: skip
         ids = np.frombuffer(resp.content, dtype="<i8")
         lengths.append((len(ids), resp.headers["X-Shardserve-Num-Batches"]))
