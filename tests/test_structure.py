@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,3 +162,27 @@ def test_the_literal_wait_finder_finds_one(tmp_path: Path) -> None:
     )
     probe.write_text(source)
     assert literal_waits(probe, tmp_path) == ["test_probe.py:2 httpx.get"]
+
+
+#: Server flags that set a timing a test then waits on (a heartbeat, an idle or stream
+#: timeout, a transform or store deadline).
+TIMING_FLAGS = re.compile(
+    r"--(heartbeat-s|idle-after-s|job-ttl-s|stream-timeout-s|transform-timeout-s|"
+    r"store-timeout-s|http-idle-timeout-s)\b"
+)
+
+
+def test_the_burner_pass_covers_every_test_file_that_sets_a_server_timing() -> None:
+    """`.ci/run` runs again under a CPU burner each test file that starts a server with a
+    timing flag (tests/server/test_flags.py only parses them)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    listed = re.search(r'default_burner="([^"]*)"', ci)
+    assert listed, "no default_burner list in .ci/run"
+    covered = listed.group(1).split()
+    timed = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").rglob("test_*.py"))
+        if TIMING_FLAGS.search(p.read_text()) and p.name != "test_flags.py"
+    ]
+    missing = [f for f in timed if not any(f == c or f.startswith(c + "/") for c in covered)]
+    assert missing == [], f"add to default_burner in .ci/run: {missing}"
