@@ -31,9 +31,10 @@ def forked() -> Iterator[Zygote]:
         yield z
 
 
-def fit(url: str, out: Path, *args: str, timeout: float = 150,
+def fit(url: str, out: Path, *args: str, timeout: float | None = None,
         forked: Zygote | None = None) -> dict[int, dict]:  # fmt: skip
     """Run the Lightning worker (forked from ``forked`` when given); its records by rank."""
+    timeout = scaled(150) if timeout is None else timeout
     out.mkdir(parents=True, exist_ok=True)
     argv = ["-m", "tests.frameworks._lightning_worker", "--url", url, "--out", str(out), *args]
     if forked is not None:

@@ -70,18 +70,21 @@ class Stack:
         return f"{self.name}-server"
 
     def script(
-        self, *args: str, env: dict[str, str] | None = None, timeout: float = STEP_TIMEOUT_S
+        self, *args: str, env: dict[str, str] | None = None, timeout: float | None = None
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["bash", str(STACK_SH), *args], env={**self.env, **(env or {})},
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True, text=True,
+            timeout=scaled(STEP_TIMEOUT_S) if timeout is None else timeout,
         )  # fmt: skip
 
-    def podman(
-        self, *args: str, timeout: float = STEP_TIMEOUT_S
-    ) -> subprocess.CompletedProcess[str]:
+    def podman(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["podman", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+            ["podman", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(STEP_TIMEOUT_S) if timeout is None else timeout,
         )
 
     def probe_cmd(
@@ -94,7 +97,9 @@ class Stack:
 
     def probe(self, *probe_args: str, podman_opts: str = "") -> tuple[dict, str]:
         argv, env = self.probe_cmd(*probe_args, podman_opts=podman_opts)
-        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        out = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=scaled(STEP_TIMEOUT_S)
+        )
         assert out.returncode == 0, (
             f"probe failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
         )
@@ -280,7 +285,7 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
     )
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + STEP_TIMEOUT_S
+        deadline = time.monotonic() + scaled(STEP_TIMEOUT_S)
         for line in proc.stdout:
             if line.strip() == "batch 20":
                 break
@@ -291,7 +296,7 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
             )
         _check(stack.podman("kill", stack.server), "podman kill")
         _check(stack.podman("start", stack.server), "podman start")
-        rest, stderr = proc.communicate(timeout=STEP_TIMEOUT_S)
+        rest, stderr = proc.communicate(timeout=scaled(STEP_TIMEOUT_S))
     finally:
         if proc.poll() is None:
             proc.kill()
