@@ -114,9 +114,11 @@ def _chaos_round(srv: ServerProc, ctx: zmq.Context, job: str, rng: random.Random
         p.stdout.readline()
         time.sleep(rng.choice([0.0, 0.0, 0.05, 0.3]))  # before or after the Welcome
         p.send_signal(signal.SIGKILL)
-    # Huge specs: refused at creation, never reaching the data plane.
+    # Huge specs that leave no batch (drop_last): refused at creation, never reaching the data
+    # plane. (Without drop_last a batch over the dataset is one short batch, sized by the data.)
     for bs in (2**20, 10**9):
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": bs})
+        body = {"dataset": "cifar", "batch_size": bs, "drop_last": True}
+        r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, timeout=scaled(10))
         assert r.status_code == 422, r.text
     # A Hello flood from one peer, then it vanishes.
     flood = ctx.socket(zmq.DEALER)
