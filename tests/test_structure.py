@@ -122,11 +122,14 @@ WAITS = frozenset({
     "result", "recv", "recv_kind", "create_connection", "terminate", "run_server",
 })  # fmt: skip
 UNSCALED = "# unscaled:"
+#: ``httpx.<verb>(...)`` without ``timeout=`` waits httpx's fixed 5 s: a literal too.
+HTTP_VERBS = frozenset({"get", "post", "put", "delete", "patch", "request"})
 
 
 def literal_waits(path: Path, root: Path = ROOT) -> list[str]:
     """``file:line call`` for each ``timeout=<number>`` given to one of :data:`WAITS` in
-    ``path``, unless its line says why with ``# unscaled: ...``."""
+    ``path`` (or an ``httpx`` call with no ``timeout=``), unless its line says why with
+    ``# unscaled: ...``."""
     text = path.read_text()
     lines = text.splitlines()
     out = []
@@ -136,6 +139,13 @@ def literal_waits(path: Path, root: Path = ROOT) -> list[str]:
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else ""
         name = func.id if isinstance(func, ast.Name) else name
+        implicit = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "httpx"
+        if (
+            implicit
+            and name in HTTP_VERBS
+            and not {"timeout", None} & {k.arg for k in node.keywords}
+        ):
+            out.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(func)} (httpx's 5 s)")
         for kw in node.keywords:
             v = kw.value
             literal = isinstance(v, ast.Constant) and type(v.value) in (int, float)
@@ -158,10 +168,13 @@ def test_the_literal_wait_finder_finds_one(tmp_path: Path) -> None:
     probe = tmp_path / "test_probe.py"
     source = (
         "import httpx\nhttpx.get('u', timeout=10)\nhttpx.get('u', timeout=scaled(10))\n"
-        "t.join(timeout=5)  # unscaled: expected never to finish\n"
+        "t.join(timeout=5)  # unscaled: expected never to finish\nhttpx.post('u')\n"
     )
     probe.write_text(source)
-    assert literal_waits(probe, tmp_path) == ["test_probe.py:2 httpx.get"]
+    assert literal_waits(probe, tmp_path) == [
+        "test_probe.py:2 httpx.get",
+        "test_probe.py:5 httpx.post (httpx's 5 s)",
+    ]
 
 
 #: Server flags that set a timing a test then waits on (a heartbeat, an idle or stream

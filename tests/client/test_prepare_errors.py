@@ -200,7 +200,9 @@ def test_a_stream_never_waits_on_its_job_being_posted_again(server: ServerProc) 
     with ControlClient(server.http_url, "s3cret", timeout=scaled(10)) as api:
         job = api.create_job(spec).id
         httpx.delete(
-            f"{server.http_url}/v1/jobs/{job}", headers={"Authorization": "Bearer s3cret"}
+            f"{server.http_url}/v1/jobs/{job}",
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=scaled(10),
         ).raise_for_status()
 
         def recreate() -> None:

@@ -111,9 +111,15 @@ def test_oversized_batches_are_refused_at_job_creation(srv: ServerProc) -> None:
 def test_byte_limit_is_configurable(store: Path) -> None:
     """``--max-batch-bytes`` bounds a batch's bytes: under it a job is created, over it 422."""
     with run_server(store, "--max-batch-bytes", str(100 * 3200)) as s:
-        ok = httpx.post(f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 64})
+        ok = httpx.post(
+            f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 64}, timeout=scaled(10)
+        )
         assert ok.status_code in (200, 201), ok.text
-        r = httpx.post(f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 200})
+        r = httpx.post(
+            f"{s.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 200},
+            timeout=scaled(10),
+        )
         assert r.status_code == 422 and "--max-batch-bytes" in r.json()["detail"], r.text
 
 

@@ -44,23 +44,36 @@ def test_foreign_host_header_is_refused(srv: ServerProc) -> None:
     evil = {"Host": "attacker.example"}
     url = srv.http_url
     job = make_job(srv, batch_size=10)
-    assert httpx.get(f"{url}/v1/jobs", headers=evil).status_code == 403
-    r = httpx.post(f"{url}/v1/jobs", json={"dataset": "cifar", "batch_size": 5}, headers=evil)
+    assert httpx.get(f"{url}/v1/jobs", headers=evil, timeout=scaled(10)).status_code == 403
+    r = httpx.post(
+        f"{url}/v1/jobs",
+        json={"dataset": "cifar", "batch_size": 5},
+        headers=evil,
+        timeout=scaled(10),
+    )
     assert r.status_code == 403 and "--allowed-host" in r.json()["detail"]
-    assert httpx.delete(f"{url}/v1/jobs/{job}", headers=evil).status_code == 403
-    assert httpx.get(f"{url}/v1/jobs/{job}").status_code == 200  # not deleted
+    assert httpx.delete(f"{url}/v1/jobs/{job}", headers=evil, timeout=scaled(10)).status_code == 403
+    assert httpx.get(f"{url}/v1/jobs/{job}", timeout=scaled(10)).status_code == 200  # not deleted
     port = _port(srv)
     for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
-        assert httpx.get(f"{url}/v1/info", headers={"Host": host}).status_code == 200, host
+        assert (
+            httpx.get(f"{url}/v1/info", headers={"Host": host}, timeout=scaled(10)).status_code
+            == 200
+        ), host
 
 
 def test_allowed_hosts_are_configurable(store: Path) -> None:
     """``--allowed-host`` adds a name: it is answered, as are loopback names; others are not."""
     with run_server(store, "--allowed-host", "trainer.internal") as s:
-        ok = httpx.get(f"{s.http_url}/v1/info", headers={"Host": "trainer.internal:1"})
+        ok = httpx.get(
+            f"{s.http_url}/v1/info", headers={"Host": "trainer.internal:1"}, timeout=scaled(10)
+        )
         assert ok.status_code == 200
         assert (
-            httpx.get(f"{s.http_url}/v1/info", headers={"Host": "evil.example"}).status_code == 403
+            httpx.get(
+                f"{s.http_url}/v1/info", headers={"Host": "evil.example"}, timeout=scaled(10)
+            ).status_code
+            == 403
         )
 
 

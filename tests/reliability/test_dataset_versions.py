@@ -204,11 +204,16 @@ def test_job_pins_version_and_store_refuses_a_gone_one(store: Path, tmp_path: Pa
     ``dataset_changed`` that names both ids."""
     version = Store(store).version("cifar")
     with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 10})
+        r = httpx.post(
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 10},
+            timeout=scaled(10),
+        )
         assert r.status_code in (200, 201) and r.json()["status"]["spec"]["version"] == version
         r = httpx.post(
             f"{srv.http_url}/v1/jobs",
             json={"dataset": "cifar", "batch_size": 10, "version": "0123456789abcdef"},
+            timeout=scaled(10),
         )
         assert r.status_code == 409 and r.json()["code"] == "dataset_changed"
         assert "0123456789abcdef" in r.json()["detail"] and version in r.json()["detail"]

@@ -165,7 +165,9 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
             assert put_mixture(restarted, job, {"weights": [1, 1, 1], "at_step": 10**6}).status_code == 200  # fmt: skip
             again = [plan(restarted, job, r) for r in range(WORLD)]
             got = httpx.get(
-                f"{restarted.http_url}/v1/jobs/{job}/mixture", headers=restarted.headers
+                f"{restarted.http_url}/v1/jobs/{job}/mixture",
+                headers=restarted.headers,
+                timeout=scaled(10),
             ).json()
             assert got["schedule"][:2] == status["schedule"]
     for c, d in zip(after, again, strict=True):
@@ -220,6 +222,7 @@ def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
         f"{srv.http_url}/v1/datasets/code/quarantine",
         json={"ids": bad, "reason": "mislabelled"},
         headers=srv.headers,
+        timeout=scaled(10),
     )
     assert r.status_code == 200, r.text
     assert r.json()["entries"] == [{"ids": bad, "reason": "mislabelled", "at": {job: 0}}]
@@ -231,9 +234,12 @@ def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
         f"{srv.http_url}/v1/datasets/code/quarantine",
         json={"ids": [SIZES["code"]], "reason": "x"},
         headers=srv.headers,
+        timeout=scaled(10),
     )
     assert r.status_code == 422 and "0 <= id < 4000" in r.text
-    listed = httpx.get(f"{srv.http_url}/v1/datasets/code/quarantine", headers=srv.headers)
+    listed = httpx.get(
+        f"{srv.http_url}/v1/datasets/code/quarantine", headers=srv.headers, timeout=scaled(10)
+    )
     assert listed.json()["total_ids"] == len(bad)
 
 
@@ -297,13 +303,14 @@ def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
         f"{srv.http_url}/v1/datasets/web/quarantine",
         json={"ids": [5, 6, 7], "reason": "bad"},
         headers=srv.headers,
+        timeout=scaled(10),
     )
     assert r.status_code == 200, r.text
-    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
     assert f'shardserve_mixture_weight{{job_id="{job}",source="web"}} 0.5' in text
     assert f'shardserve_mixture_weight{{job_id="{job}",source="math"}} 0.25' in text
     assert 'shardserve_quarantined_samples{dataset="web"} 3.0' in text
-    page = httpx.get(f"{srv.http_url}/", headers=srv.headers).text
+    page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=scaled(10)).text
     assert "mixture at step 0:" in page
     assert all(f"</span> {n} {p}" in page for n, p in (("web", "50%"), ("math", "25%")))
     assert "class='mixchart'" in page  # the schedule drawn

@@ -42,7 +42,12 @@ def test_entry_point_transforms_are_listed_and_run(store: Path, tmp_path: Path) 
 
     env = _install(tmp_path / "site")
     with run_server(store, env=env) as srv:
-        names = [t["name"] for t in httpx.get(f"{srv.http_url}/v1/transforms").json()["transforms"]]
+        names = [
+            t["name"]
+            for t in httpx.get(f"{srv.http_url}/v1/transforms", timeout=scaled(10)).json()[
+                "transforms"
+            ]
+        ]
         assert "plus_one" in names and "random_crop" in names
         with Loader(srv.http_url, "cifar", batch_size=100, shuffle=False, timeout=scaled(20),
                     transforms=[{"name": "plus_one"}]) as ld:  # fmt: skip
