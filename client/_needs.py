@@ -1,6 +1,6 @@
-"""The client's third-party imports, tried (on import of this module) before anything else of the client is imported, so
-that a server-only install (no torch) says in one line which extra it lacks, instead of a
-``ModuleNotFoundError`` from deep inside the loader's modules."""
+"""The client's third-party imports, tried when this module is imported, before any other
+module of the client, so that a server-only install (no torch) says in one line which extra it
+lacks instead of a ``ModuleNotFoundError`` from deep inside the loader's modules."""
 
 from __future__ import annotations
 
