@@ -40,6 +40,7 @@ from shardserve.proto.errors import (
     TransformError,
 )
 
+from . import _needs  # noqa: F401  (first: a missing torch is one line naming the extra)
 from .loader import Loader
 from .local import serve_local
 from .plan import plan

@@ -37,8 +37,11 @@ def resolve_device(device: str | torch.device, local_rank: int) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
+            why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
             raise BadRequest(
-                f"device={str(device)!r} but torch.cuda.is_available() is False: use device='cpu'"
+                f"device={str(device)!r} but torch.cuda.is_available() is False (torch "
+                f"{torch.__version__}: {why}): use device='cpu', or pick at run time with "
+                "device = 'cuda' if torch.cuda.is_available() else 'cpu'"
             )
         if dev.index is None:
             dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))

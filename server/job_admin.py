@@ -32,7 +32,7 @@ from .store.graphs import check_graph_job
 from .store.mixed import mixture_manifest
 from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
-from .streaming.limits import check_batch
+from .streaming.limits import check_job_batch
 from .transforms.bound import Transforms
 
 
@@ -101,12 +101,7 @@ class JobAdmin:
         sample_bytes = self._transforms.sample_bytes(spec, manifest)
         self._check_fields(spec, [f.name for f in served.fields])
         per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
-        check_batch(
-            spec.batch_size,
-            manifest.num_samples,
-            int(per_sample * spec.batch_size),
-            self.settings.max_batch_bytes,
-        )
+        check_job_batch(spec, manifest.num_samples, per_sample, self.settings.max_batch_bytes)
         # A deleted or cut shard: a 409 now beats a job that fails at its first batch.
         self._check_shards(manifest)
         if spec.graph is not None:

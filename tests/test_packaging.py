@@ -9,6 +9,8 @@ from pathlib import Path
 
 import tomllib
 
+from tests.support.slowness import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {
     "shardserve.proto": "proto",
@@ -47,7 +49,9 @@ def _imported_after(modules: str) -> set[str]:
         "            importlib.import_module(m.name)\n"
         "print(','.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120)
+    )
     assert out.returncode == 0, out.stderr
     return set(out.stdout.strip().split(","))
 
@@ -89,7 +93,7 @@ def test_the_wheel_ships_type_markers_and_the_demo_extra(tmp_path: Path) -> None
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("shardserve-*.whl")

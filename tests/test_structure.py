@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,3 +113,89 @@ def test_no_getattr_forwarding_in_the_server() -> None:
         if "def __getattr__" in p.read_text()
     ]
     assert offenders == []
+
+
+#: Calls whose ``timeout=`` bounds something a test expects to happen: an HTTP answer, a
+#: process or thread finishing, a message arriving, a server starting or stopping.
+WAITS = frozenset({
+    "get", "post", "put", "delete", "request", "Client", "run", "communicate", "wait", "join",
+    "result", "recv", "recv_kind", "create_connection", "terminate", "run_server",
+})  # fmt: skip
+UNSCALED = "# unscaled:"
+#: ``httpx.<verb>(...)`` without ``timeout=`` waits httpx's fixed 5 s: a literal too.
+HTTP_VERBS = frozenset({"get", "post", "put", "delete", "patch", "request"})
+
+
+def literal_waits(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line call`` for each ``timeout=<number>`` given to one of :data:`WAITS` in
+    ``path`` (or an ``httpx`` call with no ``timeout=``), unless its line says why with
+    ``# unscaled: ...``."""
+    text = path.read_text()
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else ""
+        name = func.id if isinstance(func, ast.Name) else name
+        implicit = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "httpx"
+        if (
+            implicit
+            and name in HTTP_VERBS
+            and not {"timeout", None} & {k.arg for k in node.keywords}
+        ):
+            out.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(func)} (httpx's 5 s)")
+        for kw in node.keywords:
+            v = kw.value
+            literal = isinstance(v, ast.Constant) and type(v.value) in (int, float)
+            said = UNSCALED in lines[v.lineno - 1]
+            if name in WAITS and kw.arg == "timeout" and literal and not said:
+                out.append(f"{path.relative_to(root)}:{v.lineno} {ast.unparse(func)}")
+    return out
+
+
+def test_waits_on_expected_events_in_tests_are_scaled() -> None:
+    """A ``timeout=<number>`` that bounds an expected event in a test (an HTTP call, a
+    subprocess, a process or thread wait, a raw receive) is ``scaled(...)``
+    (tests/support/slowness.py): on a busy machine a fixed number fails a passing test.
+    Worker scripts (``_*.py``) run in processes of their own and are left out."""
+    files = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("_")]
+    assert [w for p in files for w in literal_waits(p)] == []
+
+
+def test_the_literal_wait_finder_finds_one(tmp_path: Path) -> None:
+    probe = tmp_path / "test_probe.py"
+    source = (
+        "import httpx\nhttpx.get('u', timeout=10)\nhttpx.get('u', timeout=scaled(10))\n"
+        "t.join(timeout=5)  # unscaled: expected never to finish\nhttpx.post('u')\n"
+    )
+    probe.write_text(source)
+    assert literal_waits(probe, tmp_path) == [
+        "test_probe.py:2 httpx.get",
+        "test_probe.py:5 httpx.post (httpx's 5 s)",
+    ]
+
+
+#: Server flags that set a timing a test then waits on (a heartbeat, an idle or stream
+#: timeout, a transform or store deadline).
+TIMING_FLAGS = re.compile(
+    r"--(heartbeat-s|idle-after-s|job-ttl-s|stream-timeout-s|transform-timeout-s|"
+    r"store-timeout-s|http-idle-timeout-s)\b"
+)
+
+
+def test_the_burner_pass_covers_every_test_file_that_sets_a_server_timing() -> None:
+    """`.ci/run` runs again under a CPU burner each test file that starts a server with a
+    timing flag (tests/server/test_flags.py only parses them)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    listed = re.search(r'default_burner="([^"]*)"', ci)
+    assert listed, "no default_burner list in .ci/run"
+    covered = listed.group(1).split()
+    timed = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").rglob("test_*.py"))
+        if TIMING_FLAGS.search(p.read_text()) and p.name != "test_flags.py"
+    ]
+    missing = [f for f in timed if not any(f == c or f.startswith(c + "/") for c in covered)]
+    assert missing == [], f"add to default_burner in .ci/run: {missing}"

@@ -25,6 +25,7 @@ from pydantic import ByteSize
 from shardserve.proto.api import DatasetInfo, JobStatus, MixtureStatus, RankStatus
 from shardserve.proto.errors import JobNotFound, ShardserveError
 
+from ..lifecycle import LIVE
 from .deps import Authorized, ServiceDep
 from .transforms import status_section as transforms_section
 
@@ -150,12 +151,19 @@ def _schedule_chart(m: MixtureStatus) -> str:
     )
 
 
+def _state_label(state: str, connected: int) -> str:
+    """What the page calls a job: a live job with no rank connected is not training yet (or
+    between two epochs, or all its ranks are gone), whatever its lifecycle state says."""
+    return "waiting for ranks" if state in LIVE and connected == 0 else state
+
+
 def _job_section(j: JobStatus, mixture: MixtureStatus | None = None) -> str:
     s = j.spec
+    connected = sum(r.connected for r in j.ranks)
     state = (
         f"<span class='failed'>failed: {_e(j.error)}</span>"
         if j.state == "failed"
-        else f"<span class='state {_e(j.state)}'>{_e(j.state)}</span>"
+        else f"<span class='state {_e(j.state)}'>{_e(_state_label(j.state, connected))}</span>"
     )
     epochs = sorted({r.epoch for r in j.ranks if r.connected and r.epoch is not None})
     streaming = f"streaming epoch {', '.join(map(str, epochs))} · " if epochs else ""
@@ -175,7 +183,7 @@ def _job_section(j: JobStatus, mixture: MixtureStatus | None = None) -> str:
         f"dataset {_e(s.dataset)} · batch {s.batch_size} · world size {s.world_size} · "
         f"shuffle {_e(s.shuffle)} · {streaming}{default}seed {j.seed} · "
         f"{j.batches_per_epoch} batches per rank per epoch · "
-        f"<span class='seen'>{sum(r.connected for r in j.ranks)} of {s.world_size} ranks "
+        f"<span class='seen'>{connected} of {s.world_size} ranks "
         f"connected</span></p>{_mixture_line(mixture)}{fallback}"
     )
     if j.resumed_from:  # elastic resume: the job of another world size this one continues

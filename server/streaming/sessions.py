@@ -21,7 +21,7 @@ from ..metrics import Metrics
 from ..source import BatchParts, BatchSource, PartShapes, StreamPlan
 from ..sources import OpenSource
 from .board import StreamBoard
-from .limits import StreamCancelled, check_batch
+from .limits import StreamCancelled, check_job_batch
 from .pipeline import Pipeline
 from .shares import ShareGroup
 from .sinks import BatchSink
@@ -153,9 +153,9 @@ def prepare(
     source = open_source(job.spec, s.epoch, s.seed, s.rank)
     m = source.manifest
     fields = tuple(job.spec.fields or (f.name for f in m.fields))
-    batch_bytes = int(source.sample_bytes * job.spec.batch_size)  # as served (after a chain)
     # A job journaled before the limits existed is refused here, before any allocation.
-    check_batch(job.spec.batch_size, m.num_samples, batch_bytes, max_batch_bytes)
+    rows = check_job_batch(job.spec, job.num_samples, source.sample_bytes, max_batch_bytes)
+    batch_bytes = int(source.sample_bytes * rows)  # as served (after a chain)
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
     plan = plan_stream(

@@ -7,6 +7,7 @@ import zmq
 from shardserve.client.connection import Connection
 from shardserve.proto.framing import decode
 from shardserve.proto.messages import Heartbeat
+from tests.support.slowness import scaled
 
 
 def test_reopen_is_a_new_peer_that_still_talks() -> None:
@@ -19,7 +20,9 @@ def test_reopen_is_a_new_peer_that_still_talks() -> None:
         seen = []
         for _ in range(2):
             assert conn.send(Heartbeat())
-            assert router.poll(10_000), "no message from the Connection within 10 s"
+            assert router.poll(int(scaled(10.0) * 1000)), (
+                "no message from the Connection within 10 s"
+            )
             ident, frame = router.recv_multipart()
             assert isinstance(decode([frame]), Heartbeat)
             seen.append(ident)

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from tests.support.slowness import scaled
+
 
 def test_demo_compares_pt_folder_dataloaders_with_the_served_store(tmp_path) -> None:
     """The demo writes a .pt folder, times DataLoader workers 0 and 2 over it and the ingested
@@ -22,7 +24,7 @@ def test_demo_compares_pt_folder_dataloaders_with_the_served_store(tmp_path) -> 
         "--store",
         str(store),
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(110))
     out = r.stdout
     assert r.returncode == 0, out[-3000:] + r.stderr[-3000:]
     rows = {

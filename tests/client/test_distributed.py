@@ -14,6 +14,7 @@ import numpy as np
 from tests.client.conftest import N_CIFAR
 from tests.support.data import cifar_images, make_cifar_like
 from tests.support.server import free_port, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,7 @@ def test_two_ranks_get_disjoint_batches_covering_the_dataset(server, tmp_path) -
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
-    outs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    outs = [p.communicate(timeout=scaled(90))[0].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
     assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
@@ -59,14 +60,14 @@ def test_train_ddp_example_reaches_good_accuracy(tmp_path) -> None:
     store = tmp_path / "store"
     train, test = tmp_path / "digits-train.npz", tmp_path / "digits-test.npz"
     subprocess.run([sys.executable, str(ROOT / "examples/prepare_digits.py"), str(train), str(test)],
-                   check=True, timeout=60, env=_env())  # fmt: skip
+                   check=True, timeout=scaled(60), env=_env())  # fmt: skip
     for src, name in ((train, "digits-train"), (test, "digits-test")):
         subprocess.run([sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-                        "--name", name], check=True, timeout=60, env=_env(), capture_output=True)  # fmt: skip
+                        "--name", name], check=True, timeout=scaled(60), env=_env(), capture_output=True)  # fmt: skip
     with run_server(store) as srv:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(ROOT / "examples/train_ddp.py"), "--url", srv.http_url, "--epochs", "4"]  # fmt: skip
-        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=100)
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=scaled(100))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
     m = re.search(r"test accuracy ([0-9.]+), loader stall fraction ([0-9.]+)", last)
@@ -94,7 +95,7 @@ def test_ranks_agree_on_rank0s_version_across_an_overwrite(tmp_path) -> None:
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )
-        outs = [p.communicate(timeout=240)[0].decode() for p in procs]
+        outs = [p.communicate(timeout=scaled(240))[0].decode() for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
     assert r0["job"] == r1["job"]

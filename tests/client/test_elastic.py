@@ -17,6 +17,7 @@ from shardserve.client.plan import plan as index_plan
 from shardserve.server.planning import plan
 from tests.client.conftest import N_CIFAR, ids
 from tests.support.server import ServerProc, free_port, run_server
+from tests.support.slowness import scaled
 
 BATCH = 10
 SAVED_ON = 4
@@ -27,7 +28,7 @@ EPOCH = 1
 def _loaders(url: str, world: int, shuffle: str, drop_last: bool) -> list[Loader]:
     return [
         Loader(url, "cifar", BATCH, seed=5, shuffle=shuffle, drop_last=drop_last, rank=r,
-               world_size=world, timeout=60)
+               world_size=world, timeout=scaled(60))
         for r in range(world)
     ]  # fmt: skip
 
@@ -92,11 +93,11 @@ def test_state_of_4_ranks_resumes_on_2_3_4_6(server: ServerProc, shuffle: str, w
         for r, got in enumerate(per_rank):
             want = plan(N_CIFAR, 5, EPOCH, world, r, BATCH, shuffle, position=80)  # type: ignore[arg-type]
             assert got == [tuple(int(i) for i in b) for b in want]
-    status = httpx.get(f"{server.http_url}/v1/jobs/{job_ids[0]}", timeout=10).json()
+    status = httpx.get(f"{server.http_url}/v1/jobs/{job_ids[0]}", timeout=scaled(10)).json()
     saved_by = states[0]["job"]
     assert status["resumed_from"] == (None if world == SAVED_ON else saved_by)
     if world != SAVED_ON:  # the link is on the status page too
-        page = httpx.get(f"{server.http_url}/", timeout=10).text
+        page = httpx.get(f"{server.http_url}/", timeout=scaled(10)).text
         assert f"resumed from job <a href='#job-{saved_by}'>" in page
 
 
@@ -207,7 +208,7 @@ def test_resumed_epoch_survives_a_kill9_while_streaming(store: Path, tmp_path: P
     with run_server(store, *args, http_port=http, data_port=data, workdir=tmp_path / "w") as srv:
         per_rank[0] += [ids(b) for b in first]
         per_rank += [[ids(b) for b in ld] for ld in resumed[1:]]
-        status = httpx.get(f"{srv.http_url}/v1/jobs/{resumed[0].job_id}", timeout=10).json()
+        status = httpx.get(f"{srv.http_url}/v1/jobs/{resumed[0].job_id}", timeout=scaled(10)).json()
         for ld in resumed:
             ld.close()
     _check(before, per_rank, 3, False)

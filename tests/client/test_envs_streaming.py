@@ -13,6 +13,7 @@ from shardserve.client import BadRequest, Loader, plan
 from shardserve.server.planning import epoch_order
 from tests.client.conftest import N_CIFAR, ids
 from tests.support.resume import assert_resumes_exactly
+from tests.support.slowness import scaled
 
 ENVS, BS = 4, 32
 
@@ -138,7 +139,7 @@ def test_plan_endpoint_env_k_is_env_k_of_the_stream(server) -> None:
         url = f"{server.http_url}/v1/jobs/{ld.job_id}/plan"
         per_env = []
         for env in range(ENVS):
-            r = httpx.get(url, params={"epoch": 3, "rank": 1, "env": env}, timeout=10)
+            r = httpx.get(url, params={"epoch": 3, "rank": 1, "env": env}, timeout=scaled(10))
             assert r.status_code == 200, r.text
             got = np.frombuffer(r.content, "<i8").tolist()
             assert got == [i for s in steps for i in s[env]], f"env {env}"
@@ -146,11 +147,11 @@ def test_plan_endpoint_env_k_is_env_k_of_the_stream(server) -> None:
             assert int(r.headers["x-shardserve-num-batches"]) == len(steps)
             per_env.append(got)
         assert len({tuple(e) for e in per_env}) == ENVS, "every env got the same ids"
-        whole = httpx.get(url, params={"epoch": 3, "rank": 1}, timeout=10)
+        whole = httpx.get(url, params={"epoch": 3, "rank": 1}, timeout=scaled(10))
         assert np.frombuffer(whole.content, "<i8").tolist() == [
             i for s in steps for e in s for i in e
         ]
-        bad = httpx.get(url, params={"epoch": 3, "rank": 1, "env": ENVS}, timeout=10)
+        bad = httpx.get(url, params={"epoch": 3, "rank": 1, "env": ENVS}, timeout=scaled(10))
         assert bad.status_code == 422 and f"0 <= env < {ENVS}" in bad.json()["detail"]
 
 
@@ -196,7 +197,7 @@ def test_split_envs_agree_with_plan_resident_and_the_plan_endpoint(server) -> No
         assert p.job_id == ld.job_id
         url = f"{server.http_url}/v1/jobs/{ld.job_id}/plan"
         for env in range(3):
-            r = httpx.get(url, params={"epoch": 2, "rank": 0, "env": env}, timeout=10)
+            r = httpx.get(url, params={"epoch": 2, "rank": 0, "env": env}, timeout=scaled(10))
             assert np.frombuffer(r.content, "<i8").tolist() == [i for s in got for i in s[env]]
         ld.set_epoch(3)
         it = iter(ld)

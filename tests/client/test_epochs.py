@@ -10,6 +10,7 @@ from pathlib import Path
 from shardserve.client import Loader
 from shardserve.server.planning import plan
 from tests.client.conftest import N_CIFAR, ids
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,7 @@ def test_two_fresh_runs_of_one_script_see_the_same_batches(server) -> None:
     for _ in range(2):
         r = subprocess.run(
             [sys.executable, "-c", SCRIPT, server.http_url],
-            cwd=ROOT, capture_output=True, text=True, timeout=90,
+            cwd=ROOT, capture_output=True, text=True, timeout=scaled(90),
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))

@@ -27,6 +27,7 @@ from shardserve.proto.messages import ClientStats, Credit, Hello
 from shardserve.server.planning import plan
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 N, BATCH, EPOCHS = 600, 50, 3
 
@@ -160,7 +161,7 @@ def test_random_interrupts_neither_lose_nor_repeat_a_sample(
     rank, world_size = where
     kw = dict(
         seed=seed % 5, rank=rank, world_size=world_size, transport=transport, copy=copy,
-        prefetch=prefetch, timeout=30.0,
+        prefetch=prefetch, timeout=scaled(30.0),
     )  # fmt: skip
     with _CtrlC() as ctrl_c:
         got, fired = _train(server, random.Random(seed), kw, ctrl_c)
@@ -291,6 +292,6 @@ def test_a_signal_another_thread_takes_during_a_close_runs_its_handler_after_it(
     finally:
         signal.signal(signal.SIGUSR1, old)
         stop.set()
-        helper.join(timeout=10)
+        helper.join(timeout=scaled(10))
     assert ran_while_closing == [False]
     assert conn.closed

@@ -9,12 +9,15 @@ import pydoc
 import warnings
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
 
 from shardserve.client import BadRequest, Loader, plan
 from shardserve.client.habits import gather_remainder
 from shardserve.server.planning import plan as server_plan
 from tests.client.conftest import N_CIFAR, ids
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Loader arguments about delivery, not about which batches the job holds (``share``: which
@@ -172,3 +175,22 @@ def test_gather_remainder_keeps_exactly_the_real_samples(
     assert len(set(every + kept)) == len(every + kept)
     if not drop_last:
         assert sorted(every + kept) == list(range(n))
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_an_explicit_cuda_device_without_cuda_says_so_in_one_line(server) -> None:
+    """``Loader(device="cuda")`` where torch sees no GPU is a BadRequest as the Loader is made,
+    before any job is posted: one line saying why, naming device='cpu' and the run-time pick."""
+
+    def job_ids() -> set[str]:
+        return {j["id"] for j in httpx.get(f"{server.http_url}/v1/jobs", timeout=scaled(10)).json()}
+
+    before = job_ids()
+    with pytest.raises(BadRequest) as e:
+        Loader(server.http_url, "cifar", 64, device="cuda")
+    msg = str(e.value)
+    assert "\n" not in msg and "torch.cuda.is_available() is False" in msg, msg
+    assert "device='cpu'" in msg and "'cuda' if torch.cuda.is_available() else 'cpu'" in msg, msg
+    assert job_ids() == before

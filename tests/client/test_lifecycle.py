@@ -23,6 +23,7 @@ from shardserve.server.streaming.shm import remove_stale
 from tests.client.conftest import N_CIFAR, ids
 from tests.support.data import make_cifar_like
 from tests.support.server import free_port, run_server
+from tests.support.slowness import scaled
 
 
 def _sockets() -> int:
@@ -94,11 +95,11 @@ def test_garbage_collected_loader_closes_itself(server) -> None:
 def test_serve_local_starts_and_stops_a_server(store) -> None:
     """serve_local yields a ready server's URL and leaves nothing listening after the block."""
     with serve_local(store) as url:
-        assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/readyz", timeout=scaled(5)).status_code == 200
         with Loader(url, "cifar", 500, rank=0, world_size=1) as loader:
             assert sum(len(b["label"]) for b in loader) == 1000
     with pytest.raises(httpx.TransportError):
-        httpx.get(f"{url}/healthz", timeout=1)
+        httpx.get(f"{url}/healthz", timeout=1)  # unscaled: nothing is expected to answer
 
 
 def test_an_https_url_to_the_plain_http_server_is_named_at_once(server) -> None:
@@ -113,7 +114,7 @@ def test_a_url_with_a_path_after_the_base_says_so(server) -> None:
     """``http://HOST:PORT/v1``: the server has no ``/v1/v1/jobs``; the error says to give the
     base URL instead of a bare 404."""
     with pytest.raises(ShardserveError, match=r"no route /v1/v1/.*give the server's base URL"):
-        Loader(f"{server.http_url}/v1", "cifar", 50, rank=0, world_size=1, timeout=30.0)
+        Loader(f"{server.http_url}/v1", "cifar", 50, rank=0, world_size=1, timeout=scaled(30.0))
 
 
 def test_serve_local_of_a_missing_store_says_the_server_exited(tmp_path) -> None:
@@ -134,7 +135,14 @@ def test_server_restart_mid_epoch_loses_and_repeats_nothing(store, tmp_path) -> 
     workdir = tmp_path / "srv"
     with run_server(store, http_port=http, data_port=data, workdir=workdir) as srv:
         loader = Loader(
-            srv.http_url, "cifar", 50, seed=4, rank=0, world_size=1, prefetch=2, timeout=30.0
+            srv.http_url,
+            "cifar",
+            50,
+            seed=4,
+            rank=0,
+            world_size=1,
+            prefetch=2,
+            timeout=scaled(30.0),
         )
         loader.set_epoch(3)
         it = iter(loader)
@@ -157,7 +165,7 @@ def test_corrupt_shard_raises_a_typed_error_promptly(tmp_path) -> None:
     shard.write_bytes(bytes(raw))
     with (
         run_server(tmp_path) as srv,
-        Loader(srv.http_url, "bad", 32, rank=0, world_size=1, timeout=30.0) as loader,
+        Loader(srv.http_url, "bad", 32, rank=0, world_size=1, timeout=scaled(30.0)) as loader,
     ):
         start = time.monotonic()
         with pytest.raises(DatasetCorruptError, match=shard.name):

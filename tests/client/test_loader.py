@@ -19,6 +19,7 @@ from tests.client.conftest import N_CIFAR, ids
 from tests.support.data import cifar_images, make_cifar_like
 from tests.support.resume import assert_resumes_exactly
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 
 def test_single_rank_epoch_equals_the_plan(server, store) -> None:
@@ -125,7 +126,7 @@ def test_a_state_saved_before_an_overwrite_is_refused_on_the_new_version(tmp_pat
         subprocess.run(
             [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
              "--name", "versioned", "--overwrite", "--quiet"],
-            check=True, timeout=120, capture_output=True,
+            check=True, timeout=scaled(120), capture_output=True,
         )  # fmt: skip
         with Loader(srv.http_url, "versioned", 50, seed=1, rank=0, world_size=1) as new:
             assert new.job_id != old.job_id
@@ -191,7 +192,7 @@ def test_control_plane_epoch_is_followed_unless_set_epoch(server) -> None:
     kw = {"seed": 11, "rank": 0, "world_size": 1}
     with Loader(server.http_url, "cifar", 125, **kw) as first:
         r = httpx.put(
-            f"{server.http_url}/v1/jobs/{first.job_id}/epoch", json={"epoch": 7}, timeout=5
+            f"{server.http_url}/v1/jobs/{first.job_id}/epoch", json={"epoch": 7}, timeout=scaled(5)
         )
         assert r.status_code == 200, r.text
         with Loader(server.http_url, "cifar", 125, **kw) as loader:

@@ -23,6 +23,7 @@ from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, free_port, run_server
+from tests.support.slowness import scaled
 
 #: Source name -> (samples, the seed its images were drawn with).
 SOURCES = {"web": (6000, 0), "code": (4000, 1), "math": (600, 2)}
@@ -140,12 +141,12 @@ def test_two_ranks_stream_the_mixture_byte_for_byte(srv: ServerProc) -> None:
             assert status.sent == counts and status.window_samples == EPOCH_SAMPLES
             assert status.target_shares == pytest.approx([0.5, 0.3, 0.2])
             assert status.deviation_sigmas is not None and status.deviation_sigmas < 5
-        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=30).text
+        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(30)).text
         for name, n in zip(NAMES, counts, strict=True):
             line = f'shardserve_mixture_samples_sent_total{{job_id="{job}",source="{name}"}} {n}.0'
             assert line in text
         assert f'shardserve_mixture_deviation_sigmas{{job_id="{job}"}}' in text
-        page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=30).text
+        page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=scaled(30)).text
         assert "class='mixchart'" in page and "largest gap" in page
     finally:
         for ld in ranks:
@@ -342,7 +343,7 @@ def test_a_source_that_ends_the_epoch(store: Path, tmp_path: Path) -> None:
     with run_server(store, "--state-dir", str(tmp_path / "state")) as s:
         ranks = [
             Loader(s.http_url, list(spec.mixture or ()), BATCH, rank=r, world_size=WORLD, seed=3,
-                   epoch_samples=EPOCH_SAMPLES, token=s.token, timeout=60.0)
+                   epoch_samples=EPOCH_SAMPLES, token=s.token, timeout=scaled(60.0))
             for r in range(WORLD)
         ]  # fmt: skip
         # The Loader made the spec written out by hand (the same job).

@@ -36,6 +36,7 @@ from shardserve.proto.messages import PROTOCOL_VERSION, Hello
 from tests.reliability.test_restart import _Restarter
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 N = 300
 DEADLINE_S = 2.5  # < 3 s: the client's silence detection must not be what ends the wait
@@ -97,7 +98,7 @@ def test_a_job_deleted_between_epochs_is_created_again(store: Path) -> None:
         Loader(srv.http_url, "cifar", 50, seed=1, timeout=DEADLINE_S * 4) as loader,
     ):
         first = [i for b in loader for i in _ids(b)]
-        r = httpx.delete(f"{srv.http_url}/v1/jobs/{loader.job_id}", timeout=10)
+        r = httpx.delete(f"{srv.http_url}/v1/jobs/{loader.job_id}", timeout=scaled(10))
         assert r.status_code == 200, r.text
         loader.set_epoch(1)
         second = [i for b in loader for i in _ids(b)]
@@ -146,7 +147,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 def _stream(srv: ServerProc, *, recreate: Callable[[], None] | None = None, **hello) -> None:
     """Open one stream with a hand-made Hello (what a Loader would never send) and read it."""
     spec = JobSpec(dataset="cifar", batch_size=50, world_size=2)
-    with ControlClient(srv.http_url, "s3cret", timeout=10) as api:
+    with ControlClient(srv.http_url, "s3cret", timeout=scaled(10)) as api:
         job = api.create_job(spec).id  # the server's id covers the dataset version it pinned
     fields = {"job": job, "rank": 0, "epoch": 0, "credit": 2, "token": "s3cret"}
     conn = Connection(srv.ipc_endpoint or srv.tcp_endpoint)
@@ -196,10 +197,12 @@ def test_a_stream_never_waits_on_its_job_being_posted_again(server: ServerProc) 
     container has no timeout), the stream's next Hello finds the job and its batches flow."""
     spec = JobSpec(dataset="cifar", batch_size=50, world_size=2, seed=11)
     posted, release, answered = threading.Event(), threading.Event(), threading.Event()
-    with ControlClient(server.http_url, "s3cret", timeout=10) as api:
+    with ControlClient(server.http_url, "s3cret", timeout=scaled(10)) as api:
         job = api.create_job(spec).id
         httpx.delete(
-            f"{server.http_url}/v1/jobs/{job}", headers={"Authorization": "Bearer s3cret"}
+            f"{server.http_url}/v1/jobs/{job}",
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=scaled(10),
         ).raise_for_status()
 
         def recreate() -> None:

@@ -15,6 +15,7 @@ from shardserve.client import BadRequest, Loader
 from shardserve.server.planning import epoch_order, plan
 from tests.client.conftest import N_CIFAR, ids
 from tests.support.resume import assert_resumes_exactly
+from tests.support.slowness import scaled
 
 
 @pytest.mark.parametrize(("shuffle", "world_size"), [("global", 1), ("block", 2), ("none", 3)])
@@ -115,9 +116,11 @@ def test_resident_refuses_variable_fields_and_bad_arguments(server) -> None:
 
 def test_plan_endpoint_matches_the_planner_and_rejects_bad_queries(server) -> None:
     spec = {"dataset": "cifar", "batch_size": 30, "seed": 4, "world_size": 3, "shuffle": "block"}
-    r = httpx.post(f"{server.http_url}/v1/jobs", json=spec, timeout=10)
+    r = httpx.post(f"{server.http_url}/v1/jobs", json=spec, timeout=scaled(10))
     job = r.json()["id"]
-    got = httpx.get(f"{server.http_url}/v1/jobs/{job}/plan", params={"epoch": 2, "rank": 1})
+    got = httpx.get(
+        f"{server.http_url}/v1/jobs/{job}/plan", params={"epoch": 2, "rank": 1}, timeout=scaled(10)
+    )
     assert got.status_code == 200, got.text
     assert got.headers["content-type"] == "application/octet-stream"
     want = plan(N_CIFAR, 4, 2, 3, 1, 30, "block", shard_rows=_shard_rows(server))
@@ -130,10 +133,12 @@ def test_plan_endpoint_matches_the_planner_and_rejects_bad_queries(server) -> No
         ({}, 422),
         ({"epoch": 0, "env": -2}, 422),
     ]:
-        bad = httpx.get(f"{server.http_url}/v1/jobs/{job}/plan", params=params)
+        bad = httpx.get(f"{server.http_url}/v1/jobs/{job}/plan", params=params, timeout=scaled(10))
         assert bad.status_code == status, (params, bad.text)
         assert "detail" in bad.json()
-    missing = httpx.get(f"{server.http_url}/v1/jobs/0000000000000000/plan", params={"epoch": 0})
+    missing = httpx.get(
+        f"{server.http_url}/v1/jobs/0000000000000000/plan", params={"epoch": 0}, timeout=scaled(10)
+    )
     assert missing.status_code == 404
 
 

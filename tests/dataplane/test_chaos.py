@@ -23,6 +23,7 @@ from shardserve.proto.framing import encode
 from shardserve.proto.messages import Hello
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, make_job, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 600
@@ -113,9 +114,11 @@ def _chaos_round(srv: ServerProc, ctx: zmq.Context, job: str, rng: random.Random
         p.stdout.readline()
         time.sleep(rng.choice([0.0, 0.0, 0.05, 0.3]))  # before or after the Welcome
         p.send_signal(signal.SIGKILL)
-    # Huge specs: refused at creation, never reaching the data plane.
+    # Huge specs that leave no batch (drop_last): refused at creation, never reaching the data
+    # plane. (Without drop_last a batch over the dataset is one short batch, sized by the data.)
     for bs in (2**20, 10**9):
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": bs})
+        body = {"dataset": "cifar", "batch_size": bs, "drop_last": True}
+        r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, timeout=scaled(10))
         assert r.status_code == 422, r.text
     # A Hello flood from one peer, then it vanishes.
     flood = ctx.socket(zmq.DEALER)
@@ -128,10 +131,10 @@ def _chaos_round(srv: ServerProc, ctx: zmq.Context, job: str, rng: random.Random
     time.sleep(rng.random() * 0.1)
     flood.close(linger=0)
     for p in sleepers:
-        p.wait(timeout=10)
+        p.wait(timeout=scaled(10))
         assert p.stdout is not None
         p.stdout.close()
-    r = httpx.get(f"{srv.http_url}/readyz", timeout=5)
+    r = httpx.get(f"{srv.http_url}/readyz", timeout=scaled(5))
     assert r.status_code == 200, r.text
 
 
@@ -140,7 +143,7 @@ def _reap(p: subprocess.Popen[str]) -> None:
     garbage collector warns, and pytest pins that warning on whichever test runs then."""
     if p.poll() is None:
         p.kill()
-    p.communicate(timeout=60)
+    p.communicate(timeout=scaled(60))
 
 
 def _good_rank(srv: ServerProc, seed: int, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -181,11 +184,11 @@ def test_chaos_leaves_other_jobs_streaming_exactly_once(tmp_path: Path) -> None:
                 _chaos_round(srv, ctx, chaos_job, rng)
                 rounds += 1
                 assert rounds < 40, "the good jobs did not finish"
-            _, err = closer.communicate(timeout=60)
+            _, err = closer.communicate(timeout=scaled(60))
             assert closer.returncode == 0, err[-2000:]
             results = []
             for p in good:
-                out, err = p.communicate(timeout=60)
+                out, err = p.communicate(timeout=scaled(60))
                 assert p.returncode == 0, err[-3000:]
                 results.append(json.loads(out))
             # The server has settled: every chaos stream was reclaimed.

@@ -45,8 +45,11 @@ def srv(store: Path, tmp_path_factory: pytest.TempPathFactory):
         yield s
 
 
-def _full_epoch(srv: ServerProc, ctx: zmq.Context, job: str, timeout: float = 10.0) -> list[int]:
+def _full_epoch(
+    srv: ServerProc, ctx: zmq.Context, job: str, timeout: float | None = None
+) -> list[int]:
     """Sample ids of one whole epoch of ``job`` read by a raw stream; fails on any gap."""
+    timeout = scaled(10.0) if timeout is None else timeout
     s = RawStream(ctx, srv.tcp_endpoint)
     try:
         s.hello(job, credit=4)
@@ -67,7 +70,7 @@ def _full_epoch(srv: ServerProc, ctx: zmq.Context, job: str, timeout: float = 10
 
 def _healthy(srv: ServerProc) -> None:
     assert srv.proc.poll() is None, srv.log_tail()
-    r = httpx.get(f"{srv.http_url}/readyz", timeout=5)
+    r = httpx.get(f"{srv.http_url}/readyz", timeout=scaled(5))
     assert r.status_code == 200, r.text
     assert "streamer.crashed" not in srv.log_tail(200_000)
 
@@ -96,22 +99,62 @@ def test_peers_vanishing_between_hello_and_welcome_hurt_nobody(srv: ServerProc) 
 
 
 def test_oversized_batches_are_refused_at_job_creation(srv: ServerProc) -> None:
-    """A batch larger than the dataset, or over the byte limit, is a 422 naming the bound when the job is created; the data plane never sees it."""
-    r = httpx.post(
-        f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 2**20}, timeout=10
-    )
+    """A batch larger than the dataset with drop_last=True (no batch would be left), or over the byte limit, is a 422 naming the bound when the job is created; the data plane never sees it."""
+    body = {"dataset": "cifar", "batch_size": 2**20, "drop_last": True}
+    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, timeout=scaled(10))
     assert r.status_code == 422, r.text
     assert "larger than the dataset (400 samples)" in r.json()["detail"]
+    assert "drop_last=False" in r.json()["detail"]
     _healthy(srv)
 
 
 def test_byte_limit_is_configurable(store: Path) -> None:
     """``--max-batch-bytes`` bounds a batch's bytes: under it a job is created, over it 422."""
     with run_server(store, "--max-batch-bytes", str(100 * 3200)) as s:
-        ok = httpx.post(f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 64})
+        ok = httpx.post(
+            f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 64}, timeout=scaled(10)
+        )
         assert ok.status_code in (200, 201), ok.text
-        r = httpx.post(f"{s.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 200})
+        r = httpx.post(
+            f"{s.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 200},
+            timeout=scaled(10),
+        )
         assert r.status_code == 422 and "--max-batch-bytes" in r.json()["detail"], r.text
+
+
+def test_a_batch_size_over_a_small_split_is_one_short_batch_as_in_a_dataloader(
+    store: Path,
+) -> None:
+    """With drop_last=False, batch_size 2**20 over 400 samples is what DistributedSampler and
+    DataLoader give: each of 3 ranks one batch of its 134 ids (padded from the start), and the
+    server sizes that batch by those 134 rows: --max-batch-bytes (200 samples) admits it."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from shardserve.client import Loader
+
+    world, n = 3, 400
+    with run_server(store, "--max-batch-bytes", str(200 * 3200)) as s, zmq_context() as ctx:
+        spec = {"batch_size": 2**20, "world_size": world, "shuffle": "none"}
+        job = make_job(s, **spec)
+        for rank in range(world):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False)
+            (want,) = [b.tolist() for b in DataLoader(range(n), batch_size=2**20, sampler=sampler)]
+            stream = RawStream(ctx, s.tcp_endpoint)
+            stream.hello(job, rank=rank, credit=2)
+            welcome = stream.recv_kind(Welcome)
+            assert welcome.num_batches == 1, welcome  # type: ignore[attr-defined]
+            batch = stream.recv_kind(Batch)
+            assert isinstance(batch, Batch)
+            assert sample_id_of(batch.parts).tolist() == want and len(want) == 134, rank
+            assert isinstance(stream.recv_kind(EndOfEpoch), EndOfEpoch)
+            stream.close()
+        kw = {"rank": 2, "world_size": world, "shuffle": "none", "timeout": scaled(30.0)}
+        with Loader(s.http_url, "cifar", 2**20, **kw) as loader:  # the client: the same batch
+            assert len(loader) == 1
+            (only,) = list(loader)
+            assert isinstance(only["label"], torch.Tensor) and len(only["label"]) == 134
 
 
 def test_hello_flood_does_not_starve_another_job(srv: ServerProc) -> None:
@@ -127,9 +170,9 @@ def test_hello_flood_does_not_starve_another_job(srv: ServerProc) -> None:
         assert sorted(ids) == list(range(400))
         assert time.monotonic() - t0 < scaled(15.0)
         last = None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
-            msg = flood.recv(timeout=30, what="the Welcome of the flood's last Hello")
+            msg = flood.recv(timeout=scaled(30), what="the Welcome of the flood's last Hello")
             if isinstance(msg, Welcome):
                 last = msg
                 if msg.epoch == 149:
@@ -172,7 +215,7 @@ def test_dead_data_plane_exits_non_zero(store: Path, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = subprocess.run(
         [sys.executable, "-c", CRASHER, str(store), str(ready), "0.2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(60),
     )  # fmt: skip
     assert proc.returncode == 70, proc.stderr[-3000:]
     assert "data plane thread died: RuntimeError: planted bug" in proc.stderr
@@ -197,13 +240,13 @@ def test_readyz_is_503_with_the_reason_once_the_data_plane_is_dead(store: Path) 
     t.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30  # a loaded 2-core machine starts uvicorn slowly
+        deadline = time.monotonic() + scaled(30)  # a loaded 2-core machine starts uvicorn slowly
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)  # waiting for uvicorn's readiness flag with a deadline
         assert server.started, "uvicorn did not start within 30 s"
         # Generous timeouts: uvicorn, the Service and this test share one process (and GIL)
         # on a loaded 2-core machine; what is tested is the answer, not its speed.
-        assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
+        assert httpx.get(f"{url}/readyz", timeout=scaled(30)).status_code == 200
         died = threading.Event()
         svc.streamer.on_death = lambda reason: died.set()
 
@@ -214,12 +257,16 @@ def test_readyz_is_503_with_the_reason_once_the_data_plane_is_dead(store: Path) 
             handler.on_tick = tick  # type: ignore[attr-defined]
 
         svc.streamer.call(plant_bug)
-        assert died.wait(30), "the streamer thread did not die of the planted bug within 30 s"
-        r = httpx.get(f"{url}/readyz", timeout=30)
+        assert died.wait(scaled(30)), (
+            "the streamer thread did not die of the planted bug within 30 s"
+        )
+        r = httpx.get(f"{url}/readyz", timeout=scaled(30))
         assert r.status_code == 503
         assert r.json()["reason"] == "data plane thread died: RuntimeError: planted bug"
-        assert httpx.get(f"{url}/healthz", timeout=30).status_code == 503  # liveness: restart me
+        assert (
+            httpx.get(f"{url}/healthz", timeout=scaled(30)).status_code == 503
+        )  # liveness: restart me
     finally:
         server.should_exit = True
-        t.join(10)
+        t.join(scaled(10))
         svc.stop()

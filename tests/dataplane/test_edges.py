@@ -17,6 +17,7 @@ import pytest
 from shardserve.client import BadRequest, Loader, ServerUnavailable
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, free_port, make_job, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,23 +44,36 @@ def test_foreign_host_header_is_refused(srv: ServerProc) -> None:
     evil = {"Host": "attacker.example"}
     url = srv.http_url
     job = make_job(srv, batch_size=10)
-    assert httpx.get(f"{url}/v1/jobs", headers=evil).status_code == 403
-    r = httpx.post(f"{url}/v1/jobs", json={"dataset": "cifar", "batch_size": 5}, headers=evil)
+    assert httpx.get(f"{url}/v1/jobs", headers=evil, timeout=scaled(10)).status_code == 403
+    r = httpx.post(
+        f"{url}/v1/jobs",
+        json={"dataset": "cifar", "batch_size": 5},
+        headers=evil,
+        timeout=scaled(10),
+    )
     assert r.status_code == 403 and "--allowed-host" in r.json()["detail"]
-    assert httpx.delete(f"{url}/v1/jobs/{job}", headers=evil).status_code == 403
-    assert httpx.get(f"{url}/v1/jobs/{job}").status_code == 200  # not deleted
+    assert httpx.delete(f"{url}/v1/jobs/{job}", headers=evil, timeout=scaled(10)).status_code == 403
+    assert httpx.get(f"{url}/v1/jobs/{job}", timeout=scaled(10)).status_code == 200  # not deleted
     port = _port(srv)
     for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
-        assert httpx.get(f"{url}/v1/info", headers={"Host": host}).status_code == 200, host
+        assert (
+            httpx.get(f"{url}/v1/info", headers={"Host": host}, timeout=scaled(10)).status_code
+            == 200
+        ), host
 
 
 def test_allowed_hosts_are_configurable(store: Path) -> None:
     """``--allowed-host`` adds a name: it is answered, as are loopback names; others are not."""
     with run_server(store, "--allowed-host", "trainer.internal") as s:
-        ok = httpx.get(f"{s.http_url}/v1/info", headers={"Host": "trainer.internal:1"})
+        ok = httpx.get(
+            f"{s.http_url}/v1/info", headers={"Host": "trainer.internal:1"}, timeout=scaled(10)
+        )
         assert ok.status_code == 200
         assert (
-            httpx.get(f"{s.http_url}/v1/info", headers={"Host": "evil.example"}).status_code == 403
+            httpx.get(
+                f"{s.http_url}/v1/info", headers={"Host": "evil.example"}, timeout=scaled(10)
+            ).status_code
+            == 403
         )
 
 
@@ -72,18 +86,18 @@ def test_idle_and_slow_http_connections_are_closed(srv: ServerProc) -> None:
     before = _fds(srv.proc.pid)
     socks = []
     for i in range(30):
-        s = socket.create_connection(("127.0.0.1", _port(srv)), timeout=10)
+        s = socket.create_connection(("127.0.0.1", _port(srv)), timeout=scaled(10))
         if i % 2:
             s.sendall(b"GET /v1/info HTTP/1.1\r\nHo")  # a header that never ends
         socks.append(s)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while _fds(srv.proc.pid) < before + 20 and time.monotonic() < deadline:
         time.sleep(0.05)  # waiting for the server to accept them, with a deadline
     assert _fds(srv.proc.pid) >= before + 20
     for s in socks:
         assert s.recv(1) == b"", "the server kept an idle connection open"
         s.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while _fds(srv.proc.pid) > before + 2 and time.monotonic() < deadline:
         time.sleep(0.05)  # polling the fd count with a deadline
     assert _fds(srv.proc.pid) <= before + 2
@@ -136,7 +150,7 @@ def test_connection_close_interrupted_by_signals_leaks_nothing(srv: ServerProc) 
     """300 Connection.close() calls under a 0.2 ms timer whose handler raises leave no ZeroMQ I/O thread and no fd behind."""
     out = subprocess.run(
         [sys.executable, "-c", CLOSER, srv.tcp_endpoint],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     fd0, th0, fd1, th1, interrupted = map(int, out.stdout.split())
@@ -147,7 +161,7 @@ def test_connection_close_interrupted_by_signals_leaks_nothing(srv: ServerProc) 
 
 def test_damaged_state_dicts_get_clear_errors(srv: ServerProc) -> None:
     """Each kind of damage to a state dict is a BadRequest naming the key and what to change, never a KeyError or a raw pydantic dump."""
-    with Loader(srv.http_url, "cifar", batch_size=10, seed=1, timeout=20) as ld:
+    with Loader(srv.http_url, "cifar", batch_size=10, seed=1, timeout=scaled(20)) as ld:
         good = ld.state_dict()
         cases = [
             ("not a dict", "must be the dict"),
@@ -194,16 +208,16 @@ def test_loader_waits_for_a_restarting_server_within_timeout(store: Path) -> Non
         with run_server(store, http_port=http, data_port=data) as s:
             holder["srv"] = s
             started.set()
-            stop.wait(60)
+            stop.wait(scaled(60))
 
     t = threading.Thread(target=late_server, daemon=True)
     t.start()
     try:
-        with Loader(f"http://127.0.0.1:{http}", "cifar", batch_size=10, timeout=30) as ld:
+        with Loader(f"http://127.0.0.1:{http}", "cifar", batch_size=10, timeout=scaled(30)) as ld:
             n = sum(b["image"].shape[0] for b in ld)
         assert n == 200
         # The Loader can finish before run_server's own readiness poll returns.
-        assert started.wait(30)
+        assert started.wait(scaled(30))
     finally:
         stop.set()
-        t.join(30)
+        t.join(scaled(30))

@@ -12,6 +12,7 @@ import pytest
 from shardserve.client import Loader
 from tests.support.data import make_cifar_like
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 MB = 1 << 20
 STREAMS = 24
@@ -32,13 +33,13 @@ def test_streams_that_never_read_give_their_memory_back(tmp_path: Path, transpor
     close it comes back within 50 MB of the start."""
     make_cifar_like(tmp_path, n=16 * 512, shard_bytes=4 << 20)
     with run_server(tmp_path) as s:
-        with Loader(s.http_url, "cifar", batch_size=512, seed=0, timeout=30) as ld:
+        with Loader(s.http_url, "cifar", batch_size=512, seed=0, timeout=scaled(30)) as ld:
             ld.set_epoch(0)
             next(iter(ld))  # pages of the store and the code paths warmed once
         start = rss(s.proc.pid)
         loaders, iters = [], []
         for i in range(STREAMS):
-            ld = Loader(s.http_url, "cifar", batch_size=512, seed=i, timeout=30, prefetch=16,
+            ld = Loader(s.http_url, "cifar", batch_size=512, seed=i, timeout=scaled(30), prefetch=16,
                         transport=transport)  # fmt: skip
             ld.set_epoch(0)
             it = iter(ld)

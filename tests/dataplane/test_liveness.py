@@ -80,7 +80,7 @@ def test_a_trainer_computing_past_3_heartbeats_keeps_its_rank(srv: ServerProc) -
         t0 = time.monotonic()
         second = subprocess.run(
             [sys.executable, "-c", SECOND, srv.http_url],
-            capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT,
+            capture_output=True, text=True, timeout=scaled(120), env=_env(), cwd=ROOT,
         )  # fmt: skip
         busy = time.monotonic() - t0
         assert busy > 3 * HEARTBEAT_S
@@ -110,7 +110,7 @@ def test_a_dead_or_frozen_trainer_loses_its_rank(srv: ServerProc, how: signal.Si
         assert sorted(got) == sorted(set(got)) and len(got) == N // 2
     finally:
         holder.kill()
-        holder.wait(timeout=30)
+        holder.wait(timeout=scaled(30))
         for f in (holder.stdout, holder.stderr):
             if f is not None:
                 f.close()

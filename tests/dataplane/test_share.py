@@ -27,6 +27,7 @@ from shardserve.client import BadRequest, Loader, LoaderStats
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.resume import assert_resumes_exactly
 from tests.support.server import ServerProc, job_status, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 1920  # samples: 30 batches of 64, 60 batches of 32
@@ -61,7 +62,7 @@ def record(batch: dict[str, Any]) -> Record:
 
 
 def wait_until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
@@ -76,7 +77,7 @@ def kwargs(seed: int, **kw: Any) -> dict[str, Any]:
         "rank": 0,
         "world_size": 1,
         "prefetch": 8,
-        "timeout": BATCH_TIMEOUT_S,
+        "timeout": scaled(BATCH_TIMEOUT_S),
     } | kw
 
 
@@ -103,7 +104,7 @@ def _plan(srv: ServerProc, job: str, batch_size: int) -> np.ndarray:
         f"{srv.http_url}/v1/jobs/{job}/plan",
         params={"epoch": 0, "rank": 0},
         headers=srv.headers,
-        timeout=30,
+        timeout=scaled(30),
     )
     assert r.status_code == 200, r.text
     return np.frombuffer(r.content, dtype="<i8").reshape(-1, batch_size)
@@ -111,7 +112,7 @@ def _plan(srv: ServerProc, job: str, batch_size: int) -> np.ndarray:
 
 def counter(srv: ServerProc, name: str) -> float:
     """A server-wide counter from ``GET /metrics``."""
-    r = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=30)
+    r = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(30))
     assert r.status_code == 200, r.text
     for line in r.text.splitlines():
         if line.startswith(name + " "):
@@ -178,7 +179,7 @@ class Subscriber:
                         self.stats_at_stop = loader.stats()
                         self.reached.set()
                         assert self.gate is not None
-                        if not self.gate.wait(WAIT_S):
+                        if not self.gate.wait(scaled(WAIT_S)):
                             raise AssertionError(f"{self.name}: its gate stayed shut {WAIT_S} s")
                 self.stats = loader.stats()
         except BaseException as e:  # handed to the test's thread by result()
@@ -189,7 +190,7 @@ class Subscriber:
 
     def wait_reached(self) -> None:
         """Wait until it stopped at ``stop_at`` (it holds its stream open there)."""
-        if not self.reached.wait(WAIT_S):
+        if not self.reached.wait(scaled(WAIT_S)):
             raise AssertionError(
                 f"{self.name} did not reach batch {self.stop_at} within {WAIT_S} s"
             )
@@ -273,7 +274,7 @@ def test_three_subscribers_get_unshared_bytes_assembled_once(
         assert {s.job_id for s in subs} == {subs[0].job_id}
         group = group_with(srv, str(subs[0].job_id), 3)
         assert group["detaches"] == 0, group
-        page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=30).text
+        page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=scaled(30)).text
         row = f"<tr><td class='l'>{kw['share']}</td><td>0</td><td>0</td><td>3</td>"
         assert row in page, "the status page shows no row for the group's 3 subscribers"
         gate.set()
@@ -477,12 +478,12 @@ def test_a_shared_mixture_is_refused_at_creation(srv: ServerProc) -> None:
     Loader; the same mixture without one is created."""
     body = {"mixture": [{"name": "cifar", "weight": 1.0}], "batch_size": 64}
     url = f"{srv.http_url}/v1/jobs"
-    r = httpx.post(url, json=body, headers=srv.headers, timeout=30)
+    r = httpx.post(url, json=body, headers=srv.headers, timeout=scaled(30))
     assert r.status_code == 201, r.text
-    r = httpx.post(url, json=body | {"share": "mix"}, headers=srv.headers, timeout=30)
+    r = httpx.post(url, json=body | {"share": "mix"}, headers=srv.headers, timeout=scaled(30))
     assert r.status_code == 422 and "share" in r.text, r.text
     with pytest.raises(BadRequest, match="share"):
-        Loader(srv.http_url, {"cifar": 1.0}, 64, share="mix", timeout=BATCH_TIMEOUT_S)
+        Loader(srv.http_url, {"cifar": 1.0}, 64, share="mix", timeout=scaled(BATCH_TIMEOUT_S))
 
 
 def test_past_the_servers_share_budget_nothing_is_kept_and_nothing_is_wrong(

@@ -27,6 +27,7 @@ from shardserve.server.streaming.shm import PREFIX, create_ring, remove_stale
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
 from tests.support.server import make_job, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,10 @@ def test_opening_a_dataset_does_not_copy_it_into_private_memory(tmp_path: Path) 
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
@@ -104,7 +108,7 @@ def test_shard_truncated_and_regrown_while_served_fails_loudly(tmp_path: Path) -
             assert not isinstance(msg, Batch) or msg.parts["image"].any(), "served zeros"
         assert err is not None and "modified while being served" in err.message
         assert str(shard) in err.message
-        st = httpx.get(f"{srv.http_url}/v1/jobs/{job}", timeout=10).json()
+        st = httpx.get(f"{srv.http_url}/v1/jobs/{job}", timeout=scaled(10)).json()
         assert st["state"] == "failed" and "modified" in st["error"]
         s.close()
 
@@ -120,7 +124,9 @@ def test_manifest_listing_a_shard_twice_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     with run_server(store) as srv:
         r = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 10}, timeout=10
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 10},
+            timeout=scaled(10),
         )
         assert 400 <= r.status_code < 500, r.text
         assert "distinct" in r.json()["detail"] and doc["shards"][0]["path"] in r.json()["detail"]
@@ -163,7 +169,7 @@ def test_concurrent_ingests_never_publish_an_empty_dataset(tmp_path: Path) -> No
         for tag in ("a", "b")
     ]
     for p in procs:
-        assert p.wait(timeout=240) == 0
+        assert p.wait(timeout=scaled(240)) == 0
     for tag in ("a", "b"):
         for i in range(count):
             with Dataset.mapped(
@@ -190,7 +196,7 @@ def test_sweep_keeps_a_live_writers_folder_and_removes_a_dead_ones(tmp_path: Pat
     dead = Path(proc.stdout.readline().strip())
     assert layout.clean_stale(tmp_path) == []  # both owners alive
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
     proc.stdout.close()
     assert layout.clean_stale(tmp_path) == [dead]
     assert live.path.is_dir() and not dead.exists()
@@ -234,7 +240,7 @@ def test_a_sweep_never_takes_the_lock_of_a_folder_being_created(tmp_path: Path) 
             d.release()
     finally:
         sweeper.kill()
-        sweeper.wait(timeout=10)
+        sweeper.wait(timeout=scaled(10))
         if sweeper.stdout is not None:
             sweeper.stdout.close()
     assert not lost, f"{len(lost)} new folders removed by a concurrent sweep: {lost[:3]}"
@@ -267,13 +273,13 @@ def test_dead_rings_are_found_by_their_lock_not_their_pid(tmp_path: Path) -> Non
         path.rename(new)
         renamed.append(new)
     procs[0].send_signal(signal.SIGKILL)
-    procs[0].wait(timeout=10)
+    procs[0].wait(timeout=scaled(10))
     try:
         assert remove_stale(tmp_path) == [renamed[0].name]
         assert renamed[1].exists() and not renamed[0].exists()
     finally:
         procs[1].kill()
-        procs[1].wait(timeout=10)
+        procs[1].wait(timeout=scaled(10))
         for p in procs:
             assert p.stdout is not None
             p.stdout.close()
@@ -334,7 +340,7 @@ def test_compressed_npz_is_ingested_in_bounded_memory(tmp_path: Path) -> None:
     assert (src / "bomb.npz").stat().st_size < 4 << 20
     out = subprocess.run(
         [sys.executable, "-c", NPZ_INGEST, str(src), str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     n, peak = map(int, out.stdout.split())

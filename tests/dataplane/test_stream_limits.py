@@ -73,7 +73,8 @@ def _welcomed(s: RawStream) -> Welcome:
     return msg
 
 
-def _error(s: RawStream, timeout: float = 15.0) -> Error:
+def _error(s: RawStream, timeout: float | None = None) -> Error:
+    timeout = scaled(15.0) if timeout is None else timeout
     msg = s.recv_kind(Error, timeout=timeout)
     assert isinstance(msg, Error)
     return msg
@@ -125,7 +126,7 @@ def test_second_claimant_of_a_live_rank_is_refused(srv: ServerProc, ctx: zmq.Con
     status = job_status(srv, job)
     (rank0,) = [r for r in status["ranks"] if r["rank"] == 0]
     assert "refused a second client" in rank0["conflict"]
-    page = httpx.get(f"{srv.http_url}/", timeout=10).text
+    page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
     assert "rank conflict" in page
     log = _log(srv)
     assert "stream.rank_conflict" in log and "outcome=refused" in log
@@ -214,7 +215,7 @@ def test_hello_flood_is_rate_limited(store: Path, ctx: zmq.Context) -> None:
         for i in range(30):
             flood.hello(job, rank=0, credit=1, nonce=i)
         errors: list[Error] = []
-        end = time.monotonic() + 5
+        end = time.monotonic() + scaled(5)
         while time.monotonic() < end and len(errors) < 20:
             if flood.sock.poll(500):
                 msg = flood.recv()
@@ -263,7 +264,7 @@ def _shm_hello(job: str, rank: int, boot: str) -> Hello:
 
 
 def _boot_id(srv: ServerProc) -> str:
-    return str(httpx.get(f"{srv.http_url}/v1/info", timeout=10).json()["boot_id"])
+    return str(httpx.get(f"{srv.http_url}/v1/info", timeout=scaled(10)).json()["boot_id"])
 
 
 def test_unmapped_rings_are_capped_and_proof_frees_the_place(store: Path, ctx: zmq.Context) -> None:
@@ -284,7 +285,7 @@ def test_unmapped_rings_are_capped_and_proof_frees_the_place(store: Path, ctx: z
         ghost.grant(1)  # its first Credit: the ring is proven
         ghost.send(Heartbeat())  # answered after the Credit was handled (one peer, in order)
         while True:
-            assert ghost.sock.poll(15_000), "no Heartbeat reply from the server"
+            assert ghost.sock.poll(int(scaled(15.0) * 1000)), "no Heartbeat reply from the server"
             if peek_kind(ghost.sock.recv_multipart()[0]) is Kind.HEARTBEAT:
                 break
         late.send(_shm_hello(job, 2, boot))
@@ -330,7 +331,7 @@ def test_a_second_process_on_a_live_rank_raises_rank_in_use(srv: ServerProc) -> 
 
     reader = threading.Thread(target=first_reads)
     reader.start()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + scaled(15)
     while not got and time.monotonic() < deadline:
         time.sleep(0.05)
     assert got, "the first Loader received no batch"
@@ -338,12 +339,12 @@ def test_a_second_process_on_a_live_rank_raises_rank_in_use(srv: ServerProc) -> 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     second = subprocess.run(
         [sys.executable, "-c", SECOND_LOADER, srv.http_url],
-        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=scaled(60), env=env, cwd=ROOT,
     )  # fmt: skip
     assert second.returncode == 3, second.stdout + second.stderr
     assert "rank 0" in second.stdout and "world size 2" in second.stdout
     assert time.monotonic() - t0 < scaled(30.0)
-    reader.join(timeout=60)
+    reader.join(timeout=scaled(60))
     assert not failure, failure
     assert sum(got) == 100  # rank 0's half of 200 samples, every batch
 

@@ -206,3 +206,17 @@ def test_the_pages_python_runs(
     env = {**os.environ, "SHARDSERVE_URL": srv.http_url}
     out = zygote.run(["page.py"], cwd=tmp_path, env=env, timeout=scaled(240.0))
     assert out.returncode == 0, f"{page.relative_to(ROOT)}:\n{out.stdout}\n{out.stderr[-6000:]}"
+
+
+def test_the_readme_loop_runs_as_written(
+    docs_server: tuple[ServerProc, Path], zygote: Zygote, tmp_path: Path
+) -> None:
+    """The README's Python runs with nothing of the test's own: no prelude defining ``model``,
+    no ``"cuda"`` rewritten to ``"cpu"``; only the server's address is this test's server."""
+    srv, _ = docs_server
+    blocks = runnable(page_blocks(ROOT / "README.md"))
+    assert blocks, "the README has no Python block"
+    code = "\n".join(b.runnable() for b in blocks).replace(f'"{LOCAL_URL}"', repr(srv.http_url))
+    (tmp_path / "readme.py").write_text(code)
+    out = zygote.run(["readme.py"], cwd=tmp_path, env=dict(os.environ), timeout=scaled(240.0))
+    assert out.returncode == 0, f"README.md:\n{out.stdout}\n{out.stderr[-6000:]}"

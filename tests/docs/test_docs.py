@@ -201,12 +201,12 @@ def digits_store(tmp_path: Path) -> Path:
     data = tmp_path / "digits.npz"
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(data),
-         str(tmp_path / "test.npz")], check=True, timeout=120, capture_output=True,
+         str(tmp_path / "test.npz")], check=True, timeout=scaled(120), capture_output=True,
     )  # fmt: skip
     store = tmp_path / "store"
     subprocess.run(
         [sys.executable, "-m", "shardserve.server", "ingest", str(data), "--store", str(store),
-         "--name", "digits-train", "--quiet"], check=True, timeout=120, capture_output=True,
+         "--name", "digits-train", "--quiet"], check=True, timeout=scaled(120), capture_output=True,
     )  # fmt: skip
     return store
 

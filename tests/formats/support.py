@@ -11,6 +11,7 @@ import torch
 
 from shardserve.client import Loader, VarTensor
 from shardserve.client.structure import Masked, Texts
+from tests.support.slowness import scaled
 
 
 def split(batch: Any, n: int) -> list[Any]:
@@ -35,7 +36,7 @@ def split(batch: Any, n: int) -> list[Any]:
 def read_all(url: str, name: str, batch_size: int = 7, **kw: Any) -> list[Any]:
     """Every sample of ``name`` in store order, through a real Loader."""
     out: list[Any] = []
-    with Loader(url, name, batch_size, shuffle=False, timeout=30, **kw) as loader:
+    with Loader(url, name, batch_size, shuffle=False, timeout=scaled(30), **kw) as loader:
         for batch in loader:
             size = _size(batch)
             out.extend(split(batch, size))

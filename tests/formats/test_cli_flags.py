@@ -11,13 +11,14 @@ import torch
 
 from shardserve.server.store.catalog import Store
 from tests.store.conftest import cli_command
+from tests.support.slowness import scaled
 
 
 def _run(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "SHARDSERVE_STORE"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path.cwd()), env.get("PYTHONPATH", "")])
     return subprocess.run([*cli_command(), *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+                          timeout=scaled(120), env=env)  # fmt: skip
 
 
 def test_stacked_and_map_from_the_command_line(tmp_path: Path) -> None:

@@ -88,7 +88,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for fmt in ("msgpack", "json"):
         want[fmt] = _write_lmdb(src / fmt, fmt)
         ingest(src / fmt, store, fmt, progress=False, value_format=fmt)
-    return {"store": store, "want": want, "src": src}
+    # No --value-format: msgpack maps are told from the first value.
+    detected = ingest(src / "msgpack", store, "msgpack-auto", progress=False)
+    want["msgpack-auto"] = want["msgpack"]
+    return {"store": store, "want": want, "src": src, "detected": detected.line()}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def server(built: dict[str, Any]) -> Iterator[ServerProc]:
         yield srv
 
 
-@pytest.mark.parametrize("name", ["wds", "msgpack", "json"])
+@pytest.mark.parametrize("name", ["wds", "msgpack", "json", "msgpack-auto"])
 def test_decoded_as_the_library_decodes(
     built: dict[str, Any], server: ServerProc, name: str
 ) -> None:
@@ -113,3 +116,33 @@ def test_value_format_names_the_bad_value(built: dict[str, Any], tmp_path: Path)
         ingest(built["src"] / "msgpack", tmp_path, "bad", progress=False, value_format="json")
     with pytest.raises(InvalidDataError, match="--value-format applies to LMDB values"):
         ingest(built["src"] / "wds", tmp_path, "bad", progress=False, value_format="json")
+
+
+def test_msgpack_values_are_detected_and_the_summary_says_so(built: dict[str, Any]) -> None:
+    """LMDB values written by ``msgpack.packb(dict)`` are read as msgpack without
+    ``--value-format`` (values compared in test_decoded_as_the_library_decodes), and the
+    ingest summary says they were detected and which flag keeps the bytes."""
+    line = built["detected"]
+    assert "values read as msgpack maps (detected; --value-format raw keeps the bytes)" in line
+
+
+def _lmdb_of(path: Path, values: list[bytes]) -> Path:
+    env = lmdb.open(str(path), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        for i, v in enumerate(values):
+            txn.put(f"{i:05d}".encode(), v)
+    env.close()
+    return path
+
+
+def test_raw_values_summary_names_the_value_format_flag(tmp_path: Path) -> None:
+    """Values that are no format ingest tells (here text) stay bytes, and the summary names
+    --value-format; a msgpack environment with one value that is not msgpack is refused
+    naming that key and the flag, never half raw, half decoded."""
+    raw = _lmdb_of(tmp_path / "raw", [f"caption {i}".encode() for i in range(5)])
+    line = ingest(raw, tmp_path / "store", "raw", progress=False).line()
+    assert "values kept as bytes (field value)" in line and "--value-format msgpack" in line
+    mixed = [msgpack.packb({"x": i}) for i in range(3)] + [b"\x89PNG not msgpack"]
+    src = _lmdb_of(tmp_path / "mixed", mixed)
+    with pytest.raises(InvalidDataError, match=r"key b'00003'.*not a msgpack map.*--value-format"):
+        ingest(src, tmp_path / "store", "mixed", progress=False)

@@ -16,6 +16,7 @@ from shardserve.client import Loader
 from shardserve.proto.errors import BadRequest
 from shardserve.server.store.ingest.run import ingest
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pyg_data = pytest.importorskip("torch_geometric.data")
 
@@ -72,7 +73,7 @@ def _pyg_batches(crystals: list[dict[str, torch.Tensor]], fields: list[str]) -> 
 
 
 def _read(server: ServerProc, name: str = "chg", **kw: Any) -> list[dict[str, torch.Tensor]]:
-    with Loader(server.http_url, name, BATCH, shuffle=False, timeout=30, **kw) as loader:
+    with Loader(server.http_url, name, BATCH, shuffle=False, timeout=scaled(30), **kw) as loader:
         return list(loader)
 
 
@@ -102,7 +103,7 @@ def test_two_candidates_are_refused_naming_both(server: ServerProc) -> None:
     r = httpx.post(
         f"{server.http_url}/v1/jobs",
         json={"dataset": "charged", "batch_size": BATCH, "collate": "graph"},
-        timeout=10,
+        timeout=scaled(10),
     )
     assert 400 <= r.status_code < 500, r.text
     detail = r.json()["detail"]
@@ -129,7 +130,7 @@ def test_the_one_candidate_is_inferred_whatever_is_served(
         httpx.post(
             f"{server.http_url}/v1/jobs",
             json={"dataset": "atoms", "batch_size": BATCH, "collate": c},
-            timeout=10,
+            timeout=scaled(10),
         ).json()["id"]
         for c in ("graph", {"graph": {}})
     }
@@ -137,7 +138,7 @@ def test_the_one_candidate_is_inferred_whatever_is_served(
     r = httpx.post(
         f"{server.http_url}/v1/jobs",
         json={"dataset": "atoms", "batch_size": BATCH, "collate": {}},
-        timeout=10,
+        timeout=scaled(10),
     )
     assert r.status_code == 422, "an empty collate dict must not turn graphs on"
 

@@ -18,6 +18,7 @@ from shardserve.proto.errors import ShardserveError
 from shardserve.server.store.ingest.run import ingest
 from tests.formats.support import assert_same, read_all
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pyg_data = pytest.importorskip("torch_geometric.data")
 pyg_loader = pytest.importorskip("torch_geometric.loader")
@@ -108,7 +109,7 @@ def test_a_transform_that_changes_the_nodes_is_caught(server: ServerProc) -> Non
     never a batch whose ptr does not match x."""
     chain = [{"name": "random_subset", "params": {"field": "x", "n": 1}}]
     with Loader(server.http_url, "graphs", 16, shuffle=False, collate="graph", transforms=chain,
-                timeout=30) as loader, pytest.raises(ShardserveError) as caught:  # fmt: skip
+                timeout=scaled(30)) as loader, pytest.raises(ShardserveError) as caught:  # fmt: skip
         next(iter(loader))
     assert "num_nodes" in str(caught.value) and "'x'" in str(caught.value)
     assert "node_field" in str(caught.value)
@@ -135,7 +136,7 @@ def test_graph_job_on_a_dataset_without_nodes_is_a_4xx(server: ServerProc) -> No
     r = httpx.post(
         f"{server.http_url}/v1/jobs",
         json={"dataset": "hetero", "batch_size": 2, "collate": "graph"},
-        timeout=10,
+        timeout=scaled(10),
     )
     assert 400 <= r.status_code < 500 and "count each graph's nodes" in r.json()["detail"]
 

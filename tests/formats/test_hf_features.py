@@ -20,6 +20,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.server.store.ingest.run import ingest
 from tests.formats.support import assert_same, read_all
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 D = pytest.importorskip("datasets")
 PIL = pytest.importorskip("PIL.Image")
@@ -134,7 +135,7 @@ def test_every_feature_reads_back_as_datasets_gives_it(
 def test_class_label_names_are_exposed(
     built: dict[str, Any], server: ServerProc, name: str
 ) -> None:
-    info = httpx.get(f"{server.http_url}/v1/datasets/{name}", timeout=10).json()
+    info = httpx.get(f"{server.http_url}/v1/datasets/{name}", timeout=scaled(10)).json()
     assert info["classes"] == ["cat", "dog", "eel"]
     assert info["label_names"] == {"lab": ["cat", "dog", "eel"]}
     text = {f["name"]: f.get("encoding") for f in info["fields"]}
@@ -143,7 +144,7 @@ def test_class_label_names_are_exposed(
 
 def test_image_column_feeds_decode_image(built: dict[str, Any], server: ServerProc) -> None:
     chain = [{"name": "decode_image", "params": {"field": "img"}}]
-    with Loader(server.http_url, "imgs", batch_size=1, shuffle=False, timeout=30,
+    with Loader(server.http_url, "imgs", batch_size=1, shuffle=False, timeout=scaled(30),
                 transforms=chain) as ld:  # fmt: skip
         for i, b in enumerate(ld):
             img = b["img"].unbind()[0] if hasattr(b["img"], "unbind") else b["img"][0]

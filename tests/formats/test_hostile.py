@@ -19,6 +19,7 @@ import torch
 
 from shardserve.proto.errors import InvalidDataError
 from shardserve.server.store.ingest.run import ingest
+from tests.support.slowness import scaled
 
 #: Runs one ingest in a fresh interpreter and prints its peak RSS (MB) and the error. VmHWM,
 #: not ru_maxrss: Linux carries the forking parent's peak into a child's ru_maxrss.
@@ -45,7 +46,7 @@ def _measured(src: Path, store: Path) -> tuple[int, str]:
         [sys.executable, "-c", _MEASURED, str(src), str(store)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         check=True,
     ).stdout.splitlines()
     return int(out[0]), out[1]

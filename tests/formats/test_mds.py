@@ -26,6 +26,7 @@ from shardserve.server.store.ingest.inflate import CHUNK
 from shardserve.server.store.ingest.run import ingest, ingest_all
 from tests.formats.support import assert_same, read_all
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Streaming pins numpy<2.2 and transformers<5 (whose huggingface_hub<1 the dev extra's
@@ -44,7 +45,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     src = tmp_path_factory.mktemp("mds")
     subprocess.run(
         [str(MDS_PYTHON), str(ROOT / "tests" / "formats" / "mds_writer.py"), str(src)],
-        check=True, timeout=600,
+        check=True, timeout=scaled(600),
     )  # fmt: skip
     store = tmp_path_factory.mktemp("store")
     for name in WRITTEN:
@@ -150,7 +151,7 @@ def test_the_command_line_reads_it(built: dict[str, Any], tmp_path: Path) -> Non
     out = subprocess.run(
         [sys.executable, "-m", "shardserve.server", "ingest", str(built["src"] / "gz"),
          "--store", str(tmp_path), "--name", "cli", "--quiet"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=scaled(300), cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "ingested cli: 12 samples" in out.stdout + out.stderr

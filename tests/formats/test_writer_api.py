@@ -14,6 +14,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.server.ingest import DatasetWriter
 from tests.formats.support import assert_same, read_all
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 
 def _sample(i: int) -> dict[str, object]:
@@ -36,7 +37,7 @@ def test_written_samples_read_back_equal(tmp_path: Path) -> None:
     assert len(w.manifest.shards) > 1 and w.manifest.source["by"] == "test"
     with run_server(tmp_path / "store") as srv:
         got = read_all(srv.http_url, "made", batch_size=5)
-        info = httpx.get(f"{srv.http_url}/v1/datasets/made", timeout=10).json()
+        info = httpx.get(f"{srv.http_url}/v1/datasets/made", timeout=scaled(10)).json()
     assert info["classes"] == ["even", "odd"]
     for i, g in enumerate(got):
         s = _sample(i)

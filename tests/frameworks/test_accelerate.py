@@ -12,6 +12,7 @@ import pytest
 from shardserve.server.planning import plan
 from tests.frameworks.conftest import N_EVAL, N_SAMPLES
 from tests.support.server import free_port
+from tests.support.slowness import scaled
 
 pytest.importorskip("accelerate")
 
@@ -24,7 +25,7 @@ def test_accelerate_prepared_loop_runs_and_checkpoints(server, tmp_path: Path) -
     cmd = [sys.executable, "-m", "tests.frameworks._accelerate_worker"]
     r = subprocess.run(
         [*cmd, "--url", server.http_url, "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())
@@ -44,7 +45,7 @@ def test_accelerate_under_torchrun_two_ranks(server, tmp_path: Path) -> None:
            "--master_port", str(free_port()), "-m", "tests.frameworks._accelerate_worker"]  # fmt: skip
     r = subprocess.run(
         [*cmd, "--url", server.http_url, "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(180),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     for rank in (0, 1):
@@ -67,7 +68,7 @@ def test_skip_first_batches_and_gather_for_metrics_two_ranks(server, tmp_path: P
            "--master_port", str(free_port()), "-m", "tests.frameworks._accelerate_habits_worker"]  # fmt: skip
     r = subprocess.run(
         [*cmd, "--url", server.http_url, "--out", str(tmp_path), "--eval-batch", "64", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(240),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     for rank in (0, 1):

@@ -14,6 +14,7 @@ import pytest
 from shardserve.server.planning import plan
 from tests.frameworks.conftest import N_SAMPLES
 from tests.support.server import free_port
+from tests.support.slowness import scaled
 
 pytest.importorskip("accelerate")
 
@@ -24,7 +25,7 @@ def _torchrun(n: int, url: str, out: Path, phase: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
            "--master_port", str(free_port()), "-m", "tests.frameworks._elastic_worker",
            "--url", url, "--out", str(out), "--phase", phase, "--k", "2"]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return [json.loads((out / f"{phase}{rank}.json").read_text()) for rank in range(n)]
 
@@ -44,5 +45,5 @@ def test_torchrun_two_ranks_resume_a_three_rank_checkpoint(server, tmp_path: Pat
     assert len({len(rec["batches"]) for rec in resumed}) == 1
     seen = Counter(i for rec in saved + resumed for b in rec["batches"] for i in b)
     assert set(seen) == set(range(N_SAMPLES)) and max(seen.values()) == 1
-    status = httpx.get(f"{server.http_url}/v1/jobs/{resumed[0]['job']}", timeout=10).json()
+    status = httpx.get(f"{server.http_url}/v1/jobs/{resumed[0]['job']}", timeout=scaled(10)).json()
     assert status["resumed_from"] == saved[0]["job"]

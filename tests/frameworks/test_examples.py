@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pytest.importorskip("lightning")
 
@@ -32,7 +33,7 @@ def digits_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
         ),
     ]  # fmt: skip
     for cmd in steps:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
         assert r.returncode == 0, f"{cmd}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
     with run_server(store) as srv:
         yield srv
@@ -42,7 +43,7 @@ def test_train_lightning_example_learns(digits_server: ServerProc) -> None:
     """The Lightning example trains the digits CNN on one device and reaches a real accuracy."""
     cmd = [sys.executable, "examples/train_lightning.py", "--url", digits_server.http_url,
            "--epochs", "3"]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(180))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = re.search(r"val accuracy ([0-9.]+) after 3 epochs on 1 device", r.stdout)
     assert m and float(m.group(1)) > 0.8, r.stdout[-2000:]

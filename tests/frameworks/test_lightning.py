@@ -15,6 +15,7 @@ from shardserve.client import Loader
 from shardserve.server.planning import plan
 from tests.frameworks.conftest import N_SAMPLES
 from tests.support.data import sample_id_of
+from tests.support.slowness import scaled
 from tests.support.zygote import Zygote
 
 pytest.importorskip("lightning")
@@ -30,9 +31,10 @@ def forked() -> Iterator[Zygote]:
         yield z
 
 
-def fit(url: str, out: Path, *args: str, timeout: float = 150,
+def fit(url: str, out: Path, *args: str, timeout: float | None = None,
         forked: Zygote | None = None) -> dict[int, dict]:  # fmt: skip
     """Run the Lightning worker (forked from ``forked`` when given); its records by rank."""
+    timeout = scaled(150) if timeout is None else timeout
     out.mkdir(parents=True, exist_ok=True)
     argv = ["-m", "tests.frameworks._lightning_worker", "--url", url, "--out", str(out), *args]
     if forked is not None:
@@ -94,7 +96,7 @@ def test_ddp_two_ranks_each_train_their_part_and_resume(server, tmp_path: Path) 
     """Trainer(devices=2, strategy="ddp") on gloo: each rank trains its plan part, together
     every sample once per epoch; a mid-epoch checkpoint resumes both ranks exactly."""
     recs = fit(server.http_url, tmp_path / "full", "--devices", "2", "--epochs", "2",
-               "--ckpt-every", "7", timeout=240)  # fmt: skip
+               "--ckpt-every", "7", timeout=scaled(240))  # fmt: skip
     assert sorted(recs) == [0, 1]
     for rank, rec in recs.items():
         assert rec["loader_type"] == "Loader" and rec["loader_world"] == [rank, 2]
@@ -106,7 +108,7 @@ def test_ddp_two_ranks_each_train_their_part_and_resume(server, tmp_path: Path) 
     # 5 steps per epoch: step 7 is after batch 2 of epoch 1.
     ckpt = tmp_path / "full" / "ckpt" / "step=7.ckpt"
     resumed = fit(server.http_url, tmp_path / "resumed", "--devices", "2", "--epochs", "2",
-                  "--resume", str(ckpt), timeout=240)  # fmt: skip
+                  "--resume", str(ckpt), timeout=scaled(240))  # fmt: skip
     for rank in (0, 1):
         assert resumed[rank]["seen"] == {"1": recs[rank]["seen"]["1"][2:]}, rank
 
@@ -116,7 +118,7 @@ def test_datamodule_without_validation_under_ddp_warns_nothing(server, tmp_path:
     """A ShardserveDataModule without ``val_dataset`` under 2-rank DDP is a DataModule without
     validation data, as Lightning's own: no validation loop, no warning about it, and no
     warning that names the Loader; training follows the plan."""
-    recs = fit(server.http_url, tmp_path, "--devices", "2", "--epochs", "1", timeout=240)
+    recs = fit(server.http_url, tmp_path, "--devices", "2", "--epochs", "1", timeout=scaled(240))
     for rank, rec in recs.items():
         about_val = [w for w in rec["warnings"] if "val" in w.lower() or "across ranks" in w]
         assert not about_val, about_val

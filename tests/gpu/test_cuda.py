@@ -21,6 +21,7 @@ from shardserve.server.store.writer import ShardWriter
 from tests.reliability.test_restart import _Restarter
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pytestmark = pytest.mark.cuda
 
@@ -147,7 +148,7 @@ def test_gpu_epoch_survives_a_kill9_restart(store: Path, tmp_path: Path, transpo
         srv = r.start()
         loader = Loader(
             srv.http_url, "cifar", BATCH, seed=4, rank=0, world_size=1, device="cuda",
-            prefetch=2, timeout=30.0, transport=transport,
+            prefetch=2, timeout=scaled(30.0), transport=transport,
         )  # fmt: skip
         try:
             loader.set_epoch(0)

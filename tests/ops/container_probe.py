@@ -18,6 +18,7 @@ import sys
 import time
 
 from shardserve.client import Loader
+from tests.support.slowness import scaled
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     # Where the probe is stuck, should it be: a failing test shows its stderr.
     faulthandler.dump_traceback_later(15, repeat=True)
     seen: list[int] = []
-    with Loader(args.url, args.dataset, args.batch_size, seed=7, timeout=60.0) as loader:
+    with Loader(args.url, args.dataset, args.batch_size, seed=7, timeout=scaled(60.0)) as loader:
         loader.set_epoch(0)
         for i, batch in enumerate(loader):
             seen.extend(int(v) for v in batch["idx"].tolist())

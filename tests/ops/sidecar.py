@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.slowness import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
@@ -137,7 +139,7 @@ def run_compose(
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
+        timeout=scaled(SUBPROCESS_TIMEOUT_S),
     )
 
 
@@ -148,7 +150,7 @@ def compose_config(file: Path = COMPOSE) -> dict[str, Any]:
     conv = subprocess.run(
         [*_yaml_to_json_program(), "-c",
          "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"],
-        input=out.stdout, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
+        input=out.stdout, capture_output=True, text=True, timeout=scaled(SUBPROCESS_TIMEOUT_S),
     )  # fmt: skip
     assert conv.returncode == 0, f"could not read docker-compose's YAML:\n{conv.stderr}"
     return json.loads(conv.stdout)  # type: ignore[no-any-return]

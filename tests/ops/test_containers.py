@@ -26,6 +26,7 @@ import pytest
 
 from tests.ops.sidecar import ROOT
 from tests.support.server import free_port
+from tests.support.slowness import scaled
 
 READY = ROOT / "docker" / ".engine-ready"
 STACK_SH = ROOT / "docker" / "podman-stack.sh"
@@ -69,18 +70,21 @@ class Stack:
         return f"{self.name}-server"
 
     def script(
-        self, *args: str, env: dict[str, str] | None = None, timeout: float = STEP_TIMEOUT_S
+        self, *args: str, env: dict[str, str] | None = None, timeout: float | None = None
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["bash", str(STACK_SH), *args], env={**self.env, **(env or {})},
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True, text=True,
+            timeout=scaled(STEP_TIMEOUT_S) if timeout is None else timeout,
         )  # fmt: skip
 
-    def podman(
-        self, *args: str, timeout: float = STEP_TIMEOUT_S
-    ) -> subprocess.CompletedProcess[str]:
+    def podman(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["podman", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+            ["podman", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(STEP_TIMEOUT_S) if timeout is None else timeout,
         )
 
     def probe_cmd(
@@ -93,7 +97,9 @@ class Stack:
 
     def probe(self, *probe_args: str, podman_opts: str = "") -> tuple[dict, str]:
         argv, env = self.probe_cmd(*probe_args, podman_opts=podman_opts)
-        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        out = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=scaled(STEP_TIMEOUT_S)
+        )
         assert out.returncode == 0, (
             f"probe failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
         )
@@ -160,7 +166,7 @@ def _headers(stack: Stack) -> dict[str, str]:
 def _image_size(image: str) -> int:
     out = subprocess.run(
         ["podman", "image", "inspect", "--format", "{{.Size}}", image],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(60),
         env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)},
     )  # fmt: skip
     return int(_check(out, f"podman image inspect {image}").strip())
@@ -192,14 +198,16 @@ def test_trainer_image_has_a_cpu_torch(stack: Stack) -> None:
 
 def test_missing_token_refuses_a_public_bind(stack: Stack) -> None:
     """The image listens on 0.0.0.0, so without SHARDSERVE_TOKEN the server exits saying to set it; the stack script refuses too."""
-    out = stack.podman("run", "--rm", "--name", f"{stack.name}-notoken", stack.image, timeout=60)
+    out = stack.podman(
+        "run", "--rm", "--name", f"{stack.name}-notoken", stack.image, timeout=scaled(60)
+    )
     assert out.returncode != 0, out.stdout
     assert (
         "SHARDSERVE_TOKEN" in out.stderr + out.stdout and "refusing" in out.stderr + out.stdout
     ), out.stderr
     env = {k: v for k, v in stack.env.items() if k != "SHARDSERVE_TOKEN"}
     script = subprocess.run(["bash", str(STACK_SH), "up"], env=env, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+                            timeout=scaled(60))  # fmt: skip
     assert script.returncode != 0 and "set SHARDSERVE_TOKEN" in script.stderr, script.stderr
 
 
@@ -211,7 +219,7 @@ def test_healthcheck_turns_healthy(stack: Stack) -> None:
     status = _check(stack.podman("inspect", "--format", "{{.State.Health.Status}}", stack.server),
                     "podman inspect")  # fmt: skip
     assert status.strip() == "healthy"
-    assert httpx.get(f"{stack.http_url}/healthz", timeout=5).status_code == 200
+    assert httpx.get(f"{stack.http_url}/healthz", timeout=scaled(5)).status_code == 200
     idle = f"{stack.name}-idle"
     _check(stack.podman("run", "--detach", "--name", idle, "--entrypoint", "sleep", stack.image, "60"),
            "podman run (idle)")  # fmt: skip
@@ -236,7 +244,7 @@ def test_store_volume_is_read_only_to_the_server_and_readable_by_its_uid(stack: 
     names = {
         d["name"]
         for d in httpx.get(
-            f"{stack.http_url}/v1/datasets", headers=_headers(stack), timeout=10
+            f"{stack.http_url}/v1/datasets", headers=_headers(stack), timeout=scaled(10)
         ).json()
     }
     assert {"digits-train", "digits-test", "ids"} <= names, names
@@ -244,7 +252,7 @@ def test_store_volume_is_read_only_to_the_server_and_readable_by_its_uid(stack: 
 
 def test_readme_stack_trains(stack: Stack) -> None:
     """`podman-stack.sh up` (= `docker compose up trainer`) trains the digits CNN on 2 ranks to a useful accuracy."""
-    out = _check(stack.script("up", timeout=240), "podman-stack.sh up")
+    out = _check(stack.script("up", timeout=scaled(240)), "podman-stack.sh up")
     last = out.strip().splitlines()[-1]
     assert "test accuracy" in last, out[-2000:]
     accuracy = float(last.split("test accuracy")[1].split(",")[0])
@@ -277,7 +285,7 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
     )
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + STEP_TIMEOUT_S
+        deadline = time.monotonic() + scaled(STEP_TIMEOUT_S)
         for line in proc.stdout:
             if line.strip() == "batch 20":
                 break
@@ -288,7 +296,7 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
             )
         _check(stack.podman("kill", stack.server), "podman kill")
         _check(stack.podman("start", stack.server), "podman start")
-        rest, stderr = proc.communicate(timeout=STEP_TIMEOUT_S)
+        rest, stderr = proc.communicate(timeout=scaled(STEP_TIMEOUT_S))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -304,7 +312,7 @@ def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
     assert len(report["seen"]) == IDS and sorted(report["seen"]) == list(range(IDS)), (
         f"{len(report['seen'])} deliveries, {len(set(report['seen']))} distinct of {IDS}"
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while stack.podman("healthcheck", "run", stack.server).returncode != 0:
         assert time.monotonic() < deadline, "the restarted server did not turn healthy in 30 s"
         time.sleep(1)

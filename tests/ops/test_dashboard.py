@@ -92,7 +92,7 @@ def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str, P
 
 
 def _query(url: str, expr: str) -> dict[str, Any]:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=scaled(10))
     return dict(r.json())
 
 
@@ -125,7 +125,7 @@ def test_every_dashboard_query_parses_and_names_exported_metrics(
                                 missing_data.discard(title)
                 except httpx.TransportError:
                     continue  # Prometheus is still starting
-            metrics = httpx.get(f"{remote_server.http_url}/metrics", timeout=10).text
+            metrics = httpx.get(f"{remote_server.http_url}/metrics", timeout=scaled(10)).text
             exported = exported_names(metrics)
             problems = []
             for title, expr in queries():
@@ -138,4 +138,4 @@ def test_every_dashboard_query_parses_and_names_exported_metrics(
             assert problems == []
     finally:
         prom.terminate()
-        prom.wait(timeout=15)
+        prom.wait(timeout=scaled(15))

@@ -42,6 +42,7 @@ from tests.ops.sidecar import (
 )
 from tests.support.data import make_cifar_like
 from tests.support.server import free_port
+from tests.support.slowness import scaled
 
 TRAINER_DOCKERFILE = ROOT / "docker" / "Dockerfile.trainer"
 #: Variables the client reads (not server settings); each must really be read in client/.
@@ -390,7 +391,10 @@ def _run_healthcheck(cmd: list[str], port: int) -> subprocess.CompletedProcess[s
     assert ":7070/healthz" in code, f"HEALTHCHECK does not probe :7070/healthz: {cmd}"
     argv = [sys.executable if Path(c).name.startswith("python") else c for c in cmd[:-1]]
     return subprocess.run(
-        [*argv, code.replace(":7070/", f":{port}/")], capture_output=True, text=True, timeout=10
+        [*argv, code.replace(":7070/", f":{port}/")],
+        capture_output=True,
+        text=True,
+        timeout=scaled(10),
     )
 
 
@@ -427,7 +431,7 @@ def test_image_entry_command_serves_and_passes_its_healthcheck(image_site: Path)
         full_env.update(local, PYTHONPATH=str(image_site))
         which = subprocess.run(
             [sys.executable, "-c", "import shardserve.server as s; print(s.__file__)"],
-            env=full_env, capture_output=True, text=True, timeout=30,
+            env=full_env, capture_output=True, text=True, timeout=scaled(30),
         )  # fmt: skip
         assert which.stdout.startswith(str(image_site)), f"not the wheel's code: {which}"
         log = d / "server.log"
@@ -437,7 +441,7 @@ def test_image_entry_command_serves_and_passes_its_healthcheck(image_site: Path)
                 env=full_env, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + scaled(20)
             while True:  # Docker's own retry loop, with a deadline
                 hc = _run_healthcheck(health, port)
                 if hc.returncode == 0 or proc.poll() is not None or time.monotonic() > deadline:
@@ -448,16 +452,16 @@ def test_image_entry_command_serves_and_passes_its_healthcheck(image_site: Path)
                 f"{'exited ' + str(proc.returncode) if proc.poll() is not None else 'running'}; "
                 f"log:\n{log.read_text()[-3000:]}"
             )
-            r = httpx.get(f"http://127.0.0.1:{port}/v1/datasets", timeout=5)
+            r = httpx.get(f"http://127.0.0.1:{port}/v1/datasets", timeout=scaled(5))
             assert r.status_code == 401, "the sidecar's API must require its token"
             r = httpx.get(
                 f"http://127.0.0.1:{port}/v1/datasets",
-                headers={"Authorization": "Bearer image-test-token"}, timeout=5,
+                headers={"Authorization": "Bearer image-test-token"}, timeout=scaled(5),
             )  # fmt: skip
             assert r.status_code == 200 and "cifar" in r.text, r.text
         finally:
             proc.terminate()
-            code = proc.wait(timeout=10)
+            code = proc.wait(timeout=scaled(10))
         assert code == 0, f"exit {code} after SIGTERM; log:\n{log.read_text()[-3000:]}"
         lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
         assert lines, "the server logged nothing"

@@ -30,6 +30,7 @@ from shardserve.proto.messages import Bye, ClientStats, Credit, Heartbeat, Welco
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, job_status, make_job, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
@@ -50,7 +51,7 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
         "--no-first-run", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args, url,
     ]  # fmt: skip
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=CHROMIUM_TIMEOUT_S)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(CHROMIUM_TIMEOUT_S))
     assert out.returncode == 0, f"chromium exited {out.returncode}:\n{out.stderr[-3000:]}"
     return out
 
@@ -140,7 +141,7 @@ def streaming() -> Iterator[Streaming]:
             r = httpx.post(
                 f"{srv.http_url}/v1/jobs",
                 json={"dataset": "cifar", "batch_size": BATCH, "seed": 7, "world_size": 2},
-                timeout=10,
+                timeout=scaled(10),
             )
             assert r.status_code in (200, 201), r.text
             job = r.json()["id"]
@@ -159,7 +160,7 @@ def streaming() -> Iterator[Streaming]:
                 s.send(Heartbeat(stats=stats))
                 streams.append(s)
             status = _wait_for_stats(srv, job)
-            ds = httpx.get(f"{srv.http_url}/v1/datasets/cifar", timeout=10).json()
+            ds = httpx.get(f"{srv.http_url}/v1/datasets/cifar", timeout=scaled(10)).json()
             try:
                 yield Streaming(srv, status, ds, streams)
             finally:
@@ -167,11 +168,12 @@ def streaming() -> Iterator[Streaming]:
                     s.close()
 
 
-def _wait_for_stats(srv: ServerProc, job: str, timeout: float = 15.0) -> dict[str, Any]:
+def _wait_for_stats(srv: ServerProc, job: str, timeout: float | None = None) -> dict[str, Any]:
     """The job's JSON once both ranks' stats and the extra granted batch have landed."""
+    timeout = scaled(15.0) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while True:
-        status = httpx.get(f"{srv.http_url}/v1/jobs/{job}", timeout=10).json()
+        status = httpx.get(f"{srv.http_url}/v1/jobs/{job}", timeout=scaled(10)).json()
         ranks = {r["rank"]: r for r in status["ranks"]}
         if all(
             ranks.get(k, {}).get("stall_fraction") is not None
@@ -242,7 +244,7 @@ def test_page_is_plain_html_that_refreshes_itself(
 ) -> None:
     """`GET /` is server-rendered HTML that refreshes itself (meta refresh), with no external scripts or styles to fetch."""
     srv = streaming.srv
-    r = httpx.get(f"{srv.http_url}/", timeout=10)
+    r = httpx.get(f"{srv.http_url}/", timeout=scaled(10))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), r
     page = r.text.lower()
     assert 'http-equiv="refresh"' in page, "the page should refresh itself"
@@ -290,13 +292,15 @@ def test_page_with_a_token_shows_the_live_job_first_at_its_real_rate(tmp_path: P
         run_server(store, "--token", TOKEN, "--idle-after-s", "1", "--heartbeat-s", "0.5") as srv,
         zmq_context() as ctx,
     ):
-        denied = httpx.get(f"{srv.http_url}/", timeout=10)
+        denied = httpx.get(f"{srv.http_url}/", timeout=scaled(10))
         assert denied.status_code == 401
         assert denied.headers.get_list("www-authenticate") == [
             'Bearer realm="shardserve"',
             'Basic realm="shardserve", charset="UTF-8"',
         ], denied.headers
-        schema = httpx.get(f"{srv.http_url}/openapi.json", headers=srv.headers, timeout=10).json()
+        schema = httpx.get(
+            f"{srv.http_url}/openapi.json", headers=srv.headers, timeout=scaled(10)
+        ).json()
         schemes = {v["scheme"] for v in schema["components"]["securitySchemes"].values()}
         assert schemes == {"bearer", "basic"}, schema["components"]
 
@@ -316,12 +320,12 @@ def test_page_with_a_token_shows_the_live_job_first_at_its_real_rate(tmp_path: P
             s.close()
 
         loader = Loader(
-            srv.http_url, dataset="cifar", batch_size=4, seed=3, token=TOKEN, timeout=30
+            srv.http_url, dataset="cifar", batch_size=4, seed=3, token=TOKEN, timeout=scaled(30)
         )
         consumer = Consumer(loader)
         consumer.start()
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + scaled(30)
             while {job_status(srv, finished)["state"], job_status(srv, idle)["state"]} != {
                 "finished",
                 "idle",
@@ -340,7 +344,7 @@ def test_page_with_a_token_shows_the_live_job_first_at_its_real_rate(tmp_path: P
             rendered = time.monotonic()
         finally:
             consumer.stop.set()
-            consumer.join(10)
+            consumer.join(scaled(10))
             loader.close()
         assert consumer.error is None, consumer.error
 

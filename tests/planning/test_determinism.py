@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from shardserve.server.planning import plan
+from tests.support.slowness import scaled
 
 CASES = [
     # n, seed, epoch, ws, rank, bs, shuffle, drop_last, shard_rows, window
@@ -38,7 +39,7 @@ def in_subprocess(hash_seed: str) -> list[list[int]]:
         text=True,
         env=env,
         check=True,
-        timeout=100,
+        timeout=scaled(100),
     )
     return json.loads(done.stdout)
 

@@ -12,6 +12,7 @@ from shardserve.server.jobs import Job
 from shardserve.server.planning import SHUFFLES, epoch_order
 from shardserve.server.planning.cache import PlanCache
 from shardserve.server.planning.rng import order_dtype
+from tests.support.slowness import scaled
 
 from .strategies import epochs, seeds, shard_layouts, shuffles, sizes, windows
 
@@ -195,7 +196,7 @@ def test_finishing_waits_for_its_bucket_and_names_a_failed_shuffle() -> None:
     reader.start()
     f.advance(40)
     f.advance(60)
-    reader.join(timeout=60)
+    reader.join(timeout=scaled(60))
     assert got == ["read"]
     f.fail(ValueError("boom"))
     with pytest.raises(RuntimeError, match=r"shuffling the rest of job j epoch 3 failed: boom"):

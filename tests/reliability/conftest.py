@@ -13,6 +13,7 @@ import pytest
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
 from tests.support.server import make_job as support_make_job
+from tests.support.slowness import scaled
 
 CIFAR_N = 600
 
@@ -61,6 +62,6 @@ def rss_bytes(pid: int) -> int:
 
 def healthy(srv: ServerProc) -> bool:
     try:
-        return httpx.get(f"{srv.http_url}/healthz", timeout=2).status_code == 200
+        return httpx.get(f"{srv.http_url}/healthz", timeout=scaled(2)).status_code == 200
     except httpx.HTTPError:
         return False

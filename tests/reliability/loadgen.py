@@ -28,6 +28,7 @@ from shardserve.proto.messages import (
     Welcome,
 )
 from tests.support.server import ServerProc
+from tests.support.slowness import scaled
 
 
 @dataclass
@@ -98,7 +99,9 @@ def rss_bytes(pid: int) -> int:
 def create_jobs(srv: ServerProc, specs: list[dict]) -> list[str]:
     out = []
     for spec in specs:
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json=spec, headers=srv.headers, timeout=10)
+        r = httpx.post(
+            f"{srv.http_url}/v1/jobs", json=spec, headers=srv.headers, timeout=scaled(10)
+        )
         r.raise_for_status()
         out.append(str(r.json()["id"]))
     return out

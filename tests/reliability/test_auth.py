@@ -23,6 +23,7 @@ from shardserve.proto.messages import Reject, Welcome
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.data import sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 TOKEN = "t0ken-for-tests"
 
@@ -37,7 +38,9 @@ def auth_server(rel_store: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def _operations(srv: ServerProc) -> list[tuple[str, str]]:
-    schema = httpx.get(f"{srv.http_url}/openapi.json", headers=srv.headers, timeout=10).json()
+    schema = httpx.get(
+        f"{srv.http_url}/openapi.json", headers=srv.headers, timeout=scaled(10)
+    ).json()
     ops = []
     for path, item in schema["paths"].items():
         concrete = re.sub(r"\{[^}]+\}", "0123456789abcdef", path)
@@ -59,8 +62,11 @@ def test_schema_and_docs_routes_need_the_token(auth_server: ServerProc) -> None:
     _check_guarded(auth_server, [("GET", "/openapi.json")])
     url = auth_server.http_url
     for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
-        assert httpx.get(f"{url}{path}", headers=auth_server.headers, timeout=10).status_code == 404
-    schema = httpx.get(f"{url}/openapi.json", headers=auth_server.headers, timeout=10)
+        assert (
+            httpx.get(f"{url}{path}", headers=auth_server.headers, timeout=scaled(10)).status_code
+            == 404
+        )
+    schema = httpx.get(f"{url}/openapi.json", headers=auth_server.headers, timeout=scaled(10))
     assert schema.status_code == 200 and "/v1/jobs" in schema.json()["paths"]
 
 
@@ -75,12 +81,14 @@ def _check_guarded(auth_server: ServerProc, ops: list[tuple[str, str]]) -> None:
             else {}
         )
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
-            r = httpx.request(method, f"{url}{path}", headers=headers, timeout=10, **kw)
+            r = httpx.request(method, f"{url}{path}", headers=headers, timeout=scaled(10), **kw)
             if path == "/healthz":
                 assert r.status_code == 200
             elif r.status_code != 401:
                 unguarded.append((method, path, headers, r.status_code))
-        r = httpx.request(method, f"{url}{path}", headers=auth_server.headers, timeout=10, **kw)
+        r = httpx.request(
+            method, f"{url}{path}", headers=auth_server.headers, timeout=scaled(10), **kw
+        )
         assert r.status_code != 401 and r.status_code < 500, (method, path, r.status_code)
     assert not unguarded, f"answered without the token: {unguarded}"
 
@@ -90,7 +98,7 @@ def test_hello_without_token_is_rejected(auth_server: ServerProc, transport: str
     """A Hello with no token is Rejected UNAUTHORIZED on tcp and ipc; the same socket then streams with the token."""
     jid = httpx.post(
         f"{auth_server.http_url}/v1/jobs", json={"dataset": "other", "batch_size": 100},
-        headers=auth_server.headers, timeout=10,
+        headers=auth_server.headers, timeout=scaled(10),
     ).json()["id"]  # fmt: skip
     endpoint = auth_server.tcp_endpoint if transport == "tcp" else auth_server.ipc_endpoint
     assert endpoint
@@ -114,14 +122,18 @@ def test_loader_token_argument_and_environment(
     """A Loader without the token raises AuthError; with token= or SHARDSERVE_TOKEN it reads a whole epoch."""
     monkeypatch.delenv("SHARDSERVE_TOKEN", raising=False)
     with pytest.raises(AuthError):
-        Loader(auth_server.http_url, "other", batch_size=50, timeout=10)
+        Loader(auth_server.http_url, "other", batch_size=50, timeout=scaled(10))
     with pytest.raises(AuthError):
-        Loader(auth_server.http_url, "other", batch_size=50, timeout=10, token="wrong")
-    with Loader(auth_server.http_url, "other", batch_size=50, timeout=10, token=TOKEN) as ld:
+        Loader(auth_server.http_url, "other", batch_size=50, timeout=scaled(10), token="wrong")
+    with Loader(
+        auth_server.http_url, "other", batch_size=50, timeout=scaled(10), token=TOKEN
+    ) as ld:
         ids = np.concatenate([sample_id_of({"image": b["image"].numpy()}) for b in ld])
     assert np.array_equal(np.sort(ids), np.arange(200))
     monkeypatch.setenv("SHARDSERVE_TOKEN", TOKEN)
-    with Loader(auth_server.http_url, "other", batch_size=40, timeout=10, transport="tcp") as ld:
+    with Loader(
+        auth_server.http_url, "other", batch_size=40, timeout=scaled(10), transport="tcp"
+    ) as ld:
         ids = np.concatenate([sample_id_of({"image": b["image"].numpy()}) for b in ld])
     assert np.array_equal(np.sort(ids), np.arange(200))
 
@@ -130,7 +142,7 @@ def _serve(store: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess[st
     return subprocess.run(
         [sys.executable, "-m", "shardserve.server", "serve", "--store", str(store),
          "--ready-file", str(tmp / "ready.json"), *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(60),
     )  # fmt: skip
 
 
@@ -161,7 +173,7 @@ def test_insecure_allows_a_public_bind(rel_store: Path, tmp_path: Path) -> None:
         "--data", "tcp://0.0.0.0:0", "--insecure",
     ) as srv:  # fmt: skip
         port = srv.http_url.rsplit(":", 1)[1]
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=10).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=scaled(10)).status_code == 200
     with run_server(
         rel_store,
         "--state-dir",
@@ -171,4 +183,4 @@ def test_insecure_allows_a_public_bind(rel_store: Path, tmp_path: Path) -> None:
         env={"SHARDSERVE_TOKEN": TOKEN},
     ) as srv:  # a token also makes a public bind acceptable
         port = srv.http_url.rsplit(":", 1)[1]
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=10).status_code == 401
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=scaled(10)).status_code == 401

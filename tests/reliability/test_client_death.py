@@ -18,6 +18,7 @@ from tests.reliability.conftest import make_job, wait_until
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import sample_id_of
 from tests.support.server import ServerProc, job_status, run_server
+from tests.support.slowness import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 RECLAIM_DEADLINE_S = 20.0
@@ -36,7 +37,7 @@ def _start_client(*args: str) -> tuple[subprocess.Popen[str], dict]:
     except ValueError:
         proc.kill()
         rest = proc.stdout.read()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
         proc.stdout.close()
         raise AssertionError(f"client not ready (exit {proc.returncode}): {line}{rest}") from None
 
@@ -75,11 +76,11 @@ def test_sigkilled_client_is_reclaimed_and_others_keep_streaming(
             g.recv_kind(Welcome)
             first = g.recv_kind(Batch)
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            proc.wait(timeout=scaled(10))
             t0 = time.monotonic()
             wait_until(
                 lambda: not job_status(srv, job)["ranks"][0]["connected"],
-                RECLAIM_DEADLINE_S,
+                scaled(RECLAIM_DEADLINE_S),
                 f"rank 0 of job {job} shown disconnected after its client was SIGKILLed",
             )
             reclaim_s = time.monotonic() - t0
@@ -99,11 +100,11 @@ def test_sigkilled_client_is_reclaimed_and_others_keep_streaming(
             else []
         )
         assert leftovers == [], f"rings of the server still present: {leftovers}"
-        assert reclaim_s < RECLAIM_DEADLINE_S
+        assert reclaim_s < scaled(RECLAIM_DEADLINE_S)
         assert srv.proc.poll() is None
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=10)
+            proc.wait(timeout=scaled(10))
         assert proc.stdout is not None
         proc.stdout.close()

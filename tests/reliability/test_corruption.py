@@ -19,6 +19,7 @@ import pytest
 from shardserve.client import DatasetCorruptError, Loader, ShardserveError
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 N = 300
 DEADLINE_S = 10.0
@@ -64,9 +65,9 @@ def test_a_cut_or_deleted_shard_refuses_the_job_when_it_is_made(
     _corrupt(victim, how)
     with run_server(store, "--verify", verify, "--state-dir", str(tmp_path / "state")) as srv:
         with pytest.raises(DatasetCorruptError) as err:
-            Loader(srv.http_url, "cifar", batch_size=50, shuffle=False, timeout=DEADLINE_S)
+            Loader(srv.http_url, "cifar", batch_size=50, shuffle=False, timeout=scaled(DEADLINE_S))
         assert victim.name in str(err.value) and REASONS[how] in str(err.value)
-        assert httpx.get(f"{srv.http_url}/v1/jobs", timeout=10).json() == []
+        assert httpx.get(f"{srv.http_url}/v1/jobs", timeout=scaled(10)).json() == []
         _good_dataset_streams(srv)
 
 
@@ -81,16 +82,21 @@ def test_a_flipped_byte_under_verify_full_fails_the_job_before_any_batch(
     _corrupt(victim, "flip")
     with run_server(store, "--verify", "full", "--state-dir", str(tmp_path / "state")) as srv:
         loader = Loader(
-            srv.http_url, "cifar", batch_size=50, shuffle=False, prefetch=2, timeout=DEADLINE_S
+            srv.http_url,
+            "cifar",
+            batch_size=50,
+            shuffle=False,
+            prefetch=2,
+            timeout=scaled(DEADLINE_S),
         )
         delivered: list[np.ndarray] = []
         t0 = time.monotonic()
         with loader, pytest.raises(DatasetCorruptError) as err:
             for b in loader:
                 delivered.append(_ids(b))
-        assert time.monotonic() - t0 < DEADLINE_S
+        assert time.monotonic() - t0 < scaled(DEADLINE_S)
         assert victim.name in str(err.value) and "checksum" in str(err.value)
-        st = httpx.get(f"{srv.http_url}/v1/jobs/{loader.job_id}", timeout=10).json()
+        st = httpx.get(f"{srv.http_url}/v1/jobs/{loader.job_id}", timeout=scaled(10)).json()
         assert st["state"] == "failed"
         assert victim.name in st["error"] and "checksum" in st["error"], st["error"]
         assert not delivered, "--verify full must refuse at first open, before any batch"
@@ -99,7 +105,9 @@ def test_a_flipped_byte_under_verify_full_fails_the_job_before_any_batch(
 
 def _good_dataset_streams(srv: ServerProc) -> None:
     """The server is alive and another dataset streams a whole epoch."""
-    with Loader(srv.http_url, "good", batch_size=25, prefetch=2, timeout=DEADLINE_S) as good:
+    with Loader(
+        srv.http_url, "good", batch_size=25, prefetch=2, timeout=scaled(DEADLINE_S)
+    ) as good:
         ids = np.concatenate([_ids(b) for b in good])
     assert np.array_equal(np.sort(ids), np.arange(100))
     assert srv.proc.poll() is None
@@ -167,7 +175,12 @@ def test_a_flipped_byte_fails_the_batch_that_reads_its_block(tmp_path: Path, man
     victim.write_bytes(bytes(data))
     with run_server(root, "--state-dir", str(tmp_path / "state")) as srv:
         loader = Loader(
-            srv.http_url, "cifar", batch_size=50, shuffle=False, prefetch=2, timeout=DEADLINE_S
+            srv.http_url,
+            "cifar",
+            batch_size=50,
+            shuffle=False,
+            prefetch=2,
+            timeout=scaled(DEADLINE_S),
         )
         delivered: list[np.ndarray] = []
         with loader, pytest.raises(DatasetCorruptError) as err:

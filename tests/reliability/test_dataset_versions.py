@@ -21,6 +21,7 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.store.versions import content_id
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, free_port, run_server
+from tests.support.slowness import scaled
 
 N = 600
 BATCH = 50
@@ -35,13 +36,13 @@ def _ingest_overwrite(store: Path, tmp: Path, n: int, seed: int) -> str:
     r = subprocess.run(
         [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
          "--name", "cifar", "--overwrite", "--quiet", "--shard-size", "256KiB"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     version = Store(store).version("cifar")
     r = subprocess.run(
         [sys.executable, "-m", "shardserve.server", "inspect", "--store", str(store), "cifar"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(60),
     )  # fmt: skip
     assert f"version   {version}" in r.stdout, r.stdout + r.stderr
     return version
@@ -57,7 +58,7 @@ def _check(batch: dict, images: np.ndarray) -> list[int]:
 
 
 def _job(srv: ServerProc, jid: str) -> dict:
-    r = httpx.get(f"{srv.http_url}/v1/jobs/{jid}", timeout=10)
+    r = httpx.get(f"{srv.http_url}/v1/jobs/{jid}", timeout=scaled(10))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -106,7 +107,7 @@ def test_overwrite_same_count_while_streaming_never_mixes(store: Path, tmp_path:
         srv = s.start()
         loaders = [
             Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3, rank=k, world_size=2,
-                   prefetch=2, timeout=20.0)
+                   prefetch=2, timeout=scaled(20.0))
             for k in range(2)
         ]  # fmt: skip
         try:
@@ -124,7 +125,9 @@ def test_overwrite_same_count_while_streaming_never_mixes(store: Path, tmp_path:
             assert sorted(seen[0] + seen[1]) == list(range(N))
             assert _job(srv, loaders[0].job_id)["spec"]["version"] == old_version
             # A Loader created after the overwrite: a job of its own, on the new bytes.
-            with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3, timeout=20.0) as fresh:
+            with Loader(
+                srv.http_url, "cifar", batch_size=BATCH, seed=3, timeout=scaled(20.0)
+            ) as fresh:
                 assert fresh.job_id != loaders[0].job_id
                 got = [i for b in fresh for i in _check(b, cifar_images(0, N, 1))]
             assert sorted(got) == list(range(N))
@@ -145,12 +148,14 @@ def test_overwrite_with_another_count_gets_a_new_job(store: Path, tmp_path: Path
     old_version = Store(store).version("cifar")
     with _Server(store, tmp_path) as s:
         srv = s.start()
-        with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=5, timeout=20.0) as old:
+        with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=5, timeout=scaled(20.0)) as old:
             it = iter(old)
             head = _check(next(it), old_images)
             new_version = _ingest_overwrite(store, tmp_path, 1000, seed=2)
             new_images = cifar_images(0, 1000, 2)
-            with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=5, timeout=20.0) as new:
+            with Loader(
+                srv.http_url, "cifar", batch_size=BATCH, seed=5, timeout=scaled(20.0)
+            ) as new:
                 assert new.job_id != old.job_id and len(new) == 1000 // BATCH
                 got = [i for b in new for i in _check(b, new_images)]
                 assert sorted(got) == list(range(1000))
@@ -162,7 +167,7 @@ def test_overwrite_with_another_count_gets_a_new_job(store: Path, tmp_path: Path
         st = _job(srv, old_id)
         assert st["state"] == "failed", st
         assert old_version in st["error"] and new_version in st["error"], st["error"]
-        with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=5, timeout=20.0) as new:
+        with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=5, timeout=scaled(20.0)) as new:
             got = [i for b in new for i in _check(b, new_images)]
             assert sorted(got) == list(range(1000))
             assert _job(srv, new.job_id)["num_samples"] == 1000
@@ -178,7 +183,7 @@ def test_restart_after_overwrite_mid_epoch_raises_dataset_changed(
     with _Server(store, tmp_path) as s:
         srv = s.start()
         with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=7, prefetch=1,
-                    timeout=15.0) as ld:  # fmt: skip
+                    timeout=scaled(15.0)) as ld:  # fmt: skip
             seen: list[int] = []
             it = iter(ld)
             for _ in range(3):
@@ -200,11 +205,16 @@ def test_job_pins_version_and_store_refuses_a_gone_one(store: Path, tmp_path: Pa
     ``dataset_changed`` that names both ids."""
     version = Store(store).version("cifar")
     with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 10})
+        r = httpx.post(
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 10},
+            timeout=scaled(10),
+        )
         assert r.status_code in (200, 201) and r.json()["status"]["spec"]["version"] == version
         r = httpx.post(
             f"{srv.http_url}/v1/jobs",
             json={"dataset": "cifar", "batch_size": 10, "version": "0123456789abcdef"},
+            timeout=scaled(10),
         )
         assert r.status_code == 409 and r.json()["code"] == "dataset_changed"
         assert "0123456789abcdef" in r.json()["detail"] and version in r.json()["detail"]
@@ -236,7 +246,7 @@ def test_a_rank_created_after_overwrite_is_refused_naming_both_versions(
             seen += [i for b in it for i in _check(b, old_images)]
             assert len(seen) == N // 2 and len(set(seen)) == N // 2
             old_id = rank0.job_id
-        r = httpx.delete(f"{srv.http_url}/v1/jobs/{old_id}", timeout=10)
+        r = httpx.delete(f"{srv.http_url}/v1/jobs/{old_id}", timeout=scaled(10))
         assert r.status_code == 200, r.text
         new_images = cifar_images(0, N + 100, 1)
         ranks = [Loader(srv.http_url, "cifar", rank=k, **kw) for k in range(2)]  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 MAX_EXAMPLES = 20
 
@@ -42,7 +43,9 @@ def test_schemathesis_finds_no_server_error(layout: Path, tmp_path: Path) -> Non
 
 def _schemathesis(http_server: ServerProc, tmp_path: Path) -> None:
     jid = httpx.post(
-        f"{http_server.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 10}, timeout=10
+        f"{http_server.http_url}/v1/jobs",
+        json={"dataset": "cifar", "batch_size": 10},
+        timeout=scaled(10),
     ).json()["id"]
     # Real identifiers, so that operations on existing resources are reached too.
     config = tmp_path / "schemathesis.toml"
@@ -54,7 +57,7 @@ def _schemathesis(http_server: ServerProc, tmp_path: Path) -> None:
         "--workers", "1", "--request-timeout", "10", "--max-time", "15", "--no-color",
         "--generation-database", "none", "--report", "json", "--report-dir", str(tmp_path / "rep"),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(100), cwd=tmp_path)
     reports = list((tmp_path / "rep").glob("*.json"))
     assert reports, (
         f"no schemathesis report; exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-2000:]}"
@@ -69,25 +72,29 @@ def _schemathesis(http_server: ServerProc, tmp_path: Path) -> None:
     assert not report["errors"], report["errors"]
     assert out.returncode == 0, out.stdout[-3000:]
     assert "Traceback" not in http_server.log_tail(1 << 20)
-    assert httpx.get(f"{http_server.http_url}/healthz", timeout=5).status_code == 200
+    assert httpx.get(f"{http_server.http_url}/healthz", timeout=scaled(5)).status_code == 200
 
 
 def test_oversized_bodies_are_refused_with_413(http_server: ServerProc) -> None:
     """A 2 MiB body is answered 413 whether its length is declared or it is streamed chunked, and the server keeps serving."""
     url = f"{http_server.http_url}/v1/jobs"
     big = b'{"dataset": "cifar", "batch_size": 1, "pad": "' + b"x" * (2 << 20) + b'"}'
-    r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        url, content=big, headers={"content-type": "application/json"}, timeout=scaled(30)
+    )
     assert r.status_code == 413 and r.json()["code"] == "too_large"
 
     def chunks() -> Iterator[bytes]:
         for i in range(0, len(big), 64 << 10):
             yield big[i : i + 64 << 10]
 
-    r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        url, content=chunks(), headers={"content-type": "application/json"}, timeout=scaled(30)
+    )
     assert r.status_code == 413
-    r = httpx.put(f"{url}/0123456789abcdef/epoch", content=big, timeout=30)
+    r = httpx.put(f"{url}/0123456789abcdef/epoch", content=big, timeout=scaled(30))
     assert r.status_code == 413
-    assert httpx.get(f"{http_server.http_url}/healthz", timeout=5).status_code == 200
+    assert httpx.get(f"{http_server.http_url}/healthz", timeout=scaled(5)).status_code == 200
 
 
 TRAVERSAL_PATHS = [
@@ -109,7 +116,7 @@ TRAVERSAL_PATHS = [
 @pytest.mark.parametrize("path", TRAVERSAL_PATHS)
 def test_dataset_path_traversal_is_a_4xx(http_server: ServerProc, layout: Path, path: str) -> None:
     """A dataset name that tries to leave the store (encoded ``..``, ``/``, NUL, hidden, huge) gets a 4xx, never the dataset outside."""
-    r = httpx.get(f"{http_server.http_url}{path}", timeout=10)
+    r = httpx.get(f"{http_server.http_url}{path}", timeout=scaled(10))
     assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:300])
     assert "num_samples" not in r.text
 
@@ -138,14 +145,16 @@ def test_job_with_traversal_dataset_name_is_a_4xx(
     http_server: ServerProc, layout: Path, name: str
 ) -> None:
     """POST /v1/jobs with a dataset name containing ``/``, ``..``, NUL or 10k characters is a 4xx and creates no job on data outside the store."""
-    before = httpx.get(f"{http_server.http_url}/v1/jobs", timeout=10).json()
+    before = httpx.get(f"{http_server.http_url}/v1/jobs", timeout=scaled(10)).json()
     r = httpx.post(
-        f"{http_server.http_url}/v1/jobs", json={"dataset": name, "batch_size": 10}, timeout=10
+        f"{http_server.http_url}/v1/jobs",
+        json={"dataset": name, "batch_size": 10},
+        timeout=scaled(10),
     )
     assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
     body = r.json()
     assert body["code"] in ("bad_request", "dataset_not_found") and body["detail"]
-    after = httpx.get(f"{http_server.http_url}/v1/jobs", timeout=10).json()
+    after = httpx.get(f"{http_server.http_url}/v1/jobs", timeout=scaled(10)).json()
     assert len(after) == len(before)
     assert not (layout / "evil" / ".shardserve").exists()
 
@@ -155,10 +164,10 @@ def test_job_status_size_does_not_scale_with_world_size(http_server: ServerProc)
     r = httpx.post(
         f"{http_server.http_url}/v1/jobs",
         json={"dataset": "cifar", "batch_size": 1, "seed": 99, "world_size": 1 << 16},
-        timeout=60,
+        timeout=scaled(60),
     )
     assert r.status_code == 201
     try:
         assert len(r.content) < 1 << 20, f"{len(r.content)} bytes for one job"
     finally:
-        httpx.delete(f"{http_server.http_url}/v1/jobs/{r.json()['id']}", timeout=60)
+        httpx.delete(f"{http_server.http_url}/v1/jobs/{r.json()['id']}", timeout=scaled(60))

@@ -20,6 +20,7 @@ import numpy as np
 from shardserve.client import Loader
 from tests.reliability.conftest import CIFAR_N
 from tests.reliability.test_restart import BATCH, _ids, _plan_ids, _Restarter
+from tests.support.slowness import scaled
 
 EPOCHS = 3
 WORLD = 2
@@ -41,7 +42,7 @@ class _Killer(threading.Thread):
     def run(self) -> None:
         try:
             for target, delay in self.targets:
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + scaled(120)
                 while self.step < target:
                     if self.done.is_set():
                         return  # the consumer failed: stop killing
@@ -64,7 +65,7 @@ def test_random_kill9_over_epochs_loses_and_duplicates_nothing(
         srv = r.start()
         loaders = [
             Loader(srv.http_url, "cifar", batch_size=BATCH, seed=SEED, rank=k, world_size=WORLD,
-                   prefetch=2, timeout=30.0)
+                   prefetch=2, timeout=scaled(30.0))
             for k in range(WORLD)
         ]  # fmt: skip
         per_epoch = len(loaders[0])
@@ -87,7 +88,7 @@ def test_random_kill9_over_epochs_loses_and_duplicates_nothing(
                     time.sleep(0.02)  # the training step
                 for it in its:
                     assert next(it, None) is None, "an epoch ran past its plan"
-            killer.join(timeout=60)
+            killer.join(timeout=scaled(60))
         finally:
             killer.done.set()
             for ld in loaders:

@@ -19,6 +19,7 @@ from tests.reliability.conftest import make_job, wait_until
 from tests.reliability.test_wire_hostile import replies_until_barrier
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.server import ServerProc
+from tests.support.slowness import scaled
 
 #: What every message's header frame starts with: the magic and this protocol's version.
 HEAD = b"SS" + bytes([PROTOCOL_VERSION])
@@ -56,11 +57,11 @@ def test_non_finite_or_absurd_stats_are_refused(rel_server: ServerProc, kind: by
                 or ("batches" in replies[0].message)
             ), replies[0].message
         s.close()
-    r = httpx.get(f"{rel_server.http_url}/v1/jobs/{job}", timeout=10)
+    r = httpx.get(f"{rel_server.http_url}/v1/jobs/{job}", timeout=scaled(10))
     for rank in r.json()["ranks"]:
         for k in ("wait_s", "compute_s", "batches_per_s"):
             assert math.isfinite(rank[k]), (k, rank)
-    metrics = httpx.get(f"{rel_server.http_url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{rel_server.http_url}/metrics", timeout=scaled(10)).text
     assert not [ln for ln in metrics.splitlines() if job in ln and ("Inf" in ln or "NaN" in ln)]
 
 

@@ -15,6 +15,7 @@ from shardserve.server.store.catalog import Store
 from tests.reliability.conftest import CIFAR_N
 from tests.support.data import sample_id_of
 from tests.support.server import ServerProc, free_port, run_server
+from tests.support.slowness import scaled
 
 BATCH = 50
 RESTARTS = 2
@@ -75,7 +76,7 @@ def test_single_rank_epoch_survives_two_kill9_restarts(
     with _Restarter(rel_store, tmp_path) as r:
         srv = r.start()
         loader = Loader(
-            srv.http_url, "cifar", batch_size=BATCH, seed=4, prefetch=2, timeout=20.0,
+            srv.http_url, "cifar", batch_size=BATCH, seed=4, prefetch=2, timeout=scaled(20.0),
             transport=transport,
         )  # fmt: skip
         with loader:
@@ -112,7 +113,7 @@ def test_two_ranks_survive_two_kill9_restarts(rel_store: Path, tmp_path: Path) -
                 rank=k,
                 world_size=2,
                 prefetch=1,
-                timeout=20.0,
+                timeout=scaled(20.0),
             )
             for k in range(2)
         ]

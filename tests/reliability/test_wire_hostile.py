@@ -52,12 +52,13 @@ def _barrier_name() -> str:
     return f"barrier-{next(_barrier)}"
 
 
-def replies_until_barrier(s: RawStream, timeout: float = 10.0) -> list[object]:
+def replies_until_barrier(s: RawStream, timeout: float | None = None) -> list[object]:
     """Send a Hello for a unique unknown job and collect every reply before its JOB_NOT_FOUND.
 
     The server handles one peer's messages in order and answers on one socket, so whatever it
     said about earlier messages arrives before the barrier's answer.
     """
+    timeout = scaled(10.0) if timeout is None else timeout
     name = _barrier_name()
     s.send(Hello(job=name, rank=0, epoch=0, credit=1, transport="socket"))
     got: list[object] = []

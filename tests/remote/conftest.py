@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support.server import free_port
+from tests.support.slowness import scaled
 
 #: Fake credentials: any appearance of these in output is a leak.
 ACCESS_KEY = "AKIASHARDSERVELEAK01"
@@ -53,7 +54,7 @@ class MotoServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join(timeout=30)  # serve_forever returned in shutdown: a formality
+        self._thread.join(timeout=scaled(30))  # serve_forever returned in shutdown: a formality
 
 
 @dataclass
@@ -117,14 +118,14 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     # stopped could not empty them: start from nothing. moto builds its S3 backend on the first
     # request, which on a loaded machine takes longer than pyarrow's 3 s low-speed limit, so
     # both go over plain HTTP with a deadline.
-    httpx.post(f"{s.endpoint}/moto-api/reset", timeout=60)
-    r = httpx.put(f"{s.endpoint}/{BUCKET}", timeout=60)
+    httpx.post(f"{s.endpoint}/moto-api/reset", timeout=scaled(60))
+    r = httpx.put(f"{s.endpoint}/{BUCKET}", timeout=scaled(60))
     assert r.status_code == 200, f"moto did not create bucket {BUCKET!r}: {r.status_code} {r.text}"
     try:
         yield s
     finally:
         # moto keeps buckets in process-global state: empty it for the next test.
         with contextlib.suppress(httpx.TransportError):
-            httpx.post(f"{s.endpoint}/moto-api/reset", timeout=5)
+            httpx.post(f"{s.endpoint}/moto-api/reset", timeout=scaled(5))
         with contextlib.suppress(Exception):
             s.stop()

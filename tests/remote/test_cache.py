@@ -11,6 +11,7 @@ import pytest
 import xxhash
 
 from shardserve.server.store.cache import ShardCache, cache_key
+from tests.support.slowness import scaled
 
 from ._cache_worker import SIZE, checksum, content
 
@@ -80,7 +81,7 @@ def test_processes_sharing_a_cache_never_corrupt_it(tmp_path: Path) -> None:
         )
         for seed in range(3)
     ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [p.communicate(timeout=scaled(120))[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
     fetched = sum(int(o.split()[-1]) for o in outs)

@@ -12,6 +12,7 @@ from shardserve.client import Loader
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.resume import assert_resumes_exactly
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 N = 1203  # not a multiple of the world size: the partition pads, every rank still gets as many
 WORLD = 4
@@ -36,7 +37,9 @@ def sidecar_of(rank: int, nodes: tuple[ServerProc, ServerProc]) -> ServerProc:
 
 def loader_on(srv: ServerProc, rank: int, monkeypatch: pytest.MonkeyPatch, **kw: object) -> Loader:
     monkeypatch.setenv("SHARDSERVE_URL", srv.http_url)
-    return Loader(None, "cifar", BATCH, seed=11, rank=rank, world_size=WORLD, timeout=30, **kw)
+    return Loader(
+        None, "cifar", BATCH, seed=11, rank=rank, world_size=WORLD, timeout=scaled(30), **kw
+    )
 
 
 @pytest.mark.parametrize("shuffle", ["global", "block"])

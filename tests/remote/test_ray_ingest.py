@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from shardserve.server.store.catalog import Store
+from tests.support.slowness import scaled
 
 from .conftest import S3
 
@@ -35,7 +36,7 @@ def ingest(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "shardserve.server", "ingest", *args, "--quiet"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
         env=env,
     )
 

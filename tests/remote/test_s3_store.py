@@ -20,6 +20,7 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.store.remote import RemoteStore, StoreOptions
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 from .conftest import ACCESS_KEY, S3, SECRET_KEY
 
@@ -49,7 +50,7 @@ def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "shardserve.server", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         env={**os.environ, **env},
     )
 
@@ -62,13 +63,13 @@ def upload(s3: S3, local_root: Path, name: str, prefix: str = "store") -> Remote
 
 def epoch_bytes(url: str, epoch: int, **kw: object) -> list[bytes]:
     """Every batch of one epoch of rank 0 of 1, as raw image bytes."""
-    with Loader(url, "cifar", 64, seed=5, rank=0, world_size=1, timeout=30, **kw) as loader:
+    with Loader(url, "cifar", 64, seed=5, rank=0, world_size=1, timeout=scaled(30), **kw) as loader:
         loader.set_epoch(epoch)
         return [b["image"].numpy().tobytes() for b in loader]
 
 
 def metric(srv_url: str, name: str) -> float:
-    text = httpx.get(f"{srv_url}/metrics", timeout=10).text
+    text = httpx.get(f"{srv_url}/metrics", timeout=scaled(10)).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -167,7 +168,7 @@ def test_cache_smaller_than_the_dataset_serves_identical_bytes(
         assert metric(srv.http_url, "shardserve_cache_prefetches_total") > 0
         fetched = metric(srv.http_url, "shardserve_cache_fetched_bytes_total")
         assert fetched >= m.total_bytes
-        page = httpx.get(f"{srv.http_url}/", timeout=10).text
+        page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
         assert "shard cache" in page and "hit rate" in page
     cached = sum(p.stat().st_size for p in (tmp_path / "cache").glob("*.arrow"))
     assert cached <= limit + 2 * max(s.bytes for s in m.shards)
@@ -257,7 +258,7 @@ def test_endpoint_going_away_mid_epoch_errors_then_recovers(
             seed=5,
             rank=0,
             world_size=1,
-            timeout=20,
+            timeout=scaled(20),
             shuffle="none",
             prefetch=1,
         )
@@ -308,14 +309,14 @@ def test_credentials_never_appear_in_logs_errors_metrics_or_pages(s3: S3, tmp_pa
     ) as srv:
         epoch_bytes(srv.http_url, 0)
         for path in ("/metrics", "/", "/v1/info", "/v1/datasets", "/v1/jobs"):
-            seen.append(httpx.get(f"{srv.http_url}{path}", timeout=10).text)
+            seen.append(httpx.get(f"{srv.http_url}{path}", timeout=scaled(10)).text)
         s3.stop()
         with pytest.raises(ShardserveError) as info:
             epoch_bytes(srv.http_url, 1, shuffle="none", prefetch=1)
         seen.append(str(info.value))
-        page = httpx.get(f"{srv.http_url}/", timeout=10)
+        page = httpx.get(f"{srv.http_url}/", timeout=scaled(10))
         assert page.status_code == 200 and "unavailable" in page.text  # the page still renders
-        listing = httpx.get(f"{srv.http_url}/v1/datasets", timeout=10)
+        listing = httpx.get(f"{srv.http_url}/v1/datasets", timeout=scaled(10))
         assert listing.status_code == 503, listing.text
         seen += [page.text, listing.text]
         seen.append(srv.log_tail(1 << 22))
@@ -356,7 +357,7 @@ def test_two_servers_sharing_one_cache_dir_serve_identical_bytes(
         ThreadPoolExecutor(2) as pool,
     ):
         runs = [pool.submit(epoch_bytes, srv.http_url, 0, shuffle="block") for srv in (a, b)]
-        assert [r.result(timeout=120) for r in runs] == [want, want]
+        assert [r.result(timeout=scaled(120)) for r in runs] == [want, want]
     files = list(cache.glob("*.arrow"))
     assert files
     for f in files:
@@ -386,7 +387,7 @@ def test_nested_nullable_and_variable_fields_read_the_same_from_a_bucket(
     upload(s3, root, "pde")
 
     def read(url: str) -> list[dict[str, object]]:
-        with Loader(url, "pde", 7, seed=3, rank=0, world_size=1, timeout=60) as loader:
+        with Loader(url, "pde", 7, seed=3, rank=0, world_size=1, timeout=scaled(60)) as loader:
             loader.set_epoch(1)
             return list(loader)
 

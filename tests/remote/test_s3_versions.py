@@ -11,6 +11,7 @@ from shardserve.client import Loader
 from shardserve.server.store.remote import RemoteStore, StoreOptions
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 from .conftest import S3
 
@@ -41,7 +42,7 @@ def test_overwrite_in_the_bucket_while_streaming_never_mixes(s3: S3, tmp_path: P
         "--cache-limit-bytes", str(m.total_bytes // 3),
         env=s3.env,
     ) as srv:  # fmt: skip
-        ld = Loader(srv.http_url, "cifar", 50, seed=2, prefetch=1, timeout=30)
+        ld = Loader(srv.http_url, "cifar", 50, seed=2, prefetch=1, timeout=scaled(30))
         with ld:
             it = iter(ld)
             seen = _ids_checked(next(it), old_images)
@@ -50,7 +51,7 @@ def test_overwrite_in_the_bucket_while_streaming_never_mixes(s3: S3, tmp_path: P
             assert sorted(seen) == list(range(N))
             ld.set_epoch(1)
             assert sorted(i for b in ld for i in _ids_checked(b, old_images)) == list(range(N))
-            with Loader(srv.http_url, "cifar", 50, seed=2, timeout=30) as fresh:
+            with Loader(srv.http_url, "cifar", 50, seed=2, timeout=scaled(30)) as fresh:
                 assert fresh.job_id != ld.job_id
                 got = [i for b in fresh for i in _ids_checked(b, new_images)]
             assert sorted(got) == list(range(N))

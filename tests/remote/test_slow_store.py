@@ -18,6 +18,7 @@ from shardserve.server.store.object_fs import CacheUnwritable, StoreUnavailable
 from shardserve.server.store.remote import RemoteStore, StoreOptions
 from tests.support.data import make_cifar_like
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 from .conftest import S3
 from .test_s3_store import upload
@@ -28,7 +29,7 @@ FLOOR = 64 << 10  # bytes/s: a 256 kB shard may take 3 x 1 s + 4 s
 
 
 def _epoch(url: str, dataset: str, epoch: int, **kw: object) -> list[bytes]:
-    with Loader(url, dataset, 64, seed=5, rank=0, world_size=1, timeout=30, shuffle="none",
+    with Loader(url, dataset, 64, seed=5, rank=0, world_size=1, timeout=scaled(30), shuffle="none",
                 **kw) as ld:  # fmt: skip
         ld.set_epoch(epoch)
         return [b["image"].numpy().tobytes() for b in ld]
@@ -73,7 +74,7 @@ def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
         ) as srv,
     ):  # fmt: skip
         assert _epoch(srv.http_url, "cached", 0) == want["cached0"]  # every shard now cached
-        slow = Loader(srv.http_url, "slow", 64, seed=5, rank=0, world_size=1, timeout=30,
+        slow = Loader(srv.http_url, "slow", 64, seed=5, rank=0, world_size=1, timeout=scaled(30),
                       shuffle="none", prefetch=1)  # fmt: skip
         proxy.throttle(2048)
         failure: list[BaseException] = []
@@ -91,7 +92,7 @@ def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
         t = threading.Thread(target=read_slow)
         t.start()
         assert _epoch(srv.http_url, "cached", 1) == want["cached1"]
-        t.join(60)
+        t.join(scaled(60))
         slow.close()
         assert not t.is_alive()
         assert len(failure) == 1, failure
@@ -105,7 +106,7 @@ def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
         print(f"\ntrickling store: 'unavailable' after {took[0]:.1f} s: {text}")
         assert took[0] < 25, took
         proxy.unthrottle()
-        r = httpx.get(f"{srv.http_url}/readyz", timeout=10)
+        r = httpx.get(f"{srv.http_url}/readyz", timeout=scaled(10))
         assert r.status_code == 200, r.text
 
 

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from shardserve.server.settings import Settings
 from shardserve.server.store.object_fs import StoreOptions, display_uri, scrub, uri_secrets
+from tests.support.slowness import scaled
 
 
 def test_a_uri_stays_a_uri_and_a_folder_a_path(tmp_path: Path) -> None:
@@ -31,7 +32,7 @@ def test_a_remote_store_without_a_cache_dir_is_refused() -> None:
         [sys.executable, "-m", "shardserve.server", "serve", "--store", "s3://bucket/prefix"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert r.returncode == 2 and "--cache-dir" in r.stderr
 

@@ -18,6 +18,8 @@ import threading
 import time
 from types import TracebackType
 
+from tests.support.slowness import scaled
+
 #: Seconds between two pieces of a trickled answer.
 PIECE_S = 0.1
 
@@ -56,7 +58,7 @@ class ThrottlingProxy:
             except OSError:
                 return
             try:
-                up = socket.create_connection(self.upstream, timeout=5)
+                up = socket.create_connection(self.upstream, timeout=scaled(5))
             except OSError:
                 client.close()
                 continue

@@ -24,7 +24,9 @@ from shardserve.proto.messages import (
     Kind,
     Message,
 )
+from tests.support.slowness import scaled
 
+#: How long a receive waits by default on an idle machine (stretched by :func:`scaled`).
 RECV_TIMEOUT_S = 15.0
 
 
@@ -64,7 +66,10 @@ class RawStream:
     def grant(self, n: int) -> None:
         self.send(Credit(grant=n))
 
-    def recv(self, timeout: float = RECV_TIMEOUT_S, what: str = "a message") -> Message | Batch:
+    def recv(self, timeout: float | None = None, what: str = "a message") -> Message | Batch:
+        """The next message; ``timeout`` (default :data:`RECV_TIMEOUT_S` stretched by this
+        machine's slowness) bounds the wait for it."""
+        timeout = scaled(RECV_TIMEOUT_S) if timeout is None else timeout
         if not self.sock.poll(int(timeout * 1000)):
             raise TimeoutError(f"no message from the server within {timeout} s (waited for {what})")
         frames = self.sock.recv_multipart(copy=False)
@@ -74,7 +79,7 @@ class RawStream:
         return decode([f.bytes for f in frames])
 
     def recv_kind(
-        self, cls: type, timeout: float = RECV_TIMEOUT_S, skip_heartbeats: bool = True
+        self, cls: type, timeout: float | None = None, skip_heartbeats: bool = True
     ) -> object:
         """The next message, which must be a ``cls`` (server heartbeats skipped)."""
         while True:

@@ -14,6 +14,7 @@ from shardserve.client import Loader
 from tests.server.test_metrics import scrape, value
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, job_status, run_server
+from tests.support.slowness import scaled
 
 N = 2000
 
@@ -52,7 +53,7 @@ def test_small_batches_are_counted_as_batches_everywhere(srv: ServerProc) -> Non
         assert total == sum(got.values())
         messages = value(samples, "shardserve_messages_sent_total")
         assert 0 < messages < total
-        page = httpx.get(f"{srv.http_url}/", timeout=10).text
+        page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
         for r, n in got.items():
             row = re.search(rf"<tr class='[^']*'><td>{r}</td>.*?</tr>", page, re.S)
             assert row is not None, page

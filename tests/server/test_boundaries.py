@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.slowness import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,6 +27,8 @@ def test_cli_builds_without_loading_client_or_torch() -> None:
         "build_parser().parse_known_args(['demo', '--epochs', '1'])\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('shardserve.client')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60)
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

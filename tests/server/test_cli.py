@@ -20,6 +20,7 @@ import pytest
 from shardserve.server.cli import COMMANDS, INSTALL_SERVER, build_parser
 from shardserve.server.settings import unknown_env
 from shardserve.server.store.ingest.registry import READERS
+from tests.support.slowness import scaled
 
 CLI = [sys.executable, "-m", "shardserve.server"]
 #: How the top-level help names the formats that have no file suffix.
@@ -36,7 +37,7 @@ def _run(
     *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, *argv], capture_output=True, text=True, timeout=120, cwd=cwd,
+        [*CLI, *argv], capture_output=True, text=True, timeout=scaled(120), cwd=cwd,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
 
@@ -63,7 +64,9 @@ def _help_loads(argv: list[str], heavy: list[str]) -> tuple[str, str]:
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60)
+    )
     assert out.returncode == 0, out.stderr
     *shown, loaded = out.stdout.strip().splitlines()
     return "\n".join(shown), loaded
@@ -152,7 +155,7 @@ def test_serve_create_makes_the_store_and_starts(tmp_path: Path) -> None:
     with run_server(store) as srv:  # run_server passes --create
         import httpx
 
-        assert httpx.get(f"{srv.http_url}/v1/datasets", timeout=30).json() == []
+        assert httpx.get(f"{srv.http_url}/v1/datasets", timeout=scaled(30)).json() == []
     assert store.is_dir()
 
 
@@ -173,7 +176,9 @@ def test_a_missing_server_extra_is_one_line_naming_the_install(tmp_path: Path) -
         "from shardserve.server.cli import main\n"
         f"sys.exit(main(['ls', '--store', {str(tmp_path)!r}]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60)
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"shardserve: this command needs the server extra (pyarrow is missing): {INSTALL_SERVER}"
@@ -195,7 +200,7 @@ def test_a_map_module_in_the_current_directory_is_found(tmp_path: Path) -> None:
     out = subprocess.run(
         [str(script), "ingest", "x.npz", "--store", str(tmp_path / "store"), "--name", "d",
          "--map", "mymod_i33:double", "--quiet"],
-        capture_output=True, text=True, timeout=120, cwd=work,
+        capture_output=True, text=True, timeout=scaled(120), cwd=work,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "3 samples" in out.stdout or "3" in out.stdout, out.stdout
@@ -210,7 +215,9 @@ def test_the_demo_without_its_extra_says_what_to_install() -> None:
         "from shardserve.server.cli import main\n"
         "sys.exit(main(['demo']))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60)
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "shardserve demo: needs the demo extra (sklearn missing): "

@@ -11,11 +11,12 @@ from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 from tests.server.conftest import CIFAR_N
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.server import ServerProc
+from tests.support.slowness import scaled
 
 
 @pytest.fixture
 def http(server: ServerProc) -> httpx.Client:
-    with httpx.Client(base_url=server.http_url, timeout=10) as client:
+    with httpx.Client(base_url=server.http_url, timeout=scaled(10)) as client:
         yield client
 
 

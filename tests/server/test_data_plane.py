@@ -26,6 +26,7 @@ from tests.server.conftest import CIFAR_N
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import sample_id_of
 from tests.support.server import ServerProc, job_status, make_job
+from tests.support.slowness import scaled
 
 #: What every message's header frame starts with: the magic and this protocol's version.
 HEAD = b"SS" + bytes([PROTOCOL_VERSION])
@@ -227,11 +228,11 @@ def test_delete_job_ends_its_streams(server: ServerProc) -> None:
         s.hello(job, credit=1)
         s.recv_kind(Welcome)
         s.recv_kind(Batch)
-        r = httpx.delete(f"{server.http_url}/v1/jobs/{job}", timeout=10)
+        r = httpx.delete(f"{server.http_url}/v1/jobs/{job}", timeout=scaled(10))
         assert r.status_code == 200 and r.json()["state"] == "deleted"
         e = s.recv_kind(Error)
         assert e.code == ErrorCode.JOB_FAILED and e.fatal and "deleted" in e.message
-        assert httpx.get(f"{server.http_url}/v1/jobs/{job}", timeout=10).status_code == 404
+        assert httpx.get(f"{server.http_url}/v1/jobs/{job}", timeout=scaled(10)).status_code == 404
         s.close()
 
 

@@ -13,6 +13,7 @@ from pydantic import ByteSize
 from shardserve.server.cli import build_parser
 from shardserve.server.flags import flag_name, given_settings
 from shardserve.server.settings import Settings, StoreDefaults
+from tests.support.slowness import scaled
 
 #: Every serve flag before flags were derived from Settings, with a value and the field it set.
 OLD_FLAGS: list[tuple[list[str], str, object]] = [
@@ -101,7 +102,7 @@ def test_a_bad_value_exits_2_naming_the_setting(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "shardserve.server", "serve", "--store", str(tmp_path),
          "--heartbeat-s", "-1"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(60),
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert "heartbeat_s" in r.stderr and "greater than 0" in r.stderr

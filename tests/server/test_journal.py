@@ -9,6 +9,7 @@ import httpx
 
 from shardserve.proto.jobs import JobSpec, job_id
 from tests.support.server import make_job, run_server
+from tests.support.slowness import scaled
 
 
 def _journal_line(job: JobSpec, **over: object) -> str:
@@ -33,16 +34,20 @@ def test_second_server_on_the_same_state_neither_adopts_nor_writes_the_journal(
             warned = [ln for ln in second.log_tail().splitlines() if "journal.unavailable" in ln]
             assert len(warned) == 1 and " WARNING " in warned[0], second.log_tail()
             assert f"pid {first.proc.pid}" in warned[0] and "--state-dir" in warned[0], warned
-            assert httpx.get(f"{second.http_url}/v1/jobs", timeout=10).json() == []
+            assert httpx.get(f"{second.http_url}/v1/jobs", timeout=scaled(10)).json() == []
             other = make_job(second, seed=12)
-            r = httpx.put(f"{second.http_url}/v1/jobs/{other}/epoch", json={"epoch": 4}, timeout=10)
+            r = httpx.put(
+                f"{second.http_url}/v1/jobs/{other}/epoch", json={"epoch": 4}, timeout=scaled(10)
+            )
             assert r.status_code == 200, r.text
-            assert "not journaled" in httpx.get(f"{second.http_url}/", timeout=10).text
+            assert "not journaled" in httpx.get(f"{second.http_url}/", timeout=scaled(10)).text
         assert (state / "jobs.jsonl").read_bytes() == before, "the second server wrote the journal"
-        assert httpx.get(f"{first.http_url}/v1/jobs/{jid}", timeout=10).status_code == 200
+        assert httpx.get(f"{first.http_url}/v1/jobs/{jid}", timeout=scaled(10)).status_code == 200
         first.kill()  # kill -9: the kernel drops the lock with the process
     with run_server(cifar_store, "--state-dir", str(state)) as again:
-        assert [j["id"] for j in httpx.get(f"{again.http_url}/v1/jobs", timeout=10).json()] == [jid]
+        assert [
+            j["id"] for j in httpx.get(f"{again.http_url}/v1/jobs", timeout=scaled(10)).json()
+        ] == [jid]
         assert "journal.unavailable" not in again.log_tail()
 
 
@@ -63,10 +68,10 @@ def test_invalid_journal_lines_are_skipped_with_one_log_line_each(
     ]
     (state / "jobs.jsonl").write_text("\n".join(lines) + "\n")
     with run_server(cifar_store, "--state-dir", str(state)) as srv:
-        jobs = httpx.get(f"{srv.http_url}/v1/jobs", timeout=10)
+        jobs = httpx.get(f"{srv.http_url}/v1/jobs", timeout=scaled(10))
         assert jobs.status_code == 200, jobs.text
         assert [j["id"] for j in jobs.json()] == [job_id(good)]
-        assert httpx.get(f"{srv.http_url}/", timeout=10).status_code == 200
+        assert httpx.get(f"{srv.http_url}/", timeout=scaled(10)).status_code == 200
         make_job(srv, batch_size=12)
         skipped = [ln for ln in srv.log_tail(100_000).splitlines() if "journal.skipped_line" in ln]
         assert [int(ln.split(" line=")[1].split()[0]) for ln in skipped] == [2, 3, 4, 5, 6], skipped
@@ -79,14 +84,16 @@ def test_journal_past_the_cap_loads_only_the_cap(cifar_store: Path, tmp_path: Pa
     state.mkdir()
     specs = [JobSpec(dataset="cifar", batch_size=10, seed=i) for i in range(5000)]
     (state / "jobs.jsonl").write_text("".join(_journal_line(s) + "\n" for s in specs))
-    with run_server(cifar_store, "--state-dir", str(state), timeout=60) as srv:
-        ids = {j["id"] for j in httpx.get(f"{srv.http_url}/v1/jobs", timeout=30).json()}
+    with run_server(cifar_store, "--state-dir", str(state), timeout=scaled(60)) as srv:
+        ids = {j["id"] for j in httpx.get(f"{srv.http_url}/v1/jobs", timeout=scaled(30)).json()}
         assert ids == {job_id(s) for s in specs[-4096:]}
         over = [ln for ln in srv.log_tail(100_000).splitlines() if "journal.over_cap" in ln]
         assert len(over) == 1 and "dropped=904" in over[0], over
         # Replayed jobs are idle until a rank comes back, so they do not block new ones.
         r = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 7}, timeout=10
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 7},
+            timeout=scaled(10),
         )
         assert r.status_code == 201, r.text
     # Compacted to the cap at start, then one create and the eviction's delete appended.

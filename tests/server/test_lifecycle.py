@@ -26,14 +26,16 @@ def test_epoch_and_seed_survive_a_crash_and_restart(cifar_store: Path, tmp_path:
     state = ["--state-dir", str(tmp_path / "state")]
     spec = {"dataset": "cifar", "batch_size": 100, "seed": 2, "world_size": 2}
     with run_server(cifar_store, *state, http_port=http_port, data_port=data_port) as srv:
-        jid = httpx.post(f"{srv.http_url}/v1/jobs", json=spec).json()["id"]
-        r = httpx.put(f"{srv.http_url}/v1/jobs/{jid}/epoch", json={"epoch": 4, "seed": 17})
+        jid = httpx.post(f"{srv.http_url}/v1/jobs", json=spec, timeout=scaled(10)).json()["id"]
+        r = httpx.put(
+            f"{srv.http_url}/v1/jobs/{jid}/epoch", json={"epoch": 4, "seed": 17}, timeout=scaled(10)
+        )
         assert r.status_code == 200
         srv.kill()
     with run_server(cifar_store, *state, http_port=http_port, data_port=data_port) as srv2:
-        st = httpx.get(f"{srv2.http_url}/v1/jobs/{jid}").json()
+        st = httpx.get(f"{srv2.http_url}/v1/jobs/{jid}", timeout=scaled(10)).json()
         assert (st["epoch"], st["seed"], st["spec"]["world_size"]) == (4, 17, 2)
-        again = httpx.post(f"{srv2.http_url}/v1/jobs", json=spec)
+        again = httpx.post(f"{srv2.http_url}/v1/jobs", json=spec, timeout=scaled(10))
         assert again.status_code == 200 and again.json()["id"] == jid
         assert srv2.tcp_endpoint == f"tcp://127.0.0.1:{data_port}"
         with zmq_context() as ctx:
@@ -47,7 +49,9 @@ def test_sigterm_tells_streams_and_exits_zero(cifar_store: Path, tmp_path: Path)
     """SIGTERM: an open stream gets a non-fatal SERVER_SHUTDOWN error and the process exits 0 within a few seconds."""
     with run_server(cifar_store, "--state-dir", str(tmp_path)) as srv:
         jid = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 10}
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 10},
+            timeout=scaled(10),
         ).json()["id"]
         with zmq_context() as ctx:
             s = RawStream(ctx, srv.tcp_endpoint)
@@ -57,7 +61,7 @@ def test_sigterm_tells_streams_and_exits_zero(cifar_store: Path, tmp_path: Path)
             t0 = time.monotonic()
             code = srv.terminate(timeout=scaled(10.0))
             elapsed = time.monotonic() - t0
-            err = s.recv_kind(Error, timeout=5)
+            err = s.recv_kind(Error, timeout=scaled(5))
             s.close()
         assert code == 0, srv.log_tail()
         assert err.code == ErrorCode.SERVER_SHUTDOWN and not err.fatal
@@ -69,21 +73,29 @@ def test_token_guards_http_and_data_plane(cifar_store: Path, tmp_path: Path) -> 
     """With --token, HTTP needs the bearer token (except /healthz) and a Hello without it is Rejected."""
     with run_server(cifar_store, "--token", "s3cret", "--state-dir", str(tmp_path)) as srv:
         url = srv.http_url
-        assert httpx.get(f"{url}/healthz").status_code == 200
+        assert httpx.get(f"{url}/healthz", timeout=scaled(10)).status_code == 200
         for path in ("/readyz", "/v1/info", "/v1/datasets", "/metrics", "/"):
-            assert httpx.get(f"{url}{path}").status_code == 401, path
+            assert httpx.get(f"{url}{path}", timeout=scaled(10)).status_code == 401, path
         assert (
-            httpx.get(f"{url}/v1/info", headers={"Authorization": "Bearer nope"}).status_code == 401
+            httpx.get(
+                f"{url}/v1/info", headers={"Authorization": "Bearer nope"}, timeout=scaled(10)
+            ).status_code
+            == 401
         )
         # A browser gets a Basic challenge and may answer with the token as password.
-        denied = httpx.get(f"{url}/")
+        denied = httpx.get(f"{url}/", timeout=scaled(10))
         assert "Basic" in denied.headers["www-authenticate"]
-        assert httpx.get(f"{url}/", auth=("anyone", "s3cret")).status_code == 200
-        assert httpx.get(f"{url}/", auth=("anyone", "wrong")).status_code == 401
-        info = httpx.get(f"{url}/v1/info", headers=srv.headers).json()
+        assert (
+            httpx.get(f"{url}/", auth=("anyone", "s3cret"), timeout=scaled(10)).status_code == 200
+        )
+        assert httpx.get(f"{url}/", auth=("anyone", "wrong"), timeout=scaled(10)).status_code == 401
+        info = httpx.get(f"{url}/v1/info", headers=srv.headers, timeout=scaled(10)).json()
         assert info["auth_required"] is True
         jid = httpx.post(
-            f"{url}/v1/jobs", json={"dataset": "cifar", "batch_size": 10}, headers=srv.headers
+            f"{url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 10},
+            headers=srv.headers,
+            timeout=scaled(10),
         ).json()["id"]
         with zmq_context() as ctx:
             s = RawStream(ctx, srv.tcp_endpoint)
@@ -108,9 +120,12 @@ def test_corrupt_shard_fails_the_job_not_the_server(cifar_store: Path, tmp_path:
         bad = httpx.post(
             f"{srv.http_url}/v1/jobs",
             json={"dataset": "cifar", "batch_size": 1000, "shuffle": "none"},
+            timeout=scaled(10),
         ).json()["id"]
         good = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "good", "batch_size": 50}
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "good", "batch_size": 50},
+            timeout=scaled(10),
         ).json()["id"]
         with zmq_context() as ctx:
             s = RawStream(ctx, srv.tcp_endpoint)
@@ -120,7 +135,7 @@ def test_corrupt_shard_fails_the_job_not_the_server(cifar_store: Path, tmp_path:
             assert (
                 err.code == ErrorCode.DATASET_CORRUPT and err.fatal and victim.name in err.message
             )
-            st = httpx.get(f"{srv.http_url}/v1/jobs/{bad}").json()
+            st = httpx.get(f"{srv.http_url}/v1/jobs/{bad}", timeout=scaled(10)).json()
             assert st["state"] == "failed" and victim.name in st["error"]
             s.hello(bad)
             assert s.recv_kind(Error).code == ErrorCode.DATASET_CORRUPT
@@ -151,7 +166,7 @@ def test_public_bind_without_token_is_refused(cifar_store: Path, tmp_path: Path)
         ],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert out.returncode == 2 and "--insecure" in out.stderr and "token" in out.stderr
     assert not ready.exists()
@@ -162,7 +177,9 @@ def test_json_logs_are_one_object_per_line(cifar_store: Path, tmp_path: Path, fm
     """With --log-format json every log line is a JSON object; stream events name job, rank and stream."""
     with run_server(cifar_store, "--log-format", fmt, "--state-dir", str(tmp_path)) as srv:
         jid = httpx.post(
-            f"{srv.http_url}/v1/jobs", json={"dataset": "cifar", "batch_size": 500}
+            f"{srv.http_url}/v1/jobs",
+            json={"dataset": "cifar", "batch_size": 500},
+            timeout=scaled(10),
         ).json()["id"]
         with zmq_context() as ctx:
             s = RawStream(ctx, srv.tcp_endpoint)

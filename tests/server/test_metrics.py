@@ -24,6 +24,7 @@ from prometheus_client.samples import Sample
 from shardserve.proto.messages import Bye, ClientStats, Credit, Heartbeat, Welcome
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.server import ServerProc, free_port, job_status, make_job, run_server
+from tests.support.slowness import scaled
 
 IDLE_AFTER_S = 1.0
 BATCH = 100  # 1000 samples: 10 batches per epoch
@@ -36,7 +37,7 @@ PER_JOB = {
 
 
 def scrape(srv: ServerProc) -> tuple[str, dict[str, list[Sample]]]:
-    r = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=10)
+    r = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10))
     assert r.status_code == 200, r.text
     samples: dict[str, list[Sample]] = {}
     for fam in text_string_to_metric_families(r.text):
@@ -55,7 +56,8 @@ def value(samples: dict[str, list[Sample]], name: str, **labels: str) -> float:
     return got[0]
 
 
-def wait_for_state(srv: ServerProc, job: str, state: str, timeout: float = 15.0) -> None:
+def wait_for_state(srv: ServerProc, job: str, state: str, timeout: float | None = None) -> None:
+    timeout = scaled(15.0) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while (got := job_status(srv, job)["state"]) != state:
         assert time.monotonic() < deadline, f"job {job} is {got!r}, never became {state!r}"
@@ -89,7 +91,7 @@ def test_series_follow_conventions_and_ended_jobs_disappear(server: ServerProc) 
         idle.send(Heartbeat(stats=ClientStats(batches=2, wait_s=0.5, compute_s=0.25)))
         # A new Loader on the same rank restarts its numbers: the counter must not go down.
         idle.send(Heartbeat(stats=ClientStats(batches=1, wait_s=0.125, compute_s=0.0)))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while True:
             text, samples = scrape(server)
             waits = {
@@ -149,7 +151,9 @@ def test_series_follow_conventions_and_ended_jobs_disappear(server: ServerProc) 
     assert value(samples, "shardserve_jobs", state="finished") == 1
     assert value(samples, "shardserve_jobs", state="idle") == 1
     assert value(samples, "shardserve_jobs", state="running") == 0
-    r = httpx.delete(f"{server.http_url}/v1/jobs/{idle_job}", headers=server.headers, timeout=10)
+    r = httpx.delete(
+        f"{server.http_url}/v1/jobs/{idle_job}", headers=server.headers, timeout=scaled(10)
+    )
     assert r.status_code == 200, r.text
     _, samples = scrape(server)
     assert not any(s.labels.get("job_id") == idle_job for ss in samples.values() for s in ss)
@@ -161,7 +165,11 @@ def test_promtool_accepts_the_exposition(server: ServerProc) -> None:
     make_job(server, batch_size=BATCH, seed=3)
     text, _ = scrape(server)
     out = subprocess.run(
-        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+        ["promtool", "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
     )
     assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), (
         f"promtool: rc={out.returncode}\n{out.stdout}\n{out.stderr}"
@@ -198,7 +206,7 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             result: list[dict[str, Any]] = []
             while not result:
                 assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
@@ -208,7 +216,7 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
                     r = httpx.get(
                         f"http://127.0.0.1:{port}/api/v1/query",
                         params={"query": f'shardserve_client_wait_seconds_total{{job_id="{jid}"}}'},
-                        timeout=5,
+                        timeout=scaled(5),
                     )
                 except httpx.TransportError:
                     continue
@@ -222,6 +230,6 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
             assert float(series["value"][1]) == 0.5
         finally:
             prom.terminate()
-            prom.wait(timeout=15)
+            prom.wait(timeout=scaled(15))
             log.close()
             s.close()

@@ -26,6 +26,7 @@ from shardserve.server.planning.mixture import (
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import CIFAR_FIELDS, make_cifar_like
 from tests.support.server import ServerProc, free_port, run_server
+from tests.support.slowness import scaled
 
 SIZES = {"web": 6000, "code": 4000, "math": 600}
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -73,7 +74,7 @@ def shared_srv(mix_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def post_job(srv: ServerProc, body: dict) -> httpx.Response:
-    return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=30)
+    return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=scaled(30))
 
 
 def plan(srv: ServerProc, job: str, rank: int, epoch: int = 0) -> np.ndarray:
@@ -81,7 +82,7 @@ def plan(srv: ServerProc, job: str, rank: int, epoch: int = 0) -> np.ndarray:
         f"{srv.http_url}/v1/jobs/{job}/plan",
         params={"epoch": epoch, "rank": rank},
         headers=srv.headers,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert r.status_code == 200, r.text
     return np.frombuffer(r.content, dtype="<i8").reshape(STEPS, BATCH)
@@ -102,7 +103,7 @@ def shares_ok(ids: np.ndarray, weights: tuple[float, ...]) -> bool:
 
 def put_mixture(srv: ServerProc, job: str, body: dict) -> httpx.Response:
     return httpx.put(
-        f"{srv.http_url}/v1/jobs/{job}/mixture", json=body, headers=srv.headers, timeout=30
+        f"{srv.http_url}/v1/jobs/{job}/mixture", json=body, headers=srv.headers, timeout=scaled(30)
     )
 
 
@@ -155,7 +156,7 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
             assert not np.array_equal(b[k:], c[k:])
         assert shares_ok(global_order([p[k:] for p in after]), (0.1, 0.1, 0.8))
         a.kill()  # kill -9
-        a.proc.wait(timeout=30)
+        a.proc.wait(timeout=scaled(30))
         with run_server(
             mix_store, "--state-dir", str(state), http_port=http, data_port=data
         ) as restarted:
@@ -164,7 +165,9 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
             assert put_mixture(restarted, job, {"weights": [1, 1, 1], "at_step": 10**6}).status_code == 200  # fmt: skip
             again = [plan(restarted, job, r) for r in range(WORLD)]
             got = httpx.get(
-                f"{restarted.http_url}/v1/jobs/{job}/mixture", headers=restarted.headers
+                f"{restarted.http_url}/v1/jobs/{job}/mixture",
+                headers=restarted.headers,
+                timeout=scaled(10),
             ).json()
             assert got["schedule"][:2] == status["schedule"]
     for c, d in zip(after, again, strict=True):
@@ -219,6 +222,7 @@ def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
         f"{srv.http_url}/v1/datasets/code/quarantine",
         json={"ids": bad, "reason": "mislabelled"},
         headers=srv.headers,
+        timeout=scaled(10),
     )
     assert r.status_code == 200, r.text
     assert r.json()["entries"] == [{"ids": bad, "reason": "mislabelled", "at": {job: 0}}]
@@ -230,9 +234,12 @@ def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
         f"{srv.http_url}/v1/datasets/code/quarantine",
         json={"ids": [SIZES["code"]], "reason": "x"},
         headers=srv.headers,
+        timeout=scaled(10),
     )
     assert r.status_code == 422 and "0 <= id < 4000" in r.text
-    listed = httpx.get(f"{srv.http_url}/v1/datasets/code/quarantine", headers=srv.headers)
+    listed = httpx.get(
+        f"{srv.http_url}/v1/datasets/code/quarantine", headers=srv.headers, timeout=scaled(10)
+    )
     assert listed.json()["total_ids"] == len(bad)
 
 
@@ -296,13 +303,14 @@ def test_metrics_show_weights_and_quarantine(srv: ServerProc) -> None:
         f"{srv.http_url}/v1/datasets/web/quarantine",
         json={"ids": [5, 6, 7], "reason": "bad"},
         headers=srv.headers,
+        timeout=scaled(10),
     )
     assert r.status_code == 200, r.text
-    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
     assert f'shardserve_mixture_weight{{job_id="{job}",source="web"}} 0.5' in text
     assert f'shardserve_mixture_weight{{job_id="{job}",source="math"}} 0.25' in text
     assert 'shardserve_quarantined_samples{dataset="web"} 3.0' in text
-    page = httpx.get(f"{srv.http_url}/", headers=srv.headers).text
+    page = httpx.get(f"{srv.http_url}/", headers=srv.headers, timeout=scaled(10)).text
     assert "mixture at step 0:" in page
     assert all(f"</span> {n} {p}" in page for n, p in (("web", "50%"), ("math", "25%")))
     assert "class='mixchart'" in page  # the schedule drawn
@@ -328,7 +336,7 @@ def test_spec_schedule_and_stop_over_http(shared_srv: ServerProc) -> None:
     for r in range(WORLD):
         resp = httpx.get(
             f"{shared_srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
-            headers=shared_srv.headers, timeout=60,
+            headers=shared_srv.headers, timeout=scaled(60),
         )  # fmt: skip
         ids = np.frombuffer(resp.content, dtype="<i8")
         lengths.append((len(ids), resp.headers["X-Shardserve-Num-Batches"]))

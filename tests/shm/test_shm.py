@@ -230,7 +230,7 @@ def test_killed_client_leaves_no_segment(server: ServerProc) -> None:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
             assert set(segments_of(server.proc.pid)) - before, "the client did not get a ring"
             proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
+            proc.wait(timeout=scaled(10))
             wait_until(
                 lambda: set(segments_of(server.proc.pid)) <= before,
                 30,
@@ -239,13 +239,13 @@ def test_killed_client_leaves_no_segment(server: ServerProc) -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
 
 
 def test_restart_removes_stale_segments(store: Path) -> None:
     """Rings of a server killed with SIGKILL are removed when the next server starts."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(timeout=10)
+    dead.wait(timeout=scaled(10))
     planted = DEFAULT_DIR / f"{PREFIX}{dead.pid}-7-deadbeef"
     planted.write_bytes(b"\0" * 64)
     with run_server(store) as srv:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.slowness import scaled
+
 # Until every subcommand module exists, drive the store commands through a parser holding only
 # them (the same `add_store_commands` the real CLI wires in).
 _STORE_ONLY = (
@@ -43,13 +45,13 @@ def store_root(tmp_path: Path) -> Path:
 def cli() -> Callable[..., CliResult]:
     """Run ``shardserve ARGS...`` and return the completed process (text output)."""
 
-    def run(*args: str | os.PathLike[str], timeout: float = 90) -> CliResult:
+    def run(*args: str | os.PathLike[str], timeout: float | None = None) -> CliResult:
         env = {k: v for k, v in os.environ.items() if k != "SHARDSERVE_STORE"}
         return subprocess.run(
             [*cli_command(), *map(str, args)],
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=scaled(90) if timeout is None else timeout,
             env=env,
         )
 

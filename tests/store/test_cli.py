@@ -15,6 +15,7 @@ import numpy as np
 from shardserve.server.store.catalog import Store
 from tests.store.conftest import CliResult, cli_command
 from tests.support.data import make_cifar_like
+from tests.support.slowness import scaled
 
 Cli = Callable[..., CliResult]
 
@@ -118,7 +119,7 @@ def test_killed_ingest_publishes_nothing_and_is_cleaned(
          "--name", "big", "--shard-size", "16KiB", "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     try:
         while time.monotonic() < deadline:  # wait until it has written several shards
             temps = list(store_root.glob(".tmp-big-*/shards/*.arrow"))
@@ -130,11 +131,11 @@ def test_killed_ingest_publishes_nothing_and_is_cleaned(
         )
         assert len(temps) >= 5, "ingest wrote no shards within 60 s"
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=scaled(30))
     assert Store(store_root).list() == []
     r = cli("ls", "--store", store_root)
     assert r.returncode == 0 and "big" not in r.stdout and "no datasets" in r.stderr
@@ -154,7 +155,9 @@ def test_store_from_environment(tmp_path: Path, store_root: Path) -> None:
     """SHARDSERVE_STORE supplies --store when it is not given."""
     make_cifar_like(store_root, n=10)
     env = {**os.environ, "SHARDSERVE_STORE": str(store_root)}
-    r = subprocess.run([*cli_command(), "ls"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [*cli_command(), "ls"], capture_output=True, text=True, env=env, timeout=scaled(60)
+    )
     assert r.returncode == 0 and "cifar" in r.stdout
 
 

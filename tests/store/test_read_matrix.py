@@ -35,6 +35,7 @@ from shardserve.server.store.layout import read_manifest
 from shardserve.server.store.remote import RemoteStore
 from tests.support.data import make_cifar_like, make_graph_like
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 N = 240
 SEED = 7
@@ -177,7 +178,7 @@ def servers(stores: Stores) -> Iterator[Servers]:
 
 
 def metric(srv: ServerProc, name: str) -> float:
-    text = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
+    text = httpx.get(f"{srv.http_url}/metrics", timeout=scaled(10)).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

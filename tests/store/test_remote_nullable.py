@@ -11,6 +11,7 @@ import torch
 
 from shardserve.client import Loader, Masked
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 
 def _write_pt_folder(folder: Path, n: int) -> None:
@@ -22,7 +23,7 @@ def _write_pt_folder(folder: Path, n: int) -> None:
 
 
 def _batches(url: str) -> list[dict[str, Any]]:
-    with Loader(url, "pde", 7, shuffle=True, seed=3, timeout=60) as loader:
+    with Loader(url, "pde", 7, shuffle=True, seed=3, timeout=scaled(60)) as loader:
         loader.set_epoch(1)
         return list(loader)
 

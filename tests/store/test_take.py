@@ -21,6 +21,7 @@ from tests.support.data import (
     make_graph_like,
     sample_id_of,
 )
+from tests.support.slowness import scaled
 
 N_CIFAR = 600
 N_GRAPH = 150
@@ -164,7 +165,7 @@ def test_concurrent_takes_share_one_dataset(tmp_path: Path) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=scaled(60))
     assert not errors and not any(t.is_alive() for t in threads)
     store.close()
     with pytest.raises(ValueError, match="closed"):

@@ -21,6 +21,7 @@ import zmq
 
 from shardserve.proto.framing import decode_batch, encode_batch, peek_kind
 from shardserve.proto.messages import BatchHeader, Kind
+from tests.support.slowness import scaled
 
 from .server import ServerProc
 
@@ -56,7 +57,7 @@ class Relay:
 
     def close(self) -> None:
         self._stop.set()
-        self._zmq.join(timeout=10)
+        self._zmq.join(timeout=scaled(10))
         self._http.shutdown()
         self._http.server_close()
         self._ctx.destroy(linger=0)
@@ -119,7 +120,7 @@ class Relay:
                 }
                 r = httpx.request(
                     self.command, relay.srv.http_url + self.path, content=body,
-                    headers=headers, timeout=30,
+                    headers=headers, timeout=scaled(30),
                 )  # fmt: skip
                 content = r.content
                 path = self.path.split("?", 1)[0]

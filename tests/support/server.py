@@ -129,7 +129,7 @@ def _wait_ready(
             waited_for = f"GET {info['http']}/readyz == 200"
         if info:
             try:
-                r = httpx.get(f"{info['http']}/readyz", headers=headers, timeout=1.0)
+                r = httpx.get(f"{info['http']}/readyz", headers=headers, timeout=scaled(1.0))
                 if r.status_code == 200:
                     return info
             except httpx.TransportError:
@@ -205,13 +205,13 @@ def run_server(
 def make_job(srv: ServerProc, batch_size: int = 64, **spec: object) -> str:
     """POST a job for ``srv``'s cifar-like dataset (override with ``dataset=``); its id."""
     body = {"dataset": "cifar", "batch_size": batch_size, **spec}
-    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=10)
+    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=scaled(10))
     assert r.status_code in (200, 201), r.text
     return str(r.json()["id"])
 
 
 def job_status(srv: ServerProc, job: str) -> dict:
     """``GET /v1/jobs/{job}`` as JSON."""
-    r = httpx.get(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=10)
+    r = httpx.get(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=scaled(10))
     assert r.status_code == 200, r.text
     return r.json()

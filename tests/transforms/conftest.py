@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.support.data import make_cifar_like
+from tests.support.slowness import scaled
 
 N = 600
 MODS = ("--transforms", "tests.transforms.mods")
@@ -53,7 +54,7 @@ def alive(pid: int) -> bool:
 
 
 def pool_status(url: str) -> dict:
-    r = httpx.get(f"{url}/v1/transforms", timeout=10)
+    r = httpx.get(f"{url}/v1/transforms", timeout=scaled(10))
     assert r.status_code == 200, r.text
     return r.json()
 

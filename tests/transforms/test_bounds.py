@@ -20,6 +20,7 @@ from PIL import Image
 from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 from tests.transforms.conftest import MODS
 
 MiB = 1 << 20
@@ -41,7 +42,7 @@ def srv(store: Path) -> Iterator[ServerProc]:
 
 
 def _post(srv: ServerProc, chain: list, batch_size: int = 8) -> httpx.Response:
-    return httpx.post(f"{srv.http_url}/v1/jobs", timeout=10, json={
+    return httpx.post(f"{srv.http_url}/v1/jobs", timeout=scaled(10), json={
         "dataset": "cifar", "batch_size": batch_size, "transforms": chain})  # fmt: skip
 
 
@@ -125,7 +126,9 @@ def test_variable_size_output_stops_at_the_batch_bound(store: Path) -> None:
         grow = [{"name": "grow", "params": {"mib": 16}}]
         with (
             pytest.raises(TransformError, match=r"grow.*more than --max-batch-bytes"),
-            Loader(s.http_url, "cifar", batch_size=32, seed=0, timeout=30, transforms=grow) as ld,
+            Loader(
+                s.http_url, "cifar", batch_size=32, seed=0, timeout=scaled(30), transforms=grow
+            ) as ld,
         ):
             ld.set_epoch(0)
             list(ld)
@@ -149,7 +152,7 @@ def _bomb_store(tmp: Path) -> Path:
         )
     cmd = [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
            "--name", "pics", "--quiet"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(120))
     assert r.returncode == 0, r.stderr
     return store
 
@@ -167,7 +170,9 @@ def test_decode_bomb_is_refused_from_its_header_naming_the_sample(tmp_path: Path
         hwm0 = proc_kib(s.proc.pid, "VmHWM")
         with (
             pytest.raises(TransformError) as err,
-            Loader(s.http_url, "pics", batch_size=4, seed=0, timeout=30, transforms=chain) as ld,
+            Loader(
+                s.http_url, "pics", batch_size=4, seed=0, timeout=scaled(30), transforms=chain
+            ) as ld,
         ):
             ld.set_epoch(0)
             list(ld)
@@ -178,7 +183,7 @@ def test_decode_bomb_is_refused_from_its_header_naming_the_sample(tmp_path: Path
         print(f"decode bomb: peak RSS grew {grown:.0f} MiB (start peak {hwm0 // 1024} MiB)")
         assert grown < 128, grown
         # Images within the bound still decode.
-        with Loader(s.http_url, "pics", batch_size=4, seed=0, timeout=30, shuffle="none",
+        with Loader(s.http_url, "pics", batch_size=4, seed=0, timeout=scaled(30), shuffle="none",
                     transforms=chain, on_error="replace") as ld:  # fmt: skip
             ld.set_epoch(0)
             assert sum(len(b["image"]) for b in ld) == 8

@@ -44,7 +44,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def _epoch(url: str, dataset: str, epoch: int, chain: list | None, seed: int = 9) -> list[str]:
-    with Loader(url, dataset, batch_size=25, seed=seed, timeout=30, transforms=chain) as ld:
+    with Loader(url, dataset, batch_size=25, seed=seed, timeout=scaled(30), transforms=chain) as ld:
         ld.set_epoch(epoch)
         return [digest(b) for b in ld]
 
@@ -105,7 +105,7 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
 
         def expect_422(chain: list, batch_size: int = 8) -> Callable[[int], None]:
             def run(i: int) -> None:
-                r = httpx.post(f"{url}/v1/jobs", timeout=30, json={
+                r = httpx.post(f"{url}/v1/jobs", timeout=scaled(30), json={
                     "dataset": "cifar", "batch_size": batch_size, "transforms": chain})  # fmt: skip
                 if r.status_code != 422:
                     fail(f"fault {chain} answered {r.status_code}: {r.text}")
@@ -116,7 +116,7 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
             loaders = []
             for r in range(4):
                 ld = Loader(url, "cifar", batch_size=25, seed=1000 + i, rank=r, world_size=4,
-                            timeout=30, prefetch=8)  # fmt: skip
+                            timeout=scaled(30), prefetch=8)  # fmt: skip
                 ld.set_epoch(0)
                 next(iter(ld))
                 loaders.append(ld)
@@ -154,7 +154,7 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
         def watch() -> None:
             while not stop.is_set():
                 try:
-                    readyz.append(httpx.get(f"{url}/readyz", timeout=10).status_code)
+                    readyz.append(httpx.get(f"{url}/readyz", timeout=scaled(10)).status_code)
                 except httpx.HTTPError as err:
                     fail(f"/readyz: {err}")
                 rss.append((time.monotonic() - t_start, _rss_mb(pid)))
@@ -167,7 +167,7 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
         finished = done.wait(scaled(STORM_MAX_S))
         stop.set()
         for t in threads:
-            t.join(120)
+            t.join(scaled(120))
         assert not any(t.is_alive() for t in threads), "a chaos thread did not end"
         shown = ", ".join(f"{t:.0f}s {m:.0f}MB" for t, m in rss[:: max(1, len(rss) // 12)])
         print(f"\nchaos: healthy epochs {epochs_ok}, faults {faults}, readyz polls "
@@ -179,5 +179,5 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
         assert len(faults) == len(kinds) and min(faults.values()) >= ROUNDS, faults
         assert readyz and set(readyz) == {200}, readyz
         t0 = time.monotonic()
-        code = s.terminate(timeout=20)
+        code = s.terminate(timeout=scaled(20))
         assert time.monotonic() - t0 < 8 + 1 and code in (0, 1), (code, s.log_tail())

@@ -12,6 +12,7 @@ import pytest
 from shardserve.client import Loader
 from tests.support.resume import assert_resumes_exactly
 from tests.support.server import free_port, run_server
+from tests.support.slowness import scaled
 from tests.transforms.conftest import CIFAR_CHAIN, MIXED_CHAIN, MODS, digest, pool_status
 
 BATCH = 50
@@ -19,7 +20,7 @@ BATCH = 50
 
 def _epoch(url: str, chain: list, epoch: int = 0, shuffle: bool = True, **kw: object) -> list[str]:
     with Loader(url, "cifar", batch_size=BATCH, seed=3, shuffle=shuffle, transforms=chain,
-                timeout=30, **kw) as loader:  # fmt: skip
+                timeout=scaled(30), **kw) as loader:  # fmt: skip
         loader.set_epoch(epoch)
         return [digest(b) for b in loader]
 
@@ -62,7 +63,7 @@ def test_same_bytes_across_kill9_restart(store: Path, tmp_path: Path,
         # ipc, as tests/reliability/test_restart.py: a ring of a killed server is removed by
         # the next server only once no client maps it any more.
         with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3, transforms=MIXED_CHAIN,
-                    timeout=30, prefetch=2, transport="ipc") as loader:  # fmt: skip
+                    timeout=scaled(30), prefetch=2, transport="ipc") as loader:  # fmt: skip
             loader.set_epoch(2)
             for i, batch in enumerate(loader):
                 got.append(digest(batch))
@@ -85,7 +86,7 @@ def test_resume_from_state_dict_is_byte_identical(store: Path) -> None:
 
         def make_iter(state: object) -> tuple:
             loader = Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3,
-                            transforms=MIXED_CHAIN, timeout=30)  # fmt: skip
+                            transforms=MIXED_CHAIN, timeout=scaled(30))  # fmt: skip
             if state is not None:
                 loader.load_state_dict(state)
             else:

@@ -61,7 +61,7 @@ def _ids(batch: dict) -> list[int]:
 def test_unknown_transform_and_bad_params_are_422_listing_what_exists(srv: ServerProc) -> None:
     """An unknown name lists the installed transforms; bad params name the param and the
     schema; a chain that does not fit the dataset names the fields; the Loader raises BadRequest."""
-    post = lambda chain: httpx.post(f"{srv.http_url}/v1/jobs", timeout=10, json={  # noqa: E731
+    post = lambda chain: httpx.post(f"{srv.http_url}/v1/jobs", timeout=scaled(10), json={  # noqa: E731
         "dataset": "cifar", "batch_size": 8, "transforms": chain})  # fmt: skip
     r = post([{"name": "hflip", "params": {"layout": "CHW"}}, {"name": "sharpen"}])
     assert r.status_code == 422 and "transforms[1]" in r.text and "'sharpen'" in r.text
@@ -75,8 +75,10 @@ def test_unknown_transform_and_bad_params_are_422_listing_what_exists(srv: Serve
     r = post([{"name": "decode_image"}])  # image is uint8[3,32,32], not bytes
     assert r.status_code == 422 and "not encoded bytes" in r.text
     with pytest.raises(BadRequest, match="no transform named 'nope'"):
-        Loader(srv.http_url, "cifar", batch_size=8, transforms=[{"name": "nope"}], timeout=10)
-    r = httpx.post(f"{srv.http_url}/v1/jobs", timeout=10, json={
+        Loader(
+            srv.http_url, "cifar", batch_size=8, transforms=[{"name": "nope"}], timeout=scaled(10)
+        )
+    r = httpx.post(f"{srv.http_url}/v1/jobs", timeout=scaled(10), json={
         "dataset": "cifar", "batch_size": 8, "collate": "graph",
         "transforms": [{"name": "hflip", "params": {"layout": "CHW"}}]})  # fmt: skip
     # Graphs are collated after the chain: cifar's outputs have nothing to count nodes with.
@@ -129,7 +131,7 @@ def test_on_error_replace_serves_deterministic_other_samples(srv: ServerProc) ->
     assert [digest(b) for b in runs[0]] == [digest(b) for b in runs[1]]
     failing = len(range(0, N, 7))
     assert pool_status(srv.http_url)["counts"]["replaced"] - before >= 2 * failing
-    page = httpx.get(f"{srv.http_url}/", timeout=10).text
+    page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
     assert "replaced" in page and "id='transforms'" in page
 
 
@@ -148,7 +150,7 @@ def _hang_and_recover(srv: ServerProc) -> None:
         _run(srv.http_url, [{"name": "hang"}])
     took = time.monotonic() - t0
     assert TIMEOUT_S <= took < TIMEOUT_S + scaled(12.0), took
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while time.monotonic() < deadline:  # the replacement starts in the background of the error
         st = pool_status(srv.http_url)
         if st["pool"]["processes"] == 2 and st["counts"].get("workers_hung", 0) >= 1:
@@ -156,7 +158,7 @@ def _hang_and_recover(srv: ServerProc) -> None:
         time.sleep(0.1)
     assert st["pool"]["processes"] == 2 and st["counts"]["workers_hung"] >= 1, st
     assert "shardserve_transform_worker_restarts_total{reason=\"hung\"}" in httpx.get(
-        f"{srv.http_url}/metrics", timeout=10).text  # fmt: skip
+        f"{srv.http_url}/metrics", timeout=scaled(10)).text  # fmt: skip
 
 
 def test_worker_that_dies_fails_with_its_exit_code(srv: ServerProc) -> None:
@@ -170,7 +172,7 @@ def test_a_failed_chain_is_counted_under_a_bounded_label(srv: ServerProc) -> Non
     installed transforms' names, never the client's chain spelled out."""
     with pytest.raises(TransformError, match=r"died \(exit code 3\)"):
         _run(srv.http_url, [{"name": "slow", "params": {"seconds": 0.001}}, {"name": "suicide"}])
-    text = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
+    text = httpx.get(f"{srv.http_url}/metrics", timeout=scaled(10)).text
     assert 'shardserve_transform_errors_total{transform="(chain)"}' in text
     assert "slow,suicide" not in text
 
@@ -182,7 +184,7 @@ def test_worker_killed_from_outside_is_replaced_and_nothing_served_twice(srv: Se
     ref = [digest(b) for b in _run(srv.http_url, chain)]
     died = pool_status(srv.http_url)["counts"].get("workers_died", 0)
     got, ids = [], []
-    with Loader(srv.http_url, "cifar", batch_size=50, seed=1, timeout=20, transforms=chain,
+    with Loader(srv.http_url, "cifar", batch_size=50, seed=1, timeout=scaled(20), transforms=chain,
                 prefetch=1) as ld:  # fmt: skip
         ld.set_epoch(0)
         for i, b in enumerate(ld):

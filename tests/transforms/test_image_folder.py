@@ -15,6 +15,7 @@ from PIL import Image
 
 from shardserve.client import Loader
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 from tests.transforms.conftest import digest, pool_status
 
 CLASSES = ["cat", "dog", "zebra"]
@@ -36,7 +37,7 @@ def _folder(root: Path) -> list[tuple[str, int]]:
 def _ingest(src: Path, store: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
            "--name", "pets", "--quiet", *extra]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(120))
 
 
 @pytest.mark.slow
@@ -57,7 +58,7 @@ def test_image_folder_ingest_and_decode_at_serving_time(tmp_path: Path) -> None:
         {"name": "normalize", "params": {"scale": 1 / 255, "to_chw": True}},
     ]
     with run_server(store) as srv:
-        info = httpx.get(f"{srv.http_url}/v1/datasets/pets", timeout=10).json()
+        info = httpx.get(f"{srv.http_url}/v1/datasets/pets", timeout=scaled(10)).json()
         assert info["classes"] == CLASSES
         assert {f["name"]: f["dtype"] for f in info["fields"]} == {
             "image": "binary",
@@ -66,7 +67,7 @@ def test_image_folder_ingest_and_decode_at_serving_time(tmp_path: Path) -> None:
         runs = []
         for _ in range(2):
             with Loader(srv.http_url, "pets", batch_size=4, shuffle=False, transforms=chain,
-                        timeout=30) as ld:  # fmt: skip
+                        timeout=scaled(30)) as ld:  # fmt: skip
                 ld.set_epoch(0)
                 runs.append(list(ld))
         labels = [int(x) for b in runs[0] for x in b["label"]]
@@ -88,7 +89,7 @@ def test_one_step_decode_and_crop_is_the_same_on_threads_and_worker_processes(
     chain = [{"name": "decode_random_resized_crop", "params": {"size": 16}}]
 
     def epoch(url: str) -> tuple[list[str], int]:
-        with Loader(url, "pets", batch_size=4, shuffle=False, transforms=chain, timeout=30,
+        with Loader(url, "pets", batch_size=4, shuffle=False, transforms=chain, timeout=scaled(30),
                     fields=["image"]) as ld:  # fmt: skip
             ld.set_epoch(0)
             batches = list(ld)

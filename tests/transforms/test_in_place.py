@@ -25,6 +25,7 @@ from shardserve.server.transforms.runner import Where, run_chain
 from shardserve.server.transforms.schema import Field
 from shardserve.server.transforms.spec import compile_chain
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 from tests.transforms import mods
 from tests.transforms.conftest import CIFAR_CHAIN, N, digest, pool_status
 
@@ -171,7 +172,7 @@ def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
             batch_size=50,
             seed=3,
             transforms=CIFAR_CHAIN,
-            timeout=30,
+            timeout=scaled(30),
             transport=transport,
         ) as ld:  # type: ignore[arg-type]
             batches = list(ld)
@@ -191,7 +192,7 @@ def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
         assert counts["worker_bytes_in_place"] == served, counts
         inputs = 2 * N * (3 * 32 * 32 + 8 + 8)  # two epochs of uint8 images, labels, ids
         assert counts["worker_input_bytes_via_shm"] == inputs, counts
-        page = httpx.get(f"{srv.http_url}/", timeout=10).text
+        page = httpx.get(f"{srv.http_url}/", timeout=scaled(10)).text
         assert f"into streams' shared memory {served / 2**20:,.1f} MiB" in page
         assert f"read from shared memory {inputs / 2**20:,.1f} MiB" in page
 

@@ -17,6 +17,7 @@ from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 from tests.transforms.conftest import MODS, digest, pool_status
 
 TIMEOUT_S = 3.0
@@ -34,7 +35,9 @@ def two_datasets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _digests(url: str, dataset: str, chain: list, epochs: int = 1, **kw: object) -> list[str]:
     out = []
-    with Loader(url, dataset, batch_size=20, seed=5, timeout=30, transforms=chain, **kw) as ld:
+    with Loader(
+        url, dataset, batch_size=20, seed=5, timeout=scaled(30), transforms=chain, **kw
+    ) as ld:
         for epoch in range(epochs):
             ld.set_epoch(epoch)
             out += [digest(b) for b in ld]
@@ -76,7 +79,7 @@ def test_hung_thread_fails_its_job_alone_and_sigterm_still_stops(
     t = threading.Thread(target=hang)
     t.start()
     healthy = _digests(srv.http_url, "other", HFLIP, epochs=2)
-    t.join(60)
+    t.join(scaled(60))
     assert not t.is_alive(), "the hung job's Loader never returned"
     assert healthy == expected
     assert len(hung) == 1 and isinstance(hung[0], TransformError), hung
@@ -86,7 +89,7 @@ def test_hung_thread_fails_its_job_alone_and_sigterm_still_stops(
     assert st["moved_to_processes"] == ["hang_thread"], st
     # Healthy again after the hang: a second run of the flip job is still exact.
     assert _digests(srv.http_url, "other", HFLIP, epochs=2) == expected
-    r = httpx.get(f"{srv.http_url}/readyz", timeout=10)
+    r = httpx.get(f"{srv.http_url}/readyz", timeout=scaled(10))
     assert r.status_code == 200, r.text
     t0 = time.monotonic()
     code = srv.terminate(timeout=SHUTDOWN_S + 5)
@@ -112,11 +115,11 @@ def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
 
         for rank in (0, 1):
             threading.Thread(target=hang, args=(rank,), daemon=True).start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while pool_status(s.http_url)["pool"]["running_on_assembly_threads"] < 2:  # hung
             assert time.monotonic() < deadline, s.log_tail()
             time.sleep(0.05)
-        with Loader(s.http_url, "other", batch_size=20, seed=5, timeout=20,
+        with Loader(s.http_url, "other", batch_size=20, seed=5, timeout=scaled(20),
                     transforms=HFLIP) as ld:  # fmt: skip
             got = []
             for epoch in range(2):
@@ -124,7 +127,7 @@ def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
                 got += [digest(b) for b in ld]
         assert got == expected
         t0 = time.monotonic()
-        code = s.terminate(timeout=20)
+        code = s.terminate(timeout=scaled(20))
         took = time.monotonic() - t0
         print(f"SIGTERM during a hung transform: exit {code} after {took:.2f} s")
         assert took < 3 + 2, s.log_tail()

@@ -17,6 +17,7 @@ from shardserve.client import Loader
 from shardserve.server.store.writer import ShardWriter
 from tests.formats.support import split
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 from tests.transforms.conftest import MODS
 
 N, BATCH, QUERIES = 120, 16, 8
@@ -44,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 
 
 def _read(srv: ServerProc, **kw: Any) -> list[dict[str, Any]]:
-    with Loader(srv.http_url, "upt", BATCH, shuffle=False, timeout=30, **kw) as loader:
+    with Loader(srv.http_url, "upt", BATCH, shuffle=False, timeout=scaled(30), **kw) as loader:
         return [dict(b) for b in loader]
 
 
@@ -95,7 +96,7 @@ def test_a_step_naming_a_masked_field_is_refused(server: ServerProc) -> None:
         f"{server.http_url}/v1/jobs",
         json={"dataset": "upt", "batch_size": BATCH,
               "transforms": [{"name": "random_subset", "params": {"field": "params", "n": 2}}]},
-        timeout=10,
+        timeout=scaled(10),
     )  # fmt: skip
     assert 400 <= r.status_code < 500, r.text
     assert "missing in some samples" in r.text and "'params'" in r.text

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.server import run_server
+from tests.support.slowness import scaled
 
 PKG = '''
 import numpy as np
@@ -41,9 +42,14 @@ def test_entry_point_transforms_are_listed_and_run(store: Path, tmp_path: Path) 
 
     env = _install(tmp_path / "site")
     with run_server(store, env=env) as srv:
-        names = [t["name"] for t in httpx.get(f"{srv.http_url}/v1/transforms").json()["transforms"]]
+        names = [
+            t["name"]
+            for t in httpx.get(f"{srv.http_url}/v1/transforms", timeout=scaled(10)).json()[
+                "transforms"
+            ]
+        ]
         assert "plus_one" in names and "random_crop" in names
-        with Loader(srv.http_url, "cifar", batch_size=100, shuffle=False, timeout=20,
+        with Loader(srv.http_url, "cifar", batch_size=100, shuffle=False, timeout=scaled(20),
                     transforms=[{"name": "plus_one"}]) as ld:  # fmt: skip
             ld.set_epoch(0)
             labels = [int(x) for b in ld for x in b["label"]]
@@ -54,5 +60,5 @@ def test_bad_transform_module_stops_the_server_naming_it(store: Path) -> None:
     """--transforms naming a module that does not import: the server exits with its name."""
     cmd = [sys.executable, "-m", "shardserve.server", "serve", "--store", str(store),
            "--http", "127.0.0.1:0", "--data", "tcp://127.0.0.1:0", "--transforms", "no.such.mod"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(60))
     assert r.returncode != 0 and "cannot import transform module 'no.such.mod'" in r.stderr

@@ -26,8 +26,11 @@ INT_EXTS = ("cls", "cls2", "id", "index", "inx")
 TEXT_EXTS = ("txt", "text", "transcript")
 JSON_EXTS = ("json", "jsn")
 MSGPACK_EXTS = ("mp", "msg", "msgpack")
-#: LMDB ``--value-format`` choices; ``auto`` tells .pt and .npy by their magic, else raw.
+#: LMDB ``--value-format`` choices; ``auto`` tells .pt and .npy by their magic, msgpack maps
+#: by parsing (:func:`is_msgpack_map`), else raw.
 VALUE_FORMATS = ("auto", "raw", "pt", "npy", "msgpack", "json")
+#: First bytes of a msgpack map: fixmap (up to 15 entries), map 16, map 32.
+MSGPACK_MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 
 def plain(value: object, where: str) -> object:
@@ -135,3 +138,21 @@ def by_magic(data: bytes, where: str) -> object:
 
         return load_file(where, data)
     return {"value": data}
+
+
+def is_msgpack_map(data: bytes) -> bool:
+    """Whether ``data`` is, whole, one msgpack map with text keys and at least one entry: what
+    ``msgpack.packb(dict)`` writes. Parsing the whole value (no byte left over, every key a
+    string) is what makes this unambiguous where a first byte alone is not (a PNG starts with
+    0x89, a fixmap's byte). Without msgpack installed nothing is detected."""
+    if not data or data[0] not in MSGPACK_MAP_FIRST:
+        return False
+    try:
+        import msgpack
+    except ImportError:
+        return False
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException):
+        return False
+    return isinstance(value, dict) and bool(value) and all(isinstance(k, str) for k in value)

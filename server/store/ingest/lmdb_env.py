@@ -5,7 +5,9 @@ Keys are read in LMDB's order (sorted bytes) from a read-only transaction. Keys 
 and, when short text, kept in the manifest's ``source`` (``meta.__len__``). Every other value
 is a sample, read as ``--value-format`` says (``raw``, ``pt``, ``npy``, ``msgpack``,
 ``json``), or by default (``auto``): ``.pt`` bytes (a dict, tuple... as in ``.pt`` files) or ``.npy`` bytes (field
-``data``) recognised by their magic, anything else kept raw (field ``value``).
+``data``) recognised by their magic, msgpack maps (what ``msgpack.packb(dict)`` writes)
+recognised by parsing the first value whole, anything else kept raw (field ``value``, and
+the summary names ``--value-format``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from shardserve.proto.errors import InvalidDataError
 
-from .decode import VALUE_FORMATS, as_value
+from .decode import NPY_MAGIC, VALUE_FORMATS, ZIP_MAGIC, as_value, is_msgpack_map
 from .extras import require
 from .source import Piece, Reader, Source
 
@@ -64,10 +66,39 @@ def _pieces(env_dir: Path, total: int, source: Source, fmt: str) -> Iterator[Pie
                         source.info[f"meta.{name}"] = text
                     continue
                 where = f"{env_dir} key {k[:64]!r}"
-                yield Piece(where=where, sample=as_value(bytes(value), where, fmt))
+                data = bytes(value)
+                if fmt == "auto":  # the first sample's value decides for the environment
+                    fmt = _detected(data, source)
+                yield Piece(where=where, sample=_read(data, where, fmt))
     finally:
         env.close()
     yield Piece(where=str(env_dir), files=1, nbytes=total)
+
+
+#: ``fmt`` of an environment whose values were found to be msgpack (``auto``).
+DETECTED_MSGPACK = "msgpack-detected"
+
+
+def _detected(first: bytes, source: Source) -> str:
+    """How ``auto`` reads an environment, from its first sample value; said in the manifest's
+    ``source.value_format`` and in the ingest summary. msgpack maps are the environment's
+    format (every value must be one); else each value by its magic (.pt, .npy) or raw."""
+    if not first.startswith((NPY_MAGIC, ZIP_MAGIC)) and is_msgpack_map(first):
+        source.info["value_format"] = "msgpack (detected)"
+        return DETECTED_MSGPACK
+    source.info["value_format"] = "auto"
+    return "magic"
+
+
+def _read(data: bytes, where: str, fmt: str) -> object:
+    if fmt == DETECTED_MSGPACK:
+        if not is_msgpack_map(data):
+            raise InvalidDataError(
+                f"{where}: not a msgpack map, though the first value was one (values were "
+                "detected as msgpack): give --value-format (raw keeps every value as bytes)"
+            )
+        return as_value(data, where, "msgpack")
+    return as_value(data, where, "auto" if fmt == "magic" else fmt)
 
 
 def open_lmdb(src: Path, threads: int = 1, value_format: str = "auto") -> Source:

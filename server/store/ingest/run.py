@@ -68,6 +68,7 @@ class IngestSummary:
             out += f"; variable: {', '.join(var)}"
         if null:
             out += f"; may be missing (masked): {', '.join(null)}"
+        out += _value_format_note(self.manifest)
         if self.metadata:
             notes = ", ".join(f"{k} ({v})" for k, v in self.metadata.items())
             out += f"; not samples: {notes}"
@@ -81,6 +82,20 @@ class IngestSummary:
                 "give data files their format's suffix, or move them out)"
             )
         return out
+
+
+def _value_format_note(m: Manifest) -> str:
+    """What ``--value-format auto`` decided for an LMDB environment's values, with the flag."""
+    how = m.source.get("value_format")
+    if how == "msgpack (detected)":
+        return "; values read as msgpack maps (detected; --value-format raw keeps the bytes)"
+    raw = [f.name for f in m.fields if f.name == "value" and f.dtype == "binary"]
+    if how == "auto" and raw:
+        return (
+            "; values kept as bytes (field value): if they are msgpack, JSON, .pt or .npy, "
+            "give --value-format msgpack|json|pt|npy"
+        )
+    return ""
 
 
 @dataclass(frozen=True)
