@@ -150,7 +150,7 @@ def test_the_docs_extra_holds_what_the_docs_build_imports() -> None:
         "print(sorted(str(p.relative_to(out)) for p in pathlib.Path(out).rglob('*.md')))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300), cwd=ROOT
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reference/http.md" in out.stdout and "performance/results.md" in out.stdout

@@ -20,6 +20,7 @@ from shardserve.server.store.catalog import Store
 from shardserve.server.store.graph_shapes import item_fields
 from shardserve.server.store.ingest.run import ingest
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 pyg_data = pytest.importorskip("torch_geometric.data")
 
@@ -104,7 +105,7 @@ def _post(server: ServerProc, name: str, collate: Any) -> httpx.Response:
     return httpx.post(
         f"{server.http_url}/v1/jobs",
         json={"dataset": name, "batch_size": BATCH, "collate": collate},
-        timeout=30,
+        timeout=scaled(30),
     )
 
 

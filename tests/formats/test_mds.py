@@ -185,7 +185,7 @@ def test_a_negative_column_size_is_one_line_naming_the_field(
     out = subprocess.run(
         [sys.executable, "-m", "shardserve.server", "ingest", str(src),
          "--store", str(tmp_path / "store"), "--name", "neg", "--quiet"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=scaled(300), cwd=ROOT,
     )  # fmt: skip
     assert out.returncode != 0
     assert "Traceback" not in out.stderr, out.stderr

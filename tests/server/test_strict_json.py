@@ -14,6 +14,7 @@ from shardserve.client import Loader
 from shardserve.client.control import ControlClient
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
+from tests.support.slowness import scaled
 
 MIX = {"mixture": [{"name": "a", "weight": 1}, {"name": "b", "weight": 1}], "batch_size": 8}
 
@@ -29,7 +30,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 
 def _send(srv: ServerProc, method: str, path: str, body: object) -> httpx.Response:
     return httpx.request(
-        method, f"{srv.http_url}{path}", json=body, headers=srv.headers, timeout=30
+        method, f"{srv.http_url}{path}", json=body, headers=srv.headers, timeout=scaled(30)
     )
 
 
