@@ -20,6 +20,8 @@ shardserve_bytes_sent_total                 counter                    payload b
 shardserve_batches_assembled_total          counter                    batches gathered (and transformed), once for all of a share group's subscribers
 shardserve_share_batches_handed_total       counter                    batches a share group's subscriber got from the group's pass, not assembled for it
 shardserve_share_bytes                      gauge                      bytes every share group's window keeps now (at most ``--share-bytes``)
+shardserve_unread_bytes                     gauge                      bytes allotted to streams that have not read yet (at most ``--unread-bytes``)
+shardserve_unread_waiting_streams           gauge                      streams that have not read and wait for room under ``--unread-bytes``
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
@@ -273,6 +275,16 @@ class Metrics:
             "shardserve_share_batches_handed",
             "Batches a share group's subscriber was handed from the group's pass (the work "
             "sharing saved).",
+            registry=r,
+        )
+        self.unread_bytes = Gauge(
+            "shardserve_unread_bytes",
+            "Bytes allotted to streams that have not read yet (at most --unread-bytes).",
+            registry=r,
+        )
+        self.unread_waiting = Gauge(
+            "shardserve_unread_waiting_streams",
+            "Streams that have not read and wait for room under --unread-bytes.",
             registry=r,
         )
         self.assembly_seconds = Histogram(

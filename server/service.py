@@ -172,6 +172,8 @@ class Service:
                 share_bytes=settings.share_bytes,
                 max_hellos_per_s=settings.max_hellos_per_s,
                 shm_unproven_rings=settings.shm_unproven_rings,
+                unread_stream_bytes=settings.unread_stream_bytes,
+                unread_bytes=settings.unread_bytes,
             ),
             self._make_handler,
         )
