@@ -8,7 +8,8 @@ any range answers "lately" (the recent data stall of a rank is
 ``rate(shardserve_client_wait_seconds_total[1m]) / (rate(…wait…[1m]) + rate(…compute…[1m]))``);
 per-job series are labelled ``job_id``, never ``job`` (Prometheus' own target label), and exist
 while the job is pending, running or idle: a finished, failed, deleted or expired job's series
-are gone from the next scrape. No ``*_created`` series
+are gone from the next scrape. A job of more than :data:`RANK_SERIES_MAX` ranks exports its
+per-rank series once, ``rank="all"``, summed over its ranks. No ``*_created`` series
 (:func:`prometheus_client.disable_created_metrics`).
 
 ==========================================  =========  ==============  ============================================
@@ -68,12 +69,19 @@ _ASSEMBLY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0
 JOB_STATES: tuple[JobState, ...] = ("pending", "running", "idle", "finished", "failed")
 
 
+#: Jobs of a larger world size export their per-rank series summed over their ranks, as one
+#: series labelled ``rank="all"``: a 65,536-rank job would otherwise add four series per rank
+#: that streamed to every scrape (and every Prometheus), and a rank's own figures are on
+#: ``GET /v1/jobs/{id}``.
+RANK_SERIES_MAX = 64
+
+
 @dataclass(frozen=True)
 class RankSeries:
-    """One rank's counters as a scrape exports them."""
+    """One rank's counters as a scrape exports them (``rank`` ``None``: all of them)."""
 
     job_id: str
-    rank: int
+    rank: int | None
     batches: int
     bytes: int
     wait_s: float
@@ -82,10 +90,11 @@ class RankSeries:
 
 @dataclass(frozen=True)
 class ShareSeries:
-    """One rank of a shared job as a scrape exports it (its share groups together)."""
+    """One rank of a shared job as a scrape exports it (its share groups together; ``rank``
+    ``None``: all of its ranks)."""
 
     job_id: str
-    rank: int
+    rank: int | None
     subscribers: int
     #: The largest lag behind its group's front of any subscriber now, in batches.
     lag: int
@@ -114,6 +123,34 @@ class JobsSnapshot:
     quarantined: dict[str, int] = field(default_factory=dict)
     #: Ranks of shared jobs (``Loader(share=...)``).
     shares: list[ShareSeries] = field(default_factory=list)
+
+
+def fold_ranks(
+    ranks: Sequence[RankSeries], shares: Sequence[ShareSeries], world_sizes: dict[str, int]
+) -> tuple[list[RankSeries], list[ShareSeries]]:
+    """The series of jobs with more than :data:`RANK_SERIES_MAX` ranks summed into one per
+    job (``rank=None``; a share lag is the largest); others as they are."""
+    big = {j for j, ws in world_sizes.items() if ws > RANK_SERIES_MAX}
+    out = [r for r in ranks if r.job_id not in big]
+    out_sh = [sh for sh in shares if sh.job_id not in big]
+    for jid in sorted(big):
+        mine = [r for r in ranks if r.job_id == jid]
+        if mine:
+            out.append(RankSeries(
+                jid, None, sum(r.batches for r in mine), sum(r.bytes for r in mine),
+                sum(r.wait_s for r in mine), sum(r.compute_s for r in mine),
+            ))  # fmt: skip
+        sh = [x for x in shares if x.job_id == jid]
+        if sh:
+            out_sh.append(ShareSeries(
+                jid, None, sum(x.subscribers for x in sh), max(x.lag for x in sh),
+                sum(x.handed for x in sh), sum(x.detaches for x in sh),
+            ))  # fmt: skip
+    return out, out_sh
+
+
+def _rank_label(rank: int | None) -> str:
+    return "all" if rank is None else str(rank)
 
 
 #: The kinds of per-source series a mixture job exports (and per-rank ones a shared job).
@@ -170,7 +207,7 @@ class _JobCollector(Collector):
         for name, doc, attr in per_rank:
             fam = CounterMetricFamily(name, doc, labels=["job_id", "rank"])
             for r in snap.ranks:
-                fam.add_metric([r.job_id, str(r.rank)], float(getattr(r, attr)))
+                fam.add_metric([r.job_id, _rank_label(r.rank)], float(getattr(r, attr)))
             yield fam
         # (job id, source, value) series of mixture jobs.
         per_source: list[tuple[_SourceFamily, str, str, Sequence[tuple[str, str, float]]]] = [
@@ -232,7 +269,7 @@ class _JobCollector(Collector):
         for kind, name, doc, read in per_share:
             ranks = kind(name, doc, labels=["job_id", "rank"])
             for sh in snap.shares:
-                ranks.add_metric([sh.job_id, str(sh.rank)], float(read(sh)))
+                ranks.add_metric([sh.job_id, _rank_label(sh.rank)], float(read(sh)))
             yield ranks
 
 
