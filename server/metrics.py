@@ -26,6 +26,7 @@ shardserve_unread_waiting_streams           gauge                      streams t
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
+shardserve_plan_cache_bytes                 gauge                      bytes of epoch orders kept (at most ``--plan-cache-bytes`` and half that of mixture orders)
 shardserve_store_bytes                      gauge                      bytes of every dataset in the store
 shardserve_jobs                             gauge      state           jobs by lifecycle state (every state, 0 too)
 shardserve_job_ranks_connected              gauge      job_id          ranks of the job with an open stream
@@ -339,6 +340,16 @@ class Metrics:
         self.store_bytes = Gauge(
             "shardserve_store_bytes", "Bytes of every dataset in the store.", registry=r
         )
+        self.plan_cache_bytes = Gauge(
+            "shardserve_plan_cache_bytes",
+            "Bytes of epoch orders kept (at most --plan-cache-bytes, and half that again of "
+            "mixture orders; or the newest order when it is larger).",
+            registry=r,
+        )
+
+    def watch_plan_bytes(self, fn: Callable[[], float]) -> None:
+        """Compute ``shardserve_plan_cache_bytes`` with ``fn`` at every scrape."""
+        self.plan_cache_bytes.set_function(fn)
 
     def watch_store_bytes(self, fn: Callable[[], float]) -> None:
         """Compute ``shardserve_store_bytes`` with ``fn`` at every scrape."""

@@ -29,12 +29,17 @@ class MixtureAdmin:
     """Schedules and quarantines; see the module docstring."""
 
     def __init__(
-        self, jobs: JobRegistry, board: StreamBoard, manifest: Callable[[str], Manifest]
+        self,
+        jobs: JobRegistry,
+        board: StreamBoard,
+        manifest: Callable[[str], Manifest],
+        plan_bytes: int = mixtures.ORDER_CACHE_BYTES,
     ) -> None:
-        """``manifest(name)``: the dataset's current manifest (raising ``DatasetNotFound``)."""
+        """``manifest(name)``: the dataset's current manifest (raising ``DatasetNotFound``);
+        ``plan_bytes``: of mixture orders kept."""
         self.jobs = jobs
         self.board = board
-        self.plans = mixtures.MixturePlans(jobs.quarantine)
+        self.plans = mixtures.MixturePlans(jobs.quarantine, plan_bytes)
         self._manifest = manifest
 
     def _mixture_job(self, job_id: str) -> Job:

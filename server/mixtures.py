@@ -239,6 +239,12 @@ class MixturePlans:
         self._orders: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the orders kept."""
+        with self._lock:
+            return sum(o.nbytes for o in self._orders.values())
+
     def order(self, job: Job, epoch: int, seed: int) -> np.ndarray:
         """The epoch's canonical mixture order over concatenated ids (see the planner)."""
         spec = job.spec

@@ -128,7 +128,7 @@ class Service:
         self.metrics = Metrics(registry)
         self.store = _open_store(settings, self.metrics.registry)
         self.board = StreamBoard()
-        self.plans = PlanCache()
+        self.plans = PlanCache(settings.plan_cache_bytes)
         self.metrics.watch_store_bytes(self._store_bytes)
         # Loaded at start so a bad --transforms module stops the server at once.
         self.transforms = Transforms(
@@ -150,7 +150,11 @@ class Service:
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
             self.transforms,
         )
-        self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest)
+        # Mixture orders get half the plan bound again: their own LRU, as big as one source.
+        self.mixture_admin = MixtureAdmin(
+            self.jobs, self.board, self.store.manifest, settings.plan_cache_bytes // 2
+        )
+        self.metrics.watch_plan_bytes(lambda: self.plans.nbytes + self.mixture_admin.plans.nbytes)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
         self.streamer = Streamer(
             StreamerConfig(

@@ -197,6 +197,13 @@ class Settings(BaseSettings):
         "subscribers waiting for it and not kept (the others assemble it on their own)",
         json_schema_extra={"metavar": "SIZE"},
     )
+    plan_cache_bytes: ByteSize = Field(
+        default=ByteSize(512 << 20),
+        ge=1,
+        description="bytes of epoch orders kept for reuse (4 bytes a sample; mixture orders: "
+        "half this again); the newest order is kept even when larger",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     unread_stream_bytes: ByteSize = Field(
         default=ByteSize(64 << 20),
         ge=1,
