@@ -26,6 +26,7 @@ shardserve_unread_waiting_streams           gauge                      streams t
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
+shardserve_store_mapped_versions            gauge                      dataset versions held mapped (current ones opened; older ones while a job pins them)
 shardserve_plan_cache_bytes                 gauge                      bytes of epoch orders kept (at most ``--plan-cache-bytes`` and half that of mixture orders)
 shardserve_store_bytes                      gauge                      bytes of every dataset in the store
 shardserve_jobs                             gauge      state           jobs by lifecycle state (every state, 0 too)
@@ -340,12 +341,22 @@ class Metrics:
         self.store_bytes = Gauge(
             "shardserve_store_bytes", "Bytes of every dataset in the store.", registry=r
         )
+        self.mapped_versions = Gauge(
+            "shardserve_store_mapped_versions",
+            "Dataset versions the server holds mapped: the current ones opened, and older "
+            "ones (replaced or deleted on disk) while a job pins them.",
+            registry=r,
+        )
         self.plan_cache_bytes = Gauge(
             "shardserve_plan_cache_bytes",
             "Bytes of epoch orders kept (at most --plan-cache-bytes, and half that again of "
             "mixture orders; or the newest order when it is larger).",
             registry=r,
         )
+
+    def watch_mapped_versions(self, fn: Callable[[], float]) -> None:
+        """Compute ``shardserve_store_mapped_versions`` with ``fn`` at every scrape."""
+        self.mapped_versions.set_function(fn)
 
     def watch_plan_bytes(self, fn: Callable[[], float]) -> None:
         """Compute ``shardserve_plan_cache_bytes`` with ``fn`` at every scrape."""

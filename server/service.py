@@ -130,6 +130,7 @@ class Service:
         self.board = StreamBoard()
         self.plans = PlanCache(settings.plan_cache_bytes)
         self.metrics.watch_store_bytes(self._store_bytes)
+        self.metrics.watch_mapped_versions(self.store.mapped_versions)
         # Loaded at start so a bad --transforms module stops the server at once.
         self.transforms = Transforms(
             settings.transforms,
