@@ -4,6 +4,7 @@ after a kill -9 and restart and on a second server."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -462,3 +463,21 @@ def test_quarantine_bound_counts_distinct_ids() -> None:
     assert q.count("web") == 3
     with pytest.raises(BadRequest, match="limit of 3"):
         q.add("web", [4], "bad", {})
+
+
+def test_quarantine_posts_keep_one_mixture_order_per_epoch(srv: ServerProc) -> None:
+    """Each post that adds ids makes the job's plans again; the orders made before it are
+    never asked for again, so the plan cache holds one order for the epoch, not one a post."""
+    job = post_job(srv, SPEC).json()["id"]
+
+    def cached() -> float:
+        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+        return float(re.search(r"^shardserve_plan_cache_bytes (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+    plan(srv, job, 0)
+    one = cached()
+    assert one > 0
+    for i in range(20):
+        assert quarantine(srv, "code", [i], "bad").status_code == 200
+        plan(srv, job, 0)
+    assert cached() == one
