@@ -144,6 +144,8 @@ class ServerInfo(BaseModel):
 #: Most sample ids one quarantine request may name, and one dataset may have in all.
 MAX_QUARANTINE_IDS = 1 << 16
 MAX_QUARANTINED = 1 << 20
+#: Most characters of a quarantine's reason.
+MAX_QUARANTINE_REASON = 512
 
 
 class MixtureUpdate(BaseModel):
@@ -190,7 +192,7 @@ class QuarantineRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ids: list[int] = Field(min_length=1, max_length=MAX_QUARANTINE_IDS)
-    reason: str = Field(min_length=1, max_length=512)
+    reason: str = Field(min_length=1, max_length=MAX_QUARANTINE_REASON)
 
 
 class QuarantineEntry(BaseModel):
@@ -203,4 +205,7 @@ class QuarantineEntry(BaseModel):
 class QuarantineList(BaseModel):
     dataset: str
     entries: list[QuarantineEntry]
+    #: Distinct ids quarantined (an id posted again counts once).
     total_ids: int
+    #: Bytes the server holds for this dataset's quarantine (ids, steps, reasons).
+    held_bytes: int = 0

@@ -22,7 +22,7 @@ from shardserve.proto.manifest import Manifest
 from . import mixtures
 from .jobs import Job, JobRegistry
 from .lifecycle import ENDED, LIVE, expired, job_state, last_active
-from .metrics import JobsSnapshot, RankSeries
+from .metrics import JobsSnapshot, RankSeries, fold_ranks
 from .planning import num_batches
 from .planning.cache import PlanCache
 from .settings import Settings
@@ -247,17 +247,20 @@ class JobAdmin:
         """The per-job metric series of one scrape: ended jobs export none."""
         snap = JobsSnapshot()
         exported = set()
-        for job, state, act in self._states():
+        states = self._states()
+        for job, state, act in states:
             snap.states[state] = snap.states.get(state, 0) + 1
             if state not in ENDED:
                 exported.add(job.id)
                 snap.connected[job.id] = act.connected if act is not None else 0
-        snap.ranks = [
+        ranks = [
             RankSeries(c.job, c.rank, c.batches, c.bytes, c.wait_s, c.compute_s)
             for c in self.board.counters()
             if c.job in exported
         ]
-        snap.shares = [sh for sh in self.board.share_series() if sh.job_id in exported]
+        shares = [sh for sh in self.board.share_series() if sh.job_id in exported]
+        sizes = {job.id: job.spec.world_size for job, _, _ in states}
+        snap.ranks, snap.shares = fold_ranks(ranks, shares, sizes)
         return snap
 
     def status_of(self, job: Job, state: JobState | None = None) -> JobStatus:

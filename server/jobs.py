@@ -329,27 +329,35 @@ class JobRegistry:
         reason: str,
         at: Mapping[str, int],
         align: Mapping[str, int] | None = None,
-    ) -> None:
+    ) -> bool:
         """Quarantine ``ids`` of ``dataset`` for each job from step ``at[job]``, or the first
         step no stream of it has read if later, rounded up to a multiple of ``align[job]``
         (a job whose epochs end when a source runs out takes changes at epoch starts);
-        journaled."""
+        journaled. Ids already quarantined keep their steps and take ``reason``; a post that
+        changes nothing is not journaled. Returns whether an id was added (plans change)."""
         with self._lock:
             steps = {}
             for jid, step in at.items():
                 step = max(step, self._resolved.get(jid, -1) + 1)
                 every = (align or {}).get(jid, 1)
                 steps[jid] = -(-step // every) * every
-            entry = self.quarantine.add(dataset, ids, reason, steps)
-            for jid in steps:
-                self._steering[jid] = self._steering.get(jid, 0) + 1
+            change = self.quarantine.add(dataset, ids, reason, steps)
+            if change is None:
+                return False
+            if change.added:
+                for jid in steps:
+                    self._steering[jid] = self._steering.get(jid, 0) + 1
             self._append(
                 {
-                    "op": "quarantine", "dataset": dataset, "ids": list(entry.ids),
-                    "reason": reason, "at": entry.at,
+                    "op": "quarantine", "dataset": dataset, "ids": list(change.ids),
+                    "reason": reason, "at": change.at,
                 }
             )  # fmt: skip
-        log_event(log, "dataset.quarantined", dataset=dataset, ids=len(ids), reason=reason)
+        log_event(
+            log, "dataset.quarantined", dataset=dataset, ids=len(change.ids), added=change.added,
+            reason=reason,
+        )  # fmt: skip
+        return change.added > 0
 
     def note_stream(self, jid: str, epoch: int, origin: str = "") -> None:
         """A rank opened a stream of ``epoch``: the job is in use; ``origin``: the job (of

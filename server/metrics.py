@@ -8,7 +8,8 @@ any range answers "lately" (the recent data stall of a rank is
 ``rate(shardserve_client_wait_seconds_total[1m]) / (rate(…wait…[1m]) + rate(…compute…[1m]))``);
 per-job series are labelled ``job_id``, never ``job`` (Prometheus' own target label), and exist
 while the job is pending, running or idle: a finished, failed, deleted or expired job's series
-are gone from the next scrape. No ``*_created`` series
+are gone from the next scrape. A job of more than :data:`RANK_SERIES_MAX` ranks exports its
+per-rank series once, ``rank="all"``, summed over its ranks. No ``*_created`` series
 (:func:`prometheus_client.disable_created_metrics`).
 
 ==========================================  =========  ==============  ============================================
@@ -20,9 +21,13 @@ shardserve_bytes_sent_total                 counter                    payload b
 shardserve_batches_assembled_total          counter                    batches gathered (and transformed), once for all of a share group's subscribers
 shardserve_share_batches_handed_total       counter                    batches a share group's subscriber got from the group's pass, not assembled for it
 shardserve_share_bytes                      gauge                      bytes every share group's window keeps now (at most ``--share-bytes``)
+shardserve_unread_bytes                     gauge                      bytes allotted to streams that have not read yet (at most ``--unread-bytes``)
+shardserve_unread_waiting_streams           gauge                      streams that have not read and wait for room under ``--unread-bytes``
 shardserve_assembly_seconds                 histogram                  time to gather one batch from the store
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
+shardserve_store_mapped_versions            gauge                      dataset versions held mapped (current ones opened; older ones while a job pins them)
+shardserve_plan_cache_bytes                 gauge                      bytes of epoch orders kept (at most ``--plan-cache-bytes`` and half that of mixture orders)
 shardserve_store_bytes                      gauge                      bytes of every dataset in the store
 shardserve_jobs                             gauge      state           jobs by lifecycle state (every state, 0 too)
 shardserve_job_ranks_connected              gauge      job_id          ranks of the job with an open stream
@@ -66,12 +71,19 @@ _ASSEMBLY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0
 JOB_STATES: tuple[JobState, ...] = ("pending", "running", "idle", "finished", "failed")
 
 
+#: Jobs of a larger world size export their per-rank series summed over their ranks, as one
+#: series labelled ``rank="all"``: a 65,536-rank job would otherwise add four series per rank
+#: that streamed to every scrape (and every Prometheus), and a rank's own figures are on
+#: ``GET /v1/jobs/{id}``.
+RANK_SERIES_MAX = 64
+
+
 @dataclass(frozen=True)
 class RankSeries:
-    """One rank's counters as a scrape exports them."""
+    """One rank's counters as a scrape exports them (``rank`` ``None``: all of them)."""
 
     job_id: str
-    rank: int
+    rank: int | None
     batches: int
     bytes: int
     wait_s: float
@@ -80,10 +92,11 @@ class RankSeries:
 
 @dataclass(frozen=True)
 class ShareSeries:
-    """One rank of a shared job as a scrape exports it (its share groups together)."""
+    """One rank of a shared job as a scrape exports it (its share groups together; ``rank``
+    ``None``: all of its ranks)."""
 
     job_id: str
-    rank: int
+    rank: int | None
     subscribers: int
     #: The largest lag behind its group's front of any subscriber now, in batches.
     lag: int
@@ -112,6 +125,34 @@ class JobsSnapshot:
     quarantined: dict[str, int] = field(default_factory=dict)
     #: Ranks of shared jobs (``Loader(share=...)``).
     shares: list[ShareSeries] = field(default_factory=list)
+
+
+def fold_ranks(
+    ranks: Sequence[RankSeries], shares: Sequence[ShareSeries], world_sizes: dict[str, int]
+) -> tuple[list[RankSeries], list[ShareSeries]]:
+    """The series of jobs with more than :data:`RANK_SERIES_MAX` ranks summed into one per
+    job (``rank=None``; a share lag is the largest); others as they are."""
+    big = {j for j, ws in world_sizes.items() if ws > RANK_SERIES_MAX}
+    out = [r for r in ranks if r.job_id not in big]
+    out_sh = [sh for sh in shares if sh.job_id not in big]
+    for jid in sorted(big):
+        mine = [r for r in ranks if r.job_id == jid]
+        if mine:
+            out.append(RankSeries(
+                jid, None, sum(r.batches for r in mine), sum(r.bytes for r in mine),
+                sum(r.wait_s for r in mine), sum(r.compute_s for r in mine),
+            ))  # fmt: skip
+        sh = [x for x in shares if x.job_id == jid]
+        if sh:
+            out_sh.append(ShareSeries(
+                jid, None, sum(x.subscribers for x in sh), max(x.lag for x in sh),
+                sum(x.handed for x in sh), sum(x.detaches for x in sh),
+            ))  # fmt: skip
+    return out, out_sh
+
+
+def _rank_label(rank: int | None) -> str:
+    return "all" if rank is None else str(rank)
 
 
 #: The kinds of per-source series a mixture job exports (and per-rank ones a shared job).
@@ -168,7 +209,7 @@ class _JobCollector(Collector):
         for name, doc, attr in per_rank:
             fam = CounterMetricFamily(name, doc, labels=["job_id", "rank"])
             for r in snap.ranks:
-                fam.add_metric([r.job_id, str(r.rank)], float(getattr(r, attr)))
+                fam.add_metric([r.job_id, _rank_label(r.rank)], float(getattr(r, attr)))
             yield fam
         # (job id, source, value) series of mixture jobs.
         per_source: list[tuple[_SourceFamily, str, str, Sequence[tuple[str, str, float]]]] = [
@@ -230,7 +271,7 @@ class _JobCollector(Collector):
         for kind, name, doc, read in per_share:
             ranks = kind(name, doc, labels=["job_id", "rank"])
             for sh in snap.shares:
-                ranks.add_metric([sh.job_id, str(sh.rank)], float(read(sh)))
+                ranks.add_metric([sh.job_id, _rank_label(sh.rank)], float(read(sh)))
             yield ranks
 
 
@@ -275,6 +316,16 @@ class Metrics:
             "sharing saved).",
             registry=r,
         )
+        self.unread_bytes = Gauge(
+            "shardserve_unread_bytes",
+            "Bytes allotted to streams that have not read yet (at most --unread-bytes).",
+            registry=r,
+        )
+        self.unread_waiting = Gauge(
+            "shardserve_unread_waiting_streams",
+            "Streams that have not read and wait for room under --unread-bytes.",
+            registry=r,
+        )
         self.assembly_seconds = Histogram(
             "shardserve_assembly_seconds",
             "Seconds to gather one batch from the store into its buffers.",
@@ -290,6 +341,26 @@ class Metrics:
         self.store_bytes = Gauge(
             "shardserve_store_bytes", "Bytes of every dataset in the store.", registry=r
         )
+        self.mapped_versions = Gauge(
+            "shardserve_store_mapped_versions",
+            "Dataset versions the server holds mapped: the current ones opened, and older "
+            "ones (replaced or deleted on disk) while a job pins them.",
+            registry=r,
+        )
+        self.plan_cache_bytes = Gauge(
+            "shardserve_plan_cache_bytes",
+            "Bytes of epoch orders kept (at most --plan-cache-bytes, and half that again of "
+            "mixture orders; or the newest order when it is larger).",
+            registry=r,
+        )
+
+    def watch_mapped_versions(self, fn: Callable[[], float]) -> None:
+        """Compute ``shardserve_store_mapped_versions`` with ``fn`` at every scrape."""
+        self.mapped_versions.set_function(fn)
+
+    def watch_plan_bytes(self, fn: Callable[[], float]) -> None:
+        """Compute ``shardserve_plan_cache_bytes`` with ``fn`` at every scrape."""
+        self.plan_cache_bytes.set_function(fn)
 
     def watch_store_bytes(self, fn: Callable[[], float]) -> None:
         """Compute ``shardserve_store_bytes`` with ``fn`` at every scrape."""

@@ -29,12 +29,17 @@ class MixtureAdmin:
     """Schedules and quarantines; see the module docstring."""
 
     def __init__(
-        self, jobs: JobRegistry, board: StreamBoard, manifest: Callable[[str], Manifest]
+        self,
+        jobs: JobRegistry,
+        board: StreamBoard,
+        manifest: Callable[[str], Manifest],
+        plan_bytes: int = mixtures.ORDER_CACHE_BYTES,
     ) -> None:
-        """``manifest(name)``: the dataset's current manifest (raising ``DatasetNotFound``)."""
+        """``manifest(name)``: the dataset's current manifest (raising ``DatasetNotFound``);
+        ``plan_bytes``: of mixture orders kept."""
         self.jobs = jobs
         self.board = board
-        self.plans = mixtures.MixturePlans(jobs.quarantine)
+        self.plans = mixtures.MixturePlans(jobs.quarantine, plan_bytes)
         self._manifest = manifest
 
     def _mixture_job(self, job_id: str) -> Job:
@@ -160,9 +165,7 @@ class MixtureAdmin:
             if st.deviation_sigmas is not None:
                 snap.mixture_sigmas[jid] = st.deviation_sigmas
         for name in self.jobs.quarantine.datasets():
-            snap.quarantined[name] = len(
-                {i for e in self.jobs.quarantine.entries(name) for i in e.ids}
-            )
+            snap.quarantined[name] = self.jobs.quarantine.count(name)
         return snap
 
     # -- quarantine ---------------------------------------------------------------------
@@ -191,10 +194,9 @@ class MixtureAdmin:
         offsets = source_offsets([MixSource(n) for n in sizes])
         which, local = split_ids(np.unique(np.asarray(ids, dtype=np.int64)), offsets)
         for k, src in enumerate(job.spec.mixture or ()):
-            held = {i for e in self.jobs.quarantine.entries(src.name) for i in e.ids}
-            new = [i for i in local[which == k].tolist() if i not in held]
-            if new:
-                self._add(src.name, sizes[k], new, reason, whole_epochs=job_id)
+            new = self.jobs.quarantine.unknown(src.name, local[which == k])
+            if len(new):
+                self._add(src.name, sizes[k], new.tolist(), reason, whole_epochs=job_id)
 
     def _add(
         self, dataset: str, n: int, ids: Sequence[int], reason: str, whole_epochs: str = ""
@@ -202,8 +204,8 @@ class MixtureAdmin:
         """Quarantine ``ids`` of ``dataset`` (``n`` samples) for every job reading it, from
         its frontier (from an epoch start: a job whose epochs end when a source runs out,
         and ``whole_epochs``)."""
-        held = {i for e in self.jobs.quarantine.entries(dataset) for i in e.ids}
-        if len(held | set(ids)) >= n:
+        new = self.jobs.quarantine.unknown(dataset, np.unique(np.asarray(ids, dtype=np.int64)))
+        if self.jobs.quarantine.count(dataset) + len(new) >= n:
             raise BadRequest(
                 f"quarantining these ids would leave dataset {dataset!r} no sample: "
                 "drop it from the mixture instead (weight 0)"
@@ -219,7 +221,8 @@ class MixtureAdmin:
             for job in readers
             if job.spec.ends_early or job.id == whole_epochs
         }
-        self.jobs.add_quarantine(dataset, ids, reason, at, align)
+        if not self.jobs.add_quarantine(dataset, ids, reason, at, align):
+            return  # no id new: every plan stays as it is
         for job in readers:
             self._warm(job.id)
 
@@ -229,7 +232,8 @@ class MixtureAdmin:
         return QuarantineList(
             dataset=dataset,
             entries=[QuarantineBody(ids=list(e.ids), reason=e.reason, at=e.at) for e in entries],
-            total_ids=len({i for e in entries for i in e.ids}),
+            total_ids=self.jobs.quarantine.count(dataset),
+            held_bytes=self.jobs.quarantine.held_bytes(dataset),
         )
 
 

@@ -239,6 +239,12 @@ class MixturePlans:
         self._orders: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the orders kept."""
+        with self._lock:
+            return sum(o.nbytes for o in self._orders.values())
+
     def order(self, job: Job, epoch: int, seed: int) -> np.ndarray:
         """The epoch's canonical mixture order over concatenated ids (see the planner)."""
         spec = job.spec
@@ -263,6 +269,11 @@ class MixturePlans:
             spec.block_window,
         )  # fmt: skip
         with self._lock:
+            # An order made before this job's last change is never asked for again (plans
+            # are remade from the job as it is now): a flood of quarantines or weight changes
+            # keeps one order per epoch, not one per change.
+            for old in [k for k in self._orders if k[:3] == key[:3]]:
+                del self._orders[old]
             self._orders[key] = order
             total = sum(o.nbytes for o in self._orders.values())
             while len(self._orders) > 1 and total > self._max_bytes:

@@ -128,8 +128,9 @@ class Service:
         self.metrics = Metrics(registry)
         self.store = _open_store(settings, self.metrics.registry)
         self.board = StreamBoard()
-        self.plans = PlanCache()
+        self.plans = PlanCache(settings.plan_cache_bytes)
         self.metrics.watch_store_bytes(self._store_bytes)
+        self.metrics.watch_mapped_versions(self.store.mapped_versions)
         # Loaded at start so a bad --transforms module stops the server at once.
         self.transforms = Transforms(
             settings.transforms,
@@ -151,7 +152,11 @@ class Service:
             self.transforms,
             self.open_dataset,
         )
-        self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest)
+        # Mixture orders get half the plan bound again: their own LRU, as big as one source.
+        self.mixture_admin = MixtureAdmin(
+            self.jobs, self.board, self.store.manifest, settings.plan_cache_bytes // 2
+        )
+        self.metrics.watch_plan_bytes(lambda: self.plans.nbytes + self.mixture_admin.plans.nbytes)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
         self.streamer = Streamer(
             StreamerConfig(
@@ -173,6 +178,8 @@ class Service:
                 share_bytes=settings.share_bytes,
                 max_hellos_per_s=settings.max_hellos_per_s,
                 shm_unproven_rings=settings.shm_unproven_rings,
+                unread_stream_bytes=settings.unread_stream_bytes,
+                unread_bytes=settings.unread_bytes,
             ),
             self._make_handler,
         )

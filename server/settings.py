@@ -197,6 +197,27 @@ class Settings(BaseSettings):
         "subscribers waiting for it and not kept (the others assemble it on their own)",
         json_schema_extra={"metavar": "SIZE"},
     )
+    plan_cache_bytes: ByteSize = Field(
+        default=ByteSize(512 << 20),
+        ge=1,
+        description="bytes of epoch orders kept for reuse (4 bytes a sample; mixture orders: "
+        "half this again); the newest order is kept even when larger",
+        json_schema_extra={"metavar": "SIZE"},
+    )
+    unread_stream_bytes: ByteSize = Field(
+        default=ByteSize(64 << 20),
+        ge=1,
+        description="bytes one stream is sent before its client first reads (at least one "
+        "message); the rest of its credit waits for its first Credit",
+        json_schema_extra={"metavar": "SIZE"},
+    )
+    unread_bytes: ByteSize = Field(
+        default=ByteSize(512 << 20),
+        ge=1,
+        description="bytes all streams that have not read yet are sent together; a stream past "
+        "it waits, sent nothing, until one of them reads or closes",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     max_hellos_per_s: float = Field(
         default=20.0,
         gt=0,

@@ -6,8 +6,11 @@ asks first and reused by the others. Planning 40 M samples takes about a second,
 on the assembly pool, never on the streamer thread; concurrent askers for the same key wait
 for the first (with a deadline) instead of computing it twice.
 
-The cache is an LRU bounded in bytes (an order costs 4 bytes a sample), always keeping at
-least the newest entry.
+The cache is an LRU bounded in bytes (``--plan-cache-bytes``; an order costs 4 bytes a
+sample), always keeping at least the newest entry: a stream reading an order larger than the
+bound holds it anyway, and a smaller one would be computed again at every rank's ask. A flood
+of ``GET /v1/jobs/{id}/plan`` for other epochs therefore keeps at most the bound (or one
+order), shown as ``shardserve_plan_cache_bytes``.
 
 The next epoch's order is computed while the current one streams (:meth:`PlanCache.plan_ahead`,
 on a thread of its own): a 5M-sample global shuffle takes ~0.3 s, which would otherwise be the
@@ -288,6 +291,12 @@ class PlanCache:
             for key in [k for k in self._orders if k[0] == job_id]:
                 del self._orders[key]
                 self._finishing.pop(key, None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the orders kept."""
+        with self._lock:
+            return sum(o.nbytes for o in self._orders.values())
 
     def _evict(self) -> None:
         total = sum(o.nbytes for o in self._orders.values())

@@ -34,7 +34,6 @@ source sample) and ~10 MB of chunk temporaries.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import operator
@@ -248,7 +247,7 @@ class _Stream:
             i += k
         return out
 
-    def take(self, count: int, banned: IdSet | None) -> tuple[np.ndarray, bool]:
+    def take(self, count: int, banned: _BannedAt | None) -> tuple[np.ndarray, bool]:
         """The next ``count`` ids not in ``banned``; ``(ids, ran_out)``: fewer ids and
         ``ran_out`` when a ``stop`` source has no more."""
         if self.source.size == 0:
@@ -320,28 +319,53 @@ class IdSet:
 
 
 class _Banned:
-    """Each source's quarantined ids in force at a position: the sets are built once per
-    quarantine position (a few), not once per chunk."""
+    """Each source's quarantined ids in force at a position: one :class:`IdSet` a source
+    over every id, with the first position each is skipped from. Its size does not depend
+    on how many quarantine positions there are (one bitmap a source, not one a position)."""
 
     def __init__(self, quarantine: Sequence[Quarantine], n_sources: int) -> None:
-        self._ats: list[list[int]] = [[] for _ in range(n_sources)]
-        self._sets: list[list[IdSet]] = [[] for _ in range(n_sources)]
+        self._sets: list[IdSet | None] = [None] * n_sources
+        self._since: list[np.ndarray] = [np.empty(0, np.int64)] * n_sources
         for k in range(n_sources):
-            mine = sorted((q for q in quarantine if q.source == k), key=lambda q: q.at)
-            parts: list[np.ndarray] = []
-            for q in mine:
-                parts.append(np.asarray(q.ids, dtype=np.int64))
-                ids = IdSet(np.concatenate(parts))
-                if self._ats[k] and self._ats[k][-1] == q.at:
-                    self._sets[k][-1] = ids
-                else:
-                    self._ats[k].append(q.at)
-                    self._sets[k].append(ids)
+            mine = [q for q in quarantine if q.source == k]
+            if not mine:
+                continue
+            ids = np.concatenate([np.asarray(q.ids, dtype=np.int64) for q in mine])
+            at = np.concatenate([np.full(len(q.ids), q.at, dtype=np.int64) for q in mine])
+            by = np.lexsort((at, ids))  # by id, then position: an id's earliest first
+            ids, at = ids[by], at[by]
+            first = np.concatenate(([True], ids[1:] != ids[:-1])) if len(ids) else ids
+            self._sets[k], self._since[k] = IdSet(ids[first]), at[first]
 
-    def at(self, source: int, position: int) -> IdSet | None:
+    def at(self, source: int, position: int) -> _BannedAt | None:
         """The ids of ``source`` quarantined at ``position``, or ``None``."""
-        i = bisect.bisect_right(self._ats[source], position)
-        return self._sets[source][i - 1] if i else None
+        ids = self._sets[source]
+        if ids is None:
+            return None
+        count = int(np.count_nonzero(self._since[source] <= position))
+        return _BannedAt(ids, self._since[source], position, count) if count else None
+
+
+@dataclass(frozen=True)
+class _BannedAt:
+    """The ids of an :class:`IdSet` skipped at ``position`` (``since[i] <= position``)."""
+
+    ids: IdSet
+    since: np.ndarray
+    position: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def allows(self, cand: np.ndarray) -> np.ndarray:
+        """``True`` where a candidate id is not skipped at the position."""
+        ok = self.ids.allows(cand)
+        hit = np.flatnonzero(~ok)
+        if len(hit) and self.count < len(self.ids):
+            where = np.searchsorted(self.ids.ids, cand[hit].astype(np.int64))
+            ok[hit] = self.since[where] > self.position
+        return ok
 
 
 def mixture_order(

@@ -59,6 +59,10 @@ class StoreBackend(Protocol):
         """Let go of old versions no job pins any more."""
         ...
 
+    def mapped_versions(self) -> int:
+        """Dataset versions held open: the current ones opened, and older ones jobs pin."""
+        ...
+
     def unready(self) -> str | None:
         """Why the store cannot serve now, or ``None``. A store that may come back (an object
         store away for a while) says ``None``: the streams that need it fail, by name."""

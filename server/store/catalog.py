@@ -126,9 +126,31 @@ class Store:
             return ds
 
     def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:
-        """Let go of old versions no job pins any more (their files were deleted already)."""
+        """Let go of old versions no job pins any more (their files were deleted already).
+
+        A version replaced or deleted on disk since it was opened is old too, even if no
+        open since has noticed: without this check it stayed mapped, its disk space held,
+        until the name was next opened, long after its last job ended."""
+        self._shelve_replaced()
         for name, version in self.shelf.keep_only(pinned):
             log.info("released dataset %s version %s: no job pins it any more", name, version)
+
+    def _shelve_replaced(self) -> None:
+        """Move every opened dataset whose folder is gone or replaced to the shelf."""
+        with self._lock:
+            for name, (inode, ds) in list(self._open.items()):
+                try:
+                    current = self._folder(name).stat().st_ino
+                except OSError:
+                    current = None
+                if current != inode:
+                    del self._open[name]
+                    self.shelf.put(name, content_id(ds.manifest), ds)
+
+    def mapped_versions(self) -> int:
+        """Dataset versions held mapped: the current ones opened, and older ones jobs pin."""
+        with self._lock:
+            return len(self._open) + len(self.shelf.held())
 
     #: Shards are read in place: no cache.
     cache: ShardCache | None = None

@@ -362,6 +362,10 @@ class RemoteStore:
         for name, version in self.shelf.keep_only(pinned):
             log.info("released dataset %s version %s: no job pins it any more", name, version)
 
+    def mapped_versions(self) -> int:
+        """Dataset versions held: the current ones opened, and older ones jobs pin."""
+        return len(self._open) + len(self.shelf.held())
+
     def opened_bytes(self) -> int:
         """Bytes of the datasets opened so far (listing a bucket per scrape is too dear)."""
         return sum(ds.manifest.total_bytes for ds in list(self._open.values()))

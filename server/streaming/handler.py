@@ -54,6 +54,7 @@ from .pump import AssemblyFailed, PeerGone, Pump
 from .sessions import Assembled, HandlerDeps, Prepared, Session
 from .shares import ShareBook
 from .streamer import StreamerConfig, liveness_s, shutdown_error
+from .unread import UnreadBudget
 
 log = logging.getLogger("shardserve.streaming")
 
@@ -88,6 +89,7 @@ class StreamHandler(HelloHandling):
         )
         self.rate = HelloRate(config.max_hellos_per_s)
         self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds
+        self.unread = UnreadBudget(config.unread_stream_bytes, config.unread_bytes)
         self._next_stream = 1
 
     # -- events -------------------------------------------------------------------------
@@ -174,6 +176,8 @@ class StreamHandler(HelloHandling):
                     key, share, s.ident, s.stream, s.flow.start_batch, prepared.batch_bytes
                 )
                 s.flow.grid = s.group  # every subscriber takes the same spans
+            else:  # a share group's batches are bounded by its window (see .shares)
+                self._allot(s, prepared.batch_bytes)
             self._welcome(s)
             self._pump(s)
         else:
@@ -300,6 +304,8 @@ class StreamHandler(HelloHandling):
             s.sink.mapped()  # the client reads what the sink hands out (see RingBook)
         if s.sink is not None and credit.slots and (bad := s.sink.returned(credit.slots)):
             log_event(log, "shm.bad_return", level=logging.WARNING, **s.describe(), slots=bad)
+        if s.flow.until is not None and s.flow.next_send > s.flow.start_batch:
+            self._has_read(s)  # a Credit after a batch: the client reads
         try:
             s.flow.grant(credit.grant)
         except CreditOverflow as e:
@@ -374,6 +380,7 @@ class StreamHandler(HelloHandling):
         s.closed = True
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
+        self._has_read(s)  # whatever it was allotted before reading goes back
         if s.share is not None:
             self.shares.leave(s.ident, s.stream)
         sink = s.sink
@@ -385,6 +392,32 @@ class StreamHandler(HelloHandling):
             sink.close(handover=handover and s.flow.assembling == 0)
         overflowed = sink.overflowed if sink is not None else 0
         self.notices.closed(s, reason, level, len(self.sessions), overflowed)
+
+    def _allot(self, s: Session, batch_bytes: int) -> None:
+        """Bound what ``s`` is sent before its client reads (see :mod:`.unread`)."""
+        ask = self.unread.ask(batch_bytes * s.group, s.flow.credit, s.group)
+        s.flow.allot(self.unread.admit((s.ident, s.stream), ask) * s.group)
+        self._unread_gauges()
+
+    def _has_read(self, s: Session) -> None:
+        """``s`` read (or closed): its allotment goes back, its credit alone bounds it, and
+        the streams waiting for room take theirs, first come first served."""
+        if not self.unread.read((s.ident, s.stream)):
+            return
+        s.flow.allot(None)
+        while due := self.unread.due():
+            for (ident, stream), n in due:
+                w = self.sessions.get(ident)
+                if w is None or w.stream != stream:
+                    self.unread.read((ident, stream))  # gone without a close: free it
+                    continue
+                w.flow.allot(n * w.group)
+                self._pump(w)
+        self._unread_gauges()
+
+    def _unread_gauges(self) -> None:
+        self.deps.metrics.unread_bytes.set(self.unread.used)
+        self.deps.metrics.unread_waiting.set(self.unread.waiting)
 
     def _peer_gone(self, ident: bytes) -> None:
         if (s := self.sessions.get(ident)) is not None:

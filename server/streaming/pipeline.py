@@ -147,6 +147,9 @@ class Pipeline(Generic[T]):
     #: A shared stream's spans end on multiples of this many batches, each taken only with the
     #: credit for all of it, so every subscriber of the group takes the same spans; 0: any.
     grid: int = 0
+    #: Before the client has read: no batch at or past this index is taken, whatever the
+    #: credit (its allotment, see ``.unread``); ``None``: credit alone bounds the stream.
+    until: int | None = None
 
     def __post_init__(self) -> None:
         self.next_submit = self.next_send = self.start_batch
@@ -160,6 +163,10 @@ class Pipeline(Generic[T]):
         """Batches the client has granted and not yet received."""
         return self.credit + self.in_flight
 
+    def allot(self, batches: int | None) -> None:
+        """Take at most ``batches`` from the first (``None``: as credit allows)."""
+        self.until = None if batches is None else self.start_batch + batches
+
     @property
     def done_sending(self) -> bool:
         return self.next_send >= self.num_batches
@@ -172,6 +179,10 @@ class Pipeline(Generic[T]):
             )
         self.credit += n
 
+    def _end(self) -> int:
+        """The index no batch is taken at or past now: the epoch's end or the allotment's."""
+        return self.num_batches if self.until is None else min(self.until, self.num_batches)
+
     def _aligned(self) -> int:
         """The length of the next span on the grid (to the next multiple, or the epoch's end)."""
         i = self.next_submit
@@ -182,7 +193,7 @@ class Pipeline(Generic[T]):
         return (
             self.credit >= (self._aligned() if self.grid else 1)
             and self.credit > 0
-            and self.next_submit < self.num_batches
+            and self.next_submit < self._end()
             and self.assembling < MAX_INFLIGHT_PER_STREAM
         )
 
@@ -199,7 +210,7 @@ class Pipeline(Generic[T]):
         if self.grid:
             count = self._aligned()
         else:
-            count = max(1, min(most, self.credit, self.num_batches - index))
+            count = max(1, min(most, self.credit, self._end() - index))
         self.next_submit += count
         self.credit -= count
         self.spans[index] = count

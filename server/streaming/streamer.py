@@ -56,6 +56,7 @@ from shardserve.proto.errors import ErrorCode
 from shardserve.proto.messages import Error
 
 from ..logs import log_event
+from .unread import UNREAD_BYTES, UNREAD_STREAM_BYTES
 
 log = logging.getLogger("shardserve.streaming")
 
@@ -170,6 +171,9 @@ class StreamerConfig:
     share_bytes: int = 2 << 30
     #: Rings that may wait for their client's first Credit at once (see ``sinks.RingBook``).
     shm_unproven_rings: int = 16
+    #: Bytes one stream, and all streams together, may be sent before they read (``.unread``).
+    unread_stream_bytes: int = UNREAD_STREAM_BYTES
+    unread_bytes: int = UNREAD_BYTES
 
 
 class Streamer:

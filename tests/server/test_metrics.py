@@ -233,3 +233,39 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
             prom.wait(timeout=scaled(15))
             log.close()
             s.close()
+
+
+def test_a_job_of_many_ranks_exports_one_series_for_all_of_them(server: ServerProc) -> None:
+    """A job of world size above RANK_SERIES_MAX (64) exports each per-rank counter once,
+    labelled rank="all" and summed over its ranks, whatever the number of ranks that streamed;
+    a small job keeps one series a rank."""
+    from shardserve.server.metrics import RANK_SERIES_MAX
+
+    big = make_job(server, batch_size=10, seed=3, world_size=RANK_SERIES_MAX + 1)
+    small = make_job(server, batch_size=10, seed=3, world_size=2)
+    with zmq_context() as ctx:
+        sent: dict[str, int] = {big: 0, small: 0}
+        for job, ranks in ((big, (0, 7, 64)), (small, (0, 1))):
+            for rank in ranks:
+                peer = RawStream(ctx, server.tcp_endpoint)
+                peer.hello(job, rank=rank, credit=2)
+                peer.recv_kind(Welcome)
+                peer.recv_kind(Batch)
+                sent[job] += 1
+                peer.send(Bye())
+                peer.close()
+        deadline = time.monotonic() + 10
+        while True:
+            _, samples = scrape(server)
+            rows = samples.get("shardserve_job_batches_sent_total", [])
+            mine = {(s.labels["job_id"], s.labels["rank"]): s.value for s in rows}
+            if mine.get((big, "all"), 0) >= sent[big] and mine.get((small, "1"), 0) >= 1:
+                break
+            assert time.monotonic() < deadline, f"never counted: {mine}"
+            time.sleep(0.05)
+    for name in PER_JOB:
+        assert {s.labels["rank"] for s in samples[name] if s.labels["job_id"] == big} == {"all"}
+        assert {s.labels["rank"] for s in samples[name] if s.labels["job_id"] == small} == {
+            "0",
+            "1",
+        }

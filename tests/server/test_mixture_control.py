@@ -4,6 +4,7 @@ after a kill -9 and restart and on a second server."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from shardserve.proto.errors import StepInThePast
+from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.jobs import JobRegistry
@@ -365,7 +366,9 @@ def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
     restored = again.get(job.id)
     assert [c.at_step for c in restored.schedule()] == [0, 5]
     assert restored.source_sizes == (40, 40)
-    assert again.quarantine.from_step("a", job.id, 40) == [(5, (3, 4))]
+    assert [(t, ids.tolist()) for t, ids in again.quarantine.from_step("a", job.id, 40)] == [
+        (5, [3, 4])
+    ]
 
 
 def test_an_empty_source_must_weigh_nothing() -> None:
@@ -403,3 +406,86 @@ def test_a_rank_pinning_another_source_version_is_refused(tmp_path: Path) -> Non
         assert again.json()["code"] == "version_conflict"
         old = first.json()["status"]["spec"]["mixture"][1]["version"]
         assert f"q@{old}" in again.json()["detail"]
+
+
+def quarantine(srv: ServerProc, dataset: str, ids: list[int], reason: str) -> httpx.Response:
+    return httpx.post(
+        f"{srv.http_url}/v1/datasets/{dataset}/quarantine",
+        json={"ids": ids, "reason": reason},
+        headers=srv.headers,
+        timeout=30,
+    )
+
+
+def test_quarantine_is_a_set_a_duplicate_holds_nothing_more(
+    mix_store: Path, tmp_path: Path
+) -> None:
+    """The same id posted again is the same entry: the count of distinct ids, the entries, the
+    bytes the server holds for them and the journal stay as after the first post; a new reason
+    replaces the old one (journaled once); a reason over the limit is a 422 naming it; a
+    restart gives back the same set, with each id's first step and latest reason."""
+    state = tmp_path / "state"
+    journal = state / "jobs.jsonl"
+    with run_server(mix_store, "--state-dir", str(state)) as a:
+        job = post_job(a, SPEC).json()["id"]
+        first = quarantine(a, "code", [7], "blurry")
+        assert first.status_code == 200, first.text
+        held, lines = first.json()["held_bytes"], journal.read_text().count("\n")
+        assert held > 0
+        for _ in range(300):
+            r = quarantine(a, "code", [7], "blurry")
+            assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["total_ids"] == 1 and got["held_bytes"] == held
+        assert got["entries"] == [{"ids": [7], "reason": "blurry", "at": {job: 0}}]
+        assert journal.read_text().count("\n") == lines  # nothing journaled per duplicate
+        assert (
+            'shardserve_quarantined_samples{dataset="code"} 1.0'
+            in httpx.get(f"{a.http_url}/metrics", headers=a.headers).text
+        )
+        for _ in range(50):
+            r = quarantine(a, "code", [7, 8], "mislabelled")
+        assert r.json()["total_ids"] == 2
+        assert r.json()["entries"] == [{"ids": [7, 8], "reason": "mislabelled", "at": {job: 0}}]
+        assert journal.read_text().count("\n") == lines + 1
+        long = quarantine(a, "code", [9], "x" * 513)
+        assert long.status_code == 422 and "512" in long.text and "reason" in long.text
+        plan_before = [plan(a, job, r) for r in range(WORLD)]
+        a.kill()  # kill -9: the journal is all that is left
+        a.proc.wait(timeout=30)
+    with run_server(mix_store, "--state-dir", str(state)) as b:
+        listed = httpx.get(f"{b.http_url}/v1/datasets/code/quarantine", headers=b.headers)
+        assert listed.json()["entries"] == r.json()["entries"]
+        assert [plan(b, job, r).tobytes() for r in range(WORLD)] == [
+            p.tobytes() for p in plan_before
+        ]
+
+
+def test_quarantine_bound_counts_distinct_ids() -> None:
+    """The bound on quarantined ids counts each id once, however often it is posted."""
+    from shardserve.server.quarantine import Quarantines
+
+    q = Quarantines(max_ids=3)
+    for _ in range(5):
+        q.add("web", [1, 2, 3], "bad", {})
+    assert q.count("web") == 3
+    with pytest.raises(BadRequest, match="limit of 3"):
+        q.add("web", [4], "bad", {})
+
+
+def test_quarantine_posts_keep_one_mixture_order_per_epoch(srv: ServerProc) -> None:
+    """Each post that adds ids makes the job's plans again; the orders made before it are
+    never asked for again, so the plan cache holds one order for the epoch, not one a post."""
+    job = post_job(srv, SPEC).json()["id"]
+
+    def cached() -> float:
+        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+        return float(re.search(r"^shardserve_plan_cache_bytes (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+    plan(srv, job, 0)
+    one = cached()
+    assert one > 0
+    for i in range(20):
+        assert quarantine(srv, "code", [i], "bad").status_code == 200
+        plan(srv, job, 0)
+    assert cached() == one
