@@ -27,7 +27,7 @@ CREDIT = 16
 
 
 def gauge(srv: ServerProc, name: str) -> float:
-    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=10).text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
     m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     assert m is not None, f"no {name} in /metrics"
     return float(m.group(1))

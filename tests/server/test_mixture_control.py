@@ -413,7 +413,7 @@ def quarantine(srv: ServerProc, dataset: str, ids: list[int], reason: str) -> ht
         f"{srv.http_url}/v1/datasets/{dataset}/quarantine",
         json={"ids": ids, "reason": reason},
         headers=srv.headers,
-        timeout=30,
+        timeout=scaled(30),
     )
 
 
@@ -441,7 +441,7 @@ def test_quarantine_is_a_set_a_duplicate_holds_nothing_more(
         assert journal.read_text().count("\n") == lines  # nothing journaled per duplicate
         assert (
             'shardserve_quarantined_samples{dataset="code"} 1.0'
-            in httpx.get(f"{a.http_url}/metrics", headers=a.headers).text
+            in httpx.get(f"{a.http_url}/metrics", headers=a.headers, timeout=scaled(10)).text
         )
         for _ in range(50):
             r = quarantine(a, "code", [7, 8], "mislabelled")
@@ -452,9 +452,11 @@ def test_quarantine_is_a_set_a_duplicate_holds_nothing_more(
         assert long.status_code == 422 and "512" in long.text and "reason" in long.text
         plan_before = [plan(a, job, r) for r in range(WORLD)]
         a.kill()  # kill -9: the journal is all that is left
-        a.proc.wait(timeout=30)
+        a.proc.wait(timeout=scaled(30))
     with run_server(mix_store, "--state-dir", str(state)) as b:
-        listed = httpx.get(f"{b.http_url}/v1/datasets/code/quarantine", headers=b.headers)
+        listed = httpx.get(
+            f"{b.http_url}/v1/datasets/code/quarantine", headers=b.headers, timeout=scaled(10)
+        )
         assert listed.json()["entries"] == r.json()["entries"]
         assert [plan(b, job, r).tobytes() for r in range(WORLD)] == [
             p.tobytes() for p in plan_before
@@ -479,7 +481,7 @@ def test_quarantine_posts_keep_one_mixture_order_per_epoch(srv: ServerProc) -> N
     job = post_job(srv, SPEC).json()["id"]
 
     def cached() -> float:
-        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers).text
+        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
         return float(re.search(r"^shardserve_plan_cache_bytes (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
 
     plan(srv, job, 0)

@@ -11,12 +11,13 @@ import httpx
 
 from tests.server.conftest import CIFAR_N
 from tests.support.server import ServerProc, make_job, run_server
+from tests.support.slowness import scaled
 
 BOUND = 16 * 4 * CIFAR_N  # sixteen orders of 4 bytes a sample
 
 
 def plan_bytes(srv: ServerProc) -> float:
-    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=10).text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
     m = re.search(r"^shardserve_plan_cache_bytes (\S+)$", text, re.MULTILINE)
     assert m is not None, "no shardserve_plan_cache_bytes in /metrics"
     return float(m.group(1))
@@ -27,7 +28,7 @@ def get_plan(srv: ServerProc, job: str, epoch: int) -> bytes:
         f"{srv.http_url}/v1/jobs/{job}/plan",
         params={"epoch": epoch},
         headers=srv.headers,
-        timeout=30,
+        timeout=scaled(30),
     )
     assert r.status_code == 200, r.text
     return r.content

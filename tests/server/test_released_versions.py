@@ -19,7 +19,7 @@ from tests.support.slowness import scaled
 
 
 def mapped(srv: ServerProc) -> float:
-    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=10).text
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
     m = re.search(r"^shardserve_store_mapped_versions (\S+)$", text, re.MULTILINE)
     assert m is not None, "no shardserve_store_mapped_versions in /metrics"
     return float(m.group(1))
@@ -37,7 +37,7 @@ def read_one_batch(srv: ServerProc, job: str) -> None:
 
 
 def delete(srv: ServerProc, job: str) -> None:
-    r = httpx.delete(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=10)
+    r = httpx.delete(f"{srv.http_url}/v1/jobs/{job}", headers=srv.headers, timeout=scaled(10))
     assert r.status_code == 200, r.text
 
 
