@@ -4,6 +4,7 @@ process-pool transform jobs keep working, live streams included, without a resta
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,12 +15,14 @@ from prometheus_client import CollectorRegistry
 from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
 from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, create_ring
+from shardserve.server.transforms import codec
 from shardserve.server.transforms.metrics import TransformMetrics
 from shardserve.server.transforms.pool import TransformPool
 from shardserve.server.transforms.registry import TransformRegistry
 from shardserve.server.transforms.runner import Where, run_chain
 from shardserve.server.transforms.schema import Field
 from shardserve.server.transforms.spec import compile_chain
+from shardserve.server.transforms.worker import main as worker_main
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
 from tests.transforms.conftest import MIXED_CHAIN, MODS, digest, pool_status, shm_segments
@@ -125,3 +128,46 @@ def test_outputs_whose_ring_file_is_gone_come_back_on_the_pipe() -> None:
     finally:
         pool.close()
         ring.close()
+
+
+def test_a_worker_whose_input_file_is_gone_asks_for_its_inputs_on_the_pipe(
+    tmp_path: Path,
+) -> None:
+    """The server checks a worker's input file before each request, but a cleanup may remove
+    it before the worker maps it: the worker answers ``inputs_gone`` naming the file (the
+    server then sends the request again with its inputs on the pipe), and answers that one."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=worker_main, args=(child, ["tests.transforms.mods"]), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert conn.poll(scaled(60.0)), "the worker did not start"
+        assert conn.recv_bytes() == b"ready"
+        flip = {"name": "hflip", "params": {"field": "image", "layout": "CHW"}}
+        images = np.arange(2 * 3 * 4 * 4, dtype=np.uint8).reshape(2, 3, 4, 4)
+        arrays = {"image": images, "__indices__": np.arange(2, dtype=np.int64)}
+        meta = {"chain": [flip], "names": ["image"], "limits": {}, "out": {},
+                "inputs": {"image": {"dtype": "uint8", "shape": [3, 4, 4], "binary": False}},
+                "where": {"seed": 0, "epoch": 0, "rank": 0, "batch": 0}}  # fmt: skip
+        gone = tmp_path / "removed-input-file"
+        laid = [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape), "offset": 0,
+                 "nbytes": a.nbytes} for n, a in arrays.items()]  # fmt: skip
+        codec.send(conn, {**meta, "in": {"path": str(gone), "arrays": laid}}, {})
+        assert conn.poll(scaled(30.0)), "no answer from the worker"
+        reply, parts = codec.recv(conn)
+        assert reply["ok"] is False and str(gone) in reply["inputs_gone"], reply
+        assert parts == {}
+        codec.send(conn, meta, arrays)
+        assert conn.poll(scaled(30.0)), "no answer from the worker"
+        reply, parts = codec.recv(conn)
+        assert reply["ok"] is True, reply
+        reg = TransformRegistry.load(["tests.transforms.mods"])
+        chain = compile_chain([flip], reg, {"image": Field("uint8", (3, 4, 4))}, "t")
+        want, _ = run_chain(chain, {"image": images}, np.arange(2), Where(0, 0, 0, 0), ["image"])
+        assert parts["image"].tobytes() == want["image"].tobytes()
+    finally:
+        conn.close()
+        proc.join(scaled(10.0))
+        if proc.is_alive():
+            proc.kill()
