@@ -4,9 +4,11 @@ Threads: uvicorn's event loop in the main thread (it owns the signals, through
 :func:`_make_server`), the streamer thread owning the ROUTER socket, and the assembly pool.
 Order: settings -> logging -> service (journal replay, data plane bound) -> HTTP listening ->
 ready file. SIGTERM/SIGINT: uvicorn stops accepting and drains HTTP (2 s at most), then the
-service tells open streams ``SERVER_SHUTDOWN`` and closes its socket; exit code 0. A watchdog
-armed by the signal ends the process with status 1 once ``--shutdown-timeout-s`` has passed,
-whatever is still running (a hung transform thread, a fetch, a stuck join).
+service tells open streams ``SERVER_SHUTDOWN`` and closes its socket, and the store tells its
+reads to stop; exit code 0. A watchdog armed by the signal (also one that comes while the
+service starts) ends the process with status 1 once ``--shutdown-timeout-s`` has passed,
+whatever is still running (a hung transform thread, a stuck join, a fetch from a trickling
+store, which it names in its one log line as abandoned).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
@@ -121,43 +125,77 @@ def _local_store_problem(settings: Settings) -> str | None:
 
 def serve(settings: Settings) -> int:
     """Run a server with ``settings`` until SIGTERM/SIGINT; returns the exit code."""
+    watchdog = _Watchdog(settings.shutdown_timeout_s)
     # Until uvicorn takes the signals over, a SIGTERM is remembered instead of killing us
-    # half-started (and then ends the server as soon as it runs).
+    # half-started (and then ends the server as soon as it runs); its deadline runs from now:
+    # a start that waits on a slow store must not outlive it.
     early: list[int] = []
-    originals = {s: signal.signal(s, lambda sig, _f: early.append(sig)) for s in _SIGNALS}
+
+    def on_early(sig: int, _frame: FrameType | None) -> None:
+        early.append(sig)
+        watchdog.arm(signal.Signals(sig).name)
+
+    originals = {s: signal.signal(s, on_early) for s in _SIGNALS}
     try:
-        return _serve(settings, early)
+        return _serve(settings, early, watchdog)
     finally:
         for s, h in originals.items():
             signal.signal(s, h)
 
 
 class _Watchdog:
-    """Ends the process ``seconds`` after :meth:`arm` unless it exited first."""
+    """Ends the process with status 1 ``seconds`` after :meth:`arm` unless it exited first,
+    in one log line naming what it abandoned (``abandoned()``: the store's reads still
+    under way) and the threads still running.
+
+    Its thread is started here, not in :meth:`arm`, which signal handlers call: starting a
+    thread there could wait on a lock the interrupted main thread holds."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._timer: threading.Timer | None = None
+        #: What would be abandoned now; set once the service exists.
+        self.abandoned: Callable[[], Sequence[str]] = tuple
+        self._armed = threading.Event()
+        self._reason = ""
+        self._deadline = math.inf
+        self._once = threading.Lock()
+        threading.Thread(target=self._watch, name="ss-shutdown-watchdog", daemon=True).start()
 
     def arm(self, reason: str) -> None:
-        if self._timer is not None:
+        if self._armed.is_set():
             return
-        self._timer = threading.Timer(self.seconds, self._fire, args=(reason,))
-        self._timer.daemon = True
-        self._timer.name = "ss-shutdown-watchdog"
-        self._timer.start()
+        self._reason = reason
+        self._deadline = time.monotonic() + self.seconds
+        self._armed.set()
 
-    def _fire(self, reason: str) -> None:
+    def left(self) -> float:
+        """Seconds until it fires (``inf`` before :meth:`arm`)."""
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def _watch(self) -> None:
+        while not self._armed.wait(timeout=3600.0):
+            pass  # not stopping yet: a daemon thread, waiting in long steps
+        while (left := self.left()) > 0:
+            time.sleep(left)  # the shutdown deadline itself
+        self.fire()
+
+    def fire(self) -> None:
+        """Log what is abandoned and end the process now, with status 1."""
+        if not self._once.acquire(blocking=False):
+            # The other caller is ending the process: never return to a clean exit.
+            self._once.acquire(timeout=self.seconds + 60.0)
+            return
         stuck = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
         log_event(log, "serve.shutdown_forced", level=logging.ERROR, after_s=self.seconds,
-                  reason=reason, threads=",".join(stuck))  # fmt: skip
+                  reason=self._reason, abandoned="; ".join(self.abandoned()) or "no store read",
+                  threads=",".join(stuck))  # fmt: skip
         for h in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 h.flush()
         os._exit(EXIT_SHUTDOWN_FORCED)
 
 
-def _serve(settings: Settings, early: list[int]) -> int:
+def _serve(settings: Settings, early: list[int], watchdog: _Watchdog) -> int:
     from .logs import configure_logging
     from .service import Service
     from .streaming.streamer import BindError
@@ -168,6 +206,7 @@ def _serve(settings: Settings, early: list[int]) -> int:
     except ValueError as e:  # e.g. a --transforms module that does not import
         log_event(log, "serve.start_failed", level=logging.ERROR, reason=str(e))
         return 1
+    watchdog.abandoned = service.store.reads_in_flight
     try:
         endpoints = service.start()
     except BindError as e:  # the message says what to change: no traceback
@@ -189,7 +228,6 @@ def _serve(settings: Settings, early: list[int]) -> int:
         )  # fmt: skip
         service.stop()
         return 1
-    watchdog = _Watchdog(settings.shutdown_timeout_s)
     try:
         exit_signal = _run_http(settings, service, endpoints, http_sock, early, watchdog)
     finally:
@@ -199,6 +237,10 @@ def _serve(settings: Settings, early: list[int]) -> int:
         if settings.ready_file is not None:
             with contextlib.suppress(OSError):
                 settings.ready_file.unlink()
+    # The store's reads were told to stop at their next chunk; one stuck in a request of a
+    # trickling store never gets there: it is abandoned at the shutdown deadline, by name.
+    if service.store.wait_reads(watchdog.left()):
+        watchdog.fire()
     if service.streamer.failure is not None:
         log_event(log, "serve.exit", level=logging.ERROR, reason=service.streamer.failure)
         return EXIT_DATA_PLANE_DIED

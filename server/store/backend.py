@@ -55,6 +55,16 @@ class StoreBackend(Protocol):
         batch."""
         ...
 
+    def reads_in_flight(self) -> tuple[str, ...]:
+        """The store's reads under way (a shard fetch, a manifest), each named with its
+        progress: what a shutdown abandons if the process exits before they end."""
+        ...
+
+    def wait_reads(self, timeout_s: float) -> tuple[str, ...]:
+        """After :meth:`close` (which tells every read to stop at its next chunk): wait at
+        most ``timeout_s`` until no read runs; :meth:`reads_in_flight` then."""
+        ...
+
     def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:
         """Let go of old versions no job pins any more."""
         ...

@@ -161,6 +161,13 @@ class Store:
         verify_dataset(self.root / manifest.name, manifest, progress=progress)
         return manifest
 
+    def reads_in_flight(self) -> tuple[str, ...]:
+        """None: shards are mapped in place, never fetched."""
+        return ()
+
+    def wait_reads(self, timeout_s: float) -> tuple[str, ...]:
+        return ()
+
     def check_shards(self, manifest: Manifest) -> None:
         """A stat per shard file (see :class:`.StoreBackend`)."""
         folder = self._folder(manifest.name)

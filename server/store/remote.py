@@ -194,6 +194,7 @@ class RemoteStore:
                 timed_out=lambda: self._slow(
                     f"reading {self.where(rel)}", started, got, _MANIFEST_BYTES
                 ),
+                what=lambda: f"reading {self.where(rel)}",
             )
         except FileNotFoundError:
             raise
@@ -264,6 +265,7 @@ class RemoteStore:
                 lambda stop: self._copy(name, info, dest, stop, got),
                 deadline_s=fetch_deadline_s(self.options, info.bytes),
                 timed_out=lambda: self._slow(f"fetching shard {shown}", started, got, info.bytes),
+                what=lambda: f"fetching shard {shown} ({got[0]} of {info.bytes} bytes)",
             )
         except FileNotFoundError:
             raise DatasetCorruptError(f"shard {shown} is missing") from None
@@ -410,7 +412,16 @@ class RemoteStore:
     def served_bytes(self) -> float:
         return float(self.opened_bytes())  # a scrape must not list a bucket
 
+    def reads_in_flight(self) -> tuple[str, ...]:
+        return self.lanes.in_flight()
+
+    def wait_reads(self, timeout_s: float) -> tuple[str, ...]:
+        return self.lanes.wait_idle(timeout_s)
+
     def close(self) -> None:
+        # First: every read is told to stop, and nothing (an assembly thread, a prefetch)
+        # waits on one any more.
+        self.lanes.close()
         with self._lock:
             for ds in [*self._open.values(), *self.shelf.pop_all()]:
                 ds.close()

@@ -13,7 +13,9 @@ shard file and the reason.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,11 +87,25 @@ def read_ends_ahead(paths: Iterable[Path]) -> None:
 
 
 def check_file(path: Path, info: ShardInfo) -> None:
-    """Raise ``DatasetCorruptError`` if the shard is missing or not the size the manifest says."""
+    """Raise ``DatasetCorruptError`` if the shard is missing, cannot be looked at, is not a
+    regular file, or is not the size the manifest says."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         raise DatasetCorruptError(f"shard {path} is missing") from None
+    except OSError as e:
+        # A symlink loop, a ``shards/`` that is a file, a folder without permission: each is
+        # a dataset that cannot be served, the same as a missing shard, never a server error.
+        code = errno.errorcode.get(e.errno or 0, "?")
+        raise DatasetCorruptError(
+            f"shard {path} cannot be read: {e.strerror or e} ({code}); restore the file "
+            "or re-ingest the dataset"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DatasetCorruptError(
+            f"shard {path} is not a regular file; restore the file or re-ingest the dataset"
+        )
+    size = st.st_size
     if size != info.bytes:
         what = "truncated" if size < info.bytes else "longer than expected"
         raise DatasetCorruptError(

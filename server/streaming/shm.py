@@ -107,6 +107,20 @@ class SlotRing:
             self._mm, dtype=dtype, count=count, offset=slot * self.slot_bytes + offset
         ).reshape(shape)
 
+    def on_disk(self) -> bool:
+        """Whether :attr:`path` still names this ring's file. A cleanup of ``/dev/shm``
+        (systemd-logind's ``RemoveIPC``, a container runtime, cron) may unlink it under a
+        running server: every mapping of it keeps working, but nothing can open it by name
+        any more, so whoever hands the name out makes a new ring instead."""
+        if self.lock_fd < 0:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        own = os.fstat(self.lock_fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
     def close(self) -> None:
         """Unmap and unlink; a client that still has it mapped keeps its pages until it unmaps."""
         if not self._mm.closed:

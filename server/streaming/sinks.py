@@ -372,7 +372,10 @@ class RingBook:
         slots = self._handed.pop(route.ident, None)
         self._handed_at.pop(route.ident, None)
         if slots is not None:
-            if slots.key == ShmSlots.key_for(nslots, source, fields, batch_size):
+            # A ring whose file was removed (a cleanup of /dev/shm) cannot be mapped by name:
+            # its client may need to, so the stream gets a new one.
+            fits = slots.key == ShmSlots.key_for(nslots, source, fields, batch_size)
+            if fits and slots.ring.on_disk():
                 slots.reset(keep if keep_ring == slots.ring.name else ())
                 self._live[id(slots)] = slots
                 return SlotSink(route, slots, self)

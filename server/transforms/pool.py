@@ -110,7 +110,11 @@ class _Worker:
         """This worker's input file, made anew if it holds less than ``nbytes``; raises
         ``ShmUnavailable`` when it cannot be made."""
         if self.inputs is not None and self.inputs.slot_bytes >= nbytes:
-            return self.inputs
+            if self.inputs.on_disk():
+                return self.inputs
+            # Removed by a cleanup of /dev/shm: the worker opens it by name, so make it again.
+            log.warning("input file %s of transform worker pid %s was removed; making a new one",
+                        self.inputs.path, self.proc.pid)  # fmt: skip
         self.close_inputs()
         size = max(INPUT_FILE_MIN, 1 << max(nbytes - 1, 0).bit_length())
         self.inputs = create_ring(self.proc.pid or 0, 1, size)
@@ -502,18 +506,7 @@ class TransformPool:
         for attempt in (1, 2):
             w = self._take_worker(deadline, describe)
             try:
-                laid_out = self._lay_out(w, arrays)
-                if laid_out is None:
-                    codec.send(w.conn, meta, arrays)
-                else:
-                    codec.send(w.conn, {**meta, "in": laid_out}, {})
-                if not w.conn.poll(max(deadline - time.monotonic(), 0)):
-                    self._replace_soon(w, "hung")
-                    raise describe(
-                        f"worker pid {w.proc.pid} did not finish within {self.timeout_s} s; "
-                        "it was killed and replaced"
-                    )
-                reply, out = codec.recv(w.conn)
+                reply, out = self._ask(w, meta, arrays, deadline, describe)
             except (EOFError, OSError, BrokenPipeError):
                 w.proc.join(1.0)
                 code = w.proc.exitcode
@@ -537,6 +530,35 @@ class TransformPool:
                 self._metrics.count("worker_bytes_in_place", spans[n].rows.nbytes)
             return out, reply["spent"]
         raise AssertionError("unreachable")
+
+    def _ask(self, w: _Worker, meta: dict[str, Any], arrays: Mapping[str, np.ndarray],
+             deadline: float, describe: Callable[[str], TransformError],
+             ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+        """``w``'s reply to one request, its inputs in ``w``'s input file when they fit there.
+        An input file removed before the worker mapped it (a cleanup of /dev/shm) costs one
+        more request, with the inputs on the pipe, not the batch."""
+        laid_out = self._lay_out(w, arrays)
+        if laid_out is not None:
+            reply, out = self._exchange(w, {**meta, "in": laid_out}, {}, deadline, describe)
+            if "inputs_gone" not in reply:
+                return reply, out
+            log.warning("transform worker pid %s: %s; its inputs go on the pipe this time",
+                        w.proc.pid, reply["inputs_gone"])  # fmt: skip
+        return self._exchange(w, meta, arrays, deadline, describe)
+
+    def _exchange(self, w: _Worker, meta: dict[str, Any], arrays: Mapping[str, np.ndarray],
+                  deadline: float, describe: Callable[[str], TransformError],
+                  ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+        """Send one request to ``w`` and wait for its reply until ``deadline`` (a worker that
+        misses it is killed and replaced, and ``describe`` says so)."""
+        codec.send(w.conn, meta, arrays)
+        if not w.conn.poll(max(deadline - time.monotonic(), 0)):
+            self._replace_soon(w, "hung")
+            raise describe(
+                f"worker pid {w.proc.pid} did not finish within {self.timeout_s} s; "
+                "it was killed and replaced"
+            )
+        return codec.recv(w.conn)
 
     def _lay_out(self, w: _Worker, arrays: Mapping[str, np.ndarray]) -> dict[str, Any] | None:
         """Copy a request's inputs into ``w``'s input file; what the request says of them,

@@ -151,26 +151,42 @@ def main(conn: Connection, modules: list[str]) -> None:
                           for n, f in meta["inputs"].items()}  # fmt: skip
                 chain = chains[key] = compile_chain(meta["chain"], registry, inputs, "")
             files.sweep()
-            if "in" in meta:
-                arrays.update(files.inputs(meta["in"]))
-            indices = arrays.pop("__indices__")
-            limits = Limits(**meta.get("limits", {}))
-            out = {name: files.view(span, np.dtype(chain.outputs[name].dtype),
-                                    (len(indices), *chain.outputs[name].shape))
-                   for name, span in meta.get("out", {}).items()}  # fmt: skip
-            parts, spent = run_chain(
-                chain, arrays, indices, Where(**meta["where"]), meta["names"], out, limits
-            )
-            # Written where the server sends the batch from: only their names go back.
-            in_place = [
-                n for n, v in out.items() if n in parts and parts[n].ctypes.data == v.ctypes.data
-            ]
-            parts = {k: v for k, v in parts.items() if k not in in_place}
-            del out, arrays  # no view of a file outlives its request
-            reply: dict[str, Any] = {"ok": True, "spent": spent, "in_place": in_place}
+            reply, parts = _answer(chain, meta, arrays, files)
         except StepFailed as e:
             parts, reply = {}, {"ok": False, "failed": e.to_json()}
         except Exception as e:  # a bug or bad request: still an answer, never a dead pipe
             failed = StepFailed("<worker>", None, None, f"{type(e).__name__}: {e}", False)
             parts, reply = {}, {"ok": False, "failed": failed.to_json()}
         codec.send(conn, reply, parts)
+
+
+def _answer(chain: Chain, meta: Mapping[str, Any], piped: Mapping[str, np.ndarray],
+            files: MappedFiles) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+    """Run one request: the reply and the output parts that go back on the pipe.
+
+    Files the server keeps in /dev/shm may be removed under it (systemd-logind's
+    ``RemoveIPC``, a container runtime, cron). An input file that is gone is said in the
+    reply (``inputs_gone``): the server sends the request again with its inputs on the pipe.
+    An output span whose file is gone is left out: that output goes back on the pipe and the
+    server copies it into its own mapping of the stream's ring."""
+    arrays = dict(piped)  # views of the input file: none outlives this call
+    if "in" in meta:
+        try:
+            arrays.update(files.inputs(meta["in"]))
+        except FileNotFoundError as e:
+            return {"ok": False, "inputs_gone": f"its input file {e.filename} is gone"}, {}
+    indices = arrays.pop("__indices__")
+    limits = Limits(**meta.get("limits", {}))
+    out: dict[str, np.ndarray] = {}
+    for name, span in meta.get("out", {}).items():
+        f = chain.outputs[name]
+        with contextlib.suppress(FileNotFoundError):
+            out[name] = files.view(span, np.dtype(f.dtype), (len(indices), *f.shape))
+    parts, spent = run_chain(
+        chain, arrays, indices, Where(**meta["where"]), meta["names"], out, limits
+    )
+    # Written where the server sends the batch from: only their names go back.
+    in_place = [n for n, v in out.items() if n in parts and parts[n].ctypes.data == v.ctypes.data]
+    parts = {k: v for k, v in parts.items() if k not in in_place}
+    del out, arrays  # no view of a file outlives its request
+    return {"ok": True, "spent": spent, "in_place": in_place}, parts

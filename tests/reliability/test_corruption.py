@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,55 @@ def test_a_cut_or_deleted_shard_refuses_the_job_when_it_is_made(
         assert victim.name in str(err.value) and REASONS[how] in str(err.value)
         assert httpx.get(f"{srv.http_url}/v1/jobs", timeout=scaled(10)).json() == []
         _good_dataset_streams(srv)
+
+
+def _loop_a_shard(shard: Path) -> None:
+    shard.unlink()
+    shard.symlink_to(shard.name)  # a link to itself: every stat is ELOOP
+
+
+def _shards_folder_a_file(shard: Path) -> None:
+    folder = shard.parent
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()
+    folder.write_bytes(b"not a folder")  # every stat under it is ENOTDIR
+
+
+def _shard_a_folder(shard: Path) -> None:
+    shard.unlink()
+    shard.mkdir()
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (_loop_a_shard, "symbolic links (ELOOP)"),
+        (_shards_folder_a_file, "Not a directory (ENOTDIR)"),
+        (_shard_a_folder, "not a regular file"),
+    ],
+    ids=["symlink-loop", "shards-folder-a-file", "shard-a-folder"],
+)
+def test_a_shard_that_cannot_be_stat_ed_refuses_the_job_as_corrupt(
+    store: Path, tmp_path: Path, damage: Callable[[Path], None], why: str
+) -> None:
+    """A shard that is a symlink loop or a folder, or a ``shards/`` folder that is a file: the
+    stat at job creation fails (an OSError that is not 'missing') or finds no regular file, and
+    that is the same 409 / DatasetCorruptError naming the shard and why, never a 500; another
+    dataset keeps serving."""
+    victim = sorted((store / "cifar").rglob("*.arrow"))[1]
+    damage(victim)
+    with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:
+        spec = {"dataset": "cifar", "batch_size": 50}
+        r = httpx.post(f"{srv.http_url}/v1/jobs", json=spec, timeout=10)
+        assert r.status_code == 409, (r.status_code, r.text)
+        assert "shards/" in r.text and why in r.text, r.text
+        with pytest.raises(DatasetCorruptError) as err:
+            Loader(srv.http_url, "cifar", batch_size=50, shuffle=False, timeout=DEADLINE_S)
+        assert "shards/" in str(err.value) and why in str(err.value), err.value
+        assert httpx.get(f"{srv.http_url}/v1/jobs", timeout=10).json() == []
+        _good_dataset_streams(srv)
+        assert "Traceback" not in srv.log_tail(100_000), srv.log_tail()
 
 
 def test_a_flipped_byte_under_verify_full_fails_the_job_before_any_batch(

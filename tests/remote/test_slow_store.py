@@ -5,6 +5,11 @@ exactly; a tampered cache file is fetched again; a full cache disk says so."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -146,3 +151,97 @@ def test_full_cache_disk_is_reported_as_such(s3: S3, tmp_path: Path) -> None:
     text = str(err.value)
     assert "No space left on device" in text and info.path in text, text
     assert "--cache-limit-bytes" in text and m.name == "cached"
+
+
+def test_sigterm_abandons_a_trickling_fetch_at_the_shutdown_deadline(
+    s3: S3, tmp_path: Path, local_two: tuple[dict[str, list[bytes]], Path]
+) -> None:
+    """SIGTERM while a shard fetch trickles (its own deadline minutes away): the process is
+    gone within --shutdown-timeout-s (plus slack for a loaded machine), with exit status 1
+    and one log line naming the fetch it abandoned."""
+    _two_datasets(s3, local_two)
+    shutdown_s = 2.0
+    with (
+        ThrottlingProxy((s3.host, s3.port)) as proxy,
+        run_server(
+            s3.uri("store"),  # type: ignore[arg-type]
+            "--cache-dir", str(tmp_path / "cache"),
+            "--store-timeout-s", "60",
+            "--store-min-bytes-per-s", "1",
+            "--shutdown-timeout-s", str(shutdown_s),
+            env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint},
+        ) as srv,
+    ):  # fmt: skip
+        # Only there to start a fetch: it gives up (a stall, the server gone) on its own.
+        slow = Loader(srv.http_url, "slow", 64, seed=5, rank=0, world_size=1,
+                      timeout=scaled(5.0), shuffle="none", prefetch=1)  # fmt: skip
+        proxy.throttle(16 << 10)  # a 256 kB shard would take 16 s
+        ended = threading.Event()
+
+        def read_slow() -> None:
+            with contextlib.suppress(ShardserveError):
+                slow.set_epoch(0)
+                list(slow)
+            ended.set()
+
+        reader = threading.Thread(target=read_slow, daemon=True)
+        reader.start()
+        # Past the answers' headers: in the shard's bytes, where a read cannot be stopped.
+        assert proxy.wait_trickled(8 << 10, scaled(30)), "no shard fetch reached the store"
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        code = srv.proc.wait(timeout=shutdown_s + scaled(20))
+        took = time.monotonic() - t0
+        assert ended.wait(scaled(30)), "the Loader did not see the server go"
+        slow.close()
+        log = srv.log_tail(1 << 20)
+    print(f"\nSIGTERM during a trickling fetch: exit {code} after {took:.1f} s")
+    assert code == 1, log[-3000:]
+    assert took < shutdown_s + scaled(3.0), (took, log[-3000:])
+    abandoned = [line for line in log.splitlines() if "abandoned" in line]
+    assert len(abandoned) == 1, log[-3000:]
+    assert "s3://shards/store/slow/" in abandoned[0] and ".arrow" in abandoned[0], abandoned
+
+
+def test_sigterm_while_the_server_starts_on_a_trickling_store_ends_it_in_time(
+    s3: S3, tmp_path: Path, local_two: tuple[dict[str, list[bytes]], Path]
+) -> None:
+    """A server restarting with a journaled job reads that job's manifest as it starts; with
+    the store trickling, a SIGTERM then (before the server listens) still ends it within
+    --shutdown-timeout-s, exit status 1, one log line naming the read it abandoned."""
+    _two_datasets(s3, local_two)
+    shutdown_s = 2.0
+    args = ("--cache-dir", str(tmp_path / "cache"), "--state-dir", str(tmp_path / "state"),
+            "--store-timeout-s", "60", "--store-min-bytes-per-s", "1",
+            "--shutdown-timeout-s", str(shutdown_s))  # fmt: skip
+    with ThrottlingProxy((s3.host, s3.port)) as proxy:
+        env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}
+        with run_server(s3.uri("store"), *args, env=env) as srv:  # type: ignore[arg-type]
+            r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "slow", "batch_size": 64},
+                           timeout=30)  # fmt: skip
+            assert r.status_code in (200, 201), r.text
+        proxy.throttle(256)  # a manifest of a few kB takes seconds
+        log_path = tmp_path / "server.log"
+        cmd = [sys.executable, "-m", "shardserve.server", "serve", "--store", s3.uri("store"),
+               "--http", "127.0.0.1:0", "--data", "tcp://127.0.0.1:0",
+               "--ipc", str(tmp_path / "ss.sock"), *args]  # fmt: skip
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            assert proxy.wait_trickled(512, scaled(30)), "the start read nothing from the store"
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=shutdown_s + scaled(20))
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=scaled(10))
+    log = log_path.read_text(errors="replace")
+    print(f"\nSIGTERM while starting on a trickling store: exit {code} after {took:.1f} s")
+    assert "serve.ready" not in log, log[-3000:]  # the signal came while it started
+    assert code == 1, log[-3000:]
+    assert took < shutdown_s + scaled(3.0), (took, log[-3000:])
+    abandoned = [line for line in log.splitlines() if "abandoned" in line]
+    assert len(abandoned) == 1, log[-3000:]
+    assert "reading s3://shards/store/slow/manifest.json" in abandoned[0], abandoned

@@ -30,6 +30,9 @@ class ThrottlingProxy:
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.rate: float | None = None
+        #: Bytes of answers trickled so far (a read is in flight, slowly), and its waiters.
+        self.trickled = 0
+        self._trickle_cv = threading.Condition()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
@@ -48,6 +51,11 @@ class ThrottlingProxy:
 
     def unthrottle(self) -> None:
         self.rate = None
+
+    def wait_trickled(self, nbytes: int, timeout: float) -> bool:
+        """Wait at most ``timeout`` s until ``nbytes`` of answers were trickled in all."""
+        with self._trickle_cv:
+            return self._trickle_cv.wait_for(lambda: self.trickled >= nbytes, timeout)
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -85,6 +93,9 @@ class ThrottlingProxy:
                         break
                     piece = max(1, int(rate * PIECE_S))
                     dst.sendall(data[:piece])
+                    with self._trickle_cv:
+                        self.trickled += len(data[:piece])
+                        self._trickle_cv.notify_all()
                     data = data[piece:]
                     time.sleep(PIECE_S)  # the trickle itself: the point of this proxy
         except OSError:
