@@ -110,13 +110,13 @@ def test_a_shard_that_cannot_be_stat_ed_refuses_the_job_as_corrupt(
     damage(victim)
     with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:
         spec = {"dataset": "cifar", "batch_size": 50}
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json=spec, timeout=10)
+        r = httpx.post(f"{srv.http_url}/v1/jobs", json=spec, timeout=scaled(10))
         assert r.status_code == 409, (r.status_code, r.text)
         assert "shards/" in r.text and why in r.text, r.text
         with pytest.raises(DatasetCorruptError) as err:
             Loader(srv.http_url, "cifar", batch_size=50, shuffle=False, timeout=DEADLINE_S)
         assert "shards/" in str(err.value) and why in str(err.value), err.value
-        assert httpx.get(f"{srv.http_url}/v1/jobs", timeout=10).json() == []
+        assert httpx.get(f"{srv.http_url}/v1/jobs", timeout=scaled(10)).json() == []
         _good_dataset_streams(srv)
         assert "Traceback" not in srv.log_tail(100_000), srv.log_tail()
 
