@@ -218,7 +218,7 @@ def test_sigterm_while_the_server_starts_on_a_trickling_store_ends_it_in_time(
         env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}
         with run_server(s3.uri("store"), *args, env=env) as srv:  # type: ignore[arg-type]
             r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "slow", "batch_size": 64},
-                           timeout=30)  # fmt: skip
+                           timeout=scaled(30))  # fmt: skip
             assert r.status_code in (200, 201), r.text
         proxy.throttle(256)  # a manifest of a few kB takes seconds
         log_path = tmp_path / "server.log"
