@@ -385,8 +385,9 @@ class Loader:
         ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
         same position), or a list of every rank's, which must agree. ``BadRequest`` if it is
         damaged or another job's; ``ResumeRefused`` (before any batch) if taken mid-epoch on
-        another or an unknown dataset version (:mod:`.state`), or a mixture's of another
-        world size. ``allow_other_version=True``: resume on this version knowingly."""
+        another or an unknown dataset version ([versions](../concepts/versions.md)), or a
+        mixture's of another world size. ``allow_other_version=True``: resume on this version
+        knowingly."""
         st, pos, job, world = parse_states(state), self._ctx.pos, self._job, self.world.world_size
         check_resumable(st, self.spec, job.pinned, world, "loader", allow_other_version)
         start, origin = start_for(st, world, job.num_samples, pos.per_epoch)
