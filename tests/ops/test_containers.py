@@ -92,7 +92,8 @@ class Stack:
     ) -> tuple[list[str], dict[str, str]]:
         """The trainer service running tests/ops/container_probe.py instead of torchrun."""
         opts = f"--entrypoint python --volume {PROBE}:/probe.py:ro {podman_opts}"
-        argv = ["bash", str(STACK_SH), "trainer", "/probe.py", "http://server:7070", *probe_args]
+        argv = ["bash", str(STACK_SH), "trainer", "/probe.py", "http://server:7070", *probe_args,
+                "--timeout", str(scaled(60.0))]  # fmt: skip
         return argv, {**self.env, "SHARDSERVE_TRAINER_OPTS": opts}
 
     def probe(self, *probe_args: str, podman_opts: str = "") -> tuple[dict, str]:
