@@ -202,7 +202,6 @@ class Service:
         deps = HandlerDeps(
             open_source=partial(
                 open_source,
-                open_dataset=self.open_dataset,
                 transforms=self.transforms,
                 quarantine=self.mixture_admin.quarantine_failed,
             ),

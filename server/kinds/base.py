@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from shardserve.proto.api import MixtureStatus
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec
 from shardserve.proto.manifest import Manifest
@@ -77,6 +78,12 @@ class JobKind(StreamKind, Protocol):
         batch count, for a client that holds the data itself. Called by ``Service.plan``
         (``GET /v1/jobs/{id}/plan``) on an HTTP worker thread, with ``rank`` and ``offset``
         checked against the job."""
+        ...
+
+    def steering(self, job_id: str) -> MixtureStatus | None:
+        """The job's weights, schedule and shares sent, as the status page shows them;
+        ``None`` for a kind without weights. Called by the status page on an HTTP worker
+        thread (``JobNotFound`` when the job was deleted since it was listed)."""
         ...
 
 

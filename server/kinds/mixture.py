@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardserve.proto.api import MixtureStatus
 from shardserve.proto.jobs import JobSpec
 from shardserve.proto.parts import SOURCE_PART
 
 from .. import mixtures
 from ..jobs import Job
 from ..source import StreamPlan
-from ..store.mixed import mixture_manifest
+from ..sources import Stored
+from ..store.mixed import mixed_dataset, mixture_manifest
 from .base import Admitted, KindParts, check_fields
 
 
@@ -42,11 +44,24 @@ class MixtureJobs:
     def created(self, spec: JobSpec) -> None:
         """Nothing to take now: the sources are opened by the first stream."""
 
+    def open_stored(self, spec: JobSpec) -> Stored:
+        """The sources as one dataset (ids concatenated in the spec's order), each at the
+        version pinned when the job was created."""
+        # Only the stored fields the job reads (a chain may read any): the sources were
+        # checked to agree on those.
+        read = None if spec.fields is None or spec.transforms else spec.fields
+        stored = [self._parts.open_dataset(m.name, m.version) for m in spec.mixture or ()]
+        return Stored(mixed_dataset(spec.dataset, stored, read), stored)
+
     def resident_plan(
         self, job: Job, epoch: int, rank: int, env: int | None, offset: int
     ) -> tuple[np.ndarray, int]:
         """Ids over the sources concatenated in order; ``env`` is the job's one environment."""
         return self._parts.mixtures.plan(job, epoch, rank, offset)
+
+    def steering(self, job_id: str) -> MixtureStatus | None:
+        """The schedule, the weights now and the shares sent (``GET .../mixture``'s)."""
+        return self._parts.mixtures.status(job_id)
 
     def stream_plan(
         self,

@@ -6,12 +6,14 @@ import contextlib
 
 import numpy as np
 
+from shardserve.proto.api import MixtureStatus
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.jobs import JobSpec
 from shardserve.proto.jobs import job_id as spec_job_id
 
 from ..jobs import Job
 from ..source import StreamPlan
+from ..sources import Stored
 from ..store.graph_shapes import item_fields
 from ..store.graphs import check_graph_job
 from ..store.versions import pin_version
@@ -63,6 +65,11 @@ class PlainJobs:
         with contextlib.suppress(DatasetCorruptError):
             self._parts.open_dataset(spec.dataset, spec.version)
 
+    def open_stored(self, spec: JobSpec) -> Stored:
+        """The dataset, at the version the job pinned."""
+        dataset = self._parts.open_dataset(spec.dataset, spec.version)
+        return Stored(dataset, [dataset])
+
     def resident_plan(
         self, job: Job, epoch: int, rank: int, env: int | None, offset: int
     ) -> tuple[np.ndarray, int]:
@@ -80,6 +87,10 @@ class PlainJobs:
         )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
+
+    def steering(self, job_id: str) -> MixtureStatus | None:
+        """One dataset has no weights to steer."""
+        return None
 
     def stream_plan(
         self,

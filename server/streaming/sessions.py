@@ -15,11 +15,12 @@ from typing import Protocol, TypedDict
 import numpy as np
 
 from shardserve.proto.endpoints import Delivery as Transport
+from shardserve.proto.jobs import JobSpec
 
 from ..jobs import Job, JobRegistry
 from ..metrics import Metrics
 from ..source import BatchParts, BatchSource, PartShapes, StreamPlan
-from ..sources import OpenSource
+from ..sources import OpenSource, Stored
 from .board import StreamBoard
 from .limits import StreamCancelled, check_job_batch
 from .pipeline import Pipeline
@@ -150,6 +151,12 @@ class StreamKind(Protocol):
         source; ``None`` when the kind has none. Read by :func:`prepare` (planning lane)."""
         ...
 
+    def open_stored(self, spec: JobSpec) -> Stored:
+        """What a job of ``spec`` reads as stored, the first link of its stream's chain
+        (:func:`~..sources.open_source` adds the rest). Called by :func:`prepare` on the
+        planning lane: opening a version may map shards or wait for a remote store."""
+        ...
+
     def stream_plan(
         self,
         job: Job,
@@ -179,7 +186,8 @@ def prepare(s: Session, open_source: OpenSource, kind_of: KindOf, max_batch_byte
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
     job = s.job
-    source = open_source(job.spec, s.epoch, s.seed, s.rank)
+    kind = kind_of(job)
+    source = open_source(kind.open_stored(job.spec), job.spec, s.epoch, s.seed, s.rank)
     m = source.manifest
     fields = tuple(job.spec.fields or (f.name for f in m.fields))
     # A job journaled before the limits existed is refused here, before any allocation.
@@ -187,7 +195,6 @@ def prepare(s: Session, open_source: OpenSource, kind_of: KindOf, max_batch_byte
     batch_bytes = int(source.sample_bytes * rows)  # as served (after a chain)
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
-    kind = kind_of(job)
     plan = kind.stream_plan(
         job, s.epoch, s.seed, s.rank, source.shard_rows, s.offset, s.flow.start_batch
     )
