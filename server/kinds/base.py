@@ -56,8 +56,8 @@ class KindParts:
 
 class JobKind(StreamKind, Protocol):
     """One kind of job: how it is admitted and planned. Streaming's part of it
-    (:class:`~..streaming.sessions.StreamKind`: stream plans, the source part) is called on
-    the planning lane; the rest on the control plane's threads."""
+    (:class:`~..streaming.sessions.StreamKind`: the stored link, stream plans, the source
+    part) is called on the planning lane; the rest on the control plane's threads."""
 
     def admit(self, spec: JobSpec) -> Admitted:
         """Check ``spec`` against the store and pin what it reads (400/404/409 when it does
