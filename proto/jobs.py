@@ -36,6 +36,11 @@ EnvShuffle = Literal["independent", "split"]
 #: or (a mixture) serve another and quarantine the failing one in its dataset.
 OnError = Literal["fail", "replace", "quarantine"]
 
+#: Which kind of job a spec asks for (``JobSpec.kind``): one dataset, or a weighted mixture
+#: of several. The server keeps one object per kind in a table keyed by this name
+#: (``shardserve.server.kinds``), so the question is answered here and nowhere else.
+JobKindName = Literal["dataset", "mixture"]
+
 #: What a mixture source does when its samples run out within an epoch: wrap into a new
 #: permutation of its own, or end the epoch.
 Exhaustion = Literal["repeat", "stop"]
@@ -298,6 +303,27 @@ class JobSpec(BaseModel):
         mixture source's): two ranks' jobs of one run differ at most in those."""
         mix = tuple(s.model_copy(update={"version": None}) for s in self.mixture or ()) or None
         return self.model_copy(update={"version": None, "mixture": mix})
+
+    @property
+    def kind(self) -> JobKindName:
+        """Which kind of job this is, the key of the server's table of job kinds: its
+        callers hold the kind's object and never ask the spec again.
+
+        Examples:
+            >>> JobSpec(dataset="d", batch_size=8).kind
+            'dataset'
+            >>> JobSpec(mixture=[{"name": "web", "weight": 1.0}], batch_size=8).kind
+            'mixture'
+        """
+        return "dataset" if self.mixture is None else "mixture"
+
+    @property
+    def pins(self) -> tuple[tuple[str, str | None], ...]:
+        """``(dataset, version)`` of every dataset the job reads: the versions a store must
+        keep while the job is known, and those a restart checks are still current."""
+        if self.mixture is not None:
+            return tuple((s.name, s.version) for s in self.mixture)
+        return ((self.dataset, self.version),)
 
     @property
     def versions(self) -> str:

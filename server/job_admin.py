@@ -17,23 +17,16 @@ from shardserve.proto.api import CreatedJob, EpochUpdate, JobState, JobStatus
 from shardserve.proto.errors import BadRequest, JobNotFound, VersionConflict
 from shardserve.proto.jobs import JobSpec
 from shardserve.proto.jobs import job_id as spec_job_id
-from shardserve.proto.manifest import Manifest
 
-from . import mixtures
 from .jobs import Job, JobRegistry
+from .kinds.base import Admitted
+from .kinds.table import JobKinds
 from .lifecycle import ENDED, LIVE, expired, job_state, last_active
 from .metrics import JobsSnapshot, RankSeries, fold_ranks
 from .planning import num_batches
 from .planning.cache import PlanCache
 from .settings import Settings
-from .store.dataset import Dataset
-from .store.graph_shapes import item_fields
-from .store.graphs import check_graph_job
-from .store.mixed import mixture_manifest
-from .store.versions import pin_version
 from .streaming.board import JobActivity, StreamBoard
-from .streaming.limits import check_job_batch
-from .transforms.bound import Transforms
 
 
 class JobAdmin:
@@ -45,95 +38,48 @@ class JobAdmin:
         jobs: JobRegistry,
         board: StreamBoard,
         plans: PlanCache,
-        manifest: Callable[[str], Manifest],
-        check_shards: Callable[[Manifest], None],
+        kinds: JobKinds,
         end_streams: Callable[[str, str], None],
         release_versions: Callable[[], None],
-        transforms: Transforms,
-        open_dataset: Callable[[str, str | None], Dataset],
     ) -> None:
-        """``manifest(name)``: the dataset's manifest (raising ``DatasetNotFound``);
-        ``check_shards(manifest)``: ``DatasetCorruptError`` for a missing or cut shard file;
+        """``kinds``: the table a spec's kind is taken from, which admits it;
         ``end_streams(job_id, message)``: tell the job's open streams it is gone;
-        ``release_versions()``: let go of replaced dataset versions no job pins any more;
-        ``transforms``: the installed transforms a job's chain is checked against;
-        ``open_dataset(name, version)``: the store's shared dataset of that version (a graph
-        job's stored shapes are read from it)."""
+        ``release_versions()``: let go of replaced dataset versions no job pins any more."""
         self.settings = settings
         self.jobs = jobs
         self.board = board
         self.plans = plans
-        self._manifest = manifest
-        self._check_shards = check_shards
+        self.kinds = kinds
         self._end_streams = end_streams
         self._release_versions = release_versions
-        self._transforms = transforms
-        self._open_dataset = open_dataset
         # Admission (cap check, eviction, creation) is one step, or two POSTs could both
         # take the last free place.
         self._admit_lock = threading.Lock()
 
     def create_job(self, spec: JobSpec) -> CreatedJob:
-        """Create (or find) the job for ``spec``; its dataset and fields must exist. The job
-        pins the dataset's current version (its id covers it)."""
-        if spec.mixture is not None:
-            spec, length, sizes = mixtures.admit(
-                spec, self._manifest, self.settings.max_batch_bytes
-            )
-            if spec.transforms:  # the chain reads the mixture's fields (``source`` too)
-                mixed = mixture_manifest(
-                    spec.dataset, [self._manifest(s.name) for s in spec.mixture or ()]
-                )
-                served = self._transforms.served(spec, mixed)  # masked fields pass by the chain
-                self._check_fields(spec, [f.name for f in served.fields])
-            for source in spec.mixture or ():
-                self._check_shards(self._manifest(source.name))
-            return self._admit(spec, length, sizes)
-        manifest = self._manifest(spec.dataset)
-        existing = self.jobs.find(spec_job_id(spec)) if spec.version is not None else None
-        if existing is not None:
-            # Re-posted pinned to its version (a DDP rank taking rank 0's job through the
-            # process group): that job, checked when it was made, even if the store holds a
-            # newer version now.
-            return self._admit(existing.spec, existing.num_samples, existing.source_sizes)
-        spec = pin_version(spec, manifest)
-        served = self._transforms.served(spec, manifest)  # a chain's outputs, when it has one
-        sample_bytes = self._transforms.sample_bytes(spec, manifest)
-        self._check_fields(spec, [f.name for f in served.fields])
-        per_sample = manifest.total_bytes / max(manifest.num_samples, 1)
-        check_job_batch(spec, manifest.num_samples, per_sample, self.settings.max_batch_bytes)
-        # A deleted or cut shard: a 409 now beats a job that fails at its first batch.
-        self._check_shards(manifest)
-        if spec.graph is not None:
-            # The stored shapes of the pinned version tell edge fields from node fields.
-            items = item_fields(self._open_dataset(spec.dataset, spec.version))
-            check_graph_job(served, spec.fields, spec.graph, items)
-        return self._admit(spec, manifest.num_samples, sample_bytes=sample_bytes)
+        """Create (or find) the job for ``spec``, admitted by its kind (which pins the
+        version(s) it reads: the job's id covers them); a new job's kind then takes what
+        the job needs from the store."""
+        kind = self.kinds.of(spec)
+        admitted = kind.admit(spec)
+        created = self._admit(admitted)
+        if created.created:
+            kind.created(admitted.spec)
+        return created
 
-    @staticmethod
-    def _check_fields(spec: JobSpec, known: list[str]) -> None:
-        """``spec.fields`` are among the fields its job serves (``known``), or 400."""
-        unknown = [f for f in spec.fields or () if f not in known]
-        if unknown:
-            raise BadRequest(
-                f"dataset {spec.dataset!r} has no field(s) {unknown}; its fields are {known}"
-            )
-
-    def _admit(
-        self,
-        spec: JobSpec,
-        num_samples: int,
-        sizes: tuple[int, ...] | None = None,
-        sample_bytes: float | None = None,
-    ) -> CreatedJob:
+    def _admit(self, admitted: Admitted) -> CreatedJob:
+        spec = admitted.spec
         with self._admit_lock:
             self.sweep()
             if self.jobs.find(spec_job_id(spec)) is None:
                 self._refuse_other_version(spec)
                 self._make_room()
-            job, created = self.jobs.create(spec, num_samples, sizes)
+            job, created = self.jobs.create(spec, admitted.num_samples, admitted.source_sizes)
         return CreatedJob(
-            id=job.id, created=created, status=self.status_of(job), sample_bytes=sample_bytes
+            id=job.id,
+            created=created,
+            status=self.status_of(job),
+            sample_bytes=admitted.sample_bytes,
         )
 
     def job(self, job_id: str) -> JobStatus:

@@ -179,7 +179,7 @@ class JobRegistry:
         for job in self.list():
             if job.state == "failed":
                 continue
-            for name, pinned in _pins(job.spec):
+            for name, pinned in job.spec.pins:
                 if pinned is None:
                     continue
                 if name not in current:
@@ -199,7 +199,7 @@ class JobRegistry:
     def pinned_versions(self) -> set[tuple[str, str | None]]:
         """``(dataset, version)`` of every job known: the versions a store must keep."""
         with self._lock:
-            return {pin for j in self._jobs.values() for pin in _pins(j.spec)}
+            return {pin for j in self._jobs.values() for pin in j.spec.pins}
 
     def detach_journal(self) -> None:
         """Keep jobs in memory only from now on (the journal belongs to another server)."""
@@ -409,13 +409,6 @@ class JobRegistry:
     def _append(self, record: Mapping[str, object]) -> None:
         if self._journal is not None:
             self._journal.append(record)
-
-
-def _pins(spec: JobSpec) -> list[tuple[str, str | None]]:
-    """``(dataset, version)`` of every dataset a job reads."""
-    if spec.mixture is not None:
-        return [(s.name, s.version) for s in spec.mixture]
-    return [(spec.dataset, spec.version)]
 
 
 def _records_of(job: Job) -> list[dict[str, object]]:

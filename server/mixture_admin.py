@@ -21,6 +21,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 from . import mixtures
 from .jobs import Job, JobRegistry
 from .metrics import JobsSnapshot
+from .planning.cache import PlanCache
 from .planning.mixture import MixSource, source_offsets, split_ids
 from .streaming.board import StreamBoard
 
@@ -39,7 +40,7 @@ class MixtureAdmin:
         ``plan_bytes``: of mixture orders kept."""
         self.jobs = jobs
         self.board = board
-        self.plans = mixtures.MixturePlans(jobs.quarantine, plan_bytes)
+        self.plans = mixtures.MixturePlans(jobs.quarantine, PlanCache(plan_bytes))
         self._manifest = manifest
 
     def _mixture_job(self, job_id: str) -> Job:

@@ -17,9 +17,8 @@ turns a job's journaled facts (spec, weight changes, quarantines, sizes) into it
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -31,13 +30,15 @@ from shardserve.proto.parts import SOURCE_PART
 
 from .jobs import Job, JobRegistry
 from .planning import RankPlan, num_batches
+from .planning.cache import PlanCache
 from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from .quarantine import Quarantines
 from .store.versions import content_id
 from .streaming.board import SourceWindow
 from .streaming.limits import check_batch
 
-#: Bytes of mixture orders kept (4 bytes a position below 2**32 ids); the newest always.
+#: Bytes of mixture orders kept (4 bytes a position below 2**32 ids); the newest always
+#: (their own :class:`PlanCache`, beside the one of one-dataset jobs' orders).
 ORDER_CACHE_BYTES = 256 << 20
 #: Longest mixture epoch, in positions, and at most this many times its sources' samples.
 MAX_EPOCH_SAMPLES = 1 << 31
@@ -231,19 +232,17 @@ def frontier(job: Job, ranks: Sequence[RankStatus]) -> int:
 
 
 class MixturePlans:
-    """A few mixture orders, keyed by everything they depend on; thread-safe."""
+    """Mixture orders, kept in a :class:`PlanCache` keyed by everything they depend on (the
+    schedule and quarantines within the epoch too); thread-safe."""
 
-    def __init__(self, quarantine: Quarantines, max_bytes: int = ORDER_CACHE_BYTES) -> None:
+    def __init__(self, quarantine: Quarantines, orders: PlanCache) -> None:
         self._quarantine = quarantine
-        self._max_bytes = max_bytes
-        self._orders: OrderedDict[tuple[object, ...], np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
+        self.orders = orders
 
     @property
     def nbytes(self) -> int:
         """Bytes of the orders kept."""
-        with self._lock:
-            return sum(o.nbytes for o in self._orders.values())
+        return self.orders.nbytes
 
     def order(self, job: Job, epoch: int, seed: int) -> np.ndarray:
         """The epoch's canonical mixture order over concatenated ids (see the planner)."""
@@ -256,29 +255,15 @@ class MixturePlans:
             job.id, epoch, seed, tuple((g.at, g.weights) for g in segs),
             tuple((q.source, q.at, hashlib.blake2b(q.ids.tobytes()).hexdigest()) for q in quar),
         )  # fmt: skip
-        with self._lock:
-            if key in self._orders:
-                self._orders.move_to_end(key)
-                return self._orders[key]
         sources = [
             MixSource(n, s.on_exhausted)
             for s, n in zip(spec.mixture, job.source_sizes, strict=True)
         ]
-        order = mixture_order(
-            sources, seed, epoch, job.num_samples, segs, spec.world_size, quar, spec.shuffle,
-            spec.block_window,
+        make = partial(
+            mixture_order, sources, seed, epoch, job.num_samples, segs, spec.world_size, quar,
+            spec.shuffle, spec.block_window,
         )  # fmt: skip
-        with self._lock:
-            # An order made before this job's last change is never asked for again (plans
-            # are remade from the job as it is now): a flood of quarantines or weight changes
-            # keeps one order per epoch, not one per change.
-            for old in [k for k in self._orders if k[:3] == key[:3]]:
-                del self._orders[old]
-            self._orders[key] = order
-            total = sum(o.nbytes for o in self._orders.values())
-            while len(self._orders) > 1 and total > self._max_bytes:
-                total -= self._orders.popitem(last=False)[1].nbytes
-        return order
+        return self.orders.steered_order(key, make)
 
     def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan:
         s = job.spec

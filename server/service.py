@@ -8,7 +8,6 @@ plane only by queueing a command on the streamer (never by waiting on it). Start
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -21,7 +20,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from shardserve.proto.api import CreatedJob, DatasetInfo, ServerInfo
-from shardserve.proto.errors import BadRequest, DatasetCorruptError, ErrorCode
+from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
 from shardserve.proto.jobs import MIXTURE_PREFIX, JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
@@ -31,12 +30,13 @@ from .assembly import Assembler
 from .job_admin import JobAdmin
 from .jobs import EpochJournal, Job, JobRegistry
 from .journal import JournalLocked
+from .kinds.base import JobKind, KindParts
+from .kinds.table import JobKinds
 from .logs import log_event
 from .metrics import Metrics
 from .mixture_admin import MixtureAdmin
 from .planning.cache import PlanCache
 from .settings import Settings
-from .source import StreamPlan
 from .sources import open_source
 from .store.backend import StoreBackend, open_store
 from .store.dataset import Dataset
@@ -140,21 +140,31 @@ class Service:
             self.metrics.registry,
             Limits(settings.max_batch_bytes, settings.max_decoded_pixels),
         )
+        # Mixture orders get half the plan bound again: their own LRU, as big as one source.
+        self.mixture_admin = MixtureAdmin(
+            self.jobs, self.board, self.store.manifest, settings.plan_cache_bytes // 2
+        )
+        #: Every job kind's object; a job's is taken from here, once per question.
+        self.kinds = JobKinds(
+            KindParts(
+                max_batch_bytes=settings.max_batch_bytes,
+                jobs=self.jobs,
+                plans=self.plans,
+                mixtures=self.mixture_admin,
+                manifest=self.store.manifest,
+                check_shards=self.store.check_shards,
+                transforms=self.transforms,
+                open_dataset=self.open_dataset,
+            )
+        )
         self.job_admin = JobAdmin(
             settings,
             self.jobs,
             self.board,
             self.plans,
-            self.store.manifest,
-            self.store.check_shards,
+            self.kinds,
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
-            self.transforms,
-            self.open_dataset,
-        )
-        # Mixture orders get half the plan bound again: their own LRU, as big as one source.
-        self.mixture_admin = MixtureAdmin(
-            self.jobs, self.board, self.store.manifest, settings.plan_cache_bytes // 2
         )
         self.metrics.watch_plan_bytes(lambda: self.plans.nbytes + self.mixture_admin.plans.nbytes)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
@@ -192,30 +202,23 @@ class Service:
         deps = HandlerDeps(
             open_source=partial(
                 open_source,
-                open_dataset=self.open_dataset,
                 transforms=self.transforms,
                 quarantine=self.mixture_admin.quarantine_failed,
             ),
             registry=self.jobs,
-            plan_stream=self.plan_stream,
+            kind_of=self._kind_of,
             board=self.board,
             metrics=self.metrics,
         )
         return StreamHandler(sock, assembler, deps, self.streamer.config)
 
     def create_job(self, spec: JobSpec) -> CreatedJob:
-        """Create (or find) the job for ``spec`` (see :meth:`JobAdmin.create_job`). A new
-        job of one dataset opens its pinned version at once: the store keeps an open version
-        while a job pins it, so an ``ingest --overwrite`` before the job's first stream
-        leaves the job its version instead of failing it with ``DatasetChanged``."""
-        created = self.job_admin.create_job(spec)
-        pinned = created.status.spec
-        if created.created and pinned.mixture is None:
-            # A corrupt shard is reported where every rank sees it: the first stream fails
-            # the job naming the shard (the data's fault, not this spec's).
-            with contextlib.suppress(DatasetCorruptError):
-                self.open_dataset(pinned.dataset, pinned.version)
-        return created
+        """Create (or find) the job for ``spec`` (see :meth:`JobAdmin.create_job`)."""
+        return self.job_admin.create_job(spec)
+
+    def _kind_of(self, job: Job) -> JobKind:
+        """The kind of ``job``, which plans its streams (``HandlerDeps.kind_of``)."""
+        return self.kinds.of(job.spec)
 
     def open_dataset(self, name: str, version: str | None = None) -> Dataset:
         """The shared ``Dataset`` for ``name``; the store verifies each shard file once, per
@@ -328,46 +331,7 @@ class Service:
                 f"offset {offset} out of range 0 <= offset < {bound} for job {job_id} (one "
                 f"batch of every rank, within its {job.num_samples} samples)"
             )
-        if job.spec.mixture is not None:  # ids over the sources concatenated in order
-            return self.mixture_admin.plan(job, epoch, rank, offset)
-        ds = self.open_dataset(job.spec.dataset, job.spec.version)
-        plan = (
-            self.plans.rank_plan(
-                job, epoch, job.seed, rank, shard_rows=ds.shard_rows, offset=offset
-            )
-            if env is None
-            else self.plans.env_plan(
-                job, epoch, job.seed, rank, env, shard_rows=ds.shard_rows, offset=offset
-            )
-        )
-        ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
-        return ids.astype("<i8", copy=False), len(plan)
-
-    def plan_stream(
-        self,
-        job: Job,
-        epoch: int,
-        seed: int,
-        rank: int,
-        shard_rows: np.ndarray,
-        offset: int,
-        start: int,
-    ) -> StreamPlan:
-        """What a stream of ``rank`` reads in ``epoch`` from batch ``start`` on (see
-        ``HandlerDeps.plan_stream``): a mixture's plan follows its schedule batch by batch;
-        any other is fixed when made."""
-        if job.spec.mixture is not None:
-            return self.mixture_admin.stream_plan(job, epoch, seed, rank, offset)
-        plan = self.plans.rank_plan(job, epoch, seed, rank, shard_rows=shard_rows, offset=offset)
-        if start < len(plan):
-            # Read here, on the planning lane: an order handed out before its last buckets
-            # were shuffled (see PlanCache) makes a stream that starts deep in it (a resume)
-            # wait for its bucket now, not on the streamer thread. Later batches lie behind
-            # the shuffle, which runs tens of times faster than any stream reads.
-            plan.batch(start)
-        if job.spec.shuffle != "none":  # the next epoch's order, while this one streams
-            self.plans.plan_ahead(job, epoch + 1, seed, shard_rows)
-        return plan
+        return self.kinds.of(job.spec).resident_plan(job, epoch, rank, env, offset)
 
     def cache_summary(self) -> dict[str, float] | None:
         """The shard cache's counters, or ``None`` for a local store."""

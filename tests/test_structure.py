@@ -115,6 +115,45 @@ def test_no_getattr_forwarding_in_the_server() -> None:
     assert offenders == []
 
 
+#: A spec's job kind asked outside the one place that chooses it (``server/kinds/table.py``
+#: by ``JobSpec.kind``).
+ASKS_THE_KIND = re.compile(r"spec\.mixture\b|\.mixture\s+is\b")
+#: Server modules that still read ``spec.mixture``, and why; none of them is streaming or the
+#: ``Service``. A module leaves this list when its question moves into the kind.
+READS_THE_MIXTURE = {
+    # The mixture kind: it is the mixture's own code.
+    "server/kinds/mixture.py": "opens and admits a mixture's sources",
+    "server/mixtures.py": "the mixture kind's admission, schedule and orders, source by source",
+    "server/mixture_admin.py": (
+        "steering takes a job id from a URL and refuses a job of one dataset by name; the "
+        "metrics loop exports weights of mixtures only; quarantines walk a job's sources"
+    ),
+    # The registry journals a mixture's weight changes with the job.
+    "server/jobs.py": "the schedule is the spec's weights and changes; a change needs weights",
+}
+
+
+def test_the_job_kind_is_chosen_once() -> None:
+    """Streaming, the ``Service`` and every other server module ask the job's kind object
+    (``server/kinds``), never the spec whether it is a mixture; the exceptions are listed."""
+    asking = {
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "server").rglob("*.py"))
+        if ASKS_THE_KIND.search(p.read_text())
+    }
+    assert asking - set(READS_THE_MIXTURE) == set(), "ask the kind (server/kinds) instead"
+    assert set(READS_THE_MIXTURE) - asking == set(), "no longer reads it: strike it from the list"
+    never = [f for f in asking if f.startswith("server/streaming/") or f == "server/service.py"]
+    assert never == []
+
+
+def test_the_kind_finder_finds_both_ways_of_asking() -> None:
+    assert ASKS_THE_KIND.search("if job.spec.mixture is None:")
+    assert ASKS_THE_KIND.search("if pinned.mixture is not None:")
+    assert not ASKS_THE_KIND.search("self.mixture_admin.status(j.id)")
+    assert not ASKS_THE_KIND.search("from .planning.mixture import MixSource")
+
+
 #: Calls whose ``timeout=`` bounds something a test expects to happen: an HTTP answer, a
 #: process or thread finishing, a message arriving, a server starting or stopping.
 WAITS = frozenset({

@@ -280,9 +280,10 @@ def status_page(service: ServiceDep) -> HTMLResponse:
     jobs = service.job_admin.all_jobs()
     mixtures: dict[str, MixtureStatus] = {}
     for j in jobs:
-        if j.spec.mixture:
-            with contextlib.suppress(JobNotFound):  # deleted since the list was taken
-                mixtures[j.id] = service.mixture_admin.status(j.id)
+        with contextlib.suppress(JobNotFound):  # deleted since the list was taken
+            steering = service.kinds.of(j.spec).steering(j.id)
+            if steering is not None:
+                mixtures[j.id] = steering
     live = sum(j.state in ("running", "pending") for j in jobs)
     ranks = sum(r.connected for j in jobs for r in j.ranks)
     page = template.substitute(

@@ -22,6 +22,9 @@ shuffle lays its samples out in buckets, then shuffles each bucket
 first bucket are done (the first 131,072 positions: every rank's first batches), and a thread
 of its own shuffles the other buckets while those batches are gathered; a plan's read of a
 later position waits for its bucket (:class:`Finishing`). Same order, same draws, sooner.
+
+A mixture's orders are kept by the same class (:meth:`PlanCache.steered_order`): the same
+waiters and byte bound, keyed by the steering they were made under too.
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ ORDER_CACHE_BYTES = 512 << 20
 #: How long a rank waits for another rank's computation of the same order.
 ORDER_WAIT_S = 120.0
 
-OrderKey = tuple[str, int, int, int]
+#: An order's key: ``(job id, epoch, seed, ...)`` and whatever else the order depends on (a
+#: one-dataset job's environment; a mixture's schedule and quarantines within the epoch).
+OrderKey = tuple[object, ...]
+#: Makes an order: the array it is written into and the steps that write it, each yielding
+#: how many leading positions are final (see :func:`.order.epoch_order_steps`).
+MakeOrder = Callable[[], tuple[np.ndarray, Iterator[int]]]
 
 log = logging.getLogger("shardserve.planning")
 
@@ -99,7 +107,8 @@ def _stopped(finishing: Finishing, done: Future[None]) -> None:
 
 
 class PlanCache:
-    """LRU of epoch orders keyed by ``(job id, epoch, seed, env)``; thread-safe."""
+    """LRU of epoch orders keyed by ``(job id, epoch, seed, env)``, or by what a steered
+    order depends on (:meth:`steered_order`); thread-safe."""
 
     def __init__(self, max_bytes: int = ORDER_CACHE_BYTES) -> None:
         self._max_bytes = max_bytes
@@ -145,24 +154,53 @@ class PlanCache:
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None, env: int = 0
     ) -> np.ndarray:
         """The epoch's global order for ``job``, whole, computing it at most once at a time."""
-        order, finishing = self._get(job, epoch, seed, shard_rows, env, staged=False)
+        order, finishing = self._get(
+            (job.id, epoch, seed, env), self._maker(job, epoch, seed, shard_rows, env), False
+        )
         if finishing is not None and len(order):
             finishing.wait(len(order) - 1)
         return order
 
+    def steered_order(self, key: OrderKey, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """The order of ``key`` (``(job id, epoch, seed, ...)`` and the steering it was made
+        under: a mixture's weights and quarantines), made by ``make`` at most once at a time.
+
+        An order of the same job, epoch and seed made under older steering is dropped when
+        this one is kept: plans are remade from the job as it is now, so it is never asked
+        for again, and a flood of changes keeps one order per epoch, not one per change.
+        """
+
+        def steps() -> tuple[np.ndarray, Iterator[int]]:
+            order = make()
+            return order, iter([len(order)])
+
+        return self._get(key, steps, False, replaces=key[:3])[0]
+
+    @staticmethod
+    def _maker(
+        job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None, env: int
+    ) -> MakeOrder:
+        """How a one-dataset job's order of ``epoch`` (environment ``env``) is made."""
+        spec = job.spec
+        return partial(
+            epoch_order_steps,
+            job.num_samples,
+            seed,
+            epoch,
+            spec.shuffle,
+            shard_rows=shard_rows,
+            block_window=spec.block_window,
+            env=env,
+        )
+
     def _get(
-        self,
-        job: Job,
-        epoch: int,
-        seed: int,
-        shard_rows: np.ndarray | None,
-        env: int,
-        staged: bool,
+        self, key: OrderKey, make: MakeOrder, staged: bool, replaces: OrderKey | None = None
     ) -> tuple[np.ndarray, Finishing | None]:
         """The order and, while its last buckets are being shuffled, how far that got.
         ``staged``: a new order is handed out after its first bucket (see the module
-        docstring); else it is computed whole here."""
-        key = (job.id, epoch, seed, env)
+        docstring); else it is computed whole here. ``replaces``: orders whose keys begin
+        with it are dropped when this one is kept."""
+        job_id, epoch = key[0], key[1]
         while True:
             with self._lock:
                 if key in self._orders:
@@ -174,28 +212,24 @@ class PlanCache:
                     break
             if not event.wait(ORDER_WAIT_S):
                 raise TimeoutError(
-                    f"waited {ORDER_WAIT_S} s for another rank to plan job {job.id} epoch {epoch}"
+                    f"waited {ORDER_WAIT_S} s for another rank to plan job {job_id} epoch {epoch}"
                 )
         try:
-            spec = job.spec
-            order, steps = epoch_order_steps(
-                job.num_samples,
-                seed,
-                epoch,
-                spec.shuffle,
-                shard_rows=shard_rows,
-                block_window=spec.block_window,
-                env=env,
-            )
+            order, steps = make()
             upto = next(steps)
             finishing = None
             if upto < len(order):
                 if staged:
-                    finishing = Finishing(f"job {job.id} epoch {epoch}", len(order), upto)
+                    finishing = Finishing(f"job {job_id} epoch {epoch}", len(order), upto)
                 else:
                     for _ in steps:
                         pass
             with self._lock:
+                if replaces is not None:
+                    n = len(replaces)
+                    for old in [k for k in self._orders if k[:n] == replaces and k != key]:
+                        del self._orders[old]
+                        self._finishing.pop(old, None)
                 self._orders[key] = order
                 if finishing is not None:
                     self._finishing[key] = finishing
@@ -231,7 +265,8 @@ class PlanCache:
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None, env: int
     ) -> tuple[np.ndarray, Callable[[int], None] | None]:
         """The order a rank plan deals, and the wait for its positions still being shuffled."""
-        order, finishing = self._get(job, epoch, seed, shard_rows, env, staged=True)
+        key = (job.id, epoch, seed, env)
+        order, finishing = self._get(key, self._maker(job, epoch, seed, shard_rows, env), True)
         return order, finishing.wait if finishing is not None else None
 
     def rank_plan(

@@ -152,7 +152,7 @@ class HelloHandling:
         work = Work(WorkKind.PREPARE, ident, s.stream)
         d = self.deps
         self.assembler.plan(
-            work, prepare, s, d.open_source, d.plan_stream, self.config.max_batch_bytes
+            work, prepare, s, d.open_source, d.kind_of, self.config.max_batch_bytes
         )  # fmt: skip
 
     def _welcome(self, s: Session) -> None:

@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 import zmq
 
-from shardserve.proto.parts import SOURCE_PART
-
 from ..assembly import Assembler
 from ..metrics import Metrics
 from ..source import BatchParts
@@ -61,9 +59,9 @@ class Pump:
                 break  # every slot is being filled or is with the client; a Credit frees one
             index, count = flow.take(s.group)
             self._assemble(s, prep, sink, index, count, ticket, inline)
-            if inline and not self._send_ready(s, sink):
+            if inline and not self._send_ready(s, prep, sink):
                 return False
-        return self._send_ready(s, sink)
+        return self._send_ready(s, prep, sink)
 
     def _assemble(
         self,
@@ -164,7 +162,7 @@ class Pump:
             return
         s.flow.assembled(index, Assembled(sink.fill(ticket, parts), ticket))
 
-    def _send_ready(self, s: Session, sink: BatchSink) -> bool:
+    def _send_ready(self, s: Session, prep: Prepared, sink: BatchSink) -> bool:
         """Send assembled batches in index order; ``False`` once the peer's queue is full."""
         flow = s.flow
         while (batch := flow.next_ready()) is not None:
@@ -184,7 +182,8 @@ class Pump:
             self.metrics.bytes_sent.inc(nbytes)
             self.board.sent(
                 s.job_id, s.rank, nbytes, flow.next_send, flow.owed, count,
-                # A mixture's samples, counted by source (another job's field may bear the name).
-                batch.parts.get(SOURCE_PART) if s.job.spec.mixture is not None else None,
+                # Counted by source where the job's kind names the part (another job's field
+                # may bear the same name).
+                batch.parts.get(prep.source_part) if prep.source_part is not None else None,
             )  # fmt: skip
         return True

@@ -10,16 +10,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Protocol, TypedDict
 
 import numpy as np
 
 from shardserve.proto.endpoints import Delivery as Transport
+from shardserve.proto.jobs import JobSpec
 
 from ..jobs import Job, JobRegistry
 from ..metrics import Metrics
 from ..source import BatchParts, BatchSource, PartShapes, StreamPlan
-from ..sources import OpenSource
+from ..sources import OpenSource, Stored
 from .board import StreamBoard
 from .limits import StreamCancelled, check_job_batch
 from .pipeline import Pipeline
@@ -67,6 +68,9 @@ class Prepared:
     #: terms (no batch transforms; graphs are collated per batch), so a span is its batches
     #: one after the other.
     groupable: bool = True
+    #: The part whose values name each sample's source, counted by source on the board (a
+    #: mixture's, see :attr:`StreamKind.source_part`); ``None``: nothing to count.
+    source_part: str | None = None
 
     def indices(self, index: int, count: int = 1) -> np.ndarray:
         """The samples of batches ``index`` to ``index + count - 1``, in order."""
@@ -133,15 +137,47 @@ class Session:
         return {"job": self.job_id, "rank": self.rank, "stream": self.stream, "epoch": self.epoch}
 
 
-#: ``plan_stream(job, epoch, seed, rank, shard_rows, offset, start)``: the rank's batches of
-#: the epoch, dealt from position ``offset`` of its order, ready to read from batch ``start``
-#: on (see ``Service.plan_stream``).
-PlanStream = Callable[[Job, int, int, int, np.ndarray, int, int], StreamPlan]
+class StreamKind(Protocol):
+    """What streaming asks of a job's kind (one dataset, a mixture: see ``server.kinds``).
+
+    The handler holds the object ``HandlerDeps.kind_of`` gives for the job and never asks
+    the spec which kind it is: a kind that streams differently changes its object, not
+    streaming.
+    """
+
+    @property
+    def source_part(self) -> str | None:
+        """The part whose values name each sample's source, which the board counts by
+        source; ``None`` when the kind has none. Read by :func:`prepare` (planning lane)."""
+        ...
+
+    def open_stored(self, spec: JobSpec) -> Stored:
+        """What a job of ``spec`` reads as stored, the first link of its stream's chain
+        (:func:`~..sources.open_source` adds the rest). Called by :func:`prepare` on the
+        planning lane: opening a version may map shards or wait for a remote store."""
+        ...
+
+    def stream_plan(
+        self,
+        job: Job,
+        epoch: int,
+        seed: int,
+        rank: int,
+        shard_rows: np.ndarray,
+        offset: int,
+        start: int,
+    ) -> StreamPlan:
+        """The rank's batches of ``epoch``, dealt from position ``offset`` of its order,
+        ready to read from batch ``start`` on. Called by :func:`prepare` on the planning
+        lane, so a plan that takes seconds never holds the streamer thread."""
+        ...
 
 
-def prepare(
-    s: Session, open_source: OpenSource, plan_stream: PlanStream, max_batch_bytes: int
-) -> Prepared:
+#: ``kind_of(job)``: the job's kind, from the server's table (``server.kinds``).
+KindOf = Callable[[Job], StreamKind]
+
+
+def prepare(s: Session, open_source: OpenSource, kind_of: KindOf, max_batch_bytes: int) -> Prepared:
     """On the planning lane: open the dataset and plan this rank's epoch.
 
     Reads only immutable facts of ``s`` and its ``closed`` flag (a replaced or closed stream
@@ -150,7 +186,8 @@ def prepare(
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
     job = s.job
-    source = open_source(job.spec, s.epoch, s.seed, s.rank)
+    kind = kind_of(job)
+    source = open_source(kind.open_stored(job.spec), job.spec, s.epoch, s.seed, s.rank)
     m = source.manifest
     fields = tuple(job.spec.fields or (f.name for f in m.fields))
     # A job journaled before the limits existed is refused here, before any allocation.
@@ -158,11 +195,14 @@ def prepare(
     batch_bytes = int(source.sample_bytes * rows)  # as served (after a chain)
     if s.closed:
         raise StreamCancelled(f"stream {s.stream} was closed before its plan was made")
-    plan = plan_stream(
+    plan = kind.stream_plan(
         job, s.epoch, s.seed, s.rank, source.shard_rows, s.offset, s.flow.start_batch
     )
     source.plan_hint(plan)  # a remote dataset fetches what comes next
-    return Prepared(source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable)
+    return Prepared(
+        source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable,
+        kind.source_part,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -172,7 +212,7 @@ class HandlerDeps:
     #: A stream's source chain (see :func:`~..sources.open_source`).
     open_source: OpenSource
     registry: JobRegistry
-    #: A stream's plan (see :data:`PlanStream`).
-    plan_stream: PlanStream
+    #: A job's kind, which plans its streams (see :class:`StreamKind`).
+    kind_of: KindOf
     board: StreamBoard
     metrics: Metrics

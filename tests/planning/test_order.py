@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -180,6 +182,27 @@ def test_an_order_handed_out_before_its_last_buckets_is_the_whole_order() -> Non
         assert np.array_equal(cache.order(job, 2, 5), whole)
     finally:
         cache.close(wait=True)
+
+
+def test_a_steered_order_replaces_the_one_made_under_older_steering() -> None:
+    """A mixture's orders share the cache: one is made once per key, and a newer steering
+    of the same job, epoch and seed drops the older one; another epoch's order stays."""
+    cache = PlanCache()
+    made: list[int] = []
+
+    def make(n: int) -> Callable[[], np.ndarray]:
+        def order() -> np.ndarray:
+            made.append(n)
+            return np.arange(n, dtype=np.uint32)
+
+        return order
+
+    cache.steered_order(("j", 0, 1, "weights a"), make(3))
+    cache.steered_order(("j", 1, 1, "weights a"), make(4))
+    cache.steered_order(("j", 0, 1, "weights b"), make(5))
+    assert cache.nbytes == (4 + 5) * 4
+    assert cache.steered_order(("j", 0, 1, "weights b"), make(6)).tolist() == list(range(5))
+    assert made == [3, 4, 5]
 
 
 def test_finishing_waits_for_its_bucket_and_names_a_failed_shuffle() -> None:

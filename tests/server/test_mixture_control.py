@@ -195,6 +195,20 @@ def test_mixture_update_refusals(shared_srv: ServerProc) -> None:
     assert r.status_code == 422 and "not a mixture" in r.text
 
 
+def test_the_status_page_shows_weights_for_a_mixture_job_only(shared_srv: ServerProc) -> None:
+    """The page asks each job's kind for its weights: a mixture job shows its line, a job of
+    one dataset none."""
+    mix = post_job(shared_srv, SPEC).json()["id"]
+    single = post_job(shared_srv, {"dataset": "web", "batch_size": 8}).json()["id"]
+    r = httpx.get(f"{shared_srv.http_url}/", headers=shared_srv.headers, timeout=scaled(30))
+    assert r.status_code == 200, r.text
+    sections = {
+        jid: r.text.split(f"id='job-{jid}'", 1)[1].split("<h3", 1)[0] for jid in (mix, single)
+    }
+    assert "class='meta mixture'" in sections[mix]
+    assert "class='meta mixture'" not in sections[single]
+
+
 def test_creation_refusals_name_what_to_change(shared_srv: ServerProc) -> None:
     """An unknown source is a 404 naming it; a source whose field differs is a 422 naming the
     source and field; bad weights and unsupported combinations are 422s."""
