@@ -281,27 +281,28 @@ def test_trainer_in_its_own_ipc_namespace_falls_back_to_the_socket(stack: Stack)
 def test_server_container_killed_mid_epoch_and_restarted(stack: Stack) -> None:
     """`podman kill` of the server mid-epoch, then `podman start`: the trainer finishes the epoch with every sample exactly once."""
     argv, env = stack.probe_cmd("ids", "--sleep", "0.05")
-    proc = subprocess.Popen(
+    # As a context manager the pipes are closed however the test ends: a Popen left to the
+    # garbage collector warns, and pytest pins that warning on whichever test runs then.
+    with subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + scaled(STEP_TIMEOUT_S)
-        for line in proc.stdout:
-            if line.strip() == "batch 20":
-                break
-            assert time.monotonic() < deadline, "the probe did not reach batch 20"
-        else:
-            pytest.fail(
-                f"the probe ended before batch 20: {proc.stderr.read() if proc.stderr else ''}"
-            )
-        _check(stack.podman("kill", stack.server), "podman kill")
-        _check(stack.podman("start", stack.server), "podman start")
-        rest, stderr = proc.communicate(timeout=scaled(STEP_TIMEOUT_S))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            deadline = time.monotonic() + scaled(STEP_TIMEOUT_S)
+            for line in proc.stdout:
+                if line.strip() == "batch 20":
+                    break
+                assert time.monotonic() < deadline, "the probe did not reach batch 20"
+            else:
+                pytest.fail(
+                    f"the probe ended before batch 20: {proc.stderr.read() if proc.stderr else ''}"
+                )
+            _check(stack.podman("kill", stack.server), "podman kill")
+            _check(stack.podman("start", stack.server), "podman start")
+            rest, stderr = proc.communicate(timeout=scaled(STEP_TIMEOUT_S))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     if proc.returncode != 0:
         server_log = stack.podman("logs", "--tail", "40", stack.server)
         pytest.fail(
