@@ -18,7 +18,6 @@ from shardserve.proto.messages import MAX_CREDIT, Hello, Welcome
 from ..jobs import Job
 from ..memory import trim
 from .handshake import batches_per_rank
-from .limits import batch_rows
 from .notices import StreamNotices
 from .pipeline import Pipeline, choose_group, ring_slots
 from .sessions import Prepared, Session
@@ -92,8 +91,7 @@ class Opener:
         if joins is not None and joins <= min(most, max(credit // 2, 1)):
             s.group = joins
         route = Route(self.sock, s.ident, s.stream, s.epoch, batch_size)
-        # What one message's memory holds: a batch_size over a short split holds its share.
-        rows = batch_rows(s.job.spec, s.job.num_samples) * s.group
+        rows = prep.batch_rows * s.group  # what one message's memory holds
         if s.want_shm:
             slots = ring_slots(credit, s.group)
             try:

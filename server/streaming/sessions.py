@@ -62,6 +62,9 @@ class Prepared:
     plan: StreamPlan
     fields: tuple[str, ...]
     part_shapes: PartShapes
+    #: The most samples one batch holds: ``batch_size``, or a rank's share of a split smaller
+    #: than that (see :func:`~.limits.batch_rows`); buffers are sized by it.
+    batch_rows: int
     #: Expected bytes of one full batch (variable fields at the dataset's average).
     batch_bytes: int
     #: Whether several batches may go in one message: each batch is gathered on its own
@@ -200,7 +203,7 @@ def prepare(s: Session, open_source: OpenSource, kind_of: KindOf, max_batch_byte
     )
     source.plan_hint(plan)  # a remote dataset fetches what comes next
     return Prepared(
-        source, plan, fields, source.part_shapes(fields), batch_bytes, source.groupable,
+        source, plan, fields, source.part_shapes(fields), rows, batch_bytes, source.groupable,
         kind.source_part,
     )  # fmt: skip
 
