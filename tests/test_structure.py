@@ -195,10 +195,10 @@ def literal_waits(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def test_waits_on_expected_events_in_tests_are_scaled() -> None:
-    """A ``timeout=<number>`` that bounds an expected event in a test (an HTTP call, a
-    subprocess, a process or thread wait, a raw receive) is ``scaled(...)``
-    (tests/support/slowness.py): on a busy machine a fixed number fails a passing test.
-    Worker scripts (``_*.py``) run in processes of their own and are left out."""
+    """A ``timeout=<number>`` that bounds an expected event in a test (an HTTP call, a subprocess, a
+    process or thread wait, a raw receive) is ``scaled(...)`` (tests/support/slowness.py)."""
+    # On a busy machine a fixed number fails a passing test. Worker scripts (``_*.py``) run in
+    # processes of their own and are left out.
     files = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("_")]
     assert [w for p in files for w in literal_waits(p)] == []
 

@@ -344,10 +344,10 @@ with Loader(sys.argv[1], "cifar", 32, **json.loads(sys.argv[2])) as loader:
 
 
 def test_a_subscriber_killed_mid_epoch_stops_nobody(srv: ServerProc) -> None:
-    """Two subscribers stop after 2 batches of 60 while a third, in another process, reads
-    ahead of them (the group's front: batches are assembled for it) and is killed with SIGKILL
-    mid-epoch; the two then finish their epoch byte-exact. (The third claims a rank that a
-    live process holds: unshared, it would get RankInUse, see test_liveness.py.)"""
+    """Two subscribers that stopped after 2 of 60 batches finish their epoch byte-exact after a
+    third, reading ahead in another process, is killed with SIGKILL mid-epoch."""
+    # The third is the group's front: batches are assembled for it. It claims a rank that a live
+    # process holds: unshared, it would get RankInUse, see test_liveness.py.
     kw = kwargs(300, share="killed")
     want = unshared_epoch(srv, 32, kw)
     gate = threading.Event()
