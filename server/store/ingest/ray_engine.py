@@ -41,7 +41,7 @@ from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_d
 from .. import layout
 from ..remote_publish import RemotePublisher, new_shard_prefix
 from ..writer import ShardWriter
-from .registry import open_source
+from .registry import open_ingest_source
 from .run import IngestSummary
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def write_part(row: PartRow) -> PartDone:
             root, name, shard_bytes=int(row["shard_bytes"]), variable=set(row["variable"])
         ) as writer:
             for f in row["files"]:
-                source = open_source(Path(f), row["format"], threads=1)
+                source = open_ingest_source(Path(f), row["format"], threads=1)
                 for piece in source.pieces:
                     if piece.sample is not None:
                         writer.add(piece.sample, where=piece.where)
@@ -174,7 +174,7 @@ def ingest_ray(
     ray = _ray()
     src_path, root = Path(src), Path(store)
     started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=1)
+    source = open_ingest_source(src_path, fmt, threads=1)
     if remote is not None:
         RemotePublisher(remote).check_absent(name, overwrite)
     elif (root / name).exists() and not overwrite:
