@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from _support import RawStream, make_cifar_like, make_job, run_server, zmq_context
+
+from shardserve.client import Loader
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from shardserve.client import Loader  # noqa: E402
-from tests.server.rawclient import RawStream, zmq_context  # noqa: E402
-from tests.support.data import make_cifar_like  # noqa: E402
-from tests.support.server import make_job, run_server  # noqa: E402
 
 PEERS = 24
 UNBOUNDED = str(1 << 40)

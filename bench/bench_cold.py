@@ -34,14 +34,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _support import CIFAR_FIELDS as CIFAR
+from _support import run_server
+
+from shardserve.client import Loader
+from shardserve.server.store.writer import ShardWriter
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from bench.bench_small import CIFAR  # noqa: E402
-from shardserve.client import Loader  # noqa: E402
-from shardserve.server.store.writer import ShardWriter  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
 
 RESULTS = HERE / "results" / "cold.json"
 TARGET_S = 2.0

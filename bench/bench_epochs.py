@@ -33,16 +33,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _support import run_server
+from bench_small import make_cifar, touch
+
+from shardserve.client import Loader
+from shardserve.proto.manifest import FieldSpec
+from shardserve.server.planning import epoch_order
+from shardserve.server.store.writer import ShardWriter
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from bench.bench_small import make_cifar, touch  # noqa: E402
-from shardserve.client import Loader  # noqa: E402
-from shardserve.proto.manifest import FieldSpec  # noqa: E402
-from shardserve.server.planning import epoch_order  # noqa: E402
-from shardserve.server.store.writer import ShardWriter  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
 
 RESULTS = HERE / "results" / "epochs.json"
 TARGET_S = 0.020

@@ -17,17 +17,14 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _support import create_jobs, make_cifar_like, run_load, run_server
 
-from tests.reliability.loadgen import create_jobs, run_load  # noqa: E402
-from tests.support.data import make_cifar_like  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 DATASETS = ("cifar_a", "cifar_b", "cifar_c")
 

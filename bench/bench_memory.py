@@ -35,14 +35,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from _support import run_server
+
+from shardserve.proto.manifest import FieldSpec
+from shardserve.server.store.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from shardserve.proto.manifest import FieldSpec  # noqa: E402
-from shardserve.server.store.writer import ShardWriter  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
-
 SAMPLE_SHAPE = (64, 32, 32)  # float32: 256 KiB
 BATCH = 16
 WORLD = 2

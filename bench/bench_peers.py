@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -43,14 +42,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_ingest_formats import MDS_PYTHON
+from bench_small import make_cifar
 from torch.utils.data import DataLoader
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from shardserve.client import Loader, serve_local
 
-from bench.bench_ingest_formats import MDS_PYTHON  # noqa: E402
-from bench.bench_small import make_cifar  # noqa: E402
-from shardserve.client import Loader, serve_local  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "peers.json"
 BATCH = 256

@@ -39,6 +39,7 @@ import numpy as np
 from shardserve.client import Loader, serve_local
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.remote import RemoteStore, StoreOptions
+from shardserve.server.store.remote_publish import RemotePublisher
 from shardserve.server.store.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "remote.json"
@@ -117,7 +118,7 @@ def main() -> int:
         assert m is not None
         uri = "s3://bench/store"
         t0 = time.perf_counter()
-        RemoteStore(uri, StoreOptions.from_env(os.environ)).upload(
+        RemotePublisher(RemoteStore(uri, StoreOptions.from_env(os.environ))).upload(
             root / "cifar", "cifar", overwrite=False
         )
         upload_s = time.perf_counter() - t0

@@ -26,19 +26,18 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_small import make_cifar, server_pid
+from bench_transforms import CIFAR_CHAIN, tree_cpu
 
-from bench.bench_small import make_cifar, server_pid  # noqa: E402
-from bench.bench_transforms import CIFAR_CHAIN, tree_cpu  # noqa: E402
-from shardserve.client import serve_local  # noqa: E402
+from shardserve.client import serve_local
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "scaling.json"
 BATCH = 256

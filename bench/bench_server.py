@@ -33,19 +33,18 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from _support import run_server
+
+from shardserve.proto.framing import decode, decode_batch, encode, peek_kind
+from shardserve.proto.manifest import FieldSpec
+from shardserve.proto.messages import Credit, EndOfEpoch, Hello, Kind
+from shardserve.server.assembly import Assembler, assemble_batch
+from shardserve.server.planning import RankPlan, epoch_order
+from shardserve.server.store.catalog import Store
+from shardserve.server.store.writer import ShardWriter
+from shardserve.server.streaming.buffers import BufferPool
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from shardserve.proto.framing import decode, decode_batch, encode, peek_kind  # noqa: E402
-from shardserve.proto.manifest import FieldSpec  # noqa: E402
-from shardserve.proto.messages import Credit, EndOfEpoch, Hello, Kind  # noqa: E402
-from shardserve.server.assembly import Assembler, assemble_batch  # noqa: E402
-from shardserve.server.planning import RankPlan, epoch_order  # noqa: E402
-from shardserve.server.store.catalog import Store  # noqa: E402
-from shardserve.server.store.writer import ShardWriter  # noqa: E402
-from shardserve.server.streaming.buffers import BufferPool  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
 
 BATCH = 256
 CREDIT = 8

@@ -60,12 +60,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _support import make_cifar_like, run_server
+from bench_transforms import CIFAR_CHAIN, IMAGE_CHAIN, make_images, tree_cpu
 
-from bench.bench_transforms import CIFAR_CHAIN, IMAGE_CHAIN, make_images, tree_cpu  # noqa: E402
-from tests.support.data import make_cifar_like  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "share.json"
 TRIALS = 4

@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -66,11 +65,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_transforms import tree_cpu
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.bench_transforms import tree_cpu
 from shardserve.client import Loader, plan, serve_local
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store

@@ -43,14 +43,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _support import make_cifar_like, run_server
 from torch.utils.data import DataLoader, Dataset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from shardserve.client import Loader
 
-from shardserve.client import Loader  # noqa: E402
-from tests.support.data import make_cifar_like  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "transforms.json"
 MEAN, STD = [0.4914, 0.4822, 0.4465], [0.247, 0.243, 0.261]

@@ -21,8 +21,8 @@ from ._passes import PassContext, StreamPass
 from ._position import Position, Start
 from ._staging import CopyBlocks
 from .connection import Connection, choose_endpoint, read_boot_id
-from .control import JobHandle
 from .device import DeviceCopier
+from .job import JobHandle
 from .shm import RingCache
 from .stats import StatsClock
 from .stream import EpochStream

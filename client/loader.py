@@ -23,11 +23,11 @@ from ._credit import auto_prefetch, check_prefetch
 from ._feed import Feed, store_order
 from ._passes import PassContext, PassWatcher, ResidentPass
 from ._position import Start
-from .control import JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import resolve_world
 from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
+from .job import JobHandle, Shuffle, job_spec
 from .mixture import Mixture, next_epoch_step
 from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
 from .state import check_resumable, make_state, parse_states, start_for

@@ -34,9 +34,9 @@ from shardserve.proto.errors import BadRequest, DataError
 from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._position import Position, Start
-from .control import JobHandle, Shuffle, job_spec
 from .device import resolve_device
 from .distributed import World, resolve_world
+from .job import JobHandle, Shuffle, job_spec
 from .mixture import Mixture
 from .state import check_resumable, make_state, parse_states, start_for
 

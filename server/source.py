@@ -1,10 +1,14 @@
 """What a batch is read from: the contract every source and every decorator of one meets.
 
-A job's batches come from a chain built in one place (:func:`~.sources.open_source`)::
+A job's batches come from a chain built in one place (:func:`~.sources.open_source`), each
+link wrapping the one above it::
 
-    Dataset (the store's: shards mapped locally, or leased from a remote store's cache)
-      └─ GraphCollated   collate="graph": graphs put together for message passing
-           └─ TransformedDataset   the job's transform chain, bound to one stream
+    what the job reads as stored, from its kind (``JobKind.open_stored``):
+      Dataset   one dataset's shards, mapped locally or leased from a remote store's cache
+      SourceLabels over a Dataset of ConcatShards   a mixture: its sources end to end
+      └─ TransformedDataset   the job's transform chain, bound to one stream (each sample)
+           └─ GraphCollated   collate="graph": the transformed graphs put together for
+                              message passing
 
 Streaming and assembly see only :class:`BatchSource`: they never ask which link they hold.
 A new kind of source implements the protocol; a new decorator subclasses :class:`Wrapped`,

@@ -195,10 +195,10 @@ def literal_waits(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def test_waits_on_expected_events_in_tests_are_scaled() -> None:
-    """A ``timeout=<number>`` that bounds an expected event in a test (an HTTP call, a
-    subprocess, a process or thread wait, a raw receive) is ``scaled(...)``
-    (tests/support/slowness.py): on a busy machine a fixed number fails a passing test.
-    Worker scripts (``_*.py``) run in processes of their own and are left out."""
+    """A ``timeout=<number>`` that bounds an expected event in a test (an HTTP call, a subprocess, a
+    process or thread wait, a raw receive) is ``scaled(...)`` (tests/support/slowness.py)."""
+    # On a busy machine a fixed number fails a passing test. Worker scripts (``_*.py``) run in
+    # processes of their own and are left out.
     files = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("_")]
     assert [w for p in files for w in literal_waits(p)] == []
 
@@ -238,3 +238,44 @@ def test_the_burner_pass_covers_every_test_file_that_sets_a_server_timing() -> N
     ]
     missing = [f for f in timed if not any(f == c or f.startswith(c + "/") for c in covered)]
     assert missing == [], f"add to default_burner in .ci/run: {missing}"
+
+
+def bench_header_faults(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line what`` for each ``tests`` import and each ``sys.path`` edit in ``path``."""
+    faults = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+        faults += [f"{where} imports {n}" for n in names if n.split(".")[0] == "tests"]
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
+            faults.append(f"{where} edits sys.path")
+    return sorted(faults, key=lambda f: int(f.split(":")[1].split()[0]))
+
+
+def test_benchmarks_share_helpers_through_bench_support_only() -> None:
+    """Benchmark scripts import their helpers from ``bench/_support.py`` (this folder is on a
+    script's path), never from ``tests/`` and never by editing ``sys.path``."""
+    faults = [f for p in sorted((ROOT / "bench").glob("*.py")) for f in bench_header_faults(p)]
+    assert faults == []
+
+
+def test_the_bench_header_finder_finds_both(tmp_path: Path) -> None:
+    probe = tmp_path / "bench_probe.py"
+    probe.write_text(
+        "import sys\nsys.path.insert(0, '..')\nfrom tests.support.server import run_server\n"
+        "import tests.support\nfrom _support import run_server\n"
+    )
+    assert bench_header_faults(probe, tmp_path) == [
+        "bench_probe.py:2 edits sys.path",
+        "bench_probe.py:3 imports tests.support.server",
+        "bench_probe.py:4 imports tests.support",
+    ]

@@ -1,8 +1,8 @@
 """Stores on object storage (``s3://``, ``gs://``, ``file://``, ...) through ``pyarrow.fs``.
 
 A remote store has the layout of a local one (``<prefix>/<name>/manifest.json`` and
-``<prefix>/<name>/shards/*.arrow``); publishing is "the manifest is written last", since
-object stores have no atomic folder rename. Reads go through a local
+``<prefix>/<name>/shards/*.arrow``); publishing (:mod:`.remote_publish`) is "the manifest is
+written last", since object stores have no atomic folder rename. Reads go through a local
 :class:`~.cache.ShardCache`: shards are fetched whole, checksummed and memory-mapped from there
 (:class:`~.dataset.Dataset` over :class:`~.shard_set.CachedShards`).
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets as _secrets
 import shutil
 import threading
 import time
@@ -25,8 +24,6 @@ from collections.abc import Callable, Iterable, Iterator, MutableSequence
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-import pyarrow as pa
 
 from shardserve.proto.errors import (
     DatasetCorruptError,
@@ -97,15 +94,11 @@ def _local_write(dest: Path, info: ShardInfo, shown: str) -> Iterator[Callable[[
             f.close()
 
 
-def new_shard_prefix() -> str:
-    """A fresh folder name for one upload's shards (``shards-<random>``)."""
-    return f"{layout.SHARDS_DIR}-{_secrets.token_hex(4)}"
-
-
 class RemoteStore:
     """The datasets under one object-store prefix; the same questions as a local ``Store``.
 
-    ``open`` needs a cache (``cache=``); listing, manifests, fetching and uploading do not.
+    ``open`` needs a cache (``cache=``); listing, manifests and fetching do not. Writing to
+    the store is :class:`~.remote_publish.RemotePublisher`'s.
     """
 
     def __init__(
@@ -152,7 +145,9 @@ class RemoteStore:
         """The shown URI of ``parts`` under the store (for messages)."""
         return "/".join([self.root.rstrip("/"), *parts])
 
-    def _unavailable(self, what: str, e: BaseException, started: float) -> StoreUnavailable:
+    def unavailable(self, what: str, e: BaseException, started: float) -> StoreUnavailable:
+        """The error of a store operation ``what`` that failed with ``e``, begun at ``started``
+        (``time.monotonic()``), credentials cut out."""
         waited = time.monotonic() - started
         return StoreUnavailable(
             self.scrub(
@@ -166,7 +161,7 @@ class RemoteStore:
         self, what: str, started: float, got: MutableSequence[int], want: int
     ) -> StoreUnavailable:
         deadline = fetch_deadline_s(self.options, want)
-        return self._unavailable(
+        return self.unavailable(
             what,
             TimeoutError(
                 f"{got[0]} of {want} bytes within its deadline of {deadline:.1f} s (request "
@@ -201,7 +196,7 @@ class RemoteStore:
         except OSError as e:
             if "Path does not exist" in str(e) or "NoSuchKey" in str(e):
                 raise FileNotFoundError(self.where(rel)) from None
-            raise self._unavailable(f"reading {self.where(rel)}", e, started) from None
+            raise self.unavailable(f"reading {self.where(rel)}", e, started) from None
 
     def list(self) -> list[Manifest]:
         """Manifests of every published dataset, sorted by name."""
@@ -211,7 +206,7 @@ class RemoteStore:
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.base, allow_not_found=True))
         except OSError as e:
-            raise self._unavailable(f"listing {self.root}", e, started) from None
+            raise self.unavailable(f"listing {self.root}", e, started) from None
         found = []
         for info in sorted(infos, key=lambda i: i.base_name):
             name = info.base_name
@@ -272,7 +267,7 @@ class RemoteStore:
         except OSError as e:
             if "Path does not exist" in str(e) or "NoSuchKey" in str(e):
                 raise DatasetCorruptError(f"shard {shown} is missing") from None
-            raise self._unavailable(f"fetching shard {shown}", e, started) from None
+            raise self.unavailable(f"fetching shard {shown}", e, started) from None
         if got[0] != info.bytes:
             raise DatasetCorruptError(
                 f"shard {shown} is {got[0]} bytes, the manifest says {info.bytes}"
@@ -428,86 +423,3 @@ class RemoteStore:
             self._open.clear()
         if self.cache is not None:
             self.cache.close()  # no prefetch outlives the store
-
-    # -- writing --------------------------------------------------------------------------
-    def upload(self, folder: Path, name: str, *, overwrite: bool) -> Manifest:
-        """Publish the local dataset ``folder`` as ``name``: shards first, the manifest last.
-
-        Each upload puts its shards under a fresh ``shards-<random>/`` prefix, and the one
-        manifest object is replaced last (an object PUT is atomic), so a reader sees the old
-        dataset or the new one, never a mix; a failed upload leaves only unreferenced objects.
-        """
-        self.check_absent(name, overwrite)
-        local = layout.read_manifest(folder)
-        prefix = new_shard_prefix()
-        shards = []
-        for info in local.shards:
-            rel = f"{prefix}/{Path(info.path).name}"
-            self.put_file(folder / info.path, f"{name}/{rel}")
-            shards.append(info.model_copy(update={"path": rel}))
-        manifest = local.model_copy(update={"shards": tuple(shards)})
-        self.publish_manifest(manifest, overwrite=overwrite)
-        return manifest
-
-    def check_absent(self, name: str, overwrite: bool) -> None:
-        """Refuse to write ``name`` over an existing dataset unless ``overwrite``."""
-        validate_dataset_name(name)
-        if not overwrite and self.exists(name):
-            raise InvalidDataError(
-                f"dataset {name!r} already exists in {self.root}; pass --overwrite to replace it"
-            )
-
-    def publish_manifest(self, manifest: Manifest, *, overwrite: bool) -> None:
-        """Write ``manifest.json`` of ``manifest.name``, the step that publishes it."""
-        self.check_absent(manifest.name, overwrite)
-        body = manifest.model_dump_json(indent=2).encode()
-        self._put_bytes(body, f"{manifest.name}/{layout.MANIFEST}")
-        log.info("published dataset %s at %s", manifest.name, self.where(manifest.name))
-
-    def put_file(self, src: Path, rel: str) -> None:
-        """Upload the local file ``src`` to ``rel`` under the store."""
-        self._put(src, rel)
-
-    def _put(self, src: Path, rel: str) -> None:
-        started = time.monotonic()
-        try:
-            with open(src, "rb") as f, self._output(rel) as out:
-                while chunk := f.read(_COPY_CHUNK):
-                    out.write(chunk)
-            self._settle(rel)
-        except OSError as e:
-            raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
-
-    def _put_bytes(self, data: bytes, rel: str) -> None:
-        started = time.monotonic()
-        try:
-            with self._output(rel) as out:
-                out.write(data)
-            self._settle(rel)
-        except OSError as e:
-            raise self._unavailable(f"uploading {self.where(rel)}", e, started) from None
-
-    # A file:// store is a real file system: folders must exist before a file is written
-    # in them, and a written file is not atomic as an object PUT is, so it is written
-    # beside its place and renamed there (what readers of the manifest rely on).
-    _PARTIAL = ".partial"
-
-    def _output(self, rel: str) -> pa.NativeFile:
-        if self.fs.type_name != "local":
-            return self.fs.open_output_stream(self.path(rel))
-        target = self.path(rel)
-        self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
-        return self.fs.open_output_stream(target + self._PARTIAL)
-
-    def _settle(self, rel: str) -> None:
-        if self.fs.type_name == "local":
-            self.fs.move(self.path(rel) + self._PARTIAL, self.path(rel))
-
-    def delete_prefix(self, rel: str) -> None:
-        """Remove everything under ``rel`` (best effort: leftovers are unreferenced anyway)."""
-        with contextlib.suppress(OSError):
-            self.fs.delete_dir(self.path(rel))
-
-    def _delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.delete_file(self.path(rel))

@@ -39,8 +39,8 @@ def _epoch(
 def test_grouped_batches_are_the_batches_of_one_per_message(
     server, transport: str, copy: bool
 ) -> None:
-    """prefetch=32 lets the server send small batches several to a message; prefetch=1 sends
-    one per message. Same batches in the same order, and the last (short) one too."""
+    """prefetch=32 (several small batches to a message) and prefetch=1 (one a message) give the same
+    batches in the same order, the last short one included."""
     want, one = _epoch(server.http_url, 24, 1, transport=transport, copy=copy)
     got, stats = _epoch(server.http_url, 24, 32, transport=transport, copy=copy)
     assert one.messages == one.batches == len(want)  # type: ignore[attr-defined]

@@ -257,10 +257,10 @@ def test_ctrl_c_while_a_control_message_is_serialized_is_a_keyboard_interrupt(
 def test_a_signal_another_thread_takes_during_a_close_runs_its_handler_after_it(
     tmp_path: Path,
 ) -> None:
-    """A trainer has many threads: a signal the kernel hands to one of them while the main
-    thread closes a connection still has its Python handler run on the main thread. It used to
-    run inside the close (a profiler's exception came out of pydantic-core as a serialization
-    error); it runs once, just after the close, and its exception is raised as itself."""
+    """A signal the kernel hands to another thread while the main thread closes a connection has its
+    handler run once, on the main thread, just after the close, its exception raised as itself."""
+    # A trainer has many threads. The handler used to run inside the close (a profiler's exception
+    # came out of pydantic-core as a serialization error).
 
     class Tick(Exception):
         pass

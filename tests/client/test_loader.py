@@ -71,9 +71,8 @@ def test_set_epoch_changes_the_order_and_the_seed_reproduces_it(server) -> None:
 
 @pytest.mark.parametrize("midpoint", [0, 4, 9])
 def test_resume_mid_epoch_yields_exactly_the_rest(server, midpoint: int) -> None:
-    """A state_dict taken after `midpoint` batches resumes with exactly the remaining batches.
-
-    (After the last batch the state is the next epoch's start: see test_epochs.py.)"""
+    """A state_dict taken after `midpoint` batches resumes with exactly the remaining batches."""
+    # After the last batch the state is the next epoch's start: see test_epochs.py.
     loaders: list[Loader] = []
 
     def make_iter(state):

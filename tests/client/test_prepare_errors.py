@@ -110,10 +110,10 @@ def test_a_job_deleted_between_epochs_is_created_again(store: Path) -> None:
 def test_a_stream_the_server_cannot_plan_raises_the_reason_not_a_stall(
     store: Path, tmp_path: Path
 ) -> None:
-    """The job outlives its dataset (replaced by 200 samples while the server was down; the
-    journal restores the job of 300): every Hello fails while the server plans it, before any
-    Welcome. The Loader raises that reason within its deadline instead of re-sending Hellos
-    until a DataStallError. (Once datasets have versions, the new data's own job streams.)"""
+    """A job that outlived its dataset fails every Hello while the server plans it, and the Loader
+    raises that reason within its deadline instead of re-sending Hellos until a DataStallError."""
+    # The dataset was replaced by 200 samples while the server was down; the journal restores the
+    # job of 300, and no Welcome comes. Once datasets have versions, the new data's own job streams.
     with _Restarter(store, tmp_path) as r:
         srv = r.start()
         Loader(srv.http_url, "cifar", 50, shuffle=False).close()  # the job, journaled

@@ -7,8 +7,9 @@ import torch
 
 from shardserve.client import BadRequest, VarTensor
 from shardserve.client.connection import choose_endpoint
-from shardserve.client.control import job_spec, server_token
+from shardserve.client.control import server_token
 from shardserve.client.distributed import resolve_world
+from shardserve.client.job import job_spec
 from shardserve.proto.api import ServerInfo
 from shardserve.proto.messages import PROTOCOL_VERSION
 

@@ -19,10 +19,10 @@ def _maps_pandas(pid: int) -> bool:
 
 
 def test_streaming_every_kind_of_field_never_loads_pandas(tmp_path: Path) -> None:
-    """pyarrow's own numpy conversions import pandas where it is installed (0.15-0.3 s and
-    ~28 MiB of private memory in the server); the read path views Arrow buffers itself. A
-    server streaming fixed, nullable, variable, binary and bool fields across many chunks
+    """A server streaming fixed, nullable, variable, binary and bool fields across many chunks
     returns every value exactly and has no pandas library mapped."""
+    # pyarrow's own numpy conversions import pandas where it is installed (0.15-0.3 s and ~28 MiB of
+    # private memory in the server); the read path views Arrow buffers itself.
     pytest.importorskip("pandas")  # only meaningful where pyarrow could import it
     n = 2000
     with ShardWriter(tmp_path, "d", fields=EVERY_KIND_FIELDS, shard_bytes=64 << 10) as w:

@@ -217,10 +217,10 @@ while True:
 
 
 def test_a_sweep_never_takes_the_lock_of_a_folder_being_created(tmp_path: Path) -> None:
-    """Folders created while another process sweeps in a tight loop all survive, locked: the
-    lock file appears under its name already locked. Before, a sweep could open it between
-    its creation and the writer's flock, take the lock, and remove the new folder (1-10 of
-    these 8,000)."""
+    """Folders created while another process sweeps in a tight loop all survive, locked, because the
+    lock file appears under its name already locked."""
+    # Before, a sweep could open it between its creation and the writer's flock, take the lock, and
+    # remove the new folder (1-10 of these 8,000).
     sweeper = subprocess.Popen(
         [sys.executable, "-c", SWEEPER, str(tmp_path)], stdout=subprocess.PIPE, text=True
     )

@@ -235,9 +235,10 @@ def test_hello_flood_is_rate_limited(store: Path, ctx: zmq.Context) -> None:
 
 
 def test_hellos_are_answered_in_the_order_sent(store: Path, ctx: zmq.Context) -> None:
-    """A Hello that gets a token while an older one of its peer still waits for one supersedes
-    it: the older is answered first (stream_limit), never admitted after the newer one (which
-    would replace the newer stream). Rare ticks keep the older one waiting past the refill."""
+    """A Hello that gets a token while an older one of its peer still waits supersedes it: the older
+    is answered first (stream_limit), never admitted after the newer one."""
+    # Admitting the older after the newer would replace the newer stream. Rare ticks keep the older
+    # one waiting past the refill.
     with run_server(
         store, "--max-hellos-per-s", "1", "--heartbeat-s", "60", "--stream-timeout-s", "3600"
     ) as srv:

@@ -117,9 +117,9 @@ def test_two_candidates_are_refused_naming_both(server: ServerProc) -> None:
 def test_the_one_candidate_is_inferred_whatever_is_served(
     server: ServerProc, crystals: list[dict[str, torch.Tensor]]
 ) -> None:
-    """Without edge features atom_fea is the only field that can count nodes, and is used;
-    with a second node-level field, leaving it out with fields= still refuses (what counts
-    the nodes never depends on what is served). {"graph": {}} is the plain "graph"."""
+    """atom_fea, the only field that can count nodes without edge features, is used, and with a
+    second node-level field leaving it out with fields= still refuses."""
+    # What counts the nodes never depends on what is served. {"graph": {}} is the plain "graph".
     fields = ["atom_fea", "edge_index", "energy"]
     _assert_like_pyg(
         _read(server, "atoms", collate="graph"), _pyg_batches(crystals, fields), fields

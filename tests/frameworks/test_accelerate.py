@@ -59,11 +59,11 @@ def test_accelerate_under_torchrun_two_ranks(server, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_skip_first_batches_and_gather_for_metrics_two_ranks(server, tmp_path: Path) -> None:
-    """Under torchrun with 2 ranks: ``skip_first_batches(loader, 3)`` yields batches 3.. of the
-    epoch set (the skipped ones never sent) and the Loader then goes on with the next epoch;
-    ``gather_for_metrics`` over an in-order evaluation Loader of 1001 samples gives exactly
-    1001 items on every rank, each sample once (the plan's padding dropped), with batches of
-    64 and of 1 (one torchrun: the two ranks' start is most of the test's time)."""
+    """Under torchrun with 2 ranks, ``skip_first_batches(loader, 3)`` yields the epoch's batches
+    from 3 on and ``gather_for_metrics`` over 1001 in-order samples gives each once on every rank."""
+    # The skipped batches are never sent and the Loader then goes on with the next epoch; the plan's
+    # padding is dropped by gather_for_metrics, with batches of 64 and of 1. One torchrun: the two
+    # ranks' start is most of the test's time.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), "-m", "tests.frameworks._accelerate_habits_worker"]  # fmt: skip
     r = subprocess.run(

@@ -124,10 +124,11 @@ def test_a_shard_that_cannot_be_stat_ed_refuses_the_job_as_corrupt(
 def test_a_flipped_byte_under_verify_full_fails_the_job_before_any_batch(
     store: Path, tmp_path: Path
 ) -> None:
-    """A flipped byte under --verify full (same size: the stat at job creation passes): the
-    Loader raises DatasetCorruptError within its deadline, the job is failed naming the shard
-    and why, no batch was delivered, and another dataset keeps serving. (A shard deleted once
-    its dataset is mapped is still read through the mapping: nothing to fail.)"""
+    """A flipped byte under --verify full makes the Loader raise DatasetCorruptError within its
+    deadline, fails the job naming the shard and why before any batch, and another dataset keeps
+    serving."""
+    # Same size: the stat at job creation passes. A shard deleted once its dataset is mapped is
+    # still read through the mapping: nothing to fail.
     victim = sorted((store / "cifar").rglob("*.arrow"))[1]
     _corrupt(victim, "flip")
     with run_server(store, "--verify", "full", "--state-dir", str(tmp_path / "state")) as srv:
@@ -205,10 +206,11 @@ def _image_byte(shard: Path, row: int) -> int:
 
 @pytest.mark.parametrize("manifest", ["blocks", "whole-file"])
 def test_a_flipped_byte_fails_the_batch_that_reads_its_block(tmp_path: Path, manifest: str) -> None:
-    """A flipped byte inside sample 2000 (the first shard, 8 MiB in 1 MiB blocks): reading in
-    order, every batch before the damaged block arrives exact, then the job fails naming the
-    shard and the block. Without block checksums (a manifest written before they were kept)
-    the shard's whole file is checked before its first read, so nothing of it arrives."""
+    """A flipped byte inside sample 2000 lets every batch before the damaged block arrive exact in
+    order, then fails the job naming the shard and the block."""
+    # The first shard is 8 MiB in 1 MiB blocks. Without block checksums (a manifest written before
+    # they were kept) the shard's whole file is checked before its first read, so nothing of it
+    # arrives.
     root = tmp_path / "store"
     m = make_cifar_like(root, "cifar", n=4000, shard_bytes=8 << 20)
     folder = root / "cifar"

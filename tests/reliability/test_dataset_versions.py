@@ -260,13 +260,14 @@ def test_a_rank_created_after_overwrite_is_refused_naming_both_versions(
 
 
 def test_a_state_without_versions_resumes_on_its_version_only(store: Path, tmp_path: Path) -> None:
-    """A state without its ``versions`` key (saved before states recorded it, or edited) is
-    matched by its job id, which covers the pinned version: on its own version it resumes,
-    on another world size too. After ``ingest --overwrite`` a Loader (and a plan) of the new
-    version refuses it mid-epoch with ResumeRefused, before any batch, naming the two ways
-    on, instead of 100 old samples then the new version's rest; at an epoch's start it loads;
-    ``allow_other_version=True`` resumes it knowingly. A version 1 state (no job id) cannot
-    be matched: refused mid-epoch even on its own version."""
+    """A state without its ``versions`` key is matched by its job id: it resumes on its own version
+    (on another world size too) and is refused mid-epoch on another unless allowed."""
+    # Such a state was saved before states recorded versions, or edited. After ``ingest
+    # --overwrite`` a Loader (and a plan) of the new version refuses it mid-epoch with
+    # ResumeRefused, before any batch, naming the two ways on, instead of 100 old samples then the
+    # new version's rest; at an epoch's start it loads; ``allow_other_version=True`` resumes it
+    # knowingly. A version 1 state (no job id) cannot be matched: refused mid-epoch even on its own
+    # version.
     old_images = cifar_images(0, N, 0)
     kw = {"batch_size": BATCH, "seed": 3, "timeout": 20.0}
     with run_server(store, "--state-dir", str(tmp_path / "state")) as srv:

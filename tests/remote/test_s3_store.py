@@ -18,6 +18,7 @@ from shardserve.proto.errors import DatasetCorruptError, ShardserveError
 from shardserve.proto.manifest import Manifest
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.remote import RemoteStore, StoreOptions
+from shardserve.server.store.remote_publish import RemotePublisher
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
@@ -57,7 +58,7 @@ def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def upload(s3: S3, local_root: Path, name: str, prefix: str = "store") -> RemoteStore:
     rs = RemoteStore(s3.uri(prefix), StoreOptions.from_env(s3.env))
-    rs.upload(local_root / name, name, overwrite=False)
+    RemotePublisher(rs).upload(local_root / name, name, overwrite=False)
     return rs
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from shardserve.client import Loader
 from shardserve.server.store.remote import RemoteStore, StoreOptions
+from shardserve.server.store.remote_publish import RemotePublisher
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import run_server
 from tests.support.slowness import scaled
@@ -34,7 +35,7 @@ def test_overwrite_in_the_bucket_while_streaming_never_mixes(s3: S3, tmp_path: P
     m = make_cifar_like(old_root, n=N, seed=0, shard_bytes=128 << 10)
     make_cifar_like(new_root, n=N, seed=1, shard_bytes=128 << 10)
     rs = RemoteStore(s3.uri("store"), StoreOptions.from_env(s3.env))
-    rs.upload(old_root / "cifar", "cifar", overwrite=False)
+    RemotePublisher(rs).upload(old_root / "cifar", "cifar", overwrite=False)
     old_images, new_images = cifar_images(0, N, 0), cifar_images(0, N, 1)
     with run_server(
         s3.uri("store"),  # type: ignore[arg-type]
@@ -46,7 +47,7 @@ def test_overwrite_in_the_bucket_while_streaming_never_mixes(s3: S3, tmp_path: P
         with ld:
             it = iter(ld)
             seen = _ids_checked(next(it), old_images)
-            rs.upload(new_root / "cifar", "cifar", overwrite=True)
+            RemotePublisher(rs).upload(new_root / "cifar", "cifar", overwrite=True)
             seen += [i for b in it for i in _ids_checked(b, old_images)]
             assert sorted(seen) == list(range(N))
             ld.set_epoch(1)

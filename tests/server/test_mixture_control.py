@@ -1,10 +1,9 @@
 """Mixture jobs over the control plane of a real server: creation checks, the plan a mixture
-job deals (shares, disjoint ranks), weight changes from a step, quarantine, and the same plans
-after a kill -9 and restart and on a second server."""
+job deals (shares, disjoint ranks), weight changes from a step, and the same plans after a
+kill -9 and restart and on a second server. Quarantine: ``test_mixture_quarantine.py``."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,50 +13,39 @@ import pytest
 
 from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
-from shardserve.proto.manifest import FieldSpec
 from shardserve.server.jobs import JobRegistry
 from shardserve.server.mixtures import frontier
 from shardserve.server.planning.mixture import (
     MixSource,
     Segment,
     mixture_order,
-    source_offsets,
     split_ids,
 )
 from shardserve.server.store.writer import ShardWriter
+from tests.server.mixing import (
+    BATCH,
+    EPOCH_SAMPLES,
+    OFFSETS,
+    SIZES,
+    SPEC,
+    STEPS,
+    WEIGHTS,
+    WORLD,
+    global_order,
+    plan,
+    post_job,
+    put_mixture,
+    shares_ok,
+    write_mix_store,
+)
 from tests.support.data import CIFAR_FIELDS, make_cifar_like
 from tests.support.server import ServerProc, free_port, run_server
 from tests.support.slowness import scaled
 
-SIZES = {"web": 6000, "code": 4000, "math": 600}
-WEIGHTS = (0.5, 0.3, 0.2)
-WORLD, BATCH, EPOCH_SAMPLES = 2, 50, 10_000
-STEPS = EPOCH_SAMPLES // WORLD // BATCH  # 100 batches a rank
-SPEC = {
-    "mixture": [{"name": n, "weight": w} for n, w in zip(SIZES, WEIGHTS, strict=True)],
-    "batch_size": BATCH,
-    "world_size": WORLD,
-    "seed": 11,
-    "epoch_samples": EPOCH_SAMPLES,
-}
-OFFSETS = source_offsets([MixSource(n) for n in SIZES.values()])
-
 
 @pytest.fixture(scope="module")
 def mix_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three cifar-like datasets, and ``other`` whose label is int32 (does not mix)."""
-    root = tmp_path_factory.mktemp("mixstore")
-    for seed, (name, n) in enumerate(SIZES.items()):
-        make_cifar_like(root, name, n=n, seed=seed)
-    fields = (
-        FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
-        FieldSpec(name="label", dtype="int32", shape=()),
-    )
-    with ShardWriter(root, "other", fields=fields) as w:
-        w.add_batch(
-            {"image": np.zeros((10, 3, 32, 32), np.uint8), "label": np.arange(10, dtype=np.int32)}
-        )
-    return root
+    return write_mix_store(tmp_path_factory.mktemp("mixstore"))
 
 
 @pytest.fixture()
@@ -72,40 +60,6 @@ def shared_srv(mix_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     them changes a job's weights or quarantines a sample (those tests get ``srv``)."""
     with run_server(mix_store, "--state-dir", str(tmp_path_factory.mktemp("state"))) as s:
         yield s
-
-
-def post_job(srv: ServerProc, body: dict) -> httpx.Response:
-    return httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=scaled(30))
-
-
-def plan(srv: ServerProc, job: str, rank: int, epoch: int = 0) -> np.ndarray:
-    r = httpx.get(
-        f"{srv.http_url}/v1/jobs/{job}/plan",
-        params={"epoch": epoch, "rank": rank},
-        headers=srv.headers,
-        timeout=scaled(60),
-    )
-    assert r.status_code == 200, r.text
-    return np.frombuffer(r.content, dtype="<i8").reshape(STEPS, BATCH)
-
-
-def global_order(ranks: list[np.ndarray]) -> np.ndarray:
-    """Undo the dealing: step i of rank r holds positions (i*B + j)*W + r."""
-    return np.stack([p.reshape(-1) for p in ranks], axis=1).reshape(-1)
-
-
-def shares_ok(ids: np.ndarray, weights: tuple[float, ...]) -> bool:
-    src, _ = split_ids(ids, OFFSETS)
-    counts = np.bincount(src, minlength=len(weights))
-    p = np.asarray(weights) / sum(weights)
-    n = len(ids)
-    return bool((np.abs(counts - n * p) <= 5 * np.sqrt(n * p * (1 - p)) + 1).all())
-
-
-def put_mixture(srv: ServerProc, job: str, body: dict) -> httpx.Response:
-    return httpx.put(
-        f"{srv.http_url}/v1/jobs/{job}/mixture", json=body, headers=srv.headers, timeout=scaled(30)
-    )
 
 
 def test_mixture_plan_shares_ranks_and_the_planner(shared_srv: ServerProc) -> None:
@@ -224,38 +178,6 @@ def test_creation_refusals_name_what_to_change(shared_srv: ServerProc) -> None:
     assert r.status_code == 422 and "epoch_samples <= " in r.text
     ok = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
     assert ok.status_code == 201, ok.text
-
-
-def test_quarantine_drops_ids_from_the_frontier_on(srv: ServerProc) -> None:
-    """Quarantined ids of a source never appear in the plan from the job's frontier (step 0
-    here: no rank streamed yet); the list says which ids, why, and from which step."""
-    job = post_job(srv, SPEC).json()["id"]
-    before = global_order([plan(srv, job, r) for r in range(WORLD)])
-    src, ids = split_ids(before, OFFSETS)
-    bad = sorted(set(ids[src == 1][:25].tolist()))
-    r = httpx.post(
-        f"{srv.http_url}/v1/datasets/code/quarantine",
-        json={"ids": bad, "reason": "mislabelled"},
-        headers=srv.headers,
-        timeout=scaled(10),
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["entries"] == [{"ids": bad, "reason": "mislabelled", "at": {job: 0}}]
-    after = global_order([plan(srv, job, r) for r in range(WORLD)])
-    src2, ids2 = split_ids(after, OFFSETS)
-    assert not np.isin(ids2[src2 == 1], bad).any()
-    assert np.array_equal(src, src2)  # the same positions draw the same sources
-    r = httpx.post(
-        f"{srv.http_url}/v1/datasets/code/quarantine",
-        json={"ids": [SIZES["code"]], "reason": "x"},
-        headers=srv.headers,
-        timeout=scaled(10),
-    )
-    assert r.status_code == 422 and "0 <= id < 4000" in r.text
-    listed = httpx.get(
-        f"{srv.http_url}/v1/datasets/code/quarantine", headers=srv.headers, timeout=scaled(10)
-    )
-    assert listed.json()["total_ids"] == len(bad)
 
 
 def test_change_in_the_past_is_refused() -> None:
@@ -387,7 +309,6 @@ def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
 
 def test_an_empty_source_must_weigh_nothing() -> None:
     """A source without samples may be in a mixture only with weight 0, now and in changes."""
-    from shardserve.proto.errors import BadRequest
     from shardserve.server.mixtures import check_empty
 
     spec = JobSpec(
@@ -420,88 +341,3 @@ def test_a_rank_pinning_another_source_version_is_refused(tmp_path: Path) -> Non
         assert again.json()["code"] == "version_conflict"
         old = first.json()["status"]["spec"]["mixture"][1]["version"]
         assert f"q@{old}" in again.json()["detail"]
-
-
-def quarantine(srv: ServerProc, dataset: str, ids: list[int], reason: str) -> httpx.Response:
-    return httpx.post(
-        f"{srv.http_url}/v1/datasets/{dataset}/quarantine",
-        json={"ids": ids, "reason": reason},
-        headers=srv.headers,
-        timeout=scaled(30),
-    )
-
-
-def test_quarantine_is_a_set_a_duplicate_holds_nothing_more(
-    mix_store: Path, tmp_path: Path
-) -> None:
-    """The same id posted again is the same entry: the count of distinct ids, the entries, the
-    bytes the server holds for them and the journal stay as after the first post; a new reason
-    replaces the old one (journaled once); a reason over the limit is a 422 naming it; a
-    restart gives back the same set, with each id's first step and latest reason."""
-    state = tmp_path / "state"
-    journal = state / "jobs.jsonl"
-    with run_server(mix_store, "--state-dir", str(state)) as a:
-        job = post_job(a, SPEC).json()["id"]
-        first = quarantine(a, "code", [7], "blurry")
-        assert first.status_code == 200, first.text
-        held, lines = first.json()["held_bytes"], journal.read_text().count("\n")
-        assert held > 0
-        for _ in range(300):
-            r = quarantine(a, "code", [7], "blurry")
-            assert r.status_code == 200, r.text
-        got = r.json()
-        assert got["total_ids"] == 1 and got["held_bytes"] == held
-        assert got["entries"] == [{"ids": [7], "reason": "blurry", "at": {job: 0}}]
-        assert journal.read_text().count("\n") == lines  # nothing journaled per duplicate
-        assert (
-            'shardserve_quarantined_samples{dataset="code"} 1.0'
-            in httpx.get(f"{a.http_url}/metrics", headers=a.headers, timeout=scaled(10)).text
-        )
-        for _ in range(50):
-            r = quarantine(a, "code", [7, 8], "mislabelled")
-        assert r.json()["total_ids"] == 2
-        assert r.json()["entries"] == [{"ids": [7, 8], "reason": "mislabelled", "at": {job: 0}}]
-        assert journal.read_text().count("\n") == lines + 1
-        long = quarantine(a, "code", [9], "x" * 513)
-        assert long.status_code == 422 and "512" in long.text and "reason" in long.text
-        plan_before = [plan(a, job, r) for r in range(WORLD)]
-        a.kill()  # kill -9: the journal is all that is left
-        a.proc.wait(timeout=scaled(30))
-    with run_server(mix_store, "--state-dir", str(state)) as b:
-        listed = httpx.get(
-            f"{b.http_url}/v1/datasets/code/quarantine", headers=b.headers, timeout=scaled(10)
-        )
-        assert listed.json()["entries"] == r.json()["entries"]
-        assert [plan(b, job, r).tobytes() for r in range(WORLD)] == [
-            p.tobytes() for p in plan_before
-        ]
-
-
-def test_quarantine_bound_counts_distinct_ids() -> None:
-    """The bound on quarantined ids counts each id once, however often it is posted."""
-    from shardserve.server.quarantine import Quarantines
-
-    q = Quarantines(max_ids=3)
-    for _ in range(5):
-        q.add("web", [1, 2, 3], "bad", {})
-    assert q.count("web") == 3
-    with pytest.raises(BadRequest, match="limit of 3"):
-        q.add("web", [4], "bad", {})
-
-
-def test_quarantine_posts_keep_one_mixture_order_per_epoch(srv: ServerProc) -> None:
-    """Each post that adds ids makes the job's plans again; the orders made before it are
-    never asked for again, so the plan cache holds one order for the epoch, not one a post."""
-    job = post_job(srv, SPEC).json()["id"]
-
-    def cached() -> float:
-        text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(10)).text
-        return float(re.search(r"^shardserve_plan_cache_bytes (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
-
-    plan(srv, job, 0)
-    one = cached()
-    assert one > 0
-    for i in range(20):
-        assert quarantine(srv, "code", [i], "bad").status_code == 200
-        plan(srv, job, 0)
-    assert cached() == one

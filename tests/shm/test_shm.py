@@ -94,10 +94,10 @@ def _in_ring(loader: Loader, t: torch.Tensor) -> bool:
 
 
 def test_copied_batches_own_their_storage(server: ServerProc) -> None:
-    """With copy=True (default) a batch stays intact after its slot is reused for later batches:
-    a loop keeping every batch holds a slot until half the ring is held, then gets copies.
-    prefetch=4 sends these batches two to a message, in a ring of 4 slots: the first two
-    messages stay in place."""
+    """With copy=True (default) a batch stays intact after its slot is reused, a loop keeping every
+    batch holding a slot until half the ring is held and then getting copies."""
+    # prefetch=4 sends these batches two to a message, in a ring of 4 slots: the first two messages
+    # stay in place.
     with Loader(server.http_url, "cifar", 50, shuffle="none", prefetch=4) as loader:
         batches = [b["image"] for b in loader]
         assert loader.stats().messages == len(batches) // 2

@@ -18,6 +18,7 @@ from shardserve.server.store.cache import ShardCache
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.mixed import mixed_dataset
 from shardserve.server.store.remote import RemoteStore
+from shardserve.server.store.remote_publish import RemotePublisher
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
@@ -38,7 +39,7 @@ def remote(store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     tmp = tmp_path_factory.mktemp("mixremote")
     up = RemoteStore((tmp / "uri").as_uri())
     for name in ("a", "b", "g1", "g2"):
-        up.upload(store.root / name, name, overwrite=False)
+        RemotePublisher(up).upload(store.root / name, name, overwrite=False)
     up.close()
     cache = ShardCache(tmp / "cache", limit_bytes=64 << 10)
     r = RemoteStore((tmp / "uri").as_uri(), cache=cache)

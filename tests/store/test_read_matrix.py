@@ -4,7 +4,7 @@ reading it, through a real server on each store and a real Loader, batch for bat
 Each dataset's source is written once and ingested once, into the local store, by the library
 ingest the CLI runs (``ingest`` for a source, ``ShardWriter`` for the generated sets); the
 ``file://`` store then gets that same folder the way ``shardserve ingest --store URI``
-publishes it (``RemoteStore.upload``: shards first, manifest last). One server serves the
+publishes it (``RemotePublisher.upload``: shards first, manifest last). One server serves the
 folder; two serve the URI, one through a cache that keeps every shard, one through a cache
 smaller than a shard, which evicts and fetches again as it goes. Every case reads two epochs
 from the local server and from a remote one with the same arguments, and compares them byte
@@ -33,6 +33,7 @@ from shardserve.server.store.cache import cache_key
 from shardserve.server.store.ingest.run import ingest
 from shardserve.server.store.layout import read_manifest
 from shardserve.server.store.remote import RemoteStore
+from shardserve.server.store.remote_publish import RemotePublisher
 from tests.support.data import make_cifar_like, make_graph_like
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
@@ -140,7 +141,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Stores:
     remote = RemoteStore((tmp / "remote").as_uri())
     try:
         for name in ("cifar", "graphs", "nested", "nullable", "variable", "nullarrow"):
-            remote.upload(local / name, name, overwrite=False)
+            RemotePublisher(remote).upload(local / name, name, overwrite=False)
     finally:
         remote.close()
     return Stores(local, (tmp / "remote").as_uri(), tmp)

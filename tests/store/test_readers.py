@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardserve.proto.errors import InvalidDataError
-from shardserve.server.store.ingest.registry import FORMATS, READERS, detect, open_source
+from shardserve.server.store.ingest.registry import FORMATS, READERS, detect, open_ingest_source
 
 
 def test_each_suffix_names_one_reader_and_every_reader_is_a_format() -> None:
@@ -58,17 +58,17 @@ def test_missing_mixed_and_unknown_sources_are_refused_by_name(tmp_path: Path) -
     """A missing source, a folder of two formats and one of no known files each get an error
     that names the source and what to do."""
     with pytest.raises(InvalidDataError, match=r"source .*nowhere does not exist"):
-        open_source(tmp_path / "nowhere")
+        open_ingest_source(tmp_path / "nowhere")
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     (mixed / "a.pt").write_bytes(b"")
     (mixed / "b.parquet").write_bytes(b"")
     with pytest.raises(InvalidDataError, match=r"several formats \(parquet, pt\).*--format"):
-        open_source(mixed)
+        open_ingest_source(mixed)
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("hi")
     with pytest.raises(InvalidDataError, match=r"holds no files ingest can read \(\.pt"):
-        open_source(other)
+        open_ingest_source(other)
     with pytest.raises(InvalidDataError, match=r"unknown format 'csv'; choose one of auto, pt"):
-        open_source(other, "csv")
+        open_ingest_source(other, "csv")

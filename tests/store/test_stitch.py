@@ -70,9 +70,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
 def test_layout_puts_every_piece_on_one_row_stride(
     row_bytes: int, pieces: list[tuple[int, int]], congruent: bool
 ) -> None:
-    """Row 0 of each piece lands where its file offset says within its page, on one stride
-    from virtual row 0; mappings are page-aligned, hold their rows, and never overlap. Offsets
-    that disagree modulo gcd(row, page) have no layout."""
+    """Row 0 of each piece lands on one stride from virtual row 0 where its file offset says, in
+    page-aligned, non-overlapping mappings that hold their rows, and offsets that disagree modulo
+    gcd(row, page) have no layout."""
     g = math.gcd(row_bytes, PAGE)
     offsets = [o - (o - pieces[0][0]) % g if congruent else o for o, _ in pieces]
     rows = [n for _, n in pieces]
@@ -152,8 +152,8 @@ def test_a_mixture_is_stitched_across_its_sources(store: Store) -> None:
 
 
 def test_columns_copied_at_open_are_read_piece_by_piece(store: Store) -> None:
-    """A scalar with missing values (copied at open, zeros where missing) has no piece in
-    the files; a nullable tensor's values do. Both read as stored."""
+    """A scalar with missing values (copied at open, zeros where missing) has no piece in the files
+    while a nullable tensor's values do, and both read as stored."""
     ds = store.open("kinds")
     chunks = ds.shards.acquire(range(len(ds.manifest.shards)))
     try:

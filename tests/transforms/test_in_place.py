@@ -159,11 +159,13 @@ def test_a_failed_piece_returns_after_the_other_pieces_wrote() -> None:
 def test_worker_processes_write_outputs_straight_into_the_streams_shared_memory(
     store: Path, no_leftovers: list[int]
 ) -> None:
-    """Over shared memory, worker processes write the chain's outputs (float32 images and
-    the labels) into the stream's slots, counted byte for byte (and shown on the status
-    page), and the batches are those of a thread pool; over a socket the same bytes come back
-    through the worker's pipe. Either way every input byte (images, labels, sample ids)
-    reaches the workers through their input files, not the pipe."""
+    """Worker processes write the chain's outputs into the stream's shared-memory slots (over a
+    socket, through their pipe) and read every input byte from their input files, with a thread
+    pool's batches."""
+    # Over shared memory the outputs (float32 images and the labels) are counted byte for byte and
+    # shown on the status page; over a socket the same bytes come back through the worker's pipe.
+    # Either way every input byte (images, labels, sample ids) reaches the workers through their
+    # input files, not the pipe.
 
     def epoch(url: str, transport: str) -> tuple[list[str], int]:
         with Loader(

@@ -21,7 +21,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import TextEncoding
 
 from .hf_features import features_of, fixed_arrays, note_labels, prepare
-from .source import Piece, Reader, Source, require_files, source_files
+from .source import IngestSource, Piece, Reader, require_files, source_files
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
@@ -287,7 +287,7 @@ def variable_columns(fields: pa.Schema | pa.StructType, prefix: str = "") -> set
     return out
 
 
-def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | None) -> Source:
+def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | None) -> IngestSource:
     # Imported here: `import pyarrow.dataset` pulls pandas (~0.3 s), and the registry imports
     # this module to name the formats in `shardserve ingest --help`.
     import pyarrow.dataset as pads
@@ -299,7 +299,7 @@ def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | Non
         raise InvalidDataError(f"source {src}: not readable as {fmt}: {e}") from None
     sizes = {str(f): f.stat().st_size for f in files}
     features = features_of(dataset.schema)
-    source = Source(format=fmt, files=files, pieces=iter(()))
+    source = IngestSource(format=fmt, files=files, pieces=iter(()))
     note_labels(features, source)
 
     def pieces() -> Iterator[Piece]:
@@ -325,12 +325,12 @@ def _open(src: Path, fmt: str, suffixes: tuple[str, ...], only: list[Path] | Non
     return source
 
 
-def open_parquet(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+def open_parquet(src: Path, threads: int = 1, only: list[Path] | None = None) -> IngestSource:
     """A source over the Parquet file(s) at ``src`` (``only``: these of them)."""
     return _open(src, "parquet", PARQUET_SUFFIXES, only)
 
 
-def open_arrow(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+def open_arrow(src: Path, threads: int = 1, only: list[Path] | None = None) -> IngestSource:
     """A source over the Arrow IPC (file / Feather v2) file(s) at ``src`` (``only``: these)."""
     return _open(src, "ipc", ARROW_SUFFIXES, only)
 

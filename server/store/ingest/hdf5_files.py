@@ -25,9 +25,9 @@ from .extras import require
 from .numpy_files import BLOCK_BYTES, _unpack
 from .source import (
     MAX_SAMPLE_BYTES,
+    IngestSource,
     Piece,
     Reader,
-    Source,
     put_field,
     require_files,
     source_files,
@@ -81,7 +81,7 @@ def _as_json(value: object) -> str | None:
 
 
 def _metadata(
-    f: h5py.File, sets: dict[str, h5py.Dataset], n: int, path: Path, source: Source
+    f: h5py.File, sets: dict[str, h5py.Dataset], n: int, path: Path, source: IngestSource
 ) -> None:
     """Arrays without the sample dimension and file attributes into the source's metadata."""
     for key in [k for k, d in sets.items() if not d.shape or d.shape[0] != n]:
@@ -101,7 +101,7 @@ def _metadata(
             source.metadata[f"@{key}"] = f"{path.name}: attribute, skipped"
 
 
-def _pieces(files: list[Path], source: Source, limit: int) -> Iterator[Piece]:
+def _pieces(files: list[Path], source: IngestSource, limit: int) -> Iterator[Piece]:
     h5 = require("h5py", "HDF5")
     for path in files:
         try:
@@ -145,11 +145,11 @@ def open_hdf5(
     threads: int = 1,
     only: list[Path] | None = None,
     max_sample_bytes: int = MAX_SAMPLE_BYTES,
-) -> Source:
+) -> IngestSource:
     """A source over the HDF5 file(s) at ``src`` (see module docstring)."""
     require("h5py", "HDF5")  # fail before anything is read
     files = require_files(source_files(src, SUFFIXES, only), src, ".h5/.hdf5")
-    source = Source(format="hdf5", files=files, pieces=iter(()))
+    source = IngestSource(format="hdf5", files=files, pieces=iter(()))
     source.pieces = _pieces(files, source, max_sample_bytes)
     return source
 

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from shardserve.proto.errors import InvalidDataError
 
-from .source import Source
+from .source import IngestSource
 
 #: ``datasets``' features, the JSON it writes into a schema's metadata: read leniently as the
 #: writer left it (an unexpected shape fails where it is used), so the values stay open.
@@ -46,7 +46,7 @@ def features_of(schema: pa.Schema) -> Features:
     return feats if isinstance(feats, dict) else {}
 
 
-def note_labels(features: Features, source: Source) -> None:
+def note_labels(features: Features, source: IngestSource) -> None:
     """ClassLabel names into the manifest's ``source`` (see module docstring)."""
     labels = {
         k: [str(n) for n in f.get("names") or []]

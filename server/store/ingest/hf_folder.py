@@ -20,7 +20,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .arrow_files import convert, variable_columns
 from .hf_features import features_of, fixed_arrays, note_labels, prepare
-from .source import Piece, Reader, Source, listed_file
+from .source import IngestSource, Piece, Reader, listed_file
 
 
 def _files(src: Path) -> list[Path]:
@@ -37,7 +37,7 @@ def _files(src: Path) -> list[Path]:
     return files
 
 
-def _pieces(files: list[Path], source: Source) -> Iterator[Piece]:
+def _pieces(files: list[Path], source: IngestSource) -> Iterator[Piece]:
     for path in files:
         rows = 0
         size = path.stat().st_size
@@ -58,7 +58,7 @@ def _pieces(files: list[Path], source: Source) -> Iterator[Piece]:
         yield Piece(where=str(path), files=1, nbytes=size)
 
 
-def open_hf(src: Path, threads: int = 1) -> Source:
+def open_hf(src: Path, threads: int = 1) -> IngestSource:
     """A source over a ``save_to_disk`` folder (see module docstring)."""
     if src.is_file():
         raise InvalidDataError(f"source {src}: a datasets save_to_disk source is its folder")
@@ -69,7 +69,7 @@ def open_hf(src: Path, threads: int = 1) -> Source:
     except pa.ArrowException as e:
         raise InvalidDataError(f"{files[0]}: not readable as an Arrow stream: {e}") from None
     variable = variable_columns(schema) - fixed_arrays(features_of(schema))
-    source = Source(format="hf", files=files, pieces=iter(()), variable=variable)
+    source = IngestSource(format="hf", files=files, pieces=iter(()), variable=variable)
     note_labels(features_of(schema), source)
     source.pieces = _pieces(files, source)
     return source

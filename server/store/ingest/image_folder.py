@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from shardserve.proto.errors import InvalidDataError
 
-from .source import Piece, Reader, Source
+from .source import IngestSource, Piece, Reader
 
 #: Suffixes of the images an image folder holds (lower case).
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -86,7 +86,7 @@ def _pieces(items: list[tuple[Path, int]]) -> Iterator[Piece]:
         yield Piece(where=where, columns=cols, files=len(block), nbytes=size)
 
 
-def open_image_folder(src: Path, threads: int = 1, only: list[Path] | None = None) -> Source:
+def open_image_folder(src: Path, threads: int = 1, only: list[Path] | None = None) -> IngestSource:
     """A source over ``src`` laid out as ``CLASS/IMAGE.jpg`` (see module docstring)."""
     if only is not None:
         raise InvalidDataError(
@@ -94,7 +94,7 @@ def open_image_folder(src: Path, threads: int = 1, only: list[Path] | None = Non
             "not file names"
         )
     classes, items = _layout(src)
-    source = Source(format="imagefolder", files=[p for p, _ in items], pieces=_pieces(items))
+    source = IngestSource(format="imagefolder", files=[p for p, _ in items], pieces=_pieces(items))
     source.info["classes"] = json.dumps(classes)
     return source
 

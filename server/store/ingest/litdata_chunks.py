@@ -42,7 +42,7 @@ from shardserve.proto.errors import InvalidDataError
 from .decode import plain
 from .inflate import open_counted
 from .litdata_leaves import FIXED, Decode, decoder
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
+from .source import MAX_SAMPLE_BYTES, IngestSource, Piece, Reader, listed_file
 
 INDEX = "index.json"
 FOOTER_MAGIC = b"LDARW01\0"
@@ -421,12 +421,14 @@ def _pieces(layout: Layout, limit: int) -> Iterator[Piece]:
         yield Piece(where=str(chunk.path), files=1, nbytes=size)
 
 
-def open_litdata(src: Path, threads: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Source:
+def open_litdata(
+    src: Path, threads: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES
+) -> IngestSource:
     """A source over the LitData folder ``src`` (see the module docstring)."""
     if src.is_file():
         src = src.parent
     layout = read_layout(src)
-    source = Source(format="litdata", files=[c.path for c in layout.chunks], pieces=iter(()))
+    source = IngestSource(format="litdata", files=[c.path for c in layout.chunks], pieces=iter(()))
     source.info["litdata.chunks"] = str(len(layout.chunks))
     source.pieces = _pieces(layout, max_sample_bytes)
     return source

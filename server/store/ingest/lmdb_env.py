@@ -21,7 +21,7 @@ from shardserve.proto.errors import InvalidDataError
 
 from .decode import NPY_MAGIC, VALUE_FORMATS, ZIP_MAGIC, as_value, is_msgpack_map
 from .extras import require
-from .source import Piece, Reader, Source
+from .source import IngestSource, Piece, Reader
 
 #: How many bytes of values the progress bar is told about at a time.
 REPORT_BYTES = 4 << 20
@@ -47,7 +47,7 @@ def _note(value: bytes) -> tuple[str, str | None]:
     return f"{len(value)} bytes, skipped", None
 
 
-def _pieces(env_dir: Path, total: int, source: Source, fmt: str) -> Iterator[Piece]:
+def _pieces(env_dir: Path, total: int, source: IngestSource, fmt: str) -> Iterator[Piece]:
     lmdb = require("lmdb", "LMDB")
     try:
         env = lmdb.open(str(env_dir), readonly=True, lock=False, readahead=False,
@@ -79,7 +79,7 @@ def _pieces(env_dir: Path, total: int, source: Source, fmt: str) -> Iterator[Pie
 DETECTED_MSGPACK = "msgpack-detected"
 
 
-def _detected(first: bytes, source: Source) -> str:
+def _detected(first: bytes, source: IngestSource) -> str:
     """How ``auto`` reads an environment, from its first sample value; said in the manifest's
     ``source.value_format`` and in the ingest summary. msgpack maps are the environment's
     format (every value must be one); else each value by its magic (.pt, .npy) or raw."""
@@ -101,7 +101,7 @@ def _read(data: bytes, where: str, fmt: str) -> object:
     return as_value(data, where, "auto" if fmt == "magic" else fmt)
 
 
-def open_lmdb(src: Path, threads: int = 1, value_format: str = "auto") -> Source:
+def open_lmdb(src: Path, threads: int = 1, value_format: str = "auto") -> IngestSource:
     """A source over the LMDB environment at ``src`` (its folder, or its ``data.mdb``); each
     value read as ``value_format`` (:data:`.decode.VALUE_FORMATS`)."""
     require("lmdb", "LMDB")
@@ -113,7 +113,7 @@ def open_lmdb(src: Path, threads: int = 1, value_format: str = "auto") -> Source
     data = env_dir / "data.mdb"
     if not data.is_file():
         raise InvalidDataError(f"source {src} is not an LMDB environment (no data.mdb)")
-    source = Source(format="lmdb", files=[data], pieces=iter(()))
+    source = IngestSource(format="lmdb", files=[data], pieces=iter(()))
     source.pieces = _pieces(env_dir, data.stat().st_size, source, value_format)
     return source
 

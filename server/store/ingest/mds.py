@@ -33,7 +33,7 @@ from shardserve.proto.errors import InvalidDataError
 from .decode import as_value
 from .inflate import CHUNK, Counted, Hash, hash_for, open_counted
 from .raw import pil_pixels, utf8
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, listed_file
+from .source import MAX_SAMPLE_BYTES, IngestSource, Piece, Reader, listed_file
 
 INDEX = "index.json"
 
@@ -352,7 +352,7 @@ def _samples(shard: Shard, src: Counted, max_sample_bytes: int) -> Iterator[Piec
         yield Piece(where=where, sample=sample)
 
 
-def _pieces(shards: list[Shard], source: Source, max_sample_bytes: int) -> Iterator[Piece]:
+def _pieces(shards: list[Shard], source: IngestSource, max_sample_bytes: int) -> Iterator[Piece]:
     unchecked: set[str] = set()
     index = shards[0].index
     yield Piece(where=str(index), files=1, nbytes=index.stat().st_size)
@@ -367,13 +367,13 @@ def _pieces(shards: list[Shard], source: Source, max_sample_bytes: int) -> Itera
         )
 
 
-def open_mds(src: Path, threads: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Source:
+def open_mds(src: Path, threads: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES) -> IngestSource:
     """A source over the MDS dataset at ``src`` (its folder or its ``index.json``)."""
     index = src if src.is_file() else src / INDEX
     shards = _shards(index)
     if not shards:
         raise InvalidDataError(f"{index}: lists no shards; nothing to ingest")
-    source = Source(format="mds", files=[index, *(s.path for s in shards)], pieces=iter(()))
+    source = IngestSource(format="mds", files=[index, *(s.path for s in shards)], pieces=iter(()))
     source.info["mds.shards"] = str(len(shards))
     source.pieces = _pieces(shards, source, max_sample_bytes)
     return source

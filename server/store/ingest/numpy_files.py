@@ -29,9 +29,9 @@ from shardserve.proto.errors import InvalidDataError
 
 from .source import (
     MAX_SAMPLE_BYTES,
+    IngestSource,
     Piece,
     Reader,
-    Source,
     put_field,
     require_files,
     source_files,
@@ -213,15 +213,15 @@ def open_numpy(
     threads: int = 1,
     only: list[Path] | None = None,
     max_sample_bytes: int = MAX_SAMPLE_BYTES,
-) -> Source:
+) -> IngestSource:
     """A source over the ``.npz`` / ``.npy`` files at ``src`` (see module docstring)."""
     files = require_files(source_files(src, SUFFIXES, only), src, ".npz/.npy")
     kinds = {p.suffix.lower() for p in files}
     if len(kinds) > 1:
         raise InvalidDataError(f"source {src} mixes .npy and .npz files; keep one kind per source")
     if kinds == {".npz"}:
-        return Source(format="npz", files=files, pieces=_npz_pieces(files, max_sample_bytes))
-    return Source(format="npz", files=files, pieces=_npy_pieces(files, src, max_sample_bytes))
+        return IngestSource(format="npz", files=files, pieces=_npz_pieces(files, max_sample_bytes))
+    return IngestSource(format="npz", files=files, pieces=_npy_pieces(files, src, max_sample_bytes))
 
 
 READER = Reader("npz", open_numpy, suffixes=SUFFIXES, bounded=True)

@@ -40,7 +40,7 @@ import numpy as np
 from shardserve.proto.errors import InvalidDataError
 
 from . import pyg
-from .source import Piece, Reader, Source, require_files, source_files
+from .source import IngestSource, Piece, Reader, require_files, source_files
 
 SUFFIXES = (".pt", ".pth")
 
@@ -221,11 +221,11 @@ def _loaded(files: list[Path], threads: int, stacked: bool) -> Iterator[Piece]:
 
 def open_pt(
     src: Path, threads: int = 2, stacked: bool = False, only: list[Path] | None = None
-) -> Source:
+) -> IngestSource:
     """A source of the samples of the ``.pt`` files under ``src`` (see module docstring)."""
     _torch()  # fail early, before any file is read, if torch is not installed
     files = require_files(source_files(src, SUFFIXES, only), src, ".pt")
-    return Source(format="pt", files=files, pieces=_pieces(files, max(1, threads), stacked))
+    return IngestSource(format="pt", files=files, pieces=_pieces(files, max(1, threads), stacked))
 
 
 READER = Reader("pt", open_pt, suffixes=SUFFIXES)

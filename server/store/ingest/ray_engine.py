@@ -39,9 +39,9 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_dataset_name
 
 from .. import layout
-from ..remote import new_shard_prefix
+from ..remote_publish import RemotePublisher, new_shard_prefix
 from ..writer import ShardWriter
-from .registry import open_source
+from .registry import open_ingest_source
 from .run import IngestSummary
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def write_part(row: PartRow) -> PartDone:
             root, name, shard_bytes=int(row["shard_bytes"]), variable=set(row["variable"])
         ) as writer:
             for f in row["files"]:
-                source = open_source(Path(f), row["format"], threads=1)
+                source = open_ingest_source(Path(f), row["format"], threads=1)
                 for piece in source.pieces:
                     if piece.sample is not None:
                         writer.add(piece.sample, where=piece.where)
@@ -122,7 +122,7 @@ def write_part(row: PartRow) -> PartDone:
             shards = []
             for info in manifest.shards:
                 rel = f"{row['prefix']}/{name}-{Path(info.path).name}"
-                store.put_file(root / name / info.path, f"{row['dataset']}/{rel}")
+                RemotePublisher(store).put_file(root / name / info.path, f"{row['dataset']}/{rel}")
                 shards.append(info.model_copy(update={"path": rel}))
             manifest = manifest.model_copy(update={"shards": tuple(shards)})
     return {"part": int(row["part"]), "manifest": manifest.model_dump_json(), "bytes": read}
@@ -174,9 +174,9 @@ def ingest_ray(
     ray = _ray()
     src_path, root = Path(src), Path(store)
     started = time.perf_counter()
-    source = open_source(src_path, fmt, threads=1)
+    source = open_ingest_source(src_path, fmt, threads=1)
     if remote is not None:
-        remote.check_absent(name, overwrite)
+        RemotePublisher(remote).check_absent(name, overwrite)
     elif (root / name).exists() and not overwrite:
         raise InvalidDataError(
             f"dataset {name!r} already exists in {root}; pass --overwrite to replace it"
@@ -267,13 +267,13 @@ def ingest_ray(
             },
         )
         if remote is not None:
-            remote.publish_manifest(manifest, overwrite=overwrite)
+            RemotePublisher(remote).publish_manifest(manifest, overwrite=overwrite)
         else:
             layout.write_manifest(temp, manifest)
             layout.publish(temp, root, name, overwrite=overwrite)
     except BaseException:
         if remote is not None:  # shards some tasks uploaded: nothing references them
-            remote.delete_prefix(f"{name}/{prefix}")
+            RemotePublisher(remote).delete_prefix(f"{name}/{prefix}")
         raise
     finally:
         shutil.rmtree(temp, ignore_errors=True)

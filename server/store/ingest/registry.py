@@ -1,7 +1,7 @@
 """Input formats by name, and detection of the format of a source path.
 
 Each reader module declares its :class:`~.source.Reader` (name, suffixes, opener); this
-module only lists them. ``open_source(src, "auto")`` picks the format from file suffixes; a
+module only lists them. ``open_ingest_source(src, "auto")`` picks the format from file suffixes; a
 folder holding files of more than one known format is refused with a request for
 ``--format``. Formats known by their folder, not a suffix: a Hugging Face
 ``save_to_disk`` folder (``state.json`` beside ``dataset_info.json``), an LMDB environment
@@ -28,7 +28,7 @@ from . import (
     pt_files,
     webdataset_tar,
 )
-from .source import Reader, Source, other_files
+from .source import IngestSource, Reader, other_files
 
 #: Every reader; those known by a folder are tried first, in this order.
 READERS: tuple[Reader, ...] = (
@@ -86,7 +86,7 @@ def detect(src: Path, only: Sequence[Path] | None = None) -> str:
     return found[0]
 
 
-def open_source(
+def open_ingest_source(
     src: Path,
     fmt: str = "auto",
     threads: int = 2,
@@ -94,7 +94,7 @@ def open_source(
     only: Sequence[Path] | None = None,
     max_sample_bytes: int | None = None,
     value_format: str = "auto",
-) -> Source:
+) -> IngestSource:
     """Open ``src`` as format ``fmt`` (``"auto"`` detects it); ``stacked`` is for ``.pt``;
     ``only``: read just these files of ``src`` (one split of it).
 

@@ -20,7 +20,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from ..writer import ShardWriter
 from .mapping import mapped, resolve_map
-from .registry import READERS, SUFFIXES, claimed, open_source
+from .registry import READERS, SUFFIXES, claimed, open_ingest_source
 from .source import MAX_SAMPLE_BYTES, Piece
 from .splits import Split, find_splits, pick, split_dataset_name
 
@@ -162,7 +162,7 @@ def ingest(
         chosen = pick(splits, split, src_path)
         src_path, only = chosen.path, chosen.files
     started = time.perf_counter()
-    source = open_source(
+    source = open_ingest_source(
         src_path, fmt, threads=threads, stacked=stacked, only=only,
         max_sample_bytes=max_sample_bytes, value_format=value_format,
     )  # fmt: skip

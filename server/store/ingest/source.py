@@ -34,7 +34,7 @@ class Piece:
 
 
 @dataclass
-class Source:
+class IngestSource:
     """An opened input: its files (sorted, so ingest is deterministic) and its pieces."""
 
     format: str
@@ -55,7 +55,7 @@ class Source:
     #: Also filled while the pieces are read.
     metadata: dict[str, str] = field(default_factory=dict)
     #: Files of the source folder that are not of its format, so not read (set by
-    #: :func:`~.registry.open_source`, which knows the format's suffixes).
+    #: :func:`~.registry.open_ingest_source`, which knows the format's suffixes).
     left_out: list[Path] = field(default_factory=list)
 
     @property
@@ -69,7 +69,7 @@ class Reader:
     by file suffix (lower case), or, for a format that is a whole folder, by ``claims``."""
 
     name: str
-    open: Callable[..., Source]
+    open: Callable[..., IngestSource]
     suffixes: tuple[str, ...] = ()
     claims: Callable[[Path], bool] | None = None
     #: Whether ``open`` takes ``max_sample_bytes`` (a container whose members say their

@@ -3,8 +3,8 @@
 
 A dataset is always written as a local folder first (the same writer, the same atomic
 publish); for a remote store that folder lives in a temporary directory and is then uploaded
-shards first, manifest last (:meth:`~..remote.RemoteStore.upload`). Any failure before the
-manifest's upload leaves no dataset under the name.
+shards first, manifest last (:meth:`~..remote_publish.RemotePublisher.upload`). Any failure
+before the manifest's upload leaves no dataset under the name.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ..remote import RemoteStore
+from ..remote_publish import RemotePublisher
 from .run import IngestReport, IngestSummary, ingest_all
-
-if TYPE_CHECKING:
-    from ..remote import RemoteStore
 
 
 def ingest_anywhere(args: argparse.Namespace, remote: RemoteStore | None) -> IngestReport:
@@ -26,7 +24,7 @@ def ingest_anywhere(args: argparse.Namespace, remote: RemoteStore | None) -> Ing
     ``--store`` (``None`` for a folder)."""
     started = time.perf_counter()
     if remote is not None:
-        remote.check_absent(args.name, args.overwrite)  # fail before any work
+        RemotePublisher(remote).check_absent(args.name, args.overwrite)  # fail before any work
     if args.engine == "ray":
         from .ray_engine import ingest_ray
 
@@ -69,7 +67,9 @@ def ingest_anywhere(args: argparse.Namespace, remote: RemoteStore | None) -> Ing
         out = []
         for s in report.summaries:
             name = s.manifest.name
-            manifest = remote.upload(Path(tmp) / name, name, overwrite=args.overwrite)
+            manifest = RemotePublisher(remote).upload(
+                Path(tmp) / name, name, overwrite=args.overwrite
+            )
             out.append(
                 IngestSummary(
                     manifest, s.files, s.source_bytes, time.perf_counter() - started,

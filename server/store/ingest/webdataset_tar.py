@@ -21,7 +21,7 @@ from pathlib import Path
 from shardserve.proto.errors import InvalidDataError
 
 from .decode import by_extension
-from .source import MAX_SAMPLE_BYTES, Piece, Reader, Source, require_files, source_files
+from .source import MAX_SAMPLE_BYTES, IngestSource, Piece, Reader, require_files, source_files
 
 SUFFIXES = (".tar", ".tgz")
 #: Members webdataset's default decoders unpickle; never loaded here.
@@ -103,10 +103,10 @@ def open_webdataset(
     threads: int = 1,
     only: list[Path] | None = None,
     max_sample_bytes: int = MAX_SAMPLE_BYTES,
-) -> Source:
+) -> IngestSource:
     """A source over the WebDataset ``.tar`` shard(s) at ``src`` (see module docstring)."""
     files = require_files(source_files(src, SUFFIXES, only), src, ".tar")
-    return Source(format="webdataset", files=files, pieces=_pieces(files, max_sample_bytes))
+    return IngestSource(format="webdataset", files=files, pieces=_pieces(files, max_sample_bytes))
 
 
 READER = Reader("webdataset", open_webdataset, suffixes=SUFFIXES, bounded=True)
