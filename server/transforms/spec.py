@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import TransformStep
 
+from .fused import ORDER, fusable
 from .registry import Transform, TransformRegistry
 from .schema import Field
 
@@ -31,6 +32,9 @@ class Step:
     #: Worst-case bytes per sample while it runs: the fixed fields it reads and writes and
     #: what it holds besides (its declared ``peak``).
     held: int = 0
+    #: Positions in the job's chain of the steps this one runs (one; several when fused):
+    #: each one's randomness comes from its own position, fused or not.
+    origin: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,27 @@ def compile_chain(
             )
         held = _fixed_bytes(fields) + _fixed_bytes(writes) + peak
         fields.update(writes)
-        out.append(Step(t, params, writes, held))
-    return Chain(tuple(out), dict(inputs), fields)
+        out.append(Step(t, params, writes, held, (i,)))
+    return Chain(fuse(out), dict(inputs), fields)
+
+
+def fuse(steps: Sequence[Step]) -> tuple[Step, ...]:
+    """``steps`` with each run of consecutive fusable built-ins (:mod:`.fused`) as one step:
+    it writes what the run's last step writes and holds what its largest step holds."""
+    out: list[Step] = []
+    i = 0
+    while i < len(steps):
+        plan = fusable([(s.transform, s.params) for s in steps[i : i + len(ORDER)]])
+        if plan is None:
+            out.append(steps[i])
+            i += 1
+            continue
+        run = steps[i : i + plan.length]
+        origin = tuple(o for s in run for o in s.origin)
+        held = max(s.held for s in run)
+        out.append(Step(plan.transform, plan.params, run[-1].writes, held, origin))
+        i += plan.length
+    return tuple(out)
 
 
 def _fixed_bytes(fields: Mapping[str, Field]) -> int:
