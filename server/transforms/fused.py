@@ -94,6 +94,21 @@ def fusable(steps: Sequence[tuple[Transform, BaseModel]]) -> Plan | None:
     return Plan(len(parts), transform, Fused.model_validate(parts))
 
 
+def unfused(name: str, params: Mapping[str, object]) -> list[dict[str, object]] | None:
+    """The steps a fused step named ``name`` runs, as a job names them, or ``None`` if
+    ``name`` is not a fused run's. A compiled chain is sent to worker processes by its steps'
+    names and params; a fused one is compiled there from its parts (and fused again).
+
+    >>> unfused("random_crop+hflip", {"crop": {"field": "x", "size": 4}, "flip": {"field": "x"}})
+    [{'name': 'random_crop', 'params': {'field': 'x', 'size': 4}}, {'name': 'hflip', 'params': {'field': 'x'}}]
+    """
+    names = {t.name: k for t, k in zip(ORDER, PARTS, strict=True)}
+    parts = name.split("+")
+    if len(parts) < 2 or any(n not in names for n in parts):
+        return None
+    return [{"name": n, "params": params.get(names[n]) or {}} for n in parts]
+
+
 def _fused_outputs(p: Fused, inputs: Schema) -> dict[str, Field]:
     """{field: as the last fused step writes it}"""
     fields = dict(inputs)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import TransformStep
 
-from .fused import ORDER, fusable
+from .fused import ORDER, fusable, unfused
 from .registry import Transform, TransformRegistry
 from .schema import Field
 
@@ -77,8 +77,7 @@ def compile_chain(
         else ""
     )
     out: list[Step] = []
-    for i, raw in enumerate(steps):
-        step = raw if isinstance(raw, TransformStep) else TransformStep.model_validate(raw)
+    for i, step in enumerate(_unfused(steps)):
         t = registry.get(step.name)
         if t is None:
             raise BadRequest(
@@ -121,6 +120,17 @@ def compile_chain(
         fields.update(writes)
         out.append(Step(t, params, writes, held, (i,)))
     return Chain(fuse(out), dict(inputs), fields)
+
+
+def _unfused(steps: Sequence[TransformStep | Mapping[str, object]]) -> list[TransformStep]:
+    """``steps`` checked, a fused step (as a compiled chain names it to worker processes)
+    given as the steps it runs, in its place."""
+    out: list[TransformStep] = []
+    for raw in steps:
+        step = raw if isinstance(raw, TransformStep) else TransformStep.model_validate(raw)
+        parts = unfused(step.name, step.params)
+        out.extend([TransformStep.model_validate(p) for p in parts] if parts else [step])
+    return out
 
 
 def fuse(steps: Sequence[Step]) -> tuple[Step, ...]:

@@ -194,3 +194,22 @@ def test_the_cifar_chain_compiles_to_one_fused_step() -> None:
     # Another field or layout in between breaks the run: those steps stay apart.
     apart = [chain[0], {"name": "hflip", "params": {"field": "image", "layout": "HWC"}}]
     assert compile_chain(apart, REG, inputs, "t").names == ["random_crop", "hflip"]
+
+
+def test_a_fused_step_sent_by_name_compiles_to_itself() -> None:
+    """A compiled chain named step by step (as worker processes get it) compiles to the same."""
+    chain = [
+        {"name": "resize", "params": {"field": "image", "size": 36, "layout": "CHW"}},
+        {"name": "random_crop", "params": {"field": "image", "size": 32, "layout": "CHW"}},
+        {"name": "normalize", "params": {"field": "image", "layout": "CHW", "scale": 0.5}},
+    ]
+    inputs = {"image": Field("uint8", (3, 40, 40))}
+    c = compile_chain(chain, REG, inputs, "t")
+    sent = [{"name": s.transform.name, "params": s.params.model_dump(mode="json")} for s in c.steps]
+    again = compile_chain(sent, REG, inputs, "t")
+    assert again.names == c.names == ["resize", "random_crop+normalize"]
+    assert [s.origin for s in again.steps] == [(0,), (1, 2)]
+    x = np.random.default_rng(1).integers(0, 256, (4, 3, 40, 40)).astype(np.uint8)
+    one, _ = run_chain(c, {"image": x}, np.arange(4), W, ["image"])
+    two, _ = run_chain(again, {"image": x}, np.arange(4), W, ["image"])
+    assert one["image"].tobytes() == two["image"].tobytes()
