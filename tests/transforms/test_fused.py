@@ -3,6 +3,7 @@ step-by-step numpy code on random batches of every layout, dtype and padding."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,11 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardserve.client import Loader
 from shardserve.server.transforms.registry import TransformRegistry
 from shardserve.server.transforms.rng import batch_rng
 from shardserve.server.transforms.runner import Where, run_chain
 from shardserve.server.transforms.schema import Field
 from shardserve.server.transforms.spec import compile_chain
+from tests.support.data import cifar_images
+from tests.support.server import run_server
+from tests.support.slowness import scaled
+from tests.transforms.conftest import CIFAR_CHAIN, N
 
 REG = TransformRegistry.load(use_entry_points=False)
 W = Where(seed=7, epoch=2, rank=1, batch=5)
@@ -76,10 +82,10 @@ def ref_norm(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.n
 REF = {"random_crop": ref_crop, "hflip": ref_flip, "normalize": ref_norm}
 
 
-def reference(chain: list[dict[str, Any]], x: np.ndarray) -> np.ndarray:
+def reference(chain: list[dict[str, Any]], x: np.ndarray, where: Where = W) -> np.ndarray:
     """The chain step by step, step ``i`` drawing from the batch generator of position ``i``."""
     for i, step in enumerate(chain):
-        rng = batch_rng(W.seed, W.epoch, W.rank, W.batch, i)
+        rng = batch_rng(where.seed, where.epoch, where.rank, where.batch, i)
         x = REF[step["name"]](x, step["params"], rng)
     return x
 
@@ -213,3 +219,28 @@ def test_a_fused_step_sent_by_name_compiles_to_itself() -> None:
     one, _ = run_chain(c, {"image": x}, np.arange(4), W, ["image"])
     two, _ = run_chain(again, {"image": x}, np.arange(4), W, ["image"])
     assert one["image"].tobytes() == two["image"].tobytes()
+
+
+def test_a_server_serves_the_fused_chain_with_the_bytes_of_the_steps_one_by_one(
+    store: Path,
+) -> None:
+    """A real server's batches of crop, flip and normalize equal the step-by-step reference."""
+    with (
+        run_server(store) as srv,
+        Loader(
+            srv.http_url,
+            "cifar",
+            batch_size=50,
+            seed=3,
+            shuffle=False,
+            transforms=CIFAR_CHAIN,
+            timeout=scaled(30),
+        ) as ld,
+    ):
+        ld.set_epoch(2)
+        batches = [b["image"].numpy() for b in ld]
+    images = cifar_images(0, N)
+    assert len(batches) == N // 50
+    for k, got in enumerate(batches):
+        want = reference(CIFAR_CHAIN, images[k * 50 : (k + 1) * 50], Where(3, 2, 0, k))
+        assert got.tobytes() == want.tobytes(), f"batch {k}"
