@@ -16,7 +16,7 @@ fused step, in order), and the kernels are theirs: the bytes are the same as unf
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -119,9 +119,10 @@ def _fused_outputs(p: Fused, inputs: Schema) -> dict[str, Field]:
 
 
 def run_fused(
-    batch: Columns, p: Fused, rngs: Sequence[np.random.Generator], out: Mapping[str, np.ndarray]
+    batch: Columns, p: Fused, rngs: Iterable[np.random.Generator], out: Mapping[str, np.ndarray]
 ) -> Columns:
-    """The fused steps on ``batch``; ``rngs``: each fused step's generator, in order."""
+    """The fused steps on ``batch``; ``rngs``: each fused step's generator, in order (taken
+    only as far as a step draws: ``normalize``'s is never made)."""
     x = batch[p.field]
     gens = iter(rngs)
     crop_rng = next(gens) if p.crop is not None else None

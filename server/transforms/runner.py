@@ -194,9 +194,10 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
 def _apply_batch(step: Step, at: tuple[int, ...], cols: dict[str, Column], n: int,
                  where: Where, limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     t = step.transform
-    gens = tuple(batch_rng(where.seed, where.epoch, where.rank, where.batch, i) for i in at)
-    # A fused step gets each fused step's generator (see .fused); any other step its own.
-    rng = gens[0] if len(gens) == 1 else gens
+    gens = (batch_rng(where.seed, where.epoch, where.rank, where.batch, i) for i in at)
+    # A fused step gets each fused step's generator, made as it asks for them (see .fused);
+    # any other step its own.
+    rng = next(gens) if len(at) == 1 else gens
     more = (limits,) if t.takes_limits else ()
     into = {"out": dest} if t.takes_out else {}
     try:
