@@ -20,8 +20,9 @@ from numpy.lib.stride_tricks import as_strided
 
 #: Scratch arrays up to this size are kept per thread and reused: a fresh one of a megabyte
 #: or more comes from mmap and costs a page fault per 4 KiB on first write (a padded CIFAR
-#: batch, 1.2 MB: 0.35 ms of faults against 0.14 ms of copying).
-SCRATCH_MAX = 32 << 20
+#: batch, 1.2 MB: 0.35 ms of faults against 0.14 ms of copying). Bounded so that a thread
+#: keeps at most two of them (the padded copy, the crops) whatever batches it ran.
+SCRATCH_MAX = 8 << 20
 _local = threading.local()
 
 
