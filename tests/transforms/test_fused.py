@@ -244,3 +244,16 @@ def test_a_server_serves_the_fused_chain_with_the_bytes_of_the_steps_one_by_one(
     for k, got in enumerate(batches):
         want = reference(CIFAR_CHAIN, images[k * 50 : (k + 1) * 50], Where(3, 2, 0, k))
         assert got.tobytes() == want.tobytes(), f"batch {k}"
+
+
+@pytest.mark.parametrize("names", [["random_crop"], ["random_crop", "hflip"], ["hflip"]])
+def test_outputs_keep_their_bytes_after_the_next_batch(names: list[str]) -> None:
+    """A batch's output is its own: the next batch on the same thread leaves it as it was."""
+    params = {"random_crop": {"size": 30, "padding": 2}, "hflip": {}}
+    chain = [{"name": n, "params": {"field": "image", "layout": "CHW", **params[n]}} for n in names]
+    gen = np.random.default_rng(5)
+    first, second = (gen.integers(0, 256, (16, 3, 32, 32)).astype(np.uint8) for _ in range(2))
+    got, _ = served(chain, first, into_out=False)
+    kept = got.copy()
+    served(chain, second, into_out=False)
+    assert got.tobytes() == kept.tobytes() == reference(chain, first).tobytes()
