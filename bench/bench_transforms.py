@@ -1,6 +1,6 @@
 """Server-side transforms (issue 15): shardserve with transforms vs. DataLoader workers.
 
-    python bench/bench_transforms.py [--quick] [--workdir DIR] [--images N]
+    python bench/bench_transforms.py [--quick] [--workdir DIR] [--images N] [--cifar-only]
 
 Three rows, each measured in this one run (ratios, not absolute numbers, are the point):
 
@@ -8,8 +8,12 @@ Three rows, each measured in this one run (ratios, not absolute numbers, are the
    horizontal flip + normalize to float32. shardserve runs the built-ins on the server
    (``random_crop``, ``hflip``, ``normalize``); the baseline is ``DataLoader`` over a
    ``TensorDataset`` with the same per-sample transforms written in torch, ``num_workers``
-   0 and 2. Also the trainer's CPU seconds per batch, with and without server transforms.
-   Target: >= 5x the best DataLoader; trainer CPU per batch no higher than without.
+   0 and 2, and the trainer doing it on whole batches itself (an expert's batched torch ops:
+   ``index_select``, pad, one gather of windows, a masked flip, normalize in place). Also the
+   trainer's CPU seconds per batch, with and without server transforms, and the server's
+   with none, a trivial batch transform (what running a chain costs) and the chain.
+   Targets: >= 1.5x the batched torch ops and >= 4x the best DataLoader; trainer CPU per
+   batch no higher than without; a chain's cost beyond its transforms' work <= 0.3 ms a batch.
 2. ImageFolder of ``--images`` (default 10,000) generated JPEGs of varied sizes (48..160 px a
    side), batch 64: decode + random resized crop to 64x64. shardserve (``decode_image`` +
    ``random_resized_crop`` with ``method="pillow"`` on the server's threads, the numpy
@@ -66,6 +70,10 @@ IMAGE_CHAIN_NUMPY = [IMAGE_CHAIN[0], {"name": "random_resized_crop", "params": {
 #: The same in one step: the crop's box from the JPEG's header, then decode (scaled down
 #: where the crop allows) and resize.
 IMAGE_FUSED = [{"name": "decode_random_resized_crop", "params": {"size": 64}}]
+#: A batch transform that does next to nothing (labels times two, from the tests' module):
+#: the server's CPU per batch with it, less without, is what running a chain costs.
+TRIVIAL_MODULE = "tests.transforms.mods"
+TRIVIAL_CHAIN = [{"name": "double_into"}]
 RESIZE_CHAIN = [{"name": "resize", "params": {"size": 24, "layout": "CHW"}}]
 
 
@@ -155,6 +163,32 @@ def dataloader(ds: Dataset, workers: int, batch: int) -> Callable[[int], Iterabl
     return lambda e: dl
 
 
+def expert_epochs(
+    images: torch.Tensor, labels: torch.Tensor, batch: int = 256
+) -> Callable[[int], Iterable]:
+    """The trainer doing the CIFAR recipe itself on whole batches, as an expert would: one
+    ``index_select``, one pad, the crops as one gather of windows, the flips as one masked
+    write, normalize in place."""
+    n = len(labels)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+
+    def epoch(e: int) -> Iterable[dict[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(e)
+        perm = torch.randperm(n, generator=g)
+        for i in range(0, n, batch):
+            idx = perm[i : i + batch]
+            b = len(idx)
+            x = torch.nn.functional.pad(images.index_select(0, idx), (4, 4, 4, 4))
+            oy, ox = torch.randint(0, 9, (2, b), generator=g)
+            x = x.unfold(2, 32, 1).unfold(3, 32, 1)[torch.arange(b), :, oy, ox]
+            flip = torch.rand(b, generator=g) < 0.5
+            x[flip] = x[flip].flip(-1)
+            x = x.float().div_(255).sub_(mean).div_(std)
+            yield {"image": x, "label": labels.index_select(0, idx)}
+
+    return epoch
+
+
 # -- row 2: images -----------------------------------------------------------------------------
 def make_images(root: Path, n: int) -> None:
     from PIL import Image
@@ -203,6 +237,68 @@ class FolderPIL(Dataset):
         return {"image": torch.from_numpy(np.asarray(out).copy()), "label": torch.tensor(label)}
 
 
+def cifar_ratios(rows: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Row 1's ratios (and the server's CPU per batch, ms, with the chain and what a trivial
+    chain adds to none)."""
+    best_dl = max(
+        rows[f"DataLoader num_workers={w}, torch transforms"]["samples_s"] for w in (0, 2)
+    )
+    tr = rows["shardserve, server transforms"]
+    bare = rows["shardserve, no transforms (uint8)"]
+    trivial = rows["shardserve, trivial batch transform (labels x 2)"]
+    return {
+        "cifar_vs_best_dataloader": tr["samples_s"] / best_dl,
+        "cifar_vs_expert_batched_torch": tr["samples_s"]
+        / rows["trainer, batched torch ops (expert)"]["samples_s"],
+        "cifar_server_cpu_ms_per_batch": tr["server_cpu_s_per_batch"] * 1000,
+        "chain_overhead_server_cpu_ms_per_batch": (
+            trivial["server_cpu_s_per_batch"] - bare["server_cpu_s_per_batch"]
+        )
+        * 1000,
+        "cifar_trainer_cpu_vs_no_transforms": tr["trainer_cpu_s_per_batch"]
+        / bare["trainer_cpu_s_per_batch"],
+        "cifar_trainer_cpu_copy_false_vs_no_transforms": rows[
+            "shardserve, server transforms, copy=False"
+        ]["trainer_cpu_s_per_batch"]
+        / bare["trainer_cpu_s_per_batch"],
+    }
+
+
+def sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """CIFAR samples and JPEGs of this run."""
+    return (5_000 if args.quick else 50_000), args.images or (1_000 if args.quick else 10_000)
+
+
+def report(
+    args: argparse.Namespace,
+    rows: dict[str, dict[str, float]],
+    ratios: dict[str, float],
+    load: dict[str, list[float]],
+) -> int:
+    """Print the ratios, write the results file."""
+    n, n_img = sizes(args)
+    print("\nratios:")
+    for k, v in ratios.items():
+        print(f"  {k:<40} {v:6.2f}")
+    out = {
+        "bench": "transforms",
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "config": {"cifar_n": n, "images": n_img, "quick": args.quick},
+        "load_average": load,
+        "rows": rows,
+        "ratios": ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,18 +307,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--images", type=int, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--cifar-only", action="store_true", help="row 1 only")
     args = ap.parse_args(argv)
-    n = 5_000 if args.quick else 50_000
-    n_img = args.images or (1_000 if args.quick else 10_000)
+    n, n_img = sizes(args)
     torch.set_num_threads(1)
     rows: dict[str, dict[str, float]] = {}
+    load: dict[str, list[float]] = {}
 
     def record(label: str, res: dict[str, float]) -> None:
         rows[label] = res
         print(f"{label:<44} {res['samples_s']:>10,.0f} samples/s   trainer CPU "
               f"{res['trainer_cpu_s_per_batch'] * 1000:7.2f} ms/batch"
               + (f"   (workers CPU {res['workers_cpu_s_per_batch'] * 1000:.2f} ms/batch)"
-                 if "workers_cpu_s_per_batch" in res else ""), flush=True)  # fmt: skip
+                 if "workers_cpu_s_per_batch" in res else "")
+              + (f"   server CPU {res['server_cpu_s_per_batch'] * 1000:.2f} ms/batch"
+                 if "server_cpu_s_per_batch" in res else ""), flush=True)  # fmt: skip
 
     with tempfile.TemporaryDirectory(prefix="ss-bench-tf-") as tmp:
         work = args.workdir or Path(tmp)
@@ -232,6 +331,40 @@ def main(argv: list[str] | None = None) -> int:
         n_small = n // 5  # row 3 runs four servers: a fifth of the samples keeps it short
         if not (store / "cifar_small" / "manifest.json").exists():
             make_cifar_like(store, "cifar_small", n=n_small, shard_bytes=64 << 20)
+
+        print("\n-- 1. CIFAR-like: random crop (pad 4) + flip + normalize, batch 256")
+        print(f"load average at start: {os.getloadavg()}")
+        load["cifar_start"] = list(os.getloadavg())
+        with run_server(store, "--transform-workers", "2", "--transforms", TRIVIAL_MODULE,
+                        timeout=60) as srv:  # fmt: skip
+            for label, chain, copy in (
+                ("shardserve, no transforms (uint8)", None, True),
+                ("shardserve, trivial batch transform (labels x 2)", TRIVIAL_CHAIN, True),
+                ("shardserve, server transforms", CIFAR_CHAIN, True),
+                ("shardserve, server transforms, copy=False", CIFAR_CHAIN, False),
+            ):
+                c0 = tree_cpu(srv.proc.pid)
+                res = measure(loader_epochs(srv.http_url, "cifar", 256, chain, copy=copy), n)
+                # measure() runs two epochs (warm-up and measured): the server's CPU over both.
+                res["server_cpu_s_per_batch"] = (tree_cpu(srv.proc.pid) - c0) / (2 * -(-n // 256))
+                record(label, res)
+        from shardserve.server.store.catalog import Store
+
+        ds = Store(store).open("cifar")
+        arr = ds.take(np.arange(n), ["image", "label"])
+        images, labels = (
+            torch.from_numpy(arr["image"].copy()),
+            torch.from_numpy(arr["label"].copy()),
+        )
+        record("trainer, batched torch ops (expert)", measure(expert_epochs(images, labels), n))
+        for w in (0, 2):
+            res = measure(dataloader(CifarTorch(images, labels), w, 256), n)
+            record(f"DataLoader num_workers={w}, torch transforms", res)
+        load["cifar_end"] = list(os.getloadavg())
+        print(f"load average at end: {os.getloadavg()}")
+        if args.cifar_only:
+            return report(args, rows, cifar_ratios(rows), load)
+
         folder = work / "images"
         if not (store / "images" / "manifest.json").exists():
             t0 = time.perf_counter()
@@ -241,33 +374,6 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"made and ingested {n_img} JPEGs in {time.perf_counter() - t0:.1f} s", flush=True
             )
-
-        print("\n-- 1. CIFAR-like: random crop (pad 4) + flip + normalize, batch 256")
-        with run_server(store, "--transform-workers", "2", timeout=60) as srv:
-            record(
-                "shardserve, no transforms (uint8)",
-                measure(loader_epochs(srv.http_url, "cifar", 256, None), n),
-            )
-            record(
-                "shardserve, server transforms",
-                measure(loader_epochs(srv.http_url, "cifar", 256, CIFAR_CHAIN), n),
-            )
-            record(
-                "shardserve, server transforms, copy=False",
-                measure(loader_epochs(srv.http_url, "cifar", 256, CIFAR_CHAIN, copy=False), n),
-            )
-        from shardserve.server.store.catalog import Store
-
-        ds = Store(store).open("cifar")
-        arr = ds.take(np.arange(n), ["image", "label"])
-        images, labels = (
-            torch.from_numpy(arr["image"].copy()),
-            torch.from_numpy(arr["label"].copy()),
-        )
-        for w in (0, 2):
-            res = measure(dataloader(CifarTorch(images, labels), w, 256), n)
-            record(f"DataLoader num_workers={w}, torch transforms", res)
-
         print(f"\n-- 2. ImageFolder of {n_img} JPEGs: decode + random resized crop 64, batch 64")
         # The decoders run on worker processes by default; threads are asked for here.
         with run_server(store, "--transform-pool", "thread", timeout=60) as srv:
@@ -318,21 +424,11 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                     )
 
-    best_dl = max(
-        rows[f"DataLoader num_workers={w}, torch transforms"]["samples_s"] for w in (0, 2)
-    )
-    tr = rows["shardserve, server transforms"]
     img = rows["shardserve, server decode + crop, 2 threads"]
     dl = rows["DataLoader num_workers=2, PIL"]
     dl_cpu = dl["trainer_cpu_s_per_batch"]
     ratios = {
-        "cifar_vs_best_dataloader": tr["samples_s"] / best_dl,
-        "cifar_trainer_cpu_vs_no_transforms": tr["trainer_cpu_s_per_batch"]
-        / rows["shardserve, no transforms (uint8)"]["trainer_cpu_s_per_batch"],
-        "cifar_trainer_cpu_copy_false_vs_no_transforms": rows[
-            "shardserve, server transforms, copy=False"
-        ]["trainer_cpu_s_per_batch"]
-        / rows["shardserve, no transforms (uint8)"]["trainer_cpu_s_per_batch"],
+        **cifar_ratios(rows),
         "images_vs_dataloader": img["samples_s"] / dl["samples_s"],
         "images_2_processes_vs_dataloader": rows[
             "shardserve, server decode + crop, 2 worker processes"
@@ -358,25 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "process_2_vs_1": rows["process pool, 2 worker(s)"]["samples_s"]
         / rows["process pool, 1 worker(s)"]["samples_s"],
     }
-    print("\nratios:")
-    for k, v in ratios.items():
-        print(f"  {k:<40} {v:6.2f}")
-    report = {
-        "bench": "transforms",
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
-        },
-        "config": {"cifar_n": n, "images": n_img, "quick": args.quick},
-        "rows": rows,
-        "ratios": ratios,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return report(args, rows, ratios, load)
 
 
 if __name__ == "__main__":

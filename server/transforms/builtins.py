@@ -5,8 +5,8 @@ only at the scale the crop needs), plus query sampling and bit-unpacking. Pillow
 transform uses it, comes from the ``images`` extra.
 
 Images are ``HWC`` (what decoders give) unless ``layout="CHW"``; 2-d arrays are ``HW``.
-Crop and flip are batch transforms (one vectorised gather per batch, a generator per batch);
-resize and random resized crop run per sample (images of different sizes).
+Crop, flip and normalize are batch transforms in :mod:`.builtins_images` (registered through
+this module); resize and random resized crop run per sample (images of different sizes).
 """
 
 from __future__ import annotations
@@ -18,199 +18,16 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
+from .builtins_images import ImageParams, Size, image_field, size2, spatial, with_hw
+from .builtins_images import hflip as hflip
+from .builtins_images import normalize as normalize
+from .builtins_images import random_crop as random_crop
 from .images import Mode, check_encoded, open_image, pil
 from .params import FieldParams, Name
 from .registry import Columns, batch_transform, sample_transform
 from .runner import Limits
 from .schema import Field as F
 from .schema import Schema
-
-Layout = Literal["HWC", "CHW"]
-#: The largest height or width a transform may be asked to make (or pad to).
-MAX_SIDE = 1 << 16
-#: Bounds of every parameter: nonsense is refused at job creation naming the parameter.
-Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
-Size = Annotated[Side | Annotated[list[Side], Field(min_length=2, max_length=2)],
-                 Field(description="output N or [H, W], each 1 to 65536")]  # fmt: skip
-Finite = Annotated[float, Field(ge=-1e12, le=1e12)]
-
-
-class _ImageParams(FieldParams):
-    layout: Layout = "HWC"
-
-
-def _size2(v: int | list[int]) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    if len(v) != 2:
-        raise ValueError(f"size must be N or [H, W], got {v}")
-    return (int(v[0]), int(v[1]))
-
-
-def _fill_fits(fill: float, dtype: str) -> None:
-    """A fill value must be one the field's dtype holds exactly (300 in uint8 would wrap)."""
-    dt = np.dtype(dtype)
-    if np.issubdtype(dt, np.integer):
-        info = np.iinfo(dt)
-        if fill != int(fill) or not info.min <= fill <= info.max:
-            raise ValueError(f"fill {fill} is not a {dtype} value ({info.min} to {info.max})")
-    elif dt == np.bool_ and fill not in (0, 1):
-        raise ValueError(f"fill {fill} is not a bool value (0 or 1)")
-
-
-def _image_field(inputs: Schema, p: _ImageParams, fixed: bool) -> F:
-    if p.field not in inputs:
-        raise ValueError(f"no field {p.field!r}")
-    f = inputs[p.field]
-    if f.binary or len(f.shape) not in (2, 3):
-        raise ValueError(f"field {p.field!r} is {f.describe()}, not an image (HW, HWC or CHW)")
-    if fixed and not f.fixed:
-        raise ValueError(
-            f"field {p.field!r} is {f.describe()}: resize or crop it to a fixed size first"
-        )
-    return f
-
-
-def _spatial(f: F, layout: Layout) -> tuple[int, int]:
-    """Axes of height and width in one sample."""
-    return (1, 2) if len(f.shape) == 3 and layout == "CHW" else (0, 1)
-
-
-def _with_hw(f: F, layout: Layout, h: int, w: int, dtype: str | None = None) -> F:
-    shape = list(f.shape)
-    ah, aw = _spatial(f, layout)
-    shape[ah], shape[aw] = h, w
-    return F(dtype or f.dtype, tuple(shape))
-
-
-# -- random crop ------------------------------------------------------------------------------
-class RandomCrop(_ImageParams):
-    size: Size
-    padding: int = Field(default=0, ge=0, le=1024)
-    fill: Finite = 0
-
-
-def _crop_outputs(p: RandomCrop, inputs: Schema) -> dict[str, F]:
-    """{field: same dtype, [size, size] in place of H, W}"""
-    f = _image_field(inputs, p, fixed=True)
-    h, w = _size2(p.size)
-    ah, aw = _spatial(f, p.layout)
-    if h > f.shape[ah] + 2 * p.padding or w > f.shape[aw] + 2 * p.padding:
-        raise ValueError(f"size {[h, w]} is larger than {f.describe()} padded by {p.padding}")
-    _fill_fits(p.fill, f.dtype)
-    return {p.field: _with_hw(f, p.layout, h, w)}
-
-
-def _crop_peak(p: RandomCrop, inputs: Schema) -> int:
-    """The padded copy of each sample that the crop is cut from."""
-    f = inputs[p.field]
-    if not p.padding:
-        return 0
-    ah, aw = _spatial(f, p.layout)
-    shape = list(f.shape)
-    shape[ah] += 2 * p.padding
-    shape[aw] += 2 * p.padding
-    return math.prod(shape) * np.dtype(f.dtype).itemsize
-
-
-@batch_transform(params=RandomCrop, outputs=_crop_outputs, peak=_crop_peak)
-def random_crop(batch: Columns, p: RandomCrop, rng: np.random.Generator) -> Columns:
-    """Pad by ``padding`` then crop ``size`` at a random place per sample (torchvision RandomCrop)."""
-    x = batch[p.field]
-    ah, aw = (a + 1 for a in _spatial(F(str(x.dtype), x.shape[1:]), p.layout))
-    h, w = _size2(p.size)
-    if p.padding:
-        pad = [(0, 0)] * x.ndim
-        pad[ah] = pad[aw] = (p.padding, p.padding)
-        x = np.pad(x, pad, constant_values=np.asarray(p.fill).astype(x.dtype))
-    b = x.shape[0]
-    oy = rng.integers(0, x.shape[ah] - h + 1, size=b)
-    ox = rng.integers(0, x.shape[aw] - w + 1, size=b)
-    windows = np.lib.stride_tricks.sliding_window_view(x, (h, w), axis=(ah, aw))
-    # windows: [B, ..., Y, ..., X, ..., h, w]; pick (oy, ox) per sample, then put h, w back.
-    moved = np.moveaxis(windows, (ah, aw), (1, 2))[np.arange(b), oy, ox]  # [B, rest..., h, w]
-    rest = [a for a in range(1, x.ndim) if a not in (ah, aw)]
-    order = [0] * x.ndim
-    for dst, src in zip(rest, range(1, 1 + len(rest)), strict=True):
-        order[dst] = src
-    order[ah], order[aw] = x.ndim - 2, x.ndim - 1
-    return {p.field: np.ascontiguousarray(np.transpose(moved, order))}
-
-
-# -- horizontal flip --------------------------------------------------------------------------
-class HFlip(_ImageParams):
-    p: float = Field(default=0.5, ge=0, le=1, description="probability of a flip, 0 to 1")
-
-
-def _same(p: _ImageParams, inputs: Schema) -> dict[str, F]:
-    """{field: unchanged}"""
-    return {p.field: _image_field(inputs, p, fixed=True)}
-
-
-@batch_transform(params=HFlip, outputs=_same)
-def hflip(batch: Columns, p: HFlip, rng: np.random.Generator) -> Columns:
-    """Mirror each sample left-right with probability ``p``."""
-    x = batch[p.field]
-    aw = _spatial(F(str(x.dtype), x.shape[1:]), p.layout)[1] + 1
-    flip = rng.random(x.shape[0]) < p.p
-    out = x.copy()
-    out[flip] = np.flip(x[flip], axis=aw)
-    return {p.field: out}
-
-
-# -- normalize / dtype ------------------------------------------------------------------------
-class Normalize(_ImageParams):
-    mean: Annotated[list[Finite], Field(min_length=1, max_length=4096)] | None = None
-    std: Annotated[list[Finite], Field(min_length=1, max_length=4096)] | None = None
-    #: Multiplied first (``1/255`` maps uint8 to [0, 1]).
-    scale: Finite = 1.0
-    dtype: Literal["float32", "float16", "float64"] = "float32"
-    #: Turn HWC into CHW (what torch models take) while at it.
-    to_chw: bool = False
-
-
-def _norm_outputs(p: Normalize, inputs: Schema) -> dict[str, F]:
-    """{field: dtype, same shape (CHW if to_chw)}"""
-    f = _image_field(inputs, p, fixed=True)
-    shape = f.shape
-    if p.to_chw:
-        if len(shape) != 3 or p.layout != "HWC":
-            raise ValueError("to_chw needs an HWC image")
-        shape = (shape[2], shape[0], shape[1])
-    chans = shape[0] if len(shape) == 3 and (p.to_chw or p.layout == "CHW") else (
-        shape[2] if len(shape) == 3 else 1)  # fmt: skip
-    for name, v in (("mean", p.mean), ("std", p.std)):
-        if v is not None and len(v) not in (1, chans):
-            raise ValueError(f"{name} has {len(v)} values for {chans} channels")
-    if p.std is not None and any(s == 0 for s in p.std):
-        raise ValueError("std must not be 0")
-    return {p.field: F(p.dtype, shape)}
-
-
-@batch_transform(params=Normalize, outputs=_norm_outputs, takes_out=True)
-def normalize(batch: Columns, p: Normalize, rng: np.random.Generator,
-              out: Mapping[str, np.ndarray]) -> Columns:  # fmt: skip
-    """``(x * scale - mean) / std`` per channel, as ``dtype``."""
-    x = batch[p.field]
-    if p.to_chw:
-        x = np.transpose(x, (0, 3, 1, 2))
-    chw = p.to_chw or p.layout == "CHW"
-    dt = np.dtype(p.dtype)
-    # Computed in place in the batch's own memory when the runtime gives it (no copy after).
-    y = out.get(p.field)
-    if y is None:
-        y = np.empty(x.shape, dt)
-    np.copyto(y, x, casting="unsafe")
-    if p.scale != 1.0:
-        y *= dt.type(p.scale)
-    view = [1] * y.ndim
-    if y.ndim == 4:
-        view[1 if chw else 3] = -1
-    if p.mean is not None:
-        y -= np.asarray(p.mean, dtype=dt).reshape(view if len(p.mean) > 1 else [1])
-    if p.std is not None:
-        y /= np.asarray(p.std, dtype=dt).reshape(view if len(p.std) > 1 else [1])
-    return {p.field: y}
 
 
 # -- resize and random resized crop (per sample) -----------------------------------------------
@@ -250,7 +67,7 @@ def _resample(x: np.ndarray, box: tuple[float, float, float, float], size: tuple
     return np.asarray(out)
 
 
-class Resize(_ImageParams):
+class Resize(ImageParams):
     size: Size
     #: ``numpy`` (the default: bilinear without antialiasing, like torch's ``interpolate``;
     #: same bytes wherever numpy runs) or ``pillow`` (Pillow's antialiased bilinear, faster;
@@ -260,7 +77,7 @@ class Resize(_ImageParams):
 
 def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
     """{field: same dtype, [H, W] = size}"""
-    f = _image_field(inputs, p, fixed=False)
+    f = image_field(inputs, p, fixed=False)
     if p.method == "pillow":
         if (
             f.dtype != "uint8"
@@ -271,16 +88,16 @@ def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
                 f"method 'pillow' resizes uint8 HWC images; {p.field!r} is {f.describe()}"
             )
         pil()
-    return {p.field: _with_hw(f, p.layout, *_size2(p.size))}
+    return {p.field: with_hw(f, p.layout, *size2(p.size))}
 
 
 @sample_transform(params=Resize, outputs=_resize_outputs)
 def resize(sample: Columns, p: Resize, rng: np.random.Generator) -> Columns:
     """Bilinear resize to ``size``."""
     x = sample[p.field]
-    ah, aw = _spatial(F(str(x.dtype), x.shape), p.layout)
+    ah, aw = spatial(F(str(x.dtype), x.shape), p.layout)
     box = (0.0, 0.0, float(x.shape[ah]), float(x.shape[aw]))
-    return {p.field: _resample(x, box, _size2(p.size), ah, aw, p.method)}
+    return {p.field: _resample(x, box, size2(p.size), ah, aw, p.method)}
 
 
 Pair = Annotated[list[Annotated[float, Field(gt=0, le=100)]], Field(min_length=2, max_length=2)]
@@ -308,9 +125,9 @@ def random_resized_crop(sample: Columns, p: RandomResizedCrop,
     """A random box of ``scale`` of the area and ``ratio`` aspect, resized to ``size``
     (torchvision RandomResizedCrop: 10 tries, then the centre crop)."""
     x = sample[p.field]
-    ah, aw = _spatial(F(str(x.dtype), x.shape), p.layout)
+    ah, aw = spatial(F(str(x.dtype), x.shape), p.layout)
     box = _crop_box(x.shape[ah], x.shape[aw], p, rng)
-    return {p.field: _resample(x, box, _size2(p.size), ah, aw, p.method)}
+    return {p.field: _resample(x, box, size2(p.size), ah, aw, p.method)}
 
 
 def _crop_box(H: int, W: int, p: RandomResizedCrop,
@@ -355,7 +172,7 @@ class DecodeRandomResizedCrop(RandomResizedCrop):
 def _decode_crop_outputs(p: DecodeRandomResizedCrop, inputs: Schema) -> dict[str, F]:
     """{field: uint8 [H, W, 3] (RGB) or [H, W] (L), [H, W] = size}"""
     check_encoded(inputs, p.field)
-    h, w = _size2(p.size)
+    h, w = size2(p.size)
     return {p.field: F("uint8", (h, w, 3) if p.mode == "RGB" else (h, w))}
 
 
@@ -369,7 +186,7 @@ def decode_random_resized_crop(sample: Columns, p: DecodeRandomResizedCrop,
                                rng: np.random.Generator, limits: Limits) -> Columns:  # fmt: skip
     """Encoded bytes to a random resized crop: the box is drawn from the header's size
     (the same draws as ``random_resized_crop``), then only what it needs is decoded."""
-    oh, ow = _size2(p.size)
+    oh, ow = size2(p.size)
     with open_image(sample[p.field], limits) as im:
         W, H = im.size
         y0, x0, h, w = _crop_box(H, W, p, rng)

@@ -191,10 +191,13 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
             cols[k] = _stack(written[k], f) if f.fixed else written[k]
 
 
-def _apply_batch(step: Step, si: int, cols: dict[str, Column], n: int, where: Where,
-                 limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
+def _apply_batch(step: Step, at: tuple[int, ...], cols: dict[str, Column], n: int,
+                 where: Where, limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     t = step.transform
-    rng = batch_rng(where.seed, where.epoch, where.rank, where.batch, si)
+    gens = (batch_rng(where.seed, where.epoch, where.rank, where.batch, i) for i in at)
+    # A fused step gets each fused step's generator, made as it asks for them (see .fused);
+    # any other step its own.
+    rng = next(gens) if len(at) == 1 else gens
     more = (limits,) if t.takes_limits else ()
     into = {"out": dest} if t.takes_out else {}
     try:
@@ -243,10 +246,11 @@ def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray
             progress.step = step.transform.name
         t0 = time.perf_counter()
         dest = _dest(step, chain, names, len(indices), out) if si == last else {}
+        at = step.origin or (si,)  # the step's position in the job's chain, before fusing
         if step.transform.shape == "sample":
-            _apply_sample(step, si, cols, indices, where, limits, dest)
+            _apply_sample(step, at[0], cols, indices, where, limits, dest)
         else:
-            _apply_batch(step, si, cols, len(indices), where, limits, dest)
+            _apply_batch(step, at, cols, len(indices), where, limits, dest)
         name = step.transform.name
         spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
     return join_parts(cols, chain.outputs, names, out, tail), spent

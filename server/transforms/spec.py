@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import TransformStep
 
+from .fused import ORDER, fusable, unfused
 from .registry import Transform, TransformRegistry
 from .schema import Field
 
@@ -31,6 +32,9 @@ class Step:
     #: Worst-case bytes per sample while it runs: the fixed fields it reads and writes and
     #: what it holds besides (its declared ``peak``).
     held: int = 0
+    #: Positions in the job's chain of the steps this one runs (one; several when fused):
+    #: each one's randomness comes from its own position, fused or not.
+    origin: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,7 @@ def compile_chain(
         else ""
     )
     out: list[Step] = []
-    for i, raw in enumerate(steps):
-        step = raw if isinstance(raw, TransformStep) else TransformStep.model_validate(raw)
+    for i, step in enumerate(_unfused(steps)):
         t = registry.get(step.name)
         if t is None:
             raise BadRequest(
@@ -115,8 +118,38 @@ def compile_chain(
             )
         held = _fixed_bytes(fields) + _fixed_bytes(writes) + peak
         fields.update(writes)
-        out.append(Step(t, params, writes, held))
-    return Chain(tuple(out), dict(inputs), fields)
+        out.append(Step(t, params, writes, held, (i,)))
+    return Chain(fuse(out), dict(inputs), fields)
+
+
+def _unfused(steps: Sequence[TransformStep | Mapping[str, object]]) -> list[TransformStep]:
+    """``steps`` checked, a fused step (as a compiled chain names it to worker processes)
+    given as the steps it runs, in its place."""
+    out: list[TransformStep] = []
+    for raw in steps:
+        step = raw if isinstance(raw, TransformStep) else TransformStep.model_validate(raw)
+        parts = unfused(step.name, step.params)
+        out.extend([TransformStep.model_validate(p) for p in parts] if parts else [step])
+    return out
+
+
+def fuse(steps: Sequence[Step]) -> tuple[Step, ...]:
+    """``steps`` with each run of consecutive fusable built-ins (:mod:`.fused`) as one step:
+    it writes what the run's last step writes and holds what its largest step holds."""
+    out: list[Step] = []
+    i = 0
+    while i < len(steps):
+        plan = fusable([(s.transform, s.params) for s in steps[i : i + len(ORDER)]])
+        if plan is None:
+            out.append(steps[i])
+            i += 1
+            continue
+        run = steps[i : i + plan.length]
+        origin = tuple(o for s in run for o in s.origin)
+        held = max(s.held for s in run)
+        out.append(Step(plan.transform, plan.params, run[-1].writes, held, origin))
+        i += plan.length
+    return tuple(out)
 
 
 def _fixed_bytes(fields: Mapping[str, Field]) -> int:
