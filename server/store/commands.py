@@ -238,10 +238,11 @@ def configure_store_command(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
-    """``shardserve ingest``'s flags: the name, how the source is read, then how it is written."""
+    """``shardserve ingest``'s flags: the name, how the source is read, then how the ingest
+    runs (mapping, threads and processes, shard size, engine)."""
     p.add_argument("--name", required=True, help="dataset name (letters, digits, '.', '_', '-')")
     _add_reading_flags(p)
-    _add_writing_flags(p)
+    _add_run_flags(p)
 
 
 def _add_reading_flags(p: argparse.ArgumentParser) -> None:
@@ -285,6 +286,9 @@ def _add_reading_flags(p: argparse.ArgumentParser) -> None:
         default=256 << 20,
         help="refuse a sample (or a tar member) larger than this (default 256MiB)",
     )
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--map",
         metavar="MODULE:FUNCTION",
@@ -296,9 +300,6 @@ def _add_reading_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=2, help="loader threads for .pt files (default 2)"
     )
-
-
-def _add_writing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shard-size",
         type=parse_size,
