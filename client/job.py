@@ -87,17 +87,8 @@ def job_spec(
     if not 1 <= envs <= MAX_ENVS:
         raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
     batch_size = _positive_int(batch_size)
-    mix = (
-        [s.model_dump(mode="json") for s in mixture_sources(dataset)]
-        if not isinstance(dataset, str)
-        else None
-    )
-    if epoch_samples is not None and mix is None:
-        raise BadRequest("epoch_samples sets a mixture's epoch: give dataset={name: weight, ...}")
-    if isinstance(fields, (str, bytes)):  # a string is a sequence of its characters
-        raise BadRequest(f"fields={fields!r} must be a list of field names: fields=[{fields!r}]")
-    if isinstance(transforms, Mapping):  # a mapping is a sequence of its keys
-        raise BadRequest(f"transforms must be a list of steps: transforms=[{dict(transforms)!r}]")
+    mix = _mixture_of(dataset, epoch_samples)
+    _check_lists(fields, transforms)
     try:
         return JobSpec.model_validate({
             "dataset": None if mix is not None else dataset, "mixture": mix,
@@ -111,6 +102,28 @@ def job_spec(
         })  # fmt: skip
     except ValueError as e:  # pydantic's ValidationError: name the argument, not the model
         raise BadRequest(f"these Loader arguments make no job: {e}") from None
+
+
+def _mixture_of(dataset: str | Mixture, epoch_samples: int | None) -> list[dict] | None:
+    """A mixture's sources as the spec takes them; ``None`` for one dataset by name."""
+    if isinstance(dataset, str):
+        if epoch_samples is not None:
+            raise BadRequest(
+                "epoch_samples sets a mixture's epoch: give dataset={name: weight, ...}"
+            )
+        return None
+    return [s.model_dump(mode="json") for s in mixture_sources(dataset)]
+
+
+def _check_lists(
+    fields: Sequence[str] | None, transforms: Sequence[Mapping[str, Any]] | None
+) -> None:
+    """Refuse a string for ``fields`` and a mapping for ``transforms``: both are sequences, of
+    characters and of keys, which would make a job of something else."""
+    if isinstance(fields, (str, bytes)):
+        raise BadRequest(f"fields={fields!r} must be a list of field names: fields=[{fields!r}]")
+    if isinstance(transforms, Mapping):
+        raise BadRequest(f"transforms must be a list of steps: transforms=[{dict(transforms)!r}]")
 
 
 class JobHandle:

@@ -238,7 +238,14 @@ def configure_store_command(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
+    """``shardserve ingest``'s flags: the name, how the source is read, then how the ingest
+    runs (mapping, threads and processes, shard size, engine)."""
     p.add_argument("--name", required=True, help="dataset name (letters, digits, '.', '_', '-')")
+    _add_reading_flags(p)
+    _add_run_flags(p)
+
+
+def _add_reading_flags(p: argparse.ArgumentParser) -> None:
     from .ingest.decode import VALUE_FORMATS
     from .ingest.registry import FORMATS
 
@@ -250,15 +257,6 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
         "marker files for hf, lmdb, mds and litdata)",
     )
     p.add_argument(
-        "--shard-size",
-        type=parse_size,
-        default=256 << 20,
-        help="target shard size (default 256MiB)",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace an existing dataset of this name"
-    )
-    p.add_argument(
         "--variable",
         action="append",
         default=[],
@@ -266,13 +264,31 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
         help="declare FIELD variable-shape (repeatable)",
     )
     p.add_argument(
-        "--threads", type=int, default=2, help="loader threads for .pt files (default 2)"
-    )
-    p.add_argument(
         "--stacked",
         action="store_true",
         help=".pt files hold a dict of tensors sharing a leading dimension: one sample per row",
     )
+    p.add_argument(
+        "--split",
+        metavar="SPLIT",
+        help="a source laid out as splits (train/, data/test-*.parquet, a DatasetDict): ingest "
+        "only this one (default: each split as its own dataset NAME-SPLIT)",
+    )
+    p.add_argument(
+        "--value-format",
+        choices=VALUE_FORMATS,
+        default="auto",
+        help="how LMDB values are read (default auto: .pt / .npy by their magic, else raw bytes)",
+    )
+    p.add_argument(
+        "--max-sample-bytes",
+        type=parse_size,
+        default=256 << 20,
+        help="refuse a sample (or a tar member) larger than this (default 256MiB)",
+    )
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--map",
         metavar="MODULE:FUNCTION",
@@ -282,22 +298,16 @@ def _add_ingest_flags(p: argparse.ArgumentParser) -> None:
         "--workers", type=int, default=0, help="processes for --map (default 0: in this process)"
     )
     p.add_argument(
-        "--split",
-        metavar="SPLIT",
-        help="a source laid out as splits (train/, data/test-*.parquet, a DatasetDict): ingest "
-        "only this one (default: each split as its own dataset NAME-SPLIT)",
+        "--threads", type=int, default=2, help="loader threads for .pt files (default 2)"
     )
     p.add_argument(
-        "--max-sample-bytes",
+        "--shard-size",
         type=parse_size,
         default=256 << 20,
-        help="refuse a sample (or a tar member) larger than this (default 256MiB)",
+        help="target shard size (default 256MiB)",
     )
     p.add_argument(
-        "--value-format",
-        choices=VALUE_FORMATS,
-        default="auto",
-        help="how LMDB values are read (default auto: .pt / .npy by their magic, else raw bytes)",
+        "--overwrite", action="store_true", help="replace an existing dataset of this name"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(

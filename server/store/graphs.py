@@ -88,24 +88,7 @@ def node_source(
     field out with ``fields=`` never changes what counts the nodes. ``items``: the fields
     whose stored shapes show they follow an index field's edges (:mod:`.graph_shapes`)."""
     if node_field is not None:
-        spec = specs.get(node_field)
-        if spec is None or not _counts_nodes(node_field, spec):
-            what = (
-                "is not a field"
-                if spec is None
-                else f"is {spec.kind} {spec.dtype}{list(spec.shape)}"
-                + (", missing in some samples" if spec.nullable else "")
-            )
-            raise BadRequest(
-                f"{where}: node_field {node_field!r} {what}; it must be a tensor every sample "
-                f"has, whose first dimension is the graph's node count, not an index field. "
-                f"Fields: {list(specs)}"
-            )
-        if (why := _edge_reason(node_field, items)) is not None:
-            raise BadRequest(
-                f"{where}: node_field {node_field!r} cannot count nodes: {why}; {_FIX}"
-            )
-        return node_field
+        return _named_node_field(specs, node_field, where, items)
     if "num_nodes" in specs and specs["num_nodes"].kind == "scalar":
         return "num_nodes"
     edges = {n: why for n in specs if (why := _edge_reason(n, items)) is not None}
@@ -137,6 +120,28 @@ def node_source(
         f"pos, or a top-level field whose first dimension varies; its fields are "
         f"{list(specs)}. Else {how}"
     )
+
+
+def _named_node_field(
+    specs: Mapping[str, FieldSpec], node_field: str, where: str, items: ItemFields
+) -> str:
+    """``node_field`` as the job named it, if it can count nodes; else ``BadRequest``."""
+    spec = specs.get(node_field)
+    if spec is None or not _counts_nodes(node_field, spec):
+        what = (
+            "is not a field"
+            if spec is None
+            else f"is {spec.kind} {spec.dtype}{list(spec.shape)}"
+            + (", missing in some samples" if spec.nullable else "")
+        )
+        raise BadRequest(
+            f"{where}: node_field {node_field!r} {what}; it must be a tensor every sample "
+            f"has, whose first dimension is the graph's node count, not an index field. "
+            f"Fields: {list(specs)}"
+        )
+    if (why := _edge_reason(node_field, items)) is not None:
+        raise BadRequest(f"{where}: node_field {node_field!r} cannot count nodes: {why}; {_FIX}")
+    return node_field
 
 
 def check_graph_job(

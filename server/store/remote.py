@@ -311,15 +311,8 @@ class RemoteStore:
             raise InvalidDataError(
                 f"store {self.root} is remote: serving it needs a local cache (--cache-dir)"
             )
-        if version is not None:
-            # The version a job pinned, already open: nothing to ask the store (which may be
-            # slow or away; a stream of a cached dataset must not wait on it).
-            with self._lock:
-                ds = self._open.get(name)
-                if ds is not None and content_id(ds.manifest) == version:
-                    return ds
-            if (held := self.shelf.get(name, version)) is not None:
-                return held
+        if version is not None and (opened := self._opened(name, version)) is not None:
+            return opened
         # Read outside the lock: a slow store must not hold up opening another dataset.
         away: StoreUnavailable | None = None
         try:
@@ -353,6 +346,16 @@ class RemoteStore:
                     raise changed_error(name, version, current)
                 return held
             return ds
+
+    def _opened(self, name: str, version: str) -> Dataset | None:
+        """Version ``version`` of ``name`` if it is open already (current or held): nothing
+        to ask the store, which may be slow or away; a stream of a cached dataset must not
+        wait on it."""
+        with self._lock:
+            ds = self._open.get(name)
+            if ds is not None and content_id(ds.manifest) == version:
+                return ds
+        return self.shelf.get(name, version)
 
     def release_unpinned(self, pinned: Iterable[tuple[str, str | None]]) -> None:
         """Let go of old versions no job pins any more."""

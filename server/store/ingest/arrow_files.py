@@ -201,6 +201,20 @@ def convert(
     of the columns that hold text, and their encoding."""
     batch = flatten_structs(batch)
     cols: dict[str, object] = {}
+    _refuse_duplicates(batch, where)
+    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
+        if name.startswith("__index_level_"):
+            continue  # pandas' saved index is not a field
+        if arr.null_count and not nulls:
+            raise InvalidDataError(
+                f"{where}: column {name!r} has {arr.null_count} nulls; a store holds no nulls"
+            )
+        cols[name] = _column(arr, where, name, text)
+    return cols
+
+
+def _refuse_duplicates(batch: pa.RecordBatch, where: str) -> None:
+    """Refuse two source columns that flatten to one field name, naming both."""
     names = batch.schema.names
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
@@ -209,54 +223,52 @@ def convert(
             f"{where}: {' and '.join(repr(o) for o in origins)} both become the field {dup!r}; "
             "rename one of them in the source (or drop one with --map)"
         )
-    for name, arr in zip(batch.schema.names, batch.columns, strict=True):
-        if name.startswith("__index_level_"):
-            continue  # pandas' saved index is not a field
-        if arr.null_count and not nulls:
+
+
+def _column(arr: pa.Array, where: str, name: str, text: dict[str, TextEncoding] | None) -> object:
+    """Column ``name`` as the writer takes it (``text``: notes it if it holds text)."""
+    t = arr.type
+    col: object
+    if (_numeric(t) or pa.types.is_fixed_size_list(t)) and arr.null_count:
+        col = _nullable_fixed(arr, where, name)
+    elif _numeric(t):
+        col = arr.to_numpy(zero_copy_only=False)
+    elif pa.types.is_fixed_size_list(t) or isinstance(t, pa.FixedShapeTensorType):
+        col = _fixed(arr, where, name)
+    elif _is_list(t) and _is_text(t.value_type):
+        try:
+            col = _text_lists(arr)
+        except ValueError as e:
+            raise InvalidDataError(f"{where}: column {name!r}: {e}") from None
+        if text is not None:
+            text[name] = "utf-8-list"
+    elif _is_list(t) and _is_list(t.value_type):
+        try:
+            col = _nested_rows(arr, where, name)
+        except InvalidDataError:
+            raise
+        except ValueError as e:
             raise InvalidDataError(
-                f"{where}: column {name!r} has {arr.null_count} nulls; a store holds no nulls"
-            )
-        t = arr.type
-        if (_numeric(t) or pa.types.is_fixed_size_list(t)) and arr.null_count:
-            cols[name] = _nullable_fixed(arr, where, name)
-        elif _numeric(t):
-            cols[name] = arr.to_numpy(zero_copy_only=False)
-        elif pa.types.is_fixed_size_list(t) or isinstance(t, pa.FixedShapeTensorType):
-            cols[name] = _fixed(arr, where, name)
-        elif _is_list(t) and _is_text(t.value_type):
-            try:
-                cols[name] = _text_lists(arr)
-            except ValueError as e:
-                raise InvalidDataError(f"{where}: column {name!r}: {e}") from None
-            if text is not None:
-                text[name] = "utf-8-list"
-        elif _is_list(t) and _is_list(t.value_type):
-            try:
-                cols[name] = _nested_rows(arr, where, name)
-            except InvalidDataError:
-                raise
-            except ValueError as e:
-                raise InvalidDataError(
-                    f"{where}: column {name!r} has type {t}, which a store cannot hold ({e})"
-                ) from None
-        elif pa.types.is_list(t) or pa.types.is_large_list(t):
-            cols[name] = _ragged(arr, where, name)
-        elif (
-            pa.types.is_binary(t)
-            or pa.types.is_large_binary(t)
-            or pa.types.is_string(t)
-            or pa.types.is_large_string(t)
-        ):
-            # Kept as Arrow (strings as their UTF-8 bytes): no Python object per row.
-            cols[name] = arr.cast(pa.binary())
-            if text is not None and _is_text(t):
-                text[name] = "utf-8"
-        else:
-            raise InvalidDataError(
-                f"{where}: column {name!r} has type {t}, which a store cannot hold (numbers, "
-                "fixed-size lists, lists of numbers, binary and strings can be ingested)"
-            )
-    return cols
+                f"{where}: column {name!r} has type {t}, which a store cannot hold ({e})"
+            ) from None
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        col = _ragged(arr, where, name)
+    elif (
+        pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+    ):
+        # Kept as Arrow (strings as their UTF-8 bytes): no Python object per row.
+        col = arr.cast(pa.binary())
+        if text is not None and _is_text(t):
+            text[name] = "utf-8"
+    else:
+        raise InvalidDataError(
+            f"{where}: column {name!r} has type {t}, which a store cannot hold (numbers, "
+            "fixed-size lists, lists of numbers, binary and strings can be ingested)"
+        )
+    return col
 
 
 def _origins(schema: pa.Schema) -> list[str]:

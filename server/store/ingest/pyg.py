@@ -212,27 +212,36 @@ def in_memory(obj: object, path: Path | str) -> list[Graph] | None:
     if len(lengths) != 1:
         raise InvalidDataError(f"{path}: InMemoryDataset slices disagree on the graph count")
     (num,) = lengths
-    graphs = []
-    for i in range(num):
-        g: Graph = {}
-        for key, sl in slices.items():
-            value = mapping.get(key)
-            if value is None:
-                continue
-            start, end = int(sl[i]), int(sl[i + 1])
-            if hasattr(value, "narrow"):
-                g[key] = value.narrow(_cat_dim(key), start, end - start)
-            elif isinstance(value, list) and len(value) == num:
-                g[key] = value[i]
-            else:
-                raise InvalidDataError(
-                    f"{path}: InMemoryDataset attribute {key!r} is a {type(value).__name__}, "
-                    "which cannot be split into graphs"
-                )
-        if isinstance(counts, list) and len(counts) == num:
-            g["num_nodes"] = counts[i]
-        n = _num_nodes(g, f"{path} graph {i}")
-        if n is not None:
-            g["num_nodes"] = n
-        graphs.append(g)
-    return graphs
+    return [_graph_at(i, num, slices, mapping, counts, path) for i in range(num)]
+
+
+def _graph_at(
+    i: int,
+    num: int,
+    slices: dict[str, Any],
+    mapping: Graph,
+    counts: object,
+    path: Path | str,
+) -> Graph:
+    """Graph ``i`` of ``num``: its part of every sliced attribute, and its node count."""
+    g: Graph = {}
+    for key, sl in slices.items():
+        value = mapping.get(key)
+        if value is None:
+            continue
+        start, end = int(sl[i]), int(sl[i + 1])
+        if hasattr(value, "narrow"):
+            g[key] = value.narrow(_cat_dim(key), start, end - start)
+        elif isinstance(value, list) and len(value) == num:
+            g[key] = value[i]
+        else:
+            raise InvalidDataError(
+                f"{path}: InMemoryDataset attribute {key!r} is a {type(value).__name__}, "
+                "which cannot be split into graphs"
+            )
+    if isinstance(counts, list) and len(counts) == num:
+        g["num_nodes"] = counts[i]
+    n = _num_nodes(g, f"{path} graph {i}")
+    if n is not None:
+        g["num_nodes"] = n
+    return g

@@ -26,27 +26,38 @@ def ingest_anywhere(args: argparse.Namespace, remote: RemoteStore | None) -> Ing
     if remote is not None:
         RemotePublisher(remote).check_absent(args.name, args.overwrite)  # fail before any work
     if args.engine == "ray":
-        from .ray_engine import ingest_ray
-
-        # With a remote store the tasks upload their own shards (they may run on other
-        # machines) and the driver publishes the manifest.
-        return IngestReport(
-            (
-                ingest_ray(
-                    args.src,
-                    args.store,
-                    args.name,
-                    fmt=args.format,
-                    shard_bytes=args.shard_size,
-                    overwrite=args.overwrite,
-                    variable=args.variable,
-                    progress=not args.quiet,
-                    num_cpus=args.ray_cpus,
-                    remote=remote,
-                ),
-            )
-        )
+        return _ingest_with_ray(args, remote)
     assert remote is not None  # a local store with the local engine never comes here
+    return _ingest_then_upload(args, remote, started)
+
+
+def _ingest_with_ray(args: argparse.Namespace, remote: RemoteStore | None) -> IngestReport:
+    from .ray_engine import ingest_ray
+
+    # With a remote store the tasks upload their own shards (they may run on other machines)
+    # and the driver publishes the manifest.
+    return IngestReport(
+        (
+            ingest_ray(
+                args.src,
+                args.store,
+                args.name,
+                fmt=args.format,
+                shard_bytes=args.shard_size,
+                overwrite=args.overwrite,
+                variable=args.variable,
+                progress=not args.quiet,
+                num_cpus=args.ray_cpus,
+                remote=remote,
+            ),
+        )
+    )
+
+
+def _ingest_then_upload(
+    args: argparse.Namespace, remote: RemoteStore, started: float
+) -> IngestReport:
+    """Ingest into a temporary folder with this process, then upload each dataset made."""
     with tempfile.TemporaryDirectory(prefix="shardserve-ingest-") as tmp:
         report = ingest_all(
             args.src,
