@@ -207,6 +207,8 @@ class JobSpec(BaseModel):
     #: Server-side transforms applied to every batch, in order (issue 15); like ``collate``,
     #: left out of the job id when ``None``.
     transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
+    #: Steps the trainer's device runs after the chain, on parameters the server draws.
+    device_transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
     #: ``"replace"``: a sample whose transform raises is replaced by a deterministic other one;
     #: ``"quarantine"`` (a mixture): replaced too, and quarantined in its dataset (skipped
     #: from the job's next epoch on, see the mixtures guide).
@@ -451,6 +453,7 @@ def job_id(spec: JobSpec) -> str:
             ("collate", spec.collate is None),
             ("version", spec.version is None),
             ("transforms", spec.transforms is None),
+            ("device_transforms", spec.device_transforms is None),
             ("on_error", spec.on_error is None),
             ("envs", spec.envs == 1),
             ("env_shuffle", spec.env_shuffle == "independent"),
