@@ -27,6 +27,7 @@ from .planning import num_batches
 from .planning.cache import PlanCache
 from .settings import Settings
 from .streaming.board import JobActivity, StreamBoard
+from .transforms.rng import pin_scheme
 
 
 class JobAdmin:
@@ -61,7 +62,7 @@ class JobAdmin:
         version(s) it reads: the job's id covers them); a new job's kind then takes what
         the job needs from the store."""
         kind = self.kinds.of(spec)
-        admitted = kind.admit(spec)
+        admitted = kind.admit(pin_scheme(spec))
         created = self._admit(admitted)
         if created.created:
             kind.created(admitted.spec)
