@@ -43,8 +43,9 @@ class Decoder(Protocol):
 
     name: str
 
-    def decode(self, encoded: list[torch.Tensor], mode: Mode, device: torch.device,
-               counts: DecodeCounts) -> Images: ...  # fmt: skip
+    def decode(
+        self, encoded: list[torch.Tensor], mode: Mode, device: torch.device, counts: DecodeCounts
+    ) -> Images: ...
 
 
 def _pil() -> ModuleType:
@@ -71,8 +72,9 @@ class PillowDecoder:
 
     name = "pillow"
 
-    def decode(self, encoded: list[torch.Tensor], mode: Mode, device: torch.device,
-               counts: DecodeCounts) -> Images:  # fmt: skip
+    def decode(
+        self, encoded: list[torch.Tensor], mode: Mode, device: torch.device, counts: DecodeCounts
+    ) -> Images:
         arrays = [pil_decode(e, mode) for e in encoded]
         counts.cpu += len(arrays)
         return Images.from_hwc([torch.from_numpy(a) for a in arrays], device)
@@ -87,8 +89,9 @@ class NvjpegDecoder:
     def __init__(self, io_mod: ModuleType) -> None:
         self._io = io_mod
 
-    def decode(self, encoded: list[torch.Tensor], mode: Mode, device: torch.device,
-               counts: DecodeCounts) -> Images:  # fmt: skip
+    def decode(
+        self, encoded: list[torch.Tensor], mode: Mode, device: torch.device, counts: DecodeCounts
+    ) -> Images:
         jpeg = [i for i, e in enumerate(encoded) if bytes(e[:3].tolist()) == _JPEG]
         out: list[torch.Tensor | None] = [None] * len(encoded)
         read = self._io.ImageReadMode.RGB if mode == "RGB" else self._io.ImageReadMode.GRAY

@@ -10,7 +10,7 @@ the same ops run in place of the copy, on the batch as received (CI's path).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,29 @@ def with_device_steps(spec: JobSpec, steps: Sequence[Mapping[str, Any]]) -> JobS
     )
 
 
+def attach(
+    spec: JobSpec, steps: Sequence[Mapping[str, Any]] | None, device: torch.device
+) -> tuple[JobSpec, torch.device, DeviceSteps | None]:
+    """What a Loader with ``device_transforms=steps`` runs: its job, where batches land before
+    the steps (the host), and the steps (``None``: no steps, batches land on ``device``)."""
+    if steps is None:
+        return spec, device, None
+    spec = with_device_steps(spec, steps)
+    run = DeviceSteps(spec.device_transforms or (), len(spec.transforms or ()), device)
+    return spec, torch.device("cpu"), run
+
+
+def then(
+    first: DeviceSteps | None, rest: Callable[[Batch], Any] | None
+) -> Callable[[Batch], Any] | None:
+    """``first`` then ``rest`` on each batch (either may be absent)."""
+    if first is None:
+        return rest
+    if rest is None:
+        return first
+    return lambda b: rest(first(b))
+
+
 class DeviceSteps:
     """Executes a job's ``device_transforms`` on each batch, on ``device``.
 
@@ -48,10 +71,15 @@ class DeviceSteps:
     [[1, 0, 1, 0]]
     """
 
-    def __init__(self, steps: Sequence[Mapping[str, Any] | TransformStep], offset: int,
-                 device: torch.device, decoder: str = "auto",
-                 expansions: Mapping[str, Expansion] | None = None,
-                 max_staged: int = MAX_STAGED) -> None:  # fmt: skip
+    def __init__(
+        self,
+        steps: Sequence[Mapping[str, Any] | TransformStep],
+        offset: int,
+        device: torch.device,
+        decoder: str = "auto",
+        expansions: Mapping[str, Expansion] | None = None,
+        max_staged: int = MAX_STAGED,
+    ) -> None:
         self.steps = ds.parse_steps(steps)
         self.offset = offset
         self.device = device

@@ -27,8 +27,11 @@ class Images:
     def from_hwc(images: list[torch.Tensor], device: torch.device) -> Images:
         """Images from per-sample ``[H, W, C]`` tensors (copied once, to ``device``)."""
         c = int(images[0].shape[2]) if images else 3
-        flat = torch.cat([t.reshape(-1).to(device) for t in images]) if images else (
-            torch.empty(0, dtype=torch.uint8, device=device))  # fmt: skip
+        flat = (
+            torch.cat([t.reshape(-1).to(device) for t in images])
+            if images
+            else (torch.empty(0, dtype=torch.uint8, device=device))
+        )
         sizes = torch.tensor([t.numel() for t in images], dtype=torch.int64)
         starts = torch.zeros(len(images), dtype=torch.int64)
         if len(images) > 1:

@@ -42,8 +42,10 @@ class Context:
 def _hwc(x: Value, layout: str, name: str) -> torch.Tensor:
     """A dense image batch as ``[B, H, W, C]`` (a view)."""
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
-        raise BadRequest(f"device step on field {name!r}: expected a dense image batch, got "
-                         f"{type(x).__name__}; decode or resize it first")  # fmt: skip
+        raise BadRequest(
+            f"device step on field {name!r}: expected a dense image batch, got "
+            f"{type(x).__name__}; decode or resize it first"
+        )
     if x.dim() == 3:
         return x[..., None]
     return x.permute(0, 2, 3, 1) if layout == "CHW" else x
@@ -84,8 +86,9 @@ def resize(s: State, p: ds.Resize, drawn: Mapping[str, torch.Tensor], ctx: Conte
     _resized(s, p, None, ctx)
 
 
-def random_resized_crop(s: State, p: ds.RandomResizedCrop, drawn: Mapping[str, torch.Tensor],
-                        ctx: Context) -> None:  # fmt: skip
+def random_resized_crop(
+    s: State, p: ds.RandomResizedCrop, drawn: Mapping[str, torch.Tensor], ctx: Context
+) -> None:
     _resized(s, p, drawn["box"], ctx)
 
 
@@ -112,8 +115,14 @@ def hflip(s: State, p: ds.HFlip, drawn: Mapping[str, torch.Tensor], ctx: Context
     s[p.field] = _back(torch.where(flip, img.flip(2), img), x, p.layout)
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64, "uint8": torch.uint8, "bool": torch.bool}  # fmt: skip
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
 
 
 def normalize(s: State, p: ds.Normalize, drawn: Mapping[str, torch.Tensor], ctx: Context) -> None:

@@ -31,6 +31,7 @@ from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
 from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
+from .device_plan import device_manifest
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
@@ -68,9 +69,10 @@ class Transforms:
     def served(self, spec: JobSpec, manifest: Manifest) -> Manifest:
         """What job ``spec`` serves of the stored dataset ``manifest``: the chain's outputs
         when it has transforms (``BadRequest`` when the chain does not fit), else itself."""
-        if not spec.transforms:
-            return manifest
-        return chain_manifest(self.compile(spec, manifest), manifest)
+        chained = (
+            chain_manifest(self.compile(spec, manifest), manifest) if spec.transforms else manifest
+        )
+        return device_manifest(spec, chained)  # and the device steps' drawn parameters
 
     def sample_bytes(self, spec: JobSpec, manifest: Manifest) -> float:
         """Bytes of one sample as job ``spec`` serves the stored dataset ``manifest``."""

@@ -46,8 +46,15 @@ def test_decode_crop_flip_equals_server_arithmetic(fmt: str) -> None:
     enc, var = _jpegs([(40, 60), (57, 33), (80, 80), (31, 90)], fmt)
     boxes = torch.tensor([[3, 5, 20, 30], [0, 0, 57, 33], [10, 10, 50, 40], [1, 2, 29, 80.0]])
     flips = torch.tensor([1, 0, 1, 0], dtype=torch.uint8)
-    run = DeviceSteps([{"name": "decode_image"}, {"name": "random_resized_crop",
-                       "params": {"size": [16, 20]}}, {"name": "hflip"}], offset=0, device=CPU)  # fmt: skip
+    run = DeviceSteps(
+        [
+            {"name": "decode_image"},
+            {"name": "random_resized_crop", "params": {"size": [16, 20]}},
+            {"name": "hflip"},
+        ],
+        offset=0,
+        device=CPU,
+    )
     out = run({"image": var, "_device_1_box": boxes, "_device_2_flip": flips, "y": torch.ones(4)})
     assert set(out) == {"image", "y"}  # the parameter fields are dropped
     for i, e in enumerate(enc):
@@ -74,9 +81,16 @@ def test_random_crop_and_normalize_chw() -> None:
     off = torch.tensor([[0, 4], [3, 1]])
     steps = [
         {"name": "random_crop", "params": {"size": 6, "padding": 2, "fill": 7}},
-        {"name": "normalize", "params": {"mean": [1.0, 2.0, 3.0], "std": [2.0, 4.0, 8.0],
-                                         "scale": 0.5, "to_chw": True}},
-    ]  # fmt: skip
+        {
+            "name": "normalize",
+            "params": {
+                "mean": [1.0, 2.0, 3.0],
+                "std": [2.0, 4.0, 8.0],
+                "scale": 0.5,
+                "to_chw": True,
+            },
+        },
+    ]
     out = DeviceSteps(steps, offset=3, device=CPU)({"image": x, "_device_3_offset": off})["image"]
     padded = np.pad(x.numpy(), [(0, 0), (2, 2), (2, 2), (0, 0)], constant_values=7)
     for i, (oy, ox) in enumerate(off.tolist()):
@@ -89,8 +103,18 @@ def test_random_crop_and_normalize_chw() -> None:
 def test_unpack_bits_exact(bitorder: str) -> None:
     """Unpacking on the device equals numpy.unpackbits bit for bit."""
     x = np.random.default_rng(3).integers(0, 256, (5, 13), dtype=np.uint8)
-    steps = [{"name": "unpack_bits", "params": {"field": "b", "shape": [2, 50], "to": "p",
-                                                 "dtype": "float32", "bitorder": bitorder}}]  # fmt: skip
+    steps = [
+        {
+            "name": "unpack_bits",
+            "params": {
+                "field": "b",
+                "shape": [2, 50],
+                "to": "p",
+                "dtype": "float32",
+                "bitorder": bitorder,
+            },
+        }
+    ]
     out = DeviceSteps(steps, offset=0, device=CPU)({"b": torch.from_numpy(x)})
     ref = np.unpackbits(x, axis=1, count=100, bitorder=bitorder).reshape(5, 2, 50)
     assert np.array_equal(out["p"].numpy(), ref.astype(np.float32))
@@ -98,12 +122,20 @@ def test_unpack_bits_exact(bitorder: str) -> None:
 
 def test_expansion_must_be_registered() -> None:
     """An expand step naming no registered expansion is refused with the registered names."""
-    run = DeviceSteps([{"name": "expand", "params": {"fn": "nope", "field": "b"}}], offset=0,
-                      device=CPU, expansions={"twice": lambda t, o: t * 2})  # fmt: skip
+    run = DeviceSteps(
+        [{"name": "expand", "params": {"fn": "nope", "field": "b"}}],
+        offset=0,
+        device=CPU,
+        expansions={"twice": lambda t, o: t * 2},
+    )
     with pytest.raises(BadRequest, match="twice"):
         run({"b": torch.ones(2)})
-    ok = DeviceSteps([{"name": "expand", "params": {"fn": "twice", "field": "b", "to": "c"}}],
-                     offset=0, device=CPU, expansions={"twice": lambda t, o: t * 2})  # fmt: skip
+    ok = DeviceSteps(
+        [{"name": "expand", "params": {"fn": "twice", "field": "b", "to": "c"}}],
+        offset=0,
+        device=CPU,
+        expansions={"twice": lambda t, o: t * 2},
+    )
     assert ok({"b": torch.ones(2)})["c"].tolist() == [2.0, 2.0]
 
 
