@@ -17,28 +17,9 @@ The codec: torchvision's ``decode_jpeg(device="cuda")`` where torchvision import
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ._executor import MAX_STAGED, DeviceSteps, with_device_steps
 from ._ops import Expansion
-
-_REGISTERED: dict[str, Expansion] = {}
-
-
-def register_expansion(name: str, fn: Expansion) -> None:
-    """Install ``fn`` as device step ``expand`` with ``fn=name`` for Loaders made after.
-
-    >>> register_expansion("double", lambda x, options: x * 2)
-    >>> "double" in registered()
-    True
-    """
-    _REGISTERED[name] = fn
-
-
-def registered() -> Mapping[str, Expansion]:
-    """The expansions installed in this process, by name."""
-    return dict(_REGISTERED)
-
+from ._registry import register_expansion, registered
 
 __all__ = [
     "MAX_STAGED",

@@ -23,6 +23,7 @@ from ..types import Batch, VarTensor
 from ._codec import DecodeCounts, choose_decoder
 from ._images import Images
 from ._ops import OPS, Context, Expansion
+from ._registry import registered
 
 #: Pinned blocks a device's staging holds at most: one being copied, one being filled.
 MAX_STAGED = 2
@@ -86,8 +87,6 @@ class DeviceSteps:
         self.cuda = device.type == "cuda"
         self.counts = DecodeCounts()
         if expansions is None:
-            from . import registered  # the expansions installed in this process
-
             expansions = registered()
         self.ctx = Context(device, choose_decoder(device, decoder), self.counts, dict(expansions))
         self.pool = PinnedPool(pin=self.cuda, max_blocks=max_staged)
