@@ -256,7 +256,9 @@ class Loader:
             envs=job_envs, env_shuffle=env_shuffle, transforms=transforms,
             on_error=on_error, epoch_samples=epoch_samples, share=share,
         )  # fmt: skip
-        self.spec, lands, self._device_steps = attach(self.spec, device_transforms, self.device)
+        self.spec, lands, self._device_steps = attach(
+            self.spec, device_transforms, self.device, resident is not None
+        )
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
         #: (epoch, job id): the epoch resumed from a state of another world size.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from shardserve.proto import device_steps as ds
+from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import JobSpec, TransformStep
 
 from .._staging import PinnedPool, pack_into
@@ -41,12 +42,20 @@ def with_device_steps(spec: JobSpec, steps: Sequence[Mapping[str, Any]]) -> JobS
 
 
 def attach(
-    spec: JobSpec, steps: Sequence[Mapping[str, Any]] | None, device: torch.device
+    spec: JobSpec,
+    steps: Sequence[Mapping[str, Any]] | None,
+    device: torch.device,
+    resident: bool = False,
 ) -> tuple[JobSpec, torch.device, DeviceSteps | None]:
     """What a Loader with ``device_transforms=steps`` runs: its job, where batches land before
     the steps (the host), and the steps (``None``: no steps, batches land on ``device``)."""
     if steps is None:
         return spec, device, None
+    if resident:
+        raise BadRequest(
+            "resident mode gathers the stored fields in this process; it cannot "
+            "run device_transforms: leave resident out"
+        )
     spec = with_device_steps(spec, steps)
     run = DeviceSteps(spec.device_transforms or (), len(spec.transforms or ()), device)
     return spec, torch.device("cpu"), run
