@@ -15,6 +15,7 @@ import torch
 
 from shardserve.client.device_steps import DeviceSteps
 from shardserve.client.device_steps._images import Images, resample
+from shardserve.client.device_steps._ops import unpack_torch
 from shardserve.client.types import VarTensor
 from shardserve.proto.errors import BadRequest
 from shardserve.server.transforms.builtins import _bilinear
@@ -118,6 +119,14 @@ def test_unpack_bits_exact(bitorder: str) -> None:
     out = DeviceSteps(steps, offset=0, device=CPU)({"b": torch.from_numpy(x)})
     ref = np.unpackbits(x, axis=1, count=100, bitorder=bitorder).reshape(5, 2, 50)
     assert np.array_equal(out["p"].numpy(), ref.astype(np.float32))
+
+
+def test_unpack_torch_equals_numpy() -> None:
+    """The tensor-op unpacking (the GPU path) equals numpy.unpackbits in both bit orders."""
+    x = np.random.default_rng(4).integers(0, 256, (3, 9), dtype=np.uint8)
+    for order in ("big", "little"):
+        got = unpack_torch(torch.from_numpy(x), 70, order).numpy()
+        assert np.array_equal(got, np.unpackbits(x, axis=1, count=70, bitorder=order))
 
 
 def test_expansion_must_be_registered() -> None:
