@@ -89,6 +89,15 @@ class NvjpegDecoder:
     def __init__(self, io_mod: ModuleType) -> None:
         self._io = io_mod
 
+    def _batch(
+        self, data: list[torch.Tensor], read: object, device: torch.device
+    ) -> list[torch.Tensor]:
+        """One batched call (torchvision >= 0.19 takes a list); one call a sample before."""
+        try:
+            return list(self._io.decode_jpeg(data, mode=read, device=device))
+        except TypeError:
+            return [self._io.decode_jpeg(d, mode=read, device=device) for d in data]
+
     def decode(
         self, encoded: list[torch.Tensor], mode: Mode, device: torch.device, counts: DecodeCounts
     ) -> Images:
@@ -97,7 +106,7 @@ class NvjpegDecoder:
         read = self._io.ImageReadMode.RGB if mode == "RGB" else self._io.ImageReadMode.GRAY
         if jpeg:
             try:
-                got = self._io.decode_jpeg([encoded[i] for i in jpeg], mode=read, device=device)
+                got = self._batch([encoded[i] for i in jpeg], read, device)
             except RuntimeError:
                 jpeg = []  # one bad JPEG fails the batch call: decode them all on the CPU
             else:

@@ -152,3 +152,34 @@ def test_unknown_step_is_refused() -> None:
     """A device step that does not exist is refused naming those that do."""
     with pytest.raises(BadRequest, match="random_resized_crop"):
         DeviceSteps([{"name": "blur"}], offset=0, device=CPU)
+
+
+class _StandInIO:
+    """torchvision.io's surface that the GPU codec uses, decoding with Pillow (CI has no
+    torchvision beside its CPU torch): the codec's routing and counting are what is tested."""
+
+    class ImageReadMode:
+        RGB, GRAY = "RGB", "L"
+
+    @staticmethod
+    def decode_jpeg(
+        data: list[torch.Tensor], mode: str, device: torch.device
+    ) -> list[torch.Tensor]:
+        return [
+            torch.from_numpy(_full_decode(d.numpy()).copy()).permute(2, 0, 1).to(device)
+            for d in data
+        ]
+
+
+def test_gpu_codec_routes_pngs_to_pillow_and_counts_them() -> None:
+    """JPEGs go to the batched codec, a PNG falls back to Pillow and is counted; same pixels."""
+    from shardserve.client.device_steps._codec import DecodeCounts, NvjpegDecoder, PillowDecoder
+
+    _, var = _jpegs([(20, 30), (25, 17)])
+    _, pvar = _jpegs([(11, 13)], "PNG")
+    data = [*var.unbind(), *pvar.unbind()]
+    counts = DecodeCounts()
+    got = NvjpegDecoder(_StandInIO).decode(data, "RGB", CPU, counts)  # type: ignore[arg-type]
+    want = PillowDecoder().decode(data, "RGB", CPU, DecodeCounts())
+    assert (counts.device, counts.cpu, counts.cpu_fallback) == (2, 1, 1)
+    assert torch.equal(got.values, want.values) and torch.equal(got.hw, want.hw)
