@@ -170,3 +170,11 @@ def test_steps_that_do_not_fit_are_refused(server: ServerProc, steps: list, says
     """A device step that does not fit the served fields is a 422 naming the step."""
     with pytest.raises(BadRequest, match=f"device_transforms\\[0\\].*{says}"):
         Loader(server.http_url, "photos", BATCH, timeout=scaled(30), device_transforms=steps)
+
+
+def test_fields_subset_still_carries_the_parameters(server: ServerProc) -> None:
+    """With fields=[...] the drawn parameters travel anyway and the steps see them."""
+    full = _epoch(server, "cifar", device_transforms=CROP_FLIP)
+    only = _epoch(server, "cifar", device_transforms=CROP_FLIP, fields=["image"])
+    assert [set(b) for b in only] == [{"image"}] * len(full)
+    assert all(torch.equal(a["image"], b["image"]) for a, b in zip(full, only, strict=True))
