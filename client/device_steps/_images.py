@@ -83,13 +83,14 @@ def resample(images: Images, boxes: torch.Tensor, size: tuple[int, int]) -> torc
     H, W = images.hw[:, 0], images.hw[:, 1]
     y0, y1, wy = _axis(boxes[:, 0], boxes[:, 2], oh, H)
     x0, x1, wx = _axis(boxes[:, 1], boxes[:, 3], ow, W)
-    chans = torch.arange(c, device=dev, dtype=torch.int64)
-    base = images.starts[:, None, None]
-    row_stride = (W * c)[:, None, None]
+    # Every image starts on a whole pixel: gather pixels (rows of C bytes), not bytes.
+    pixels = images.values.view(-1, c)
+    base = (images.starts // c)[:, None, None]
+    row_stride = W[:, None, None]
 
     def gather(ys: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-        at = base + ys[:, :, None] * row_stride + xs[:, None, :] * c  # [B, oh, ow]
-        return images.values[at[..., None] + chans].to(torch.float32)  # [B, oh, ow, C]
+        at = base + ys[:, :, None] * row_stride + xs[:, None, :]  # [B, oh, ow] pixel indices
+        return pixels[at].to(torch.float32)  # [B, oh, ow, C]
 
     wx4 = wx[:, None, :, None]
     wy4 = wy[:, :, None, None]
