@@ -9,6 +9,7 @@ the data plane's work: it is handed over through ``end_streams`` and never waite
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +64,15 @@ class JobAdmin:
         the job needs from the store."""
         kind = self.kinds.of(spec)
         admitted = kind.admit(pin_scheme(spec))
+        # A job made before randomness schemes were recorded (journaled across an upgrade)
+        # goes on with its own: the same spec finds it rather than a job drawing otherwise.
+        older = admitted.spec.model_copy(update={"transform_rng": None})
+        if (
+            spec.transform_rng is None
+            and older != admitted.spec
+            and self.jobs.find(spec_job_id(older)) is not None
+        ):
+            admitted = dataclasses.replace(admitted, spec=older)
         created = self._admit(admitted)
         if created.created:
             kind.created(admitted.spec)

@@ -153,7 +153,8 @@ def subset_indices(
     independent rows in draw order.
 
     Without replacement a sample takes the first ``k`` distinct values of its uniform stream
-    (exactly unbiased: Lemire's multiply-shift with rejection on 32-bit words) when
+    (exactly unbiased: Lemire's multiply-shift with rejection, on 16-bit pieces of its words
+    up to 2**16 rows, on whole words past that) when
     ``2k <= size`` (at most ~1.4k draws), else the ``k`` smallest of ``size`` 64-bit sort
     keys. Which way depends only on the sample's own size.
 
@@ -195,50 +196,64 @@ def _legacy_subset(keys: SampleKeys, n: np.ndarray, k: int, replace: bool) -> np
 def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` distinct values of each sample's stream of uniform ints below
     ``n[i]``, ascending. Draws ~10% more than expected; a sample still short draws again
-    with twice as many words (its first words are the same, so the answer is too)."""
+    with twice as many (its first draws are the same, so the answer is too). A sample of
+    at most 2**16 rows draws 16-bit values, two a word: half the words to make."""
     expect = n * (np.log(n) - np.log(n - k))  # expected draws for k distinct of n
     m = (expect * 1.1 + 16).astype(np.int64)
     out = np.empty((n.size, k), np.int64)
-    todo = np.arange(n.size)
-    while todo.size:
-        got, short = _distinct_once(keys.take(todo), n[todo], m[todo], k)
-        done = np.flatnonzero(~short)
-        out[todo[done]] = got
-        todo = todo[short]
-        m[todo] *= 2
+    narrow = n <= 1 << 16
+    for todo, bits in ((np.flatnonzero(narrow), 16), (np.flatnonzero(~narrow), 32)):
+        while todo.size:
+            got, short = _distinct_once(keys.take(todo), n[todo], m[todo], k, bits)
+            out[todo[~short]] = got
+            todo = todo[short]
+            m[todo] *= 2
     return out
 
 
+def _bounded(
+    keys: SampleKeys, n: np.ndarray, width: int, bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``width`` draws per sample below ``n[i]`` from ``bits``-bit pieces of its words
+    (Lemire's multiply-shift): ``(values, accepted)``, both ``[B, width]``. A draw whose low
+    bits fall below ``2**bits mod n`` is rejected: what is left is exactly uniform."""
+    nn = n.astype(np.uint64)[:, None]
+    if bits == 16:
+        w = keys.words(-(-width // 2))
+        pieces = np.stack([w & np.uint64(0xFFFF), w >> np.uint64(16)], axis=-1)
+        prod = pieces.reshape(len(n), -1)[:, :width] * nn
+    else:
+        prod = keys.words(width) * nn
+    low = np.uint64((1 << bits) - 1)
+    ok = (prod & low) >= (np.uint64(1 << bits) - nn) % nn
+    return prod >> np.uint64(bits), ok
+
+
 def _distinct_once(
-    keys: SampleKeys, n: np.ndarray, m: np.ndarray, k: int
+    keys: SampleKeys, n: np.ndarray, m: np.ndarray, k: int, bits: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(rows of the samples that found k distinct in m draws, bool short[B])``: the batch
-    as one ``[B, max(m)]`` array (a sample's words past its own ``m`` are not looked at)."""
+    as one ``[B, max(m)]`` array (a sample's draws past its own ``m`` are not looked at).
+
+    One sort per row of ``value * width + draw`` puts each value's first draw first; the
+    ``k`` values whose first draws come earliest are kept, already in ascending order."""
     b, width = n.size, int(m.max())
-    words = keys.words(width)
-    nn = n.astype(np.uint64)[:, None]
-    prod = words * nn
-    # Lemire: reject the low words below 2**32 mod n, which would draw some values too often.
-    thr = ((np.uint64(1 << 32) - nn) % nn).astype(np.uint64)
-    ok = ((prod & np.uint64(0xFFFFFFFF)) >= thr) & (np.arange(width) < m[:, None])
-    base = np.zeros(b + 1, np.int64)
-    np.cumsum(n, out=base[1:])
-    total = int(base[-1])
-    # Each draw as a row of the batch's rows laid end to end; a rejected one as `total`.
-    g = np.where(ok, base[:-1, None] + (prod >> np.uint64(32)).astype(np.int64), total)
-    flat = np.arange(b * width).reshape(b, width)
-    first_at = np.empty(total + 1, np.int64)
-    first_at[g] = flat.size  # only the rows drawn are read back: set those, not all
-    np.minimum.at(first_at, g.ravel(), flat.ravel())
-    first = ok & (first_at[g] == flat)
-    rank = np.cumsum(first, axis=1)
-    short = rank[:, -1] < k
-    keep = first & (rank <= k) & ~short[:, None]
-    mark = np.zeros(total + 1, bool)
-    mark[g[keep]] = True
-    chosen = np.flatnonzero(mark)
-    local = chosen - np.repeat(base[:-1][~short], k)
-    return local.reshape(-1, k), short
+    drawn, ok = _bounded(keys, n, width, bits)
+    ok &= np.arange(width) < m[:, None]
+    big = int(n.max())  # sorts after every value drawn
+    dt = np.int32 if (big + 1) * width < (1 << 31) else np.int64  # int32 sorts 2-3x faster
+    value = np.where(ok, drawn.astype(dt), dt(big))
+    order = np.sort(value * dt(width) + np.arange(width, dtype=dt), axis=1)
+    value, first = np.divmod(order, dt(width))
+    new = np.ones((b, width), bool)
+    np.not_equal(value[:, 1:], value[:, :-1], out=new[:, 1:])
+    new &= value < big
+    # The k-th earliest first draw of each row: values first drawn by then are the subset.
+    when = np.where(new, first, dt(width))
+    kth = np.partition(when, k - 1, axis=1)[:, k - 1 : k]
+    short = kth[:, 0] >= width
+    keep = new & (when <= kth) & ~short[:, None]
+    return value[keep].astype(np.int64).reshape(-1, k), short
 
 
 def _smallest(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
