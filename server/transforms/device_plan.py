@@ -22,10 +22,10 @@ from typing import Literal
 import numpy as np
 
 from shardserve.proto import device_steps as ds
-from shardserve.proto.errors import BadRequest
+from shardserve.proto.errors import BadRequest, TransformError
 from shardserve.proto.jobs import JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
-from shardserve.proto.parts import SHAPES, parts_of
+from shardserve.proto.parts import OFFSETS, SHAPES, parts_of
 
 from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
 from .draws import crop_offsets, flips, resized_crop_boxes
@@ -81,7 +81,7 @@ def _box(
     """``random_resized_crop``: each sample's ``(y0, x0, h, w)`` in its decoded image."""
     p = d.params
     assert isinstance(p, ds.RandomResizedCrop)
-    h, w = _sizes(d.size, parts, len(keys), limits)
+    h, w = _sizes(d.size, parts, keys.ids, limits)
     return "box", resized_crop_boxes(keys, h, w, p.scale, p.ratio).astype(np.float64)
 
 
@@ -109,20 +109,28 @@ _DRAWS = {"random_resized_crop": _box, "random_crop": _offset, "hflip": _flip}
 
 
 def _sizes(
-    src: SizeFrom | None, parts: Mapping[str, np.ndarray], n: int, limits: Limits
+    src: SizeFrom | None, parts: Mapping[str, np.ndarray], ids: np.ndarray, limits: Limits
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Heights and widths of the batch's images, as ``src`` says where to find them."""
+    """Heights and widths of the images of samples ``ids``, as ``src`` says where to find
+    them; ``TransformError`` naming the sample whose header cannot be read or is too big."""
     assert src is not None
+    n = len(ids)
     if src[0] == "fixed":
         return np.full(n, src[1][0], np.int64), np.full(n, src[1][1], np.int64)
     if src[0] == "shapes":
         shapes = parts[src[1] + SHAPES]
         return shapes[:, 0].astype(np.int64), shapes[:, 1].astype(np.int64)
-    values, offsets = parts[src[1]], parts[src[1] + ".offsets"]
+    values, offsets = parts[src[1]], parts[src[1] + OFFSETS]
     hw = np.empty((n, 2), np.int64)
     for i in range(n):
-        with open_image(values[int(offsets[i]) : int(offsets[i + 1])], limits) as im:
-            hw[i] = (im.size[1], im.size[0])  # Pillow says (width, height)
+        try:
+            with open_image(values[int(offsets[i]) : int(offsets[i + 1])], limits) as im:
+                hw[i] = (im.size[1], im.size[0])  # Pillow says (width, height)
+        except (ValueError, OSError) as e:  # OSError: Pillow's "cannot identify image file"
+            raise TransformError(
+                f"device step random_resized_crop: field {src[1]!r} of sample {int(ids[i])}: "
+                f"cannot read the image's size from its header: {e}"
+            ) from None
     return hw[:, 0], hw[:, 1]
 
 

@@ -21,7 +21,7 @@ import torch
 
 from shardserve.client import Loader
 from shardserve.client.device_steps import MAX_STAGED
-from shardserve.proto.errors import BadRequest
+from shardserve.proto.errors import BadRequest, TransformError
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import make_cifar_like
@@ -68,6 +68,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with ShardWriter(root, "photos", fields=PHOTO_FIELDS, shard_bytes=64 << 10) as w:
         for i in range(PHOTOS):
             w.add({"image": _photo(i), "label": np.int64(i)})
+    with ShardWriter(root, "broken", fields=PHOTO_FIELDS) as w:
+        for i in range(20):
+            w.add({"image": b"not an image" if i == 7 else _photo(i), "label": np.int64(i)})
     bits = np.random.default_rng(5).integers(0, 256, (BITS, 13), dtype=np.uint8)
     with ShardWriter(root, "bits", fields=BIT_FIELDS, shard_bytes=16 << 10) as w:
         w.add_batch({"board": bits, "label": np.arange(BITS, dtype=np.int64)})
@@ -178,3 +181,9 @@ def test_fields_subset_still_carries_the_parameters(server: ServerProc) -> None:
     only = _epoch(server, "cifar", device_transforms=CROP_FLIP, fields=["image"])
     assert [set(b) for b in only] == [{"image"}] * len(full)
     assert all(torch.equal(a["image"], b["image"]) for a, b in zip(full, only, strict=True))
+
+
+def test_an_unreadable_header_fails_naming_the_sample(server: ServerProc) -> None:
+    """Bytes that are no image fail the job with TransformError naming the sample and field."""
+    with pytest.raises(TransformError, match="'image' of sample 7"):
+        _epoch(server, "broken", device_transforms=DECODE_CROP, shuffle=False)
