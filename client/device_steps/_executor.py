@@ -23,7 +23,7 @@ from .._staging import PinnedPool, pack_into
 from ..types import Batch, VarTensor
 from ._codec import DecodeCounts, choose_decoder
 from ._images import Images
-from ._ops import OPS, Context, Expansion
+from ._ops import OPS, Context, Expansion, check_expansion
 from ._registry import registered
 
 #: Pinned blocks a device's staging holds at most: one being copied, one being filled.
@@ -98,6 +98,9 @@ class DeviceSteps:
         if expansions is None:
             expansions = registered()
         self.ctx = Context(device, choose_decoder(device, decoder), self.counts, dict(expansions))
+        for _, p in self.steps:
+            if isinstance(p, ds.Expand):  # refused as the Loader is made, not at a batch
+                check_expansion(p, self.ctx.expansions)
         self.pool = PinnedPool(pin=self.cuda, max_blocks=max_staged)
         self._stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.batches = 0

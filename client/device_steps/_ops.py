@@ -169,13 +169,19 @@ def unpack_bits(
     s[p.to or p.field] = planes.to(_DTYPES[p.dtype])
 
 
-def expand(s: State, p: ds.Expand, drawn: Mapping[str, torch.Tensor], ctx: Context) -> None:
-    fn = ctx.expansions.get(p.fn)
+def check_expansion(p: ds.Expand, expansions: Mapping[str, Expansion]) -> Expansion:
+    """The expansion ``p`` names, or ``BadRequest`` listing those registered."""
+    fn = expansions.get(p.fn)
     if fn is None:
         raise BadRequest(
             f"expand: no expansion {p.fn!r} is registered on this client; registered: "
-            f"{sorted(ctx.expansions)} (register_expansion({p.fn!r}, fn) before the Loader)"
+            f"{sorted(expansions)} (register_expansion({p.fn!r}, fn) before the Loader)"
         )
+    return fn
+
+
+def expand(s: State, p: ds.Expand, drawn: Mapping[str, torch.Tensor], ctx: Context) -> None:
+    fn = check_expansion(p, ctx.expansions)
     s[p.to or p.field] = fn(s[p.field].to(ctx.device), p.options)
 
 
