@@ -10,6 +10,7 @@ max abs difference 1 and mean abs difference 0.01 (measured: 0 and 0); crops, fl
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import make_cifar_like
 from tests.support.resume import assert_resumes_exactly
-from tests.support.server import ServerProc, run_server
+from tests.support.server import ServerProc, free_port, run_server
 from tests.support.slowness import scaled
 from tests.transforms.conftest import digest
 
@@ -187,3 +188,39 @@ def test_an_unreadable_header_fails_naming_the_sample(server: ServerProc) -> Non
     """Bytes that are no image fail the job with TransformError naming the sample and field."""
     with pytest.raises(TransformError, match="'image' of sample 7"):
         _epoch(server, "broken", device_transforms=DECODE_CROP, shuffle=False)
+
+
+def test_same_bytes_across_a_kill9_restart(store: Path, tmp_path: Path) -> None:
+    """A Loader with device steps reading an epoch across a kill -9 of its server gets exactly
+    the batches of an uninterrupted run."""
+    http, data = free_port(), free_port()
+    args = ("--state-dir", str(tmp_path / "state"))
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(
+            run_server(store, *args, http_port=http, data_port=data, workdir=tmp_path / "w")
+        )
+        ref = [digest(b) for b in _epoch(srv, "photos", epoch=2, device_transforms=DECODE_CROP)]
+        got: list[str] = []
+        # ipc: a ring of a killed server is removed by the next one only once no client maps it.
+        with Loader(
+            srv.http_url,
+            "photos",
+            BATCH,
+            seed=3,
+            timeout=scaled(30),
+            prefetch=2,
+            transport="ipc",
+            device_transforms=DECODE_CROP,
+        ) as loader:
+            loader.set_epoch(2)
+            for i, batch in enumerate(loader):
+                got.append(digest(batch))
+                if i == 1:
+                    srv.kill()
+                    srv = stack.enter_context(
+                        run_server(
+                            store, *args, http_port=http, data_port=data, workdir=tmp_path / "w"
+                        )
+                    )
+            assert loader.stats().reconnects >= 1
+    assert got == ref
