@@ -32,6 +32,7 @@ ORDER = [
     "bench_small",
     "bench_mixture",
     "bench_transforms",
+    "bench_device_transforms",
     "bench_share",
     "bench_peers",
     "bench_scaling",

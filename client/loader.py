@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -24,6 +25,7 @@ from ._feed import Feed, store_order
 from ._passes import PassContext, PassWatcher, ResidentPass
 from ._position import Start
 from .device import resolve_device
+from .device_steps._executor import attach, then
 from .distributed import resolve_world
 from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
@@ -128,6 +130,8 @@ class Loader:
             or ``pos``.
         transforms: ``[{"name": ..., "params": {...}}, ...]``, transforms installed on the
             server, run on every batch there.
+        device_transforms: steps run on ``device`` after them, on parameters the server draws
+            (decode, crops, flips, unpack bits, expansions registered on this client).
         on_error: ``"replace"``: a sample whose transform raises is swapped for a
             deterministic other one; ``"quarantine"`` (a mixture): swapped too, and skipped
             from the next epoch on; default: ``TransformError``.
@@ -214,6 +218,7 @@ class Loader:
         devices: Sequence[str | torch.device] | None = None,
         collate: CollateArg | None = None,
         transforms: Sequence[Mapping[str, Any]] | None = None,
+        device_transforms: Sequence[Mapping[str, Any]] | None = None,
         on_error: OnError | None = None,
         epoch_samples: int | None = None,
         share: str | None = None,
@@ -251,6 +256,9 @@ class Loader:
             envs=job_envs, env_shuffle=env_shuffle, transforms=transforms,
             on_error=on_error, epoch_samples=epoch_samples, share=share,
         )  # fmt: skip
+        self.spec, lands, self._device_steps = attach(
+            self.spec, device_transforms, self.device, resident is not None
+        )
         # Serialized once: state_dict() must not run pydantic while a Ctrl-C may land.
         self._spec_dump = self.spec.model_dump(mode="json")
         #: (epoch, job id): the epoch resumed from a state of another world size.
@@ -275,10 +283,12 @@ class Loader:
             if prefetch is None:  # sized by the samples as served (a chain may grow them)
                 job = self._job
                 self.prefetch = auto_prefetch(job.info(), self.spec.batch_size, job.sample_bytes)
-            self._rebuild = rebuild_for(self._job.api, self.spec, pad_variable)
+            self._rebuild = then(
+                self._device_steps, rebuild_for(self._job.api, self.spec, pad_variable)
+            )
             self._feed = Feed(
                 self._job, self.world.rank, transport=transport, prefetch=self.prefetch,
-                timeout=timeout, device=self.device, copy=copy, pad_variable=pad_variable,
+                timeout=timeout, device=lands, copy=copy, pad_variable=pad_variable,
                 step_envs=step_envs, batch_size=batch_size,
             )  # fmt: skip
         except BaseException:
@@ -457,7 +467,9 @@ class Loader:
         if self._resident is not None:
             return self._ctx.stats.snapshot("resident")
         active = self._ctx.active or self._stream
-        return self._ctx.stats.snapshot(active.transport if active else self._feed.transport)
+        snap = self._ctx.stats.snapshot(active.transport if active else self._feed.transport)
+        steps = self._device_steps
+        return snap if steps is None else dataclasses.replace(snap, device=steps.stats())
 
     def close(self) -> None:
         """Say Bye, close the socket and the HTTP client; idempotent."""

@@ -35,6 +35,7 @@ from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._position import Position, Start
 from .device import resolve_device
+from .device_steps import with_device_steps
 from .distributed import World, resolve_world
 from .job import JobHandle, Shuffle, job_spec
 from .mixture import Mixture
@@ -203,6 +204,7 @@ def plan(
     transforms: Sequence[Mapping[str, Any]] | None = None,
     on_error: OnError | None = None,
     epoch_samples: int | None = None,
+    device_transforms: Sequence[Mapping[str, Any]] | None = None,
 ) -> IndexPlan:
     """The sample ids a ``Loader`` with these arguments would stream, batch by batch (see the
     module docstring): an [IndexPlan][shardserve.client.plan.IndexPlan] to iterate, ``set_epoch``
@@ -229,6 +231,7 @@ def plan(
         env_shuffle=env_shuffle, transforms=transforms, on_error=on_error,
         epoch_samples=epoch_samples,
     )  # fmt: skip
+    spec = with_device_steps(spec, device_transforms) if device_transforms is not None else spec
     dev = resolve_device(device, world.local_rank)
     job = JobHandle.create(url, token, spec, timeout=timeout, world=world)
     return IndexPlan(job, world, envs, dev, timeout)

@@ -198,9 +198,29 @@ def check_resumable(
             f"{what}.set_epoch({st.epoch}))"
         )
     # At an epoch's start nothing of the epoch was consumed: no two versions can meet in it.
-    if allow_other_version or st.position == 0:
+    if st.position == 0:
         return
-    check_version(st, pinned, what)
+    check_scheme(st, pinned, what)
+    if not allow_other_version:
+        check_version(st, pinned, what)
+
+
+def check_scheme(st: ResumeState, pinned: JobSpec, what: str) -> None:
+    """:class:`ResumeRefused` if ``st`` was taken mid-epoch by a job whose transforms drew by
+    randomness scheme 1 (its job id is this job's without ``transform_rng``) and this job
+    draws by another: the rest of the epoch would be augmented differently."""
+    if not st.job or pinned.transform_rng is None or st.job == saved_job_id(st, pinned):
+        return
+    if st.job != saved_job_id(st, pinned.model_copy(update={"transform_rng": None})):
+        return
+    raise ResumeRefused(
+        f"state was saved at position {st.position} of epoch {st.epoch} by job {st.job}, whose "
+        "transforms drew their random numbers by scheme 1 (a server from before randomness "
+        f"schemes were recorded); this {what}'s job draws by scheme {pinned.transform_rng}, so "
+        f"the rest of epoch {st.epoch} would be augmented differently. Start epoch {st.epoch} "
+        f"again (do not load the state: {what}.set_epoch({st.epoch})), or finish the epoch on "
+        "the shardserve version that saved the state"
+    )
 
 
 def check_same_job(st: ResumeState, spec: JobSpec, what: str) -> None:

@@ -8,6 +8,7 @@ sample's ``shapes``. It is cheap to move to a device and can be padded or split 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -151,6 +152,9 @@ class LoaderStats:
     #: Times a shared stream (``share=``) fell out of its group's window and went on on its
     #: own pass of the same plan: same bytes, no longer shared (the server's notice).
     detached: int = 0
+    #: The device steps' counts (``device_transforms=``): batches, decodes on the device and
+    #: on the CPU (fallbacks counted apart), pinned staging blocks; ``None`` without them.
+    device: dict[str, Any] | None = None
 
     @property
     def stall_fraction(self) -> float:

@@ -207,10 +207,17 @@ class JobSpec(BaseModel):
     #: Server-side transforms applied to every batch, in order (issue 15); like ``collate``,
     #: left out of the job id when ``None``.
     transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
+    #: Steps the trainer's device runs after the chain, on parameters the server draws.
+    device_transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
     #: ``"replace"``: a sample whose transform raises is replaced by a deterministic other one;
     #: ``"quarantine"`` (a mixture): replaced too, and quarantined in its dataset (skipped
     #: from the job's next epoch on, see the mixtures guide).
     on_error: OnError | None = None
+    #: The randomness scheme of the built-in transforms' draws: 2, counter-based per sample
+    #: (pinned by the server on a new job with transforms); ``None`` is scheme 1, the
+    #: generators of jobs made before it (a journaled or saved job goes on with its own).
+    #: Left out of the job id when ``None``.
+    transform_rng: Literal[1, 2] | None = None
 
     #: Environments per step (issue 22): each batch carries ``envs`` environment batches of
     #: ``batch_size // envs`` samples, environment ``e`` from the plan of
@@ -451,7 +458,9 @@ def job_id(spec: JobSpec) -> str:
             ("collate", spec.collate is None),
             ("version", spec.version is None),
             ("transforms", spec.transforms is None),
+            ("device_transforms", spec.device_transforms is None),
             ("on_error", spec.on_error is None),
+            ("transform_rng", spec.transform_rng is None),
             ("envs", spec.envs == 1),
             ("env_shuffle", spec.env_shuffle == "independent"),
             ("mixture", spec.mixture is None),

@@ -9,6 +9,7 @@ the data plane's work: it is handed over through ``end_streams`` and never waite
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from .planning import num_batches
 from .planning.cache import PlanCache
 from .settings import Settings
 from .streaming.board import JobActivity, StreamBoard
+from .transforms.rng import pin_scheme
 
 
 class JobAdmin:
@@ -61,7 +63,16 @@ class JobAdmin:
         version(s) it reads: the job's id covers them); a new job's kind then takes what
         the job needs from the store."""
         kind = self.kinds.of(spec)
-        admitted = kind.admit(spec)
+        admitted = kind.admit(pin_scheme(spec))
+        # A job made before randomness schemes were recorded (journaled across an upgrade)
+        # goes on with its own: the same spec finds it rather than a job drawing otherwise.
+        older = admitted.spec.model_copy(update={"transform_rng": None})
+        if (
+            spec.transform_rng is None
+            and older != admitted.spec
+            and self.jobs.find(spec_job_id(older)) is not None
+        ):
+            admitted = dataclasses.replace(admitted, spec=older)
         created = self._admit(admitted)
         if created.created:
             kind.created(admitted.spec)

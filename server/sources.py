@@ -18,6 +18,8 @@ from .store.dataset import Dataset
 from .store.graph_shapes import item_fields_of
 from .store.graphs import GraphCollated
 from .transforms.bound import Quarantine, Transforms
+from .transforms.device_plan import plan_device
+from .transforms.runner import Limits
 
 #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job pinned,
 #: or ``DatasetChanged`` (see ``Service.open_dataset``).
@@ -59,6 +61,10 @@ def open_source(
     source = stored.source
     if transforms is not None:
         source = transforms.bind(source, spec, epoch, seed, rank, quarantine)
+    if spec.device_transforms:  # their parameters drawn here, beside the compact fields
+        source = plan_device(
+            source, spec, epoch, seed, transforms.limits if transforms else Limits()
+        )
     if spec.graph is not None:
         # Graphs collated for message passing, each batch on its own terms; a chain has
         # already run on each graph. Nodes are counted as the job's admission chose.

@@ -31,11 +31,12 @@ from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
 from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
+from .device_plan import device_manifest
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
 from .registry import TransformRegistry
-from .rng import replacement
+from .rng import job_scheme, replacement
 from .runner import Limits, Where
 from .schema import from_field_spec, to_field_spec
 from .spec import Chain, check_chain_bytes, compile_chain
@@ -68,9 +69,10 @@ class Transforms:
     def served(self, spec: JobSpec, manifest: Manifest) -> Manifest:
         """What job ``spec`` serves of the stored dataset ``manifest``: the chain's outputs
         when it has transforms (``BadRequest`` when the chain does not fit), else itself."""
-        if not spec.transforms:
-            return manifest
-        return chain_manifest(self.compile(spec, manifest), manifest)
+        chained = (
+            chain_manifest(self.compile(spec, manifest), manifest) if spec.transforms else manifest
+        )
+        return device_manifest(spec, chained)  # and the device steps' drawn parameters
 
     def sample_bytes(self, spec: JobSpec, manifest: Manifest) -> float:
         """Bytes of one sample as job ``spec`` serves the stored dataset ``manifest``."""
@@ -84,7 +86,8 @@ class Transforms:
         some samples are not its inputs: they pass by it, masks and all."""
         inputs = {f.name: from_field_spec(f) for f in manifest.fields if not f.nullable}
         passed = [f.name for f in manifest.fields if f.nullable]
-        chain = compile_chain(spec.transforms or (), self.registry, inputs, manifest.name, passed)
+        chain = compile_chain(spec.transforms or (), self.registry, inputs, manifest.name, passed,
+                              job_scheme(spec))  # fmt: skip
         check_chain_bytes(chain, spec.batch_size, self.limits.max_batch_bytes)
         return chain
 
@@ -231,7 +234,7 @@ class TransformedDataset(Wrapped):
         """The chain's outputs ``names`` of ``indices``, and the samples they are of (failing
         ones replaced with ``on_error="replace"``)."""
         idx = np.array(indices, dtype=np.int64).reshape(-1)
-        where = Where(self._seed, self._epoch, self._rank, batch)
+        where = Where(self._seed, self._epoch, self._rank, batch, self.chain.scheme)
         name = self.manifest.name
         chain_names = self.chain.names
         attempts: dict[int, int] = {}

@@ -5,15 +5,18 @@ only at the scale the crop needs), plus query sampling and bit-unpacking. Pillow
 transform uses it, comes from the ``images`` extra.
 
 Images are ``HWC`` (what decoders give) unless ``layout="CHW"``; 2-d arrays are ``HW``.
-Crop, flip and normalize are batch transforms in :mod:`.builtins_images` (registered through
-this module); resize and random resized crop run per sample (images of different sizes).
+Every one is a batch kernel; crop, flip and normalize live in :mod:`.builtins_images`
+(registered through this module). Their random parameters come from :mod:`.draws`, drawn per
+sample from the batch's :class:`~.keys.SampleKeys`; resize and random resized crop still
+resample each image on its own (images of different sizes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -22,9 +25,12 @@ from .builtins_images import ImageParams, Size, image_field, size2, spatial, wit
 from .builtins_images import hflip as hflip
 from .builtins_images import normalize as normalize
 from .builtins_images import random_crop as random_crop
+from .draws import resized_crop_boxes
 from .images import Mode, check_encoded, open_image, pil
+from .keys import SampleKeys
 from .params import FieldParams, Name
-from .registry import Columns, batch_transform, sample_transform
+from .persample import each_sample
+from .registry import Columns, batch_transform
 from .runner import Limits
 from .schema import Field as F
 from .schema import Schema
@@ -91,13 +97,44 @@ def _resize_outputs(p: Resize, inputs: Schema) -> dict[str, F]:
     return {p.field: with_hw(f, p.layout, *size2(p.size))}
 
 
-@sample_transform(params=Resize, outputs=_resize_outputs)
-def resize(sample: Columns, p: Resize, rng: np.random.Generator) -> Columns:
+def _resample_each(
+    batch: Columns,
+    p: Resize,
+    boxes: np.ndarray | None,
+    ids: np.ndarray,
+    out: Mapping[str, np.ndarray],
+    name: str,
+) -> Columns:
+    """Each sample's box (``None``: the whole image) resized to ``size``, stacked into the
+    batch's memory when given."""
+    xs = batch[p.field]
+    size = size2(p.size)
+
+    def one(i: int) -> np.ndarray:
+        x = xs[i]
+        ah, aw = spatial(F(str(x.dtype), x.shape), p.layout)
+        box = (0.0, 0.0, float(x.shape[ah]), float(x.shape[aw])) if boxes is None else boxes[i]
+        return _resample(x, tuple(box), size, ah, aw, p.method)
+
+    return {p.field: _stacked(each_sample(name, ids, one), out.get(p.field))}
+
+
+def _stacked(items: list[np.ndarray], dest: np.ndarray | None) -> np.ndarray:
+    if dest is not None and items:
+        return np.stack(items, out=dest)
+    return np.stack(items) if items else np.empty((0,), np.uint8)
+
+
+@batch_transform(params=Resize, outputs=_resize_outputs, takes_keys=True, takes_out=True)
+def resize(
+    batch: Columns,
+    p: Resize,
+    rng: np.random.Generator | None,
+    keys: SampleKeys,
+    out: Mapping[str, np.ndarray],
+) -> Columns:
     """Bilinear resize to ``size``."""
-    x = sample[p.field]
-    ah, aw = spatial(F(str(x.dtype), x.shape), p.layout)
-    box = (0.0, 0.0, float(x.shape[ah]), float(x.shape[aw]))
-    return {p.field: _resample(x, box, size2(p.size), ah, aw, p.method)}
+    return _resample_each(batch, p, None, keys.ids, out, "resize")
 
 
 Pair = Annotated[list[Annotated[float, Field(gt=0, le=100)]], Field(min_length=2, max_length=2)]
@@ -119,41 +156,22 @@ class RandomResizedCrop(Resize):
         return self
 
 
-@sample_transform(params=RandomResizedCrop, outputs=_resize_outputs)
-def random_resized_crop(sample: Columns, p: RandomResizedCrop,
-                        rng: np.random.Generator) -> Columns:  # fmt: skip
+@batch_transform(params=RandomResizedCrop, outputs=_resize_outputs, takes_keys=True, takes_out=True)
+def random_resized_crop(
+    batch: Columns,
+    p: RandomResizedCrop,
+    rng: np.random.Generator | None,
+    keys: SampleKeys,
+    out: Mapping[str, np.ndarray],
+) -> Columns:
     """A random box of ``scale`` of the area and ``ratio`` aspect, resized to ``size``
-    (torchvision RandomResizedCrop: 10 tries, then the centre crop)."""
-    x = sample[p.field]
-    ah, aw = spatial(F(str(x.dtype), x.shape), p.layout)
-    box = _crop_box(x.shape[ah], x.shape[aw], p, rng)
-    return {p.field: _resample(x, box, size2(p.size), ah, aw, p.method)}
-
-
-def _crop_box(H: int, W: int, p: RandomResizedCrop,
-              rng: np.random.Generator) -> tuple[int, int, int, int]:  # fmt: skip
-    """``(y0, x0, h, w)`` of a random resized crop of an ``H`` x ``W`` image."""
-    area = H * W
-    log_r = (math.log(p.ratio[0]), math.log(p.ratio[1]))
-    for _ in range(10):
-        target = area * rng.uniform(p.scale[0], p.scale[1])
-        aspect = math.exp(rng.uniform(*log_r))
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= W and 0 < h <= H:
-            y0 = int(rng.integers(0, H - h + 1))
-            x0 = int(rng.integers(0, W - w + 1))
-            break
-    else:
-        r = W / H
-        if r < p.ratio[0]:
-            w, h = W, round(W / p.ratio[0])
-        elif r > p.ratio[1]:
-            h, w = H, round(H * p.ratio[1])
-        else:
-            h, w = H, W
-        y0, x0 = (H - h) // 2, (W - w) // 2
-    return y0, x0, h, w
+    (torchvision RandomResizedCrop: 10 tries, then the centre crop); the boxes of the whole
+    batch are drawn at once (:func:`~.draws.resized_crop_boxes`)."""
+    xs = batch[p.field]
+    hw = [x.shape[a] for x in xs for a in spatial(F(str(x.dtype), x.shape), p.layout)]
+    sides = np.array(hw, np.int64).reshape(-1, 2)
+    boxes = resized_crop_boxes(keys, sides[:, 0], sides[:, 1], p.scale, p.ratio)
+    return _resample_each(batch, p, boxes, keys.ids, out, "random_resized_crop")
 
 
 class DecodeRandomResizedCrop(RandomResizedCrop):
@@ -180,63 +198,51 @@ def _decode_crop_outputs(p: DecodeRandomResizedCrop, inputs: Schema) -> dict[str
 # short and the Python around them holds the GIL, so two threads took turns (10,000 small
 # JPEGs: 4,900 images/s on 2 threads, 8,700 on 2 worker processes, which get only the bytes
 # from a shared file and write the crops into the stream's slot).
-@sample_transform(params=DecodeRandomResizedCrop, outputs=_decode_crop_outputs,
-                  takes_limits=True, pool="process")  # fmt: skip
-def decode_random_resized_crop(sample: Columns, p: DecodeRandomResizedCrop,
-                               rng: np.random.Generator, limits: Limits) -> Columns:  # fmt: skip
-    """Encoded bytes to a random resized crop: the box is drawn from the header's size
-    (the same draws as ``random_resized_crop``), then only what it needs is decoded."""
-    oh, ow = size2(p.size)
-    with open_image(sample[p.field], limits) as im:
-        W, H = im.size
-        y0, x0, h, w = _crop_box(H, W, p, rng)
-        if p.draft:
-            # The smallest scale at which the box still has the output's pixels; the decoder
-            # picks 1/1, 1/2, 1/4 or 1/8, at least the size asked (JPEG only; else a no-op).
-            s = max(ow / w, oh / h)
-            if s < 1:
-                im.draft(p.mode, (math.ceil(W * s), math.ceil(H * s)))
-        sx, sy = im.size[0] / W, im.size[1] / H
-        box = (x0 * sx, y0 * sy, (x0 + w) * sx, (y0 + h) * sy)
-        # convert() to the mode the image already has would copy every decoded pixel.
-        decoded = im if im.mode == p.mode else im.convert(p.mode)
-        out = decoded.resize((ow, oh), pil().BILINEAR, box=box)
-    return {p.field: np.asarray(out)}
-
-
-# -- random subset of rows (query sampling) ---------------------------------------------------
-class RandomSubset(FieldParams):
-    n: int = Field(ge=1, le=1 << 24)
-    #: Draw with replacement (a sample with fewer than ``n`` rows then still works).
-    replace: bool = False
-
-
-def _subset_outputs(p: RandomSubset, inputs: Schema) -> dict[str, F]:
-    """{field: same dtype, [n, rest...]}"""
-    if p.field not in inputs:
-        raise ValueError(f"no field {p.field!r}")
-    f = inputs[p.field]
-    if f.binary or not f.shape or -1 in f.shape[1:]:
-        raise ValueError(
-            f"field {p.field!r} is {f.describe()}; rows need shape [-1 or N, fixed...]"
+@batch_transform(
+    params=DecodeRandomResizedCrop,
+    outputs=_decode_crop_outputs,
+    takes_limits=True,
+    takes_keys=True,
+    takes_out=True,
+    pool="process",
+)
+def decode_random_resized_crop(
+    batch: Columns,
+    p: DecodeRandomResizedCrop,
+    rng: np.random.Generator | None,
+    limits: Limits,
+    keys: SampleKeys,
+    out: Mapping[str, np.ndarray],
+) -> Columns:
+    """Encoded bytes to a random resized crop: the boxes are drawn from the headers' sizes
+    (the same draws as ``random_resized_crop``), then only what each needs is decoded."""
+    data, name = batch[p.field], "decode_random_resized_crop"
+    with contextlib.ExitStack() as opened:
+        ims = each_sample(
+            name, keys.ids, lambda i: opened.enter_context(open_image(data[i], limits))
         )
-    return {p.field: F(f.dtype, (p.n, *f.shape[1:]))}
+        wh = np.array([im.size for im in ims], np.int64).reshape(-1, 2)
+        boxes = resized_crop_boxes(keys, wh[:, 1], wh[:, 0], p.scale, p.ratio)
+        crops = each_sample(name, keys.ids, lambda i: _decode_crop(ims[i], boxes[i], p))
+    return {p.field: _stacked(crops, out.get(p.field))}
 
 
-@sample_transform(params=RandomSubset, outputs=_subset_outputs)
-def random_subset(sample: Columns, p: RandomSubset, rng: np.random.Generator) -> Columns:
-    """``n`` random rows of a field with a variable first dimension (query points of a latent)."""
-    x = sample[p.field]
-    if not p.replace and x.shape[0] < p.n:
-        raise ValueError(f"field {p.field!r} has {x.shape[0]} rows, fewer than n={p.n}; "
-                         "pass replace=true to draw with replacement")  # fmt: skip
-    if p.replace:
-        rows = rng.choice(x.shape[0], size=p.n, replace=True)
-    else:
-        # The same rows as a shuffled draw, sorted (the shuffle only orders them).
-        rows = rng.choice(x.shape[0], size=p.n, replace=False, shuffle=False)
-        rows.sort()
-    return {p.field: np.take(x, rows, axis=0)}  # 2-3x faster than x[rows] on rows of floats
+def _decode_crop(im: Any, box: np.ndarray, p: DecodeRandomResizedCrop) -> np.ndarray:
+    """Box ``(y0, x0, h, w)`` of an opened image, decoded at the smallest scale it needs."""
+    oh, ow = size2(p.size)
+    W, H = im.size
+    y0, x0, h, w = (float(v) for v in box)
+    if p.draft:
+        # The smallest scale at which the box still has the output's pixels; the decoder
+        # picks 1/1, 1/2, 1/4 or 1/8, at least the size asked (JPEG only; else a no-op).
+        s = max(ow / w, oh / h)
+        if s < 1:
+            im.draft(p.mode, (math.ceil(W * s), math.ceil(H * s)))
+    sx, sy = im.size[0] / W, im.size[1] / H
+    scaled = (x0 * sx, y0 * sy, (x0 + w) * sx, (y0 + h) * sy)
+    # convert() to the mode the image already has would copy every decoded pixel.
+    decoded = im if im.mode == p.mode else im.convert(p.mode)
+    return np.asarray(decoded.resize((ow, oh), pil().BILINEAR, box=scaled))
 
 
 # -- bit unpacking ----------------------------------------------------------------------------

@@ -3,9 +3,10 @@ padding, horizontal flip, normalize (a CIFAR recipe), and the parameters and fie
 every image built-in shares.
 
 Images are ``HWC`` (what decoders give) unless ``layout="CHW"``; 2-d arrays are ``HW``. Each
-random transform draws its parameters in one small function (:func:`crop_draw`,
-:func:`flip_draw`) and runs the array kernels of :mod:`.kernels` on them; a chain of these
-steps runs fused (:mod:`.fused`) with the same draws and the same kernels.
+random transform draws its parameters per sample from its keys through :mod:`.draws`
+(:func:`~.draws.crop_offsets`, :func:`~.draws.flips`) and runs the array kernels of
+:mod:`.kernels` on them; a chain of these steps runs fused (:mod:`.fused`) with the same
+draws and the same kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
+from .draws import crop_offsets, flips
 from .kernels import crop_flip, normalize_into, pad_batch
+from .keys import SampleKeys
 from .params import FieldParams
 from .registry import Columns, batch_transform
 from .schema import Field as F
@@ -111,14 +114,6 @@ def _crop_peak(p: RandomCrop, inputs: Schema) -> int:
     return math.prod(shape) * np.dtype(f.dtype).itemsize
 
 
-def crop_draw(
-    rng: np.random.Generator, b: int, room_y: int, room_x: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(oy, ox)``: each sample's offset of its window, ``0 <= oy < room_y``, ``0 <= ox <
-    room_x`` (the crop's randomness, drawn here only, for the step alone and fused)."""
-    return rng.integers(0, room_y, size=b), rng.integers(0, room_x, size=b)
-
-
 def crop_axes(x: np.ndarray, layout: Layout) -> tuple[int, int]:
     """Batch axes of height and width of a batch ``x`` ``[B, ...]`` of images."""
     ah, aw = spatial(F(str(x.dtype), x.shape[1:]), layout)
@@ -128,24 +123,26 @@ def crop_axes(x: np.ndarray, layout: Layout) -> tuple[int, int]:
 def crop_batch(
     x: np.ndarray,
     p: RandomCrop,
-    rng: np.random.Generator,
+    keys: SampleKeys,
     flip: np.ndarray | None = None,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The crops of ``x`` (then mirrored where ``flip``), offsets drawn from ``rng``; in
-    ``out`` if given."""
+    """The crops of ``x`` (then mirrored where ``flip``), offsets drawn from ``keys``
+    (:func:`~.draws.crop_offsets`); in ``out`` if given."""
     ah, aw = crop_axes(x, p.layout)
     size = size2(p.size)
     if p.padding:
         x = pad_batch(x, ah, aw, p.padding, p.fill)
-    oy, ox = crop_draw(rng, x.shape[0], x.shape[ah] - size[0] + 1, x.shape[aw] - size[1] + 1)
+    oy, ox = crop_offsets(keys, x.shape[ah] - size[0], x.shape[aw] - size[1])
     return crop_flip(x, ah, aw, size, oy, ox, flip, out)
 
 
-@batch_transform(params=RandomCrop, outputs=_crop_outputs, peak=_crop_peak)
-def random_crop(batch: Columns, p: RandomCrop, rng: np.random.Generator) -> Columns:
+@batch_transform(params=RandomCrop, outputs=_crop_outputs, peak=_crop_peak, takes_keys=True)
+def random_crop(
+    batch: Columns, p: RandomCrop, rng: np.random.Generator | None, keys: SampleKeys
+) -> Columns:
     """Pad by ``padding`` then crop ``size`` at a random place per sample (torchvision RandomCrop)."""
-    return {p.field: crop_batch(batch[p.field], p, rng)}
+    return {p.field: crop_batch(batch[p.field], p, keys)}
 
 
 # -- horizontal flip --------------------------------------------------------------------------
@@ -158,17 +155,10 @@ def _same(p: ImageParams, inputs: Schema) -> dict[str, F]:
     return {p.field: image_field(inputs, p, fixed=True)}
 
 
-def flip_draw(rng: np.random.Generator, b: int, p: float) -> np.ndarray:
-    """Which samples are mirrored: ``bool[b]``, each true with probability ``p`` (the flip's
-    randomness, drawn here only, for the step alone and fused)."""
-    return rng.random(b) < p
-
-
-@batch_transform(params=HFlip, outputs=_same)
-def hflip(batch: Columns, p: HFlip, rng: np.random.Generator) -> Columns:
+@batch_transform(params=HFlip, outputs=_same, takes_keys=True)
+def hflip(batch: Columns, p: HFlip, rng: np.random.Generator | None, keys: SampleKeys) -> Columns:
     """Mirror each sample left-right with probability ``p``."""
-    x = batch[p.field]
-    return {p.field: flip_batch(x, p.layout, flip_draw(rng, x.shape[0], p.p))}
+    return {p.field: flip_batch(batch[p.field], p.layout, flips(keys, p.p))}
 
 
 def flip_batch(

@@ -5,8 +5,9 @@ Alone, each step makes a full-size array the next one reads: a padded copy, the 
 flipped copy, a cast, then the normalize's passes. Fused, the crop and the flip are one
 gather (flipped samples through a mirrored view) into an array of the input's dtype, and
 the normalize writes the final dtype straight into the stream's slot (``out``). The draws
-are those of the steps alone, each from its own step's generator (the runner passes one per
-fused step, in order), and the kernels are theirs: the bytes are the same as unfused.
+are those of the steps alone, each from its own step's keys (the runner passes one
+:class:`~.keys.SampleKeys` per fused step, in order), and the kernels are theirs: the bytes
+are the same as unfused.
 
 >>> from .builtins_images import HFlip, RandomCrop, hflip, random_crop
 >>> plan = fusable([(random_crop, RandomCrop(field="x", size=4)), (hflip, HFlip(field="x"))])
@@ -16,7 +17,7 @@ fused step, in order), and the kernels are theirs: the bytes are the same as unf
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -31,14 +32,15 @@ from .builtins_images import (
     crop_axes,
     crop_batch,
     flip_batch,
-    flip_draw,
     hflip,
     normalize,
     normalize_batch,
     random_crop,
     size2,
 )
+from .draws import flips
 from .kernels import scratch
+from .keys import SampleKeys
 from .registry import Columns, Transform, batch_transform
 from .schema import Field, Schema
 
@@ -88,9 +90,9 @@ def fusable(steps: Sequence[tuple[Transform, BaseModel]]) -> Plan | None:
     if len(parts) < 2:
         return None
     names = "+".join(t.name for t, k in zip(ORDER, PARTS, strict=True) if k in parts)
-    transform = batch_transform(params=Fused, outputs=_fused_outputs, name=names, takes_out=True)(
-        run_fused
-    )
+    transform = batch_transform(
+        params=Fused, outputs=_fused_outputs, name=names, takes_out=True, takes_keys=True
+    )(run_fused)
     return Plan(len(parts), transform, Fused.model_validate(parts))
 
 
@@ -119,19 +121,22 @@ def _fused_outputs(p: Fused, inputs: Schema) -> dict[str, Field]:
 
 
 def run_fused(
-    batch: Columns, p: Fused, rngs: Iterable[np.random.Generator], out: Mapping[str, np.ndarray]
+    batch: Columns,
+    p: Fused,
+    rng: np.random.Generator | None,
+    keys: Sequence[SampleKeys],
+    out: Mapping[str, np.ndarray],
 ) -> Columns:
-    """The fused steps on ``batch``; ``rngs``: each fused step's generator, in order (taken
-    only as far as a step draws: ``normalize``'s is never made)."""
+    """The fused steps on ``batch``; ``keys``: each fused step's keys, in order."""
     x = batch[p.field]
-    gens = iter(rngs)
-    crop_rng = next(gens) if p.crop is not None else None
-    flip = flip_draw(next(gens), x.shape[0], p.flip.p) if p.flip is not None else None
+    each = iter(keys)
+    crop_keys = next(each) if p.crop is not None else None
+    flip = flips(next(each), p.flip.p) if p.flip is not None else None
     dest = out.get(p.field)
     # The crops go straight to the slot if nothing follows, else to this thread's scratch.
     last = dest if p.norm is None else scratch("crops", _crop_shape(x, p), x.dtype)
-    if p.crop is not None and crop_rng is not None:
-        x = crop_batch(x, p.crop, crop_rng, flip, last)
+    if p.crop is not None and crop_keys is not None:
+        x = crop_batch(x, p.crop, crop_keys, flip, last)
     elif p.flip is not None and flip is not None:
         x = flip_batch(x, p.flip.layout, flip, last)
     if p.norm is None:

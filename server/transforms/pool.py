@@ -496,7 +496,7 @@ class TransformPool:
             "inputs": {n: {"dtype": f.dtype, "shape": list(f.shape), "binary": f.binary}
                        for n, f in chain.inputs.items()},
             "where": {"seed": where.seed, "epoch": where.epoch, "rank": where.rank,
-                      "batch": where.batch},
+                      "batch": where.batch, "scheme": where.scheme},
             "limits": dataclasses.asdict(limits),
             "names": list(names),
             "out": {n: {"path": sp.path, "offset": sp.offset, "nbytes": sp.nbytes}

@@ -22,7 +22,11 @@ from .schema import Field, Schema
 
 ENTRY_POINT_GROUP = "shardserve.transforms"
 #: Built-in transform modules, always loaded.
-BUILTIN_MODULES = ("shardserve.server.transforms.builtins", "shardserve.server.transforms.images")
+BUILTIN_MODULES = (
+    "shardserve.server.transforms.builtins",
+    "shardserve.server.transforms.images",
+    "shardserve.server.transforms.rows",
+)
 
 #: A sample's or a batch's fields as a transform's function gets and returns them: numpy
 #: arrays, a scalar field's value as a numpy scalar, a batch's variable field as a list of
@@ -60,6 +64,9 @@ class Transform:
     peak: Callable[[Any, Schema], int] | None = None
     #: Whether ``fn`` (a batch transform) takes ``out=``: see :func:`batch_transform`.
     takes_out: bool = False
+    #: Whether ``fn`` (a batch transform) takes ``keys=``, the batch's per-sample
+    #: :class:`~.keys.SampleKeys`: see :func:`batch_transform`.
+    takes_keys: bool = False
 
     def __call__(self, *args: Any) -> Mapping[str, Any]:
         return self.fn(*args)
@@ -90,7 +97,7 @@ class Transform:
 def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outputs: Outputs,
             pool: PoolKind, takes_limits: bool = False,
             peak: Callable[[Any, Schema], int] | None = None, takes_out: bool = False,
-            ) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
+            takes_keys: bool = False) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
     def mark(fn: Callable[..., Any]) -> Transform:
         return Transform(
             name=name or fn.__name__,
@@ -104,6 +111,7 @@ def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outp
             takes_limits=takes_limits,
             peak=peak,
             takes_out=takes_out,
+            takes_keys=takes_keys,
         )
 
     return mark
@@ -130,6 +138,7 @@ def batch_transform(
     *, outputs: Outputs, params: type[BaseModel] | None = None, name: str | None = None,
     pool: PoolKind = "thread", takes_limits: bool = False,
     peak: Callable[[Any, Schema], int] | None = None, takes_out: bool = False,
+    takes_keys: bool = False,
 ) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
     """Mark ``fn(batch, params, rng) -> dict`` as a batch transform: arrays ``[B, ...]`` in
     (variable fields as lists of arrays), the fields it writes out, ``rng`` from (seed, epoch,
@@ -142,6 +151,13 @@ def batch_transform(
     float32 planes a batch is ~1 ms); a field not in ``out`` is returned as usual. An ``out``
     array holds an earlier batch's bytes: write every element of it.
 
+    ``takes_keys``: ``fn`` also gets ``keys=``, a :class:`~.keys.SampleKeys` of the batch's
+    samples (``keys.ids``: their global indices) whose draws depend on each sample alone,
+    never on the batch (:mod:`.draws` has the built-ins' draws). Such a transform promises
+    that a sample's output depends only on that sample and its keys (``rng`` is then
+    ``None``, except in jobs of randomness scheme 1, see :mod:`.rng`): its batches may then be cut into pieces run on several workers, and a sample is
+    augmented the same in any batch, on any rank and world size.
+
     >>> import numpy as np
     >>> @batch_transform(outputs={"x": Field("float32", (4,))}, takes_out=True)
     ... def as_float(batch, params, rng, out):
@@ -153,7 +169,7 @@ def batch_transform(
     >>> as_float.takes_out
     True
     """
-    return _marker("batch", name, params, outputs, pool, takes_limits, peak, takes_out)
+    return _marker("batch", name, params, outputs, pool, takes_limits, peak, takes_out, takes_keys)
 
 
 class TransformRegistry:

@@ -14,7 +14,38 @@ from typing import Any, cast
 import numpy as np
 from numpy.random.bit_generator import ISpawnableSeedSequence
 
+from shardserve.proto.jobs import JobSpec
+
 _SAMPLE, _BATCH, _REPLACE = 1, 2, 3
+
+#: Randomness schemes of the built-in transforms' draws, recorded in a job's spec
+#: (``JobSpec.transform_rng``; a spec without it is of scheme 1, made before schemes were
+#: recorded). 1: a generator per batch for crop and flip, one per sample for the others
+#: (this module). 2: counter-based per-sample keys (:mod:`.keys`) for all of them, so a
+#: sample is augmented the same in any batch. User transforms draw from this module's
+#: generators under both.
+LEGACY_SCHEME, CURRENT_SCHEME = 1, 2
+SCHEMES = (LEGACY_SCHEME, CURRENT_SCHEME)
+
+
+def job_scheme(spec: JobSpec) -> int:
+    """The randomness scheme a job's transforms draw by (``None`` in its spec: scheme 1)."""
+    return spec.transform_rng or LEGACY_SCHEME
+
+
+def pin_scheme(spec: JobSpec) -> JobSpec:
+    """A new job's spec with the current scheme recorded, when it has transforms and says
+    none. A spec already pinned to a dataset version is a job that exists (a rank re-posting
+    its run's job, a Loader after a restart): it keeps the scheme it has, ``None`` included.
+
+    >>> pin_scheme(JobSpec(dataset="d", batch_size=2, transforms=[{"name": "hflip"}])).transform_rng
+    2
+    >>> pin_scheme(JobSpec(dataset="d", batch_size=2)).transform_rng is None
+    True
+    """
+    if not spec.transforms or spec.transform_rng is not None or spec.unpinned() != spec:
+        return spec
+    return spec.model_copy(update={"transform_rng": CURRENT_SCHEME})
 
 
 def _gen(key: list[int]) -> np.random.Generator:

@@ -19,7 +19,8 @@ from shardserve.proto.parts import OFFSETS, SHAPES
 
 from ..source import FRESH, Tail
 from .errors import StepFailed
-from .rng import batch_rng, sample_rngs
+from .keys import SampleKeys
+from .rng import CURRENT_SCHEME, LEGACY_SCHEME, batch_rng, sample_rngs
 from .schema import Field
 from .spec import Chain, Step
 
@@ -45,12 +46,14 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Where:
-    """Which batch this is: everything the generators are derived from."""
+    """Which batch this is: everything the generators are derived from, and by which
+    randomness scheme (:data:`~.rng.SCHEMES`)."""
 
     seed: int
     epoch: int
     rank: int
     batch: int
+    scheme: int = CURRENT_SCHEME
 
 
 def split_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field]) -> dict[str, Column]:
@@ -191,17 +194,31 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
             cols[k] = _stack(written[k], f) if f.fixed else written[k]
 
 
-def _apply_batch(step: Step, at: tuple[int, ...], cols: dict[str, Column], n: int,
+def _keys(where: Where, step: int, indices: np.ndarray, legacy: bool) -> SampleKeys:
+    """The keys of chain step ``step``'s draws for this batch (scheme 1: its old generator)."""
+    old = batch_rng(where.seed, where.epoch, where.rank, where.batch, step) if legacy else None
+    return SampleKeys(where.seed, where.epoch, step, indices, legacy=old)
+
+
+def _apply_batch(step: Step, at: tuple[int, ...], cols: dict[str, Column], indices: np.ndarray,
                  where: Where, limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
     t = step.transform
-    gens = (batch_rng(where.seed, where.epoch, where.rank, where.batch, i) for i in at)
-    # A fused step gets each fused step's generator, made as it asks for them (see .fused);
-    # any other step its own.
-    rng = next(gens) if len(at) == 1 else gens
+    n = len(indices)
+    legacy = where.scheme == LEGACY_SCHEME
+    keyed = t.takes_keys and not legacy
+    # A keyed step draws from its keys alone (~40 us a batch saved by not making this).
+    rng = None if keyed else batch_rng(where.seed, where.epoch, where.rank, where.batch, at[0])
     more = (limits,) if t.takes_limits else ()
-    into = {"out": dest} if t.takes_out else {}
+    into: dict[str, object] = {"out": dest} if t.takes_out else {}
+    if t.takes_keys:
+        # Scheme 1 keys carry the batch generator: the draws are then the old ones. A fused
+        # step gets the keys of each step it runs, in order (see .fused).
+        keys = [_keys(where, i, indices, legacy) for i in at]
+        into["keys"] = keys[0] if len(at) == 1 else keys
     try:
         got = t.fn(dict(cols), step.params, rng, *more, **into)
+    except StepFailed:  # a kernel's own, naming the samples it failed on
+        raise
     except Exception as e:
         raise StepFailed(t.name, None, None, f"{type(e).__name__}: {e}") from e
     for k, f in step.writes.items():
@@ -250,7 +267,7 @@ def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray
         if step.transform.shape == "sample":
             _apply_sample(step, at[0], cols, indices, where, limits, dest)
         else:
-            _apply_batch(step, at, cols, len(indices), where, limits, dest)
+            _apply_batch(step, at, cols, indices, where, limits, dest)
         name = step.transform.name
         spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
     return join_parts(cols, chain.outputs, names, out, tail), spent

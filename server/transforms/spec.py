@@ -20,6 +20,7 @@ from shardserve.proto.jobs import TransformStep
 
 from .fused import ORDER, fusable, unfused
 from .registry import Transform, TransformRegistry
+from .rng import CURRENT_SCHEME, LEGACY_SCHEME
 from .schema import Field
 
 
@@ -43,6 +44,8 @@ class Chain:
     inputs: dict[str, Field]
     #: Every field after the last step (input fields not written pass through).
     outputs: dict[str, Field]
+    #: The job's randomness scheme (see :mod:`.rng`).
+    scheme: int = CURRENT_SCHEME
 
     @property
     def names(self) -> list[str]:
@@ -54,7 +57,14 @@ class Chain:
 
     @property
     def batch_steps(self) -> bool:
-        return any(s.transform.shape == "batch" for s in self.steps)
+        """Whether a step needs the whole batch: a batch step drawing from the batch's
+        generator. A keyed one (``takes_keys``, scheme 2 on) draws per sample, so its batch
+        can be cut into pieces like a sample step's."""
+        return any(
+            s.transform.shape == "batch"
+            and (not s.transform.takes_keys or self.scheme == LEGACY_SCHEME)
+            for s in self.steps
+        )
 
 
 def _problems(e: ValidationError) -> str:
@@ -66,9 +76,11 @@ def _problems(e: ValidationError) -> str:
 def compile_chain(
     steps: Sequence[TransformStep | Mapping[str, object]], registry: TransformRegistry,
     inputs: Mapping[str, Field], dataset: str, passed: Sequence[str] = (),
+    scheme: int = CURRENT_SCHEME,
 ) -> Chain:  # fmt: skip
     """The checked chain, or ``BadRequest`` naming the step and what to change. ``passed``:
-    fields of the dataset the chain never sees (missing in some samples), served as stored."""
+    fields of the dataset the chain never sees (missing in some samples), served as stored;
+    ``scheme``: the job's randomness scheme."""
     fields = dict(inputs)
     aside = (
         f"; fields missing in some samples ({list(passed)}) are served as stored, never given "
@@ -119,7 +131,7 @@ def compile_chain(
         held = _fixed_bytes(fields) + _fixed_bytes(writes) + peak
         fields.update(writes)
         out.append(Step(t, params, writes, held, (i,)))
-    return Chain(fuse(out), dict(inputs), fields)
+    return Chain(fuse(out), dict(inputs), fields, scheme)
 
 
 def _unfused(steps: Sequence[TransformStep | Mapping[str, object]]) -> list[TransformStep]:

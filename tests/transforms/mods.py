@@ -183,3 +183,22 @@ def double_into(batch: dict[str, Any], p: Any, rng: np.random.Generator,
         return {"label": batch["label"] * 2}
     np.multiply(batch["label"], 2, out=dest)
     return {"label": dest}
+
+
+class _Head(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: int = 1
+
+
+@sample_transform(params=_Head, outputs=lambda p, inputs: {"points": Field("float32", (p.n, 3))})
+def head_rows(sample: dict[str, Any], p: _Head, rng: np.random.Generator) -> dict[str, Any]:
+    """The first ``n`` rows of ``points`` (a per-sample step with a fixed-size output)."""
+    return {"points": np.ascontiguousarray(sample["points"][: p.n])}
+
+
+@batch_transform(
+    outputs={"sid": Field("int64", ()), "noise": Field("float64", (4,))}, takes_keys=True
+)
+def keyed_noise(batch: dict[str, Any], p: Any, rng: Any, keys: Any) -> dict[str, Any]:
+    """Each sample's id as the server sees it, and 4 uniforms from its own keys."""
+    return {"sid": keys.ids.astype(np.int64), "noise": keys.uniform(4)}

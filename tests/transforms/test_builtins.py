@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from shardserve.proto.errors import BadRequest
+from shardserve.server.transforms.keys import SampleKeys
 from shardserve.server.transforms.registry import TransformRegistry
 from shardserve.server.transforms.rng import (
     VECTOR_MIN,
@@ -235,7 +236,7 @@ def _jpegs(sizes: list[tuple[int, int]], seed: int) -> dict:
 
 def test_decode_random_resized_crop_is_the_two_steps_in_one() -> None:
     """Without ``draft`` the fused step gives exactly ``decode_image`` then
-    ``random_resized_crop`` (``method="pillow"``) drawn from the same generator; with it,
+    ``random_resized_crop`` (``method="pillow"``) drawn from the same keys; with it,
     images several times the crop's size decode at a reduced scale: close to the full
     decode, not the same bytes, and images the crop needs whole are untouched."""
     from shardserve.server.transforms import builtins
@@ -248,8 +249,11 @@ def test_decode_random_resized_crop_is_the_two_steps_in_one() -> None:
     crop = builtins.RandomResizedCrop(size=[48, 40], method="pillow")
     for i, (h, w) in enumerate(sizes):
         x = decoded["image"][decoded["image.offsets"][i] : decoded["image.offsets"][i + 1]]
-        rng = sample_rng(W.seed, W.epoch, 100 + i, 0)
-        want.append(builtins.random_resized_crop.fn({"image": x.reshape(h, w, 3)}, crop, rng))
+        keys = SampleKeys(W.seed, W.epoch, 0, np.array([100 + i]))
+        got = builtins.random_resized_crop.fn(
+            {"image": [x.reshape(h, w, 3)]}, crop, None, keys=keys, out={}
+        )
+        want.append({"image": got["image"][0]})
     step = {"name": "decode_random_resized_crop", "params": {"size": [48, 40]}}
     exact = _run([{**step, "params": {**step["params"], "draft": False}}], binary, parts, 5)
     assert exact["image"].shape == (5, 48, 40, 3)

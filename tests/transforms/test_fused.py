@@ -1,5 +1,6 @@
 """Crop, flip and normalize, alone and fused into one kernel, give the bytes of the earlier
-step-by-step numpy code on random batches of every layout, dtype and padding."""
+step-by-step numpy code on random batches of every layout, dtype, padding and randomness
+scheme (the draws are :mod:`~shardserve.server.transforms.draws`' either way)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardserve.client import Loader
+from shardserve.server.transforms.draws import crop_offsets, flips
+from shardserve.server.transforms.keys import SampleKeys
 from shardserve.server.transforms.registry import TransformRegistry
-from shardserve.server.transforms.rng import batch_rng
+from shardserve.server.transforms.rng import CURRENT_SCHEME, LEGACY_SCHEME, batch_rng
 from shardserve.server.transforms.runner import Where, run_chain
 from shardserve.server.transforms.schema import Field
 from shardserve.server.transforms.spec import compile_chain
@@ -31,7 +34,7 @@ def _axes(x: np.ndarray, layout: str) -> tuple[int, int]:
     return (2, 3) if x.ndim == 4 and layout == "CHW" else (1, 2)
 
 
-def ref_crop(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+def ref_crop(x: np.ndarray, p: dict[str, Any], keys: SampleKeys) -> np.ndarray:
     ah, aw = _axes(x, p.get("layout", "HWC"))
     h = w = p["size"]
     pad_n = p.get("padding", 0)
@@ -40,8 +43,7 @@ def ref_crop(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.n
         pad[ah] = pad[aw] = (pad_n, pad_n)
         x = np.pad(x, pad, constant_values=np.asarray(p.get("fill", 0)).astype(x.dtype))
     b = x.shape[0]
-    oy = rng.integers(0, x.shape[ah] - h + 1, size=b)
-    ox = rng.integers(0, x.shape[aw] - w + 1, size=b)
+    oy, ox = crop_offsets(keys, x.shape[ah] - h, x.shape[aw] - w)
     windows = np.lib.stride_tricks.sliding_window_view(x, (h, w), axis=(ah, aw))
     moved = np.moveaxis(windows, (ah, aw), (1, 2))[np.arange(b), oy, ox]
     rest = [a for a in range(1, x.ndim) if a not in (ah, aw)]
@@ -52,15 +54,15 @@ def ref_crop(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.n
     return np.ascontiguousarray(np.transpose(moved, order))
 
 
-def ref_flip(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+def ref_flip(x: np.ndarray, p: dict[str, Any], keys: SampleKeys) -> np.ndarray:
     aw = _axes(x, p.get("layout", "HWC"))[1]
-    flip = rng.random(x.shape[0]) < p.get("p", 0.5)
+    flip = flips(keys, p.get("p", 0.5))
     out = x.copy()
     out[flip] = np.flip(x[flip], axis=aw)
     return out
 
 
-def ref_norm(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.ndarray:
+def ref_norm(x: np.ndarray, p: dict[str, Any], keys: SampleKeys) -> np.ndarray:
     if p.get("to_chw"):
         x = np.transpose(x, (0, 3, 1, 2))
     chw = p.get("to_chw") or p.get("layout") == "CHW"
@@ -82,21 +84,30 @@ def ref_norm(x: np.ndarray, p: dict[str, Any], rng: np.random.Generator) -> np.n
 REF = {"random_crop": ref_crop, "hflip": ref_flip, "normalize": ref_norm}
 
 
-def reference(chain: list[dict[str, Any]], x: np.ndarray, where: Where = W) -> np.ndarray:
-    """The chain step by step, step ``i`` drawing from the batch generator of position ``i``."""
+def reference(
+    chain: list[dict[str, Any]], x: np.ndarray, where: Where = W, first: int = 0
+) -> np.ndarray:
+    """The chain step by step on samples ``first...``, step ``i`` drawing from the keys of
+    position ``i`` (scheme 1: from the batch generator of position ``i``)."""
+    ids = np.arange(first, first + len(x))
     for i, step in enumerate(chain):
-        rng = batch_rng(where.seed, where.epoch, where.rank, where.batch, i)
-        x = REF[step["name"]](x, step["params"], rng)
+        old = batch_rng(where.seed, where.epoch, where.rank, where.batch, i)
+        legacy = old if where.scheme == LEGACY_SCHEME else None
+        x = REF[step["name"]](
+            x, step["params"], SampleKeys(where.seed, where.epoch, i, ids, legacy=legacy)
+        )
     return x
 
 
-def served(chain: list[dict[str, Any]], x: np.ndarray, into_out: bool) -> tuple[np.ndarray, list]:
+def served(
+    chain: list[dict[str, Any]], x: np.ndarray, into_out: bool, where: Where = W
+) -> tuple[np.ndarray, list]:
     """The chain as the server runs it (compiled, fused); ``into_out``: given the slot."""
     inputs = {"image": Field(str(x.dtype), x.shape[1:])}
-    c = compile_chain(chain, REG, inputs, "t")
+    c = compile_chain(chain, REG, inputs, "t", scheme=where.scheme)
     f = c.outputs["image"]
     out = {"image": np.full((len(x), *f.shape), 7, f.dtype)} if into_out else None
-    parts, _ = run_chain(c, {"image": x}, np.arange(len(x)), W, ["image"], out)
+    parts, _ = run_chain(c, {"image": x}, np.arange(len(x)), where, ["image"], out)
     return parts["image"], c.names
 
 
@@ -155,14 +166,15 @@ def cases(draw: st.DrawFn) -> tuple[list[dict[str, Any]], np.ndarray]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(cases(), st.booleans())
+@given(cases(), st.booleans(), st.sampled_from([LEGACY_SCHEME, CURRENT_SCHEME]))
 def test_fused_chain_gives_the_bytes_of_the_steps_one_by_one(
-    case: tuple[list[dict[str, Any]], np.ndarray], into_out: bool
+    case: tuple[list[dict[str, Any]], np.ndarray], into_out: bool, scheme: int
 ) -> None:
     """Any chain of crop, flip and normalize, fused or not, equals the step-by-step reference."""
     chain, x = case
-    want = reference(chain, x)
-    got, names = served(chain, x, into_out)
+    where = Where(seed=W.seed, epoch=W.epoch, rank=W.rank, batch=W.batch, scheme=scheme)
+    want = reference(chain, x, where)
+    got, names = served(chain, x, into_out, where)
     assert got.dtype == want.dtype and got.shape == want.shape, (names, got.shape, want.shape)
     assert got.tobytes() == want.tobytes(), names
 
@@ -242,7 +254,7 @@ def test_a_server_serves_the_fused_chain_with_the_bytes_of_the_steps_one_by_one(
     images = cifar_images(0, N)
     assert len(batches) == N // 50
     for k, got in enumerate(batches):
-        want = reference(CIFAR_CHAIN, images[k * 50 : (k + 1) * 50], Where(3, 2, 0, k))
+        want = reference(CIFAR_CHAIN, images[k * 50 : (k + 1) * 50], Where(3, 2, 0, k), k * 50)
         assert got.tobytes() == want.tobytes(), f"batch {k}"
 
 

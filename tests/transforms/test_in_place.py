@@ -110,7 +110,7 @@ def test_sample_outputs_need_no_batch_sized_temporary() -> None:
     pts = rng.normal(size=64 * 4096 * 3).astype(np.float32)
     x = {"points": pts, "points.offsets": np.arange(0, 64 * 4096 * 3 + 1, 4096 * 3),
          "points.shapes": np.full((64, 2), [4096, 3], np.int64)}  # fmt: skip
-    step = {"name": "random_subset", "params": {"field": "points", "n": 2048}}
+    step = {"name": "head_rows", "params": {"n": 2048}}
     chain = compile_chain([step], REG, {"points": Field("float32", (-1, 3))}, "t")
     dest = np.zeros((64, 2048, 3), np.float32)
 
