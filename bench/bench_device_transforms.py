@@ -42,16 +42,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from _support import run_server
+from bench_transforms import tree_cpu
+
+from shardserve.client import Loader
+from shardserve.client.device_steps import register_expansion
+from shardserve.proto.manifest import FieldSpec
+from shardserve.server.store.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_transforms import tree_cpu  # noqa: E402
-from shardserve.client import Loader  # noqa: E402
-from shardserve.client.device_steps import register_expansion  # noqa: E402
-from shardserve.proto.manifest import FieldSpec  # noqa: E402
-from shardserve.server.store.writer import ShardWriter  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "device-transforms.json"
 PLANES = [104, 9, 9]
