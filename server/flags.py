@@ -57,7 +57,8 @@ def _flag_kwargs(name: str, info: FieldInfo) -> _FlagKwargs:
     """argparse keywords for one field: its action or type, choices, metavar and help."""
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     kind = _unwrap(info.annotation)
-    shown = _shown_default(name, info)
+    # A sized setting's default is the machine's (its description says how), not the field's.
+    shown = None if extra.get("sized") is True else _shown_default(name, info)
     help_text = info.description or ""
     kw: _FlagKwargs = {"dest": name, "default": None}
     if kind is bool:
