@@ -110,7 +110,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "assembly_threads", "shm", "shm_limit_bytes", "shm_ring_bytes", "shm_unproven_rings", "max_batch_bytes",
         "max_streams", "max_streams_per_job", "max_hellos_per_s", "heartbeat_s",
         "share_subscribers", "share_window", "share_window_bytes", "share_bytes",
-        "unread_stream_bytes", "unread_bytes", "plan_cache_bytes", "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
+        "unread_stream_bytes", "unread_bytes", "plan_cache_bytes", "read_ahead_bytes", "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
     ),
     "jobs and shutdown": ("idle_after_s", "job_ttl_s", "max_jobs", "shutdown_timeout_s"),
     "transforms": (

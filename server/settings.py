@@ -239,6 +239,13 @@ class Settings(BaseSettings):
         description="slot rings that may wait for their client's first Credit (proof it mapped "
         "them); only proven rings count against --shm-limit-bytes",
     )
+    read_ahead_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        ge=0,
+        description="bytes of a local shard the kernel is asked to read at once when a read "
+        "first touches it, so a shuffled epoch beyond RAM reads the disk sequentially; 0: off",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     transforms: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="a module of transforms jobs may name, besides the built-ins and the "
