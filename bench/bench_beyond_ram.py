@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=6.0, help="dataset size in GB (10**9 bytes)")
     p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     p.add_argument("--workdir", type=Path, default=HERE / "data")
     args = p.parse_args(argv)
     n = int(args.gb * 1e9 / SAMPLE_BYTES)
@@ -112,18 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     store = make_store(args.workdir, n)
     print(f"store {store} ({n:,} samples) ready in {time.perf_counter() - t0:.0f} s")
     load = os.getloadavg()
-    dd, total = dd_rate(store / NAME)
-    print(f"dd sequential          {dd / 1e9:6.2f} GB/s ({total / 1e9:.1f} GB)")
-    rows: dict[str, dict[str, float]] = {"dd": {"bytes_per_s": dd}}
+    total = sum(f.stat().st_size for f in (store / NAME).rglob("*.arrow"))
+    # Rounds interleave the rows: a shared disk's rate drifts, and a row measured in another
+    # minute than its baseline would compare the drift.
     runs = (("epoch, read-ahead off", "0", True), ("epoch, read-ahead on", None, True),
             ("epoch, all cached", None, False))  # fmt: skip
-    for label, ra, cold in runs:
-        r = epoch_rate(store, args.ranks, ra, cold)
-        r["ratio_to_dd"] = r["bytes_per_s"] / dd
-        rows[label] = r
-        print(f"{label:22} {r['bytes_per_s'] / 1e9:6.2f} GB/s  {r['ratio_to_dd']:.2f}x dd  "
-              f"({r['seconds']} s, {r['samples']:,} samples)")  # fmt: skip
-    on = rows["epoch, read-ahead on"]["ratio_to_dd"]
+    trials: dict[str, list[float]] = {"dd": [], **{label: [] for label, _, _ in runs}}
+    for i in range(args.rounds):
+        trials["dd"].append(dd_rate(store / NAME)[0])
+        for label, ra, cold in runs:
+            trials[label].append(epoch_rate(store, args.ranks, ra, cold)["bytes_per_s"])
+        print(f"round {i}: " + ", ".join(f"{k} {v[-1] / 1e9:.2f}" for k, v in trials.items())
+              + f" GB/s; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    dd = statistics.median(trials["dd"])
+    print(f"dd sequential          {dd / 1e9:6.2f} GB/s ({total / 1e9:.1f} GB), median")
+    rows: dict[str, dict[str, object]] = {"dd": {"bytes_per_s": dd, "trials": trials["dd"]}}
+    for label, _, _ in runs:
+        rate = statistics.median(trials[label])
+        ratios = [t / d for t, d in zip(trials[label], trials["dd"], strict=True)]
+        rows[label] = {"bytes_per_s": rate, "ratio_to_dd": statistics.median(ratios),
+                       "trials": trials[label], "ratios": ratios}  # fmt: skip
+        print(f"{label:22} {rate / 1e9:6.2f} GB/s  {statistics.median(ratios):.2f}x dd (median "
+              f"of the rounds' ratios {', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+    on = float(statistics.median(rows["epoch, read-ahead on"]["ratios"]))  # type: ignore[arg-type]
     print(f"target read-ahead on >= {TARGET}x dd: {'met' if on >= TARGET else 'NOT met'}; "
           f"load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
     res = {

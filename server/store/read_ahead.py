@@ -5,7 +5,9 @@ each page fault reads one readahead window at a random place, and a store beyond
 at a fraction of the disk's sequential rate. The first read of a shard asks the kernel for
 the whole file at once (``posix_fadvise(WILLNEED)``, up to ``limit_bytes`` of it), so the
 disk reads it front to back while the rows are gathered; many ranks touching one shard ask
-once. A shard is asked for again only after ``again_s`` (a later epoch, the pages possibly
+once. A read spread over more than :data:`MAX_SHARDS` shards (a global shuffle's batch) asks
+for nothing: reading its shards whole would read the dataset, evicting what the next batches
+need when it is larger than RAM. A shard is asked for again only after ``again_s`` (a later epoch, the pages possibly
 evicted). The hints are given on a thread of their own: the kernel may block while it queues
 the reads, and a batch must not wait for that.
 
@@ -34,6 +36,8 @@ READ_AHEAD_BYTES = 1 << 30
 #: Bytes one hint asks for: about what the kernel reads for one (its readahead window, or
 #: the device's largest request); measured no slower than 8 MiB pieces on an 8 MiB window.
 HINT_BYTES = 1 << 20
+#: Most shards one read may touch and still be read ahead (a block shuffle's window is 4).
+MAX_SHARDS = 8
 #: Seconds before a shard is asked for again.
 AGAIN_S = 30.0
 
@@ -61,7 +65,8 @@ class ReadAhead:
 
     def touch(self, shards: Iterable[int]) -> None:
         """Shards a read is about to read: ask for each one not asked for recently."""
-        if self._limit <= 0:
+        shards = list(shards)
+        if self._limit <= 0 or len(shards) > MAX_SHARDS:
             return
         now = self._clock()
         todo = []
