@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from shardserve.client import Loader
+from shardserve.server.store.read_ahead import MAX_SHARDS, ReadAhead
 from shardserve.server.store.writer import ShardWriter
 from tests.support.data import CIFAR_FIELDS, cifar_images
 from tests.support.server import run_server
@@ -71,3 +72,29 @@ def test_read_ahead_bytes_bounds_what_is_asked(tmp_path: Path) -> None:
     args = ("--read-ahead-bytes", "4MiB")
     got = _first_batch_then_resident(tmp_path / "store", first, 0.25, *args)
     assert 0.25 <= got < 0.9
+
+
+def test_spread_reads_ask_nothing_and_shards_are_asked_once(tmp_path: Path) -> None:
+    """A read over more than MAX_SHARDS shards asks for none; a shard is asked again only after again_s."""
+    files = []
+    for i in range(MAX_SHARDS + 1):
+        path = tmp_path / f"s{i}"
+        path.write_bytes(b"x" * 8192)
+        files.append(os.open(path, os.O_RDONLY))
+    now = [0.0]
+    ra = ReadAhead(
+        [(fd, 8192) for fd in files], limit_bytes=1 << 20, again_s=30.0, clock=lambda: now[0]
+    )
+    try:
+        ra.touch(range(MAX_SHARDS + 1))  # a global shuffle's batch
+        assert ra.asked == 0
+        ra.touch(range(MAX_SHARDS))
+        ra.touch([0, 1])
+        assert ra.asked == MAX_SHARDS
+        now[0] = 31.0
+        ra.touch([0])
+        assert ra.asked == MAX_SHARDS + 1
+    finally:
+        ra.close()
+        for fd in files:
+            os.close(fd)
