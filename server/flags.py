@@ -57,7 +57,8 @@ def _flag_kwargs(name: str, info: FieldInfo) -> _FlagKwargs:
     """argparse keywords for one field: its action or type, choices, metavar and help."""
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     kind = _unwrap(info.annotation)
-    shown = _shown_default(name, info)
+    # A sized setting's default is the machine's (its description says how), not the field's.
+    shown = None if extra.get("sized") is True else _shown_default(name, info)
     help_text = info.description or ""
     kw: _FlagKwargs = {"dest": name, "default": None}
     if kind is bool:
@@ -109,7 +110,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "assembly_threads", "shm", "shm_limit_bytes", "shm_ring_bytes", "shm_unproven_rings", "max_batch_bytes",
         "max_streams", "max_streams_per_job", "max_hellos_per_s", "heartbeat_s",
         "share_subscribers", "share_window", "share_window_bytes", "share_bytes",
-        "unread_stream_bytes", "unread_bytes", "plan_cache_bytes", "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
+        "unread_stream_bytes", "unread_bytes", "plan_cache_bytes", "read_ahead_bytes", "stream_timeout_s", "max_body_bytes", "http_idle_timeout_s",
     ),
     "jobs and shutdown": ("idle_after_s", "job_ttl_s", "max_jobs", "shutdown_timeout_s"),
     "transforms": (

@@ -201,6 +201,7 @@ def _serve(settings: Settings, early: list[int], watchdog: _Watchdog) -> int:
     from .streaming.streamer import BindError
 
     configure_logging(settings.log_format, settings.log_level)
+    log_event(log, "serve.sizing", choices=settings.sizing.line())
     try:
         service = Service(settings)
     except ValueError as e:  # e.g. a --transforms module that does not import

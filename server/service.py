@@ -97,7 +97,9 @@ def dataset_info(m: Manifest) -> DatasetInfo:
 def _open_store(settings: Settings, registry: CollectorRegistry) -> StoreBackend:
     """The store of ``settings``: a folder, or a remote store with its local shard cache."""
     if not settings.store_is_remote:
-        return open_store(settings.store, verify=settings.verify)
+        return open_store(
+            settings.store, verify=settings.verify, read_ahead_bytes=settings.read_ahead_bytes
+        )
     # The object store's own client reads its credentials from the environment; we read the
     # same variables only to keep their values out of every message we write.
     options = dataclasses.replace(

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .sizing import Sizing, choose, probe
 
 # shardserve.proto is imported where a value is checked, not here: importing it loads every
 # contract (numpy, the wire and job models), and `shardserve serve --help` needs none of them.
@@ -55,7 +57,13 @@ class Settings(BaseSettings):
         description="where the job journal lives (default STORE/.shardserve)",
         json_schema_extra={"metavar": "DIR"},
     )
-    assembly_threads: int = Field(default=2, ge=1, le=64, description="threads assembling batches")
+    assembly_threads: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="threads assembling batches (unset: a quarter of the CPUs, at least 2)",
+        json_schema_extra={"sized": True},
+    )
     heartbeat_s: float = Field(
         default=1.0, gt=0, le=60, description="seconds between data-plane heartbeats"
     )
@@ -83,8 +91,8 @@ class Settings(BaseSettings):
         default=ByteSize(4 << 30),
         ge=0,
         description="shared memory all slot rings may take together; a stream past it falls "
-        "back to the socket",
-        json_schema_extra={"metavar": "SIZE"},
+        "back to the socket (unset: a quarter of the memory the server may use, at most 4GiB)",
+        json_schema_extra={"metavar": "SIZE", "sized": True},
     )
     shm_ring_bytes: ByteSize = Field(
         default=ByteSize(256 << 20),
@@ -231,6 +239,13 @@ class Settings(BaseSettings):
         description="slot rings that may wait for their client's first Credit (proof it mapped "
         "them); only proven rings count against --shm-limit-bytes",
     )
+    read_ahead_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30),
+        ge=0,
+        description="bytes of a local shard the kernel is asked to read at once when a read "
+        "first touches it, so a shuffled epoch beyond RAM reads the disk sequentially; 0: off",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     transforms: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="a module of transforms jobs may name, besides the built-ins and the "
@@ -238,7 +253,12 @@ class Settings(BaseSettings):
         json_schema_extra={"metavar": "MODULE"},
     )
     transform_workers: int = Field(
-        default=2, ge=1, le=256, description="threads or worker processes that run transforms"
+        default=2,
+        ge=1,
+        le=256,
+        description="threads or worker processes that run transforms (unset: half the CPUs "
+        "the server may use, at least 2)",
+        json_schema_extra={"sized": True},
     )
     transform_pool: Literal["auto", "thread", "process"] = Field(
         default="auto",
@@ -266,6 +286,26 @@ class Settings(BaseSettings):
         description="seconds from SIGTERM/SIGINT to exit: what has not stopped by then (a hung "
         "transform, a fetch) is abandoned and the process exits with status 1",
     )
+
+    _sizing: Sizing | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _size_from_machine(self) -> Settings:
+        # Flag > environment > machine: a field set either way is in model_fields_set.
+        sized = [n for n, f in type(self).model_fields.items() if _is_sized(f.json_schema_extra)]
+        given = {n: int(getattr(self, n)) for n in sized if n in self.model_fields_set}
+        sizing = choose(probe(), given)
+        for name, value in sizing.applied().items():
+            if name not in given:
+                setattr(self, name, value)
+        self._sizing = sizing
+        return self
+
+    @property
+    def sizing(self) -> Sizing:
+        """The sized settings' values and why each was chosen (see :mod:`.sizing`)."""
+        assert self._sizing is not None  # set by the validator
+        return self._sizing
 
     @field_validator("store", mode="before")
     @classmethod
@@ -387,6 +427,10 @@ class Settings(BaseSettings):
     def data_endpoints(self) -> list[str]:
         """Every data endpoint to bind: ``data`` plus ``ipc://PATH`` when ``ipc`` is set."""
         return [*self.data, *([f"ipc://{self.ipc}"] if self.ipc else [])]
+
+
+def _is_sized(extra: object) -> bool:
+    return isinstance(extra, dict) and extra.get("sized") is True
 
 
 class StoreDefaults(BaseSettings):

@@ -270,6 +270,20 @@ def _cache_section(service: ServiceDep) -> str:
     )
 
 
+def _sizing_line(service: ServiceDep) -> str:
+    """The pool sizes and why each was chosen (the machine's share, or given by flag/env)."""
+    sizing = service.settings.sizing
+    m = sizing.machine
+    parts = " · ".join(
+        f"{_e(c.name.replace('_', ' '))} <b>{_e(_bytes(c.value) if c.name.endswith('_bytes') else c.value)}</b> ({_e(c.reason)})"
+        for c in sizing.choices
+    )
+    return (
+        f"sized for {m.cpus:g} CPUs ({_e(m.cpu_reason)}) and {_e(_bytes(m.memory_bytes))} "
+        f"({_e(m.memory_reason)}): {parts}"
+    )
+
+
 @router.get("/", response_class=HTMLResponse)
 def status_page(service: ServiceDep) -> HTMLResponse:
     """The human view of datasets, jobs and ranks."""
@@ -292,6 +306,7 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         version=_e(info.version),
         protocols=_e(",".join(map(str, info.protocols))),
         endpoints=_e(" ".join(info.data_endpoints)),
+        sizing=_sizing_line(service),
         jobs_live=live,
         jobs_total=len(jobs),
         ranks_connected=ranks,

@@ -14,6 +14,7 @@ from shardserve.proto.manifest import Manifest
 from .cache import ShardCache
 from .dataset import Dataset
 from .object_fs import StoreOptions, is_uri
+from .read_ahead import READ_AHEAD_BYTES
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -96,6 +97,7 @@ def open_store(
     cache_limit_bytes: int = 64 << 30,
     registry: CollectorRegistry | None = None,
     verify: str = "lazy",
+    read_ahead_bytes: int = READ_AHEAD_BYTES,
 ) -> StoreBackend:
     """A local ``Store`` for a folder, a ``RemoteStore`` for a URI.
 
@@ -108,7 +110,7 @@ def open_store(
     if not is_uri(store):
         from .catalog import Store
 
-        return Store(store, verify=verify)
+        return Store(store, verify=verify, read_ahead_bytes=read_ahead_bytes)
     from .remote import RemoteStore
 
     cache = None

@@ -38,11 +38,15 @@ class Store:
     file is checked once per process however often the dataset is opened.
     """
 
-    def __init__(self, root: str | os.PathLike[str], verify: str = "lazy") -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], verify: str = "lazy", read_ahead_bytes: int = -1
+    ) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.root = Path(root)
         self.verify = verify
+        #: Bytes of a shard read ahead at its first read (-1: the default; see .read_ahead).
+        self.read_ahead_bytes = read_ahead_bytes
         self._lock = threading.Lock()
         self._open: dict[str, tuple[int, Dataset]] = {}
         self.shelf: VersionShelf[Dataset] = VersionShelf()
@@ -112,7 +116,9 @@ class Store:
                     # Replaced on disk: the old version stays mapped while a job pins it.
                     old = cached[1]
                     self.shelf.put(name, content_id(old.manifest), old)
-                ds = Dataset.mapped(folder, self.manifest(name), verify=verify or self.verify)
+                ds = Dataset.mapped(
+                    folder, self.manifest(name), verify or self.verify, self.read_ahead_bytes
+                )
                 self._open[name] = cached = (inode, ds)
                 verify = None  # just mapped in the asked mode
             ds = cached[1]

@@ -83,9 +83,12 @@ class Dataset:
         return self.manifest.total_bytes / max(self.num_samples, 1)
 
     @classmethod
-    def mapped(cls, folder: Path, manifest: Manifest, verify: str = "lazy") -> Dataset:
-        """A local store's dataset: every shard in ``folder`` mapped now."""
-        return cls(manifest, MappedShards(folder, manifest, verify))
+    def mapped(
+        cls, folder: Path, manifest: Manifest, verify: str = "lazy", read_ahead_bytes: int = -1
+    ) -> Dataset:
+        """A local store's dataset: every shard in ``folder`` mapped now (``read_ahead_bytes``
+        of a shard read at its first read; -1: the default)."""
+        return cls(manifest, MappedShards(folder, manifest, verify, read_ahead_bytes))
 
     @classmethod
     def cached(cls, manifest: Manifest, cache: ShardCache, fetch: Fetch, where: str,

@@ -37,6 +37,7 @@ from .blocks import DatasetBlocks, RowSpan
 from .cache import Lease, ShardCache
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
+from .read_ahead import ReadAhead
 from .shards import MappedShard, read_ends_ahead
 from .stitch import Piece, StitchedColumns
 
@@ -145,13 +146,16 @@ class MappedShards:
 
     waits = False
 
-    def __init__(self, folder: Path, manifest: Manifest, verify: str = "lazy") -> None:
+    def __init__(
+        self, folder: Path, manifest: Manifest, verify: str = "lazy", read_ahead_bytes: int = -1
+    ) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.manifest = manifest
         self._lock = threading.Lock()
         self._shards: list[MappedShard] = []
         self._rows = DatasetBlocks([], np.zeros(1, dtype=np.int64), {})  # until all are mapped
+        self._ahead = ReadAhead([])
         read_ends_ahead(Path(folder) / info.path for info in manifest.shards)
         try:
             for info in manifest.shards:
@@ -167,6 +171,9 @@ class MappedShards:
         except BaseException:
             self.close()
             raise
+        self._ahead = ReadAhead(
+            [(sh.fileno(), sh.info.bytes) for sh in self._shards], read_ahead_bytes
+        )
         self._chunks = Chunks.of(
             self._shards,
             shard_starts(manifest)[:-1].tolist(),
@@ -187,6 +194,7 @@ class MappedShards:
     def acquire(self, shards: Iterable[int]) -> Chunks:
         """Every chunk of the dataset, once ``shards`` are checked: still whole on disk
         (always) and checksummed (lazily, before their first read)."""
+        self._ahead.touch(shards)
         for s in shards:
             if s in self._failed:
                 raise self._failed[s]
@@ -292,6 +300,7 @@ class MappedShards:
     def close(self) -> None:
         # The joined copies are this dataset's own memory; dropping the chunks drops them.
         # A stitched array unmaps itself when the last read over it is done.
+        self._ahead.close()
         self._chunks = Chunks.of([], [], (), None, None)
         self._rows.close()  # its views of the mappings too, or they would stay mapped
         for s in self._shards:
