@@ -20,6 +20,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .labels import bucket_labels
+
 # 2**17 uint32 ids = 512 KiB: a bucket shuffles inside a 1 MiB L2.
 BUCKET_ROWS = 2**17
 # One byte a label keeps the counting sort on numpy's radix path.
@@ -79,7 +81,7 @@ def shuffle_steps(
         shuffle_whole(out, rng)
         yield n
         return
-    labels = rng.integers(0, n_buckets, size=n, dtype=np.uint8)
+    labels = bucket_labels(rng, n, n_buckets)
     # Per chunk, how many of its labels each bucket got: a counting sort's two passes.
     chunk_counts = [
         np.bincount(labels[lo : lo + chunk_rows], minlength=n_buckets)
@@ -89,7 +91,7 @@ def shuffle_steps(
     np.cumsum(np.sum(chunk_counts, axis=0), out=bucket_start[1:])
     cursor = bucket_start[:-1].tolist()
     for lo, counts in zip(range(0, n, chunk_rows), chunk_counts, strict=True):
-        by_label = _stable_by_label(labels[lo : lo + chunk_rows])
+        by_label = stable_by_label(labels[lo : lo + chunk_rows])
         if src is None:
             values = by_label.astype(out.dtype, copy=False)
             values += out.dtype.type(lo)
@@ -110,13 +112,13 @@ def shuffle_steps(
         yield b1
 
 
-def _stable_by_label(chunk: np.ndarray) -> np.ndarray:
+def stable_by_label(chunk: np.ndarray) -> np.ndarray:
     """``np.argsort(chunk, kind="stable")`` of uint8 labels, as uint32 (uint64 for a chunk of
     2**24 or more): the sort of the unique keys ``label << bits | index``, whose low bits are
     the answer. Unique keys sort the same under any algorithm, so numpy's fastest (its SIMD
     quicksort for 32-bit keys) gives the stable order, several times sooner than argsort.
 
-    >>> _stable_by_label(np.array([2, 0, 2, 1], np.uint8)).tolist()
+    >>> stable_by_label(np.array([2, 0, 2, 1], np.uint8)).tolist()
     [1, 3, 0, 2]
     """
     bits = max(len(chunk) - 1, 1).bit_length()
