@@ -5,8 +5,8 @@
 
 1. give every position an independent uniform bucket label (one byte each);
 2. lay the positions out bucket by bucket (a stable counting sort, done in chunks
-   so the int64 temporaries stay a few MB);
-3. shuffle each bucket in place; a bucket is sized to fit in L2.
+   so the temporaries stay a few MB; see :func:`stable_by_label`);
+3. shuffle each bucket in place; a bucket is sized to fit in L2 (see :func:`shuffle_whole`).
 
 Independent uniform labels plus a uniform order within each bucket is a uniform
 permutation (Rao 1961; Sandelius 1962): it is sorting by i.i.d. continuous keys,
