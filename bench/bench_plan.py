@@ -16,7 +16,7 @@ the RSS after imports is what planning itself cost. Cases:
 - ``naive``: ``rng.shuffle(np.arange(n, dtype=np.uint32))``, the obvious global
   shuffle, for scale (``numpy.random.Generator.shuffle`` misses cache on every swap).
 
-Target (issues 8 and 30): 40M samples plan in <= 2 s and <= 400 MB. Prints a table and
+Target: 40M samples plan in <= 2 s and <= 400 MB. Prints a table and
 writes ``bench/results/plan.json``.
 """
 

@@ -27,7 +27,7 @@ shardserve_assembly_seconds                 histogram                  time to g
 shardserve_streams                          gauge                      open data-plane streams
 shardserve_shm_fallbacks_total              counter                    streams that asked for shm and got the socket
 shardserve_store_mapped_versions            gauge                      dataset versions held mapped (current ones opened; older ones while a job pins them)
-shardserve_plan_cache_bytes                 gauge                      bytes of epoch orders kept (at most ``--plan-cache-bytes`` and half that of mixture orders)
+shardserve_plan_cache_bytes                 gauge                      bytes of epoch orders kept, mixture orders too (at most ``--plan-cache-bytes``)
 shardserve_store_bytes                      gauge                      bytes of every dataset in the store
 shardserve_jobs                             gauge      state           jobs by lifecycle state (every state, 0 too)
 shardserve_job_ranks_connected              gauge      job_id          ranks of the job with an open stream
@@ -349,8 +349,8 @@ class Metrics:
         )
         self.plan_cache_bytes = Gauge(
             "shardserve_plan_cache_bytes",
-            "Bytes of epoch orders kept (at most --plan-cache-bytes, and half that again of "
-            "mixture orders; or the newest order when it is larger).",
+            "Bytes of epoch orders kept, mixture orders too (at most --plan-cache-bytes; or the "
+            "newest order when it is larger).",
             registry=r,
         )
 

@@ -34,13 +34,13 @@ class MixtureAdmin:
         jobs: JobRegistry,
         board: StreamBoard,
         manifest: Callable[[str], Manifest],
-        plan_bytes: int = mixtures.ORDER_CACHE_BYTES,
+        orders: PlanCache,
     ) -> None:
         """``manifest(name)``: the dataset's current manifest (raising ``DatasetNotFound``);
-        ``plan_bytes``: of mixture orders kept."""
+        ``orders``: the server's one order cache, which keeps mixture orders beside the others."""
         self.jobs = jobs
         self.board = board
-        self.plans = mixtures.MixturePlans(jobs.quarantine, PlanCache(plan_bytes))
+        self.plans = mixtures.MixturePlans(jobs.quarantine, orders)
         self._manifest = manifest
 
     def _mixture_job(self, job_id: str) -> Job:

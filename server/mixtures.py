@@ -37,9 +37,6 @@ from .store.versions import content_id
 from .streaming.board import SourceWindow
 from .streaming.limits import check_batch
 
-#: Bytes of mixture orders kept (4 bytes a position below 2**32 ids); the newest always
-#: (their own :class:`PlanCache`, beside the one of one-dataset jobs' orders).
-ORDER_CACHE_BYTES = 256 << 20
 #: Longest mixture epoch, in positions, and at most this many times its sources' samples.
 MAX_EPOCH_SAMPLES = 1 << 31
 EPOCH_OVER_SOURCES = 64

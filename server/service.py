@@ -142,10 +142,8 @@ class Service:
             self.metrics.registry,
             Limits(settings.max_batch_bytes, settings.max_decoded_pixels),
         )
-        # Mixture orders get half the plan bound again: their own LRU, as big as one source.
-        self.mixture_admin = MixtureAdmin(
-            self.jobs, self.board, self.store.manifest, settings.plan_cache_bytes // 2
-        )
+        # One order cache for every kind of job: one byte bound, one plan-ahead lane.
+        self.mixture_admin = MixtureAdmin(self.jobs, self.board, self.store.manifest, self.plans)
         #: Every job kind's object; a job's is taken from here, once per question.
         self.kinds = JobKinds(
             KindParts(
@@ -168,7 +166,7 @@ class Service:
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
         )
-        self.metrics.watch_plan_bytes(lambda: self.plans.nbytes + self.mixture_admin.plans.nbytes)
+        self.metrics.watch_plan_bytes(lambda: self.plans.nbytes)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
         self.streamer = Streamer(
             StreamerConfig(

@@ -208,8 +208,8 @@ class Settings(BaseSettings):
     plan_cache_bytes: ByteSize = Field(
         default=ByteSize(512 << 20),
         ge=1,
-        description="bytes of epoch orders kept for reuse (4 bytes a sample; mixture orders: "
-        "half this again); the newest order is kept even when larger",
+        description="bytes of epoch orders kept for reuse, mixture orders too (4 bytes a "
+        "sample); the newest order is kept even when larger",
         json_schema_extra={"metavar": "SIZE"},
     )
     unread_stream_bytes: ByteSize = Field(

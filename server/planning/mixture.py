@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,8 +45,10 @@ import numpy as np
 
 from shardserve.proto.jobs import ShuffleMode
 
+from .idset import IdSet
 from .order import SHUFFLES, shard_sizes
 from .partition import RankPlan
+from .permute import stable_by_label
 from .rng import order_dtype
 
 #: Positions per counter block of the source draws. Part of the plan's definition: changing
@@ -64,8 +66,10 @@ MAX_SOURCES = 64
 #: (see ``_Stream``). Part of the plan's definition, like ``MIX_CHUNK``.
 SMALL_SOURCE = 4096
 SMALL_BLOCK = 1 << 16
-#: Up to this many sources, positions are grouped by one mask per source, else by a sort.
+#: Up to this many sources, positions are grouped by one scan per source, else by a sort.
 SCAN_SOURCES = 8
+#: Positions assembled at once (whole chunks): fewer, larger numpy steps, a few MB each.
+PIECE = 16 * MIX_CHUNK
 
 Exhaustion = Literal["repeat", "stop"]
 
@@ -288,36 +292,6 @@ def _check(sources: Sequence[MixSource], length: int, world_size: int) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
 
-class IdSet:
-    """Sorted unique sample ids, with a bitmap over ``0 .. max id`` for membership tests
-    (one bit a sample below the largest id: a million quarantined ids of a 40 M source
-    test 40 M candidates in a few vectorised passes, not 20 cache misses each).
-
-    >>> IdSet(np.array([5, 1, 5])).allows(np.array([0, 1, 5, 9])).tolist()
-    [True, False, False, True]
-    """
-
-    def __init__(self, ids: np.ndarray) -> None:
-        ids = np.sort(np.asarray(ids, dtype=np.int64))
-        if len(ids):
-            ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
-        self.ids = ids
-        self.top = int(ids[-1]) if len(ids) else -1
-        bits = np.zeros(self.top + 1, dtype=bool)
-        bits[ids] = True
-        self._bits = np.packbits(bits, bitorder="little")
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def allows(self, cand: np.ndarray) -> np.ndarray:
-        """``True`` where a candidate id is not in the set."""
-        c = cand.astype(np.int64, copy=False)
-        inside = np.minimum(c, max(self.top, 0))
-        hit = (self._bits[inside >> 3] >> (inside & 7).astype(np.uint8)) & 1
-        return (c > self.top) | (hit == 0)
-
-
 class _Banned:
     """Each source's quarantined ids in force at a position: one :class:`IdSet` a source
     over every id, with the first position each is skipped from. Its size does not depend
@@ -368,6 +342,45 @@ class _BannedAt:
         return ok
 
 
+def _draw_piece(key: np.ndarray, lo: int, hi: int, segments: Sequence[Segment]) -> np.ndarray:
+    """Source labels of positions ``lo .. hi`` (``lo`` a chunk start): the chunks' draws."""
+    labels = np.empty(hi - lo, dtype=np.uint8)
+    for c in range(lo, hi, MIX_CHUNK):
+        labels[c - lo : c - lo + MIX_CHUNK] = draw_sources(key, c, segments)[: hi - c]
+    return labels
+
+
+def _fill(
+    dest: np.ndarray,
+    piece: np.ndarray,
+    a: int,
+    streams: Sequence[_Stream],
+    offsets: np.ndarray,
+    banned: _Banned,
+) -> int:
+    """Write the ids of positions ``a ..`` (source labels ``piece``) into ``dest``; return the
+    first position a ``stop`` source had no sample for (else int64's max). A piece taken at
+    once or chunk by chunk takes the same ids: a stream hands out its elements in order."""
+    end = np.iinfo(np.int64).max
+    groups: Iterator[np.ndarray]
+    if len(streams) <= SCAN_SOURCES:  # few sources: one scan each, no sort
+        groups = (np.flatnonzero(piece == k) for k in range(len(streams)))
+    else:
+        by_source = stable_by_label(piece)
+        ends = np.cumsum(np.bincount(piece, minlength=len(streams)))
+        groups = iter(np.split(by_source, ends[:-1]))
+    for k, where in enumerate(groups):
+        if not len(where):
+            continue
+        ids, ran_out = streams[k].take(len(where), banned.at(k, a))
+        if offsets[k]:
+            ids += dest.dtype.type(offsets[k])  # fits: the order's dtype holds every id
+        dest[where[: len(ids)]] = ids
+        if ran_out:
+            end = min(end, a + int(where[len(ids)]))  # the first position left without
+    return end
+
+
 def mixture_order(
     sources: Sequence[MixSource],
     seed: int,
@@ -403,45 +416,18 @@ def mixture_order(
         _Stream(k, s, seed, epoch, shuffle, block_window, dtype) for k, s in enumerate(sources)
     ]
     out = np.empty(length, dtype=dtype)
-    # Positions where something changes: chunks are cut there so that within a piece the
+    # Positions where something changes: pieces are cut there so that within one the
     # quarantine sets are constant (weights are applied per position by draw_sources).
     key = mix_key(seed, epoch)
     banned = _Banned(quarantine, len(sources))
     cuts = sorted({q.at for q in quarantine if 0 < q.at < length})
     end = length
-    for lo in range(0, length, MIX_CHUNK):
-        hi = min(lo + MIX_CHUNK, length)
-        labels = draw_sources(key, lo, segs)[: hi - lo]
+    for lo in range(0, length, PIECE):
+        hi = min(lo + PIECE, length)
+        labels = _draw_piece(key, lo, hi, segs)
         bounds = [lo, *(c for c in cuts if lo < c < hi), hi]
         for a, b in itertools.pairwise(bounds):
-            piece = labels[a - lo : b - lo]
-            dest = out[a:b]
-            # Few sources: one boolean mask each (no index arrays); many: one stable sort.
-            if len(sources) <= SCAN_SOURCES:
-                for k in range(len(sources)):
-                    mask = piece == k
-                    cnt = int(np.count_nonzero(mask))
-                    if not cnt:
-                        continue
-                    ids, ran_out = streams[k].take(cnt, banned.at(k, a))
-                    ids += dtype.type(offsets[k])  # fits: the order's dtype holds every id
-                    if not ran_out:
-                        dest[mask] = ids
-                        continue
-                    where = np.flatnonzero(mask)
-                    dest[where[: len(ids)]] = ids
-                    end = min(end, a + int(where[len(ids)]))  # the first position left without
-            else:
-                by_source = np.argsort(piece, kind="stable")
-                ends = np.cumsum(np.bincount(piece, minlength=len(sources)))
-                for k, where in enumerate(np.split(by_source, ends[:-1])):
-                    if not len(where):
-                        continue
-                    ids, ran_out = streams[k].take(len(where), banned.at(k, a))
-                    ids += dtype.type(offsets[k])
-                    dest[where[: len(ids)]] = ids
-                    if ran_out:
-                        end = min(end, a + int(where[len(ids)]))
+            end = min(end, _fill(out[a:b], labels[a - lo : b - lo], a, streams, offsets, banned))
             if end < length:
                 break
         if end < length:

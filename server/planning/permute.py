@@ -5,8 +5,8 @@
 
 1. give every position an independent uniform bucket label (one byte each);
 2. lay the positions out bucket by bucket (a stable counting sort, done in chunks
-   so the int64 temporaries stay a few MB);
-3. shuffle each bucket in place; a bucket is sized to fit in L2.
+   so the temporaries stay a few MB; see :func:`stable_by_label`);
+3. shuffle each bucket in place; a bucket is sized to fit in L2 (see :func:`shuffle_whole`).
 
 Independent uniform labels plus a uniform order within each bucket is a uniform
 permutation (Rao 1961; Sandelius 1962): it is sorting by i.i.d. continuous keys,
@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+
+from .labels import bucket_labels
 
 # 2**17 uint32 ids = 512 KiB: a bucket shuffles inside a 1 MiB L2.
 BUCKET_ROWS = 2**17
@@ -76,26 +78,27 @@ def shuffle_steps(
     n_buckets = min(MAX_BUCKETS, -(-n // bucket_rows))
     if n_buckets <= 1:
         out[:] = np.arange(n, dtype=out.dtype) if src is None else src
-        rng.shuffle(out)
+        shuffle_whole(out, rng)
         yield n
         return
-    labels = rng.integers(0, n_buckets, size=n, dtype=np.uint8)
-    counts = np.zeros(n_buckets, dtype=np.int64)
-    for lo in range(0, n, chunk_rows):
-        counts += np.bincount(labels[lo : lo + chunk_rows], minlength=n_buckets)
+    labels = bucket_labels(rng, n, n_buckets)
+    # Per chunk, how many of its labels each bucket got: a counting sort's two passes.
+    chunk_counts = [
+        np.bincount(labels[lo : lo + chunk_rows], minlength=n_buckets)
+        for lo in range(0, n, chunk_rows)
+    ]
     bucket_start = np.zeros(n_buckets + 1, dtype=np.int64)
-    np.cumsum(counts, out=bucket_start[1:])
+    np.cumsum(np.sum(chunk_counts, axis=0), out=bucket_start[1:])
     cursor = bucket_start[:-1].tolist()
-    for lo in range(0, n, chunk_rows):
-        chunk = labels[lo : lo + chunk_rows]
-        by_label = np.argsort(chunk, kind="stable")
+    for lo, counts in zip(range(0, n, chunk_rows), chunk_counts, strict=True):
+        by_label = stable_by_label(labels[lo : lo + chunk_rows])
         if src is None:
-            values = by_label.astype(out.dtype)
-            values += lo
+            values = by_label.astype(out.dtype, copy=False)
+            values += out.dtype.type(lo)
         else:
             values = src[lo:][by_label]
         run_start = np.zeros(n_buckets + 1, dtype=np.int64)
-        np.cumsum(np.bincount(chunk, minlength=n_buckets), out=run_start[1:])
+        np.cumsum(counts, out=run_start[1:])
         # A Python loop per bucket per chunk (256 x n / 2**20), never per sample.
         for b, (r0, r1) in enumerate(
             zip(run_start[:-1].tolist(), run_start[1:].tolist(), strict=True)
@@ -103,9 +106,29 @@ def shuffle_steps(
             out[cursor[b] : cursor[b] + r1 - r0] = values[r0:r1]
             cursor[b] += r1 - r0
     del labels
+    scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
     for b0, b1 in zip(bucket_start[:-1].tolist(), bucket_start[1:].tolist(), strict=True):
-        rng.shuffle(out[b0:b1])
+        shuffle_whole(out[b0:b1], rng, scratch)
         yield b1
+
+
+def stable_by_label(chunk: np.ndarray) -> np.ndarray:
+    """``np.argsort(chunk, kind="stable")`` of uint8 labels, as uint32 (uint64 for a chunk of
+    2**24 or more): the sort of the unique keys ``label << bits | index``, whose low bits are
+    the answer. Unique keys sort the same under any algorithm, so numpy's fastest (its SIMD
+    quicksort for 32-bit keys) gives the stable order, several times sooner than argsort.
+
+    >>> stable_by_label(np.array([2, 0, 2, 1], np.uint8)).tolist()
+    [1, 3, 0, 2]
+    """
+    bits = max(len(chunk) - 1, 1).bit_length()
+    dtype = np.uint32 if bits + 8 <= 32 else np.uint64
+    keys = chunk.astype(dtype)
+    keys <<= dtype(bits)
+    keys |= np.arange(len(chunk), dtype=dtype)
+    keys.sort()
+    keys &= dtype((1 << bits) - 1)
+    return keys
 
 
 def shuffle_inplace(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -117,6 +140,29 @@ def shuffle_inplace(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     [0, 1, 2, 3, 4]
     """
     if len(arr) <= BUCKET_ROWS:
+        return shuffle_whole(arr, rng)
+    return shuffle_into(arr, rng, arr.copy())
+
+
+def shuffle_whole(
+    arr: np.ndarray, rng: np.random.Generator, scratch: np.ndarray | None = None
+) -> np.ndarray:
+    """``rng.shuffle(arr)``, the same permutation, about twice as fast for 4-byte ids.
+
+    numpy's shuffle has a fast path for 8-byte items only (others are swapped by memcpy); its
+    draws depend on the length alone, so shuffling the ids as int64 and copying them back is
+    the same permutation. ``scratch``: int64 room for ``len(arr)`` ids, reused across calls.
+
+    >>> a, b = np.arange(9, dtype=np.uint32), np.arange(9, dtype=np.uint32)
+    >>> np.random.default_rng(3).shuffle(a)
+    >>> bool((shuffle_whole(b, np.random.default_rng(3)) == a).all())
+    True
+    """
+    if arr.dtype.itemsize == 8 or not len(arr):
         rng.shuffle(arr)
         return arr
-    return shuffle_into(arr, rng, arr.copy())
+    room = scratch[: len(arr)] if scratch is not None else np.empty(len(arr), np.int64)
+    room[:] = arr
+    rng.shuffle(room)
+    arr[:] = room
+    return arr

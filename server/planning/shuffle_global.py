@@ -19,7 +19,7 @@ def global_order(
 ) -> np.ndarray:
     """Return a uniform permutation of ``range(n_samples)`` drawn from ``rng``.
 
-    Shards play no part; 40 million samples take ~1.5 s and ~220 MB (bench/bench_plan.py).
+    Shards play no part; 40 million samples take ~0.7 s and ~210 MB (bench/bench_plan.py).
 
     >>> o = global_order(5, np.random.default_rng(0), dtype=np.dtype(np.uint32),
     ...                  shard_rows=np.array([5]), block_window=1)
