@@ -284,7 +284,6 @@ class JobSpec(BaseModel):
             ("env_shuffle", self.env_shuffle != "independent"),
             ("collate", self.collate is not None),
             ("version", self.version is not None),
-            ("share", self.share is not None),
         ):
             if value:
                 raise ValueError(f"a mixture job cannot set {other} (yet): leave it out")
