@@ -20,9 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shardserve.client import BadRequest, Loader
 from tests.dataplane.sharing import (
-    BATCH_TIMEOUT_S,
     CROP_FLIP,
     ROOT,
     WAIT_S,
