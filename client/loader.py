@@ -221,10 +221,10 @@ class Loader:
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
-        if not isinstance(dataset, str) and (resident is not None or envs > 1):
+        if not isinstance(dataset, str) and resident is not None:
             raise BadRequest(
                 "a mixture (dataset={name: weight}) streams batches: it cannot be resident "
-                "or stream several environments (yet); leave resident and envs out"
+                "(yet); leave resident out"
             )
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")

@@ -280,13 +280,16 @@ class JobSpec(BaseModel):
             )
         check_weights(tuple(s.weight for s in self.mixture), len(names), "mixture weights")
         for other, value in (
-            ("envs", self.envs != 1),
-            ("env_shuffle", self.env_shuffle != "independent"),
             ("collate", self.collate is not None),
             ("version", self.version is not None),
         ):
             if value:
                 raise ValueError(f"a mixture job cannot set {other} (yet): leave it out")
+        if self.ends_early and self.envs > 1 and self.env_shuffle == "independent":
+            raise ValueError(
+                "a mixture with a source that stops (on_exhausted='stop') ends each independent "
+                "environment's order at its own step: use env_shuffle='split' or 'wrap'"
+            )
         last = -1
         for k, c in enumerate(self.schedule or ()):
             check_weights(c.weights, len(names), f"schedule[{k}].weights")

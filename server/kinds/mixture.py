@@ -56,8 +56,9 @@ class MixtureJobs:
     def resident_plan(
         self, job: Job, epoch: int, rank: int, env: int | None, offset: int
     ) -> tuple[np.ndarray, int]:
-        """Ids over the sources concatenated in order; ``env`` is the job's one environment."""
-        return self._parts.mixtures.plan(job, epoch, rank, offset)
+        """Ids over the sources concatenated in order; ``env``: that environment's own ids
+        and batches, ``None``: the job's batches as streamed (whole steps)."""
+        return self._parts.mixtures.plan(job, epoch, rank, env, offset)
 
     def steering(self, job_id: str) -> MixtureStatus | None:
         """The schedule, the weights now and the shares sent (``GET .../mixture``'s)."""
