@@ -149,7 +149,7 @@ def steps(ld: Loader, epoch: int) -> list[tuple[tuple[Sample, ...], ...]]:
 def plan_of(srv: ServerProc, job: str, epoch: int, rank: int, env: int | None) -> list[Sample]:
     params = {"epoch": epoch, "rank": rank} | ({} if env is None else {"env": env})
     r = httpx.get(
-        f"{srv.http_url}/v1/jobs/{job}/plan", params=params, headers=srv.headers, timeout=30
+        f"{srv.http_url}/v1/jobs/{job}/plan", params=params, headers=srv.headers, timeout=scaled(30)
     )
     assert r.status_code == 200, r.text
     return as_samples(np.frombuffer(r.content, "<i8"))
