@@ -213,12 +213,10 @@ class JobSpec(BaseModel):
                 f"got {self.dataset!r}"
             )
         check_weights(tuple(s.weight for s in self.mixture), len(names), "mixture weights")
-        for other, value in (
-            ("collate", self.collate is not None),
-            ("version", self.version is not None),
-        ):
-            if value:
-                raise ValueError(f"a mixture job cannot set {other} (yet): leave it out")
+        if self.version is not None:
+            raise ValueError(
+                "a mixture job cannot set version: each source pins its own (mixture[k].version)"
+            )
         if self.ends_early and self.envs > 1 and self.env_shuffle == "independent":
             raise ValueError(
                 "a mixture with a source that stops (on_exhausted='stop') ends each independent "

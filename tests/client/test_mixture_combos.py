@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from shardserve.client import Loader
-from tests.support.data import cifar_images, make_cifar_like, sample_id_of
+from tests.support.data import (
+    cifar_images,
+    graph_sample,
+    make_cifar_like,
+    make_graph_like,
+    sample_id_of,
+)
 from tests.support.resume import assert_resumes_exactly
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
@@ -213,3 +219,49 @@ def test_envs_steer_at_their_step_and_resume(srv: ServerProc, env_shuffle: str) 
         return iter(loader), loader.state_dict
 
     assert_resumes_exactly(make_iter, midpoint=5, key=lambda step: tuple(samples(b) for b in step))
+
+
+GRAPHS = {"ga": (150, 0), "gb": (90, 3)}
+
+
+def test_a_mixture_of_graph_datasets_collates_each_batch_as_its_graphs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """collate="graph" over two graph datasets: each batch holds its graphs (named by
+    ``source`` and ``y``) concatenated and offset as a one-dataset graph batch is, in the
+    order ``GET .../plan`` deals, and a second Loader gets the same bytes."""
+    root = tmp_path_factory.mktemp("mixgraphs")
+    for name, (n, seed) in GRAPHS.items():
+        make_graph_like(root, name, n=n, seed=seed)
+    offsets = np.cumsum([0, *(n for n, _ in GRAPHS.values())])
+    seeds = [seed for _, seed in GRAPHS.values()]
+    kw: dict[str, Any] = {"seed": 4, "collate": "graph", "fields": ["x", "edge_index", "y", "source"],
+                          "epoch_samples": 160, "timeout": scaled(45.0)}  # fmt: skip
+    with run_server(root, "--state-dir", str(root / "state")) as gsrv:
+        weights = {"ga": 0.6, "gb": 0.4}
+        with Loader(gsrv.http_url, weights, 16, token=gsrv.token, **kw) as ld:
+            ld.set_epoch(0)
+            got = [{k: v.clone() for k, v in b.items()} for b in ld]
+            job = str(ld.job_id)
+        with Loader(gsrv.http_url, weights, 16, token=gsrv.token, **kw) as again:
+            again.set_epoch(0)
+            assert [[record({k: v}) for k, v in sorted(b.items())] for b in again] == [
+                [record({k: v}) for k, v in sorted(b.items())] for b in got
+            ]
+        r = httpx.get(f"{gsrv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": 0},
+                      headers=gsrv.headers, timeout=scaled(30))  # fmt: skip
+        assert r.status_code == 200, r.text
+        plan = np.frombuffer(r.content, "<i8").reshape(-1, 16)
+    assert len(got) == len(plan) == 10
+    for b, ids in zip(got, plan, strict=True):
+        src = np.searchsorted(offsets, ids, "right") - 1
+        local = ids - offsets[src]
+        assert b["source"].tolist() == src.tolist()
+        assert b["y"].tolist() == local.astype(np.float32).tolist()
+        graphs = [graph_sample(int(i), seeds[s]) for s, i in zip(src, local, strict=True)]
+        xs = [np.asarray(g["x"]) for g in graphs]
+        assert np.array_equal(b["x"].numpy(), np.concatenate(xs))
+        starts = np.cumsum([0, *(len(x) for x in xs)])[:-1]
+        edges = [np.asarray(g["edge_index"]) + o for g, o in zip(graphs, starts, strict=True)]
+        assert np.array_equal(b["edge_index"].numpy(), np.concatenate(edges, axis=1))
+        assert b["batch"].tolist() == [k for k, x in enumerate(xs) for _ in range(len(x))]
