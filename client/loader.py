@@ -7,12 +7,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import inspect
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from copy import deepcopy
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
@@ -21,6 +19,7 @@ from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._credit import auto_prefetch, check_prefetch
+from ._deprecation import positional_deprecated
 from ._feed import Feed, store_order
 from ._passes import PassContext, PassWatcher, ResidentPass
 from ._position import Start
@@ -43,39 +42,6 @@ MAX_RESIDENT_CHUNK = 1 << 16
 
 Transport = Literal["auto", "socket", "ipc", "tcp"]
 ResidentMemory = Literal["cuda", "cpu"]
-_F = TypeVar("_F", bound=Callable[..., None])
-
-
-def _positional_deprecated(init: _F) -> _F:
-    """Arguments after ``batch_size`` are keyword-only; a call that still passes them by
-    position (in the order they had before) works, with a ``DeprecationWarning``."""
-    params = list(inspect.signature(init).parameters.values())
-    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD][1:]  # no self
-    keyword = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        extra = args[len(positional) :]
-        if extra:
-            if len(extra) > len(keyword):
-                raise TypeError(
-                    f"Loader() takes at most {len(positional) + len(keyword)} arguments"
-                )
-            names = keyword[: len(extra)]
-            twice = [n for n in names if n in kwargs]
-            if twice:
-                raise TypeError(f"Loader() got multiple values for {twice}")
-            warnings.warn(
-                f"Loader arguments after batch_size are keyword-only: pass "
-                f"{', '.join(f'{n}=' for n in names)} by name",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            kwargs.update(zip(names, extra, strict=True))
-            args = args[: len(positional)]
-        init(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 class Loader:
@@ -193,7 +159,7 @@ class Loader:
     sampler = None
     collate_fn = staticmethod(one_batch)
 
-    @_positional_deprecated
+    @positional_deprecated
     def __init__(
         self,
         url: str | None,
@@ -226,10 +192,10 @@ class Loader:
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
-        if not isinstance(dataset, str) and (resident is not None or envs > 1):
+        if not isinstance(dataset, str) and resident is not None:
             raise BadRequest(
                 "a mixture (dataset={name: weight}) streams batches: it cannot be resident "
-                "or stream several environments (yet); leave resident and envs out"
+                "(yet); leave resident out"
             )
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")

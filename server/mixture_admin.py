@@ -143,10 +143,17 @@ class MixtureAdmin:
             if epoch is not None:
                 self.plans.order(job, epoch, seed)
 
-    def plan(self, job: Job, epoch: int, rank: int, offset: int = 0) -> tuple[np.ndarray, int]:
-        """``rank``'s concatenated ids of ``epoch`` in batch order, and its batch count."""
+    def plan(
+        self, job: Job, epoch: int, rank: int, env: int | None = None, offset: int = 0
+    ) -> tuple[np.ndarray, int]:
+        """``rank``'s concatenated ids of ``epoch`` in batch order, and its batch count;
+        ``env``: that environment's own batches (``None``: whole steps)."""
         _no_offset(job, offset)
-        plan = self.plans.rank_plan(job, epoch, job.seed, rank)
+        plan = (
+            self.plans.rank_plan(job, epoch, job.seed, rank)
+            if env is None
+            else self.plans.env_plan(job, epoch, job.seed, rank, env)
+        )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
 

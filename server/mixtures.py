@@ -24,13 +24,14 @@ import numpy as np
 
 from shardserve.proto.api import RankStatus
 from shardserve.proto.errors import BadRequest
-from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
+from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange, env_deal
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import SOURCE_PART
 
 from .jobs import Job, JobRegistry
 from .planning import RankPlan, num_batches
 from .planning.cache import PlanCache
+from .planning.envs import EnvSteps
 from .planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from .quarantine import Quarantines
 from .store.versions import content_id
@@ -39,6 +40,8 @@ from .streaming.limits import check_batch
 
 #: Longest mixture epoch, in positions, and at most this many times its sources' samples.
 MAX_EPOCH_SAMPLES = 1 << 31
+#: Spawn key of the environments' mixture seeds (:func:`env_seed`), apart from every other use.
+ENV_SEED_KEY = 0x656E76
 EPOCH_OVER_SOURCES = 64
 
 
@@ -129,9 +132,32 @@ def _fields(m: Manifest, wanted: tuple[str, ...] | None, name: str) -> dict[str,
 
 
 def steps_per_epoch(job: Job) -> int:
-    """Batches every rank gets in an epoch (``S``): global step = ``epoch * S + batch``."""
+    """Batches every rank gets in an epoch (``S``): global step = ``epoch * S + batch`` (a
+    job of several environments: steps, each one batch of every environment)."""
     s = job.spec
-    return num_batches(job.num_samples, s.world_size, s.batch_size, s.drop_last)
+    return num_batches(job.num_samples, s.deal_world, s.env_batch, s.drop_last)
+
+
+def step_positions(spec: JobSpec) -> int:
+    """Positions of one epoch order a global step takes: ``world_size * batch_size``; with
+    independent environments each follows an order of its own and a step takes
+    ``world_size * batch_size // envs`` positions of each (``split`` ones deal the job's
+    one order over ``world_size * envs`` plans, so a step is ``world_size * batch_size``)."""
+    return spec.deal_world * spec.env_batch
+
+
+def env_seed(seed: int, env: int) -> int:
+    """The seed of environment ``env``'s mixture order: the job's own for environment 0 (a
+    job of one environment plans as it always did), one drawn from ``[seed, env]`` for the
+    others, so that each independent environment follows a mixture order of its own.
+
+    >>> env_seed(7, 0), env_seed(7, 1) == env_seed(7, 1) != env_seed(7, 2)
+    (7, True)
+    """
+    if env == 0:
+        return seed
+    ss = np.random.SeedSequence([seed, env], spawn_key=(ENV_SEED_KEY,))
+    return int(ss.generate_state(1, np.uint64)[0])
 
 
 def weights_at(schedule: Sequence[WeightChange], step: int) -> tuple[float, ...]:
@@ -189,7 +215,7 @@ def share_figures(
 def segments(job: Job, epoch: int) -> list[Segment]:
     """The schedule within ``epoch`` as epoch positions."""
     s = job.spec
-    S, per_step = steps_per_epoch(job), s.world_size * s.batch_size
+    S, per_step = steps_per_epoch(job), step_positions(s)
     start = epoch * S
     schedule = job.schedule()
     out = [Segment(0, weights_at(schedule, start))]
@@ -204,7 +230,7 @@ def segments(job: Job, epoch: int) -> list[Segment]:
 def quarantines(job: Job, epoch: int, q: Quarantines) -> list[Quarantine]:
     """The job's quarantines within ``epoch``, as epoch positions (before it: position 0)."""
     s = job.spec
-    S, per_step = steps_per_epoch(job), s.world_size * s.batch_size
+    S, per_step = steps_per_epoch(job), step_positions(s)
     out = []
     for k, src in enumerate(s.mixture or ()):
         size = (job.source_sizes or ())[k]
@@ -241,13 +267,15 @@ class MixturePlans:
         """Bytes of the orders kept."""
         return self.orders.nbytes
 
-    def order(self, job: Job, epoch: int, seed: int) -> np.ndarray:
-        """The epoch's canonical mixture order over concatenated ids (see the planner)."""
+    def order(self, job: Job, epoch: int, seed: int, env: int = 0) -> np.ndarray:
+        """The epoch's canonical mixture order over concatenated ids (see the planner);
+        ``env``: the order of that independent environment (:func:`env_seed`)."""
         spec = job.spec
         if spec.mixture is None or job.source_sizes is None:
             raise BadRequest(f"job {job.id} is not a mixture job")
         segs = segments(job, epoch)
         quar = quarantines(job, epoch, self._quarantine)
+        seed = env_seed(seed, env)
         key = (
             job.id, epoch, seed, tuple((g.at, g.weights) for g in segs),
             tuple((q.source, q.at, hashlib.blake2b(q.ids.tobytes()).hexdigest()) for q in quar),
@@ -257,15 +285,26 @@ class MixturePlans:
             for s, n in zip(spec.mixture, job.source_sizes, strict=True)
         ]
         make = partial(
-            mixture_order, sources, seed, epoch, job.num_samples, segs, spec.world_size, quar,
+            mixture_order, sources, seed, epoch, job.num_samples, segs, spec.deal_world, quar,
             spec.shuffle, spec.block_window,
         )  # fmt: skip
         return self.orders.steered_order(key, make)
 
-    def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan:
+    def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan | EnvSteps:
+        """``rank``'s batches of ``epoch``; a job of several environments: its steps."""
         s = job.spec
-        order = self.order(job, epoch, seed)
-        return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last)
+        if s.envs == 1:
+            order = self.order(job, epoch, seed)
+            return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last)
+        return EnvSteps.of([self.env_plan(job, epoch, seed, rank, e) for e in range(s.envs)])
+
+    def env_plan(self, job: Job, epoch: int, seed: int, rank: int, env: int) -> RankPlan:
+        """Environment ``env`` of ``rank``: its batches of ``batch_size // envs``, dealt as
+        :func:`~shardserve.proto.jobs.env_deal` deals a one-dataset job's."""
+        s = job.spec
+        which, world, as_rank = env_deal(s, rank, env)
+        order = self.order(job, epoch, seed, which)
+        return RankPlan.from_order(order, world, as_rank, s.env_batch, s.drop_last)
 
 
 class SteeredPlan:

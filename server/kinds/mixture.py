@@ -13,6 +13,8 @@ from .. import mixtures
 from ..jobs import Job
 from ..source import StreamPlan
 from ..sources import Stored
+from ..store.graph_shapes import item_fields
+from ..store.graphs import check_graph_job
 from ..store.mixed import mixed_dataset, mixture_manifest
 from .base import Admitted, KindParts, check_fields
 
@@ -39,6 +41,13 @@ class MixtureJobs:
             check_fields(spec, [f.name for f in served.fields])
         for source in sources:
             p.check_shards(source)
+        if spec.graph is not None:
+            # Every source serves the same fields as the first (checked above), so the first
+            # source's stored shapes tell edge fields from node fields for all of them.
+            first = (spec.mixture or ())[0]
+            items = item_fields(p.open_dataset(first.name, first.version))
+            served = p.transforms.served(spec, mixture_manifest(spec.dataset, sources))
+            check_graph_job(served, spec.fields, spec.graph, items)
         return Admitted(spec, length, sizes)
 
     def created(self, spec: JobSpec) -> None:
@@ -56,8 +65,9 @@ class MixtureJobs:
     def resident_plan(
         self, job: Job, epoch: int, rank: int, env: int | None, offset: int
     ) -> tuple[np.ndarray, int]:
-        """Ids over the sources concatenated in order; ``env`` is the job's one environment."""
-        return self._parts.mixtures.plan(job, epoch, rank, offset)
+        """Ids over the sources concatenated in order; ``env``: that environment's own ids
+        and batches, ``None``: the job's batches as streamed (whole steps)."""
+        return self._parts.mixtures.plan(job, epoch, rank, env, offset)
 
     def steering(self, job_id: str) -> MixtureStatus | None:
         """The schedule, the weights now and the shares sent (``GET .../mixture``'s)."""

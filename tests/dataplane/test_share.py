@@ -1,7 +1,7 @@
 """Shared passes (``Loader(share=...)``): subscribers of one rank's pass get exactly the bytes of
 an unshared Loader of the same arguments, the server assembles each batch once for all of them,
 a subscriber that falls behind the window is detached without stalling the others, one killed
-with SIGKILL stops nobody, a mixture cannot be shared, and past the server's share budget nothing
+with SIGKILL stops nobody, and past the server's share budget nothing
 is kept. Late joiners and resumed subscribers: ``test_share_joins.py``. Real server, real
 Loaders (threads of this process, and one subprocess)."""
 
@@ -20,9 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shardserve.client import BadRequest, Loader
 from tests.dataplane.sharing import (
-    BATCH_TIMEOUT_S,
     CROP_FLIP,
     ROOT,
     WAIT_S,
@@ -195,19 +193,6 @@ def test_a_subscriber_killed_mid_epoch_stops_nobody(srv: ServerProc) -> None:
         gate.set()
         for s in subs:
             assert_exact(s.name, s.result(), want)
-
-
-def test_a_shared_mixture_is_refused_at_creation(srv: ServerProc) -> None:
-    """A mixture job with a share name is refused when it is created, over HTTP and by the
-    Loader; the same mixture without one is created."""
-    body = {"mixture": [{"name": "cifar", "weight": 1.0}], "batch_size": 64}
-    url = f"{srv.http_url}/v1/jobs"
-    r = httpx.post(url, json=body, headers=srv.headers, timeout=scaled(30))
-    assert r.status_code == 201, r.text
-    r = httpx.post(url, json=body | {"share": "mix"}, headers=srv.headers, timeout=scaled(30))
-    assert r.status_code == 422 and "share" in r.text, r.text
-    with pytest.raises(BadRequest, match="share"):
-        Loader(srv.http_url, {"cifar": 1.0}, 64, share="mix", timeout=scaled(BATCH_TIMEOUT_S))
 
 
 def test_past_the_servers_share_budget_nothing_is_kept_and_nothing_is_wrong(

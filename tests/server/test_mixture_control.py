@@ -172,8 +172,9 @@ def test_creation_refusals_name_what_to_change(shared_srv: ServerProc) -> None:
     assert r.status_code == 422 and "'other' field 'label' is int32" in r.text
     r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 0}]})
     assert r.status_code == 422 and "at least one weight" in r.text
-    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}], "envs": 2})
-    assert r.status_code == 422 and "envs" in r.text
+    stop = [{"name": "web", "weight": 1, "on_exhausted": "stop"}]
+    r = post_job(shared_srv, {**SPEC, "mixture": stop, "envs": 2})
+    assert r.status_code == 422 and "env_shuffle='split'" in r.text
     r = post_job(shared_srv, {**SPEC, "epoch_samples": 10**9})
     assert r.status_code == 422 and "epoch_samples <= " in r.text
     ok = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
