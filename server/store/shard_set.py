@@ -24,10 +24,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo
@@ -40,6 +39,9 @@ from .index import chunk_starts
 from .read_ahead import ReadAhead
 from .shards import MappedShard, read_ends_ahead
 from .stitch import Piece, StitchedColumns
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 VERIFY_MODES = ("lazy", "full", "off")
 #: Shards fetched ahead of the reader at most (and never more than half the cache limit).
@@ -285,6 +287,8 @@ class MappedShards:
             self._all_verified = all(self._verified) and bool(self._rows.verified.all())
 
     def verify(self, progress: bool = False) -> None:
+        from tqdm import tqdm  # the progress bar's library only where a dataset is verified
+
         total = sum(s.info.bytes for s in self._shards)
         with tqdm(
             total=total,

@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from shardserve.proto.manifest import Manifest
 
 from .shards import verify_shard
@@ -18,6 +16,8 @@ from .shards import verify_shard
 
 def verify_dataset(folder: Path, manifest: Manifest, progress: bool = False) -> None:
     """Raise ``DatasetCorruptError`` naming the first bad shard of ``folder``."""
+    from tqdm import tqdm  # the progress bar's library only where a dataset is verified
+
     with tqdm(
         total=manifest.total_bytes,
         unit="B",
