@@ -40,8 +40,7 @@ import numpy as np
 
 from shardserve.proto.messages import MAX_NDIM, PartHeader, ShmRing
 
-from ..shared_files import SHARED_FILES
-from ..source import BatchParts, BatchSource, PartShapes
+from ..source import BatchParts, BatchSource, FileSpan, PartShapes
 
 PREFIX = "shardserve-"
 DEFAULT_DIR = Path("/dev/shm")
@@ -90,6 +89,16 @@ class SlotRing:
             return addr - start
         return None
 
+    def span_of(self, slot: int, arr: np.ndarray) -> FileSpan | None:
+        """Where C-contiguous ``arr`` lies in this ring's file, if it lies in ``slot``: a
+        transform worker process writes a batch's outputs there by path and offset."""
+        if not arr.flags.c_contiguous or arr.nbytes == 0:
+            return None
+        at = self.offset_in(slot, arr)
+        if at is None:
+            return None
+        return FileSpan(str(self.path), slot * self.slot_bytes + at, arr.nbytes)
+
     def slot_array(
         self, slot: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]
     ) -> np.ndarray:
@@ -123,8 +132,6 @@ class SlotRing:
 
     def close(self) -> None:
         """Unmap and unlink; a client that still has it mapped keeps its pages until it unmaps."""
-        if not self._mm.closed:
-            SHARED_FILES.remove(self.address)
         # A view still alive somewhere (an in-flight send) keeps the mapping; it goes with the view.
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -182,10 +189,7 @@ def create_ring(
         raise ShmUnavailable(
             f"cannot reserve {size} bytes in {shm_dir} ({free_bytes(shm_dir)} free): {e.strerror}; {hint}"
         ) from None
-    ring = SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
-    # Transform worker processes write batches straight into it (see ..transforms.pool).
-    SHARED_FILES.add(ring.address, size, str(path))
-    return ring
+    return SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
 
 
 def owner_alive(path: Path) -> bool:
@@ -242,6 +246,9 @@ class SlotTail:
     def empty(self, part: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         view = self._next(shape, dtype)
         return np.empty(shape, dtype) if view is None else view
+
+    def span_of(self, arr: np.ndarray) -> FileSpan | None:
+        return self._ring.span_of(self._slot, arr)
 
     def __call__(self, parts: BatchParts) -> BatchParts:
         """``parts`` with every one outside the slot copied into its region, or ``parts``

@@ -147,7 +147,7 @@ class TransformPool:
         except RuntimeError as closed:
             raise describe(str(closed)) from None
         run = _Pieces(chain, pieces, remote, job_lane, job_lane.generation, deadline, describe)
-        self._submit(run, parts, indices, where, names, out)
+        self._submit(run, parts, indices, where, names, out, tail)
         self._settle(run)
         spent: dict[str, float] = {}
         results = [f.result() for f in run.futs]
@@ -159,9 +159,10 @@ class TransformPool:
 
     # -- a run in pieces ---------------------------------------------------------------------
     def _submit(self, run: _Pieces, parts: Mapping[str, np.ndarray], indices: np.ndarray,
-                where: Where, names: Sequence[str],
-                out: Mapping[str, np.ndarray] | None) -> None:  # fmt: skip
-        """Submit each piece of ``run`` to its job's piece lane."""
+                where: Where, names: Sequence[str], out: Mapping[str, np.ndarray] | None,
+                tail: Tail) -> None:  # fmt: skip
+        """Submit each piece of ``run`` to its job's piece lane; a worker process writes
+        rows of ``out`` in place where ``tail`` (the batch's slot) says they lie."""
         chain, n = run.chain, len(run.bounds)
         # Each piece gets its share of the batch's bound on variable-size output bytes.
         limits = dataclasses.replace(
@@ -177,7 +178,7 @@ class TransformPool:
             if run.remote:
                 run.futs.append(run.lane.submit(
                     self._processes.piece, chain, sub, indices[lo:hi], where, names,
-                    run.deadline, run.describe, limits, rows))  # fmt: skip
+                    run.deadline, run.describe, limits, rows, tail))  # fmt: skip
             else:
                 run.futs.append(run.lane.submit(run_chain, chain, sub, indices[lo:hi], where,
                                                 names, rows, limits, prog))  # fmt: skip

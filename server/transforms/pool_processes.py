@@ -32,7 +32,7 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
-from ..shared_files import SHARED_FILES
+from ..source import Spans
 from ..streaming.shm import ShmUnavailable, SlotRing, align, create_ring
 from . import codec
 from .errors import StepFailed
@@ -128,9 +128,10 @@ class _SharedRows:
 
 
 def _shared_rows(chain: Chain, names: Sequence[str], n: int,
-                 rows: Mapping[str, np.ndarray] | None) -> dict[str, _SharedRows]:  # fmt: skip
+                 rows: Mapping[str, np.ndarray] | None, spans: Spans) -> dict[str, _SharedRows]:  # fmt: skip
     """The outputs among ``names`` a worker process can write straight into ``rows``: fixed
-    ones whose rows are exactly their declared shape and dtype, in a shared-memory file."""
+    ones whose rows are exactly their declared shape and dtype, in the shared-memory file
+    ``spans`` says they lie in."""
     found: dict[str, _SharedRows] = {}
     if rows is None:
         return found
@@ -140,7 +141,7 @@ def _shared_rows(chain: Chain, names: Sequence[str], n: int,
             continue
         if a.shape != (n, *f.shape) or a.dtype != np.dtype(f.dtype):
             continue
-        span = SHARED_FILES.locate(a)
+        span = spans.span_of(a)
         if span is not None:
             found[name] = _SharedRows(a, span.path, span.offset, span.nbytes)
     return found
@@ -183,10 +184,11 @@ class ProcessRuns:
 
     def piece(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
               where: Where, names: Sequence[str], deadline: float, describe: Describe,
-              limits: Limits, rows: Mapping[str, np.ndarray] | None) -> PieceResult:  # fmt: skip
-        """Run one piece of a batch on a worker; fixed-size outputs in shared memory among
-        ``rows`` are written there in place."""
-        spans = _shared_rows(chain, names, len(indices), rows)
+              limits: Limits, rows: Mapping[str, np.ndarray] | None,
+              shared: Spans) -> PieceResult:  # fmt: skip
+        """Run one piece of a batch on a worker; fixed-size outputs among ``rows`` that
+        ``shared`` places in a shared file are written there in place."""
+        spans = _shared_rows(chain, names, len(indices), rows, shared)
         meta = _request(chain, where, names, limits, spans)
         arrays = {**parts, "__indices__": np.asarray(indices, dtype=np.int64)}
         for attempt in (1, 2):
