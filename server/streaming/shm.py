@@ -39,21 +39,24 @@ from pathlib import Path
 import numpy as np
 
 from shardserve.proto.messages import MAX_NDIM, PartHeader, ShmRing
+from shardserve.proto.rings import (
+    ALIGN,
+    align,
+    part_fits,
+    ring_bytes,
+    ring_name,
+    slot_start,
+)
+
+# Re-exported: where rings live and what they are called (the sweep of stale rings).
+from shardserve.proto.rings import DEFAULT_DIR as DEFAULT_DIR
+from shardserve.proto.rings import PREFIX as PREFIX
 
 from ..source import BatchParts, BatchSource, FileSpan, PartShapes
-
-PREFIX = "shardserve-"
-DEFAULT_DIR = Path("/dev/shm")
-#: Each part starts on a cache line so views are aligned for any dtype and for DMA.
-ALIGN = 64
 
 
 class ShmUnavailable(RuntimeError):
     """The ring could not be made; the stream falls back to the socket path."""
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass
@@ -74,7 +77,7 @@ class SlotRing:
 
     @property
     def nbytes(self) -> int:
-        return self.slots * self.slot_bytes
+        return ring_bytes(self.slots, self.slot_bytes)
 
     @functools.cached_property
     def address(self) -> int:
@@ -103,18 +106,17 @@ class SlotRing:
         self, slot: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]
     ) -> np.ndarray:
         """A writable numpy view of one part inside ``slot``: assembly writes straight into it."""
-        if not 0 <= slot < self.slots:
-            raise IndexError(f"slot {slot} out of range 0 <= slot < {self.slots}")
+        start = slot_start(slot, self.slots, self.slot_bytes)
         # math.prod and the dtype itself: np.prod and dtype names cost microseconds a part.
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
-        if offset + nbytes > self.slot_bytes:
+        if not part_fits(offset, nbytes, self.slot_bytes):
             raise ValueError(
                 f"part of {nbytes} bytes at offset {offset} overflows a {self.slot_bytes}-byte slot"
             )
-        return np.frombuffer(
-            self._mm, dtype=dtype, count=count, offset=slot * self.slot_bytes + offset
-        ).reshape(shape)
+        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=start + offset).reshape(
+            shape
+        )
 
     def on_disk(self) -> bool:
         """Whether :attr:`path` still names this ring's file. A cleanup of ``/dev/shm``
@@ -159,7 +161,7 @@ def create_ring(
     small (Docker's default /dev/shm is 64 MB), or over ``limit_bytes``.
     """
     slot_bytes = align(max(slot_bytes, 1))
-    size = slots * slot_bytes
+    size = ring_bytes(slots, slot_bytes)
     hint = (
         "give the container more shared memory (`docker run --shm-size=2g`, compose `shm_size: 2gb`, "
         "or `ipc: host`)"
@@ -171,7 +173,7 @@ def create_ring(
         )
     if not shm_dir.is_dir():
         raise ShmUnavailable(f"{shm_dir} does not exist; shared memory is unavailable on this host")
-    name = f"{PREFIX}{os.getpid()}-{stream}-{secrets.token_hex(4)}"
+    name = ring_name(os.getpid(), stream, secrets.token_hex(4))
     path = shm_dir / name
     hidden = shm_dir / f".{name}"
     try:

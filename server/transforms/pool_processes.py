@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from shardserve.proto.errors import TransformError
+from shardserve.proto.rings import align
 
 from ..source import Spans
-from ..streaming.shm import ShmUnavailable, SlotRing, align, create_ring
+from ..streaming.shm import ShmUnavailable, SlotRing, create_ring
 from . import codec
 from .errors import StepFailed
 from .metrics import TransformMetrics
