@@ -95,9 +95,16 @@ class TransformPool:
     >>> pool.close()
     """
 
-    def __init__(self, workers: int, kind: PoolSetting, modules: Sequence[str], timeout_s: float,
-                 metrics: TransformMetrics, limits: Limits | None = None,
-                 batches_at_once: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workers: int,
+        kind: PoolSetting,
+        modules: Sequence[str],
+        timeout_s: float,
+        metrics: TransformMetrics,
+        limits: Limits | None = None,
+        batches_at_once: int = 1,
+    ) -> None:
         self.size, self.kind, self.timeout_s = workers, kind, timeout_s
         #: Pieces a batch is cut into on threads: a job assembles ``batches_at_once`` batches
         #: at a time, which already keeps that many threads busy; more pieces per batch than
@@ -124,10 +131,18 @@ class TransformPool:
             return True
         return self.kind == "auto" and chain.wants_process
 
-    def run(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
-            where: Where, names: Sequence[str], describe: Describe,
-            out: Mapping[str, np.ndarray] | None = None, tail: Tail = FRESH,
-            lane: str = SHARED_LANE) -> dict[str, np.ndarray]:  # fmt: skip
+    def run(
+        self,
+        chain: Chain,
+        parts: Mapping[str, np.ndarray],
+        indices: np.ndarray,
+        where: Where,
+        names: Sequence[str],
+        describe: Describe,
+        out: Mapping[str, np.ndarray] | None = None,
+        tail: Tail = FRESH,
+        lane: str = SHARED_LANE,
+    ) -> dict[str, np.ndarray]:
         """Output parts of ``names``, run on the threads of ``lane`` (the job's id); raises
         :class:`StepFailed` (the chain failed on a sample or the batch) or ``TransformError``
         from ``describe(what)`` (hung, died, the job's other batch hung, server stopping).
@@ -138,8 +153,9 @@ class TransformPool:
         pieces = [(0, len(indices))] if chain.batch_steps else bounds(len(indices), cut)
         batch = assembling_batch()
         if not remote and len(pieces) == 1 and batch is not None:
-            return self._threads.run_here(batch, chain, parts, indices, where, names, describe,
-                                          out, tail, deadline)  # fmt: skip
+            return self._threads.run_here(
+                batch, chain, parts, indices, where, names, describe, out, tail, deadline
+            )
         if remote:
             self._processes.start()
         try:
@@ -158,9 +174,16 @@ class TransformPool:
         return concat_parts([r for r, _ in results], chain.outputs, names, out, tail)
 
     # -- a run in pieces ---------------------------------------------------------------------
-    def _submit(self, run: _Pieces, parts: Mapping[str, np.ndarray], indices: np.ndarray,
-                where: Where, names: Sequence[str], out: Mapping[str, np.ndarray] | None,
-                tail: Tail) -> None:  # fmt: skip
+    def _submit(
+        self,
+        run: _Pieces,
+        parts: Mapping[str, np.ndarray],
+        indices: np.ndarray,
+        where: Where,
+        names: Sequence[str],
+        out: Mapping[str, np.ndarray] | None,
+        tail: Tail,
+    ) -> None:
         """Submit each piece of ``run`` to its job's piece lane; a worker process writes
         rows of ``out`` in place where ``tail`` (the batch's slot) says they lie."""
         chain, n = run.chain, len(run.bounds)
@@ -176,12 +199,27 @@ class TransformPool:
             # those in shared memory).
             rows = {k: v[lo:hi] for k, v in out.items()} if out is not None else None
             if run.remote:
-                run.futs.append(run.lane.submit(
-                    self._processes.piece, chain, sub, indices[lo:hi], where, names,
-                    run.deadline, run.describe, limits, rows, tail))  # fmt: skip
+                run.futs.append(
+                    run.lane.submit(
+                        self._processes.piece,
+                        chain,
+                        sub,
+                        indices[lo:hi],
+                        where,
+                        names,
+                        run.deadline,
+                        run.describe,
+                        limits,
+                        rows,
+                        tail,
+                    )
+                )
             else:
-                run.futs.append(run.lane.submit(run_chain, chain, sub, indices[lo:hi], where,
-                                                names, rows, limits, prog))  # fmt: skip
+                run.futs.append(
+                    run.lane.submit(
+                        run_chain, chain, sub, indices[lo:hi], where, names, rows, limits, prog
+                    )
+                )
 
     def _settle(self, run: _Pieces) -> None:
         """Wait for the pieces of ``run``; raises what failed it (a piece, a hang, the job's
@@ -195,23 +233,28 @@ class TransformPool:
             # batch (failing samples replaced) writes too, so they end first.
             for p in pending:
                 p.cancel()
-            pending = self._wait([p for p in pending if not p.cancelled()],
-                                 run.deadline + run.grace, until_all=True)  # fmt: skip
+            pending = self._wait(
+                [p for p in pending if not p.cancelled()], run.deadline + run.grace, until_all=True
+            )
             if self._closing.done():
                 raise run.describe("the server is stopping")
             if pending:
-                self._threads.hung_run(run.chain, run.lane, run.generation, run.futs,
-                                       run.progress, run.describe)  # fmt: skip
+                self._threads.hung_run(
+                    run.chain, run.lane, run.generation, run.futs, run.progress, run.describe
+                )
         self._raise_failed(run, pending)
         if pending and run.remote:  # a worker's own wait ends at the deadline: a stuck hand-off
             for p in pending:
                 p.cancel()
             self._metrics.count("hung")
-            raise run.describe(f"did not come back from a worker process within "
-                               f"{self.timeout_s} s and {run.grace} s more")  # fmt: skip
+            raise run.describe(
+                f"did not come back from a worker process within "
+                f"{self.timeout_s} s and {run.grace} s more"
+            )
         if pending:
-            self._threads.hung_run(run.chain, run.lane, run.generation, run.futs, run.progress,
-                                   run.describe)  # fmt: skip
+            self._threads.hung_run(
+                run.chain, run.lane, run.generation, run.futs, run.progress, run.describe
+            )
 
     @staticmethod
     def _raise_failed(run: _Pieces, pending: set[Future[Any]]) -> None:
@@ -228,11 +271,13 @@ class TransformPool:
         if run.lane.generation != run.generation:
             for p in pending:
                 p.cancel()
-            raise run.describe("another batch of this job hung on its transform threads; the "
-                               "job fails with it")  # fmt: skip
+            raise run.describe(
+                "another batch of this job hung on its transform threads; the job fails with it"
+            )
 
-    def _wait(self, futs: Sequence[Future[Any]], until: float,
-              until_all: bool = False) -> set[Future[Any]]:  # fmt: skip
+    def _wait(
+        self, futs: Sequence[Future[Any]], until: float, until_all: bool = False
+    ) -> set[Future[Any]]:
         """Wait until every piece is done, one raised (unless ``until_all``), the pool closes
         or ``until`` passes; the pieces still pending."""
         pending: set[Future[Any]] = set(futs)

@@ -98,8 +98,11 @@ class Worker:
             if self.inputs.on_disk():
                 return self.inputs
             # Removed by a cleanup of /dev/shm: the worker opens it by name, so make it again.
-            log.warning("input file %s of transform worker pid %s was removed; making a new one",
-                        self.inputs.path, self.proc.pid)  # fmt: skip
+            log.warning(
+                "input file %s of transform worker pid %s was removed; making a new one",
+                self.inputs.path,
+                self.proc.pid,
+            )
         self.close_inputs()
         size = max(INPUT_FILE_MIN, 1 << max(nbytes - 1, 0).bit_length())
         self.inputs = create_ring(self.proc.pid or 0, 1, size)
@@ -128,8 +131,9 @@ class _SharedRows:
     nbytes: int
 
 
-def _shared_rows(chain: Chain, names: Sequence[str], n: int,
-                 rows: Mapping[str, np.ndarray] | None, spans: Spans) -> dict[str, _SharedRows]:  # fmt: skip
+def _shared_rows(
+    chain: Chain, names: Sequence[str], n: int, rows: Mapping[str, np.ndarray] | None, spans: Spans
+) -> dict[str, _SharedRows]:
     """The outputs among ``names`` a worker process can write straight into ``rows``: fixed
     ones whose rows are exactly their declared shape and dtype, in the shared-memory file
     ``spans`` says they lie in."""
@@ -148,28 +152,45 @@ def _shared_rows(chain: Chain, names: Sequence[str], n: int,
     return found
 
 
-def _request(chain: Chain, where: Where, names: Sequence[str], limits: Limits,
-             spans: Mapping[str, _SharedRows]) -> dict[str, Any]:  # fmt: skip
+def _request(
+    chain: Chain,
+    where: Where,
+    names: Sequence[str],
+    limits: Limits,
+    spans: Mapping[str, _SharedRows],
+) -> dict[str, Any]:
     """What a worker is told of a piece besides its arrays."""
     return {
-        "chain": [{"name": s.transform.name, "params": s.params.model_dump(mode="json")}
-                  for s in chain.steps],
-        "inputs": {n: {"dtype": f.dtype, "shape": list(f.shape), "binary": f.binary}
-                   for n, f in chain.inputs.items()},
-        "where": {"seed": where.seed, "epoch": where.epoch, "rank": where.rank,
-                  "batch": where.batch, "scheme": where.scheme},
+        "chain": [
+            {"name": s.transform.name, "params": s.params.model_dump(mode="json")}
+            for s in chain.steps
+        ],
+        "inputs": {
+            n: {"dtype": f.dtype, "shape": list(f.shape), "binary": f.binary}
+            for n, f in chain.inputs.items()
+        },
+        "where": {
+            "seed": where.seed,
+            "epoch": where.epoch,
+            "rank": where.rank,
+            "batch": where.batch,
+            "scheme": where.scheme,
+        },
         "limits": dataclasses.asdict(limits),
         "names": list(names),
-        "out": {n: {"path": sp.path, "offset": sp.offset, "nbytes": sp.nbytes}
-                for n, sp in spans.items()},
-    }  # fmt: skip
+        "out": {
+            n: {"path": sp.path, "offset": sp.offset, "nbytes": sp.nbytes}
+            for n, sp in spans.items()
+        },
+    }
 
 
 class ProcessRuns:
     """``size`` worker processes, started at the first :meth:`piece`; thread-safe."""
 
-    def __init__(self, size: int, modules: Sequence[str], timeout_s: float,
-                 metrics: TransformMetrics) -> None:  # fmt: skip
+    def __init__(
+        self, size: int, modules: Sequence[str], timeout_s: float, metrics: TransformMetrics
+    ) -> None:
         self.size, self.timeout_s = size, timeout_s
         self._modules = list(modules)
         self._metrics = metrics
@@ -183,10 +204,19 @@ class ProcessRuns:
         #: Set when shared memory cannot hold input files: every request uses the pipe.
         self._no_input_files = False
 
-    def piece(self, chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray,
-              where: Where, names: Sequence[str], deadline: float, describe: Describe,
-              limits: Limits, rows: Mapping[str, np.ndarray] | None,
-              shared: Spans) -> PieceResult:  # fmt: skip
+    def piece(
+        self,
+        chain: Chain,
+        parts: Mapping[str, np.ndarray],
+        indices: np.ndarray,
+        where: Where,
+        names: Sequence[str],
+        deadline: float,
+        describe: Describe,
+        limits: Limits,
+        rows: Mapping[str, np.ndarray] | None,
+        shared: Spans,
+    ) -> PieceResult:
         """Run one piece of a batch on a worker; fixed-size outputs among ``rows`` that
         ``shared`` places in a shared file are written there in place."""
         spans = _shared_rows(chain, names, len(indices), rows, shared)
@@ -205,30 +235,45 @@ class ProcessRuns:
                         f"worker pid {w.proc.pid} died (exit code {code}) twice on these "
                         "samples; it was replaced"
                     ) from None
-                log.warning("transform worker pid %s died (exit code %s); retrying on a new one",
-                            w.proc.pid, code)  # fmt: skip
+                log.warning(
+                    "transform worker pid %s died (exit code %s); retrying on a new one",
+                    w.proc.pid,
+                    code,
+                )
                 continue
             self._idle.put(w)
             return self._answer(w, reply, out, spans, describe)
         raise AssertionError("unreachable")
 
-    def _answer(self, w: Worker, reply: dict[str, Any], out: dict[str, np.ndarray],
-                spans: Mapping[str, _SharedRows], describe: Describe) -> PieceResult:  # fmt: skip
+    def _answer(
+        self,
+        w: Worker,
+        reply: dict[str, Any],
+        out: dict[str, np.ndarray],
+        spans: Mapping[str, _SharedRows],
+        describe: Describe,
+    ) -> PieceResult:
         """A worker's reply as a piece's result: its outputs, those written in place taken
         from where they were written."""
         if not reply["ok"]:
             raise StepFailed.from_json(reply["failed"])
         for n in reply["in_place"]:
             if n not in spans:
-                raise describe(f"worker pid {w.proc.pid} says it wrote {n!r} in place; it "
-                               "was not asked to")  # fmt: skip
+                raise describe(
+                    f"worker pid {w.proc.pid} says it wrote {n!r} in place; it was not asked to"
+                )
             out[n] = spans[n].rows
             self._metrics.count("worker_bytes_in_place", spans[n].rows.nbytes)
         return out, reply["spent"]
 
-    def _ask(self, w: Worker, meta: dict[str, Any], arrays: Mapping[str, np.ndarray],
-             deadline: float, describe: Describe,
-             ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+    def _ask(
+        self,
+        w: Worker,
+        meta: dict[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        deadline: float,
+        describe: Describe,
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``w``'s reply to one request, its inputs in ``w``'s input file when they fit there.
         An input file removed before the worker mapped it (a cleanup of /dev/shm) costs one
         more request, with the inputs on the pipe, not the batch."""
@@ -237,13 +282,21 @@ class ProcessRuns:
             reply, out = self._exchange(w, {**meta, "in": laid_out}, {}, deadline, describe)
             if "inputs_gone" not in reply:
                 return reply, out
-            log.warning("transform worker pid %s: %s; its inputs go on the pipe this time",
-                        w.proc.pid, reply["inputs_gone"])  # fmt: skip
+            log.warning(
+                "transform worker pid %s: %s; its inputs go on the pipe this time",
+                w.proc.pid,
+                reply["inputs_gone"],
+            )
         return self._exchange(w, meta, arrays, deadline, describe)
 
-    def _exchange(self, w: Worker, meta: dict[str, Any], arrays: Mapping[str, np.ndarray],
-                  deadline: float, describe: Describe,
-                  ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+    def _exchange(
+        self,
+        w: Worker,
+        meta: dict[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        deadline: float,
+        describe: Describe,
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Send one request to ``w`` and wait for its reply until ``deadline`` (a worker that
         misses it is killed and replaced, and ``describe`` says so)."""
         codec.send(w.conn, meta, arrays)
@@ -276,8 +329,15 @@ class ProcessRuns:
         for name, a in arrays.items():
             if a.nbytes:
                 np.copyto(f.slot_array(0, at[name], a.dtype, a.shape), a)
-            laid.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
-                         "offset": at[name], "nbytes": a.nbytes})  # fmt: skip
+            laid.append(
+                {
+                    "name": name,
+                    "dtype": a.dtype.str,
+                    "shape": list(a.shape),
+                    "offset": at[name],
+                    "nbytes": a.nbytes,
+                }
+            )
         self._metrics.count("worker_input_bytes_via_shm", sum(a.nbytes for a in arrays.values()))
         return {"path": str(f.path), "arrays": laid}
 

@@ -89,8 +89,9 @@ class ThreadRuns:
     """Each job's assembly threads, chains run on them, and the transforms that hung on a
     thread (run in worker processes from then on)."""
 
-    def __init__(self, metrics: TransformMetrics, timeout_s: float, limits: Limits,
-                 batches_at_once: int) -> None:  # fmt: skip
+    def __init__(
+        self, metrics: TransformMetrics, timeout_s: float, limits: Limits, batches_at_once: int
+    ) -> None:
         self.timeout_s, self.limits = timeout_s, limits
         self._metrics = metrics
         #: Each job's batches with transforms are assembled on threads of its own here; a
@@ -113,8 +114,9 @@ class ThreadRuns:
             fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
         return fut
 
-    def _assemble(self, lane: Lane, fut: Future[object], fn: Callable[..., object],
-                  args: tuple[object, ...]) -> None:  # fmt: skip
+    def _assemble(
+        self, lane: Lane, fut: Future[object], fn: Callable[..., object], args: tuple[object, ...]
+    ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         _assembling.batch = Batch(lane, fut, threading.get_ident())
@@ -123,11 +125,19 @@ class ThreadRuns:
         finally:
             _assembling.batch = None
 
-    def run_here(self, batch: Batch, chain: Chain, parts: Mapping[str, np.ndarray],
-                 indices: np.ndarray, where: Where, names: Sequence[str],
-                 describe: Callable[[str], TransformError],
-                 out: Mapping[str, np.ndarray] | None, tail: Tail,
-                 deadline: float) -> dict[str, np.ndarray]:  # fmt: skip
+    def run_here(
+        self,
+        batch: Batch,
+        chain: Chain,
+        parts: Mapping[str, np.ndarray],
+        indices: np.ndarray,
+        where: Where,
+        names: Sequence[str],
+        describe: Callable[[str], TransformError],
+        out: Mapping[str, np.ndarray] | None,
+        tail: Tail,
+        deadline: float,
+    ) -> dict[str, np.ndarray]:
         """A chain in one piece on threads, run on the thread assembling its batch: a
         hand-off to another thread and back costs two wake-ups per batch. At the deadline
         :meth:`_late` fails the batch, as a run on another thread would fail there."""
@@ -142,8 +152,9 @@ class ThreadRuns:
         with self._lock:
             self.running_here += 1
         try:
-            result, spent = run_chain(chain, parts, indices, where, names, out, self.limits,
-                                      progress, tail)  # fmt: skip
+            result, spent = run_chain(
+                chain, parts, indices, where, names, out, self.limits, progress, tail
+            )
         finally:
             in_time = watch.finish()
             with self._lock:
@@ -151,13 +162,20 @@ class ThreadRuns:
         if not in_time:  # its batch has failed already: nothing of this run is used
             raise describe(f"finished after its deadline of {self.timeout_s} s")
         if batch.lane.generation != generation:
-            raise describe("another batch of this job hung on its transform threads; the "
-                           "job fails with it")  # fmt: skip
+            raise describe(
+                "another batch of this job hung on its transform threads; the job fails with it"
+            )
         self._metrics.ran(spent, len(indices))
         return concat_parts([result], chain.outputs, names, out)
 
-    def _late(self, batch: Batch, chain: Chain, progress: Progress,
-              describe: Callable[[str], TransformError], why: str) -> None:  # fmt: skip
+    def _late(
+        self,
+        batch: Batch,
+        chain: Chain,
+        progress: Progress,
+        describe: Callable[[str], TransformError],
+        why: str,
+    ) -> None:
         """A chain run on its batch's own thread missed its deadline (``why="late"``) or the
         server stops under it: fail the batch now; the thread, which cannot be stopped, is
         left to finish on its job's lane, which starts another for the job's next batches."""
@@ -179,12 +197,22 @@ class ThreadRuns:
             fresh = [c for c in culprits if c not in self.hung]
             self.hung.update(culprits)
         if fresh:
-            log.warning("transform(s) %s hung on a thread of lane %s; they run in worker "
-                        "processes from now on", fresh, lane)  # fmt: skip
+            log.warning(
+                "transform(s) %s hung on a thread of lane %s; they run in worker "
+                "processes from now on",
+                fresh,
+                lane,
+            )
 
-    def hung_run(self, chain: Chain, job_lane: Lane, generation: int,
-                 futs: Sequence[Future[Any]], progress: Sequence[Progress],
-                 describe: Callable[[str], TransformError]) -> NoReturn:  # fmt: skip
+    def hung_run(
+        self,
+        chain: Chain,
+        job_lane: Lane,
+        generation: int,
+        futs: Sequence[Future[Any]],
+        progress: Sequence[Progress],
+        describe: Callable[[str], TransformError],
+    ) -> NoReturn:
         """A run on threads missed its deadline: fail it and the job's other runs under way,
         cancel their queued pieces, and send the transform that hung to worker processes."""
         for f in futs:
