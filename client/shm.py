@@ -17,12 +17,11 @@ import numpy as np
 import torch
 
 from shardserve.proto.messages import PartHeader, ShmRing
+from shardserve.proto.rings import DEFAULT_DIR, part_fits, plain_name, ring_bytes, slot_start
 
 from ._frames import views_at
 from ._ledger import SlotLedger
 from ._staging import storage_users
-
-DEFAULT_DIR = Path("/dev/shm")
 
 
 class ShmAttachError(OSError):
@@ -33,13 +32,13 @@ class AttachedRing:
     """A read-only-by-convention mapping of a server's slot ring."""
 
     def __init__(self, ring: ShmRing, shm_dir: Path = DEFAULT_DIR) -> None:
-        if "/" in ring.name or ring.name.startswith("."):
+        if not plain_name(ring.name):
             raise ShmAttachError(
                 f"refusing shared-memory name {ring.name!r}: not a plain file name"
             )
         self.ring = ring
         path = shm_dir / ring.name
-        size = ring.slots * ring.slot_bytes
+        size = ring_bytes(ring.slots, ring.slot_bytes)
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as e:
@@ -67,7 +66,7 @@ class AttachedRing:
         places a part outside its slot is refused."""
         base = self.slot_tensor(slot)
         for p in parts:
-            if p.offset + p.nbytes > self.ring.slot_bytes:
+            if not part_fits(p.offset, p.nbytes, self.ring.slot_bytes):
                 raise ValueError(
                     f"part {p.name!r} overflows its slot ({p.offset}+{p.nbytes} > {self.ring.slot_bytes})"
                 )
@@ -78,10 +77,9 @@ class AttachedRing:
         :meth:`in_use` can tell when no tensor of a batch delivered in it is left."""
         t = self._slots.get(slot)
         if t is None:
-            if not 0 <= slot < self.ring.slots:
-                raise ValueError(f"slot {slot} out of range 0 <= slot < {self.ring.slots}")
-            size = self.ring.slot_bytes
-            t = self._slots[slot] = torch.from_numpy(self._buf[slot * size : (slot + 1) * size])
+            start = slot_start(slot, self.ring.slots, self.ring.slot_bytes)
+            end = start + self.ring.slot_bytes
+            t = self._slots[slot] = torch.from_numpy(self._buf[start:end])
         return t
 
     def in_use(self, slot: int) -> bool:

@@ -18,6 +18,7 @@ which passes every question on to the source it wraps, and overrides what it cha
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -30,7 +31,31 @@ BatchParts = dict[str, np.ndarray]
 PartShapes = Mapping[str, "tuple[str, tuple[int, ...]] | None"]
 
 
-class Tail(Protocol):
+@dataclass(frozen=True, slots=True)
+class FileSpan:
+    """Bytes ``offset`` to ``offset + nbytes`` of the shared file at ``path``."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+class Spans(Protocol):
+    """Where a batch is sent from says where an array lies in it: by shared file and offset,
+    so work in another process (a transform worker) writes outputs straight there instead
+    of sending them back through a pipe to be copied. Pointers never leave the process.
+
+    >>> FRESH.span_of(np.zeros(4)) is None
+    True
+    """
+
+    def span_of(self, arr: np.ndarray) -> FileSpan | None:
+        """Where C-contiguous ``arr`` lies in a shared file, or ``None`` when it does not
+        lie in this batch's shared memory (or is empty or not contiguous)."""
+        ...
+
+
+class Tail(Spans, Protocol):
     """Memory for the variable-size parts a ``take`` makes, where its batch is sent from (a
     shared-memory slot's tail): written there, they are not copied there afterwards. A
     2 MB batch of graphs spent a third of its assembly on that copy.
@@ -48,6 +73,9 @@ class Tail(Protocol):
 class _Fresh:
     def empty(self, part: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return np.empty(shape, dtype)
+
+    def span_of(self, arr: np.ndarray) -> FileSpan | None:
+        return None  # fresh memory is no shared file
 
 
 #: The tail of a batch that is sent from wherever its parts are (a socket, a share group).

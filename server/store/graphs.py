@@ -43,7 +43,7 @@ from shardserve.proto.jobs import GraphOptions
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import OFFSETS, SHAPES, SPLITS
 
-from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
+from ..source import FRESH, BatchParts, BatchSource, FileSpan, PartShapes, Tail, Wrapped
 from .gather import Empty
 from .graph_shapes import ItemFields
 
@@ -187,6 +187,9 @@ class _Except:
         if part in self.parts:
             return np.empty(shape, dtype)
         return self.tail.empty(part, shape, dtype)
+
+    def span_of(self, arr: np.ndarray) -> FileSpan | None:
+        return self.tail.span_of(arr)
 
 
 def _cat_last(values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 
 import zmq
 
@@ -163,19 +162,18 @@ class StreamHandler(HelloHandling):
             self._stream_failed(s, done.error)
         elif work.kind is WorkKind.PREPARE:
             prepared: Prepared = done.value
-            s.prepared = prepared
-            # A mixture whose source ran out ("stop") ends its epoch before the nominal count.
-            s.flow.num_batches = min(s.flow.num_batches, len(prepared.plan))
+            s.ready(prepared)
             share = s.job.spec.share
             plan = (s.job_id, s.rank, s.epoch, s.seed, s.offset)
             joins = self.shares.spans_of(plan) if share is not None else None
-            s.sink = self.opener.sink_for(s, prepared, self.sessions.values(), joins)
+            s.sink_made(self.opener.sink_for(s, prepared, self.sessions.values(), joins))
             if share is not None:
                 key = (*plan, s.group)
-                s.share = self.shares.join(
-                    key, share, s.ident, s.stream, s.flow.start_batch, prepared.batch_bytes
+                s.joined(
+                    self.shares.join(
+                        key, share, s.ident, s.stream, s.flow.start_batch, prepared.batch_bytes
+                    )
                 )
-                s.flow.grid = s.group  # every subscriber takes the same spans
             else:  # a share group's batches are bounded by its window (see .shares)
                 self._allot(s, prepared.batch_bytes)
             self._welcome(s)
@@ -259,7 +257,7 @@ class StreamHandler(HelloHandling):
         if now - s.last_send >= c.heartbeat_s:
             if self.out.send(s.ident, Heartbeat()) is False:
                 return  # peer gone (_send closed the session) or its queue is full
-            s.last_send = now
+            s.sent(now)
         if s.flow.ready:
             self._pump(s)
 
@@ -299,8 +297,7 @@ class StreamHandler(HelloHandling):
         s = self._session_or_unknown(ident)
         if s is None:
             return
-        if s.sink is not None and not s.credited:
-            s.credited = True
+        if s.credit_seen() and s.sink is not None:
             s.sink.mapped()  # the client reads what the sink hands out (see RingBook)
         if s.sink is not None and credit.slots and (bad := s.sink.returned(credit.slots)):
             log_event(log, "shm.bad_return", level=logging.WARNING, **s.describe(), slots=bad)
@@ -323,7 +320,7 @@ class StreamHandler(HelloHandling):
         if s is not None:
             self.notices.heard(s, hb.stats)
             if self.out.send(ident, Heartbeat()):
-                s.last_send = time.monotonic()
+                s.sent()
 
     def _session_or_unknown(self, ident: bytes) -> Session | None:
         s = self.sessions.get(ident)
@@ -348,7 +345,7 @@ class StreamHandler(HelloHandling):
             return
         eoe = EndOfEpoch(stream=s.stream, epoch=s.epoch, num_batches=s.flow.num_batches)
         if unblocked and s.flow.done_sending and not s.ended and self.out.send(s.ident, eoe):
-            s.ended = True
+            s.end_sent()
             log_event(log, "stream.end_of_epoch", **s.describe(), num_batches=eoe.num_batches)
 
     def _stream_failed(self, s: Session, exc: BaseException) -> None:
@@ -377,7 +374,7 @@ class StreamHandler(HelloHandling):
     def _close(
         self, s: Session, reason: str, level: int = logging.INFO, handover: bool = False
     ) -> None:
-        s.closed = True
+        s.mark_closed()
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
         self._has_read(s)  # whatever it was allotted before reading goes back

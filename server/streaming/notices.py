@@ -58,7 +58,7 @@ class StreamNotices:
 
     def heard(self, s: Session, stats: ClientStats | None) -> None:
         """A message from the stream's client (with its loop's telemetry, if it sent any)."""
-        s.last_recv = time.monotonic()
+        s.heard_from()
         board, owed = self.board, s.flow.owed
         if stats is not None:
             board.heard(s.job_id, s.rank, owed, stats.wait_s, stats.compute_s, stats.batches)
@@ -68,7 +68,7 @@ class StreamNotices:
     def fell_back(self, s: Session, reason: str) -> None:
         """A stream asked for shared memory and will use the socket."""
         self.metrics.shm_fallbacks.inc()
-        s.shm_fallback = reason
+        s.fell_back(reason)
         # Once per job at WARNING: every rank and epoch of a job falls back for the same
         # reason, and a warning per stream buries everything else in the log.
         first = s.job_id not in self._fell_back

@@ -87,9 +87,10 @@ class Opener:
         credit = min(s.flow.credit, MAX_CREDIT)
         most = s.max_group if prep.groupable else 1
         ragged = any(shape is None for shape in prep.part_shapes.values())
-        s.group = choose_group(prep.batch_bytes, credit, most, ragged)
+        group = choose_group(prep.batch_bytes, credit, most, ragged)
         if joins is not None and joins <= min(most, max(credit // 2, 1)):
-            s.group = joins
+            group = joins
+        s.sends_in(group)
         route = Route(self.sock, s.ident, s.stream, s.epoch, batch_size)
         rows = prep.batch_rows * s.group  # what one message's memory holds
         if s.want_shm:

@@ -82,7 +82,12 @@ class Prepared:
 
 @dataclass(eq=False, kw_only=True)
 class Session:
-    """One open stream: who it is for, where it is, how its batches leave."""
+    """One open stream: who it is for, where it is, how its batches leave.
+
+    The fields below ``flow`` change only through the transition methods (``prepared``,
+    ``sink_made``, ``joined``, ``credit_seen``, ``end_sent``, ``mark_closed``, ...), on the
+    streamer thread; everyone else reads them.
+    """
 
     ident: bytes
     stream: int
@@ -138,6 +143,55 @@ class Session:
     def describe(self) -> StreamFacts:
         """Facts for log lines."""
         return {"job": self.job_id, "rank": self.rank, "stream": self.stream, "epoch": self.epoch}
+
+    # -- transitions ----------------------------------------------------------------------
+
+    def ready(self, prepared: Prepared) -> None:
+        """Its plan and source are built: the epoch ends at the plan's end when that comes
+        before the nominal count (a mixture whose source ran out, ``"stop"``)."""
+        self.prepared = prepared
+        self.flow.num_batches = min(self.flow.num_batches, len(prepared.plan))
+
+    def sends_in(self, group: int) -> None:
+        """``group`` batches go in one message of this stream (chosen with its sink)."""
+        self.group = group
+
+    def sink_made(self, sink: BatchSink) -> None:
+        """Its batches leave through ``sink`` from now on."""
+        self.sink = sink
+
+    def joined(self, share: ShareGroup) -> None:
+        """It reads a share group's batches: every subscriber takes the same spans."""
+        self.share = share
+        self.flow.grid = self.group
+
+    def fell_back(self, reason: str) -> None:
+        """It asked for shared memory and uses the socket, for ``reason``."""
+        self.shm_fallback = reason
+
+    def credit_seen(self) -> bool:
+        """The client sent a Credit: whether it is the first since the sink was made (the
+        client then reads what the sink hands out)."""
+        if self.sink is None or self.credited:
+            return False
+        self.credited = True
+        return True
+
+    def heard_from(self) -> None:
+        """A message from its client arrived now."""
+        self.last_recv = time.monotonic()
+
+    def sent(self, at: float | None = None) -> None:
+        """A message to its client left at ``at`` (now by default)."""
+        self.last_send = time.monotonic() if at is None else at
+
+    def end_sent(self) -> None:
+        """Its EndOfEpoch left: it waits for the client's goodbye or the idle timeout."""
+        self.ended = True
+
+    def mark_closed(self) -> None:
+        """Closed (the handler ends the rest): its pending planning work (any thread) drops what it made."""
+        self.closed = True
 
 
 class StreamKind(Protocol):

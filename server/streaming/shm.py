@@ -39,22 +39,24 @@ from pathlib import Path
 import numpy as np
 
 from shardserve.proto.messages import MAX_NDIM, PartHeader, ShmRing
+from shardserve.proto.rings import (
+    ALIGN,
+    align,
+    part_fits,
+    ring_bytes,
+    ring_name,
+    slot_start,
+)
 
-from ..shared_files import SHARED_FILES
-from ..source import BatchParts, BatchSource, PartShapes
+# Re-exported: where rings live and what they are called (the sweep of stale rings).
+from shardserve.proto.rings import DEFAULT_DIR as DEFAULT_DIR
+from shardserve.proto.rings import PREFIX as PREFIX
 
-PREFIX = "shardserve-"
-DEFAULT_DIR = Path("/dev/shm")
-#: Each part starts on a cache line so views are aligned for any dtype and for DMA.
-ALIGN = 64
+from ..source import BatchParts, BatchSource, FileSpan, PartShapes
 
 
 class ShmUnavailable(RuntimeError):
     """The ring could not be made; the stream falls back to the socket path."""
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass
@@ -75,7 +77,7 @@ class SlotRing:
 
     @property
     def nbytes(self) -> int:
-        return self.slots * self.slot_bytes
+        return ring_bytes(self.slots, self.slot_bytes)
 
     @functools.cached_property
     def address(self) -> int:
@@ -90,22 +92,31 @@ class SlotRing:
             return addr - start
         return None
 
+    def span_of(self, slot: int, arr: np.ndarray) -> FileSpan | None:
+        """Where C-contiguous ``arr`` lies in this ring's file, if it lies in ``slot``: a
+        transform worker process writes a batch's outputs there by path and offset."""
+        if not arr.flags.c_contiguous or arr.nbytes == 0:
+            return None
+        at = self.offset_in(slot, arr)
+        if at is None:
+            return None
+        return FileSpan(str(self.path), slot * self.slot_bytes + at, arr.nbytes)
+
     def slot_array(
         self, slot: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]
     ) -> np.ndarray:
         """A writable numpy view of one part inside ``slot``: assembly writes straight into it."""
-        if not 0 <= slot < self.slots:
-            raise IndexError(f"slot {slot} out of range 0 <= slot < {self.slots}")
+        start = slot_start(slot, self.slots, self.slot_bytes)
         # math.prod and the dtype itself: np.prod and dtype names cost microseconds a part.
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
-        if offset + nbytes > self.slot_bytes:
+        if not part_fits(offset, nbytes, self.slot_bytes):
             raise ValueError(
                 f"part of {nbytes} bytes at offset {offset} overflows a {self.slot_bytes}-byte slot"
             )
-        return np.frombuffer(
-            self._mm, dtype=dtype, count=count, offset=slot * self.slot_bytes + offset
-        ).reshape(shape)
+        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=start + offset).reshape(
+            shape
+        )
 
     def on_disk(self) -> bool:
         """Whether :attr:`path` still names this ring's file. A cleanup of ``/dev/shm``
@@ -123,8 +134,6 @@ class SlotRing:
 
     def close(self) -> None:
         """Unmap and unlink; a client that still has it mapped keeps its pages until it unmaps."""
-        if not self._mm.closed:
-            SHARED_FILES.remove(self.address)
         # A view still alive somewhere (an in-flight send) keeps the mapping; it goes with the view.
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -152,7 +161,7 @@ def create_ring(
     small (Docker's default /dev/shm is 64 MB), or over ``limit_bytes``.
     """
     slot_bytes = align(max(slot_bytes, 1))
-    size = slots * slot_bytes
+    size = ring_bytes(slots, slot_bytes)
     hint = (
         "give the container more shared memory (`docker run --shm-size=2g`, compose `shm_size: 2gb`, "
         "or `ipc: host`)"
@@ -164,7 +173,7 @@ def create_ring(
         )
     if not shm_dir.is_dir():
         raise ShmUnavailable(f"{shm_dir} does not exist; shared memory is unavailable on this host")
-    name = f"{PREFIX}{os.getpid()}-{stream}-{secrets.token_hex(4)}"
+    name = ring_name(os.getpid(), stream, secrets.token_hex(4))
     path = shm_dir / name
     hidden = shm_dir / f".{name}"
     try:
@@ -182,10 +191,7 @@ def create_ring(
         raise ShmUnavailable(
             f"cannot reserve {size} bytes in {shm_dir} ({free_bytes(shm_dir)} free): {e.strerror}; {hint}"
         ) from None
-    ring = SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
-    # Transform worker processes write batches straight into it (see ..transforms.pool).
-    SHARED_FILES.add(ring.address, size, str(path))
-    return ring
+    return SlotRing(path, slots, slot_bytes, mm, free=list(range(slots)), lock_fd=fd)
 
 
 def owner_alive(path: Path) -> bool:
@@ -242,6 +248,9 @@ class SlotTail:
     def empty(self, part: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         view = self._next(shape, dtype)
         return np.empty(shape, dtype) if view is None else view
+
+    def span_of(self, arr: np.ndarray) -> FileSpan | None:
+        return self._ring.span_of(self._slot, arr)
 
     def __call__(self, parts: BatchParts) -> BatchParts:
         """``parts`` with every one outside the slot copied into its region, or ``parts``

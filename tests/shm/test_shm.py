@@ -334,3 +334,30 @@ def test_cuda_registration_falls_back_on_cpu() -> None:
         assert closed_with == [ring_info.slots * ring_info.slot_bytes]
     finally:
         ring.close()
+
+
+def test_a_slot_says_which_file_and_offset_an_array_in_it_lives_at() -> None:
+    """A slot answers the file and byte offset of an array inside it, and nothing for an array of another slot, fresh memory or a strided view."""
+    from shardserve.server.source import FRESH, FileSpan
+    from shardserve.server.streaming.shm import SlotTail
+
+    ring = create_ring(3, 2, 4096)
+    try:
+        first, second = SlotTail(ring, 0, 0), SlotTail(ring, 1, 0)
+        a = ring.slot_array(1, 128, np.dtype(np.float32), (4, 8))
+        assert second.span_of(a) == FileSpan(str(ring.path), ring.slot_bytes + 128, 128)
+        assert second.span_of(a[1:3]) == FileSpan(str(ring.path), ring.slot_bytes + 160, 64)
+        assert first.span_of(a) is None
+        assert second.span_of(a[:, ::2]) is None
+        assert second.span_of(np.zeros(4)) is None
+        assert FRESH.span_of(a) is None
+        # What the span names is where the array lies: another mapping of the file reads it.
+        a[...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+        span = second.span_of(a)
+        assert span is not None
+        with open(span.path, "rb") as f:
+            f.seek(span.offset)
+            got = np.frombuffer(f.read(span.nbytes), dtype=np.float32)
+        assert got.tobytes() == a.tobytes()
+    finally:
+        ring.close()

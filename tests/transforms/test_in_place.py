@@ -244,7 +244,7 @@ def test_worker_processes_read_their_inputs_from_a_shared_file(
     from a shared-memory file of its own, counted byte for byte; a request that needs more
     gets a bigger file (the old one removed); one over the limit goes on the pipe; the same
     points come back every way, and closing the pool leaves no file."""
-    from shardserve.server.transforms import pool as pool_module
+    from shardserve.server.transforms import pool_processes
 
     step = {"name": "random_subset", "params": {"field": "points", "n": 64}}
     chain = compile_chain([step], REG, {"points": Field("float32", (-1, 3))}, "t")
@@ -267,7 +267,7 @@ def test_worker_processes_read_their_inputs_from_a_shared_file(
         sent = 0
         for rows, via_file in ((200, True), (40_000, True), (400_000, False)):
             if not via_file:
-                monkeypatch.setattr(pool_module, "INPUT_FILE_MAX", 1 << 20)
+                monkeypatch.setattr(pool_processes, "INPUT_FILE_MAX", 1 << 20)
             parts = batch(rows)
             got = pool.run(chain, parts, idx, W, ["points"], describe)
             want, _ = run_chain(chain, parts, idx, W, ["points"])

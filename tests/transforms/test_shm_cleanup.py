@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
-from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, create_ring
+from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, SlotTail, create_ring
 from shardserve.server.transforms import codec
 from shardserve.server.transforms.metrics import TransformMetrics
 from shardserve.server.transforms.pool import TransformPool
@@ -121,7 +121,9 @@ def test_outputs_whose_ring_file_is_gone_come_back_on_the_pipe() -> None:
         out = {"image": ring.slot_array(0, 0, np.dtype(np.float32), (12, 3, 8, 8))}
         ring.path.unlink()  # what a cleanup of /dev/shm does
         assert not ring.on_disk()
-        got = pool.run(chain, {"image": images}, idx, where, ["image"], TransformError, out)
+        slot = SlotTail(ring, 0, ring.slot_bytes)  # the slot says where ``out`` lives
+        assert slot.span_of(out["image"]) is not None
+        got = pool.run(chain, {"image": images}, idx, where, ["image"], TransformError, out, slot)
         assert got["image"].tobytes() == want["image"].tobytes()
         assert out["image"].tobytes() == want["image"].tobytes()  # in the ring's slot
         assert metrics.snapshot().get("worker_bytes_in_place", 0) == 0
