@@ -126,7 +126,7 @@ class HelloHandling:
                 # A probe: the send fails (and closes the holder's stream) once libzmq has
                 # dropped the connection of a dead, frozen or partitioned process.
                 if not spoke and self.out.send(h.ident, Heartbeat()):
-                    h.last_send = now
+                    h.sent(now)
                 if self.sessions.get(h.ident) is not h:
                     self.notices.fenced(h, claim.ident, fenced(h, now))
                 elif spoke or now - claim.at >= self.limits.alive_after_s:

@@ -176,7 +176,7 @@ class Pump:
                     raise PeerGone(str(e)) from e
                 raise
             flow.released()
-            s.last_send = time.monotonic()
+            s.sent()
             self.metrics.batches_sent.inc(count)
             self.metrics.messages_sent.inc()
             self.metrics.bytes_sent.inc(nbytes)
