@@ -36,6 +36,9 @@ from .logs import log_event
 from .metrics import Metrics
 from .mixture_admin import MixtureAdmin
 from .planning.cache import PlanCache
+from .rings import DEFAULT_DIR as SHM_DIR
+from .rings import PREFIX as SHM_PREFIX
+from .rings import remove_stale
 from .settings import Settings
 from .sources import open_source
 from .store.backend import StoreBackend, open_store
@@ -45,9 +48,6 @@ from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
 from .streaming.pipeline import Work
-from .streaming.shm import DEFAULT_DIR as SHM_DIR
-from .streaming.shm import PREFIX as SHM_PREFIX
-from .streaming.shm import remove_stale
 from .streaming.streamer import Streamer, StreamerConfig, Waker
 from .transforms.bound import Transforms
 from .transforms.runner import Limits

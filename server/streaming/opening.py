@@ -17,11 +17,11 @@ from shardserve.proto.messages import MAX_CREDIT, Hello, Welcome
 
 from ..jobs import Job
 from ..memory import trim
+from ..rings import ShmUnavailable
 from .handshake import batches_per_rank
 from .notices import StreamNotices
 from .pipeline import Pipeline, choose_group, ring_slots
 from .sessions import Prepared, Session
-from .shm import ShmUnavailable
 from .sinks import BatchSink, IdlePools, RingBook, Route, SocketSink
 from .streamer import StreamerConfig
 

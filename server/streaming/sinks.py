@@ -37,9 +37,10 @@ from shardserve.proto.endpoints import Delivery
 from shardserve.proto.framing import encode_batch
 from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
 
+from ..rings import ShmUnavailable
 from ..source import BatchParts, BatchSource, PartShapes, Placer
 from .buffers import BufferPool, BufferSet
-from .shm import ShmSlots, ShmUnavailable
+from .shm import ShmSlots
 
 #: Bytes of buffer pools kept for (job, rank)s between their streams (pools of open streams
 #: always stay); past it the least recently used idle pools are dropped.

@@ -33,8 +33,8 @@ import numpy as np
 from shardserve.proto.errors import TransformError
 from shardserve.proto.rings import align
 
+from ..rings import ShmUnavailable, SlotRing, create_ring
 from ..source import Spans
-from ..streaming.shm import ShmUnavailable, SlotRing, create_ring
 from . import codec
 from .errors import StepFailed
 from .metrics import TransformMetrics

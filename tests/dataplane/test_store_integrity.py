@@ -19,11 +19,11 @@ import pytest
 from shardserve.proto.errors import DatasetCorruptError, InvalidDataError
 from shardserve.proto.manifest import FieldSpec
 from shardserve.proto.messages import Error
+from shardserve.server.rings import PREFIX, create_ring, remove_stale
 from shardserve.server.store import layout
 from shardserve.server.store.dataset import Dataset
 from shardserve.server.store.ingest.run import ingest
 from shardserve.server.store.writer import ShardWriter
-from shardserve.server.streaming.shm import PREFIX, create_ring, remove_stale
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
 from tests.support.server import make_job, run_server
@@ -249,7 +249,7 @@ def test_a_sweep_never_takes_the_lock_of_a_folder_being_created(tmp_path: Path) 
 RING_HOLDER = """
 import sys, time
 from pathlib import Path
-from shardserve.server.streaming.shm import create_ring
+from shardserve.server.rings import create_ring
 ring = create_ring(1, 2, 4096, Path(sys.argv[1]))
 print(ring.path, flush=True)
 time.sleep(60)

@@ -17,8 +17,9 @@ import torch
 
 from shardserve.client import Loader
 from shardserve.proto.messages import ShmRing
+from shardserve.server.rings import DEFAULT_DIR, PREFIX, create_ring
 from shardserve.server.store.catalog import Store
-from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, ShmSlots, create_ring
+from shardserve.server.streaming.shm import ShmSlots
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled

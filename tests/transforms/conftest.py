@@ -61,7 +61,7 @@ def pool_status(url: str) -> dict:
 
 def shm_segments(pid: int) -> list[str]:
     """Shared-memory rings a server process made (named after its pid)."""
-    from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX
+    from shardserve.server.rings import DEFAULT_DIR, PREFIX
 
     return [p.name for p in Path(DEFAULT_DIR).glob(f"{PREFIX}{pid}-*")] if os.path.isdir(
         DEFAULT_DIR) else []  # fmt: skip

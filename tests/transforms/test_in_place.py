@@ -232,7 +232,7 @@ def test_a_worker_writes_only_inside_its_span_and_unmaps_removed_files(tmp_path:
 
 
 def _input_files(worker: int) -> list[Path]:
-    from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX
+    from shardserve.server.rings import DEFAULT_DIR, PREFIX
 
     return sorted(DEFAULT_DIR.glob(f"{PREFIX}{os.getpid()}-{worker}-*"))
 

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
-from shardserve.server.streaming.shm import DEFAULT_DIR, PREFIX, SlotTail, create_ring
+from shardserve.server.rings import DEFAULT_DIR, PREFIX, create_ring
+from shardserve.server.streaming.shm import SlotTail
 from shardserve.server.transforms import codec
 from shardserve.server.transforms.metrics import TransformMetrics
 from shardserve.server.transforms.pool import TransformPool
