@@ -46,7 +46,7 @@ from shardserve.proto.messages import (
     Reject,
     Welcome,
 )
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 # -- a server ------------------------------------------------------------------------------
 _TERM_GRACE_S = 5.0

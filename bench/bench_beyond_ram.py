@@ -55,8 +55,7 @@ def dd_rate(folder: Path) -> tuple[float, int]:
     evict(folder)
     t0 = time.perf_counter()
     for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M"], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
     return total / (time.perf_counter() - t0), total
 
 
@@ -78,8 +77,9 @@ def epoch_rate(
         evict(folder)
     else:
         for f in folder.rglob("*.arrow"):
-            subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M"], check=True,
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["dd", f"if={f}", "of=/dev/null", "bs=16M"], check=True, capture_output=True
+            )
     args = () if read_ahead is None else ("--read-ahead-bytes", read_ahead)
     ctx = mp.get_context("spawn")
     with run_server(store, *args) as srv:
@@ -97,9 +97,11 @@ def epoch_rate(
         for p in procs:
             p.join(timeout=60)
     return {
-        "samples": samples, "seconds": round(took, 2), "bytes_per_s": total / took,
+        "samples": samples,
+        "seconds": round(took, 2),
+        "bytes_per_s": total / took,
         "cached_after": cached_fraction(folder) or 0.0,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,34 +119,53 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(f.stat().st_size for f in (store / NAME).rglob("*.arrow"))
     # Rounds interleave the rows: a shared disk's rate drifts, and a row measured in another
     # minute than its baseline would compare the drift.
-    runs = (("epoch, read-ahead off", "0", True), ("epoch, read-ahead on", None, True),
-            ("epoch, all cached", None, False))  # fmt: skip
+    runs = (
+        ("epoch, read-ahead off", "0", True),
+        ("epoch, read-ahead on", None, True),
+        ("epoch, all cached", None, False),
+    )
     trials: dict[str, list[float]] = {"dd": [], **{label: [] for label, _, _ in runs}}
     for i in range(args.rounds):
         trials["dd"].append(dd_rate(store / NAME)[0])
         for label, ra, cold in runs:
             trials[label].append(epoch_rate(store, args.ranks, ra, cold)["bytes_per_s"])
-        print(f"round {i}: " + ", ".join(f"{k} {v[-1] / 1e9:.2f}" for k, v in trials.items())
-              + f" GB/s; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+        print(
+            f"round {i}: "
+            + ", ".join(f"{k} {v[-1] / 1e9:.2f}" for k, v in trials.items())
+            + f" GB/s; load {os.getloadavg()[0]:.2f}"
+        )
     dd = statistics.median(trials["dd"])
     print(f"dd sequential          {dd / 1e9:6.2f} GB/s ({total / 1e9:.1f} GB), median")
     rows: dict[str, dict[str, object]] = {"dd": {"bytes_per_s": dd, "trials": trials["dd"]}}
     for label, _, _ in runs:
         rate = statistics.median(trials[label])
         ratios = [t / d for t, d in zip(trials[label], trials["dd"], strict=True)]
-        rows[label] = {"bytes_per_s": rate, "ratio_to_dd": statistics.median(ratios),
-                       "trials": trials[label], "ratios": ratios}  # fmt: skip
-        print(f"{label:22} {rate / 1e9:6.2f} GB/s  {statistics.median(ratios):.2f}x dd (median "
-              f"of the rounds' ratios {', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+        rows[label] = {
+            "bytes_per_s": rate,
+            "ratio_to_dd": statistics.median(ratios),
+            "trials": trials[label],
+            "ratios": ratios,
+        }
+        print(
+            f"{label:22} {rate / 1e9:6.2f} GB/s  {statistics.median(ratios):.2f}x dd (median "
+            f"of the rounds' ratios {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     on = float(statistics.median(rows["epoch, read-ahead on"]["ratios"]))  # type: ignore[arg-type]
-    print(f"target read-ahead on >= {TARGET}x dd: {'met' if on >= TARGET else 'NOT met'}; "
-          f"load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
+    print(
+        f"target read-ahead on >= {TARGET}x dd: {'met' if on >= TARGET else 'NOT met'}; "
+        f"load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
     res = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.machine()} cpus={os.cpu_count()}",
-        "bytes": total, "ranks": args.ranks, "batch": BATCH, "load_before": load,
-        "load_after": os.getloadavg(), "rows": rows, "target": TARGET,
-    }  # fmt: skip
+        "bytes": total,
+        "ranks": args.ranks,
+        "batch": BATCH,
+        "load_before": load,
+        "load_after": os.getloadavg(),
+        "rows": rows,
+        "target": TARGET,
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(res, indent=2))
     print(f"wrote {RESULTS}")

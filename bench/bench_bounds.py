@@ -73,9 +73,16 @@ def quarantine_flood(store: Path, n: int, posts: int, same: bool) -> dict[str, f
     """Per-post time (first and last fifth), RSS growth and held bytes of ``posts`` posts."""
     with (
         run_server(store, "--state-dir", str(store / f"state-{same}")) as srv,
-        Loader(srv.http_url, {"web": 1, "code": 1}, batch_size=8, seed=0,
-               epoch_samples=32 * n, timeout=120, prefetch=2) as loader,
-    ):  # fmt: skip
+        Loader(
+            srv.http_url,
+            {"web": 1, "code": 1},
+            batch_size=8,
+            seed=0,
+            epoch_samples=32 * n,
+            timeout=120,
+            prefetch=2,
+        ) as loader,
+    ):
         loader.set_epoch(0)
         it = iter(loader)
         next(it)
@@ -83,8 +90,11 @@ def quarantine_flood(store: Path, n: int, posts: int, same: bool) -> dict[str, f
         for i in range(posts):
             next(it)  # the reader moves: each post takes effect at another step
             t0 = time.perf_counter()
-            r = httpx.post(f"{srv.http_url}/v1/datasets/code/quarantine", timeout=600,
-                           json={"ids": [7 if same else 100 + i], "reason": "bench"})  # fmt: skip
+            r = httpx.post(
+                f"{srv.http_url}/v1/datasets/code/quarantine",
+                timeout=600,
+                json={"ids": [7 if same else 100 + i], "reason": "bench"},
+            )
             took.append(time.perf_counter() - t0)
             r.raise_for_status()
         held = httpx.get(f"{srv.http_url}/v1/datasets/code/quarantine", timeout=30).json()
@@ -113,15 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         unbounded = never_reading_peers(
             store, "--unread-stream-bytes", UNBOUNDED, "--unread-bytes", UNBOUNDED
         )
-        print(f"{PEERS} peers that never read: RSS +{bounded[0]:.0f} MB bounded "
-              f"({bounded[1]:.0f} MB accounted unread) vs +{unbounded[0]:.0f} MB unbounded: "
-              f"{bounded[0] / max(unbounded[0], 1e-9):.2f}x")  # fmt: skip
+        print(
+            f"{PEERS} peers that never read: RSS +{bounded[0]:.0f} MB bounded "
+            f"({bounded[1]:.0f} MB accounted unread) vs +{unbounded[0]:.0f} MB unbounded: "
+            f"{bounded[0] / max(unbounded[0], 1e-9):.2f}x"
+        )
         for same in (True, False):
             q = quarantine_flood(store, n, posts, same)
-            print(f"quarantine, {posts} posts of {'one id' if same else 'distinct ids'}: "
-                  f"{q['first_ms']:.1f} -> {q['last_ms']:.1f} ms/post "
-                  f"({q['last_ms'] / q['first_ms']:.2f}x), RSS +{q['rss_growth_mb']:.0f} MB, "
-                  f"{q['total_ids']} ids, {q['held_bytes']} bytes held")  # fmt: skip
+            print(
+                f"quarantine, {posts} posts of {'one id' if same else 'distinct ids'}: "
+                f"{q['first_ms']:.1f} -> {q['last_ms']:.1f} ms/post "
+                f"({q['last_ms'] / q['first_ms']:.2f}x), RSS +{q['rss_growth_mb']:.0f} MB, "
+                f"{q['total_ids']} ids, {q['held_bytes']} bytes held"
+            )
     print(f"load average after {os.getloadavg()}")
     return 0
 

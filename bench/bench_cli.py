@@ -59,20 +59,31 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows.values():
         r["vs_python"] = r["median_s"] / base
     targets = [
-        {"target": f"{label} median <= {TARGET_S} s", "value": rows[label]["median_s"],
-         "met": rows[label]["median_s"] <= TARGET_S}
+        {
+            "target": f"{label} median <= {TARGET_S} s",
+            "value": rows[label]["median_s"],
+            "met": rows[label]["median_s"] <= TARGET_S,
+        }
         for label in ("shardserve --help", "shardserve serve --help", "shardserve ingest --help")
-    ]  # fmt: skip
+    ]
     result = {
-        "runs": runs, "command": " ".join(cli), "load_average_before": list(load_before),
-        "load_average_after": list(os.getloadavg()), "rows": rows, "targets": targets,
-    }  # fmt: skip
-    print(f"{runs} runs each; load average {load_before[0]:.2f} before, "
-          f"{result['load_average_after'][0]:.2f} after; command {' '.join(cli)}")  # fmt: skip
+        "runs": runs,
+        "command": " ".join(cli),
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "rows": rows,
+        "targets": targets,
+    }
+    print(
+        f"{runs} runs each; load average {load_before[0]:.2f} before, "
+        f"{result['load_average_after'][0]:.2f} after; command {' '.join(cli)}"
+    )
     print(f"  {'command':28}{'median s':>10}{'min':>8}{'max':>8}{'x python':>10}")
     for label, r in rows.items():
-        print(f"  {label:28}{r['median_s']:>10.3f}{r['min_s']:>8.3f}{r['max_s']:>8.3f}"
-              f"{r['vs_python']:>10.1f}")  # fmt: skip
+        print(
+            f"  {label:28}{r['median_s']:>10.3f}{r['min_s']:>8.3f}{r['max_s']:>8.3f}"
+            f"{r['vs_python']:>10.1f}"
+        )
     for t in targets:
         print(f"  target {t['target']}: {t['value']:.3f} {'met' if t['met'] else 'MISSED'}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from _support import CIFAR_FIELDS as CIFAR
 from _support import run_server
 
 from shardserve.client import Loader
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 HERE = Path(__file__).resolve().parent
 
@@ -92,8 +92,10 @@ def cached_fraction(folder: Path) -> float | None:
     try:
         out = subprocess.run(
             ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE", *files],
-            check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     held = total = 0
@@ -144,17 +146,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "cold",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "quick": args.quick, "n_samples": n, "dataset_gb": gb, "batch_size": BATCH,
-        "first_batch_s": {"whole_file": whole_s, "blocks": blocks_s},
-        "read_share": {"whole_file": whole_read, "blocks": blocks_read},
-        "speedup": whole_s / blocks_s,
-        "target": {"first_batch_s": TARGET_S, "met": met},
-        "load_before": load_before, "load_after": load_after,
-    }, indent=2) + "\n")  # fmt: skip
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "cold",
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                "quick": args.quick,
+                "n_samples": n,
+                "dataset_gb": gb,
+                "batch_size": BATCH,
+                "first_batch_s": {"whole_file": whole_s, "blocks": blocks_s},
+                "read_share": {"whole_file": whole_read, "blocks": blocks_read},
+                "speedup": whole_s / blocks_s,
+                "target": {"first_batch_s": TARGET_S, "met": met},
+                "load_before": load_before,
+                "load_after": load_after,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS}")
     return 0
 

@@ -48,7 +48,7 @@ from bench_transforms import tree_cpu
 from shardserve.client import Loader
 from shardserve.client.device_steps import register_expansion
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 

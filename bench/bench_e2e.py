@@ -77,8 +77,17 @@ def write_files(
     chunked .pt files."""
     n = len(arrays["label"])
     np.savez(root / f"{name}.npz", **arrays)
-    cmd = [sys.executable, "-m", "shardserve.server", "ingest", str(root / f"{name}.npz"),
-           "--store", str(root / "store"), "--name", name]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "ingest",
+        str(root / f"{name}.npz"),
+        "--store",
+        str(root / "store"),
+        "--name",
+        name,
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     (root / f"{name}.npz").unlink()
     if not pt_files:
@@ -90,8 +99,10 @@ def write_files(
     for i in range(n):
         torch.save({"image": image[i].clone(), "label": label[i].clone()}, per / f"{i:06d}.pt")
     for c in range(0, n, CHUNK):
-        torch.save({"image": image[c : c + CHUNK].clone(), "label": label[c : c + CHUNK].clone()},
-                   chunks / f"{c // CHUNK:05d}.pt")  # fmt: skip
+        torch.save(
+            {"image": image[c : c + CHUNK].clone(), "label": label[c : c + CHUNK].clone()},
+            chunks / f"{c // CHUNK:05d}.pt",
+        )
 
 
 class PerSampleFiles(Dataset):
@@ -268,8 +279,16 @@ def tf_data(tf_python: str, n: int, batch: int, work: Path) -> dict[str, dict[st
     """tf.data local and tf.data service rows from ``bench_tfdata.py`` run by an interpreter
     that has TensorFlow (same samples: ``make_arrays("cifar", n)``)."""
     out = work / "tfdata.json"
-    cmd = [tf_python, str(Path(__file__).with_name("bench_tfdata.py")), "--n", str(n),
-           "--batch", str(batch), "--json", str(out)]  # fmt: skip
+    cmd = [
+        tf_python,
+        str(Path(__file__).with_name("bench_tfdata.py")),
+        "--n",
+        str(n),
+        "--batch",
+        str(batch),
+        "--json",
+        str(out),
+    ]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=900)
     except (OSError, subprocess.SubprocessError) as e:
@@ -362,8 +381,14 @@ def bench_case(case: str, n: int, work: Path, tf_python: str | None = None) -> d
         r["vs_floor"] = r["samples_s"] / fl
         r["shardserve_speedup"] = ours / r["samples_s"]
         r["gb_s"] = r["samples_s"] * per_sample / 1e9
-    return {"n": n, "batch": batch, "rows": rows, "time_to_first_batch": ttfb, "rss": rss,
-            "targets": targets(case, rows, ttfb, rss)}  # fmt: skip
+    return {
+        "n": n,
+        "batch": batch,
+        "rows": rows,
+        "time_to_first_batch": ttfb,
+        "rss": rss,
+        "targets": targets(case, rows, ttfb, rss),
+    }
 
 
 def targets(
@@ -374,8 +399,15 @@ def targets(
     out: list[dict[str, object]] = []
 
     def add(name: str, value: float, goal: float, higher: bool = True) -> None:
-        out.append({"target": name, "value": value, "goal": goal, "op": ">=" if higher else "<=",
-                    "met": value >= goal if higher else value <= goal})  # fmt: skip
+        out.append(
+            {
+                "target": name,
+                "value": value,
+                "goal": goal,
+                "op": ">=" if higher else "<=",
+                "met": value >= goal if higher else value <= goal,
+            }
+        )
 
     if case == "cifar":
         add(
@@ -406,7 +438,7 @@ def targets(
     if rss:
         growth = (rss.get("rss_4_jobs_mb", 0) - rss.get("rss_1_job_mb", 0)) / rss["dataset_mb"]
         add("RSS growth 4 jobs vs 1, fraction of dataset", growth, 0.1, higher=False)
-    return out  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -428,8 +460,10 @@ def main() -> None:
     results: dict[str, object] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''} cores={torch.get_num_threads()}/{os.cpu_count()}",
-        "torch": torch.__version__, "quick": args.quick, "cases": {},
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "cases": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ss-bench-e2e-", dir=args.workdir) as tmp:
         for case, cfg in CASES.items():
             n = int(cfg["n"]) // (8 if args.quick else 1)  # type: ignore[call-overload]
@@ -453,8 +487,10 @@ def main() -> None:
                 f"server {r.get('server_cpu_s_per_gb', float('nan')):.2f} CPU s/GB, stall {r['stall_fraction']:.2f}"
             )
         for t in res["targets"]:
-            print(f"  target {t['target']} {t['op']} {t['goal']}: {t['value']:.2f} "
-                  f"{'met' if t['met'] else 'MISSED'}")  # fmt: skip
+            print(
+                f"  target {t['target']} {t['op']} {t['goal']}: {t['value']:.2f} "
+                f"{'met' if t['met'] else 'MISSED'}"
+            )
         if res["rss"]:
             print(f"  RSS: {res['rss']}")
         if t := res["time_to_first_batch"]:

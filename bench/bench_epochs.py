@@ -39,7 +39,7 @@ from bench_small import make_cifar, touch
 from shardserve.client import Loader
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.planning import epoch_order
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 HERE = Path(__file__).resolve().parent
 
@@ -145,20 +145,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "epochs",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "n_samples": n, "batch_size": BATCH,
-        "first_batch_s": firsts, "later_median_s": later, "plan_s": plan_s,
-        "later_vs_plan": later / plan_s,
-        "target": {"later_first_batch_s": TARGET_S, "met": later <= TARGET_S,
-                   "new_server_first_batch_s": FIRST_TARGET_S,
-                   "new_server_met": firsts[0] <= FIRST_TARGET_S,
-                   "cifar_spread": SPREAD_TARGET, "cifar_spread_met": spread <= SPREAD_TARGET},
-        "cifar_epoch_s": cifar, "cifar_spread": spread,
-        "load_before": load_before, "load_after": load_after,
-    }, indent=2) + "\n")  # fmt: skip
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "epochs",
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                "n_samples": n,
+                "batch_size": BATCH,
+                "first_batch_s": firsts,
+                "later_median_s": later,
+                "plan_s": plan_s,
+                "later_vs_plan": later / plan_s,
+                "target": {
+                    "later_first_batch_s": TARGET_S,
+                    "met": later <= TARGET_S,
+                    "new_server_first_batch_s": FIRST_TARGET_S,
+                    "new_server_met": firsts[0] <= FIRST_TARGET_S,
+                    "cifar_spread": SPREAD_TARGET,
+                    "cifar_spread_met": spread <= SPREAD_TARGET,
+                },
+                "cifar_epoch_s": cifar,
+                "cifar_spread": spread,
+                "load_before": load_before,
+                "load_after": load_after,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS}")
     return 0
 

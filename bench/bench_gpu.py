@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from shardserve.client import Loader, serve_local
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
 #: Steps run before timing starts (cudnn autotuning, allocator, page cache, workers).
@@ -92,9 +92,17 @@ def memcpy_ceiling(nbytes: int, batches: int, device: torch.device) -> float:
 
 def loader_gbps(url: str, name: str, batch: int, device: torch.device, transport: str) -> dict:
     with Loader(
-        url, name, batch, seed=0, rank=0, world_size=1, device=str(device), prefetch=8,
-        transport=transport, timeout=120,
-    ) as loader:  # fmt: skip
+        url,
+        name,
+        batch,
+        seed=0,
+        rank=0,
+        world_size=1,
+        device=str(device),
+        prefetch=8,
+        transport=transport,
+        timeout=120,
+    ) as loader:
         loader.set_epoch(0)
         for b in loader:  # warm: page cache, ring registration, pinned pool
             b["image"].sum()
@@ -173,9 +181,11 @@ def make_model(device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optim
     except ImportError:  # smoke tests where torchvision has no build (this CPU machine)
         print("  (torchvision missing: a small CNN stands in for ResNet-18)")
         model = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3, 2), torch.nn.ReLU(), torch.nn.Flatten(),
+            torch.nn.Conv2d(3, 16, 3, 2),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
             torch.nn.Linear(16 * 15 * 15, 10),
-        )  # fmt: skip
+        )
     model = model.to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, opt
@@ -264,8 +274,18 @@ def bench_train(root: Path, quick: bool, device: torch.device) -> dict:
             if mode == "ceiling":
                 record("data on the GPU (ceiling)", *train_steps(forever(on_gpu), steps, device))
                 continue
-            with Loader(url, "cifar", bs, seed=0, rank=0, world_size=1, device=str(device),
-                        prefetch=8, drop_last=True, **kw) as loader:  # fmt: skip
+            with Loader(
+                url,
+                "cifar",
+                bs,
+                seed=0,
+                rank=0,
+                world_size=1,
+                device=str(device),
+                prefetch=8,
+                drop_last=True,
+                **kw,
+            ) as loader:
 
                 def epochs(epoch: int, loader: Loader = loader) -> Iterable:
                     loader.set_epoch(epoch)
@@ -277,19 +297,38 @@ def bench_train(root: Path, quick: bool, device: torch.device) -> dict:
                 after = loader.stats()
                 wait = after.wait_s - before.wait_s
                 compute = after.compute_s - before.compute_s
-                record(f"shardserve {mode}", seconds, samples,
-                       stall=wait / max(wait + compute, 1e-9))  # fmt: skip
+                record(
+                    f"shardserve {mode}", seconds, samples, stall=wait / max(wait + compute, 1e-9)
+                )
 
     ds = TensorDataset(images, labels)
     for workers in (0, 4):
-        dl = DataLoader(ds, batch_size=bs, shuffle=True, drop_last=True, num_workers=workers,
-                        pin_memory=device.type == "cuda", persistent_workers=workers > 0)  # fmt: skip
-        record(f"DataLoader TensorDataset workers={workers}",
-               *train_steps(forever(lambda _e, dl=dl: iter(dl)), steps, device))  # fmt: skip
-    dl = DataLoader(PtFiles(pt_dir, n), batch_size=bs, shuffle=True, drop_last=True,
-                    num_workers=8, pin_memory=device.type == "cuda", persistent_workers=True)  # fmt: skip
-    record("DataLoader .pt per sample workers=8",
-           *train_steps(forever(lambda _e: ((b["image"], b["label"]) for b in dl)), steps, device))  # fmt: skip
+        dl = DataLoader(
+            ds,
+            batch_size=bs,
+            shuffle=True,
+            drop_last=True,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+        )
+        record(
+            f"DataLoader TensorDataset workers={workers}",
+            *train_steps(forever(lambda _e, dl=dl: iter(dl)), steps, device),
+        )
+    dl = DataLoader(
+        PtFiles(pt_dir, n),
+        batch_size=bs,
+        shuffle=True,
+        drop_last=True,
+        num_workers=8,
+        pin_memory=device.type == "cuda",
+        persistent_workers=True,
+    )
+    record(
+        "DataLoader .pt per sample workers=8",
+        *train_steps(forever(lambda _e: ((b["image"], b["label"]) for b in dl)), steps, device),
+    )
 
     ceiling = rows["data on the GPU (ceiling)"]["samples_per_s"]
     print(
@@ -302,8 +341,10 @@ def bench_train(root: Path, quick: bool, device: torch.device) -> dict:
         print(f"  {k:40s} {r['samples_per_s']:10,.0f} samples/s  {r['ratio']:5.2f}x{stall}{runs}")
     s, res = rows["shardserve streaming"], rows["shardserve resident"]
     ok_s = s["ratio"] >= 0.95 and s["stall"] <= 0.05
-    print(f"  target streaming >= 0.95x, stall <= 5%: {'met' if ok_s else 'missed'} "
-          f"({s['ratio']:.2f}x, {s['stall']:.1%})")  # fmt: skip
+    print(
+        f"  target streaming >= 0.95x, stall <= 5%: {'met' if ok_s else 'missed'} "
+        f"({s['ratio']:.2f}x, {s['stall']:.1%})"
+    )
     print(
         f"  target resident >= 0.99x: {'met' if res['ratio'] >= 0.99 else 'missed'} ({res['ratio']:.2f}x)"
     )
@@ -352,34 +393,52 @@ def bench_envs(root: Path, quick: bool, device: torch.device) -> dict:
             yield [{"image": b[0], "label": b[1]} for b in batches]
 
     def select_stack(epoch: int) -> Iterable:
-        perms = [torch.randperm(n, generator=torch.Generator().manual_seed(epoch * 10 + e)).tolist()
-                 for e in range(n_envs)]  # fmt: skip
+        perms = [
+            torch.randperm(n, generator=torch.Generator().manual_seed(epoch * 10 + e)).tolist()
+            for e in range(n_envs)
+        ]
         for i in range(n // bs):
             yield [
-                {"image": torch.stack([images[j] for j in p[i * bs : (i + 1) * bs]]),
-                 "label": torch.stack([labels[j] for j in p[i * bs : (i + 1) * bs]])}
+                {
+                    "image": torch.stack([images[j] for j in p[i * bs : (i + 1) * bs]]),
+                    "label": torch.stack([labels[j] for j in p[i * bs : (i + 1) * bs]]),
+                }
                 for p in perms
-            ]  # fmt: skip
+            ]
 
     def index_select(epoch: int) -> Iterable:
-        perms = [torch.randperm(n, generator=torch.Generator().manual_seed(epoch * 10 + e)).to(device)
-                 for e in range(n_envs)]  # fmt: skip
+        perms = [
+            torch.randperm(n, generator=torch.Generator().manual_seed(epoch * 10 + e)).to(device)
+            for e in range(n_envs)
+        ]
         for i in range(n // bs):
             yield [
-                {"image": images.index_select(0, p[i * bs : (i + 1) * bs]),
-                 "label": labels.index_select(0, p[i * bs : (i + 1) * bs])}
+                {
+                    "image": images.index_select(0, p[i * bs : (i + 1) * bs]),
+                    "label": labels.index_select(0, p[i * bs : (i + 1) * bs]),
+                }
                 for p in perms
-            ]  # fmt: skip
+            ]
 
     rows["DataLoader per env (select + collate)"] = cpu_per_step(
         forever(dataloaders), count, device
     )
     rows["select/stack loop per env"] = cpu_per_step(forever(select_stack), count, device)
     rows["in-process index_select (floor)"] = cpu_per_step(forever(index_select), count, device)
-    with serve_local(root) as url, Loader(
-        url, "cifar", bs, seed=0, rank=0, world_size=1, resident=device.type, envs=n_envs,
-        drop_last=True,
-    ) as loader:  # fmt: skip
+    with (
+        serve_local(root) as url,
+        Loader(
+            url,
+            "cifar",
+            bs,
+            seed=0,
+            rank=0,
+            world_size=1,
+            resident=device.type,
+            envs=n_envs,
+            drop_last=True,
+        ) as loader,
+    ):
 
         def epochs(epoch: int) -> Iterable:
             loader.set_epoch(epoch)
@@ -390,8 +449,10 @@ def bench_envs(root: Path, quick: bool, device: torch.device) -> dict:
     print(f"\n{n_envs} envs x {bs} samples a step, GPU-resident data on {device}")
     for k, r in rows.items():
         r["cpu_vs_dataloader"] = base / r["cpu_us_per_step"]
-        print(f"  {k:40s} {r['cpu_us_per_step']:9.1f} us CPU/step  {r['steps_per_s']:9,.0f} steps/s  "
-              f"{r['cpu_vs_dataloader']:6.1f}x less CPU")  # fmt: skip
+        print(
+            f"  {k:40s} {r['cpu_us_per_step']:9.1f} us CPU/step  {r['steps_per_s']:9,.0f} steps/s  "
+            f"{r['cpu_vs_dataloader']:6.1f}x less CPU"
+        )
     ours = rows["shardserve resident envs=4"]["cpu_vs_dataloader"]
     print(
         f"  target >= 10x less CPU than DataLoader: {'met' if ours >= 10 else 'missed'} ({ours:.1f}x)"
@@ -420,10 +481,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results: dict = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "quick": args.quick,
-    }  # fmt: skip
+    }
     with tempfile.TemporaryDirectory(prefix="ss-bench-gpu-", dir=args.workdir) as tmp:
         root = Path(tmp)
         parts = {"delivery": bench_delivery, "train": bench_train, "envs": bench_envs}

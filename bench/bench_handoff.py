@@ -90,11 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = {label: round_trip(n, cpus, proc) for label, (cpus, proc) in cases.items()}
     load_after = os.getloadavg()
     result = {
-        "machine": machine, "round_trips": n, "load_average_before": list(load_before),
-        "load_average_after": list(load_after), "rows": rows,
-    }  # fmt: skip
-    print(f"{n} round trips a row; {machine}; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after")  # fmt: skip
+        "machine": machine,
+        "round_trips": n,
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        "rows": rows,
+    }
+    print(
+        f"{n} round trips a row; {machine}; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after"
+    )
     print(f"  {'between':26}{'wall us':>10}{'cpu us':>10}")
     for label, r in rows.items():
         print(f"  {label:26}{r['wall_us']:>10.1f}{r['cpu_us']:>10.1f}")

@@ -75,8 +75,10 @@ def make_pt_tuples(d: Path, n: int) -> int:
     d.mkdir()
     rng = np.random.default_rng(1)
     for i in range(n):
-        torch.save((torch.from_numpy(rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)), i % 10),
-                   d / f"{i:06d}.pt")  # fmt: skip
+        torch.save(
+            (torch.from_numpy(rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)), i % 10),
+            d / f"{i:06d}.pt",
+        )
     return n
 
 
@@ -85,8 +87,13 @@ def make_pt_chunked(d: Path, n: int) -> int:
     per = 1000
     for f in range(0, n, per):
         g = torch.Generator().manual_seed(f)
-        torch.save([{"pos": torch.rand(3, generator=g), "z": torch.tensor(i)}
-                    for i in range(f, min(n, f + per))], d / f"chunk{f:06d}.pt")  # fmt: skip
+        torch.save(
+            [
+                {"pos": torch.rand(3, generator=g), "z": torch.tensor(i)}
+                for i in range(f, min(n, f + per))
+            ],
+            d / f"chunk{f:06d}.pt",
+        )
     return n
 
 
@@ -106,9 +113,11 @@ def _graph(i: int) -> Any:
     g = torch.Generator().manual_seed(i)
     nodes = int(torch.randint(8, 40, (1,), generator=g))
     edges = int(torch.randint(16, 120, (1,), generator=g))
-    return Data(x=torch.randn(nodes, 16, generator=g),
-                edge_index=torch.randint(0, nodes, (2, edges), generator=g),
-                y=torch.tensor([float(i % 2)]))  # fmt: skip
+    return Data(
+        x=torch.randn(nodes, 16, generator=g),
+        edge_index=torch.randint(0, nodes, (2, edges), generator=g),
+        y=torch.tensor([float(i % 2)]),
+    )
 
 
 def make_pyg(d: Path, n: int) -> int:
@@ -121,12 +130,15 @@ def make_pyg(d: Path, n: int) -> int:
 def make_hf(d: Path, n: int) -> int:
     d.mkdir()
     rng = np.random.default_rng(3)
-    schema = pa.schema([("text", pa.string()), ("label", pa.int64()),
-                        ("emb", pa.list_(pa.float32(), 64))])  # fmt: skip
+    schema = pa.schema(
+        [("text", pa.string()), ("label", pa.int64()), ("emb", pa.list_(pa.float32(), 64))]
+    )
     rows = n * COLUMNAR_ROWS_PER_N // 4
     emb = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(rows * 64, dtype=np.float32)), 64)
-    table = pa.table([pa.array([f"text {i}" for i in range(rows)]), pa.array(np.arange(rows) % 7), emb],
-                     schema=schema)  # fmt: skip
+    table = pa.table(
+        [pa.array([f"text {i}" for i in range(rows)]), pa.array(np.arange(rows) % 7), emb],
+        schema=schema,
+    )
     with (
         pa.OSFile(str(d / "data-00000-of-00001.arrow"), "wb") as f,
         pa.ipc.new_stream(f, schema) as w,
@@ -151,18 +163,20 @@ def _hf_all_types(n: int) -> Any:
         b = io.BytesIO()
         Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(b, format="PNG")
         pngs.append(b.getvalue())
-    feats = hf.Features({
-        "a2": hf.Array2D((4, 8), "float32"),
-        "a3": hf.Array3D((2, 4, 4), "int32"),
-        "seqseq": hf.Sequence(hf.Sequence(hf.Value("float32"))),
-        "strs": hf.Sequence(hf.Value("string")),
-        "sdict": hf.Sequence({"p": hf.Value("int64"), "q": hf.Value("float32")}),
-        "img": hf.Image(),
-        "aud": {"bytes": hf.Value("binary"), "path": hf.Value("string")},
-        "lab": hf.ClassLabel(names=["a", "b", "c"]),
-        "txt": hf.Value("string"),
-        "nest": {"u": {"v": hf.Value("int16")}},
-    })  # fmt: skip
+    feats = hf.Features(
+        {
+            "a2": hf.Array2D((4, 8), "float32"),
+            "a3": hf.Array3D((2, 4, 4), "int32"),
+            "seqseq": hf.Sequence(hf.Sequence(hf.Value("float32"))),
+            "strs": hf.Sequence(hf.Value("string")),
+            "sdict": hf.Sequence({"p": hf.Value("int64"), "q": hf.Value("float32")}),
+            "img": hf.Image(),
+            "aud": {"bytes": hf.Value("binary"), "path": hf.Value("string")},
+            "lab": hf.ClassLabel(names=["a", "b", "c"]),
+            "txt": hf.Value("string"),
+            "nest": {"u": {"v": hf.Value("int16")}},
+        }
+    )
     cols = {
         "a2": [np.full((4, 8), i, np.float32) for i in range(rows)],
         "a3": [np.full((2, 4, 4), i, np.int32) for i in range(rows)],
@@ -232,8 +246,11 @@ def make_h5(d: Path, n: int) -> int:
     d.mkdir()
     rows = n * COLUMNAR_ROWS_PER_N // 4
     with h5py.File(d / "data.h5", "w") as h:
-        h.create_dataset("x", data=np.random.default_rng(5).random((rows, 64), dtype=np.float32),
-                         chunks=(1024, 64))  # fmt: skip
+        h.create_dataset(
+            "x",
+            data=np.random.default_rng(5).random((rows, 64), dtype=np.float32),
+            chunks=(1024, 64),
+        )
         h.create_dataset("y", data=np.arange(rows, dtype=np.int64))
     return rows
 
@@ -246,8 +263,13 @@ def make_lmdb(d: Path, n: int) -> int:
     with env.begin(write=True) as txn:
         for i in range(n):
             buf = io.BytesIO()
-            torch.save({"img": torch.from_numpy(rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)),
-                        "label": torch.tensor(i % 10)}, buf)  # fmt: skip
+            torch.save(
+                {
+                    "img": torch.from_numpy(rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)),
+                    "label": torch.tensor(i % 10),
+                },
+                buf,
+            )
             txn.put(f"{i:08d}".encode(), buf.getvalue())
     env.close()
     return n
@@ -326,8 +348,13 @@ MDS_PYTHON = Path(
 
 def _mds_side(*args: str) -> str:
     side = Path(__file__).with_name("mds_side.py")
-    out = subprocess.run([str(MDS_PYTHON), str(side), *args], check=True, text=True,
-                         capture_output=True, timeout=1800)  # fmt: skip
+    out = subprocess.run(
+        [str(MDS_PYTHON), str(side), *args],
+        check=True,
+        text=True,
+        capture_output=True,
+        timeout=1800,
+    )
     return out.stdout
 
 
@@ -354,8 +381,13 @@ def make_litdata(d: Path, n: int) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # LitData's own notes
-        litdata.optimize(fn=_litdata_sample, inputs=list(range(n * 10)), output_dir=str(d),
-                         chunk_bytes="64MB", num_workers=1)  # fmt: skip
+        litdata.optimize(
+            fn=_litdata_sample,
+            inputs=list(range(n * 10)),
+            output_dir=str(d),
+            chunk_bytes="64MB",
+            num_workers=1,
+        )
     return n * 10
 
 
@@ -417,8 +449,7 @@ def bench_formats(work: Path, n: int, repeat: int, only: str = "") -> dict[str, 
         for _ in range(repeat):
             t_raw = min(t_raw, _best(lambda src=src, raw=raw: raw(src), 1))  # type: ignore[misc]
             t_ing = min(t_ing, _best(run, 1))
-        out[label] = {"samples": samples, "raw_s": t_raw, "ingest_s": t_ing,
-                      "ratio": t_raw / t_ing}  # fmt: skip
+        out[label] = {"samples": samples, "raw_s": t_raw, "ingest_s": t_ing, "ratio": t_raw / t_ing}
     return out
 
 
@@ -507,8 +538,19 @@ def main() -> None:
     path = out_dir / f"bench_ingest_formats-{stamp}.json"
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    path.write_text(json.dumps({"date": stamp, "quick": args.quick, "machine": platform.platform(),
-                                "load": load, "formats": formats, "graphs": g}, indent=2))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "date": stamp,
+                "quick": args.quick,
+                "machine": platform.platform(),
+                "load": load,
+                "formats": formats,
+                "graphs": g,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {path}")
 
 

@@ -58,27 +58,45 @@ def main(argv: list[str] | None = None) -> int:
                 make_cifar_like(store, name, n=samples, seed=i, shard_bytes=16 << 20)
         with run_server(store, "--state-dir", str(work / "state")) as srv:
             specs = [
-                {"dataset": DATASETS[j % len(DATASETS)], "batch_size": args.batch_size, "seed": j,
-                 "world_size": args.ranks}
+                {
+                    "dataset": DATASETS[j % len(DATASETS)],
+                    "batch_size": args.batch_size,
+                    "seed": j,
+                    "world_size": args.ranks,
+                }
                 for j in range(args.jobs)
-            ]  # fmt: skip
+            ]
             jobs = create_jobs(srv, specs)
             res = run_load(
-                srv, [(j, args.ranks) for j in jobs], seconds=seconds, credit=args.credit,
+                srv,
+                [(j, args.ranks) for j in jobs],
+                seconds=seconds,
+                credit=args.credit,
                 warmup_s=min(3.0, seconds / 5),
-            )  # fmt: skip
+            )
     summary = res.summary()
     report = {
         "bench": "load",
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
-        "config": {"jobs": args.jobs, "ranks": args.ranks, "datasets": len(DATASETS),
-                   "samples_per_dataset": samples, "batch_size": args.batch_size,
-                   "credit": args.credit, "seconds": seconds, "transport": "tcp loopback"},
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "config": {
+            "jobs": args.jobs,
+            "ranks": args.ranks,
+            "datasets": len(DATASETS),
+            "samples_per_dataset": samples,
+            "batch_size": args.batch_size,
+            "credit": args.credit,
+            "seconds": seconds,
+            "transport": "tcp loopback",
+        },
         "result": summary,
         "errors_sample": res.errors[:5],
         "per_stream_batches_per_s": [round(r, 2) for r in res.rates],
-    }  # fmt: skip
+    }
     print(f"streams            {summary['streams']}")
     print(f"total batches/s    {summary['total_batches_per_s']}  ({summary['mb_per_s']} MB/s)")
     print(

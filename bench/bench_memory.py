@@ -38,7 +38,7 @@ import numpy as np
 from _support import run_server
 
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_SHAPE = (64, 32, 32)  # float32: 256 KiB

@@ -38,7 +38,7 @@ from bench_small import cpu_of, server_pid  # this folder is on the path of a sc
 
 from shardserve.client import Loader, serve_local
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mixture.json"
 CIFAR = (
@@ -54,10 +54,12 @@ def write(root: Path, name: str, n: int, seed: int) -> None:
     with ShardWriter(root, name, fields=CIFAR, shard_bytes=64 << 20) as w:
         for lo in range(0, n, 65_536):
             k = min(65_536, n - lo)
-            w.add_batch({
-                "image": rng.integers(0, 256, (k, 3, 32, 32), dtype=np.uint8),
-                "label": np.arange(lo, lo + k) % 10,
-            })  # fmt: skip
+            w.add_batch(
+                {
+                    "image": rng.integers(0, 256, (k, 3, 32, 32), dtype=np.uint8),
+                    "label": np.arange(lo, lo + k) % 10,
+                }
+            )
 
 
 def server_cpu(store: Path) -> float:
@@ -106,9 +108,13 @@ def main() -> None:
     n = 40_000 if args.quick else 200_000
     res: dict[str, Any] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} cpus={os.cpu_count()}", "torch": torch.__version__,
-        "quick": args.quick, "samples": n, "load_before": os.getloadavg(), "rows": {},
-    }  # fmt: skip
+        "machine": f"{platform.machine()} cpus={os.cpu_count()}",
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "samples": n,
+        "load_before": os.getloadavg(),
+        "rows": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ss-bench-mix-", dir=args.workdir) as tmp:
         store = Path(tmp) / "store"
         print(f"writing {n} CIFAR-like samples twice (one dataset, three) ...", flush=True)
@@ -121,27 +127,43 @@ def main() -> None:
                 rows: dict[str, dict[str, float]] = {}
                 with Loader(url, "all", batch, seed=0, rank=0, world_size=1) as one:
                     rows["one dataset"] = measure(epochs(one), batch, store)
-                with Loader(url, SHARES, batch, seed=0, rank=0, world_size=1,
-                            epoch_samples=n) as mix:  # fmt: skip
+                with Loader(
+                    url, SHARES, batch, seed=0, rank=0, world_size=1, epoch_samples=n
+                ) as mix:
                     rows["mixture of 3"] = measure(epochs(mix), batch, store)
-                with Loader(url, SHARES, batch, seed=0, rank=0, world_size=1, epoch_samples=n,
-                            fields=["image", "label"]) as mix:  # fmt: skip
+                with Loader(
+                    url,
+                    SHARES,
+                    batch,
+                    seed=0,
+                    rank=0,
+                    world_size=1,
+                    epoch_samples=n,
+                    fields=["image", "label"],
+                ) as mix:
                     rows["mixture, no source"] = measure(epochs(mix), batch, store)
                 res["rows"][title] = rows
-                print(f"\n{title}\n  {'configuration':20}{'samples/s':>12}{'ratio':>7}"
-                      f"{'client us/batch':>17}{'server us/batch':>17}")  # fmt: skip
+                print(
+                    f"\n{title}\n  {'configuration':20}{'samples/s':>12}{'ratio':>7}"
+                    f"{'client us/batch':>17}{'server us/batch':>17}"
+                )
                 for label, r in rows.items():
-                    print(f"  {label:20}{r['samples_s']:>12,.0f}"
-                          f"{r['samples_s'] / rows['one dataset']['samples_s']:>7.2f}"
-                          f"{r['client_cpu_us_per_batch']:>17,.0f}"
-                          f"{r['server_cpu_us_per_batch']:>17,.0f}")  # fmt: skip
+                    print(
+                        f"  {label:20}{r['samples_s']:>12,.0f}"
+                        f"{r['samples_s'] / rows['one dataset']['samples_s']:>7.2f}"
+                        f"{r['client_cpu_us_per_batch']:>17,.0f}"
+                        f"{r['server_cpu_us_per_batch']:>17,.0f}"
+                    )
     res["targets"] = [
         (f"{m} / one dataset, {t}", r[m]["samples_s"] / r["one dataset"]["samples_s"], 0.9)
-        for t, r in res["rows"].items() for m in ("mixture of 3", "mixture, no source")
-    ]  # fmt: skip
+        for t, r in res["rows"].items()
+        for m in ("mixture of 3", "mixture, no source")
+    ]
     res["load_after"] = os.getloadavg()
-    print(f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
-          f"({os.cpu_count()} cpus)")  # fmt: skip
+    print(
+        f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
+        f"({os.cpu_count()} cpus)"
+    )
     for name, value, goal in res["targets"]:
         print(f"  target {name} >= {goal}: {value:.2f} {'met' if value >= goal else 'MISSED'}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -114,8 +114,13 @@ def litdata_rows(work: Path, n: int) -> dict[str, dict[str, float]]:
     d = work / "litdata"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # LitData's own notes
-        litdata.optimize(fn=_litdata_sample, inputs=list(range(n)), output_dir=str(d),
-                         chunk_bytes="64MB", num_workers=1)  # fmt: skip
+        litdata.optimize(
+            fn=_litdata_sample,
+            inputs=list(range(n)),
+            output_dir=str(d),
+            chunk_bytes="64MB",
+            num_workers=1,
+        )
     rows = {}
     for w in WORKERS:
         ds = litdata.StreamingDataset(str(d), shuffle=True, seed=0)
@@ -131,8 +136,13 @@ def mds_rows(work: Path, n: int) -> dict[str, dict[str, float]]:
     side = Path(__file__).with_name("mds_side.py")
 
     def run(*args: str) -> str:
-        out = subprocess.run([str(MDS_PYTHON), str(side), *args], check=True, text=True,
-                             capture_output=True, timeout=1800)  # fmt: skip
+        out = subprocess.run(
+            [str(MDS_PYTHON), str(side), *args],
+            check=True,
+            text=True,
+            capture_output=True,
+            timeout=1800,
+        )
         return out.stdout
 
     run("write", str(d), str(n))
@@ -164,10 +174,15 @@ def main() -> None:
     n = 8_000 if args.quick else 50_000
     res: dict[str, Any] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} cpus={os.cpu_count()}", "torch": torch.__version__,
-        "quick": args.quick, "samples": n, "batch": BATCH, "load_before": os.getloadavg(),
-        "rows": {}, "skipped": [],
-    }  # fmt: skip
+        "machine": f"{platform.machine()} cpus={os.cpu_count()}",
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "samples": n,
+        "batch": BATCH,
+        "load_before": os.getloadavg(),
+        "rows": {},
+        "skipped": [],
+    }
     rows: dict[str, dict[str, float]] = res["rows"]
     with tempfile.TemporaryDirectory(prefix="ss-bench-peers-", dir=args.workdir) as tmp:
         work = Path(tmp)
@@ -201,10 +216,14 @@ def main() -> None:
     print(f"\n{'loader':56}{'samples/s':>12}{'first batch':>13}{'shardserve is':>15}")
     for label, r in rows.items():
         r["shardserve_x"] = ours["samples_s"] / r["samples_s"]
-        print(f"{label:56}{r['samples_s']:>12,.0f}{r['first_batch_s'] * 1e3:>10.1f} ms"
-              f"{r['shardserve_x']:>14.1f}x")  # fmt: skip
-    print(f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
-          f"({os.cpu_count()} cpus)")  # fmt: skip
+        print(
+            f"{label:56}{r['samples_s']:>12,.0f}{r['first_batch_s'] * 1e3:>10.1f} ms"
+            f"{r['shardserve_x']:>14.1f}x"
+        )
+    print(
+        f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
+        f"({os.cpu_count()} cpus)"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(res, indent=2))
     print(f"wrote {RESULTS}")

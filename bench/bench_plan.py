@@ -65,9 +65,13 @@ def child(case: str, n: int) -> dict[str, float]:
 
         sizes = [n * 3 // 8, n * 13 // 40, n * 3 // 8]
         order = mixture_order(
-            [MixSource(k) for k in sizes], seed=0, epoch=1, length=n, world_size=WORLD_SIZE,
+            [MixSource(k) for k in sizes],
+            seed=0,
+            epoch=1,
+            length=n,
+            world_size=WORLD_SIZE,
             segments=[Segment(0, (0.5, 0.3, 0.2)), Segment(n // 2, (0.2, 0.3, 0.5))],
-        )  # fmt: skip
+        )
     else:
         order = epoch_order(n, seed=0, epoch=1, shuffle=case, shard_rows=shard_rows)  # type: ignore[arg-type]
     plan_s = time.perf_counter() - t0

@@ -38,9 +38,9 @@ import numpy as np
 
 from shardserve.client import Loader, serve_local
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.remote import RemoteStore, StoreOptions
-from shardserve.server.store.remote_publish import RemotePublisher
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.remote.publish import RemotePublisher
+from shardserve.server.store.remote.stores import RemoteStore, StoreOptions
+from shardserve.server.store.write.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "remote.json"
 FIELDS = (
@@ -165,9 +165,18 @@ def main() -> int:
             import ray  # noqa: F401
 
             t_ray = run_cli(
-                str(src), "--store", str(out), "--name", "ray", "--shard-size", "8MiB",
-                "--engine", "ray", "--ray-cpus", "2",
-            )  # fmt: skip
+                str(src),
+                "--store",
+                str(out),
+                "--name",
+                "ray",
+                "--shard-size",
+                "8MiB",
+                "--engine",
+                "ray",
+                "--ray-cpus",
+                "2",
+            )
             ingest["ray_s"] = t_ray
             ingest["ray_over_local"] = t_ray / t_local
             print(

@@ -61,8 +61,9 @@ def rank_main(
     from shardserve.client import Loader
 
     torch.set_num_threads(1)
-    with Loader(url, "cifar", BATCH, seed=0, rank=rank, world_size=world, transforms=chain,
-                timeout=300) as ld:  # fmt: skip
+    with Loader(
+        url, "cifar", BATCH, seed=0, rank=rank, world_size=world, transforms=chain, timeout=300
+    ) as ld:
         ld.set_epoch(0)
         barrier.wait(timeout=600)
         for _ in ld:
@@ -99,10 +100,12 @@ def run(
     start, end = min(g[1] for g in got), max(g[2] for g in got)
     samples = sum(g[3] for g in got)
     return {
-        "ranks": world, "samples_s": samples / (end - start), "epochs": epochs,
+        "ranks": world,
+        "samples_s": samples / (end - start),
+        "epochs": epochs,
         "timed_s": end - start,
         "server_cpu_ms_per_batch": cpu / (samples / BATCH) * 1e3,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -117,9 +120,13 @@ def main() -> None:
     worlds = [int(w) for w in args.ranks.split(",")]
     res: dict[str, Any] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} cpus={os.cpu_count()}", "quick": args.quick,
-        "samples": n, "batch": BATCH, "load_before": os.getloadavg(), "rows": {},
-    }  # fmt: skip
+        "machine": f"{platform.machine()} cpus={os.cpu_count()}",
+        "quick": args.quick,
+        "samples": n,
+        "batch": BATCH,
+        "load_before": os.getloadavg(),
+        "rows": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ss-bench-scaling-", dir=args.workdir) as tmp:
         store = Path(tmp) / "store"
         make_cifar(store, n)
@@ -133,12 +140,17 @@ def main() -> None:
                     res["rows"][f"{name}, {world} rank{'s' * (world > 1)}"] = row
                     one = res["rows"][f"{name}, 1 rank"]["samples_s"] if 1 in worlds else None
                     row["vs_one_rank"] = row["samples_s"] / one if one else float("nan")
-                    print(f"{name:6} ranks {world}: {row['samples_s']:>10,.0f} samples/s "
-                          f"({row['vs_one_rank']:.2f}x one rank), server "
-                          f"{row['server_cpu_ms_per_batch']:.2f} ms CPU/batch", flush=True)  # fmt: skip
+                    print(
+                        f"{name:6} ranks {world}: {row['samples_s']:>10,.0f} samples/s "
+                        f"({row['vs_one_rank']:.2f}x one rank), server "
+                        f"{row['server_cpu_ms_per_batch']:.2f} ms CPU/batch",
+                        flush=True,
+                    )
     res["load_after"] = os.getloadavg()
-    print(f"load average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
-          f"({os.cpu_count()} cpus)")  # fmt: skip
+    print(
+        f"load average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
+        f"({os.cpu_count()} cpus)"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(res, indent=2))
     print(f"wrote {RESULTS}")

@@ -38,10 +38,10 @@ from _support import run_server
 from shardserve.proto.framing import decode, decode_batch, encode, peek_kind
 from shardserve.proto.manifest import FieldSpec
 from shardserve.proto.messages import Credit, EndOfEpoch, Hello, Kind
-from shardserve.server.assembly import Assembler, assemble_batch
 from shardserve.server.planning import RankPlan, epoch_order
+from shardserve.server.reading.assembly import Assembler, assemble_batch
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from shardserve.server.streaming.buffers import BufferPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +49,20 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = 256
 CREDIT = 8
 CASES = {
-    "cifar_3KiB": {"fields": [FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
-                              FieldSpec(name="label", dtype="int64", shape=())], "n": 50_000, "quick_n": 10_000},
-    "f32_64KiB": {"fields": [FieldSpec(name="x", dtype="float32", shape=(64, 256))], "n": 20_000, "quick_n": 4_000},
-}  # fmt: skip
+    "cifar_3KiB": {
+        "fields": [
+            FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
+            FieldSpec(name="label", dtype="int64", shape=()),
+        ],
+        "n": 50_000,
+        "quick_n": 10_000,
+    },
+    "f32_64KiB": {
+        "fields": [FieldSpec(name="x", dtype="float32", shape=(64, 256))],
+        "n": 20_000,
+        "quick_n": 4_000,
+    },
+}
 
 
 def write_dataset(store: Path, name: str, fields: list[FieldSpec], n: int) -> None:

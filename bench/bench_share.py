@@ -125,12 +125,22 @@ def trial(
                     samples += len(b["label"])
                     batches += 1
             t1, cpu, s1 = time.monotonic(), time.process_time() - c0, loader.stats()
-            results.put({
-                "window": w, "trial": i, "start": t0, "end": t1, "samples": samples,
-                "batches": batches, "client_cpu_s": cpu, "labels_digest": digest.hexdigest(),
-                "detached": s1.detached - s0.detached, "reconnects": s1.reconnects - s0.reconnects,
-                "wait_s": s1.wait_s - s0.wait_s, "transport": s1.transport,
-            })  # fmt: skip
+            results.put(
+                {
+                    "window": w,
+                    "trial": i,
+                    "start": t0,
+                    "end": t1,
+                    "samples": samples,
+                    "batches": batches,
+                    "client_cpu_s": cpu,
+                    "labels_digest": digest.hexdigest(),
+                    "detached": s1.detached - s0.detached,
+                    "reconnects": s1.reconnects - s0.reconnects,
+                    "wait_s": s1.wait_s - s0.wait_s,
+                    "transport": s1.transport,
+                }
+            )
         barrier.wait(WAIT_S)  # the parent read the counters after the last window: done
     except BaseException as e:  # reported to the parent, which reports it
         barrier.abort()
@@ -176,8 +186,17 @@ def run_row(
     with run_server(store, "--transform-workers", str(workers), timeout=60) as srv:
         procs = []
         for i in range(trials):
-            args = (i, srv.http_url, dataset, batch, chain, f"bench-{row}", windows, barrier,
-                    results)  # fmt: skip
+            args = (
+                i,
+                srv.http_url,
+                dataset,
+                batch,
+                chain,
+                f"bench-{row}",
+                windows,
+                barrier,
+                results,
+            )
             procs.append(ctx.Process(target=trial, args=args, daemon=True))
             procs[-1].start()
         try:
@@ -252,11 +271,14 @@ def fmt(x: float, spec: str) -> str:
 
 
 def print_row(label: str, r: dict[str, Any]) -> None:
-    print(f"  {label:<10}{r['samples_s']:>12,.0f}{r['wall_s']:>8.2f}{r['batches_delivered']:>8}"
-          f"{fmt(r['metrics_batches_assembled'], '>10,.0f')}{fmt(r['metrics_batches_sent'], '>8,.0f')}"
-          f"{r['server_cpu_ms_per_batch']:>12.2f}{r['client_cpu_ms_per_batch']:>12.2f}"
-          f"{r['detached']:>7}  {'yes' if r['same_batches'] else 'no ':<3}"
-          f"  {' '.join(f'{s:,.0f}' for s in r['trial_samples_s'])}", flush=True)  # fmt: skip
+    print(
+        f"  {label:<10}{r['samples_s']:>12,.0f}{r['wall_s']:>8.2f}{r['batches_delivered']:>8}"
+        f"{fmt(r['metrics_batches_assembled'], '>10,.0f')}{fmt(r['metrics_batches_sent'], '>8,.0f')}"
+        f"{r['server_cpu_ms_per_batch']:>12.2f}{r['client_cpu_ms_per_batch']:>12.2f}"
+        f"{r['detached']:>7}  {'yes' if r['same_batches'] else 'no ':<3}"
+        f"  {' '.join(f'{s:,.0f}' for s in r['trial_samples_s'])}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,13 +305,23 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "bench": "share",
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                 "machine": platform.machine()},
-        "config": {"cifar_n": n, "images": n_img, "trials": args.trials, "epochs": epochs,
-                   "repeats": args.repeats, "transform_workers": args.transform_workers,
-                   "quick": args.quick},
-        "load_before": os.getloadavg(), "rows": {},
-    }  # fmt: skip
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "config": {
+            "cifar_n": n,
+            "images": n_img,
+            "trials": args.trials,
+            "epochs": epochs,
+            "repeats": args.repeats,
+            "transform_workers": args.transform_workers,
+            "quick": args.quick,
+        },
+        "load_before": os.getloadavg(),
+        "rows": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ss-bench-share-") as tmp:
         work = args.workdir or Path(tmp)
         store = work / "store"
@@ -301,30 +333,59 @@ def main(argv: list[str] | None = None) -> int:
         if "images" in data and not (store / names["images"] / "manifest.json").exists():
             t0 = time.perf_counter()
             make_images(work / names["images"], n_img)
-            subprocess.run([sys.executable, "-m", "shardserve.server", "ingest",
-                            str(work / names["images"]), "--store", str(store),
-                            "--name", names["images"], "--quiet"], check=True)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "shardserve.server",
+                    "ingest",
+                    str(work / names["images"]),
+                    "--store",
+                    str(store),
+                    "--name",
+                    names["images"],
+                    "--quiet",
+                ],
+                check=True,
+            )
             print(f"made and ingested {n_img} JPEGs in {time.perf_counter() - t0:.1f} s")
         for row in only:
             t0 = time.perf_counter()
             scale = ROWS[row][3]
-            print(f"\n-- {TITLES[row]}: {args.trials} trials at once, best of {args.repeats} "
-                  f"windows of {epochs * scale} epochs", flush=True)  # fmt: skip
-            r = res["rows"][row] = run_row(store, names[ROWS[row][0]], row, args.trials, epochs,
-                                           args.repeats, args.transform_workers)  # fmt: skip
+            print(
+                f"\n-- {TITLES[row]}: {args.trials} trials at once, best of {args.repeats} "
+                f"windows of {epochs * scale} epochs",
+                flush=True,
+            )
+            r = res["rows"][row] = run_row(
+                store,
+                names[ROWS[row][0]],
+                row,
+                args.trials,
+                epochs,
+                args.repeats,
+                args.transform_workers,
+            )
             if "error" in r:
                 print(f"  FAILED: {r['error']}\n  server log tail:\n{r['log_tail']}", flush=True)
                 continue
-            print(f"  {'mode':<10}{'samples/s':>12}{'wall s':>8}{'batches':>8}{'assembled':>10}"
-                  f"{'sent':>8}{'srv ms/bat':>12}{'cli ms/bat':>12}{'detach':>7}  same"
-                  f"  per trial samples/s")  # fmt: skip
+            print(
+                f"  {'mode':<10}{'samples/s':>12}{'wall s':>8}{'batches':>8}{'assembled':>10}"
+                f"{'sent':>8}{'srv ms/bat':>12}{'cli ms/bat':>12}{'detach':>7}  same"
+                f"  per trial samples/s"
+            )
             for mode in MODES:
                 print_row(mode, r[mode])
             others = [w for w in r["windows"] if w is not r["separate"] and w is not r["shared"]]
-            print("  other windows: " + "; ".join(
-                f"{w['mode']} {w['samples_s']:,.0f}/s {w['server_cpu_ms_per_batch']:.2f} ms/bat"
-                f"{' detached ' + str(w['detached']) if w['detached'] else ''}" for w in others)
-                + f"  ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+            print(
+                "  other windows: "
+                + "; ".join(
+                    f"{w['mode']} {w['samples_s']:,.0f}/s {w['server_cpu_ms_per_batch']:.2f} ms/bat"
+                    f"{' detached ' + str(w['detached']) if w['detached'] else ''}"
+                    for w in others
+                )
+                + f"  ({time.perf_counter() - t0:.0f} s)"
+            )
     res["load_after"] = os.getloadavg()
 
     def ratio(row: str, key: str) -> float:
@@ -332,27 +393,41 @@ def main(argv: list[str] | None = None) -> int:
         return r["shared"][key] / r["separate"][key] if "error" not in r else math.nan
 
     res["ratios"] = {
-        row: {"samples_s": ratio(row, "samples_s"),
-              "server_cpu_per_batch": ratio(row, "server_cpu_ms_per_batch")}
+        row: {
+            "samples_s": ratio(row, "samples_s"),
+            "server_cpu_per_batch": ratio(row, "server_cpu_ms_per_batch"),
+        }
         for row in res["rows"]
-    }  # fmt: skip
-    print(f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
-          f"({os.cpu_count()} cpus)")  # fmt: skip
+    }
+    print(
+        f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
+        f"({os.cpu_count()} cpus)"
+    )
     print("ratios shared / separate (same run):")
     for row, q in res["ratios"].items():
-        print(f"  {row:<10} aggregate samples/s {fmt(q['samples_s'], '5.2f')}x   "
-              f"server CPU per delivered batch {fmt(q['server_cpu_per_batch'], '5.2f')}x")  # fmt: skip
+        print(
+            f"  {row:<10} aggregate samples/s {fmt(q['samples_s'], '5.2f')}x   "
+            f"server CPU per delivered batch {fmt(q['server_cpu_per_batch'], '5.2f')}x"
+        )
     res["targets"] = [
         t
         for row in TRANSFORM_ROWS
         if row in res["ratios"]
         for t in (
-            (f"{row} shared / separate samples/s", res["ratios"][row]["samples_s"], ">=",
-             TARGET_SPEEDUP),
-            (f"{row} shared / separate server CPU per batch",
-             res["ratios"][row]["server_cpu_per_batch"], "<=", TARGET_CPU),
+            (
+                f"{row} shared / separate samples/s",
+                res["ratios"][row]["samples_s"],
+                ">=",
+                TARGET_SPEEDUP,
+            ),
+            (
+                f"{row} shared / separate server CPU per batch",
+                res["ratios"][row]["server_cpu_per_batch"],
+                "<=",
+                TARGET_CPU,
+            ),
         )
-    ]  # fmt: skip
+    ]
     for name, value, op, goal in res["targets"]:
         met = value >= goal if op == ">=" else value <= goal
         print(f"  target {name} {op} {goal}: {fmt(value, '.2f')} {'met' if met else 'MISSED'}")

@@ -71,7 +71,7 @@ from torch.utils.data import DataLoader
 from shardserve.client import Loader, plan, serve_local
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small.json"
 #: The second server's options: transforms in worker processes.
@@ -86,22 +86,31 @@ GRAPH = (
     FieldSpec(name="pos", dtype="float32", shape=(-1, 3)),
     FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
     FieldSpec(name="y", dtype="float32", shape=()),
-)  # fmt: skip
+)
 CRYSTAL = (
     FieldSpec(name="atom_fea", dtype="float32", shape=(-1, 16)),
     FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
     FieldSpec(name="bond_fea", dtype="float32", shape=(-1, 8)),
     FieldSpec(name="energy", dtype="float32", shape=()),
-)  # fmt: skip
+)
 SHOGI_PLANES, SHOGI_BATCH = (104, 9, 9), 256
 SHOGI_BYTES = -(-104 * 81 // 8)
 SHOGI = (
     FieldSpec(name="packed", dtype="uint8", shape=(SHOGI_BYTES,)),
     FieldSpec(name="move", dtype="int64", shape=()),
     FieldSpec(name="result", dtype="float32", shape=()),
-)  # fmt: skip
-SHOGI_FEATURIZE = [{"name": "unpack_bits", "params": {
-    "field": "packed", "shape": list(SHOGI_PLANES), "dtype": "float32", "to": "planes"}}]  # fmt: skip
+)
+SHOGI_FEATURIZE = [
+    {
+        "name": "unpack_bits",
+        "params": {
+            "field": "packed",
+            "shape": list(SHOGI_PLANES),
+            "dtype": "float32",
+            "to": "planes",
+        },
+    }
+]
 UPT_QUERIES, UPT_BATCH = 512, 16
 UPT_SUBSET = [{"name": "random_subset", "params": {"field": "points", "n": UPT_QUERIES}}]
 #: CHGNet's fields do not say which counts the nodes (atom_fea and bond_fea look alike).
@@ -195,8 +204,9 @@ def make_crystals(root: Path, files: Path, n: int) -> str:
     with ShardWriter(root, "crystals", fields=CRYSTAL, shard_bytes=approx // 3 + 1) as w:
         for i, g in enumerate(crystals(n)):
             w.add(g)
-            torch.save({k: torch.from_numpy(np.asarray(v)) for k, v in g.items()},
-                       files / f"{i:06d}.pt")  # fmt: skip
+            torch.save(
+                {k: torch.from_numpy(np.asarray(v)) for k, v in g.items()}, files / f"{i:06d}.pt"
+            )
     return "crystals"
 
 
@@ -253,11 +263,12 @@ def measure(
         batches = steps * (len(b) if isinstance(b, list) else 1)
         messages = loader.stats().messages - m0 if loader is not None else 0
         row = {
-            "samples_s": steps * per_step / wall, "steps_s": steps / wall,
+            "samples_s": steps * per_step / wall,
+            "steps_s": steps / wall,
             "client_cpu_us_per_batch": cpu / batches * 1e6,
             "server_cpu_us_per_batch": srv / batches * 1e6,
             "steps_per_message": steps / messages if messages else float("nan"),
-        }  # fmt: skip
+        }
         if row["samples_s"] > best.get("samples_s", 0.0):
             best = row
     return best
@@ -300,8 +311,13 @@ def bench_envs(
 
     def select_stack(e: int) -> Iterator[Step]:
         for idx in step_ids(e):
-            yield [{"image": torch.stack([images[i] for i in p.tolist()]),
-                    "label": torch.stack([labels[i] for i in p.tolist()])} for p in idx]  # fmt: skip
+            yield [
+                {
+                    "image": torch.stack([images[i] for i in p.tolist()]),
+                    "label": torch.stack([labels[i] for i in p.tolist()]),
+                }
+                for p in idx
+            ]
 
     def index_select(e: int) -> Iterator[Step]:
         for idx in step_ids(e):
@@ -424,8 +440,16 @@ def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict
     def loader(
         data: Any, workers: int, collate: Callable[..., Any]
     ) -> Callable[[int], Iterable[Step]]:
-        return shuffled(DataLoader(data, batch_size=GRAPH_BATCH, shuffle=True, num_workers=workers,
-                                   collate_fn=collate, persistent_workers=workers > 0))  # fmt: skip
+        return shuffled(
+            DataLoader(
+                data,
+                batch_size=GRAPH_BATCH,
+                shuffle=True,
+                num_workers=workers,
+                collate_fn=collate,
+                persistent_workers=workers > 0,
+            )
+        )
 
     rows = {
         "DataLoader(list in RAM, workers 0)": measure(
@@ -447,8 +471,9 @@ def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict
             GRAPH_BATCH,
             repeats=1,
         )
-    with Loader(url, "crystals", GRAPH_BATCH, collate=CRYSTAL_COLLATE, seed=0, rank=0,
-                world_size=1) as ld:  # fmt: skip
+    with Loader(
+        url, "crystals", GRAPH_BATCH, collate=CRYSTAL_COLLATE, seed=0, rank=0, world_size=1
+    ) as ld:
         rows["shardserve Loader(collate=graph, node_field)"] = measure(
             _epochs(ld), GRAPH_BATCH, server_pid(store), loader=ld
         )
@@ -468,23 +493,45 @@ def bench_upt(url: str, purl: str, store: Path, n: int) -> dict[str, dict[str, f
                 s["points"][rng.choice(len(s["points"]), UPT_QUERIES, replace=False)] for s in items
             ]
             mask = torch.tensor([s["params"] is not None for s in items])
-            params = torch.stack([torch.from_numpy(s["params"]) if s["params"] is not None
-                                  else torch.zeros(4) for s in items])  # fmt: skip
-            bcs = [torch.from_numpy(s["bc"]) if s["bc"] is not None else torch.zeros(0, dtype=torch.int32)
-                   for s in items]  # fmt: skip
-            yield {"points": torch.from_numpy(np.stack(pts)), "params": params, "mask": mask,
-                   "bc": torch.cat(bcs)}  # fmt: skip
+            params = torch.stack(
+                [
+                    torch.from_numpy(s["params"]) if s["params"] is not None else torch.zeros(4)
+                    for s in items
+                ]
+            )
+            bcs = [
+                torch.from_numpy(s["bc"])
+                if s["bc"] is not None
+                else torch.zeros(0, dtype=torch.int32)
+                for s in items
+            ]
+            yield {
+                "points": torch.from_numpy(np.stack(pts)),
+                "params": params,
+                "mask": mask,
+                "bc": torch.cat(bcs),
+            }
 
     rows = {"trainer samples its queries (RAM)": measure(trainer, UPT_BATCH)}
     for where, label in ((url, ""), (purl, ", process pool")):
-        with Loader(where, "upt", UPT_BATCH, transforms=UPT_SUBSET, seed=0, rank=0,
-                    world_size=1, drop_last=True) as ld:  # fmt: skip
+        with Loader(
+            where,
+            "upt",
+            UPT_BATCH,
+            transforms=UPT_SUBSET,
+            seed=0,
+            rank=0,
+            world_size=1,
+            drop_last=True,
+        ) as ld:
 
             def epoch(e: int, ld: Loader = ld) -> Iterable[Step]:
                 ld.set_epoch(e)
                 # Masked fields come as Masked(values, mask): touch their tensors.
-                return ({"points": b["points"], "params": b["params"].values,
-                         "mask": b["params"].mask} for b in ld)  # fmt: skip
+                return (
+                    {"points": b["points"], "params": b["params"].values, "mask": b["params"].mask}
+                    for b in ld
+                )
 
             rows[f"shardserve Loader(transforms=[random_subset]){label}"] = measure(
                 epoch, UPT_BATCH, server_pid(store, where == purl), loader=ld
@@ -506,13 +553,24 @@ def bench_shogi(
         for i in range(0, n - SHOGI_BATCH + 1, SHOGI_BATCH):
             idx = order[i : i + SHOGI_BATCH]
             planes = np.unpackbits(packed[idx], axis=1, count=bits).reshape(-1, *SHOGI_PLANES)
-            yield {"planes": torch.from_numpy(planes.astype(np.float32)),
-                   "move": torch.from_numpy(move[idx]), "result": torch.from_numpy(result[idx])}  # fmt: skip
+            yield {
+                "planes": torch.from_numpy(planes.astype(np.float32)),
+                "move": torch.from_numpy(move[idx]),
+                "result": torch.from_numpy(result[idx]),
+            }
 
     rows = {"trainer featurizes in its main thread (RAM)": measure(trainer, SHOGI_BATCH)}
     for where, label in ((url, ""), (purl, ", process pool")):
-        with Loader(where, "shogi", SHOGI_BATCH, transforms=SHOGI_FEATURIZE, seed=0, rank=0,
-                    world_size=1, drop_last=True) as ld:  # fmt: skip
+        with Loader(
+            where,
+            "shogi",
+            SHOGI_BATCH,
+            transforms=SHOGI_FEATURIZE,
+            seed=0,
+            rank=0,
+            world_size=1,
+            drop_last=True,
+        ) as ld:
             rows[f"shardserve Loader(transforms=[unpack_bits]){label}"] = measure(
                 _epochs(ld), SHOGI_BATCH, server_pid(store, where == purl), loader=ld
             )
@@ -558,9 +616,12 @@ def main() -> None:
     n_cifar, n_graphs = (8_000, 4_000) if args.quick else (50_000, 20_000)
     res: dict[str, Any] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} cpus={os.cpu_count()}", "torch": torch.__version__,
-        "quick": args.quick, "load_before": os.getloadavg(), "rows": {},
-    }  # fmt: skip
+        "machine": f"{platform.machine()} cpus={os.cpu_count()}",
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "load_before": os.getloadavg(),
+        "rows": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ss-bench-small-", dir=args.workdir) as tmp:
         store = Path(tmp) / "store"
         print(f"writing {n_cifar} CIFAR-like samples and {n_graphs} graphs twice ...", flush=True)
@@ -592,13 +653,17 @@ def main() -> None:
                 print(f"\n{title}", flush=True)
                 rows = res["rows"][title] = run()
                 first = next(iter(rows))
-                print(f"  {'configuration':48}{'samples/s':>11}{'steps/s':>9}{'ratio':>7}"
-                      f"{'client us/batch':>16}{'server us/batch':>16}{'steps/msg':>10}")  # fmt: skip
+                print(
+                    f"  {'configuration':48}{'samples/s':>11}{'steps/s':>9}{'ratio':>7}"
+                    f"{'client us/batch':>16}{'server us/batch':>16}{'steps/msg':>10}"
+                )
                 for label, r in rows.items():
-                    print(f"  {label:48}{r['samples_s']:>11,.0f}{r['steps_s']:>9,.0f}"
-                          f"{r['samples_s'] / rows[first]['samples_s']:>7.2f}"
-                          f"{r['client_cpu_us_per_batch']:>16,.0f}{r['server_cpu_us_per_batch']:>16,.0f}"
-                          f"{r.get('steps_per_message', float('nan')):>10.1f}")  # fmt: skip
+                    print(
+                        f"  {label:48}{r['samples_s']:>11,.0f}{r['steps_s']:>9,.0f}"
+                        f"{r['samples_s'] / rows[first]['samples_s']:>7.2f}"
+                        f"{r['client_cpu_us_per_batch']:>16,.0f}{r['server_cpu_us_per_batch']:>16,.0f}"
+                        f"{r.get('steps_per_message', float('nan')):>10.1f}"
+                    )
     rows: dict[str, dict[str, dict[str, float]]] = defaultdict(dict, res["rows"])
     g, g2, g15 = (
         rows["graphs (batch 64)"],
@@ -608,24 +673,96 @@ def main() -> None:
     es = rows["envs split (4 x 32, one shuffle)"]
     c, cs = rows["crystals (batch 64)"], "shardserve Loader(collate=graph, node_field)"
     res["targets"] = [
-        ("envs streaming / select-stack loop", ratio(rows["envs (4 x 32)"], "shardserve Loader(envs=4) streaming", "select/stack loop (RAM)"), 5.0),
-        ("envs split streaming / select-stack loop", ratio(es, "shardserve Loader(envs=4, split) streaming", "select/stack loop (RAM)"), 3.0),
-        ("envs split streaming / index_select", ratio(es, "shardserve Loader(envs=4, split) streaming", "index_select in process (RAM)"), 0.9),
-        ("graphs 2 shards / DataLoader list", ratio(g, g2, "DataLoader(list in RAM, workers 0)"), 1.0),
-        ("graphs 15 shards / DataLoader list", ratio(g, g15, "DataLoader(list in RAM, workers 0)"), 1.0),
+        (
+            "envs streaming / select-stack loop",
+            ratio(
+                rows["envs (4 x 32)"],
+                "shardserve Loader(envs=4) streaming",
+                "select/stack loop (RAM)",
+            ),
+            5.0,
+        ),
+        (
+            "envs split streaming / select-stack loop",
+            ratio(es, "shardserve Loader(envs=4, split) streaming", "select/stack loop (RAM)"),
+            3.0,
+        ),
+        (
+            "envs split streaming / index_select",
+            ratio(
+                es, "shardserve Loader(envs=4, split) streaming", "index_select in process (RAM)"
+            ),
+            0.9,
+        ),
+        (
+            "graphs 2 shards / DataLoader list",
+            ratio(g, g2, "DataLoader(list in RAM, workers 0)"),
+            1.0,
+        ),
+        (
+            "graphs 15 shards / DataLoader list",
+            ratio(g, g15, "DataLoader(list in RAM, workers 0)"),
+            1.0,
+        ),
         ("graphs 15 shards / 2 shards", ratio(g, g15, g2), 0.8),
         ("crystals / DataLoader list", ratio(c, cs, "DataLoader(list in RAM, workers 0)"), 1.2),
-        ("crystals / per-file DataLoader w2", ratio(c, cs, "DataLoader(per-file .pt, workers 2)"), 20.0),
-        ("upt server query sampling / trainer", ratio(rows["upt (batch 16)"], "shardserve Loader(transforms=[random_subset])", "trainer samples its queries (RAM)"), 1.0),
-        ("upt query sampling, process pool / trainer", ratio(rows["upt (batch 16)"], "shardserve Loader(transforms=[random_subset]), process pool", "trainer samples its queries (RAM)"), 1.0),
-        ("shogi featurize on the server / trainer", ratio(rows["shogi (batch 256)"], "shardserve Loader(transforms=[unpack_bits])", "trainer featurizes in its main thread (RAM)"), 1.5),
-        ("shogi featurize, process pool / trainer", ratio(rows["shogi (batch 256)"], "shardserve Loader(transforms=[unpack_bits]), process pool", "trainer featurizes in its main thread (RAM)"), 1.5),
-        ("cifar 256 / Arrow take", ratio(rows["cifar batch 256"], "shardserve Loader (shm)", "in-process Arrow take"), 0.8),
-        ("cifar 32 / Arrow take", ratio(rows["cifar batch 32"], "shardserve Loader (shm)", "in-process Arrow take"), 0.5),
-    ]  # fmt: skip
+        (
+            "crystals / per-file DataLoader w2",
+            ratio(c, cs, "DataLoader(per-file .pt, workers 2)"),
+            20.0,
+        ),
+        (
+            "upt server query sampling / trainer",
+            ratio(
+                rows["upt (batch 16)"],
+                "shardserve Loader(transforms=[random_subset])",
+                "trainer samples its queries (RAM)",
+            ),
+            1.0,
+        ),
+        (
+            "upt query sampling, process pool / trainer",
+            ratio(
+                rows["upt (batch 16)"],
+                "shardserve Loader(transforms=[random_subset]), process pool",
+                "trainer samples its queries (RAM)",
+            ),
+            1.0,
+        ),
+        (
+            "shogi featurize on the server / trainer",
+            ratio(
+                rows["shogi (batch 256)"],
+                "shardserve Loader(transforms=[unpack_bits])",
+                "trainer featurizes in its main thread (RAM)",
+            ),
+            1.5,
+        ),
+        (
+            "shogi featurize, process pool / trainer",
+            ratio(
+                rows["shogi (batch 256)"],
+                "shardserve Loader(transforms=[unpack_bits]), process pool",
+                "trainer featurizes in its main thread (RAM)",
+            ),
+            1.5,
+        ),
+        (
+            "cifar 256 / Arrow take",
+            ratio(rows["cifar batch 256"], "shardserve Loader (shm)", "in-process Arrow take"),
+            0.8,
+        ),
+        (
+            "cifar 32 / Arrow take",
+            ratio(rows["cifar batch 32"], "shardserve Loader (shm)", "in-process Arrow take"),
+            0.5,
+        ),
+    ]
     res["load_after"] = os.getloadavg()
-    print(f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
-          f"({os.cpu_count()} cpus)")  # fmt: skip
+    print(
+        f"\nload average before {res['load_before'][0]:.2f}, after {res['load_after'][0]:.2f} "
+        f"({os.cpu_count()} cpus)"
+    )
     for name, value, goal in res["targets"]:
         print(f"  target {name} >= {goal}: {value:.2f} {'met' if value >= goal else 'MISSED'}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -84,10 +84,14 @@ def bench_ingest(kind: str, files: list[Path], store: Path, variable: list[str])
     summary = ingest(src, store, kind, variable=variable, threads=2, progress=False, overwrite=True)
     rate = len(files) / summary.seconds
     return {
-        "files": len(files), "source_mb": nbytes / 1e6, "raw_torch_load_files_s": raw,
-        "ingest_files_s": rate, "ingest_mb_s": nbytes / 1e6 / summary.seconds,
-        "ratio_vs_raw": rate / raw, "shards": len(summary.manifest.shards),
-    }  # fmt: skip
+        "files": len(files),
+        "source_mb": nbytes / 1e6,
+        "raw_torch_load_files_s": raw,
+        "ingest_files_s": rate,
+        "ingest_mb_s": nbytes / 1e6 / summary.seconds,
+        "ratio_vs_raw": rate / raw,
+        "shards": len(summary.manifest.shards),
+    }
 
 
 def bench_take(store: Store, files: list[Path], epochs: int) -> dict:
@@ -119,9 +123,12 @@ def bench_take(store: Store, files: list[Path], epochs: int) -> dict:
         torch.tensor([s["label"] for s in samples])
     pt_rate = nb * BATCH / (time.perf_counter() - t)
     return {
-        "take_samples_s": take_rate, "numpy_floor_samples_s": floor, "torch_load_samples_s": pt_rate,
-        "ratio_take_vs_torch_load": take_rate / pt_rate, "ratio_take_vs_floor": take_rate / floor,
-    }  # fmt: skip
+        "take_samples_s": take_rate,
+        "numpy_floor_samples_s": floor,
+        "torch_load_samples_s": pt_rate,
+        "ratio_take_vs_torch_load": take_rate / pt_rate,
+        "ratio_take_vs_floor": take_rate / floor,
+    }
 
 
 def bench_graph_take(store: Store, epochs: int) -> float:

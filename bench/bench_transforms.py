@@ -158,8 +158,9 @@ class CifarTorch(Dataset):
 
 
 def dataloader(ds: Dataset, workers: int, batch: int) -> Callable[[int], Iterable]:
-    dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
-                    persistent_workers=workers > 0)  # fmt: skip
+    dl = DataLoader(
+        ds, batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
     return lambda e: dl
 
 
@@ -316,12 +317,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(label: str, res: dict[str, float]) -> None:
         rows[label] = res
-        print(f"{label:<44} {res['samples_s']:>10,.0f} samples/s   trainer CPU "
-              f"{res['trainer_cpu_s_per_batch'] * 1000:7.2f} ms/batch"
-              + (f"   (workers CPU {res['workers_cpu_s_per_batch'] * 1000:.2f} ms/batch)"
-                 if "workers_cpu_s_per_batch" in res else "")
-              + (f"   server CPU {res['server_cpu_s_per_batch'] * 1000:.2f} ms/batch"
-                 if "server_cpu_s_per_batch" in res else ""), flush=True)  # fmt: skip
+        print(
+            f"{label:<44} {res['samples_s']:>10,.0f} samples/s   trainer CPU "
+            f"{res['trainer_cpu_s_per_batch'] * 1000:7.2f} ms/batch"
+            + (
+                f"   (workers CPU {res['workers_cpu_s_per_batch'] * 1000:.2f} ms/batch)"
+                if "workers_cpu_s_per_batch" in res
+                else ""
+            )
+            + (
+                f"   server CPU {res['server_cpu_s_per_batch'] * 1000:.2f} ms/batch"
+                if "server_cpu_s_per_batch" in res
+                else ""
+            ),
+            flush=True,
+        )
 
     with tempfile.TemporaryDirectory(prefix="ss-bench-tf-") as tmp:
         work = args.workdir or Path(tmp)
@@ -335,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n-- 1. CIFAR-like: random crop (pad 4) + flip + normalize, batch 256")
         print(f"load average at start: {os.getloadavg()}")
         load["cifar_start"] = list(os.getloadavg())
-        with run_server(store, "--transform-workers", "2", "--transforms", TRIVIAL_MODULE,
-                        timeout=60) as srv:  # fmt: skip
+        with run_server(
+            store, "--transform-workers", "2", "--transforms", TRIVIAL_MODULE, timeout=60
+        ) as srv:
             for label, chain, copy in (
                 ("shardserve, no transforms (uint8)", None, True),
                 ("shardserve, trivial batch transform (labels x 2)", TRIVIAL_CHAIN, True),
@@ -369,8 +380,21 @@ def main(argv: list[str] | None = None) -> int:
         if not (store / "images" / "manifest.json").exists():
             t0 = time.perf_counter()
             make_images(folder, n_img)
-            subprocess.run([sys.executable, "-m", "shardserve.server", "ingest", str(folder),
-                            "--store", str(store), "--name", "images", "--quiet"], check=True)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "shardserve.server",
+                    "ingest",
+                    str(folder),
+                    "--store",
+                    str(store),
+                    "--name",
+                    "images",
+                    "--quiet",
+                ],
+                check=True,
+            )
             print(
                 f"made and ingested {n_img} JPEGs in {time.perf_counter() - t0:.1f} s", flush=True
             )
@@ -392,8 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         # Worker processes read the JPEG bytes from a shared file and write the crops into
         # the stream's slots; one and two of them.
         for workers in (1, 2):
-            with run_server(store, "--transform-pool", "process", "--transform-workers",
-                            str(workers), timeout=60) as srv:  # fmt: skip
+            with run_server(
+                store,
+                "--transform-pool",
+                "process",
+                "--transform-workers",
+                str(workers),
+                timeout=60,
+            ) as srv:
                 record(
                     f"shardserve, decode_random_resized_crop, {workers} worker process(es)",
                     measure(loader_epochs(srv.http_url, "images", 64, IMAGE_FUSED), n_img),

@@ -58,8 +58,10 @@ def load(out: str, workers: int, batch: int) -> dict[str, object]:
             first = time.perf_counter() - t0
         seen += len(b["y"])
     wall = time.perf_counter() - t0
-    return {"row": {"samples_s": seen / wall, "first_batch_s": first, "epoch_s": wall},
-            "samples": seen}  # fmt: skip
+    return {
+        "row": {"samples_s": seen / wall, "first_batch_s": first, "epoch_s": wall},
+        "samples": seen,
+    }
 
 
 if __name__ == "__main__":

@@ -55,9 +55,13 @@ class Feed:
         self.copier = DeviceCopier(device)
         unpacking = Unpacking(self.copier, CopyBlocks(), stats, pad_variable)
         self.ctx = PassContext(
-            pos=Position(job.epoch, job.batches_per_epoch), stats=stats, rings=RingCache(),
-            delivery=Delivery(unpacking, copy), step_envs=step_envs, batch_size=batch_size,
-        )  # fmt: skip
+            pos=Position(job.epoch, job.batches_per_epoch),
+            stats=stats,
+            rings=RingCache(),
+            delivery=Delivery(unpacking, copy),
+            step_envs=step_envs,
+            batch_size=batch_size,
+        )
         self._boot_id = read_boot_id()
         try:
             self.conn = Connection(endpoint)
@@ -70,22 +74,35 @@ class Feed:
         ``offset``/``origin``: an epoch resumed on another world size (``Hello.offset``: the
         plan is dealt from there; ``Hello.origin``: the job the state was saved by)."""
         hello = Hello(
-            job=self.job.id, rank=self.rank, epoch=epoch, start_batch=start, offset=offset,
-            origin=origin, credit=self.prefetch,
-            token=self.job.token or "", transport="auto" if self.shm else "socket",
-            boot_id=self._boot_id, pid=os.getpid(),
+            job=self.job.id,
+            rank=self.rank,
+            epoch=epoch,
+            start_batch=start,
+            offset=offset,
+            origin=origin,
+            credit=self.prefetch,
+            token=self.job.token or "",
+            transport="auto" if self.shm else "socket",
+            boot_id=self._boot_id,
+            pid=os.getpid(),
             # Padding is per batch: a message of several would be padded to its longest.
             group=1 if self.pad_variable else MAX_GROUP,
-        )  # fmt: skip
+        )
         # The stream calls back into the job, not into the Loader: no cycle keeps a dropped
         # Loader alive.
         return EpochStream(
-            self.conn, hello=hello, timeout=self.timeout, stats=self.ctx.stats,
-            recreate_job=self.job.recreate, describe=self.job.describe, rings=self.ctx.rings,
+            self.conn,
+            hello=hello,
+            timeout=self.timeout,
+            stats=self.ctx.stats,
+            recreate_job=self.job.recreate,
+            describe=self.job.describe,
+            rings=self.ctx.rings,
             # What every message and the Welcome are checked against: the job's own plan.
-            rows=self.job.spec.batch_size, num_batches=self._batches(offset),
+            rows=self.job.spec.batch_size,
+            num_batches=self._batches(offset),
             graphs=self.job.spec.graph is not None,
-        )  # fmt: skip
+        )
 
     def _batches(self, offset: int) -> int | None:
         """Batches of this rank's plan of an epoch dealt from ``offset``; ``None``: as the
@@ -134,10 +151,17 @@ def store_order(
     """Every batch of ``job`` (a ``shuffle="none"`` job of world size 1) as stored: flat
     fields, on the CPU, each batch owning its storage. Closes what it opened when done."""
     feed = Feed(
-        job, 0, transport=transport, prefetch=prefetch, timeout=timeout,
-        device=torch.device("cpu"), copy=True, pad_variable=False, step_envs=[],
+        job,
+        0,
+        transport=transport,
+        prefetch=prefetch,
+        timeout=timeout,
+        device=torch.device("cpu"),
+        copy=True,
+        pad_variable=False,
+        step_envs=[],
         batch_size=job.spec.batch_size,
-    )  # fmt: skip
+    )
     try:
         yield from feed.pass_(Start(0, 0), feed.open(0, 0), None)
     finally:

@@ -217,10 +217,19 @@ def _encode(msg: ControlMessage) -> list[bytes]:
 #: Signals whose Python handlers may raise in the middle of a close.
 _DEFERRED = frozenset(
     getattr(signal, n)
-    for n in ("SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2",
-              "SIGHUP", "SIGCHLD")
+    for n in (
+        "SIGINT",
+        "SIGTERM",
+        "SIGALRM",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGHUP",
+        "SIGCHLD",
+    )
     if hasattr(signal, n)
-)  # fmt: skip
+)
 
 
 @contextlib.contextmanager

@@ -123,10 +123,12 @@ class ControlClient:
         """``POST /v1/jobs``: idempotent, every rank may post the same spec."""
         # Fields added later only when set: a server from before them still takes the spec.
         later = (
-            ("collate", spec.collate), ("mixture", spec.mixture),
-            ("epoch_samples", spec.epoch_samples), ("schedule", spec.schedule),
+            ("collate", spec.collate),
+            ("mixture", spec.mixture),
+            ("epoch_samples", spec.epoch_samples),
+            ("schedule", spec.schedule),
             ("share", spec.share),
-        )  # fmt: skip
+        )
         unset = {k for k, v in later if v is None}
         if spec.env_shuffle == "independent":
             unset.add("env_shuffle")

@@ -95,9 +95,17 @@ def _ingest(store: Path, folder: Path) -> float:
     if (store / TRAIN / "manifest.json").exists():
         return 0.0
     cmd = [
-        sys.executable, "-m", "shardserve.server", "ingest", str(folder),
-        "--store", str(store), "--name", TRAIN, "--quiet",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "ingest",
+        str(folder),
+        "--store",
+        str(store),
+        "--name",
+        TRAIN,
+        "--quiet",
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
@@ -181,9 +189,12 @@ def _demo(epochs: int, batch_size: int, store: str | Path | None) -> int:
         files = _write_pt_folder(folder, train_x, train_y)
         for workers in (0, 2):
             dl = torch.utils.data.DataLoader(
-                PtFolder(files), batch_size=batch_size, shuffle=True, num_workers=workers,
+                PtFolder(files),
+                batch_size=batch_size,
+                shuffle=True,
+                num_workers=workers,
                 generator=gen,
-            )  # fmt: skip
+            )
             label = f"DataLoader(.pt files, workers={workers})"
             print(f"training one epoch through {label} ...", flush=True)
             rows.append((label, _run([dl])))

@@ -1,7 +1,7 @@
 """Graph batches: what ``Loader(..., collate="graph")`` yields, and a PyG view of it.
 
 With ``collate="graph"`` the server sends each batch already collated for message passing
-(see ``shardserve.server.store.graphs``): node fields concatenated (``x [sum N, F]``),
+(see ``shardserve.server.store.read.graphs``): node fields concatenated (``x [sum N, F]``),
 ``edge_index [2, sum E]`` with node offsets added, ``batch [sum N]`` and ``ptr [B+1]``; the
 same tensors ``torch_geometric.loader.DataLoader`` would give for the same graphs.
 :func:`to_pyg` wraps them in a ``torch_geometric.data.Batch`` for code written against PyG

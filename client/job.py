@@ -90,16 +90,26 @@ def job_spec(
     mix = _mixture_of(dataset, epoch_samples)
     _check_lists(fields, transforms)
     try:
-        return JobSpec.model_validate({
-            "dataset": None if mix is not None else dataset, "mixture": mix,
-            "epoch_samples": epoch_samples, "batch_size": batch_size * envs, "seed": seed,
-            "shuffle": SHUFFLE[shuffle], "drop_last": drop_last, "world_size": world_size,
-            "fields": tuple(fields) if fields is not None else None,
-            "collate": collate, "envs": envs, "env_shuffle": env_shuffle,
-            # Transforms installed on the server, named with JSON params (never code).
-            "transforms": tuple(transforms) if transforms is not None else None,
-            "on_error": on_error, "share": share,
-        })  # fmt: skip
+        return JobSpec.model_validate(
+            {
+                "dataset": None if mix is not None else dataset,
+                "mixture": mix,
+                "epoch_samples": epoch_samples,
+                "batch_size": batch_size * envs,
+                "seed": seed,
+                "shuffle": SHUFFLE[shuffle],
+                "drop_last": drop_last,
+                "world_size": world_size,
+                "fields": tuple(fields) if fields is not None else None,
+                "collate": collate,
+                "envs": envs,
+                "env_shuffle": env_shuffle,
+                # Transforms installed on the server, named with JSON params (never code).
+                "transforms": tuple(transforms) if transforms is not None else None,
+                "on_error": on_error,
+                "share": share,
+            }
+        )
     except ValueError as e:  # pydantic's ValidationError: name the argument, not the model
         raise BadRequest(f"these Loader arguments make no job: {e}") from None
 

@@ -217,11 +217,21 @@ class Loader:
         # of a one-env job, unless they split one shuffle, which the job must deal.
         job_envs = envs if step_envs or env_shuffle == "split" else 1
         self.spec = job_spec(
-            dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-            world_size=self.world.world_size, fields=fields, collate=collate,
-            envs=job_envs, env_shuffle=env_shuffle, transforms=transforms,
-            on_error=on_error, epoch_samples=epoch_samples, share=share,
-        )  # fmt: skip
+            dataset,
+            batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            world_size=self.world.world_size,
+            fields=fields,
+            collate=collate,
+            envs=job_envs,
+            env_shuffle=env_shuffle,
+            transforms=transforms,
+            on_error=on_error,
+            epoch_samples=epoch_samples,
+            share=share,
+        )
         self.spec, lands, self._device_steps = attach(
             self.spec, device_transforms, self.device, resident is not None
         )
@@ -242,9 +252,13 @@ class Loader:
 
         need_info = bool(step_envs)
         self._job = JobHandle.create(
-            url, token, self.spec, timeout=timeout, world=self.world,
+            url,
+            token,
+            self.spec,
+            timeout=timeout,
+            world=self.world,
             check=check if need_info else None,
-        )  # fmt: skip
+        )
         try:
             if prefetch is None:  # sized by the samples as served (a chain may grow them)
                 job = self._job
@@ -253,10 +267,17 @@ class Loader:
                 self._device_steps, rebuild_for(self._job.api, self.spec, pad_variable)
             )
             self._feed = Feed(
-                self._job, self.world.rank, transport=transport, prefetch=self.prefetch,
-                timeout=timeout, device=lands, copy=copy, pad_variable=pad_variable,
-                step_envs=step_envs, batch_size=batch_size,
-            )  # fmt: skip
+                self._job,
+                self.world.rank,
+                transport=transport,
+                prefetch=self.prefetch,
+                timeout=timeout,
+                device=lands,
+                copy=copy,
+                pad_variable=pad_variable,
+                step_envs=step_envs,
+                batch_size=batch_size,
+            )
         except BaseException:
             self._job.close()
             raise
@@ -348,9 +369,13 @@ class Loader:
         the epoch's global ``position`` (ids of the epoch's order every rank together has
         consumed, see [elastic resume](../guides/elastic-resume.md)); after an epoch's last batch, the start of the next."""
         return make_state(
-            deepcopy(self._spec_dump), self.job_id, self.world.rank, self.world.world_size,
-            self._ctx.pos.state(), self._job.versions,
-        )  # fmt: skip
+            deepcopy(self._spec_dump),
+            self.job_id,
+            self.world.rank,
+            self.world.world_size,
+            self._ctx.pos.state(),
+            self._job.versions,
+        )
 
     def load_state_dict(
         self, state: dict[str, Any] | list[dict[str, Any]], *, allow_other_version: bool = False
@@ -380,23 +405,40 @@ class Loader:
         chunk = max(1, min(RESIDENT_CHUNK_BYTES // sample, MAX_RESIDENT_CHUNK, info.num_samples))
         # Flat stored fields, in store order, on one rank: the resident tensors' layout.
         spec = job_spec(
-            self.spec.dataset, chunk, seed=0, shuffle="none", drop_last=False, world_size=1,
-            fields=list(layout), collate=None, transforms=None, on_error=None,
-        )  # fmt: skip
+            self.spec.dataset,
+            chunk,
+            seed=0,
+            shuffle="none",
+            drop_last=False,
+            world_size=1,
+            fields=list(layout),
+            collate=None,
+            transforms=None,
+            on_error=None,
+        )
 
         def one_pass() -> Iterator[Any]:
             with JobHandle.create(
                 self._job.api.url, self._job.token, spec, timeout=self.batch_timeout
             ) as job:
                 yield from store_order(
-                    job, transport=self._transport, prefetch=auto_prefetch(info, chunk),
+                    job,
+                    transport=self._transport,
+                    prefetch=auto_prefetch(info, chunk),
                     timeout=self.batch_timeout,
-                )  # fmt: skip
+                )
 
         return Resident.load(
-            self._job.api, self.job_id, self.world.rank, self.spec.env_batch, info, layout,
-            envs_on, one_pass, self.batch_timeout,
-        )  # fmt: skip
+            self._job.api,
+            self.job_id,
+            self.world.rank,
+            self.spec.env_batch,
+            info,
+            layout,
+            envs_on,
+            one_pass,
+            self.batch_timeout,
+        )
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:

@@ -88,10 +88,22 @@ def serve_local(store: str | Path, *args: str, timeout: float = 30.0) -> Iterato
     work = Path(tmp.name)
     log = work / "server.log"
     cmd = [
-        sys.executable, "-m", "shardserve.server", "serve", "--store", str(store),
-        "--http", "127.0.0.1:0", "--data", "tcp://127.0.0.1:0",
-        "--ipc", str(work / "ss.sock"), "--ready-file", str(work / "ready.json"), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "serve",
+        "--store",
+        str(store),
+        "--http",
+        "127.0.0.1:0",
+        "--data",
+        "tcp://127.0.0.1:0",
+        "--ipc",
+        str(work / "ss.sock"),
+        "--ready-file",
+        str(work / "ready.json"),
+        *args,
+    ]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     # A kernel shutdown or a script that never leaves the block still stops the server.

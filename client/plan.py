@@ -125,9 +125,13 @@ class IndexPlan:
     def state_dict(self) -> dict[str, Any]:
         """The epoch in progress and the next step not yet received (a ``Loader`` state)."""
         return make_state(
-            self.spec.model_dump(mode="json"), self.job_id, self.world.rank,
-            self.world.world_size, self._pos.state(), self._live().versions,
-        )  # fmt: skip
+            self.spec.model_dump(mode="json"),
+            self.job_id,
+            self.world.rank,
+            self.world.world_size,
+            self._pos.state(),
+            self._live().versions,
+        )
 
     def load_state_dict(
         self, state: dict[str, Any] | list[dict[str, Any]], *, allow_other_version: bool = False
@@ -226,11 +230,20 @@ def plan(
     """
     world = resolve_world(rank, world_size)
     spec = job_spec(
-        dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-        world_size=world.world_size, fields=fields, collate=collate, envs=envs,
-        env_shuffle=env_shuffle, transforms=transforms, on_error=on_error,
+        dataset,
+        batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        world_size=world.world_size,
+        fields=fields,
+        collate=collate,
+        envs=envs,
+        env_shuffle=env_shuffle,
+        transforms=transforms,
+        on_error=on_error,
         epoch_samples=epoch_samples,
-    )  # fmt: skip
+    )
     spec = with_device_steps(spec, device_transforms) if device_transforms is not None else spec
     dev = resolve_device(device, world.local_rank)
     job = JobHandle.create(url, token, spec, timeout=timeout, world=world)

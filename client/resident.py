@@ -151,10 +151,14 @@ def load_fields(
     """Copy a store-order pass over the dataset into one tensor per field on each device."""
     out = {
         dev: ResidentFields(
-            dev, {n: torch.empty((num_samples, *s), dtype=dt, device=dev) for n, (dt, s) in layout.items()}
+            dev,
+            {
+                n: torch.empty((num_samples, *s), dtype=dt, device=dev)
+                for n, (dt, s) in layout.items()
+            },
         )
         for dev in devices
-    }  # fmt: skip
+    }
     pos = 0
     for batch in batches:
         parts = {name: _fixed(batch, name) for name in layout}

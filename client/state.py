@@ -303,10 +303,16 @@ def make_state(
     world = deal_world(world_size, envs, spec_dump.get("env_shuffle", "independent"))
     step = spec_dump["batch_size"] // envs * world
     return {
-        "version": VERSION, "spec": spec_dump, "job": job, "epoch": start.epoch,
-        "next_batch": start.batch, "position": start.offset + start.batch * step,
-        "rank": rank, "world_size": world_size, "versions": versions,
-    }  # fmt: skip
+        "version": VERSION,
+        "spec": spec_dump,
+        "job": job,
+        "epoch": start.epoch,
+        "next_batch": start.batch,
+        "position": start.offset + start.batch * step,
+        "rank": rank,
+        "world_size": world_size,
+        "versions": versions,
+    }
 
 
 def start_for(

@@ -104,11 +104,15 @@ def settings_page() -> str:
             rows.append(
                 [f"`{flag_name(name, info)}`", f"`{env_name(name)}`", shown, info.description]
             )
-        out.append(f"## {title[0].upper() + title[1:]}\n\n" + table(
-            ["flag", "variable", "default", "meaning"], rows))  # fmt: skip
-    out.append("## Other variables\n\nRead by the client, the compose file and the scripts, "
-               "not by `serve`:\n\n" + table(
-                   ["variable", "read by"], [[f"`{k}`", v] for k, v in OTHER_ENV.items()]))  # fmt: skip
+        out.append(
+            f"## {title[0].upper() + title[1:]}\n\n"
+            + table(["flag", "variable", "default", "meaning"], rows)
+        )
+    out.append(
+        "## Other variables\n\nRead by the client, the compose file and the scripts, "
+        "not by `serve`:\n\n"
+        + table(["variable", "read by"], [[f"`{k}`", v] for k, v in OTHER_ENV.items()])
+    )
     return "\n".join(out)
 
 
@@ -144,7 +148,7 @@ def _families(remote: bool) -> Iterator[tuple[str, str, str, str]]:
 def _per_job_labels() -> dict[str, str]:
     """The labels of the per-job series, seen with one job of one rank (a server without
     jobs exports those families empty)."""
-    from shardserve.server.metrics import JobsSnapshot, Metrics, RankSeries
+    from shardserve.server.runtime.metrics import JobsSnapshot, Metrics, RankSeries
 
     m = Metrics()
     m.watch_jobs(lambda: JobsSnapshot(connected={"j": 1}, ranks=[RankSeries("j", 0, 1, 1, 0, 0)]))
@@ -167,7 +171,7 @@ def metric_names() -> dict[str, tuple[str, str, str]]:
 
 
 def metrics_page() -> str:
-    from shardserve.server.metrics import JOB_STATES
+    from shardserve.server.runtime.metrics import JOB_STATES
 
     local = {n for n, *_ in _families(False)}
     rows = [

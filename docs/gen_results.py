@@ -44,9 +44,16 @@ RUN_KEYS: dict[str, tuple[str, ...]] = {
 }
 #: Keys about the run, not measurements: shown in the run table, not again below it.
 NOT_MEASURED = {
-    "run", "machine", "host", "bench", "benchmark", "quick", "torch", "python",
+    "run",
+    "machine",
+    "host",
+    "bench",
+    "benchmark",
+    "quick",
+    "torch",
+    "python",
     *(k for keys in RUN_KEYS.values() for k in keys),
-}  # fmt: skip
+}
 NOT_RECORDED = "not recorded"
 #: Rates, whose ``_s`` is "per second" (elsewhere ``_s`` is a duration in seconds), and the
 #: names that say more than their keys.
@@ -63,9 +70,15 @@ _UNITS = {"s": "s", "ms": "ms", "us": "µs", "mb": "MB", "gb": "GB", "kib": "KiB
 _RATIO = re.compile(r"(^|_)(vs|x|over|ratios?|speedup|spread)(_|$)")
 #: Section names for the keys benchmarks group their measurements under.
 HEADINGS = {
-    "rows": "Measured", "config": "Configuration", "cases": "Cases", "formats": "Formats",
-    "graphs": "Graphs", "ratios": "Ratios (×)", "target": "Target", "targets": "Targets",
-}  # fmt: skip
+    "rows": "Measured",
+    "config": "Configuration",
+    "cases": "Cases",
+    "formats": "Formats",
+    "graphs": "Graphs",
+    "ratios": "Ratios (×)",
+    "target": "Target",
+    "targets": "Targets",
+}
 #: An absolute path (a venv's interpreter, a temporary store): only its last part is shown.
 _ABS_PATH = re.compile(r"(?<![\w:/.~])/(?:[\w.+@-]+/)+([\w.+@-]+)")
 
@@ -144,17 +157,25 @@ def _run_rows(data: dict[str, Any], script: Path) -> list[list[object]]:
     command = found["command"]
     quick = data.get("quick", None if command is None else "--quick" in str(command).split())
     rows: list[list[object]] = [
-        ["command", f"`{command}`" if command else
-         f"{NOT_RECORDED} (written by `{script.relative_to(ROOT)}`)"],
+        [
+            "command",
+            f"`{command}`"
+            if command
+            else f"{NOT_RECORDED} (written by `{script.relative_to(ROOT)}`)",
+        ],
         ["date", _date(found["date"]) if found["date"] else NOT_RECORDED],
         ["machine", _fmt(machine) if machine else NOT_RECORDED],
         ["cores", cpus or NOT_RECORDED],
-        ["load average before", load(_fmt(found["load_before"])) if found["load_before"]
-         else NOT_RECORDED],
-        ["load average after", load(_fmt(found["load_after"])) if found["load_after"]
-         else NOT_RECORDED],
+        [
+            "load average before",
+            load(_fmt(found["load_before"])) if found["load_before"] else NOT_RECORDED,
+        ],
+        [
+            "load average after",
+            load(_fmt(found["load_after"])) if found["load_after"] else NOT_RECORDED,
+        ],
         ["sizes", NOT_RECORDED if quick is None else "`--quick` (small)" if quick else "full"],
-    ]  # fmt: skip
+    ]
     software = [f"{k} {data[k]}" for k in ("python", "torch") if k in data]
     return [*rows, *([["software", ", ".join(software)]] if software else [])]
 
@@ -169,8 +190,10 @@ def _row_table(rows: dict[str, dict[str, Any]], unit: str = "", named: bool = Tr
     head = list(dict.fromkeys(k for r in rows.values() for k, v in r.items() if _flat(v)))
     first = {k: next(r[k] for r in rows.values() if k in r) for k in head}
     if len(head) > 8 and len(rows) <= 4:
-        return table(["", *rows], [[_head(k, unit, first[k]), *(_fmt(r.get(k))
-                      for r in rows.values())] for k in head])  # fmt: skip
+        return table(
+            ["", *rows],
+            [[_head(k, unit, first[k]), *(_fmt(r.get(k)) for r in rows.values())] for k in head],
+        )
     names = [[f"**{name}**"] if named else [] for name in rows]
     return table(
         ["" for _ in names[:1] if named] + [_head(k, unit, first[k]) for k in head],

@@ -21,9 +21,16 @@ from shardserve.client import Loader
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 @torch.no_grad()
@@ -52,8 +59,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    with Loader(args.url, args.dataset, args.batch_size, seed=0) as train, \
-         Loader(args.url, args.test_dataset, 256, shuffle=False, rank=0, world_size=1) as test:  # fmt: skip
+    with (
+        Loader(args.url, args.dataset, args.batch_size, seed=0) as train,
+        Loader(args.url, args.test_dataset, 256, shuffle=False, rank=0, world_size=1) as test,
+    ):
         for epoch in range(args.epochs):
             train.set_epoch(epoch)
             total = 0.0

@@ -23,9 +23,16 @@ from shardserve.client import Loader
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def main() -> None:
@@ -77,8 +84,12 @@ def main() -> None:
     if rank == 0:
         correct = total_n = 0
         net = model.module.eval()
-        with torch.no_grad(), Loader(args.url, args.test_dataset, 256, shuffle=False, rank=0, world_size=1,
-                                     device=device) as test:  # fmt: skip
+        with (
+            torch.no_grad(),
+            Loader(
+                args.url, args.test_dataset, 256, shuffle=False, rank=0, world_size=1, device=device
+            ) as test,
+        ):
             for batch in test:
                 correct += int((net(batch["image"]).argmax(1) == batch["label"]).sum())
                 total_n += len(batch["label"])

@@ -33,9 +33,16 @@ class DigitsCNN(LightningModule):
         super().__init__()
         self.lr = lr
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-        )  # fmt: skip
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(self.net(batch["image"]), batch["label"])
@@ -75,10 +82,16 @@ def main() -> None:
             ModelCheckpoint(args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)
         )
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
-        max_epochs=args.epochs, callbacks=callbacks, enable_checkpointing=bool(args.ckpt_dir),
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_epochs=args.epochs,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.ckpt_dir),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(DigitsCNN(), datamodule=data, ckpt_path=args.resume)
     if trainer.is_global_zero:
         acc = float(trainer.callback_metrics["val_acc"])

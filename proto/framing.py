@@ -83,9 +83,14 @@ def encode_batch(header: BatchHeader, payload: Sequence[Frame] = ()) -> list[Fra
         )
     out = bytearray(_prefix(Kind.BATCH))
     out += _BATCH.pack(
-        header.stream, header.epoch, header.index, header.slot, header.count, header.rows,
+        header.stream,
+        header.epoch,
+        header.index,
+        header.slot,
+        header.count,
+        header.rows,
         len(header.parts),
-    )  # fmt: skip
+    )
     for p in header.parts:
         name = p.name.encode()
         out += struct.pack("<B", len(name)) + name

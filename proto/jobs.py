@@ -50,7 +50,7 @@ OnError = Literal["fail", "replace", "quarantine"]
 
 #: Which kind of job a spec asks for (``JobSpec.kind``): one dataset, or a weighted mixture
 #: of several. The server keeps one object per kind in a table keyed by this name
-#: (``shardserve.server.kinds``), so the question is answered here and nowhere else.
+#: (``shardserve.server.jobs.kinds``), so the question is answered here and nowhere else.
 JobKindName = Literal["dataset", "mixture"]
 
 MAX_BATCH_SIZE = 1 << 20

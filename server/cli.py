@@ -21,9 +21,15 @@ from .store.commands import STORE_COMMANDS, configure_store_command
 #: The server extra's import packages: a command that needs one of them and finds it missing
 #: says how to install it instead of printing a traceback.
 SERVER_EXTRA_MODULES = (
-    "pyarrow", "zmq", "fastapi", "uvicorn", "pydantic_settings", "prometheus_client", "xxhash",
+    "pyarrow",
+    "zmq",
+    "fastapi",
+    "uvicorn",
+    "pydantic_settings",
+    "prometheus_client",
+    "xxhash",
     "tqdm",
-)  # fmt: skip
+)
 # From a clone, as the README says (shardserve is on no package index yet).
 INSTALL_SERVER = "pip install '.[server]' in a clone of shardserve"
 INSTALL_DEMO = "pip install '.[demo]' in a clone of shardserve"

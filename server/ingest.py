@@ -26,7 +26,7 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import Manifest
 
 from .store.ingest.source import MAX_SAMPLE_BYTES
-from .store.writer import ShardWriter
+from .store.write.writer import ShardWriter
 
 __all__ = ["DatasetWriter"]
 

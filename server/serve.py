@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
 
-from .logs import log_event
+from .runtime.logs import log_event
 
 if TYPE_CHECKING:
     import uvicorn
@@ -186,9 +186,15 @@ class _Watchdog:
             self._once.acquire(timeout=self.seconds + 60.0)
             return
         stuck = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
-        log_event(log, "serve.shutdown_forced", level=logging.ERROR, after_s=self.seconds,
-                  reason=self._reason, abandoned="; ".join(self.abandoned()) or "no store read",
-                  threads=",".join(stuck))  # fmt: skip
+        log_event(
+            log,
+            "serve.shutdown_forced",
+            level=logging.ERROR,
+            after_s=self.seconds,
+            reason=self._reason,
+            abandoned="; ".join(self.abandoned()) or "no store read",
+            threads=",".join(stuck),
+        )
         for h in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 h.flush()
@@ -196,7 +202,7 @@ class _Watchdog:
 
 
 def _serve(settings: Settings, early: list[int], watchdog: _Watchdog) -> int:
-    from .logs import configure_logging
+    from .runtime.logs import configure_logging
     from .service import Service
     from .streaming.streamer import BindError
 
@@ -223,10 +229,13 @@ def _serve(settings: Settings, early: list[int], watchdog: _Watchdog) -> int:
         http_sock = _listen(host, port)
     except OSError as e:
         log_event(
-            log, "serve.http_bind_failed", level=logging.ERROR, address=settings.http,
+            log,
+            "serve.http_bind_failed",
+            level=logging.ERROR,
+            address=settings.http,
             reason=f"{e.strerror or e} (another server may hold it); pass a free one with --http "
             "(HOST:0 picks any), or stop the other server",
-        )  # fmt: skip
+        )
         service.stop()
         return 1
     try:
@@ -262,7 +271,7 @@ def _run_http(
     import uvicorn
 
     from .control.app import create_app
-    from .http_idle import protocol_with_timeout
+    from .control.http_idle import protocol_with_timeout
 
     host = settings.http_host_port[0]
     shown_host = f"[{host}]" if ":" in host else host
@@ -312,8 +321,9 @@ class _HttpServer(Protocol):
     def run(self, sockets: list[socket.socket] | None = None) -> None: ...
 
 
-def _make_server(config: uvicorn.Config, on_ready: Callable[[], None],
-                 on_signal: Callable[[str], None]) -> _HttpServer:  # fmt: skip
+def _make_server(
+    config: uvicorn.Config, on_ready: Callable[[], None], on_signal: Callable[[str], None]
+) -> _HttpServer:
     """A uvicorn ``Server`` whose signals are owned here, calling ``on_ready`` once HTTP listens.
 
     uvicorn re-raises a caught SIGTERM after its shutdown, which would kill the process with

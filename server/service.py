@@ -26,24 +26,24 @@ from shardserve.proto.jobs import MIXTURE_PREFIX, JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS
 
-from .assembly import Assembler
-from .job_admin import JobAdmin
-from .jobs import EpochJournal, Job, JobRegistry
-from .journal import JournalLocked
-from .kinds.base import JobKind, KindParts
-from .kinds.table import JobKinds
-from .logs import log_event
-from .metrics import Metrics
-from .mixture_admin import MixtureAdmin
+from .jobs.admin import JobAdmin
+from .jobs.kinds.base import JobKind, KindParts
+from .jobs.kinds.table import JobKinds
+from .jobs.steering import MixtureAdmin
 from .planning.cache import PlanCache
-from .rings import DEFAULT_DIR as SHM_DIR
-from .rings import PREFIX as SHM_PREFIX
-from .rings import remove_stale
+from .reading.assembly import Assembler
+from .reading.sources import open_source
+from .registry.jobs import EpochJournal, Job, JobRegistry
+from .registry.journal import JournalLocked
+from .runtime.logs import log_event
+from .runtime.metrics import Metrics
+from .runtime.rings import DEFAULT_DIR as SHM_DIR
+from .runtime.rings import PREFIX as SHM_PREFIX
+from .runtime.rings import remove_stale
 from .settings import Settings
-from .sources import open_source
 from .store.backend import StoreBackend, open_store
-from .store.dataset import Dataset
-from .store.object_fs import StoreOptions
+from .store.read.dataset import Dataset
+from .store.remote.object_fs import StoreOptions
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
@@ -66,8 +66,11 @@ def _version() -> str:
 
 def _field_info(f: FieldSpec) -> dict[str, object]:
     out: dict[str, object] = {
-        "name": f.name, "dtype": f.dtype, "shape": list(f.shape), "kind": f.kind
-    }  # fmt: skip
+        "name": f.name,
+        "dtype": f.dtype,
+        "shape": list(f.shape),
+        "kind": f.kind,
+    }
     if f.nullable:
         out["nullable"] = True
     if f.encoding:

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .sizing import Sizing, choose, probe
+from .runtime.sizing import Sizing, choose, probe
 
 # shardserve.proto is imported where a value is checked, not here: importing it loads every
 # contract (numpy, the wire and job models), and `shardserve serve --help` needs none of them.
@@ -332,7 +332,7 @@ class Settings(BaseSettings):
     def store_shown(self) -> str:
         """The store as logs and pages show it: a URI without credentials."""
         if isinstance(self.store, str):
-            from .store.object_fs import display_uri
+            from .store.remote.object_fs import display_uri
 
             return display_uri(self.store)
         return str(self.store)

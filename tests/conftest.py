@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 SHM = Path("/dev/shm")
-#: A slot ring's name starts with its server's pid (server/rings.py).
+#: A slot ring's name starts with its server's pid (server/runtime/rings.py).
 _OWNER = re.compile(r"^shardserve-(\d+)-")
 #: Pids of the processes this test session started (servers among them).
 _CHILDREN: set[int] = set()

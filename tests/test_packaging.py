@@ -91,10 +91,22 @@ def test_the_wheel_ships_type_markers_and_the_demo_extra(tmp_path: Path) -> None
     import zipfile
 
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=scaled(300),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("shardserve-*.whl")
     with zipfile.ZipFile(wheel) as z:

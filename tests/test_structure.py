@@ -115,21 +115,21 @@ def test_no_getattr_forwarding_in_the_server() -> None:
     assert offenders == []
 
 
-#: A spec's job kind asked outside the one place that chooses it (``server/kinds/table.py``
+#: A spec's job kind asked outside the one place that chooses it (``server/jobs/kinds/table.py``
 #: by ``JobSpec.kind``).
 ASKS_THE_KIND = re.compile(r"spec\.mixture\b|\.mixture\s+is\b")
 #: Server modules that still read ``spec.mixture``, and why; none of them is streaming or the
 #: ``Service``. A module leaves this list when its question moves into the kind.
 READS_THE_MIXTURE = {
     # The mixture kind: it is the mixture's own code.
-    "server/kinds/mixture.py": "opens and admits a mixture's sources",
-    "server/mixtures.py": "the mixture kind's admission, schedule and orders, source by source",
-    "server/mixture_admin.py": (
+    "server/jobs/kinds/mixture.py": "opens and admits a mixture's sources",
+    "server/jobs/mixtures.py": "the mixture kind's admission, schedule and orders, source by source",
+    "server/jobs/steering.py": (
         "steering takes a job id from a URL and refuses a job of one dataset by name; the "
         "metrics loop exports weights of mixtures only; quarantines walk a job's sources"
     ),
     # The registry journals a mixture's weight changes with the job.
-    "server/jobs.py": "the schedule is the spec's weights and changes; a change needs weights",
+    "server/registry/jobs.py": "the schedule is the spec's weights and changes; a change needs weights",
 }
 
 
@@ -156,10 +156,26 @@ def test_the_kind_finder_finds_both_ways_of_asking() -> None:
 
 #: Calls whose ``timeout=`` bounds something a test expects to happen: an HTTP answer, a
 #: process or thread finishing, a message arriving, a server starting or stopping.
-WAITS = frozenset({
-    "get", "post", "put", "delete", "request", "Client", "run", "communicate", "wait", "join",
-    "result", "recv", "recv_kind", "create_connection", "terminate", "run_server",
-})  # fmt: skip
+WAITS = frozenset(
+    {
+        "get",
+        "post",
+        "put",
+        "delete",
+        "request",
+        "Client",
+        "run",
+        "communicate",
+        "wait",
+        "join",
+        "result",
+        "recv",
+        "recv_kind",
+        "create_connection",
+        "terminate",
+        "run_server",
+    }
+)
 UNSCALED = "# unscaled:"
 #: ``httpx.<verb>(...)`` without ``timeout=`` waits httpx's fixed 5 s: a literal too.
 HTTP_VERBS = frozenset({"get", "post", "put", "delete", "patch", "request"})

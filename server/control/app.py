@@ -32,7 +32,7 @@ from shardserve.proto.errors import (
 )
 
 from ..service import Service
-from ..store.object_fs import StoreUnavailable
+from ..store.remote.object_fs import StoreUnavailable
 from . import datasets, health, job_routes, status_page, steering, transforms
 from .deps import CHALLENGES, Authorized
 from .hosts import HostAllowList, allowed_hosts

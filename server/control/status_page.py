@@ -25,7 +25,7 @@ from pydantic import ByteSize
 from shardserve.proto.api import DatasetInfo, JobStatus, MixtureStatus, RankStatus
 from shardserve.proto.errors import JobNotFound, ShardserveError
 
-from ..lifecycle import LIVE
+from ..jobs.lifecycle import LIVE
 from .deps import Authorized, ServiceDep
 from .transforms import status_section as transforms_section
 
@@ -86,8 +86,16 @@ def _rank_row(r: RankStatus) -> str:
 
 
 #: Colours of a mixture's sources on the chart (repeating past eight).
-SOURCE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
-                  "#b07aa1", "#9c755f")  # fmt: skip
+SOURCE_COLOURS = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#76b7b2",
+    "#edc948",
+    "#b07aa1",
+    "#9c755f",
+)
 CHART_W, CHART_H = 360, 64
 #: Shares sent further than this many binomial sigmas from those asked for are marked.
 DEVIATION_FLAG = 4.0

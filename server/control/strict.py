@@ -107,8 +107,14 @@ class _Walk:
             if isinstance(types, str) and kind in _ACCEPTS.get(types, frozenset()):
                 return problems
         merged = "; or ".join(p["msg"] for f in found for p in f if p["loc"] == ("body", *loc))
-        return [{"loc": ("body", *loc), "msg": merged or "has the wrong JSON type", "input": value,
-                 "type": "json_type"}]  # fmt: skip
+        return [
+            {
+                "loc": ("body", *loc),
+                "msg": merged or "has the wrong JSON type",
+                "input": value,
+                "type": "json_type",
+            }
+        ]
 
     def _items(
         self, value: list[object], schema: dict[str, Any], loc: tuple[str | int, ...]

@@ -41,7 +41,7 @@ import numpy as np
 from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import env_deal
 
-from ..jobs import Job
+from ..registry.jobs import Job
 from . import RankPlan
 from .envs import EnvSteps
 from .order import epoch_order_steps

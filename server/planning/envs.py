@@ -58,9 +58,9 @@ class EnvSteps:
         of ``env_batch``; ``offset``: deal each order from there on (elastic resume: every
         environment has consumed the same number of positions of its own order, since a
         step holds one batch of each)."""
-        return cls.of([
-            RankPlan.from_order(o, world_size, rank, env_batch, drop_last, offset) for o in orders
-        ])  # fmt: skip
+        return cls.of(
+            [RankPlan.from_order(o, world_size, rank, env_batch, drop_last, offset) for o in orders]
+        )
 
     @classmethod
     def of(cls, plans: Sequence[RankPlan]) -> EnvSteps:

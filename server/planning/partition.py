@@ -132,9 +132,17 @@ class RankPlan:
                 ready(at)
             pad = int(order[at])
         return cls(
-            world_size, rank, batch_size, drop_last, num_samples, batches, ids, pad, ready,
+            world_size,
+            rank,
+            batch_size,
+            drop_last,
+            num_samples,
+            batches,
+            ids,
+            pad,
+            ready,
             offset + rank,
-        )  # fmt: skip
+        )
 
     def _wait_for(self, count: int) -> None:
         """Wait until the first ``count`` ids of this rank are final in the order."""

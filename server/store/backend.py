@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 from shardserve.proto.manifest import Manifest
 
 from .cache import ShardCache
-from .dataset import Dataset
-from .object_fs import StoreOptions, is_uri
-from .read_ahead import READ_AHEAD_BYTES
+from .read.dataset import Dataset
+from .read.read_ahead import READ_AHEAD_BYTES
+from .remote.object_fs import StoreOptions, is_uri
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -111,7 +111,7 @@ def open_store(
         from .catalog import Store
 
         return Store(store, verify=verify, read_ahead_bytes=read_ahead_bytes)
-    from .remote import RemoteStore
+    from .remote.stores import RemoteStore
 
     cache = None
     if cache_dir is not None:

@@ -19,8 +19,8 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from . import layout
 from .cache import ShardCache
-from .dataset import VERIFY_MODES, Dataset
-from .shards import check_file
+from .read.dataset import VERIFY_MODES, Dataset
+from .read.shards import check_file
 from .verify import verify_dataset
 from .versions import VersionShelf, changed_error, content_id
 

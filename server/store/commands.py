@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the commands import what they use when they run: a quick --help
     from .backend import StoreBackend
-    from .object_fs import StoreOptions
-    from .remote import RemoteStore
+    from .remote.object_fs import StoreOptions
+    from .remote.stores import RemoteStore
 
 # Imports of pydantic, pyarrow and the readers wait until a command runs: `shardserve --help`
 # and `shardserve ls --help` must answer at once, and `import pyarrow.dataset` alone pulls pandas.
@@ -80,7 +80,7 @@ def _guarded(
             return 2
         from shardserve.proto.errors import DataError, DatasetCorruptError, ShardserveError
 
-        from .object_fs import StoreUnavailable
+        from .remote.object_fs import StoreUnavailable
 
         try:
             return fn(args)
@@ -105,7 +105,7 @@ def _guarded(
 
 def _options() -> StoreOptions:
     from ..settings import StoreDefaults
-    from .object_fs import StoreOptions
+    from .remote.object_fs import StoreOptions
 
     # The CLI entry point is where the environment is read (object-store endpoint, secrets).
     return StoreOptions.from_env(os.environ, StoreDefaults().store_endpoint)
@@ -117,7 +117,7 @@ def _open_store(store: str) -> StoreBackend:
     from shardserve.proto.errors import InvalidDataError
 
     from .backend import open_store
-    from .object_fs import is_uri
+    from .remote.object_fs import is_uri
 
     if not is_uri(store) and not Path(store).is_dir():
         what = "is not a folder" if Path(store).exists() else "does not exist"
@@ -127,13 +127,13 @@ def _open_store(store: str) -> StoreBackend:
 
 def _open_remote(store: str) -> RemoteStore:
     """The object store ``store`` (a URI), to upload to."""
-    from .remote import RemoteStore
+    from .remote.stores import RemoteStore
 
     return RemoteStore(store, _options())
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    from .object_fs import is_uri
+    from .remote.object_fs import is_uri
 
     if getattr(args, "engine", "local") == "ray" or is_uri(args.store):
         from .ingest.to_store import ingest_anywhere
@@ -143,12 +143,22 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         from .ingest.run import ingest_all
 
         summary = ingest_all(
-            args.src, args.store, args.name, fmt=args.format, shard_bytes=args.shard_size,
-            overwrite=args.overwrite, variable=args.variable, threads=args.threads,
-            progress=not args.quiet, stacked=args.stacked, map_fn=args.map,
-            workers=args.workers, split=args.split, max_sample_bytes=args.max_sample_bytes,
+            args.src,
+            args.store,
+            args.name,
+            fmt=args.format,
+            shard_bytes=args.shard_size,
+            overwrite=args.overwrite,
+            variable=args.variable,
+            threads=args.threads,
+            progress=not args.quiet,
+            stacked=args.stacked,
+            map_fn=args.map,
+            workers=args.workers,
+            split=args.split,
+            max_sample_bytes=args.max_sample_bytes,
             value_format=args.value_format,
-        )  # fmt: skip
+        )
     print(summary.line())
     return 0
 
@@ -156,7 +166,7 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     manifests = _open_store(args.store).list()
     if not manifests:
-        from .object_fs import display_uri, is_uri
+        from .remote.object_fs import display_uri, is_uri
 
         shown = display_uri(args.store) if is_uri(args.store) else args.store
         print(f"no datasets in {shown}", file=sys.stderr)  # never a URI's credentials

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shardserve.proto.manifest import Manifest
 
-from .shards import verify_shard
+from .read.shards import verify_shard
 
 
 def verify_dataset(folder: Path, manifest: Manifest, progress: bool = False) -> None:

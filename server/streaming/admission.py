@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.messages import Error, Hello
 
-from ..jobs import Job
+from ..registry.jobs import Job
 from .sessions import Session
 
 #: Peers whose Hello rate is remembered at most (oldest forgotten first).

@@ -23,7 +23,7 @@ import numpy as np
 from shardserve.proto.api import RankStatus, ShareStatus
 from shardserve.proto.endpoints import Delivery as Transport
 
-from ..metrics import ShareSeries
+from ..runtime.metrics import ShareSeries
 
 
 @dataclass

@@ -36,8 +36,8 @@ from shardserve.proto.messages import (
 )
 from shardserve.proto.version import foreign_hello, peek_version
 
-from ..assembly import Assembler, Done
-from ..logs import log_event
+from ..reading.assembly import Assembler, Done
+from ..runtime.logs import log_event
 from . import replies
 from .admission import (
     Claim,

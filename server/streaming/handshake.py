@@ -19,8 +19,8 @@ import hmac
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.messages import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS, Error, Hello, Reject
 
-from ..jobs import Job
 from ..planning import num_batches
+from ..registry.jobs import Job
 
 
 def version_reject(client_versions: list[int] | tuple[int, ...], nonce: int = 0) -> Reject:

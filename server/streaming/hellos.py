@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from shardserve.proto.messages import Heartbeat, Hello
 
-from ..assembly import Assembler
-from ..jobs import Job
+from ..reading.assembly import Assembler
+from ..registry.jobs import Job
 from .admission import (
     Claim,
     HelloRate,
@@ -151,9 +151,7 @@ class HelloHandling:
         # a Hello replaced (or a peer gone) before its turn costs nothing (see prepare).
         work = Work(WorkKind.PREPARE, ident, s.stream)
         d = self.deps
-        self.assembler.plan(
-            work, prepare, s, d.open_source, d.kind_of, self.config.max_batch_bytes
-        )  # fmt: skip
+        self.assembler.plan(work, prepare, s, d.open_source, d.kind_of, self.config.max_batch_bytes)
 
     def _welcome(self, s: Session) -> None:
         self.out.send(s.ident, self.opener.welcome(s))

@@ -11,8 +11,8 @@ import time
 
 from shardserve.proto.messages import ClientStats, Error, Hello, Reject
 
-from ..logs import log_event
-from ..metrics import Metrics
+from ..runtime.logs import log_event
+from ..runtime.metrics import Metrics
 from .board import StreamBoard
 from .sessions import LogExtras, Session
 
@@ -36,9 +36,15 @@ class StreamNotices:
         """A stream was welcomed."""
         flow = s.flow
         self.board.opened(
-            s.job_id, s.rank, s.stream, s.epoch, flow.start_batch, flow.num_batches, flow.owed,
+            s.job_id,
+            s.rank,
+            s.stream,
+            s.epoch,
+            flow.start_batch,
+            flow.num_batches,
+            flow.owed,
             s.transport,
-        )  # fmt: skip
+        )
         if s.shm_fallback is not None:
             self.board.fell_back(s.job_id, s.rank, s.shm_fallback)
         self.metrics.streams.set(open_streams)

@@ -15,9 +15,9 @@ import zmq
 
 from shardserve.proto.messages import MAX_CREDIT, Hello, Welcome
 
-from ..jobs import Job
-from ..memory import trim
-from ..rings import ShmUnavailable
+from ..registry.jobs import Job
+from ..runtime.memory import trim
+from ..runtime.rings import ShmUnavailable
 from .handshake import batches_per_rank
 from .notices import StreamNotices
 from .pipeline import Pipeline, choose_group, ring_slots

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import zmq
 
-from ..assembly import Assembler
-from ..metrics import Metrics
+from ..reading.assembly import Assembler
+from ..runtime.metrics import Metrics
 from ..source import BatchParts
 from .board import StreamBoard
 from .pipeline import INLINE_MAX_BYTES, Work, WorkKind
@@ -181,9 +181,14 @@ class Pump:
             self.metrics.messages_sent.inc()
             self.metrics.bytes_sent.inc(nbytes)
             self.board.sent(
-                s.job_id, s.rank, nbytes, flow.next_send, flow.owed, count,
+                s.job_id,
+                s.rank,
+                nbytes,
+                flow.next_send,
+                flow.owed,
+                count,
                 # Counted by source where the job's kind names the part (another job's field
                 # may bear the same name).
                 batch.parts.get(prep.source_part) if prep.source_part is not None else None,
-            )  # fmt: skip
+            )
         return True

@@ -16,7 +16,7 @@ from shardserve.proto.errors import ErrorCode, ShardserveError, code_for_error
 from shardserve.proto.framing import encode
 from shardserve.proto.messages import ControlMessage, Error
 
-from ..logs import log_event
+from ..runtime.logs import log_event
 
 log = logging.getLogger("shardserve.streaming")
 

@@ -17,10 +17,10 @@ import numpy as np
 from shardserve.proto.endpoints import Delivery as Transport
 from shardserve.proto.jobs import JobSpec
 
-from ..jobs import Job, JobRegistry
-from ..metrics import Metrics
+from ..reading.sources import OpenSource, Stored
+from ..registry.jobs import Job, JobRegistry
+from ..runtime.metrics import Metrics
 from ..source import BatchParts, BatchSource, PartShapes, StreamPlan
-from ..sources import OpenSource, Stored
 from .board import StreamBoard
 from .limits import StreamCancelled, check_job_batch
 from .pipeline import Pipeline
@@ -257,9 +257,15 @@ def prepare(s: Session, open_source: OpenSource, kind_of: KindOf, max_batch_byte
     )
     source.plan_hint(plan)  # a remote dataset fetches what comes next
     return Prepared(
-        source, plan, fields, source.part_shapes(fields), rows, batch_bytes, source.groupable,
+        source,
+        plan,
+        fields,
+        source.part_shapes(fields),
+        rows,
+        batch_bytes,
+        source.groupable,
         kind.source_part,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from enum import Enum
 
 from shardserve.proto.api import ShareStatus
 
-from ..metrics import ShareSeries
+from ..runtime.metrics import ShareSeries
 from ..source import BatchParts
 from .sinks import IDLE_KEEP_S, BatchSink
 
@@ -254,11 +254,19 @@ class ShareGroup:
     def status(self) -> ShareStatus:
         _, rank, epoch, *_ = self.key
         return ShareStatus(
-            share=self.share, rank=rank, epoch=epoch, subscribers=len(self.members),
-            window=self.window, kept=self.kept, front=self.front, assembled=self.assembled,
-            handed=self.handed, own=sum(m.own for m in self.members.values()) + self.gone_own,
-            detaches=self.detaches, lags=self.lags(),
-        )  # fmt: skip
+            share=self.share,
+            rank=rank,
+            epoch=epoch,
+            subscribers=len(self.members),
+            window=self.window,
+            kept=self.kept,
+            front=self.front,
+            assembled=self.assembled,
+            handed=self.handed,
+            own=sum(m.own for m in self.members.values()) + self.gone_own,
+            detaches=self.detaches,
+            lags=self.lags(),
+        )
 
 
 class ShareBook:
@@ -355,12 +363,15 @@ class ShareBook:
         for job_rank in sorted(live.keys() | self._ended.keys()):
             gs = live.get(job_rank, [])
             handed, detaches = self._ended.get(job_rank, (0, 0))
-            out.append(ShareSeries(
-                *job_rank, subscribers=sum(len(g.members) for g in gs),
-                lag=max((lag for g in gs for lag in g.lags()), default=0),
-                handed=handed + sum(g.handed for g in gs),
-                detaches=detaches + sum(g.detaches for g in gs),
-            ))  # fmt: skip
+            out.append(
+                ShareSeries(
+                    *job_rank,
+                    subscribers=sum(len(g.members) for g in gs),
+                    lag=max((lag for g in gs for lag in g.lags()), default=0),
+                    handed=handed + sum(g.handed for g in gs),
+                    detaches=detaches + sum(g.detaches for g in gs),
+                )
+            )
         return out
 
     def spans_of(self, plan: tuple[str, int, int, int, int]) -> int | None:

@@ -22,7 +22,7 @@ from shardserve.proto.rings import (
     align,
 )
 
-from ..rings import SlotRing, create_ring
+from ..runtime.rings import SlotRing, create_ring
 from ..source import BatchParts, BatchSource, FileSpan, PartShapes
 
 #: Each part's dtype and per-sample shape (``None``: variable), as a ring lays them out.

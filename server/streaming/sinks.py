@@ -37,7 +37,7 @@ from shardserve.proto.endpoints import Delivery
 from shardserve.proto.framing import encode_batch
 from shardserve.proto.messages import BatchHeader, PartHeader, ShmRing
 
-from ..rings import ShmUnavailable
+from ..runtime.rings import ShmUnavailable
 from ..source import BatchParts, BatchSource, PartShapes, Placer
 from .buffers import BufferPool, BufferSet
 from .shm import ShmSlots
@@ -330,8 +330,14 @@ class RingBook:
     stream uses the socket). A ring handed to the peer's next stream stays proven.
     """
 
-    def __init__(self, shm_dir: Path, limit_bytes: int | None, max_unproven: int = 16,
-                 keep_s: float = IDLE_KEEP_S, ring_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shm_dir: Path,
+        limit_bytes: int | None,
+        max_unproven: int = 16,
+        keep_s: float = IDLE_KEEP_S,
+        ring_bytes: int | None = None,
+    ) -> None:
         self.shm_dir = shm_dir
         self.limit_bytes = limit_bytes
         #: Most bytes of one ring (see :meth:`~.shm.ShmSlots.create`).
@@ -391,9 +397,15 @@ class RingBook:
             # The limit is for all proven rings together: same-host peers cannot fill /dev/shm.
             limit = max(limit - self.live_bytes, 0)
         slots = ShmSlots.create(
-            route.stream, nslots, source, fields, batch_size, self.shm_dir, limit,
+            route.stream,
+            nslots,
+            source,
+            fields,
+            batch_size,
+            self.shm_dir,
+            limit,
             ring_bytes=self.ring_bytes,
-        )  # fmt: skip
+        )
         self._live[id(slots)] = slots
         self._unproven.add(id(slots))
         return SlotSink(route, slots, self)

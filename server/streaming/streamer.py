@@ -13,7 +13,7 @@ Server side of the protocol in :mod:`shardserve.proto.messages`, per peer (routi
 Rules this thread keeps:
 
 * It alone touches the socket (zmq sockets are not thread-safe). Assembly runs on the
-  :class:`~shardserve.server.assembly.Assembler` pool, which wakes this thread through a
+  :class:`~shardserve.server.reading.assembly.Assembler` pool, which wakes this thread through a
   :class:`Waker` fd in the same ``zmq.Poller``; HTTP threads reach it only through
   a command queue (e.g. a deleted job) and read its state from the :class:`~.board.StreamBoard`.
 * Nothing is assembled past a stream's credit (see :mod:`.sessions`), so a slow consumer bounds
@@ -55,7 +55,7 @@ import zmq
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.messages import Error
 
-from ..logs import log_event
+from ..runtime.logs import log_event
 from .unread import UNREAD_BYTES, UNREAD_STREAM_BYTES
 
 log = logging.getLogger("shardserve.streaming")

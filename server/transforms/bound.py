@@ -52,14 +52,21 @@ ASSEMBLY_PER_JOB = 2
 class Transforms:
     """The server's transforms: what is installed, where chains run, what they cost."""
 
-    def __init__(self, modules: Sequence[str], workers: int, pool: PoolSetting,
-                 timeout_s: float, registry: CollectorRegistry | None = None,
-                 limits: Limits | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        modules: Sequence[str],
+        workers: int,
+        pool: PoolSetting,
+        timeout_s: float,
+        registry: CollectorRegistry | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.registry = TransformRegistry.load(modules)
         self.metrics = TransformMetrics(registry)
         self.limits = limits or Limits()
-        self.pool = TransformPool(workers, pool, modules, timeout_s, self.metrics, self.limits,
-                                  ASSEMBLY_PER_JOB)  # fmt: skip
+        self.pool = TransformPool(
+            workers, pool, modules, timeout_s, self.metrics, self.limits, ASSEMBLY_PER_JOB
+        )
 
     def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
         """Run ``fn(*args)`` on job ``lane``'s assembly threads (see
@@ -86,22 +93,36 @@ class Transforms:
         some samples are not its inputs: they pass by it, masks and all."""
         inputs = {f.name: from_field_spec(f) for f in manifest.fields if not f.nullable}
         passed = [f.name for f in manifest.fields if f.nullable]
-        chain = compile_chain(spec.transforms or (), self.registry, inputs, manifest.name, passed,
-                              job_scheme(spec))  # fmt: skip
+        chain = compile_chain(
+            spec.transforms or (), self.registry, inputs, manifest.name, passed, job_scheme(spec)
+        )
         check_chain_bytes(chain, spec.batch_size, self.limits.max_batch_bytes)
         return chain
 
-    def bind(self, source: BatchSource, spec: JobSpec, epoch: int, seed: int,
-             rank: int, quarantine: Quarantine | None = None) -> BatchSource:  # fmt: skip
+    def bind(
+        self,
+        source: BatchSource,
+        spec: JobSpec,
+        epoch: int,
+        seed: int,
+        rank: int,
+        quarantine: Quarantine | None = None,
+    ) -> BatchSource:
         """``source`` as the stream of (``seed``, ``epoch``, ``rank``) sees it; ``source``
         itself when the job has no transforms. ``quarantine``: where failing samples go
         with ``on_error="quarantine"``."""
         if not spec.transforms:
             return source
         return TransformedDataset(
-            source, self.compile(spec, source.manifest), self, spec, epoch, seed, rank,
+            source,
+            self.compile(spec, source.manifest),
+            self,
+            spec,
+            epoch,
+            seed,
+            rank,
             quarantine,
-        )  # fmt: skip
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -138,9 +159,17 @@ class TransformedDataset(Wrapped):
     """A source whose ``take`` runs a chain and whose fields are the chain's outputs; it
     never runs inline, and each batch is assembled on its job's own lane."""
 
-    def __init__(self, inner: BatchSource, chain: Chain, runtime: Transforms, spec: JobSpec,
-                 epoch: int, seed: int, rank: int,
-                 quarantine: Quarantine | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        inner: BatchSource,
+        chain: Chain,
+        runtime: Transforms,
+        spec: JobSpec,
+        epoch: int,
+        seed: int,
+        rank: int,
+        quarantine: Quarantine | None = None,
+    ) -> None:
         super().__init__(inner)
         self.chain = chain
         self._rt = runtime
@@ -193,24 +222,27 @@ class TransformedDataset(Wrapped):
         names = list(fields) if fields is not None else known
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise BadRequest(f"no field(s) {unknown} after the transforms; fields are "
-                             f"{known}")  # fmt: skip
+            raise BadRequest(f"no field(s) {unknown} after the transforms; fields are {known}")
         return names
 
     def part_shapes(self, fields: Sequence[str] | None = None) -> PartShapes:
         specs = {f.name: f for f in self.fields}
         return {p: shape for n in self.field_names(fields) for p, shape in parts_of(specs[n])}
 
-    def take(self, indices: np.ndarray | Sequence[int], fields: Sequence[str] | None = None,
-             out: Mapping[str, np.ndarray] | None = None, batch: int = -1,
-             tail: Tail = FRESH) -> BatchParts:  # fmt: skip
+    def take(
+        self,
+        indices: np.ndarray | Sequence[int],
+        fields: Sequence[str] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        batch: int = -1,
+        tail: Tail = FRESH,
+    ) -> BatchParts:
         """Batch ``batch`` of this stream: stored fields of ``indices`` through the chain, and
         the fields missing in some samples as stored, for the samples the chain kept."""
         names = self.field_names(fields)
         passed = [n for n in names if n in self._passed]
         if passed:
-            ran = self._run([n for n in names if n not in self._passed], indices, out, batch,
-                            tail)  # fmt: skip
+            ran = self._run([n for n in names if n not in self._passed], indices, out, batch, tail)
             kept, parts = ran
             parts.update(self.inner.take(kept, passed, out=out, batch=batch, tail=tail))
             return {p: parts[p] for p in self.part_shapes(names)}  # in the layout's order
@@ -228,9 +260,14 @@ class TransformedDataset(Wrapped):
                 into[n] = a
         return into
 
-    def _run(self, names: list[str], indices: np.ndarray | Sequence[int],
-             out: Mapping[str, np.ndarray] | None, batch: int,
-             tail: Tail) -> tuple[np.ndarray, BatchParts]:  # fmt: skip
+    def _run(
+        self,
+        names: list[str],
+        indices: np.ndarray | Sequence[int],
+        out: Mapping[str, np.ndarray] | None,
+        batch: int,
+        tail: Tail,
+    ) -> tuple[np.ndarray, BatchParts]:
         """The chain's outputs ``names`` of ``indices``, and the samples they are of (failing
         ones replaced with ``on_error="replace"``)."""
         idx = np.array(indices, dtype=np.int64).reshape(-1)
@@ -239,14 +276,21 @@ class TransformedDataset(Wrapped):
         chain_names = self.chain.names
         attempts: dict[int, int] = {}
         while True:
-            stored = self.inner.take(idx, list(self.chain.inputs), out=self._into(out, idx.size),
-                                     batch=batch)  # fmt: skip
+            stored = self.inner.take(
+                idx, list(self.chain.inputs), out=self._into(out, idx.size), batch=batch
+            )
             try:
                 return idx, self._rt.pool.run(
-                    self.chain, stored, idx, where, names,
+                    self.chain,
+                    stored,
+                    idx,
+                    where,
+                    names,
                     partial(pool_error, name, self._epoch, chain_names, idx),
-                    out, tail, lane=self._lane,
-                )  # fmt: skip
+                    out,
+                    tail,
+                    lane=self._lane,
+                )
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()
                 self._rt.metrics.count("errors")
@@ -270,8 +314,9 @@ class TransformedDataset(Wrapped):
                 for pos, failed in e.all:
                     attempt = attempts[pos] = attempts.get(pos, 0) + 1
                     lo, hi = self.inner.replaceable_by(failed)
-                    idx[pos] = lo + replacement(self._seed, self._epoch, failed - lo, attempt,
-                                                hi - lo)  # fmt: skip
+                    idx[pos] = lo + replacement(
+                        self._seed, self._epoch, failed - lo, attempt, hi - lo
+                    )
                 self._rt.metrics.replaced.inc(len(e.all))
                 self._rt.metrics.count("replaced", len(e.all))
             except TransformError:

@@ -37,8 +37,9 @@ from .schema import Schema
 
 
 # -- resize and random resized crop (per sample) -----------------------------------------------
-def _bilinear(img: np.ndarray, y0: float, x0: float, h: float, w: float, oh: int, ow: int,
-              ah: int, aw: int) -> np.ndarray:  # fmt: skip
+def _bilinear(
+    img: np.ndarray, y0: float, x0: float, h: float, w: float, oh: int, ow: int, ah: int, aw: int
+) -> np.ndarray:
     """The box (y0, x0, h, w) of ``img`` resampled to ``oh`` x ``ow`` (half-pixel centres)."""
     H, W = img.shape[ah], img.shape[aw]
     ys = np.clip(y0 + (np.arange(oh) + 0.5) * (h / oh) - 0.5, 0, H - 1)
@@ -61,8 +62,14 @@ def _bilinear(img: np.ndarray, y0: float, x0: float, h: float, w: float, oh: int
     return np.ascontiguousarray(np.moveaxis(out.astype(img.dtype), (0, 1), (ah, aw)))
 
 
-def _resample(x: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
-              ah: int, aw: int, method: str) -> np.ndarray:  # fmt: skip
+def _resample(
+    x: np.ndarray,
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    ah: int,
+    aw: int,
+    method: str,
+) -> np.ndarray:
     """Box ``(y0, x0, h, w)`` of ``x`` resized to ``size`` (bilinear) by ``method``."""
     y0, x0, h, w = box
     if method == "numpy":
@@ -270,8 +277,9 @@ def _unpack_outputs(p: UnpackBits, inputs: Schema) -> dict[str, F]:
 
 
 @batch_transform(params=UnpackBits, outputs=_unpack_outputs, takes_out=True)
-def unpack_bits(batch: Columns, p: UnpackBits, rng: np.random.Generator,
-                out: Mapping[str, np.ndarray]) -> Columns:  # fmt: skip
+def unpack_bits(
+    batch: Columns, p: UnpackBits, rng: np.random.Generator, out: Mapping[str, np.ndarray]
+) -> Columns:
     """Packed bit records (uint8) into planes of ``shape`` (``numpy.unpackbits``)."""
     x = batch[p.field]
     b = x.shape[0]

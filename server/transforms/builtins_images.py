@@ -31,8 +31,10 @@ Layout = Literal["HWC", "CHW"]
 MAX_SIDE = 1 << 16
 #: Bounds of every parameter: nonsense is refused at job creation naming the parameter.
 Side = Annotated[int, Field(ge=1, le=MAX_SIDE)]
-Size = Annotated[Side | Annotated[list[Side], Field(min_length=2, max_length=2)],
-                 Field(description="output N or [H, W], each 1 to 65536")]  # fmt: skip
+Size = Annotated[
+    Side | Annotated[list[Side], Field(min_length=2, max_length=2)],
+    Field(description="output N or [H, W], each 1 to 65536"),
+]
 Finite = Annotated[float, Field(ge=-1e12, le=1e12)]
 
 
@@ -189,8 +191,11 @@ def _norm_outputs(p: Normalize, inputs: Schema) -> dict[str, F]:
         if len(shape) != 3 or p.layout != "HWC":
             raise ValueError("to_chw needs an HWC image")
         shape = (shape[2], shape[0], shape[1])
-    chans = shape[0] if len(shape) == 3 and (p.to_chw or p.layout == "CHW") else (
-        shape[2] if len(shape) == 3 else 1)  # fmt: skip
+    chans = (
+        shape[0]
+        if len(shape) == 3 and (p.to_chw or p.layout == "CHW")
+        else (shape[2] if len(shape) == 3 else 1)
+    )
     for name, v in (("mean", p.mean), ("std", p.std)):
         if v is not None and len(v) not in (1, chans):
             raise ValueError(f"{name} has {len(v)} values for {chans} channels")
@@ -200,8 +205,9 @@ def _norm_outputs(p: Normalize, inputs: Schema) -> dict[str, F]:
 
 
 @batch_transform(params=Normalize, outputs=_norm_outputs, takes_out=True)
-def normalize(batch: Columns, p: Normalize, rng: np.random.Generator,
-              out: Mapping[str, np.ndarray]) -> Columns:  # fmt: skip
+def normalize(
+    batch: Columns, p: Normalize, rng: np.random.Generator, out: Mapping[str, np.ndarray]
+) -> Columns:
     """``(x * scale - mean) / std`` per channel, as ``dtype``."""
     x = batch[p.field]
     y = out.get(p.field)

@@ -20,8 +20,9 @@ def bounds(n: int, pieces: int) -> list[tuple[int, int]]:
     return [(cuts[k], cuts[k + 1]) for k in range(pieces)]
 
 
-def slice_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field], lo: int,
-                hi: int) -> dict[str, np.ndarray]:  # fmt: skip
+def slice_parts(
+    parts: Mapping[str, np.ndarray], schema: Mapping[str, Field], lo: int, hi: int
+) -> dict[str, np.ndarray]:
     """Rows ``lo..hi`` of store-layout ``parts`` (ragged offsets rebased to 0)."""
     out: dict[str, np.ndarray] = {}
     for name, f in schema.items():
@@ -39,9 +40,13 @@ def slice_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field], lo
     return out
 
 
-def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str, Field],
-                 names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
-                 tail: Tail = FRESH) -> dict[str, np.ndarray]:  # fmt: skip
+def concat_parts(
+    pieces: Sequence[Mapping[str, np.ndarray]],
+    schema: Mapping[str, Field],
+    names: Sequence[str],
+    out: Mapping[str, np.ndarray] | None = None,
+    tail: Tail = FRESH,
+) -> dict[str, np.ndarray]:
     """The inverse of :func:`slice_parts` over consecutive pieces (fixed fields into ``out``,
     the values of variable ones joined in ``tail``; one piece's are kept as they are)."""
     if len(pieces) == 1 and out is None:
@@ -59,8 +64,9 @@ def concat_parts(pieces: Sequence[Mapping[str, np.ndarray]], schema: Mapping[str
             joined[name] = dest
             continue
         if len(pieces) == 1:
-            joined.update({k: pieces[0][k] for k in (name, name + OFFSETS, name + SHAPES)
-                           if k in pieces[0]})  # fmt: skip
+            joined.update(
+                {k: pieces[0][k] for k in (name, name + OFFSETS, name + SHAPES) if k in pieces[0]}
+            )
             continue
         values = [p[name] for p in pieces]
         size = sum(v.size for v in values)

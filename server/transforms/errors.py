@@ -14,8 +14,14 @@ class StepFailed(Exception):
     """A step of a chain failed on one sample (``position`` in the batch) or on the batch
     (``position`` is ``None``). Crosses the worker-process boundary as plain JSON."""
 
-    def __init__(self, transform: str, position: int | None, index: int | None, text: str,
-                 replaceable: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        transform: str,
+        position: int | None,
+        index: int | None,
+        text: str,
+        replaceable: bool = True,
+    ) -> None:
         super().__init__(text)
         self.transform = transform
         self.position = position

@@ -75,10 +75,10 @@ def open_image(data: np.ndarray, limits: Limits) -> Any:
 # decodes, but around each image Python holds it; on 2 cores, 10,000 small JPEGs decoded and
 # cropped ran twice as fast on 2 worker processes as on 2 threads (7,400 against 3,700
 # images/s), and 300-500 px photos 5-9% faster.
-@sample_transform(params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True,
-                  pool="process")  # fmt: skip
-def decode_image(sample: Columns, p: Decode, rng: np.random.Generator,
-                 limits: Limits) -> Columns:  # fmt: skip
+@sample_transform(
+    params=Decode, outputs=_decode_outputs, name="decode_image", takes_limits=True, pool="process"
+)
+def decode_image(sample: Columns, p: Decode, rng: np.random.Generator, limits: Limits) -> Columns:
     """Decode JPEG/PNG bytes to uint8 HWC (RGB) or HW (L); an image whose header says more
     than ``--max-decoded-pixels`` is refused before a pixel is decoded."""
     with open_image(sample[p.field], limits) as im:

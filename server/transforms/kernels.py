@@ -74,9 +74,15 @@ def _windows(buf: np.ndarray, ah: int, aw: int, h: int, w: int) -> np.ndarray:
 
 
 def crop_flip(
-    x: np.ndarray, ah: int, aw: int, size: tuple[int, int], oy: np.ndarray, ox: np.ndarray,
-    flip: np.ndarray | None = None, out: np.ndarray | None = None,
-) -> np.ndarray:  # fmt: skip
+    x: np.ndarray,
+    ah: int,
+    aw: int,
+    size: tuple[int, int],
+    oy: np.ndarray,
+    ox: np.ndarray,
+    flip: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """Per sample ``b``: the ``size`` window of ``x[b]`` at ``(oy[b], ox[b])`` (batch axes
     ``ah``, ``aw``), mirrored along ``aw`` where ``flip[b]``; written into ``out`` if given.
 
@@ -113,9 +119,13 @@ def crop_flip(
 
 
 def normalize_into(
-    x: np.ndarray, y: np.ndarray, chw: bool, scale: float, mean: Sequence[float] | None,
+    x: np.ndarray,
+    y: np.ndarray,
+    chw: bool,
+    scale: float,
+    mean: Sequence[float] | None,
     std: Sequence[float] | None,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """``y = (x * scale - mean) / std`` per channel in ``y``'s dtype (``x`` already in ``y``'s
     layout; channels on axis 1 if ``chw`` else the last of a 4-d batch). Each operation rounds
     to ``y``'s dtype in this order, so the bytes are those of cast, multiply, subtract, divide

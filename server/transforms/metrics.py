@@ -28,10 +28,12 @@ class TransformMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         r = registry if registry is not None else CollectorRegistry()
         self.seconds = Histogram(
-            "shardserve_transform_seconds", "time one transform took on one batch",
-            ["transform"], registry=r,
+            "shardserve_transform_seconds",
+            "time one transform took on one batch",
+            ["transform"],
+            registry=r,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
-        )  # fmt: skip
+        )
         self.samples = Counter(
             "shardserve_transform_samples", "samples through a transform chain", registry=r
         )
@@ -43,13 +45,16 @@ class TransformMetrics:
             registry=r,
         )
         self.replaced = Counter(
-            "shardserve_transform_replaced", "samples replaced after their transform failed",
+            "shardserve_transform_replaced",
+            "samples replaced after their transform failed",
             registry=r,
-        )  # fmt: skip
+        )
         self.restarts = Counter(
-            "shardserve_transform_worker_restarts", "transform workers replaced", ["reason"],
+            "shardserve_transform_worker_restarts",
+            "transform workers replaced",
+            ["reason"],
             registry=r,
-        )  # fmt: skip
+        )
         self.workers = Gauge("shardserve_transform_workers", "worker processes alive", registry=r)
         self.queue = Gauge("shardserve_transform_queue", "batches waiting for a worker", registry=r)
         self._lock = threading.Lock()

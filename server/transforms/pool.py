@@ -41,7 +41,7 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
-from ..lanes import Lane, Lanes
+from ..runtime.lanes import Lane, Lanes
 from ..source import FRESH, Tail
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed

@@ -33,7 +33,7 @@ import numpy as np
 from shardserve.proto.errors import TransformError
 from shardserve.proto.rings import align
 
-from ..rings import ShmUnavailable, SlotRing, create_ring
+from ..runtime.rings import ShmUnavailable, SlotRing, create_ring
 from ..source import Spans
 from . import codec
 from .errors import StepFailed

@@ -30,8 +30,8 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
-from ..deadlines import Deadlines
-from ..lanes import Lane, Lanes
+from ..runtime.deadlines import Deadlines
+from ..runtime.lanes import Lane, Lanes
 from ..source import Tail
 from .chunks import concat_parts
 from .metrics import TransformMetrics

@@ -94,10 +94,17 @@ class Transform:
         }
 
 
-def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outputs: Outputs,
-            pool: PoolKind, takes_limits: bool = False,
-            peak: Callable[[Any, Schema], int] | None = None, takes_out: bool = False,
-            takes_keys: bool = False) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
+def _marker(
+    shape: Shape,
+    name: str | None,
+    params: type[BaseModel] | None,
+    outputs: Outputs,
+    pool: PoolKind,
+    takes_limits: bool = False,
+    peak: Callable[[Any, Schema], int] | None = None,
+    takes_out: bool = False,
+    takes_keys: bool = False,
+) -> Callable[[Callable[..., Any]], Transform]:
     def mark(fn: Callable[..., Any]) -> Transform:
         return Transform(
             name=name or fn.__name__,
@@ -118,10 +125,14 @@ def _marker(shape: Shape, name: str | None, params: type[BaseModel] | None, outp
 
 
 def sample_transform(
-    *, outputs: Outputs, params: type[BaseModel] | None = None, name: str | None = None,
-    pool: PoolKind = "thread", takes_limits: bool = False,
+    *,
+    outputs: Outputs,
+    params: type[BaseModel] | None = None,
+    name: str | None = None,
+    pool: PoolKind = "thread",
+    takes_limits: bool = False,
     peak: Callable[[Any, Schema], int] | None = None,
-) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
+) -> Callable[[Callable[..., Any]], Transform]:
     """Mark ``fn(sample, params, rng) -> dict`` as a sample transform.
 
     ``sample`` maps field name to that sample's array; the result holds the fields it writes
@@ -135,11 +146,16 @@ def sample_transform(
 
 
 def batch_transform(
-    *, outputs: Outputs, params: type[BaseModel] | None = None, name: str | None = None,
-    pool: PoolKind = "thread", takes_limits: bool = False,
-    peak: Callable[[Any, Schema], int] | None = None, takes_out: bool = False,
+    *,
+    outputs: Outputs,
+    params: type[BaseModel] | None = None,
+    name: str | None = None,
+    pool: PoolKind = "thread",
+    takes_limits: bool = False,
+    peak: Callable[[Any, Schema], int] | None = None,
+    takes_out: bool = False,
     takes_keys: bool = False,
-) -> Callable[[Callable[..., Any]], Transform]:  # fmt: skip
+) -> Callable[[Callable[..., Any]], Transform]:
     """Mark ``fn(batch, params, rng) -> dict`` as a batch transform: arrays ``[B, ...]`` in
     (variable fields as lists of arrays), the fields it writes out, ``rng`` from (seed, epoch,
     rank, batch index, step); ``takes_limits`` and ``peak`` as for :func:`sample_transform`.

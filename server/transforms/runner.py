@@ -77,9 +77,12 @@ def split_parts(parts: Mapping[str, np.ndarray], schema: Mapping[str, Field]) ->
 
 
 def join_parts(
-    cols: Mapping[str, Column], schema: Mapping[str, Field], names: Sequence[str],
-    out: Mapping[str, np.ndarray] | None = None, tail: Tail = FRESH,
-) -> dict[str, np.ndarray]:  # fmt: skip
+    cols: Mapping[str, Column],
+    schema: Mapping[str, Field],
+    names: Sequence[str],
+    out: Mapping[str, np.ndarray] | None = None,
+    tail: Tail = FRESH,
+) -> dict[str, np.ndarray]:
     """Columns -> store-layout parts of ``names`` (fixed ones written into ``out`` if it fits,
     the values of variable ones joined in ``tail``)."""
     parts: dict[str, np.ndarray] = {}
@@ -122,26 +125,49 @@ def _stack(items: list[np.ndarray], f: Field) -> np.ndarray:
     return np.stack(items) if items else np.empty((0, *f.shape), dtype=f.dtype)
 
 
-def _check(step: Step, name: str, f: Field, arr: object, position: int | None, index: int | None,
-           batch: int | None) -> np.ndarray:  # fmt: skip
+def _check(
+    step: Step,
+    name: str,
+    f: Field,
+    arr: object,
+    position: int | None,
+    index: int | None,
+    batch: int | None,
+) -> np.ndarray:
     t = step.transform.name
     if isinstance(arr, np.generic):  # a scalar field's value, e.g. sample["label"]
         arr = np.asarray(arr)
     if not isinstance(arr, np.ndarray):
-        raise StepFailed(t, position, index, f"returned {type(arr).__name__} for field {name!r}, "
-                         f"declared a numpy array {f.describe()}", replaceable=False)  # fmt: skip
+        raise StepFailed(
+            t,
+            position,
+            index,
+            f"returned {type(arr).__name__} for field {name!r}, "
+            f"declared a numpy array {f.describe()}",
+            replaceable=False,
+        )
     want = f if batch is None else Field(f.dtype, (batch, *f.shape))
     if not want.matches(arr):
         raise StepFailed(
-            t, position, index,
+            t,
+            position,
+            index,
             f"returned field {name!r} as {arr.dtype}{list(arr.shape)}, declared "
-            f"{want.dtype}{list(want.shape)}", replaceable=False,
-        )  # fmt: skip
+            f"{want.dtype}{list(want.shape)}",
+            replaceable=False,
+        )
     return arr
 
 
-def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndarray,
-                  where: Where, limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
+def _apply_sample(
+    step: Step,
+    si: int,
+    cols: dict[str, Column],
+    indices: np.ndarray,
+    where: Where,
+    limits: Limits,
+    dest: Mapping[str, np.ndarray],
+) -> None:
     t = step.transform
     n = len(indices)
     more = (limits,) if t.takes_limits else ()
@@ -169,22 +195,30 @@ def _apply_sample(step: Step, si: int, cols: dict[str, Column], indices: np.ndar
             continue
         if not isinstance(got, Mapping) or set(got) - set(step.writes):
             extra = sorted(set(got) - set(step.writes)) if isinstance(got, Mapping) else got
-            raise StepFailed(t.name, i, idx, f"returned {extra!r}; it declares only "
-                             f"{sorted(step.writes)}", replaceable=False)  # fmt: skip
+            raise StepFailed(
+                t.name,
+                i,
+                idx,
+                f"returned {extra!r}; it declares only {sorted(step.writes)}",
+                replaceable=False,
+            )
         for k, f in step.writes.items():
             if k not in got:
-                raise StepFailed(t.name, i, idx, f"did not return declared field {k!r}",
-                                 replaceable=False)  # fmt: skip
+                raise StepFailed(
+                    t.name, i, idx, f"did not return declared field {k!r}", replaceable=False
+                )
             written[k].append(_check(step, k, f, got[k], i, idx, None))
         if ragged:
             held += sum(written[k][-1].nbytes for k in ragged)
             if held > limits.max_batch_bytes:
                 raise StepFailed(
-                    t.name, i, idx,
+                    t.name,
+                    i,
+                    idx,
                     f"variable-size output {ragged} reached {held} bytes at this sample, more "
                     f"than --max-batch-bytes {limits.max_batch_bytes} for one batch",
                     replaceable=False,
-                )  # fmt: skip
+                )
     if failed is not None:
         raise failed
     for k, f in step.writes.items():
@@ -200,8 +234,15 @@ def _keys(where: Where, step: int, indices: np.ndarray, legacy: bool) -> SampleK
     return SampleKeys(where.seed, where.epoch, step, indices, legacy=old)
 
 
-def _apply_batch(step: Step, at: tuple[int, ...], cols: dict[str, Column], indices: np.ndarray,
-                 where: Where, limits: Limits, dest: Mapping[str, np.ndarray]) -> None:  # fmt: skip
+def _apply_batch(
+    step: Step,
+    at: tuple[int, ...],
+    cols: dict[str, Column],
+    indices: np.ndarray,
+    where: Where,
+    limits: Limits,
+    dest: Mapping[str, np.ndarray],
+) -> None:
     t = step.transform
     n = len(indices)
     legacy = where.scheme == LEGACY_SCHEME
@@ -223,13 +264,15 @@ def _apply_batch(step: Step, at: tuple[int, ...], cols: dict[str, Column], indic
         raise StepFailed(t.name, None, None, f"{type(e).__name__}: {e}") from e
     for k, f in step.writes.items():
         if not isinstance(got, Mapping) or k not in got:
-            raise StepFailed(t.name, None, None, f"did not return declared field {k!r}",
-                             replaceable=False)  # fmt: skip
+            raise StepFailed(
+                t.name, None, None, f"did not return declared field {k!r}", replaceable=False
+            )
         cols[k] = _check(step, k, f, got[k], None, None, n)
 
 
-def _dest(step: Step, chain: Chain, names: Sequence[str], n: int,
-          out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:  # fmt: skip
+def _dest(
+    step: Step, chain: Chain, names: Sequence[str], n: int, out: Mapping[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
     """The arrays of ``out`` the last step may write its fixed-size outputs into: only the
     fields served (``names``) whose array has exactly the declared shape and dtype. A sample
     step's outputs are stacked there by the runner; a batch step writes there itself only if
@@ -245,10 +288,17 @@ def _dest(step: Step, chain: Chain, names: Sequence[str], n: int,
     return dest
 
 
-def run_chain(chain: Chain, parts: Mapping[str, np.ndarray], indices: np.ndarray, where: Where,
-              names: Sequence[str], out: Mapping[str, np.ndarray] | None = None,
-              limits: Limits | None = None, progress: Progress | None = None,
-              tail: Tail = FRESH) -> tuple[dict[str, np.ndarray], dict[str, float]]:  # fmt: skip
+def run_chain(
+    chain: Chain,
+    parts: Mapping[str, np.ndarray],
+    indices: np.ndarray,
+    where: Where,
+    names: Sequence[str],
+    out: Mapping[str, np.ndarray] | None = None,
+    limits: Limits | None = None,
+    progress: Progress | None = None,
+    tail: Tail = FRESH,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """``(parts of names, seconds per transform)``; raises :class:`StepFailed`.
 
     ``out``: where the fixed-size outputs go (the stream's memory); the last step writes the

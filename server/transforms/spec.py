@@ -74,10 +74,13 @@ def _problems(e: ValidationError) -> str:
 
 
 def compile_chain(
-    steps: Sequence[TransformStep | Mapping[str, object]], registry: TransformRegistry,
-    inputs: Mapping[str, Field], dataset: str, passed: Sequence[str] = (),
+    steps: Sequence[TransformStep | Mapping[str, object]],
+    registry: TransformRegistry,
+    inputs: Mapping[str, Field],
+    dataset: str,
+    passed: Sequence[str] = (),
     scheme: int = CURRENT_SCHEME,
-) -> Chain:  # fmt: skip
+) -> Chain:
     """The checked chain, or ``BadRequest`` naming the step and what to change. ``passed``:
     fields of the dataset the chain never sees (missing in some samples), served as stored;
     ``scheme``: the job's randomness scheme."""

@@ -53,8 +53,13 @@ class MappedFiles:
     def __init__(self) -> None:
         self._maps: OrderedDict[str, tuple[tuple[int, int], mmap.mmap]] = OrderedDict()
 
-    def view(self, span: Mapping[str, Any], dtype: np.dtype, shape: tuple[int, ...],
-             writable: bool = True) -> np.ndarray:  # fmt: skip
+    def view(
+        self,
+        span: Mapping[str, Any],
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        writable: bool = True,
+    ) -> np.ndarray:
         """An array of ``shape`` at ``span`` (``path``, ``offset``, ``nbytes``); ``ValueError``
         if it does not lie inside the file or holds another size."""
         path, offset = str(span["path"]), int(span["offset"])
@@ -78,8 +83,10 @@ class MappedFiles:
         nbytes = count * dtype.itemsize
         fits = offset >= 0 and offset + nbytes <= len(mm) and not offset % dtype.itemsize
         if not fits or nbytes != int(span["nbytes"]):
-            raise ValueError(f"output span of {span['nbytes']} bytes at {offset} of {path} "
-                             f"({len(mm)} bytes) does not hold {shape} {dtype}")  # fmt: skip
+            raise ValueError(
+                f"output span of {span['nbytes']} bytes at {offset} of {path} "
+                f"({len(mm)} bytes) does not hold {shape} {dtype}"
+            )
         view = np.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
         view.flags.writeable = writable
         return view
@@ -147,8 +154,10 @@ def main(conn: Connection, modules: list[str]) -> None:
             key = json.dumps([meta["chain"], meta["inputs"]], sort_keys=True)
             chain = chains.get(key)
             if chain is None:
-                inputs = {n: Field(f["dtype"], tuple(f["shape"]), f["binary"])
-                          for n, f in meta["inputs"].items()}  # fmt: skip
+                inputs = {
+                    n: Field(f["dtype"], tuple(f["shape"]), f["binary"])
+                    for n, f in meta["inputs"].items()
+                }
                 chain = chains[key] = compile_chain(meta["chain"], registry, inputs, "")
             files.sweep()
             reply, parts = _answer(chain, meta, arrays, files)
@@ -160,8 +169,9 @@ def main(conn: Connection, modules: list[str]) -> None:
         codec.send(conn, reply, parts)
 
 
-def _answer(chain: Chain, meta: Mapping[str, Any], piped: Mapping[str, np.ndarray],
-            files: MappedFiles) -> tuple[dict[str, Any], dict[str, np.ndarray]]:  # fmt: skip
+def _answer(
+    chain: Chain, meta: Mapping[str, Any], piped: Mapping[str, np.ndarray], files: MappedFiles
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Run one request: the reply and the output parts that go back on the pipe.
 
     Files the server keeps in /dev/shm may be removed under it (systemd-logind's

@@ -41,10 +41,23 @@ def main() -> None:
     if rank == 1:
         wait_for_rank0_job(url)
         subprocess.run(
-            [sys.executable, "-m", "shardserve.server", "ingest", src, "--store", store,
-             "--name", "versioned", "--overwrite", "--quiet"],
-            check=True, timeout=120, capture_output=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "shardserve.server",
+                "ingest",
+                src,
+                "--store",
+                store,
+                "--name",
+                "versioned",
+                "--overwrite",
+                "--quiet",
+            ],
+            check=True,
+            timeout=120,
+            capture_output=True,
+        )
     with Loader(url, "versioned", 50, seed=SEED, timeout=60) as loader:
         old = cifar_images(0, 600)
         ids, same = [], True
@@ -53,8 +66,14 @@ def main() -> None:
             batch_ids = sample_id_of({"image": got})
             same = same and all(np.array_equal(got[j], old[i]) for j, i in enumerate(batch_ids))
             ids += [int(i) for i in batch_ids]
-        info = {"rank": rank, "job": loader.job_id, "len": len(loader),
-                "samples": len(loader.dataset), "ids": ids, "old_version": same}  # fmt: skip
+        info = {
+            "rank": rank,
+            "job": loader.job_id,
+            "len": len(loader),
+            "samples": len(loader.dataset),
+            "ids": ids,
+            "old_version": same,
+        }
     dist.barrier()
     dist.destroy_process_group()
     out.write_text(json.dumps(info))

@@ -27,8 +27,12 @@ def main() -> None:
         for b in loader:
             head = np.ascontiguousarray(b["image"].numpy().reshape(len(b["image"]), -1)[:, :4])
             batches.append(head.view("<u4").reshape(-1).tolist())
-        info = {"rank": loader.world.rank, "world_size": loader.world.world_size, "len": len(loader),
-                "batches": batches}  # fmt: skip
+        info = {
+            "rank": loader.world.rank,
+            "world_size": loader.world.world_size,
+            "len": len(loader),
+            "batches": batches,
+        }
     dist.barrier()
     dist.destroy_process_group()
     out.write_text(json.dumps(info))

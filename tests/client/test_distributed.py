@@ -59,14 +59,45 @@ def test_train_ddp_example_reaches_good_accuracy(tmp_path) -> None:
     """examples/train_ddp.py trains with 2 CPU ranks via torchrun and ends with accuracy > 0.8."""
     store = tmp_path / "store"
     train, test = tmp_path / "digits-train.npz", tmp_path / "digits-test.npz"
-    subprocess.run([sys.executable, str(ROOT / "examples/prepare_digits.py"), str(train), str(test)],
-                   check=True, timeout=scaled(60), env=_env())  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples/prepare_digits.py"), str(train), str(test)],
+        check=True,
+        timeout=scaled(60),
+        env=_env(),
+    )
     for src, name in ((train, "digits-train"), (test, "digits-test")):
-        subprocess.run([sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-                        "--name", name], check=True, timeout=scaled(60), env=_env(), capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "shardserve.server",
+                "ingest",
+                str(src),
+                "--store",
+                str(store),
+                "--name",
+                name,
+            ],
+            check=True,
+            timeout=scaled(60),
+            env=_env(),
+            capture_output=True,
+        )
     with run_server(store) as srv:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "examples/train_ddp.py"), "--url", srv.http_url, "--epochs", "4"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(ROOT / "examples/train_ddp.py"),
+            "--url",
+            srv.http_url,
+            "--epochs",
+            "4",
+        ]
         r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=scaled(100))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
@@ -90,8 +121,14 @@ def test_ranks_agree_on_rank0s_version_across_an_overwrite(tmp_path) -> None:
         procs = []
         for rank in range(2):
             env = _env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            cmd = [sys.executable, str(ROOT / "tests/client/_agree_worker.py"), srv.http_url,
-                   str(store), str(src), str(tmp_path / f"{rank}.json")]  # fmt: skip
+            cmd = [
+                sys.executable,
+                str(ROOT / "tests/client/_agree_worker.py"),
+                srv.http_url,
+                str(store),
+                str(src),
+                str(tmp_path / f"{rank}.json"),
+            ]
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             )

@@ -27,10 +27,19 @@ EPOCH = 1
 
 def _loaders(url: str, world: int, shuffle: str, drop_last: bool) -> list[Loader]:
     return [
-        Loader(url, "cifar", BATCH, seed=5, shuffle=shuffle, drop_last=drop_last, rank=r,
-               world_size=world, timeout=scaled(60))
+        Loader(
+            url,
+            "cifar",
+            BATCH,
+            seed=5,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            rank=r,
+            world_size=world,
+            timeout=scaled(60),
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
 
 
 def _save(url: str, shuffle: str, drop_last: bool) -> tuple[list[dict[str, Any]], list[int]]:
@@ -224,10 +233,18 @@ def test_split_env_steps_resume_on_another_world_size(server: ServerProc) -> Non
 
     def loaders(world: int) -> list[Loader]:
         return [
-            Loader(server.http_url, "cifar", BATCH, seed=5, envs=2, env_shuffle="split",
-                   rank=r, world_size=world)
+            Loader(
+                server.http_url,
+                "cifar",
+                BATCH,
+                seed=5,
+                envs=2,
+                env_shuffle="split",
+                rank=r,
+                world_size=world,
+            )
             for r in range(world)
-        ]  # fmt: skip
+        ]
 
     before: list[int] = []
     states = []

@@ -26,8 +26,9 @@ def _step_ids(step: list[dict[str, torch.Tensor]]) -> tuple[tuple[int, ...], ...
 def test_each_env_follows_its_own_plan_in_storage_of_its_own(server, transport: str) -> None:
     """env e's batches are the order of SeedSequence([seed, epoch, e]) cut in 32s (env 0 the
     single-env Loader's), and no two tensors of a step share storage or memory."""
-    with Loader(server.http_url, "cifar", BS, seed=11, envs=ENVS, rank=0, world_size=1,
-                transport=transport) as ld:  # fmt: skip
+    with Loader(
+        server.http_url, "cifar", BS, seed=11, envs=ENVS, rank=0, world_size=1, transport=transport
+    ) as ld:
         ld.set_epoch(6)
         steps = list(ld)
         assert len(steps) == len(ld) == -(-N_CIFAR // BS)
@@ -69,9 +70,11 @@ def test_one_env_label_saves_alone(server) -> None:
 def test_streaming_envs_is_deterministic_and_equals_the_plan_api(server) -> None:
     """Two Loaders agree step for step; plan(envs=4) gives the same ids in the same order."""
     kw = dict(seed=5, rank=0, world_size=1)
-    with Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as a, \
-         Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as b, \
-         plan(server.http_url, "cifar", BS, envs=ENVS, **kw) as p:  # fmt: skip
+    with (
+        Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as a,
+        Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as b,
+        plan(server.http_url, "cifar", BS, envs=ENVS, **kw) as p,
+    ):
         for x in (a, b, p):
             x.set_epoch(2)
         got = [_step_ids(s) for s in a]
@@ -103,8 +106,17 @@ def test_streaming_envs_across_ranks_and_devices(server) -> None:
     """Two ranks split each env's order; devices=[...] places env e on devices[e % len]."""
     seen: dict[int, list[int]] = {e: [] for e in range(2)}
     for rank in range(2):
-        with Loader(server.http_url, "cifar", 25, seed=3, envs=2, rank=rank, world_size=2,
-                    devices=["cpu"], drop_last=True) as ld:  # fmt: skip
+        with Loader(
+            server.http_url,
+            "cifar",
+            25,
+            seed=3,
+            envs=2,
+            rank=rank,
+            world_size=2,
+            devices=["cpu"],
+            drop_last=True,
+        ) as ld:
             ld.set_epoch(1)
             for s in ld:
                 assert all(b["image"].device.type == "cpu" and len(b["label"]) == 25 for b in s)
@@ -132,8 +144,10 @@ def test_plan_endpoint_env_k_is_env_k_of_the_stream(server) -> None:
     import httpx
 
     kw = dict(seed=7, rank=1, world_size=2)
-    with Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as ld, \
-         plan(server.http_url, "cifar", BS, envs=ENVS, **kw) as p:  # fmt: skip
+    with (
+        Loader(server.http_url, "cifar", BS, envs=ENVS, **kw) as ld,
+        plan(server.http_url, "cifar", BS, envs=ENVS, **kw) as p,
+    ):
         ld.set_epoch(3)
         steps = [_step_ids(s) for s in ld]
         url = f"{server.http_url}/v1/jobs/{ld.job_id}/plan"
@@ -162,8 +176,16 @@ def test_split_envs_deal_one_shuffle(server) -> None:
     order = epoch_order(N_CIFAR, 11, 6, "global").tolist()
     seen: list[int] = []
     for rank in range(2):
-        with Loader(server.http_url, "cifar", BS, seed=11, envs=2, env_shuffle="split",
-                    rank=rank, world_size=2) as ld:  # fmt: skip
+        with Loader(
+            server.http_url,
+            "cifar",
+            BS,
+            seed=11,
+            envs=2,
+            env_shuffle="split",
+            rank=rank,
+            world_size=2,
+        ) as ld:
             ld.set_epoch(6)
             steps = list(ld)
         assert len(steps) == len(ld) == -(-N_CIFAR // 4 // BS)
@@ -175,8 +197,17 @@ def test_split_envs_deal_one_shuffle(server) -> None:
             assert len(set(flat)) == len(flat), "two envs of a step share a sample"
         seen += [i for s in steps for b in s for i in ids(b)]
     assert sorted(seen) == list(range(N_CIFAR)), "the epoch is not every sample once"
-    with Loader(server.http_url, "cifar", BS, seed=11, envs=4, env_shuffle="split",
-                drop_last=True, rank=0, world_size=1) as ld:  # fmt: skip
+    with Loader(
+        server.http_url,
+        "cifar",
+        BS,
+        seed=11,
+        envs=4,
+        env_shuffle="split",
+        drop_last=True,
+        rank=0,
+        world_size=1,
+    ) as ld:
         assert len(ld) == N_CIFAR // 4 // BS == len(list(ld))
 
 
@@ -186,9 +217,11 @@ def test_split_envs_agree_with_plan_resident_and_the_plan_endpoint(server) -> No
     import httpx
 
     kw = dict(seed=9, rank=0, world_size=1, envs=3, env_shuffle="split")
-    with Loader(server.http_url, "cifar", BS, **kw) as ld, \
-         Loader(server.http_url, "cifar", BS, resident="cpu", **kw) as res, \
-         plan(server.http_url, "cifar", BS, **kw) as p:  # fmt: skip
+    with (
+        Loader(server.http_url, "cifar", BS, **kw) as ld,
+        Loader(server.http_url, "cifar", BS, resident="cpu", **kw) as res,
+        plan(server.http_url, "cifar", BS, **kw) as p,
+    ):
         for x in (ld, res, p):
             x.set_epoch(2)
         got = [_step_ids(s) for s in ld]
@@ -221,6 +254,11 @@ def test_split_envs_refuse_one_env_and_unknown_modes(server) -> None:
         Loader(server.http_url, "cifar", BS, env_shuffle="split", rank=0, world_size=1)
     with pytest.raises(BadRequest, match="env_shuffle"):
         Loader(
-            server.http_url, "cifar", BS, envs=2, rank=0, world_size=1,
+            server.http_url,
+            "cifar",
+            BS,
+            envs=2,
+            rank=0,
+            world_size=1,
             env_shuffle="each",  # type: ignore[arg-type]
-        )  # fmt: skip
+        )

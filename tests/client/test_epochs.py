@@ -38,8 +38,11 @@ def test_two_fresh_runs_of_one_script_see_the_same_batches(server) -> None:
     for _ in range(2):
         r = subprocess.run(
             [sys.executable, "-c", SCRIPT, server.http_url],
-            cwd=ROOT, capture_output=True, text=True, timeout=scaled(90),
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=scaled(90),
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     first, second = runs

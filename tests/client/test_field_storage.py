@@ -23,8 +23,9 @@ def _storages(batch: dict) -> list[int]:
 
 @pytest.mark.parametrize(("transport", "copy"), [("auto", True), ("auto", False), ("tcp", True)])
 def test_every_field_has_a_storage_of_its_own(server, transport: str, copy: bool) -> None:
-    with Loader(server.http_url, "cifar", 64, seed=1, rank=0, world_size=1, transport=transport,
-                copy=copy) as ld:  # fmt: skip
+    with Loader(
+        server.http_url, "cifar", 64, seed=1, rank=0, world_size=1, transport=transport, copy=copy
+    ) as ld:
         for batch in ld:
             ptrs = _storages(batch)
             assert len(set(ptrs)) == len(ptrs), "two fields of one batch share a storage"

@@ -116,8 +116,9 @@ def test_variable_fields_in_grouped_messages(server) -> None:
 
 def test_pad_variable_is_one_batch_per_message(server) -> None:
     """Padding is to each batch's own longest sample, so a padding Loader never groups."""
-    with Loader(server.http_url, "graphs", 7, seed=2, rank=0, world_size=1, prefetch=32,
-                pad_variable=True) as ld:  # fmt: skip
+    with Loader(
+        server.http_url, "graphs", 7, seed=2, rank=0, world_size=1, prefetch=32, pad_variable=True
+    ) as ld:
         n = sum(1 for _ in ld)
         assert ld.stats().messages == n
 
@@ -161,8 +162,17 @@ def test_graph_batches_cut_from_one_message_equal_those_sent_alone(server) -> No
     edge_index count from its own first graph and node), exactly as when sent alone."""
 
     def epoch(prefetch: int | None) -> tuple[list[dict], int]:
-        with Loader(server.http_url, "graphs", 9, seed=4, rank=0, world_size=1, prefetch=prefetch,
-                    collate="graph", fields=["x", "edge_index", "y"]) as ld:  # fmt: skip
+        with Loader(
+            server.http_url,
+            "graphs",
+            9,
+            seed=4,
+            rank=0,
+            world_size=1,
+            prefetch=prefetch,
+            collate="graph",
+            fields=["x", "edge_index", "y"],
+        ) as ld:
             return list(ld), ld.stats().messages
 
     one, n_one = epoch(1)

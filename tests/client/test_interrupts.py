@@ -160,9 +160,14 @@ def test_random_interrupts_neither_lose_nor_repeat_a_sample(
     each one raises KeyboardInterrupt, and the loop sees each epoch's plan exactly once."""
     rank, world_size = where
     kw = dict(
-        seed=seed % 5, rank=rank, world_size=world_size, transport=transport, copy=copy,
-        prefetch=prefetch, timeout=scaled(30.0),
-    )  # fmt: skip
+        seed=seed % 5,
+        rank=rank,
+        world_size=world_size,
+        transport=transport,
+        copy=copy,
+        prefetch=prefetch,
+        timeout=scaled(30.0),
+    )
     with _CtrlC() as ctrl_c:
         got, fired = _train(server, random.Random(seed), kw, ctrl_c)
     for epoch in range(EPOCHS):

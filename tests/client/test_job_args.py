@@ -34,8 +34,9 @@ def test_plan_accepts_every_argument_that_defines_a_loaders_job() -> None:
     assert job_args <= set(pp), job_args - set(pp)
     for name in job_args:
         assert (lp[name].default, str(lp[name].annotation)) == (
-            pp[name].default, str(pp[name].annotation)
-        ), name  # fmt: skip
+            pp[name].default,
+            str(pp[name].annotation),
+        ), name
     for params in (lp, pp):
         tail = [p for n, p in params.items() if n not in ("self", "url", "dataset", "batch_size")]
         assert all(p.kind is p.KEYWORD_ONLY for p in tail)
@@ -122,9 +123,12 @@ def test_dataloader_habits(server) -> None:
             with pytest.raises(ValueError, match=rf"skip_to\({bad}\): batch must be an integer 0"):
                 ld.skip_to(bad)  # type: ignore[arg-type]
         ld.skip_to(5)
-        want = [tuple(int(i) for i in b) for b in server_plan(
-            N_CIFAR, seed=4, epoch=2, world_size=2, rank=0, batch_size=64, drop_last=True
-        )]  # fmt: skip
+        want = [
+            tuple(int(i) for i in b)
+            for b in server_plan(
+                N_CIFAR, seed=4, epoch=2, world_size=2, rank=0, batch_size=64, drop_last=True
+            )
+        ]
         assert [ids(b) for b in ld] == want[5:]
         assert ld.state_dict()["epoch"] == 3
     with Loader(server.http_url, "cifar", 64, shuffle="block", rank=0, world_size=1) as ld:
@@ -151,20 +155,28 @@ def test_without_accelerate_no_framework_is_told(server) -> None:
 
 @pytest.mark.parametrize(
     ("n", "world", "batch", "drop_last", "want"),
-    [(1001, 2, 64, False, 105), (1001, 2, 1, False, 1), (1000, 2, 64, False, 0),
-     (1001, 2, 64, True, 0), (1000, 3, 64, False, None), (1000, 3, 3, False, 1),
-     (10, 4, 3, False, None), (10, 4, 2, False, 2)],
-)  # fmt: skip
+    [
+        (1001, 2, 64, False, 105),
+        (1001, 2, 1, False, 1),
+        (1000, 2, 64, False, 0),
+        (1001, 2, 64, True, 0),
+        (1000, 3, 64, False, None),
+        (1000, 3, 3, False, 1),
+        (10, 4, 3, False, None),
+        (10, 4, 2, False, 2),
+    ],
+)
 def test_gather_remainder_keeps_exactly_the_real_samples(
     n: int, world: int, batch: int, drop_last: bool, want: int | None
 ) -> None:
     """Concatenating every rank's last batch of the plan in rank order and keeping the first
     ``remainder`` items keeps every sample of that step once and no padding."""
     plans = [
-        server_plan(n, seed=1, epoch=0, world_size=world, rank=r, batch_size=batch,
-                    drop_last=drop_last)
+        server_plan(
+            n, seed=1, epoch=0, world_size=world, rank=r, batch_size=batch, drop_last=drop_last
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     got = gather_remainder(n, world, batch, drop_last, len(plans[0]))
     assert got == want
     if got is None:

@@ -215,6 +215,8 @@ class LedgerAgainstAServer(RuleBasedStateMachine):
 
 TestLedgerAgainstAServer = LedgerAgainstAServer.TestCase
 TestLedgerAgainstAServer.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None,
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
-)  # fmt: skip
+)

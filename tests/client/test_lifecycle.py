@@ -19,7 +19,7 @@ from shardserve.client import (
     serve_local,
 )
 from shardserve.server.planning import plan
-from shardserve.server.rings import remove_stale
+from shardserve.server.runtime.rings import remove_stale
 from tests.client.conftest import N_CIFAR, ids
 from tests.support.data import make_cifar_like
 from tests.support.server import free_port, run_server

@@ -56,8 +56,10 @@ def test_a_loader_nothing_holds_serves_its_whole_epoch(server) -> None:
 def test_set_epoch_changes_the_order_and_the_seed_reproduces_it(server) -> None:
     """Epochs differ, the same (seed, epoch) gives the same order, and iterating again without
     set_epoch advances the epoch instead of repeating it."""
-    with Loader(server.http_url, "cifar", 100, seed=7, rank=0, world_size=1) as a, \
-         Loader(server.http_url, "cifar", 100, seed=7, rank=0, world_size=1) as b:  # fmt: skip
+    with (
+        Loader(server.http_url, "cifar", 100, seed=7, rank=0, world_size=1) as a,
+        Loader(server.http_url, "cifar", 100, seed=7, rank=0, world_size=1) as b,
+    ):
         a.set_epoch(0)
         e0 = [ids(x) for x in a]
         e1_auto = [ids(x) for x in a]  # no set_epoch: advances to epoch 1
@@ -123,10 +125,23 @@ def test_a_state_saved_before_an_overwrite_is_refused_on_the_new_version(tmp_pat
         st = old.state_dict()
         assert isinstance(st["versions"], str) and st["versions"]
         subprocess.run(
-            [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-             "--name", "versioned", "--overwrite", "--quiet"],
-            check=True, timeout=scaled(120), capture_output=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "shardserve.server",
+                "ingest",
+                str(src),
+                "--store",
+                str(store),
+                "--name",
+                "versioned",
+                "--overwrite",
+                "--quiet",
+            ],
+            check=True,
+            timeout=scaled(120),
+            capture_output=True,
+        )
         with Loader(srv.http_url, "versioned", 50, seed=1, rank=0, world_size=1) as new:
             assert new.job_id != old.job_id
             said = f"version {st['versions']}, but this loader's job reads version"
@@ -178,8 +193,10 @@ def test_unknown_dataset_is_a_typed_error(server) -> None:
 
 def test_tcp_transport_delivers_the_same_batches(server) -> None:
     """transport='tcp' and the same-host ipc path deliver identical batches."""
-    with Loader(server.http_url, "cifar", 128, seed=9, rank=0, world_size=1, transport="tcp") as t, \
-         Loader(server.http_url, "cifar", 128, seed=9, rank=0, world_size=1) as i:  # fmt: skip
+    with (
+        Loader(server.http_url, "cifar", 128, seed=9, rank=0, world_size=1, transport="tcp") as t,
+        Loader(server.http_url, "cifar", 128, seed=9, rank=0, world_size=1) as i,
+    ):
         assert t.stats().transport == "tcp" and i.stats().transport == "ipc"
         for bt, bi in zip(t, i, strict=True):
             assert torch.equal(bt["image"], bi["image"]) and torch.equal(bt["label"], bi["label"])

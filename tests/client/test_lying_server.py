@@ -27,8 +27,16 @@ def test_a_message_relabelled_count_1_is_refused(server) -> None:
     ``count``; every batch handed out before it holds exactly 8 distinct planned samples."""
     with lying(server) as relay:
         relay.batch_lie = _relabel_count
-        with Loader(relay.http_url, "cifar", 8, seed=3, rank=0, world_size=1,
-                    transport="socket", timeout=scaled(30)) as ld:  # fmt: skip
+        with Loader(
+            relay.http_url,
+            "cifar",
+            8,
+            seed=3,
+            rank=0,
+            world_size=1,
+            transport="socket",
+            timeout=scaled(30),
+        ) as ld:
             got: list[tuple[int, ...]] = []
             with pytest.raises(ProtocolError, match=r"count=1 batches of rows=8") as e:
                 for b in ld:
@@ -67,8 +75,16 @@ def test_offsets_that_lie_are_refused(server, field: str, how: str, match: str) 
     part, before any batch of that message is handed out."""
     with lying(server) as relay:
         relay.batch_lie = _lie_offsets(field, how)
-        with Loader(relay.http_url, "graphs", 4, seed=1, rank=0, world_size=1,
-                    transport="socket", timeout=scaled(30)) as ld:  # fmt: skip
+        with Loader(
+            relay.http_url,
+            "graphs",
+            4,
+            seed=1,
+            rank=0,
+            world_size=1,
+            transport="socket",
+            timeout=scaled(30),
+        ) as ld:
             it = iter(ld)
             with pytest.raises(ProtocolError, match=match):
                 next(it)
@@ -91,10 +107,18 @@ def test_a_resident_id_out_of_range_is_refused(server) -> None:
         relay.plan_lie = lie
         out_of_range = rf"id {N_CIFAR + 7} \(batch 1\) is out of range 0 <= id < {N_CIFAR}"
         with (
-            Loader(relay.http_url, "cifar", 32, resident="cpu", rank=0, world_size=1,
-                   transport="socket", timeout=scaled(30)) as ld,
+            Loader(
+                relay.http_url,
+                "cifar",
+                32,
+                resident="cpu",
+                rank=0,
+                world_size=1,
+                transport="socket",
+                timeout=scaled(30),
+            ) as ld,
             pytest.raises(ProtocolError, match=out_of_range),
-        ):  # fmt: skip
+        ):
             next(iter(ld))
 
 
@@ -104,10 +128,18 @@ def test_a_resident_plan_8_ids_short_is_refused(server) -> None:
     with lying(server) as relay:
         relay.plan_lie = lambda body: body[: -8 * 8]
         with (
-            Loader(relay.http_url, "cifar", 32, resident="cpu", rank=1, world_size=2,
-                   transport="socket", timeout=scaled(30)) as ld,
+            Loader(
+                relay.http_url,
+                "cifar",
+                32,
+                resident="cpu",
+                rank=1,
+                world_size=2,
+                transport="socket",
+                timeout=scaled(30),
+            ) as ld,
             pytest.raises(ProtocolError, match=r"492 ids in 16 batches .* plans 500 ids"),
-        ):  # fmt: skip
+        ):
             next(iter(ld))
 
 
@@ -115,8 +147,16 @@ def test_an_honest_relay_changes_nothing(server) -> None:
     """The relay itself is transparent: through it the Loader gets the planned epoch."""
     with (
         lying(server) as relay,
-        Loader(relay.http_url, "cifar", 8, seed=3, rank=0, world_size=1, transport="socket",
-               timeout=scaled(30)) as ld,
-    ):  # fmt: skip
+        Loader(
+            relay.http_url,
+            "cifar",
+            8,
+            seed=3,
+            rank=0,
+            world_size=1,
+            transport="socket",
+            timeout=scaled(30),
+        ) as ld,
+    ):
         got = [i for b in ld for i in ids(b)]
     assert sorted(got) == list(range(N_CIFAR))

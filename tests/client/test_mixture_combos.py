@@ -67,8 +67,13 @@ def srv(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
 
 
 def mix_loader(srv: ServerProc, **kw: Any) -> Loader:
-    args: dict[str, Any] = {"seed": 5, "epoch_samples": EPOCH_SAMPLES, "prefetch": 8,
-                            "timeout": scaled(45.0), "token": srv.token} | kw  # fmt: skip
+    args: dict[str, Any] = {
+        "seed": 5,
+        "epoch_samples": EPOCH_SAMPLES,
+        "prefetch": 8,
+        "timeout": scaled(45.0),
+        "token": srv.token,
+    } | kw
     return Loader(srv.http_url, dict(WEIGHTS), BATCH, **args)
 
 
@@ -235,8 +240,13 @@ def test_a_mixture_of_graph_datasets_collates_each_batch_as_its_graphs(
         make_graph_like(root, name, n=n, seed=seed)
     offsets = np.cumsum([0, *(n for n, _ in GRAPHS.values())])
     seeds = [seed for _, seed in GRAPHS.values()]
-    kw: dict[str, Any] = {"seed": 4, "collate": "graph", "fields": ["x", "edge_index", "y", "source"],
-                          "epoch_samples": 160, "timeout": scaled(45.0)}  # fmt: skip
+    kw: dict[str, Any] = {
+        "seed": 4,
+        "collate": "graph",
+        "fields": ["x", "edge_index", "y", "source"],
+        "epoch_samples": 160,
+        "timeout": scaled(45.0),
+    }
     with run_server(root, "--state-dir", str(root / "state")) as gsrv:
         weights = {"ga": 0.6, "gb": 0.4}
         with Loader(gsrv.http_url, weights, 16, token=gsrv.token, **kw) as ld:
@@ -248,8 +258,12 @@ def test_a_mixture_of_graph_datasets_collates_each_batch_as_its_graphs(
             assert [[record({k: v}) for k, v in sorted(b.items())] for b in again] == [
                 [record({k: v}) for k, v in sorted(b.items())] for b in got
             ]
-        r = httpx.get(f"{gsrv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": 0},
-                      headers=gsrv.headers, timeout=scaled(30))  # fmt: skip
+        r = httpx.get(
+            f"{gsrv.http_url}/v1/jobs/{job}/plan",
+            params={"epoch": 0, "rank": 0},
+            headers=gsrv.headers,
+            timeout=scaled(30),
+        )
         assert r.status_code == 200, r.text
         plan = np.frombuffer(r.content, "<i8").reshape(-1, 16)
     assert len(got) == len(plan) == 10

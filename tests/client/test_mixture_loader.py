@@ -20,7 +20,7 @@ from shardserve.client.control import ControlClient
 from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, free_port, run_server
 from tests.support.slowness import scaled
@@ -59,8 +59,13 @@ def shared_srv(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def loaders(srv: ServerProc, ranks: range = range(WORLD), **kw: object) -> list[Loader]:
     # prefetch 4: the steps a rank has been granted (and may have read) stay well below K.
-    args = {"seed": 11, "epoch_samples": EPOCH_SAMPLES, "world_size": WORLD, "timeout": 60.0,
-            "prefetch": 4}  # fmt: skip
+    args = {
+        "seed": 11,
+        "epoch_samples": EPOCH_SAMPLES,
+        "world_size": WORLD,
+        "timeout": 60.0,
+        "prefetch": 4,
+    }
     args.update(kw)
     return [
         Loader(srv.http_url, dict(WEIGHTS), BATCH, rank=r, token=srv.token, **args)  # type: ignore[arg-type]
@@ -126,12 +131,22 @@ def test_two_ranks_stream_the_mixture_byte_for_byte(srv: ServerProc) -> None:
                 want = [(s, int(i - offsets[s])) for (s, _), i in zip(want, ids, strict=True)]
                 assert flat(g) == want
             # plan() with the Loader's arguments deals the same ids (and is the same job).
-            with plan(srv.http_url, dict(WEIGHTS), BATCH, rank=1, world_size=WORLD,
-                      seed=11, epoch_samples=EPOCH_SAMPLES, token=srv.token) as ids_plan:  # fmt: skip
+            with plan(
+                srv.http_url,
+                dict(WEIGHTS),
+                BATCH,
+                rank=1,
+                world_size=WORLD,
+                seed=11,
+                epoch_samples=EPOCH_SAMPLES,
+                token=srv.token,
+            ) as ids_plan:
                 assert ids_plan.job_id == job
                 first = next(iter(ids_plan)).numpy()
-            assert [(s, int(i - offsets[s])) for s, i in zip(
-                np.searchsorted(offsets, first, "right") - 1, first, strict=True)] == got[1][0]  # fmt: skip
+            assert [
+                (s, int(i - offsets[s]))
+                for s, i in zip(np.searchsorted(offsets, first, "right") - 1, first, strict=True)
+            ] == got[1][0]
             # The guide's loop: after an epoch, a change with no step is the next epoch's start
             # (the credit a rank holds at an epoch's end reaches no step of the next).
             assert [c["at_step"] for c in ranks[1].set_mixture(NEW).schedule] == [0, STEPS]
@@ -189,9 +204,12 @@ def test_a_change_mid_epoch_takes_effect_at_its_step_on_every_rank(
     # The same mixture planned with the change from the start, on another server.
     spec = JobSpec(
         mixture=tuple(MixtureSource(name=n, weight=w) for n, w in WEIGHTS.items()),
-        batch_size=BATCH, world_size=WORLD, seed=11, epoch_samples=EPOCH_SAMPLES,
+        batch_size=BATCH,
+        world_size=WORLD,
+        seed=11,
+        epoch_samples=EPOCH_SAMPLES,
         schedule=(WeightChange(at_step=K, weights=tuple(NEW[n] for n in NAMES)),),
-    )  # fmt: skip
+    )
     with (
         run_server(store, "--state-dir", str(tmp_path / "other")) as b,
         ControlClient(b.http_url, b.token) as other,
@@ -336,16 +354,30 @@ def test_a_source_that_ends_the_epoch(store: Path, tmp_path: Path) -> None:
     out, on both ranks alike, every math sample read once; a change mid-epoch is refused
     naming the epoch's first step."""
     spec = JobSpec(
-        mixture=(MixtureSource(name="web", weight=0.5),
-                 MixtureSource(name="math", weight=0.5, on_exhausted="stop")),
-        batch_size=BATCH, world_size=WORLD, seed=3, epoch_samples=EPOCH_SAMPLES,
-    )  # fmt: skip
+        mixture=(
+            MixtureSource(name="web", weight=0.5),
+            MixtureSource(name="math", weight=0.5, on_exhausted="stop"),
+        ),
+        batch_size=BATCH,
+        world_size=WORLD,
+        seed=3,
+        epoch_samples=EPOCH_SAMPLES,
+    )
     with run_server(store, "--state-dir", str(tmp_path / "state")) as s:
         ranks = [
-            Loader(s.http_url, list(spec.mixture or ()), BATCH, rank=r, world_size=WORLD, seed=3,
-                   epoch_samples=EPOCH_SAMPLES, token=s.token, timeout=scaled(60.0))
+            Loader(
+                s.http_url,
+                list(spec.mixture or ()),
+                BATCH,
+                rank=r,
+                world_size=WORLD,
+                seed=3,
+                epoch_samples=EPOCH_SAMPLES,
+                token=s.token,
+                timeout=scaled(60.0),
+            )
             for r in range(WORLD)
-        ]  # fmt: skip
+        ]
         # The Loader made the spec written out by hand (the same job).
         assert ranks[0].spec.model_dump() == spec.model_dump()
         try:
@@ -415,12 +447,19 @@ def test_a_failing_transform_quarantines_its_sample(store: Path, tmp_path: Path)
     the job's next epoch start, which plans none of them; two servers give the same batches
     in both epochs (the step a quarantine takes effect at does not depend on timing)."""
     chain = [{"name": "fail_on", "params": {"every": 97}}]
-    args = {"seed": 5, "epoch_samples": 2000, "transforms": chain, "on_error": "quarantine",
-            "prefetch": 4, "timeout": 60.0}  # fmt: skip
+    args = {
+        "seed": 5,
+        "epoch_samples": 2000,
+        "transforms": chain,
+        "on_error": "quarantine",
+        "prefetch": 4,
+        "timeout": 60.0,
+    }
     runs = []
     for name in ("a", "b"):
-        with run_server(store, "--state-dir", str(tmp_path / name), "--transforms",
-                        "tests.transforms.mods") as s:  # fmt: skip
+        with run_server(
+            store, "--state-dir", str(tmp_path / name), "--transforms", "tests.transforms.mods"
+        ) as s:
             with Loader(s.http_url, dict(WEIGHTS), BATCH, token=s.token, **args) as ld:  # type: ignore[arg-type]
                 epochs = [take(ld), take(ld)]  # epochs 0 and 1
                 api = ld._job.api

@@ -22,9 +22,14 @@ def test_plan_is_exported() -> None:
     assert "plan" in client.__all__ and client.plan is plan
 
 
-@pytest.mark.parametrize(("shuffle", "world_size", "drop_last"), [
-    ("global", 1, False), ("block", 2, True), ("none", 3, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("shuffle", "world_size", "drop_last"),
+    [
+        ("global", 1, False),
+        ("block", 2, True),
+        ("none", 3, False),
+    ],
+)
 def test_plan_equals_the_streamed_order(
     server, shuffle: str, world_size: int, drop_last: bool
 ) -> None:
@@ -47,8 +52,10 @@ def test_plan_equals_the_streamed_order(
 
 def test_plan_is_deterministic_and_moves_on_by_epoch(server) -> None:
     """Two plans of the same job agree; iter() after a full pass plans the next epoch."""
-    with plan(server.http_url, "cifar", 100, seed=3, rank=0, world_size=1) as a, \
-         plan(server.http_url, "cifar", 100, seed=3, rank=0, world_size=1) as b:  # fmt: skip
+    with (
+        plan(server.http_url, "cifar", 100, seed=3, rank=0, world_size=1) as a,
+        plan(server.http_url, "cifar", 100, seed=3, rank=0, world_size=1) as b,
+    ):
         first = [_tuple(x) for x in a]
         assert first == [_tuple(x) for x in b]
         second = [_tuple(x) for x in a]

@@ -153,9 +153,13 @@ def _stream(srv: ServerProc, *, recreate: Callable[[], None] | None = None, **he
     conn = Connection(srv.ipc_endpoint or srv.tcp_endpoint)
     try:
         stream = EpochStream(
-            conn, hello=Hello(**{**fields, **hello}), timeout=DEADLINE_S, stats=StatsClock(),
-            recreate_job=recreate or (lambda: None), describe=lambda: "",
-        )  # fmt: skip
+            conn,
+            hello=Hello(**{**fields, **hello}),
+            timeout=DEADLINE_S,
+            stats=StatsClock(),
+            recreate_job=recreate or (lambda: None),
+            describe=lambda: "",
+        )
         while stream.next() is not None:
             pass
     finally:
@@ -215,9 +219,13 @@ def test_a_stream_never_waits_on_its_job_being_posted_again(server: ServerProc) 
         conn = Connection(server.ipc_endpoint or server.tcp_endpoint)
         try:
             stream = EpochStream(
-                conn, hello=hello, timeout=STEP_BOUND_S, stats=StatsClock(),
-                recreate_job=recreate, describe=lambda: "",
-            )  # fmt: skip
+                conn,
+                hello=hello,
+                timeout=STEP_BOUND_S,
+                stats=StatsClock(),
+                recreate_job=recreate,
+                describe=lambda: "",
+            )
             first = stream.next()
             assert first is not None and first[0].index == 0
             assert posted.is_set() and not answered.is_set(), "the stream waited for the re-post"

@@ -14,12 +14,30 @@ from tests.support.slowness import scaled
 def test_all_is_pinned() -> None:
     """`shardserve.client.__all__` lists exactly the documented public names."""
     assert sorted(client.__all__) == [
-        "AuthError", "BadRequest", "DataStallError", "DatasetChanged", "DatasetCorruptError",
-        "DatasetNotFound", "JobFailed", "JobNotFound", "Loader", "LoaderStats", "Masked",
-        "ProtocolError", "RankInUse", "ResidentTooLarge", "ResumeRefused", "ServerUnavailable",
-        "ShardserveError", "StreamLimitExceeded", "Texts", "TransformError", "VarTensor", "plan",
+        "AuthError",
+        "BadRequest",
+        "DataStallError",
+        "DatasetChanged",
+        "DatasetCorruptError",
+        "DatasetNotFound",
+        "JobFailed",
+        "JobNotFound",
+        "Loader",
+        "LoaderStats",
+        "Masked",
+        "ProtocolError",
+        "RankInUse",
+        "ResidentTooLarge",
+        "ResumeRefused",
+        "ServerUnavailable",
+        "ShardserveError",
+        "StreamLimitExceeded",
+        "Texts",
+        "TransformError",
+        "VarTensor",
+        "plan",
         "serve_local",
-    ]  # fmt: skip
+    ]
     for name in client.__all__:
         assert getattr(client, name) is not None
 

@@ -23,8 +23,10 @@ def test_resident_batches_equal_streamed_batches(server, shuffle: str, world_siz
     """Every rank's resident epoch is byte for byte the streamed epoch, in the same order."""
     for rank in range(world_size):
         kw = dict(seed=5, shuffle=shuffle, rank=rank, world_size=world_size)
-        with Loader(server.http_url, "cifar", 48, **kw) as streamed, \
-             Loader(server.http_url, "cifar", 48, resident="cpu", **kw) as resident:  # fmt: skip
+        with (
+            Loader(server.http_url, "cifar", 48, **kw) as streamed,
+            Loader(server.http_url, "cifar", 48, resident="cpu", **kw) as resident,
+        ):
             assert resident.stats().transport == "resident"
             assert len(resident) == len(streamed)
             for loader in (streamed, resident):
@@ -156,12 +158,15 @@ def test_resident_refuses_a_field_missing_in_some_samples() -> None:
     from shardserve.proto.api import DatasetInfo
 
     info = DatasetInfo(
-        name="pde", num_samples=3, num_shards=1, bytes=0,
+        name="pde",
+        num_samples=3,
+        num_shards=1,
+        bytes=0,
         fields=[
             {"name": "latent", "dtype": "float32", "shape": [4]},
             {"name": "params.nu", "dtype": "float32", "shape": [], "nullable": True},
         ],
-    )  # fmt: skip
+    )
     with pytest.raises(BadRequest, match=r"'params\.nu' is missing in some"):
         field_layout(info, None)
     assert list(field_layout(info, ["latent"])) == ["latent"]

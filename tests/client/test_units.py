@@ -46,8 +46,18 @@ def test_world_out_of_range_is_refused(rank: int, world: int) -> None:
 def test_fields_as_one_string_is_refused_not_split_into_letters(fields: str) -> None:
     """``fields="xy"`` would otherwise ask for fields ``x`` and ``y``."""
     with pytest.raises(BadRequest, match=rf"fields='{fields}' must be a list of field names"):
-        job_spec("cifar", 8, seed=0, shuffle=True, drop_last=False, world_size=1, fields=fields,
-                 collate=None, transforms=None, on_error=None)  # fmt: skip
+        job_spec(
+            "cifar",
+            8,
+            seed=0,
+            shuffle=True,
+            drop_last=False,
+            world_size=1,
+            fields=fields,
+            collate=None,
+            transforms=None,
+            on_error=None,
+        )
 
 
 def test_a_token_with_a_trailing_newline_is_refused_without_showing_it(monkeypatch) -> None:
@@ -71,8 +81,14 @@ def test_a_url_without_its_scheme_is_a_bad_request() -> None:
 
 
 def _info(*endpoints: str, boot_id: str = "boot-a") -> ServerInfo:
-    return ServerInfo(version="0", protocols=[PROTOCOL_VERSION], data_endpoints=list(endpoints), host="h",
-                      boot_id=boot_id, auth_required=False)  # fmt: skip
+    return ServerInfo(
+        version="0",
+        protocols=[PROTOCOL_VERSION],
+        data_endpoints=list(endpoints),
+        host="h",
+        boot_id=boot_id,
+        auth_required=False,
+    )
 
 
 def test_endpoint_prefers_ipc_on_the_same_host(tmp_path) -> None:

@@ -106,8 +106,11 @@ def _chaos_round(srv: ServerProc, ctx: zmq.Context, job: str, rng: random.Random
     for _ in range(2):
         p = subprocess.Popen(
             [sys.executable, "-c", SLEEPER, endpoint, job, str(rng.randrange(50))],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         sleepers.append(p)
     for p in sleepers:
         assert p.stdout is not None
@@ -125,8 +128,15 @@ def _chaos_round(srv: ServerProc, ctx: zmq.Context, job: str, rng: random.Random
     flood.setsockopt(zmq.LINGER, 0)
     flood.connect(endpoint)
     for epoch in range(100):
-        hello = Hello(job=job, rank=0, epoch=epoch, credit=8, transport="auto",
-                      boot_id=read_boot_id(), pid=os.getpid())  # fmt: skip
+        hello = Hello(
+            job=job,
+            rank=0,
+            epoch=epoch,
+            credit=8,
+            transport="auto",
+            boot_id=read_boot_id(),
+            pid=os.getpid(),
+        )
         flood.send_multipart(encode(hello))
     time.sleep(rng.random() * 0.1)
     flood.close(linger=0)
@@ -149,8 +159,12 @@ def _reap(p: subprocess.Popen[str]) -> None:
 def _good_rank(srv: ServerProc, seed: int, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", GOOD_RANK, srv.http_url, str(seed), str(EPOCHS)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -176,8 +190,11 @@ def test_chaos_leaves_other_jobs_streaming_exactly_once(tmp_path: Path) -> None:
             # Clients closing under signals, all along.
             closer = subprocess.Popen(
                 [sys.executable, "-c", CLOSER, srv.ipc_endpoint or srv.tcp_endpoint],
-                cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                cwd=ROOT,
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             children.callback(_reap, closer)
             rounds = 0
             while rounds < 3 or any(p.poll() is None for p in [*good, closer]):

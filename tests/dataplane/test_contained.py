@@ -18,7 +18,7 @@ from shardserve.client.connection import read_boot_id
 from shardserve.proto.framing import encode
 from shardserve.proto.manifest import FieldSpec
 from shardserve.proto.messages import EndOfEpoch, Error, Hello, Welcome
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, make_job, run_server
@@ -86,9 +86,14 @@ def test_peers_vanishing_between_hello_and_welcome_hurt_nobody(srv: ServerProc) 
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             hello = Hello(
-                job=job, rank=0, epoch=i, credit=4, transport="auto",
-                boot_id=read_boot_id(), pid=os.getpid(),
-            )  # fmt: skip
+                job=job,
+                rank=0,
+                epoch=i,
+                credit=4,
+                transport="auto",
+                boot_id=read_boot_id(),
+                pid=os.getpid(),
+            )
             sock.send_multipart(encode(hello))
             if i % 2:
                 time.sleep(0.005)  # some land mid-prepare, some right away
@@ -215,8 +220,11 @@ def test_dead_data_plane_exits_non_zero(store: Path, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = subprocess.run(
         [sys.executable, "-c", CRASHER, str(store), str(ready), "0.2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(60),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
     assert proc.returncode == 70, proc.stderr[-3000:]
     assert "data plane thread died: RuntimeError: planted bug" in proc.stderr
 

@@ -150,8 +150,11 @@ def test_connection_close_interrupted_by_signals_leaks_nothing(srv: ServerProc) 
     """300 Connection.close() calls under a 0.2 ms timer whose handler raises leave no ZeroMQ I/O thread and no fd behind."""
     out = subprocess.run(
         [sys.executable, "-c", CLOSER, srv.tcp_endpoint],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(120),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     fd0, th0, fd1, th1, interrupted = map(int, out.stdout.split())
     assert interrupted > 0, "the timer never fired: the test did not test anything"

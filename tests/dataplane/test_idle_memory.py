@@ -39,8 +39,15 @@ def test_streams_that_never_read_give_their_memory_back(tmp_path: Path, transpor
         start = rss(s.proc.pid)
         loaders, iters = [], []
         for i in range(STREAMS):
-            ld = Loader(s.http_url, "cifar", batch_size=512, seed=i, timeout=scaled(30), prefetch=16,
-                        transport=transport)  # fmt: skip
+            ld = Loader(
+                s.http_url,
+                "cifar",
+                batch_size=512,
+                seed=i,
+                timeout=scaled(30),
+                prefetch=16,
+                transport=transport,
+            )
             ld.set_epoch(0)
             it = iter(ld)
             next(it)  # the stream is open; from now on it never reads
@@ -56,8 +63,10 @@ def test_streams_that_never_read_give_their_memory_back(tmp_path: Path, transpor
         while now > start + 50 * MB and time.monotonic() < deadline:
             time.sleep(0.25)
             now = rss(s.proc.pid)
-        print(f"{transport}: RSS start {start / MB:.0f} MB, with {STREAMS} streams "
-              f"{peak / MB:.0f} MB, after close {now / MB:.0f} MB "
-              f"({time.monotonic() - closed:.1f} s later)")  # fmt: skip
+        print(
+            f"{transport}: RSS start {start / MB:.0f} MB, with {STREAMS} streams "
+            f"{peak / MB:.0f} MB, after close {now / MB:.0f} MB "
+            f"({time.monotonic() - closed:.1f} s later)"
+        )
         assert peak > start + 100 * MB, "the streams did not hold memory: the test tests nothing"
         assert now <= start + 50 * MB, (start / MB, peak / MB, now / MB)

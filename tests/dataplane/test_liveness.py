@@ -80,8 +80,12 @@ def test_a_trainer_computing_past_3_heartbeats_keeps_its_rank(srv: ServerProc) -
         t0 = time.monotonic()
         second = subprocess.run(
             [sys.executable, "-c", SECOND, srv.http_url],
-            capture_output=True, text=True, timeout=scaled(120), env=_env(), cwd=ROOT,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
+            env=_env(),
+            cwd=ROOT,
+        )
         busy = time.monotonic() - t0
         assert busy > 3 * HEARTBEAT_S
         assert second.returncode == 3, second.stdout + second.stderr
@@ -97,8 +101,12 @@ def test_a_dead_or_frozen_trainer_loses_its_rank(srv: ServerProc, how: signal.Si
     PING) is reclaimed: a new Loader for its rank reads the whole epoch."""
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, srv.http_url],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     try:
         assert holder.stdout is not None
         line = holder.stdout.readline()  # blocks until the holder has its first batch

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardserve.client import Loader
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import EVERY_KIND_FIELDS, every_kind_sample
 from tests.support.server import run_server
 

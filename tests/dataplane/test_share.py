@@ -167,9 +167,13 @@ def test_a_subscriber_killed_mid_epoch_stops_nobody(srv: ServerProc) -> None:
         env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
         proc = subprocess.Popen(
             [sys.executable, "-c", KILLED, srv.http_url, json.dumps(kw)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env, cwd=ROOT,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
         reader.start()

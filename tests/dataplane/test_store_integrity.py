@@ -19,11 +19,11 @@ import pytest
 from shardserve.proto.errors import DatasetCorruptError, InvalidDataError
 from shardserve.proto.manifest import FieldSpec
 from shardserve.proto.messages import Error
-from shardserve.server.rings import PREFIX, create_ring, remove_stale
+from shardserve.server.runtime.rings import PREFIX, create_ring, remove_stale
 from shardserve.server.store import layout
-from shardserve.server.store.dataset import Dataset
 from shardserve.server.store.ingest.run import ingest
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.read.dataset import Dataset
+from shardserve.server.store.write.writer import ShardWriter
 from tests.server.rawclient import Batch, RawStream, zmq_context
 from tests.support.data import make_cifar_like
 from tests.support.server import make_job, run_server
@@ -153,7 +153,7 @@ import sys
 import numpy as np
 from pathlib import Path
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 root, tag, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 for i in range(count):
     with ShardWriter(root, f"{tag}{i}", fields=[FieldSpec(name="x", dtype="int64", shape=())]) as w:
@@ -249,7 +249,7 @@ def test_a_sweep_never_takes_the_lock_of_a_folder_being_created(tmp_path: Path) 
 RING_HOLDER = """
 import sys, time
 from pathlib import Path
-from shardserve.server.rings import create_ring
+from shardserve.server.runtime.rings import create_ring
 ring = create_ring(1, 2, 4096, Path(sys.argv[1]))
 print(ring.path, flush=True)
 time.sleep(60)
@@ -340,8 +340,10 @@ def test_compressed_npz_is_ingested_in_bounded_memory(tmp_path: Path) -> None:
     assert (src / "bomb.npz").stat().st_size < 4 << 20
     out = subprocess.run(
         [sys.executable, "-c", NPZ_INGEST, str(src), str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=scaled(300),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     n, peak = map(int, out.stdout.split())
     assert n == rows

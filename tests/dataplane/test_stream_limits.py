@@ -340,8 +340,12 @@ def test_a_second_process_on_a_live_rank_raises_rank_in_use(srv: ServerProc) -> 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     second = subprocess.run(
         [sys.executable, "-c", SECOND_LOADER, srv.http_url],
-        capture_output=True, text=True, timeout=scaled(60), env=env, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+        env=env,
+        cwd=ROOT,
+    )
     assert second.returncode == 3, second.stdout + second.stderr
     assert "rank 0" in second.stdout and "world size 2" in second.stdout
     assert time.monotonic() - t0 < scaled(30.0)

@@ -75,10 +75,15 @@ def test_the_api_page_shows_defaults_as_values() -> None:
         f"{o.path}({p.name}={p.default})"
         for o in rendered()
         if o.is_function or o.is_class
-        for p in (o.parameters if o.is_function else o.members["__init__"].parameters
-                  if "__init__" in o.members else [])
+        for p in (
+            o.parameters
+            if o.is_function
+            else o.members["__init__"].parameters
+            if "__init__" in o.members
+            else []
+        )
         if p.default is not None and re.fullmatch(r"[A-Z][A-Z0-9_]+", str(p.default))
-    ]  # fmt: skip
+    ]
     assert named == []
 
 

@@ -32,7 +32,7 @@ from PIL import Image
 
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.ingest.run import ingest
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.docs.pages import ROOT, Block, page_blocks, pages
 from tests.docs.test_docs import digits_store
 from tests.support.data import make_cifar_like, make_graph_like
@@ -127,8 +127,9 @@ def build_store(tmp: Path) -> Path:
     tuples = [(torch.full((3, 32, 32), i, dtype=torch.uint8), i % 10) for i in range(256)]
     ingest(_pt_folder(src / "tuples", tuples), store, "cifar", progress=False)
     make_cifar_like(store, "cifar10", n=CIFAR10)
-    ingest(_pt_folder(src / "mols", [_molecule(i) for i in range(256)]), store, "mols",
-           progress=False)  # fmt: skip
+    ingest(
+        _pt_folder(src / "mols", [_molecule(i) for i in range(256)]), store, "mols", progress=False
+    )
     make_graph_like(store, "qm9", n=256)
     small = (
         FieldSpec(name="image", dtype="uint8", shape=(4,)),

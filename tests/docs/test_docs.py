@@ -61,16 +61,30 @@ def test_generated_metrics_and_http_pages_cover_the_server() -> None:
 def test_the_results_page_is_generated_from_bench_json(tmp_path: Path) -> None:
     """Each result is a section of tables whose headers carry units; rows of rows are one
     table, not a heading per key path; what a result did not record says so."""
-    (tmp_path / "e2e.json").write_text(json.dumps({
-        "load_average": [1.5, 1.2, 1.0],
-        "cases": {"cifar": {"n": 4096, "rows": {
-            "DataLoader w2": {"samples_s": 1234.5, "vs_floor": 0.1, "epoch_s": 2.5},
-            "shardserve shm": {"samples_s": 98765.4, "vs_floor": 0.9, "epoch_s": 0.04},
-        }, "targets": [{"target": "shm vs w2", "value": 80.0, "met": True}]}},
-        "first_batch_s": {"whole_file": 23.6, "blocks": 1.07},
-        "read_share": {"whole_file": 1.0, "blocks": 0.19},
-        "target": {"first_batch_s": 2.0, "met": True},
-    }))  # fmt: skip
+    (tmp_path / "e2e.json").write_text(
+        json.dumps(
+            {
+                "load_average": [1.5, 1.2, 1.0],
+                "cases": {
+                    "cifar": {
+                        "n": 4096,
+                        "rows": {
+                            "DataLoader w2": {"samples_s": 1234.5, "vs_floor": 0.1, "epoch_s": 2.5},
+                            "shardserve shm": {
+                                "samples_s": 98765.4,
+                                "vs_floor": 0.9,
+                                "epoch_s": 0.04,
+                            },
+                        },
+                        "targets": [{"target": "shm vs w2", "value": 80.0, "met": True}],
+                    }
+                },
+                "first_batch_s": {"whole_file": 23.6, "blocks": 1.07},
+                "read_share": {"whole_file": 1.0, "blocks": 0.19},
+                "target": {"first_batch_s": 2.0, "met": True},
+            }
+        )
+    )
     page = gen_ref().results_page(tmp_path)
     assert "## E2E" in page
     assert "|  | samples/s | vs floor (×) | epoch (s) |" in page
@@ -96,16 +110,26 @@ def test_a_result_the_bench_runner_stamped_names_its_command_date_cores_and_load
     from bench.__main__ import stamp
 
     result = tmp_path / "cli.json"
-    result.write_text(json.dumps({
-        "command": "/home/someone/project/.venv/bin/shardserve",
-        "rows": {"a": {"median_s": 0.05}, "b": {"median_s": 0.2}},
-        "store": "/tmp/tmpab12/store",
-    }))  # fmt: skip
-    stamp(result, {
-        "command": "python bench/bench_cli.py --quick", "date": "2026-11-28T02:00:00+00:00",
-        "machine": "Linux-x86_64", "cpus": 2, "load_before": [3.5, 2.0, 1.0],
-        "load_after": [4.0, 2.5, 1.5],
-    })  # fmt: skip
+    result.write_text(
+        json.dumps(
+            {
+                "command": "/home/someone/project/.venv/bin/shardserve",
+                "rows": {"a": {"median_s": 0.05}, "b": {"median_s": 0.2}},
+                "store": "/tmp/tmpab12/store",
+            }
+        )
+    )
+    stamp(
+        result,
+        {
+            "command": "python bench/bench_cli.py --quick",
+            "date": "2026-11-28T02:00:00+00:00",
+            "machine": "Linux-x86_64",
+            "cpus": 2,
+            "load_before": [3.5, 2.0, 1.0],
+            "load_after": [4.0, 2.5, 1.5],
+        },
+    )
     page = gen_ref().results_page(tmp_path)
     assert "| command | `python bench/bench_cli.py --quick` |" in page
     assert "| date | 2026-11-28 02:00 UTC |" in page
@@ -200,14 +224,34 @@ def digits_store(tmp_path: Path) -> Path:
     """A store holding Getting started's ``digits-train``, made as its commands make it."""
     data = tmp_path / "digits.npz"
     subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "prepare_digits.py"), str(data),
-         str(tmp_path / "test.npz")], check=True, timeout=scaled(120), capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / "prepare_digits.py"),
+            str(data),
+            str(tmp_path / "test.npz"),
+        ],
+        check=True,
+        timeout=scaled(120),
+        capture_output=True,
+    )
     store = tmp_path / "store"
     subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "ingest", str(data), "--store", str(store),
-         "--name", "digits-train", "--quiet"], check=True, timeout=scaled(120), capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "ingest",
+            str(data),
+            "--store",
+            str(store),
+            "--name",
+            "digits-train",
+            "--quiet",
+        ],
+        check=True,
+        timeout=scaled(120),
+        capture_output=True,
+    )
     return store
 
 
@@ -222,9 +266,16 @@ def digits_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 def test_the_getting_started_loop_trains_against_a_real_server(digits_server: ServerProc) -> None:
     """examples/quickstart.py (included in Getting started) runs to the end."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py"), digits_server.http_url,
-         "digits-train"], capture_output=True, text=True, timeout=scaled(120.0),
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / "quickstart.py"),
+            digits_server.http_url,
+            "digits-train",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120.0),
+    )
     assert out.returncode == 0, out.stderr
     assert "epoch 1: loss" in out.stdout
 
@@ -234,9 +285,16 @@ def test_the_sweep_example_runs_its_trials_on_one_shared_pass(digits_server: Ser
     its two epochs; their share group's window is longer than an epoch, so none is detached."""
     assert '--8<-- "examples/sweep.py"' in (DOCS / "guides" / "sharing.md").read_text()
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "sweep.py"), digits_server.http_url,
-         "digits-train"], capture_output=True, text=True, timeout=scaled(240.0),
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / "sweep.py"),
+            digits_server.http_url,
+            "digits-train",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(240.0),
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["lr 0.03", "lr 0.1", "lr 0.3"], out.stdout

@@ -97,8 +97,13 @@ def main(out: Path) -> None:
     }
     want: dict[str, np.ndarray] = {}
     for name, opts in made.items():
-        with MDSWriter(out=str(out / name), columns=columns, compression=opts["compression"],
-                       hashes=opts["hashes"], size_limit=1 << 12) as w:  # fmt: skip
+        with MDSWriter(
+            out=str(out / name),
+            columns=columns,
+            compression=opts["compression"],
+            hashes=opts["hashes"],
+            size_limit=1 << 12,
+        ) as w:
             for i in range(int(opts["n"])):  # type: ignore[call-overload]
                 w.write(sample(i))
         ds = StreamingDataset(local=str(out / name), shuffle=False, batch_size=1)

@@ -17,8 +17,13 @@ from tests.support.slowness import scaled
 def _run(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "SHARDSERVE_STORE"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path.cwd()), env.get("PYTHONPATH", "")])
-    return subprocess.run([*cli_command(), *map(str, args)], capture_output=True, text=True,
-                          timeout=scaled(120), env=env)  # fmt: skip
+    return subprocess.run(
+        [*cli_command(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        env=env,
+    )
 
 
 def test_stacked_and_map_from_the_command_line(tmp_path: Path) -> None:
@@ -31,8 +36,20 @@ def test_stacked_and_map_from_the_command_line(tmp_path: Path) -> None:
     r = _run("ingest", src, "--store", store, "--name", "rows", "--stacked", "--quiet")
     assert r.returncode == 0, r.stderr
     assert "ingested rows: 6 samples" in r.stdout
-    r = _run("ingest", src, "--store", store, "--name", "graphs", "--stacked", "--quiet",
-             "--map", "tests.formats.mapfns:to_graph", "--workers", "2")  # fmt: skip
+    r = _run(
+        "ingest",
+        src,
+        "--store",
+        store,
+        "--name",
+        "graphs",
+        "--stacked",
+        "--quiet",
+        "--map",
+        "tests.formats.mapfns:to_graph",
+        "--workers",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "variable: edge_index [2, -1]" in r.stdout
     with Store(store).open("graphs") as ds:

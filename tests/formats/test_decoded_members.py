@@ -30,8 +30,11 @@ def _as_want(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _as_want(v) for k, v in value.items()}
     if isinstance(value, list):
-        return torch.from_numpy(np.array(value, dtype=np.float64 if any(
-            isinstance(v, float) for v in value) else np.int64))  # fmt: skip
+        return torch.from_numpy(
+            np.array(
+                value, dtype=np.float64 if any(isinstance(v, float) for v in value) else np.int64
+            )
+        )
     if isinstance(value, bool):
         return torch.tensor(value)
     if isinstance(value, int):
@@ -45,22 +48,31 @@ def _write_wds(path: Path) -> list[dict[str, Any]]:
     path.mkdir()
     with wds.ShardWriter(str(path / "shard-%04d.tar"), maxcount=7) as sink:
         for i in range(16):
-            sink.write({
-                "__key__": f"k{i:04d}",
-                "json": {"id": i, "score": i / 4, "tags": [i, i + 1], "meta": {"ok": i % 2 == 0}},
-                "txt": f"caption é {i}",
-                "cls": i % 5,
-            })  # fmt: skip
+            sink.write(
+                {
+                    "__key__": f"k{i:04d}",
+                    "json": {
+                        "id": i,
+                        "score": i / 4,
+                        "tags": [i, i + 1],
+                        "meta": {"ok": i % 2 == 0},
+                    },
+                    "txt": f"caption é {i}",
+                    "cls": i % 5,
+                }
+            )
     want = []
     # webdataset leaves its shard files to the garbage collector: not ours to fail on.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         urls = str(path / "shard-{0000..0002}.tar")
         for s in wds.WebDataset(urls, shardshuffle=False).decode():
-            want.append({
-                "__key__": s["__key__"].encode(),
-                **{k: _as_want(s[k]) for k in ("cls", "json", "txt")},  # tar order
-            })  # fmt: skip
+            want.append(
+                {
+                    "__key__": s["__key__"].encode(),
+                    **{k: _as_want(s[k]) for k in ("cls", "json", "txt")},  # tar order
+                }
+            )
         gc.collect()
     return want
 

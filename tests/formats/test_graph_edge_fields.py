@@ -17,8 +17,8 @@ import torch
 from shardserve.client import Loader
 from shardserve.proto.errors import BadRequest
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.graph_shapes import item_fields
 from shardserve.server.store.ingest.run import ingest
+from shardserve.server.store.read.graph_shapes import item_fields
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
 
@@ -85,8 +85,10 @@ def store(tmp_path_factory: pytest.TempPathFactory, crystals: list[dict[str, Any
         "edges": pyg_named,
     }
     # "w" has a row per edge in every graph but the last: a node-level field after all.
-    late = [{**b, "w": torch.zeros(b["bond_fea"].shape[0] + (i == N_GRAPHS - 1))}
-            for i, b in enumerate(no_atoms)]  # fmt: skip
+    late = [
+        {**b, "w": torch.zeros(b["bond_fea"].shape[0] + (i == N_GRAPHS - 1))}
+        for i, b in enumerate(no_atoms)
+    ]
     for name, samples in sets.items():
         ingest(_save(src / name, samples), store, name, progress=False, threads=2)
     # Small shards: the stored shapes are scanned across shards and chunks.

@@ -94,8 +94,9 @@ def test_to_pyg_gives_a_batch_models_accept(server: ServerProc, graphs: list[Any
 def test_named_node_field_beside_num_nodes(server: ServerProc, graphs: list[Any]) -> None:
     """node_field="x" on PyG graphs (which also store num_nodes) gives PyG's batch: num_nodes
     is never a part of it (ptr says it; a [B] tensor would become the Batch's num_nodes)."""
-    with Loader(server.http_url, "graphs", 16, shuffle=False,
-                collate={"graph": {"node_field": "x"}}) as loader:  # fmt: skip
+    with Loader(
+        server.http_url, "graphs", 16, shuffle=False, collate={"graph": {"node_field": "x"}}
+    ) as loader:
         got = next(iter(loader))
     assert "num_nodes" not in got
     want = pyg_data.Batch.from_data_list(graphs[:16])
@@ -108,8 +109,18 @@ def test_a_transform_that_changes_the_nodes_is_caught(server: ServerProc) -> Non
     them disagree, and the stream fails naming both fields and the node_field that fixes it,
     never a batch whose ptr does not match x."""
     chain = [{"name": "random_subset", "params": {"field": "x", "n": 1}}]
-    with Loader(server.http_url, "graphs", 16, shuffle=False, collate="graph", transforms=chain,
-                timeout=scaled(30)) as loader, pytest.raises(ShardserveError) as caught:  # fmt: skip
+    with (
+        Loader(
+            server.http_url,
+            "graphs",
+            16,
+            shuffle=False,
+            collate="graph",
+            transforms=chain,
+            timeout=scaled(30),
+        ) as loader,
+        pytest.raises(ShardserveError) as caught,
+    ):
         next(iter(loader))
     assert "num_nodes" in str(caught.value) and "'x'" in str(caught.value)
     assert "node_field" in str(caught.value)

@@ -35,21 +35,23 @@ def _png(i: int) -> bytes:
 
 
 def _dataset() -> Any:
-    feats = D.Features({
-        "a2": D.Array2D((2, 3), "float32"),
-        "a3": D.Array3D((2, 2, 2), "int32"),
-        "a4": D.Array4D((1, 2, 1, 2), "uint8"),
-        "a5": D.Array5D((1, 1, 2, 1, 2), "float64"),
-        "seqseq": D.Sequence(D.Sequence(D.Value("float32"))),
-        "strs": D.Sequence(D.Value("string")),
-        "sdict": D.Sequence({"p": D.Value("int64"), "q": D.Value("float32")}),
-        "ldict": [{"p": D.Value("int64")}],
-        "img": D.Image(),
-        "aud": {"bytes": D.Value("binary"), "path": D.Value("string")},
-        "lab": D.ClassLabel(names=["cat", "dog", "eel"]),
-        "txt": D.Value("string"),
-        "nest": {"u": {"v": D.Value("int16")}},
-    })  # fmt: skip
+    feats = D.Features(
+        {
+            "a2": D.Array2D((2, 3), "float32"),
+            "a3": D.Array3D((2, 2, 2), "int32"),
+            "a4": D.Array4D((1, 2, 1, 2), "uint8"),
+            "a5": D.Array5D((1, 1, 2, 1, 2), "float64"),
+            "seqseq": D.Sequence(D.Sequence(D.Value("float32"))),
+            "strs": D.Sequence(D.Value("string")),
+            "sdict": D.Sequence({"p": D.Value("int64"), "q": D.Value("float32")}),
+            "ldict": [{"p": D.Value("int64")}],
+            "img": D.Image(),
+            "aud": {"bytes": D.Value("binary"), "path": D.Value("string")},
+            "lab": D.ClassLabel(names=["cat", "dog", "eel"]),
+            "txt": D.Value("string"),
+            "nest": {"u": {"v": D.Value("int16")}},
+        }
+    )
     rows = {
         "a2": [np.full((2, 3), i, np.float32) for i in range(N)],
         "a3": [np.arange(8, dtype=np.int32).reshape(2, 2, 2) + i for i in range(N)],
@@ -76,23 +78,27 @@ def _want(ds: Any) -> list[dict[str, Any]]:
     out = []
     for i in range(len(ds)):
         r = raw[i]
-        out.append({
-            "a2": torch.tensor(np.array(r["a2"], np.float32)),
-            "a3": torch.tensor(np.array(r["a3"], np.int32)),
-            "a4": torch.tensor(np.array(r["a4"], np.uint8)),
-            "a5": torch.tensor(np.array(r["a5"], np.float64)),
-            "seqseq": torch.tensor(np.array(r["seqseq"], np.float32)),
-            "strs": list(r["strs"]),
-            "sdict": {"p": torch.tensor(r["sdict"]["p"], dtype=torch.int64),
-                      "q": torch.tensor(r["sdict"]["q"], dtype=torch.float32)},
-            # A list of dicts comes back as a dict of lists (a tensor per member).
-            "ldict": {"p": torch.tensor([d["p"] for d in r["ldict"]], dtype=torch.int64)},
-            "img": r["img"]["bytes"],
-            "aud": r["aud"]["bytes"],
-            "lab": torch.tensor(r["lab"]),
-            "txt": r["txt"],
-            "nest": {"u": {"v": torch.tensor(r["nest"]["u"]["v"], dtype=torch.int16)}},
-        })  # fmt: skip
+        out.append(
+            {
+                "a2": torch.tensor(np.array(r["a2"], np.float32)),
+                "a3": torch.tensor(np.array(r["a3"], np.int32)),
+                "a4": torch.tensor(np.array(r["a4"], np.uint8)),
+                "a5": torch.tensor(np.array(r["a5"], np.float64)),
+                "seqseq": torch.tensor(np.array(r["seqseq"], np.float32)),
+                "strs": list(r["strs"]),
+                "sdict": {
+                    "p": torch.tensor(r["sdict"]["p"], dtype=torch.int64),
+                    "q": torch.tensor(r["sdict"]["q"], dtype=torch.float32),
+                },
+                # A list of dicts comes back as a dict of lists (a tensor per member).
+                "ldict": {"p": torch.tensor([d["p"] for d in r["ldict"]], dtype=torch.int64)},
+                "img": r["img"]["bytes"],
+                "aud": r["aud"]["bytes"],
+                "lab": torch.tensor(r["lab"]),
+                "txt": r["txt"],
+                "nest": {"u": {"v": torch.tensor(r["nest"]["u"]["v"], dtype=torch.int16)}},
+            }
+        )
     return out
 
 
@@ -144,8 +150,9 @@ def test_class_label_names_are_exposed(
 
 def test_image_column_feeds_decode_image(built: dict[str, Any], server: ServerProc) -> None:
     chain = [{"name": "decode_image", "params": {"field": "img"}}]
-    with Loader(server.http_url, "imgs", batch_size=1, shuffle=False, timeout=scaled(30),
-                transforms=chain) as ld:  # fmt: skip
+    with Loader(
+        server.http_url, "imgs", batch_size=1, shuffle=False, timeout=scaled(30), transforms=chain
+    ) as ld:
         for i, b in enumerate(ld):
             img = b["img"].unbind()[0] if hasattr(b["img"], "unbind") else b["img"][0]
             want = np.asarray(PIL.open(io.BytesIO(_png(i))).convert("RGB"))

@@ -59,8 +59,10 @@ def test_sparse_tar_member_is_refused_before_it_is_read(tmp_path: Path) -> None:
     big = tmp_path / "k0.bin"
     with open(big, "wb") as f:
         f.truncate(1_500_000_000)
-    subprocess.run(["tar", "--sparse", "-cf", str(tmp_path / "src" / "s.tar"), "-C",
-                    str(tmp_path), "k0.bin"], check=True)  # fmt: skip
+    subprocess.run(
+        ["tar", "--sparse", "-cf", str(tmp_path / "src" / "s.tar"), "-C", str(tmp_path), "k0.bin"],
+        check=True,
+    )
     big.unlink()
     assert (tmp_path / "src" / "s.tar").stat().st_size < 100_000
     rss, err = _measured(tmp_path / "src", tmp_path / "store")
@@ -155,8 +157,11 @@ def test_samples_past_max_sample_bytes_are_refused(tmp_path: Path) -> None:
     """The bound holds for every source, naming the flag: a .pt sample and a block source."""
     (tmp_path / "pt").mkdir()
     torch.save({"x": torch.zeros(4096)}, tmp_path / "pt" / "0.pt")
-    with pytest.raises(InvalidDataError, match=r"0\.pt: the sample is \d+ bytes, more than "
-                                               r"--max-sample-bytes 1024"):  # fmt: skip
+    with pytest.raises(
+        InvalidDataError,
+        match=r"0\.pt: the sample is \d+ bytes, more than "
+        r"--max-sample-bytes 1024",
+    ):
         ingest(tmp_path / "pt", tmp_path / "store", "p", progress=False, max_sample_bytes=1024)
     np.savez(tmp_path / "a.npz", x=np.zeros((8, 4096), dtype=np.float32))
     with pytest.raises(InvalidDataError, match=r"a\.npz: one sample is 16384 bytes"):
@@ -164,8 +169,9 @@ def test_samples_past_max_sample_bytes_are_refused(tmp_path: Path) -> None:
     rows = [[0.0] * (10 if i != 5 else 4096) for i in range(8)]
     pq.write_table(pa.table({"x": rows}), tmp_path / "a.parquet")
     with pytest.raises(InvalidDataError, match=r"a\.parquet rows 0\.\.7 row 5: the sample is 32"):
-        ingest(tmp_path / "a.parquet", tmp_path / "store", "q", progress=False,
-               max_sample_bytes=1024)  # fmt: skip
+        ingest(
+            tmp_path / "a.parquet", tmp_path / "store", "q", progress=False, max_sample_bytes=1024
+        )
 
 
 def test_npz_declaring_a_huge_row_is_refused_before_reading(tmp_path: Path) -> None:

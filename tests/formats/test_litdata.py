@@ -73,8 +73,9 @@ def pickled(i: int) -> dict[str, Any]:
 def _write(out: Path, fn: Any, n: int, **kw: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # LitData's own deprecation and size notes
-        litdata.optimize(fn=fn, inputs=list(range(n)), output_dir=str(out), chunk_bytes=2000,
-                         num_workers=1, **kw)  # fmt: skip
+        litdata.optimize(
+            fn=fn, inputs=list(range(n)), output_dir=str(out), chunk_bytes=2000, num_workers=1, **kw
+        )
 
 
 def _as_want(value: Any) -> Any:
@@ -252,6 +253,9 @@ def test_a_chunk_linked_out_of_its_folder_is_refused(built: dict[str, Any], tmp_
     outside = tmp_path / "elsewhere.bin"
     (copy / "chunk-0-1.bin").rename(outside)
     (copy / "chunk-0-1.bin").symlink_to(outside)
-    with pytest.raises(InvalidDataError, match=r"index\.json lists chunk-0-1\.bin, a link to "
-                                               r".*elsewhere\.bin outside the folder"):  # fmt: skip
+    with pytest.raises(
+        InvalidDataError,
+        match=r"index\.json lists chunk-0-1\.bin, a link to "
+        r".*elsewhere\.bin outside the folder",
+    ):
         ingest(copy, tmp_path / "store", "link", progress=False)

@@ -45,8 +45,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     src = tmp_path_factory.mktemp("mds")
     subprocess.run(
         [str(MDS_PYTHON), str(ROOT / "tests" / "formats" / "mds_writer.py"), str(src)],
-        check=True, timeout=scaled(600),
-    )  # fmt: skip
+        check=True,
+        timeout=scaled(600),
+    )
     store = tmp_path_factory.mktemp("store")
     for name in WRITTEN:
         ingest(src / name, store, name, progress=False)
@@ -149,10 +150,23 @@ def test_a_damaged_shard_is_refused_naming_it(
 
 def test_the_command_line_reads_it(built: dict[str, Any], tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "ingest", str(built["src"] / "gz"),
-         "--store", str(tmp_path), "--name", "cli", "--quiet"],
-        capture_output=True, text=True, timeout=scaled(300), cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "ingest",
+            str(built["src"] / "gz"),
+            "--store",
+            str(tmp_path),
+            "--name",
+            "cli",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "ingested cli: 12 samples" in out.stdout + out.stderr
 
@@ -183,10 +197,23 @@ def test_a_negative_column_size_is_one_line_naming_the_field(
     index["shards"][0]["column_sizes"] = [-4, None, *sizes[2:]]
     (src / "index.json").write_text(json.dumps(index))
     out = subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "ingest", str(src),
-         "--store", str(tmp_path / "store"), "--name", "neg", "--quiet"],
-        capture_output=True, text=True, timeout=scaled(300), cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "ingest",
+            str(src),
+            "--store",
+            str(tmp_path / "store"),
+            "--name",
+            "neg",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        cwd=ROOT,
+    )
     assert out.returncode != 0
     assert "Traceback" not in out.stderr, out.stderr
     assert "index.json shard 0 column 'b': its column_sizes entry is -4" in out.stderr, out.stderr
@@ -201,8 +228,11 @@ def test_a_shard_listed_twice_is_refused_naming_it(built: dict[str, Any], tmp_pa
     index["shards"] = [first, *index["shards"], first]
     (src / "index.json").write_text(json.dumps(index))
     name = first["zip_data"]["basename"]
-    with pytest.raises(InvalidDataError, match=rf"index\.json lists the shard {re.escape(name)} "
-                                               r"twice \(shards 0 and 1\)"):  # fmt: skip
+    with pytest.raises(
+        InvalidDataError,
+        match=rf"index\.json lists the shard {re.escape(name)} "
+        r"twice \(shards 0 and 1\)",
+    ):
         ingest(src, tmp_path / "store", "dup", progress=False)
     assert not (tmp_path / "store" / "dup").exists()
 
@@ -219,8 +249,11 @@ def test_a_shard_linked_out_of_its_folder_is_refused(
     outside = tmp_path / "elsewhere.mds"
     (src / shard).rename(outside)
     (src / shard).symlink_to(outside)
-    with pytest.raises(InvalidDataError, match=rf"lists {re.escape(shard)}, a link to .*"
-                                               r"elsewhere\.mds outside the folder"):  # fmt: skip
+    with pytest.raises(
+        InvalidDataError,
+        match=rf"lists {re.escape(shard)}, a link to .*"
+        r"elsewhere\.mds outside the folder",
+    ):
         ingest(src, tmp_path / "store", "link", progress=False)
     assert not (tmp_path / "store" / "link").exists()
     (src / shard).unlink()
@@ -315,6 +348,9 @@ def test_a_snappy_shard_declaring_another_size_is_refused_before_inflating(
     entry["raw_data"]["bytes"] = 64 << 20
     (src / "index.json").write_text(json.dumps(index))
     shard = re.escape(entry["zip_data"]["basename"])
-    with pytest.raises(InvalidDataError, match=rf"{shard}: a \d+-byte snappy block that says it "
-                                               rf"holds \d+ bytes; index\.json lists {64 << 20}"):  # fmt: skip
+    with pytest.raises(
+        InvalidDataError,
+        match=rf"{shard}: a \d+-byte snappy block that says it "
+        rf"holds \d+ bytes; index\.json lists {64 << 20}",
+    ):
         ingest(src, tmp_path / "store", "snap", progress=False)

@@ -202,8 +202,14 @@ def _graphs(n: int) -> list[Any]:
         g = torch.Generator().manual_seed(i)
         k = i % 4 + 2
         e = torch.randint(0, k, (2, i % 5 + 1), generator=g)
-        out.append(pyg_data.Data(x=torch.rand(k, 3, generator=g), edge_index=e,
-                                 y=torch.tensor([i % 2]), pos=torch.rand(k, 2, generator=g)))  # fmt: skip
+        out.append(
+            pyg_data.Data(
+                x=torch.rand(k, 3, generator=g),
+                edge_index=e,
+                y=torch.tensor([i % 2]),
+                pos=torch.rand(k, 2, generator=g),
+            )
+        )
     return out
 
 
@@ -251,8 +257,9 @@ def test_pt_sparse_tensor_is_one_clear_line(tmp_path: Path, store: Path) -> None
 
 
 def test_pt_absurd_num_nodes_is_one_clear_line(tmp_path: Path, store: Path) -> None:
-    torch.save(pyg_data.Data(edge_index=torch.tensor([[0], [1]]), num_nodes=2**40),
-               tmp_path / "g.pt")  # fmt: skip
+    torch.save(
+        pyg_data.Data(edge_index=torch.tensor([[0], [1]]), num_nodes=2**40), tmp_path / "g.pt"
+    )
     with pytest.raises(InvalidDataError, match=r"g\.pt: num_nodes is 1099511627776"):
         ingest(tmp_path / "g.pt", store, "nn", progress=False)
 
@@ -281,10 +288,12 @@ def test_parquet_nulls_in_list_columns_keep_their_dtype_and_rows(
 
     from shardserve.server.store.catalog import Store
 
-    table = pa.table({
-        "v": pa.array([[1, 2], None, [3]], pa.list_(pa.int64())),
-        "f": pa.array([[1, 2, 3], None, [4, 5, 6]], pa.list_(pa.int32(), 3)),
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "v": pa.array([[1, 2], None, [3]], pa.list_(pa.int64())),
+            "f": pa.array([[1, 2, 3], None, [4, 5, 6]], pa.list_(pa.int32(), 3)),
+        }
+    )
     pq.write_table(table, tmp_path / "t.parquet")
     ingest(tmp_path / "t.parquet", store, "t", progress=False)
     ds = Store(store).open("t")

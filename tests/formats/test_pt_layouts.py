@@ -176,9 +176,11 @@ def test_structured_records_become_fields(built: Built) -> None:
     """A structured array is one field per record field, sub-arrays as fixed tensors."""
     m = built.summaries["games"].manifest
     assert [(f.name, f.dtype, f.shape) for f in m.fields] == [
-        ("board", "uint8", (32,)), ("eval", "int16", ()), ("move", "uint16", ()),
+        ("board", "uint8", (32,)),
+        ("eval", "int16", ()),
+        ("move", "uint16", ()),
         ("result", "uint8", ()),
-    ]  # fmt: skip
+    ]
 
 
 def test_conflicting_structure_names_file_and_publishes_nothing(tmp_path: Path) -> None:

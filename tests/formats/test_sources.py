@@ -32,32 +32,57 @@ def _hf_folder(path: Path) -> list[dict[str, Any]]:
     datasets 5.2.0): Arrow *stream* files listed in state.json, beside dataset_info.json."""
     path.mkdir()
     rows = [
-        {"text": f"t{i}" if i % 4 else None, "label": i % 3, "emb": [float(j) for j in range(i % 5 + 1)],
-         "meta": {"id": i, "w": 0.5 * i if i % 2 else None}}
+        {
+            "text": f"t{i}" if i % 4 else None,
+            "label": i % 3,
+            "emb": [float(j) for j in range(i % 5 + 1)],
+            "meta": {"id": i, "w": 0.5 * i if i % 2 else None},
+        }
         for i in range(25)
-    ]  # fmt: skip
-    schema = pa.schema([("text", pa.string()), ("label", pa.int64()), ("emb", pa.list_(pa.float64())),
-                        ("meta", pa.struct([("id", pa.int64()), ("w", pa.float64())]))])  # fmt: skip
+    ]
+    schema = pa.schema(
+        [
+            ("text", pa.string()),
+            ("label", pa.int64()),
+            ("emb", pa.list_(pa.float64())),
+            ("meta", pa.struct([("id", pa.int64()), ("w", pa.float64())])),
+        ]
+    )
     names = []
     for k, part in enumerate((rows[:12], rows[12:])):
         name = f"data-{k:05d}-of-00002.arrow"
         with pa.OSFile(str(path / name), "wb") as f, pa.ipc.new_stream(f, schema) as w:
             w.write_table(pa.Table.from_pylist(part, schema=schema), max_chunksize=5)
         names.append({"filename": name})
-    (path / "state.json").write_text(json.dumps({"_data_files": names, "_fingerprint": "x",
-                                                 "_format_columns": None, "_format_kwargs": {},
-                                                 "_format_type": None, "_output_all_columns": False,
-                                                 "_split": None}))  # fmt: skip
+    (path / "state.json").write_text(
+        json.dumps(
+            {
+                "_data_files": names,
+                "_fingerprint": "x",
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_output_all_columns": False,
+                "_split": None,
+            }
+        )
+    )
     (path / "dataset_info.json").write_text(json.dumps({"features": {}}))
     want = []
     for r in rows:
-        want.append({
-            "text": r["text"],
-            "label": torch.tensor(r["label"]),
-            "emb": torch.tensor(r["emb"], dtype=torch.float64),
-            "meta": {"id": torch.tensor(r["meta"]["id"]),
-                     "w": torch.tensor(r["meta"]["w"], dtype=torch.float64) if r["meta"]["w"] is not None else None},
-        })  # fmt: skip
+        want.append(
+            {
+                "text": r["text"],
+                "label": torch.tensor(r["label"]),
+                "emb": torch.tensor(r["emb"], dtype=torch.float64),
+                "meta": {
+                    "id": torch.tensor(r["meta"]["id"]),
+                    "w": torch.tensor(r["meta"]["w"], dtype=torch.float64)
+                    if r["meta"]["w"] is not None
+                    else None,
+                },
+            }
+        )
     return want
 
 
@@ -80,8 +105,14 @@ def _wds(path: Path) -> list[dict[str, Any]]:
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-                want.append({"__key__": key.encode(), "jpg": img, "cls": torch.tensor(i % 7),
-                             "feat.npy": torch.from_numpy(arr)})  # fmt: skip
+                want.append(
+                    {
+                        "__key__": key.encode(),
+                        "jpg": img,
+                        "cls": torch.tensor(i % 7),
+                        "feat.npy": torch.from_numpy(arr),
+                    }
+                )
     return want
 
 
@@ -141,8 +172,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["summary"][name] = ingest(
             src / name, store, name, progress=False, shard_bytes=1024, **kw
         )
-    out["summary"]["mapped2"] = ingest(src / "mapped", store, "mapped2", progress=False,
-                                       map_fn="tests.formats.mapfns:to_graph", workers=2)  # fmt: skip
+    out["summary"]["mapped2"] = ingest(
+        src / "mapped",
+        store,
+        "mapped2",
+        progress=False,
+        map_fn="tests.formats.mapfns:to_graph",
+        workers=2,
+    )
     out["want"]["mapped2"] = out["want"]["mapped"]
     out["src"] = src
     return out
@@ -169,8 +206,14 @@ def test_every_sample_reads_back_equal(
 def test_formats_detected(built: dict[str, Any]) -> None:
     """--format auto picked each source's format."""
     fmts = {k: s.manifest.source["format"] for k, s in built["summary"].items()}
-    assert fmts == {"hf": "hf", "wds": "webdataset", "h5": "hdf5", "lmdb": "lmdb",
-                    "mapped": "pt", "mapped2": "pt"}  # fmt: skip
+    assert fmts == {
+        "hf": "hf",
+        "wds": "webdataset",
+        "h5": "hdf5",
+        "lmdb": "lmdb",
+        "mapped": "pt",
+        "mapped2": "pt",
+    }
 
 
 def test_map_failure_names_file_and_sample(built: dict[str, Any], tmp_path: Path) -> None:
@@ -180,15 +223,26 @@ def test_map_failure_names_file_and_sample(built: dict[str, Any], tmp_path: Path
             InvalidDataError,
             match=r"007\.pt: --map .*fail_on_seven failed: ValueError: bad crystal",
         ):
-            ingest(built["src"] / "mapped", tmp_path, "m", progress=False,
-                   map_fn="tests.formats.mapfns:fail_on_seven", workers=workers)  # fmt: skip
+            ingest(
+                built["src"] / "mapped",
+                tmp_path,
+                "m",
+                progress=False,
+                map_fn="tests.formats.mapfns:fail_on_seven",
+                workers=workers,
+            )
         assert not (tmp_path / "m").exists()
 
 
 def test_map_may_drop_samples(built: dict[str, Any], tmp_path: Path) -> None:
     """A --map function returning None drops that sample."""
-    s = ingest(built["src"] / "mapped", tmp_path, "m", progress=False,
-               map_fn="tests.formats.mapfns:drop_odd")  # fmt: skip
+    s = ingest(
+        built["src"] / "mapped",
+        tmp_path,
+        "m",
+        progress=False,
+        map_fn="tests.formats.mapfns:drop_odd",
+    )
     assert s.manifest.num_samples == 6
 
 
@@ -212,8 +266,9 @@ def test_missing_optional_package_names_the_extra() -> None:
         require("no_such_module_for_shardserve", "HDF5")
 
 
-def test_progress_bar_ends_with_the_real_counts(built: dict[str, Any], tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_progress_bar_ends_with_the_real_counts(
+    built: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The bar's last postfix shows every file and sample, as the summary does."""
     s = ingest(built["src"] / "mapped", tmp_path, "p", progress=True)
     err = capsys.readouterr().err

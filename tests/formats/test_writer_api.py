@@ -28,8 +28,13 @@ def _sample(i: int) -> dict[str, object]:
 
 
 def test_written_samples_read_back_equal(tmp_path: Path) -> None:
-    with DatasetWriter(tmp_path / "store", "made", shard_bytes=512,
-                       classes=["even", "odd"], metadata={"by": "test"}) as w:  # fmt: skip
+    with DatasetWriter(
+        tmp_path / "store",
+        "made",
+        shard_bytes=512,
+        classes=["even", "odd"],
+        metadata={"by": "test"},
+    ) as w:
         for i in range(23):
             w.add(_sample(i))
         assert w.num_samples == 23
@@ -44,21 +49,27 @@ def test_written_samples_read_back_equal(tmp_path: Path) -> None:
         want = {
             "x": s["x"],
             "pts": torch.from_numpy(s["pts"]),  # type: ignore[arg-type]
-            "meta": {"name": f"s{i}",
-                     "w": torch.tensor(0.5 * i, dtype=torch.float64) if i % 3 else None},
+            "meta": {
+                "name": f"s{i}",
+                "w": torch.tensor(0.5 * i, dtype=torch.float64) if i % 3 else None,
+            },
             "jpg": s["jpg"],
             "label": torch.tensor(i % 2),
-        }  # fmt: skip
+        }
         assert_same(g, want, f"made[{i}]")
 
 
 def test_an_error_publishes_nothing_and_names_the_sample(tmp_path: Path) -> None:
-    with pytest.raises(InvalidDataError, match=r"sample 3: .*'x'"), \
-            DatasetWriter(tmp_path / "store", "bad") as w:  # fmt: skip
+    with (
+        pytest.raises(InvalidDataError, match=r"sample 3: .*'x'"),
+        DatasetWriter(tmp_path / "store", "bad") as w,
+    ):
         for i in range(5):
             w.add({"x": np.zeros(3) if i != 3 else "oops"})
     assert not (tmp_path / "store" / "bad").exists()
-    with pytest.raises(InvalidDataError, match="more than --max-sample-bytes 64"), \
-            DatasetWriter(tmp_path / "store", "big", max_sample_bytes=64) as w:  # fmt: skip
+    with (
+        pytest.raises(InvalidDataError, match="more than --max-sample-bytes 64"),
+        DatasetWriter(tmp_path / "store", "big", max_sample_bytes=64) as w,
+    ):
         w.add({"x": np.zeros(100)})
     assert not (tmp_path / "store" / "big").exists()

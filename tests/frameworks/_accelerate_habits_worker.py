@@ -41,13 +41,19 @@ def main() -> None:
     # The Loader itself goes on with epoch 2 afterwards.
     after = [ids(b) for b in loader]
     model = accelerator.prepare(torch.nn.Linear(3 * 32 * 32, 10))
-    evals = {str(b): evaluate(accelerator, model, Loader(a.url, "eval", b, shuffle=False))
-             for b in a.eval_batch}  # fmt: skip
+    evals = {
+        str(b): evaluate(accelerator, model, Loader(a.url, "eval", b, shuffle=False))
+        for b in a.eval_batch
+    }
     record = {
-        "rank": accelerator.process_index, "world_size": accelerator.num_processes,
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
         "habits": [loader.batch_size, loader.drop_last, loader.shuffle, len(loader.dataset)],
-        "skipped_len": len(skipped), "rest": rest, "after": after, "evals": evals,
-    }  # fmt: skip
+        "skipped_len": len(skipped),
+        "rest": rest,
+        "after": after,
+        "evals": evals,
+    }
     (Path(a.out) / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
     loader.close()
     accelerator.end_training()
@@ -69,9 +75,13 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, loader: Loader) -
                 gathered += got_ids.tolist()
                 preds += len(got_pred)
     evaluation.close()
-    return {"gathered": gathered, "preds": preds, "eval_len": len(evaluation),
-            "eval_samples": len(evaluation.dataset),
-            "warnings": [str(w.message) for w in caught]}  # fmt: skip
+    return {
+        "gathered": gathered,
+        "preds": preds,
+        "eval_len": len(evaluation),
+        "eval_samples": len(evaluation.dataset),
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
 if __name__ == "__main__":

@@ -58,11 +58,17 @@ def main() -> None:
     restorer.load_state(str(out / "state"))
     rest = [ids(b) for b in again]
     record = {
-        "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-        "same_object": prepared is loader, "loader_world": [loader.world.rank, loader.world.world_size],
-        "seen": seen, "rest": rest, "steps": len(losses),
-        "weights_moved": float((accelerator.unwrap_model(model).weight.detach() - before).abs().sum()),
-    }  # fmt: skip
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        "same_object": prepared is loader,
+        "loader_world": [loader.world.rank, loader.world.world_size],
+        "seen": seen,
+        "rest": rest,
+        "steps": len(losses),
+        "weights_moved": float(
+            (accelerator.unwrap_model(model).weight.detach() - before).abs().sum()
+        ),
+    }
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
     loader.close()
     again.close()

@@ -44,8 +44,12 @@ def main() -> None:
     else:
         accelerator.load_state(str(out / "ckpt"))
         got = [ids(b) for b in loader]
-    record = {"world": [loader.world.rank, loader.world.world_size], "batches": got,
-              "job": loader.job_id, "state": loader.state_dict()}  # fmt: skip
+    record = {
+        "world": [loader.world.rank, loader.world.world_size],
+        "batches": got,
+        "job": loader.job_id,
+        "state": loader.state_dict(),
+    }
     (out / f"{a.phase}{rank}.json").write_text(json.dumps(record))
     loader.close()
     accelerator.end_training()

@@ -94,27 +94,39 @@ def main() -> None:
     if a.ckpt_every:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=out / "ckpt", every_n_train_steps=a.ckpt_every, save_top_k=-1,
+                dirpath=out / "ckpt",
+                every_n_train_steps=a.ckpt_every,
+                save_top_k=-1,
                 filename="{step}",
             )
-        )  # fmt: skip
+        )
     trainer = Trainer(
-        accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto",
-        max_epochs=a.epochs, callbacks=callbacks, enable_checkpointing=bool(a.ckpt_every),
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(out),
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=a.devices,
+        strategy="ddp" if a.devices > 1 else "auto",
+        max_epochs=a.epochs,
+        callbacks=callbacks,
+        enable_checkpointing=bool(a.ckpt_every),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(out),
+    )
     with warnings.catch_warnings(record=True) as caught:  # kept for the record, not printed
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=dm, ckpt_path=a.resume)
     rank = trainer.global_rank
     loader = trainer.train_dataloader
     record = {
-        "rank": rank, "world_size": trainer.world_size, "seen": model.seen,
+        "rank": rank,
+        "world_size": trainer.world_size,
+        "seen": model.seen,
         "loader_type": type(loader).__name__,
         "loader_world": [loader.world.rank, loader.world.world_size] if loader else None,
-        "pid": os.getpid(), "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
-    }  # fmt: skip
+        "pid": os.getpid(),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 
 

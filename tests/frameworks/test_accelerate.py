@@ -25,8 +25,11 @@ def test_accelerate_prepared_loop_runs_and_checkpoints(server, tmp_path: Path) -
     cmd = [sys.executable, "-m", "tests.frameworks._accelerate_worker"]
     r = subprocess.run(
         [*cmd, "--url", server.http_url, "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(120),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["same_object"] and rec["loader_world"] == [0, 1]
@@ -41,12 +44,24 @@ def test_accelerate_prepared_loop_runs_and_checkpoints(server, tmp_path: Path) -
 def test_accelerate_under_torchrun_two_ranks(server, tmp_path: Path) -> None:
     """Launched by torchrun with 2 processes (gloo), each rank's prepared Loader streams its plan
     part, and load_state on every rank restores the position rank 0 saved."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "tests.frameworks._accelerate_worker"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "tests.frameworks._accelerate_worker",
+    ]
     r = subprocess.run(
         [*cmd, "--url", server.http_url, "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(180),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(180),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     for rank in (0, 1):
         rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -64,12 +79,24 @@ def test_skip_first_batches_and_gather_for_metrics_two_ranks(server, tmp_path: P
     # The skipped batches are never sent and the Loader then goes on with the next epoch; the plan's
     # padding is dropped by gather_for_metrics, with batches of 64 and of 1. One torchrun: the two
     # ranks' start is most of the test's time.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "tests.frameworks._accelerate_habits_worker"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "tests.frameworks._accelerate_habits_worker",
+    ]
     r = subprocess.run(
         [*cmd, "--url", server.http_url, "--out", str(tmp_path), "--eval-batch", "64", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=scaled(240),
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(240),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     for rank in (0, 1):
         rec = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -22,9 +22,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(n: int, url: str, out: Path, phase: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-           "--master_port", str(free_port()), "-m", "tests.frameworks._elastic_worker",
-           "--url", url, "--out", str(out), "--phase", phase, "--k", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(n),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "tests.frameworks._elastic_worker",
+        "--url",
+        url,
+        "--out",
+        str(out),
+        "--phase",
+        phase,
+        "--k",
+        "2",
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return [json.loads((out / f"{phase}{rank}.json").read_text()) for rank in range(n)]

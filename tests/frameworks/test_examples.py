@@ -27,11 +27,21 @@ def digits_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     steps = [
         [sys.executable, "examples/prepare_digits.py", str(train), str(test)],
         *(
-            [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-             "--name", src.stem, "--quiet"]
+            [
+                sys.executable,
+                "-m",
+                "shardserve.server",
+                "ingest",
+                str(src),
+                "--store",
+                str(store),
+                "--name",
+                src.stem,
+                "--quiet",
+            ]
             for src in (train, test)
         ),
-    ]  # fmt: skip
+    ]
     for cmd in steps:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
         assert r.returncode == 0, f"{cmd}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
@@ -41,8 +51,14 @@ def digits_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 
 def test_train_lightning_example_learns(digits_server: ServerProc) -> None:
     """The Lightning example trains the digits CNN on one device and reaches a real accuracy."""
-    cmd = [sys.executable, "examples/train_lightning.py", "--url", digits_server.http_url,
-           "--epochs", "3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "examples/train_lightning.py",
+        "--url",
+        digits_server.http_url,
+        "--epochs",
+        "3",
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(180))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = re.search(r"val accuracy ([0-9.]+) after 3 epochs on 1 device", r.stdout)

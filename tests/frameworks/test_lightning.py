@@ -31,8 +31,9 @@ def forked() -> Iterator[Zygote]:
         yield z
 
 
-def fit(url: str, out: Path, *args: str, timeout: float | None = None,
-        forked: Zygote | None = None) -> dict[int, dict]:  # fmt: skip
+def fit(
+    url: str, out: Path, *args: str, timeout: float | None = None, forked: Zygote | None = None
+) -> dict[int, dict]:
     """Run the Lightning worker (forked from ``forked`` when given); its records by rank."""
     timeout = scaled(150) if timeout is None else timeout
     out.mkdir(parents=True, exist_ok=True)
@@ -41,8 +42,9 @@ def fit(url: str, out: Path, *args: str, timeout: float | None = None,
         done = forked.run(argv, cwd=ROOT, env=os.environ, timeout=timeout)
         code, stdout, stderr = done.returncode, done.stdout, done.stderr
     else:
-        r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                           timeout=timeout)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
         code, stdout, stderr = r.returncode, r.stdout, r.stderr
     assert code == 0, stdout[-3000:] + stderr[-5000:]
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
@@ -81,12 +83,14 @@ def test_one_device_epochs_follow_the_plan(
 def test_mid_epoch_checkpoint_resumes_exactly(server, forked: Zygote, tmp_path: Path) -> None:
     """A checkpoint saved after 4 batches of epoch 1, resumed in a new process, trains on
     exactly the batches the uninterrupted run had left: the rest of epoch 1, then epoch 2."""
-    full = fit(server.http_url, tmp_path / "full", "--epochs", "3", "--ckpt-every", "14",
-               forked=forked)[0]  # fmt: skip
+    full = fit(
+        server.http_url, tmp_path / "full", "--epochs", "3", "--ckpt-every", "14", forked=forked
+    )[0]
     ckpt = tmp_path / "full" / "ckpt" / "step=14.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (tmp_path / "full" / "ckpt").iterdir())
-    resumed = fit(server.http_url, tmp_path / "resumed", "--epochs", "3", "--resume", str(ckpt),
-                  forked=forked)[0]  # fmt: skip
+    resumed = fit(
+        server.http_url, tmp_path / "resumed", "--epochs", "3", "--resume", str(ckpt), forked=forked
+    )[0]
     assert resumed["seen"] == {"1": full["seen"]["1"][4:], "2": full["seen"]["2"]}
     assert full["seen"]["1"] == planned(1, 1, 0)
 
@@ -95,8 +99,17 @@ def test_mid_epoch_checkpoint_resumes_exactly(server, forked: Zygote, tmp_path: 
 def test_ddp_two_ranks_each_train_their_part_and_resume(server, tmp_path: Path) -> None:
     """Trainer(devices=2, strategy="ddp") on gloo: each rank trains its plan part, together
     every sample once per epoch; a mid-epoch checkpoint resumes both ranks exactly."""
-    recs = fit(server.http_url, tmp_path / "full", "--devices", "2", "--epochs", "2",
-               "--ckpt-every", "7", timeout=scaled(240))  # fmt: skip
+    recs = fit(
+        server.http_url,
+        tmp_path / "full",
+        "--devices",
+        "2",
+        "--epochs",
+        "2",
+        "--ckpt-every",
+        "7",
+        timeout=scaled(240),
+    )
     assert sorted(recs) == [0, 1]
     for rank, rec in recs.items():
         assert rec["loader_type"] == "Loader" and rec["loader_world"] == [rank, 2]
@@ -107,8 +120,17 @@ def test_ddp_two_ranks_each_train_their_part_and_resume(server, tmp_path: Path) 
         assert union == list(range(N_SAMPLES))
     # 5 steps per epoch: step 7 is after batch 2 of epoch 1.
     ckpt = tmp_path / "full" / "ckpt" / "step=7.ckpt"
-    resumed = fit(server.http_url, tmp_path / "resumed", "--devices", "2", "--epochs", "2",
-                  "--resume", str(ckpt), timeout=scaled(240))  # fmt: skip
+    resumed = fit(
+        server.http_url,
+        tmp_path / "resumed",
+        "--devices",
+        "2",
+        "--epochs",
+        "2",
+        "--resume",
+        str(ckpt),
+        timeout=scaled(240),
+    )
     for rank in (0, 1):
         assert resumed[rank]["seen"] == {"1": recs[rank]["seen"]["1"][2:]}, rank
 

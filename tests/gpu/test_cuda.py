@@ -17,7 +17,7 @@ import torch
 from shardserve.client import Loader, ResidentTooLarge
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.planning import plan
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.reliability.test_restart import _Restarter
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, run_server
@@ -93,9 +93,16 @@ def test_a_slow_consumer_stream_never_sees_an_overwritten_batch(
     got = []
     deferred = 0
     with Loader(
-        server.http_url, "cifar", BATCH, seed=8, rank=0, world_size=1, device="cuda",
-        prefetch=4, transport=transport,
-    ) as loader:  # fmt: skip
+        server.http_url,
+        "cifar",
+        BATCH,
+        seed=8,
+        rank=0,
+        world_size=1,
+        device="cuda",
+        prefetch=4,
+        transport=transport,
+    ) as loader:
         for epoch in range(2):
             loader.set_epoch(epoch)
             for batch in loader:
@@ -121,9 +128,15 @@ def test_a_slow_consumer_stream_never_sees_an_overwritten_batch(
 def test_no_growth_of_pinned_or_device_memory_over_many_epochs(server, transport: str) -> None:
     readings = []
     with Loader(
-        server.http_url, "cifar", BATCH, seed=1, rank=0, world_size=1, device="cuda",
+        server.http_url,
+        "cifar",
+        BATCH,
+        seed=1,
+        rank=0,
+        world_size=1,
+        device="cuda",
         transport=transport,
-    ) as loader:  # fmt: skip
+    ) as loader:
         for epoch in range(10):
             loader.set_epoch(epoch)
             for batch in loader:
@@ -147,9 +160,17 @@ def test_gpu_epoch_survives_a_kill9_restart(store: Path, tmp_path: Path, transpo
     with _Restarter(store, tmp_path) as r:
         srv = r.start()
         loader = Loader(
-            srv.http_url, "cifar", BATCH, seed=4, rank=0, world_size=1, device="cuda",
-            prefetch=2, timeout=scaled(30.0), transport=transport,
-        )  # fmt: skip
+            srv.http_url,
+            "cifar",
+            BATCH,
+            seed=4,
+            rank=0,
+            world_size=1,
+            device="cuda",
+            prefetch=2,
+            timeout=scaled(30.0),
+            transport=transport,
+        )
         try:
             loader.set_epoch(0)
             got = []
@@ -179,9 +200,16 @@ def test_resident_cuda_equals_streaming(server) -> None:
 
 def test_resident_envs_on_the_gpu_never_alias(server) -> None:
     with Loader(
-        server.http_url, "cifar", 32, seed=2, rank=0, world_size=1, resident="cuda", envs=4,
+        server.http_url,
+        "cifar",
+        32,
+        seed=2,
+        rank=0,
+        world_size=1,
+        resident="cuda",
+        envs=4,
         devices=["cuda:0"],
-    ) as loader:  # fmt: skip
+    ) as loader:
         loader.set_epoch(0)
         steps = list(loader)
     ptrs = [t.untyped_storage().data_ptr() for s in steps[:5] for b in s for t in b.values()]

@@ -18,7 +18,7 @@ import torch
 
 from shardserve.client import Loader
 from shardserve.client.device_steps import MAX_STAGED
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
 from tests.transforms.test_device_transforms import (

@@ -148,10 +148,16 @@ def compose_config(file: Path = COMPOSE) -> dict[str, Any]:
     out = run_compose("config", file=file)
     assert out.returncode == 0, f"docker-compose config failed:\n{out.stderr}"
     conv = subprocess.run(
-        [*_yaml_to_json_program(), "-c",
-         "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"],
-        input=out.stdout, capture_output=True, text=True, timeout=scaled(SUBPROCESS_TIMEOUT_S),
-    )  # fmt: skip
+        [
+            *_yaml_to_json_program(),
+            "-c",
+            "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)",
+        ],
+        input=out.stdout,
+        capture_output=True,
+        text=True,
+        timeout=scaled(SUBPROCESS_TIMEOUT_S),
+    )
     assert conv.returncode == 0, f"could not read docker-compose's YAML:\n{conv.stderr}"
     return json.loads(conv.stdout)  # type: ignore[no-any-return]
 

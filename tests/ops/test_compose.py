@@ -29,11 +29,21 @@ pytestmark = pytest.mark.skipif(COMPOSE_BIN is None, reason="docker-compose is n
 # (what is broken, text in the real file, replacement, words the error must contain)
 BREAKAGES = [
     ("typo in a service key", "    shm_size: 2gb", "    shm_sise: 2gb", "shm_sise"),
-    ("depends_on names a missing service", "      server:\n        condition", "      sever:\n        condition", "sever"),
+    (
+        "depends_on names a missing service",
+        "      server:\n        condition",
+        "      sever:\n        condition",
+        "sever",
+    ),
     ("ipc joins a missing service", 'ipc: "service:server"', 'ipc: "service:nosuch"', "nosuch"),
-    ("unknown depends_on condition", "condition: service_healthy", "condition: service_healty", "service_healty"),
+    (
+        "unknown depends_on condition",
+        "condition: service_healthy",
+        "condition: service_healty",
+        "service_healty",
+    ),
     ("undeclared named volume", "      - state:/data/state", "      - staet:/data/state", "staet"),
-]  # fmt: skip
+]
 
 
 def test_real_compose_file_validates() -> None:

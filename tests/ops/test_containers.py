@@ -73,10 +73,12 @@ class Stack:
         self, *args: str, env: dict[str, str] | None = None, timeout: float | None = None
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["bash", str(STACK_SH), *args], env={**self.env, **(env or {})},
-            capture_output=True, text=True,
+            ["bash", str(STACK_SH), *args],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
             timeout=scaled(STEP_TIMEOUT_S) if timeout is None else timeout,
-        )  # fmt: skip
+        )
 
     def podman(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -92,8 +94,16 @@ class Stack:
     ) -> tuple[list[str], dict[str, str]]:
         """The trainer service running tests/ops/container_probe.py instead of torchrun."""
         opts = f"--entrypoint python --volume {PROBE}:/probe.py:ro {podman_opts}"
-        argv = ["bash", str(STACK_SH), "trainer", "/probe.py", "http://server:7070", *probe_args,
-                "--timeout", str(scaled(60.0))]  # fmt: skip
+        argv = [
+            "bash",
+            str(STACK_SH),
+            "trainer",
+            "/probe.py",
+            "http://server:7070",
+            *probe_args,
+            "--timeout",
+            str(scaled(60.0)),
+        ]
         return argv, {**self.env, "SHARDSERVE_TRAINER_OPTS": opts}
 
     def probe(self, *probe_args: str, podman_opts: str = "") -> tuple[dict, str]:
@@ -128,8 +138,13 @@ def stack() -> Iterator[Stack]:
         "SHARDSERVE_DATA_PORT": str(data_port),
         **images,
     }
-    s = Stack(name, env, f"http://127.0.0.1:{http_port}",
-              images["SHARDSERVE_IMAGE"], images["SHARDSERVE_TRAINER_IMAGE"])  # fmt: skip
+    s = Stack(
+        name,
+        env,
+        f"http://127.0.0.1:{http_port}",
+        images["SHARDSERVE_IMAGE"],
+        images["SHARDSERVE_TRAINER_IMAGE"],
+    )
     s.script("down", "-v")
     try:
         _check(s.script("ingest"), "podman-stack.sh ingest")
@@ -138,16 +153,32 @@ def stack() -> Iterator[Stack]:
         src = Path(tempfile.mkdtemp(prefix="shardserve-ids-"))
         try:
             src.chmod(0o755)
-            np.savez(src / "ids.npz", idx=np.arange(IDS, dtype=np.int64),
-                     x=np.arange(IDS * 4, dtype=np.float32).reshape(IDS, 4))  # fmt: skip
+            np.savez(
+                src / "ids.npz",
+                idx=np.arange(IDS, dtype=np.int64),
+                x=np.arange(IDS * 4, dtype=np.float32).reshape(IDS, 4),
+            )
             (src / "ids.npz").chmod(0o644)
             _check(
-                s.podman("run", "--rm", "--volume", f"{src}:/data/in:ro",
-                         "--volume", f"{name}-store:/data/store", "--entrypoint", "shardserve",
-                         s.image, "ingest", "/data/in/ids.npz", "--store", "/data/store",
-                         "--name", "ids"),
+                s.podman(
+                    "run",
+                    "--rm",
+                    "--volume",
+                    f"{src}:/data/in:ro",
+                    "--volume",
+                    f"{name}-store:/data/store",
+                    "--entrypoint",
+                    "shardserve",
+                    s.image,
+                    "ingest",
+                    "/data/in/ids.npz",
+                    "--store",
+                    "/data/store",
+                    "--name",
+                    "ids",
+                ),
                 "ingest of the ids dataset",
-            )  # fmt: skip
+            )
         finally:
             shutil.rmtree(src)
         _check(s.script("server"), "podman-stack.sh server")
@@ -167,17 +198,21 @@ def _headers(stack: Stack) -> dict[str, str]:
 def _image_size(image: str) -> int:
     out = subprocess.run(
         ["podman", "image", "inspect", "--format", "{{.Size}}", image],
-        capture_output=True, text=True, timeout=scaled(60),
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
         env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)},
-    )  # fmt: skip
+    )
     return int(_check(out, f"podman image inspect {image}").strip())
 
 
 def test_server_image_has_no_torch_and_stays_small(stack: Stack) -> None:
     """The server image carries no torch (nor CUDA) and is under SERVER_IMAGE_MAX_BYTES."""
     code = "import importlib.util as u; print([m for m in ('torch', 'nvidia') if u.find_spec(m)])"
-    found = _check(stack.podman("run", "--rm", "--entrypoint", "python", stack.image, "-c", code),
-                   "python in the server image")  # fmt: skip
+    found = _check(
+        stack.podman("run", "--rm", "--entrypoint", "python", stack.image, "-c", code),
+        "python in the server image",
+    )
     assert found.strip() == "[]", f"the server image has {found.strip()}"
     size = _image_size(stack.image)
     assert size < SERVER_IMAGE_MAX_BYTES, f"server image is {size / 1e6:.0f} MB"
@@ -190,8 +225,10 @@ def test_trainer_image_has_a_cpu_torch(stack: Stack) -> None:
         "print(torch.__version__, torch.version.cuda, "
         "sorted(d.metadata['Name'] for d in m.distributions() if 'nvidia' in d.metadata['Name'].lower()))"
     )
-    out = _check(stack.podman("run", "--rm", "--entrypoint", "python", stack.trainer_image, "-c", code),
-                 "python in the trainer image").split()  # fmt: skip
+    out = _check(
+        stack.podman("run", "--rm", "--entrypoint", "python", stack.trainer_image, "-c", code),
+        "python in the trainer image",
+    ).split()
     assert out[0].endswith("+cpu") and out[1] == "None" and out[2] == "[]", out
     size = _image_size(stack.trainer_image)
     assert size < TRAINER_IMAGE_MAX_BYTES, f"trainer image is {size / 1e6:.0f} MB"
@@ -207,8 +244,9 @@ def test_missing_token_refuses_a_public_bind(stack: Stack) -> None:
         "SHARDSERVE_TOKEN" in out.stderr + out.stdout and "refusing" in out.stderr + out.stdout
     ), out.stderr
     env = {k: v for k, v in stack.env.items() if k != "SHARDSERVE_TOKEN"}
-    script = subprocess.run(["bash", str(STACK_SH), "up"], env=env, capture_output=True, text=True,
-                            timeout=scaled(60))  # fmt: skip
+    script = subprocess.run(
+        ["bash", str(STACK_SH), "up"], env=env, capture_output=True, text=True, timeout=scaled(60)
+    )
     assert script.returncode != 0 and "set SHARDSERVE_TOKEN" in script.stderr, script.stderr
 
 
@@ -217,13 +255,17 @@ def test_missing_token_refuses_a_public_bind(stack: Stack) -> None:
 
 def test_healthcheck_turns_healthy(stack: Stack) -> None:
     """The image's HEALTHCHECK (kept by the docker image format) passes on the server and fails on a container whose server is not up."""
-    status = _check(stack.podman("inspect", "--format", "{{.State.Health.Status}}", stack.server),
-                    "podman inspect")  # fmt: skip
+    status = _check(
+        stack.podman("inspect", "--format", "{{.State.Health.Status}}", stack.server),
+        "podman inspect",
+    )
     assert status.strip() == "healthy"
     assert httpx.get(f"{stack.http_url}/healthz", timeout=scaled(5)).status_code == 200
     idle = f"{stack.name}-idle"
-    _check(stack.podman("run", "--detach", "--name", idle, "--entrypoint", "sleep", stack.image, "60"),
-           "podman run (idle)")  # fmt: skip
+    _check(
+        stack.podman("run", "--detach", "--name", idle, "--entrypoint", "sleep", stack.image, "60"),
+        "podman run (idle)",
+    )
     try:
         out = stack.podman("healthcheck", "run", idle)
         assert out.returncode != 0 and "unhealthy" in out.stdout + out.stderr, out
@@ -236,8 +278,10 @@ def test_store_volume_is_read_only_to_the_server_and_readable_by_its_uid(stack: 
     assert _check(stack.podman("exec", stack.server, "id", "-u"), "id").strip() == UID
     touch = stack.podman("exec", stack.server, "touch", "/data/store/written-by-server")
     assert touch.returncode != 0 and "Read-only file system" in touch.stderr, touch
-    read_all = ("import pathlib; fs = [p for p in pathlib.Path('/data/store').rglob('*') if p.is_file()]; "
-                "print(len(fs), sum(len(p.read_bytes()) for p in fs))")  # fmt: skip
+    read_all = (
+        "import pathlib; fs = [p for p in pathlib.Path('/data/store').rglob('*') if p.is_file()]; "
+        "print(len(fs), sum(len(p.read_bytes()) for p in fs))"
+    )
     files, size = _check(
         stack.podman("exec", stack.server, "python", "-c", read_all), "read store"
     ).split()

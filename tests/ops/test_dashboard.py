@@ -68,8 +68,9 @@ def remote_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     root = tmp_path_factory.mktemp("bucket")
     make_cifar_like(root, "cifar", n=2000, seed=0)
     cache = tmp_path_factory.mktemp("cache")
-    with run_server(root, "--store", root.as_uri(), "--cache-dir", str(cache),
-                    "--heartbeat-s", "0.2") as srv:  # fmt: skip
+    with run_server(
+        root, "--store", root.as_uri(), "--cache-dir", str(cache), "--heartbeat-s", "0.2"
+    ) as srv:
         yield srv
 
 
@@ -84,10 +85,15 @@ def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str, P
     log = tmp / "prometheus.log"
     with log.open("wb") as out:
         prom = subprocess.Popen(
-            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return prom, f"http://127.0.0.1:{port}", log
 
 
@@ -104,8 +110,16 @@ def test_every_dashboard_query_parses_and_names_exported_metrics(
     chain = [{"name": "hflip", "params": {"layout": "CHW"}}]
     prom, url, log = _prometheus(tmp_path, remote_server.http_url.removeprefix("http://"))
     try:
-        with Loader(remote_server.http_url, "cifar", batch_size=20, seed=0, prefetch=2,
-                    timeout=scaled(30.0), transforms=chain, transport="socket") as loader:  # fmt: skip
+        with Loader(
+            remote_server.http_url,
+            "cifar",
+            batch_size=20,
+            seed=0,
+            prefetch=2,
+            timeout=scaled(30.0),
+            transforms=chain,
+            transport="socket",
+        ) as loader:
             loader.set_epoch(0)
             it = iter(loader)
             missing_data: set[str] = set(MUST_HAVE_DATA)

@@ -29,10 +29,32 @@ SCRIPT_VARS = {
     "TRAINER_IMAGE": "shardserve-trainer:latest",
 }
 #: Compose keys the comparison understands; any other key in a service fails the test.
-KEYS = {"build", "image", "profiles", "entrypoint", "command", "user", "volumes", "environment",
-        "ipc", "shm_size", "ports", "depends_on"}  # fmt: skip
-VALUE_OPTS = {"--name", "--network", "--network-alias", "--entrypoint", "--user", "--volume",
-              "--env", "--ipc", "--shm-size", "--publish"}  # fmt: skip
+KEYS = {
+    "build",
+    "image",
+    "profiles",
+    "entrypoint",
+    "command",
+    "user",
+    "volumes",
+    "environment",
+    "ipc",
+    "shm_size",
+    "ports",
+    "depends_on",
+}
+VALUE_OPTS = {
+    "--name",
+    "--network",
+    "--network-alias",
+    "--entrypoint",
+    "--user",
+    "--volume",
+    "--env",
+    "--ipc",
+    "--shm-size",
+    "--publish",
+}
 FLAG_OPTS = {"--rm", "--detach"}
 
 pytestmark = pytest.mark.skipif(COMPOSE_BIN is None, reason="docker-compose is not on PATH")
@@ -135,12 +157,19 @@ def _compose_terms(svc: dict[str, Any]) -> dict[str, Any]:
     for key, value in svc.items():
         assert key in KEYS, f"compose key {key!r} has no counterpart in podman-stack.sh yet"
         if key == "volumes":
-            out[key] = {_volume(v) if isinstance(v, str) else
-                        (v["source"], v["target"], "ro" if v.get("read_only") else "rw")
-                        for v in value}  # fmt: skip
+            out[key] = {
+                _volume(v)
+                if isinstance(v, str)
+                else (v["source"], v["target"], "ro" if v.get("read_only") else "rw")
+                for v in value
+            }
         elif key == "ports":
-            out[key] = [p.removesuffix("/tcp") if isinstance(p, str) else
-                        f"{p['host_ip']}:{p['published']}:{p['target']}" for p in value]  # fmt: skip
+            out[key] = [
+                p.removesuffix("/tcp")
+                if isinstance(p, str)
+                else f"{p['host_ip']}:{p['published']}:{p['target']}"
+                for p in value
+            ]
         elif key == "command" and isinstance(value, str):
             out[key] = shlex.split(value)
         elif key in ("build", "profiles", "depends_on"):
@@ -189,11 +218,26 @@ def test_script_mirrors_the_compose_file() -> None:
 
 BREAKAGES = [
     ("shm_size", "    shm_size: 2gb", "    shm_size: 1gb", "server.shm_size"),
-    ("read-only store", "      - store:/data/store:ro", "      - store:/data/store", "server.volumes"),
-    ("new env", "      SHARDSERVE_VERIFY: lazy", "      SHARDSERVE_VERIFY: full", "server.environment"),
+    (
+        "read-only store",
+        "      - store:/data/store:ro",
+        "      - store:/data/store",
+        "server.volumes",
+    ),
+    (
+        "new env",
+        "      SHARDSERVE_VERIFY: lazy",
+        "      SHARDSERVE_VERIFY: full",
+        "server.environment",
+    ),
     ("new key", "    shm_size: 2gb", "    shm_size: 2gb\n    read_only: true", "read_only"),
-    ("health gate", "condition: service_healthy", "condition: service_started", "trainer.depends_on"),
-]  # fmt: skip
+    (
+        "health gate",
+        "condition: service_healthy",
+        "condition: service_started",
+        "trainer.depends_on",
+    ),
+]
 
 
 @pytest.mark.parametrize(("what", "old", "new", "named"), BREAKAGES, ids=[b[0] for b in BREAKAGES])

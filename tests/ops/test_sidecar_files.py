@@ -209,8 +209,11 @@ def test_compose_prepare_then_ingest_runs_outside_a_container(tmp_path: Path) ->
     assert Path(prepare[0]).name.startswith("python"), prepare
     run = subprocess.run(
         [sys.executable, *local(prepare)[1:]],
-        cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
     assert run.returncode == 0, f"prepare failed: {run.stderr[-2000:]}"
     ingests = commands_of(effective_argv(services["ingest"]))
     shardserve = Path(sys.executable).with_name("shardserve")
@@ -223,8 +226,10 @@ def test_compose_prepare_then_ingest_runs_outside_a_container(tmp_path: Path) ->
         )
         out = subprocess.run(
             [str(shardserve), *local(cmd)[1:], "--quiet"],
-            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
+        )
         assert out.returncode == 0, f"{' '.join(cmd)} failed: {out.stderr[-2000:]}"
     names = {
         json.loads(p.read_text())["name"] for p in mounts["/data/store"].glob("*/manifest.json")
@@ -361,15 +366,26 @@ def image_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     offline = ["--no-build-isolation", "--no-index"] if _setuptools_builds_wheels() else []
     steps = [
         lambda: [*pip, "wheel", "--no-deps", *offline, "-w", str(wheels), "."],
-        lambda: [*pip, "install", "--no-deps", "--no-index", "--target", str(site),
-                 *map(str, wheels.glob("shardserve-*.whl"))],
-    ]  # fmt: skip
+        lambda: [
+            *pip,
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(site),
+            *map(str, wheels.glob("shardserve-*.whl")),
+        ],
+    ]
     for step in steps:
         argv = step()
         out = subprocess.run(
-            argv, cwd=ctx, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
+            argv,
+            cwd=ctx,
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )  # fmt: skip
+        )
         assert out.returncode == 0, f"{' '.join(argv)} failed:\n{out.stderr[-3000:]}"
     assert (site / "shardserve/server/control/templates/status.html").is_file(), (
         "the wheel lacks the status page template: GET / would fail in the image"
@@ -416,14 +432,15 @@ def test_image_entry_command_serves_and_passes_its_healthcheck(image_site: Path)
         d = Path(tmp)
         make_cifar_like(d / "store", "cifar", n=64)
         local = {
-            **env, **compose_env,
+            **env,
+            **compose_env,
             "SHARDSERVE_TOKEN": "image-test-token",
             "SHARDSERVE_STORE": str(d / "store"),
             "SHARDSERVE_STATE_DIR": str(d / "state"),
             "SHARDSERVE_HTTP": f"127.0.0.1:{port}",
             "SHARDSERVE_DATA": '["tcp://127.0.0.1:0"]',
             "SHARDSERVE_IPC": str(d / "data.sock"),
-        }  # fmt: skip
+        }
         assert set(local) == set(env) | set(compose_env) | {"SHARDSERVE_TOKEN"}, (
             "only values change"
         )
@@ -431,15 +448,20 @@ def test_image_entry_command_serves_and_passes_its_healthcheck(image_site: Path)
         full_env.update(local, PYTHONPATH=str(image_site))
         which = subprocess.run(
             [sys.executable, "-c", "import shardserve.server as s; print(s.__file__)"],
-            env=full_env, capture_output=True, text=True, timeout=scaled(30),
-        )  # fmt: skip
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(30),
+        )
         assert which.stdout.startswith(str(image_site)), f"not the wheel's code: {which}"
         log = d / "server.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [*_console_script(image_site, argv[0]), *argv[1:]],
-                env=full_env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + scaled(20)
             while True:  # Docker's own retry loop, with a deadline
@@ -456,8 +478,9 @@ def test_image_entry_command_serves_and_passes_its_healthcheck(image_site: Path)
             assert r.status_code == 401, "the sidecar's API must require its token"
             r = httpx.get(
                 f"http://127.0.0.1:{port}/v1/datasets",
-                headers={"Authorization": "Bearer image-test-token"}, timeout=scaled(5),
-            )  # fmt: skip
+                headers={"Authorization": "Bearer image-test-token"},
+                timeout=scaled(5),
+            )
             assert r.status_code == 200 and "cifar" in r.text, r.text
         finally:
             proc.terminate()

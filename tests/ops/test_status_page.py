@@ -47,10 +47,20 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not on PAT
 def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Run headless chromium on ``url`` with a private profile and no network beyond it."""
     argv = [
-        str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-        "--no-first-run", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args, url,
-    ]  # fmt: skip
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        *args,
+        url,
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(CHROMIUM_TIMEOUT_S))
     assert out.returncode == 0, f"chromium exited {out.returncode}:\n{out.stderr[-3000:]}"
     return out
@@ -199,9 +209,15 @@ def test_rendered_page_shows_datasets_jobs_and_data_bound_ranks(
     assert row["shards"] == str(ds["num_shards"]) and ds["num_shards"] >= 2, (row, ds)
 
     spec = status["spec"]
-    for fact in (status["id"], status["state"], f"batch {spec['batch_size']}",
-                 f"world size {spec['world_size']}", f"shuffle {spec['shuffle']}",
-                 f"epoch {status['epoch']}", "dataset cifar"):  # fmt: skip
+    for fact in (
+        status["id"],
+        status["state"],
+        f"batch {spec['batch_size']}",
+        f"world size {spec['world_size']}",
+        f"shuffle {spec['shuffle']}",
+        f"epoch {status['epoch']}",
+        "dataset cifar",
+    ):
         assert fact in text, f"the page does not show {fact!r}:\n{text}"
 
     ranks = {r["rank"]: r for r in status["ranks"]}
@@ -226,9 +242,12 @@ def test_screenshot_of_the_page(streaming: Streaming, tmp_path: Path) -> None:
     streaming.heartbeat()
     shot = tmp_path / "status-page.png"
     chromium(
-        f"{srv.http_url}/", tmp_path / "profile",
-        f"--screenshot={shot}", "--window-size=1280,900", "--hide-scrollbars",
-    )  # fmt: skip
+        f"{srv.http_url}/",
+        tmp_path / "profile",
+        f"--screenshot={shot}",
+        "--window-size=1280,900",
+        "--hide-scrollbars",
+    )
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")

@@ -36,10 +36,13 @@ def _small_chunks() -> np.ndarray:
 def _mixture() -> np.ndarray:
     return mixture_order(
         [MixSource(400_000), MixSource(150_001, "stop"), MixSource(1000)],
-        seed=3, epoch=2, length=600_000, world_size=4,
+        seed=3,
+        epoch=2,
+        length=600_000,
+        world_size=4,
         segments=[Segment(0, (0.5, 0.3, 0.2)), Segment(250_000, (0.1, 0.6, 0.3))],
         quarantine=[Quarantine(0, 100_000, np.arange(0, 400_000, 11))],
-    )  # fmt: skip
+    )
 
 
 # sha256[:16] of each order as <u8, computed with the planner of main at e36fd90.

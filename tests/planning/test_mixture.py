@@ -197,9 +197,13 @@ def test_quarantine_everything_is_refused() -> None:
     """Quarantining every sample of a repeating source is an error naming the source."""
     with pytest.raises(ValueError, match="source 1"):
         mixture_order(
-            [MixSource(5), MixSource(3)], 0, 0, 100, [Segment(0, (1, 1))],
+            [MixSource(5), MixSource(3)],
+            0,
+            0,
+            100,
+            [Segment(0, (1, 1))],
             quarantine=[Quarantine(1, 10, np.arange(3))],
-        )  # fmt: skip
+        )
 
 
 @PROPS
@@ -242,15 +246,22 @@ def test_same_order_in_another_process() -> None:
     outs = [
         subprocess.run(
             [sys.executable, "-c", SCRIPT],
-            capture_output=True, text=True, check=True, env={**_env(), "PYTHONHASHSEED": h},
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**_env(), "PYTHONHASHSEED": h},
         ).stdout
         for h in ("1", "2")
-    ]  # fmt: skip
+    ]
     assert outs[0] == outs[1]
     o = mixture_order(
-        [MixSource(700), MixSource(90_000, "stop")], 2**40 + 3, 7, 150_000,
-        [Segment(0, (0.3, 0.7)), Segment(70_000, (0.9, 0.1))], world_size=3,
-    )  # fmt: skip
+        [MixSource(700), MixSource(90_000, "stop")],
+        2**40 + 3,
+        7,
+        150_000,
+        [Segment(0, (0.3, 0.7)), Segment(70_000, (0.9, 0.1))],
+        world_size=3,
+    )
     assert json.loads(outs[0]) == [len(o), o[:50].tolist(), o[-50:].tolist()]
 
 
@@ -277,24 +288,45 @@ def test_passes_of_large_and_small_sources(sizes: tuple[int, ...]) -> None:
 
 GOLDEN = [  # (arguments, length, sha256[:16] of the order as <u8): changing these changes plans
     (
-        {"sources": [MixSource(700), MixSource(90_000, "stop")], "seed": 2**40 + 3, "epoch": 7,
-         "length": 150_000, "segments": [Segment(0, (0.3, 0.7)), Segment(70_000, (0.9, 0.1))],
-         "world_size": 3},
-        150_000, "525944ea150539cc",
+        {
+            "sources": [MixSource(700), MixSource(90_000, "stop")],
+            "seed": 2**40 + 3,
+            "epoch": 7,
+            "length": 150_000,
+            "segments": [Segment(0, (0.3, 0.7)), Segment(70_000, (0.9, 0.1))],
+            "world_size": 3,
+        },
+        150_000,
+        "525944ea150539cc",
     ),
     (
-        {"sources": [MixSource(5000), MixSource(3), MixSource(10_000)], "seed": 0, "epoch": 0,
-         "length": 70_000, "segments": [Segment(0, (1, 1, 2))], "world_size": 2,
-         "shuffle": "block"},
-        70_000, "9840337c5e063f60",
+        {
+            "sources": [MixSource(5000), MixSource(3), MixSource(10_000)],
+            "seed": 0,
+            "epoch": 0,
+            "length": 70_000,
+            "segments": [Segment(0, (1, 1, 2))],
+            "world_size": 2,
+            "shuffle": "block",
+        },
+        70_000,
+        "9840337c5e063f60",
     ),
     (
-        {"sources": [MixSource(9000), MixSource(8000)], "seed": 5, "epoch": 1, "length": 20_000,
-         "segments": [Segment(0, (1, 1))], "world_size": 4, "shuffle": "none",
-         "quarantine": [Quarantine(0, 1000, np.arange(0, 9000, 7))]},
-        20_000, "16f67b59a7721c21",
+        {
+            "sources": [MixSource(9000), MixSource(8000)],
+            "seed": 5,
+            "epoch": 1,
+            "length": 20_000,
+            "segments": [Segment(0, (1, 1))],
+            "world_size": 4,
+            "shuffle": "none",
+            "quarantine": [Quarantine(0, 1000, np.arange(0, 9000, 7))],
+        },
+        20_000,
+        "16f67b59a7721c21",
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("args", "length", "digest"), GOLDEN)

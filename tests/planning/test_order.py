@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardserve.proto.jobs import JobSpec, job_id
-from shardserve.server.jobs import Job
 from shardserve.server.planning import SHUFFLES, epoch_order
 from shardserve.server.planning.cache import PlanCache
 from shardserve.server.planning.rng import order_dtype
+from shardserve.server.registry.jobs import Job
 from tests.support.slowness import scaled
 
 from .strategies import epochs, seeds, shard_layouts, shuffles, sizes, windows

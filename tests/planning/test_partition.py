@@ -179,9 +179,14 @@ def test_num_batches_validates() -> None:
 
 @SETTINGS
 @given(
-    n=sizes, seed=seeds, ws=world_sizes, bs=batch_sizes, envs=st.integers(1, 4),
-    drop_last=st.booleans(), data=st.data(),
-)  # fmt: skip
+    n=sizes,
+    seed=seeds,
+    ws=world_sizes,
+    bs=batch_sizes,
+    envs=st.integers(1, 4),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
 def test_env_steps_span_is_its_steps_one_after_the_other(
     n: int, seed: int, ws: int, bs: int, envs: int, drop_last: bool, data: st.DataObject
 ) -> None:

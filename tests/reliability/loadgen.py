@@ -173,11 +173,16 @@ def run_load(
         rates = [(s.batches - counted.get(id(s), 0)) / elapsed for s in streams]
         nbytes = sum(s.bytes for s in streams) - bytes_start
         return LoadResult(
-            streams=len(streams), seconds=elapsed, rates=rates, bytes_per_s=nbytes / elapsed,
+            streams=len(streams),
+            seconds=elapsed,
+            rates=rates,
+            bytes_per_s=nbytes / elapsed,
             epochs=sum(s.epochs_done for s in streams),
-            errors=[e for s in streams for e in s.errors], rss_start=rss_start, rss_end=rss_end,
+            errors=[e for s in streams for e in s.errors],
+            rss_start=rss_start,
+            rss_end=rss_end,
             rss_idle=rss_idle,
-        )  # fmt: skip
+        )
     finally:
         for s in streams:
             s.sock.close(linger=0)

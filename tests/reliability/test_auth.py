@@ -97,9 +97,11 @@ def _check_guarded(auth_server: ServerProc, ops: list[tuple[str, str]]) -> None:
 def test_hello_without_token_is_rejected(auth_server: ServerProc, transport: str) -> None:
     """A Hello with no token is Rejected UNAUTHORIZED on tcp and ipc; the same socket then streams with the token."""
     jid = httpx.post(
-        f"{auth_server.http_url}/v1/jobs", json={"dataset": "other", "batch_size": 100},
-        headers=auth_server.headers, timeout=scaled(10),
-    ).json()["id"]  # fmt: skip
+        f"{auth_server.http_url}/v1/jobs",
+        json={"dataset": "other", "batch_size": 100},
+        headers=auth_server.headers,
+        timeout=scaled(10),
+    ).json()["id"]
     endpoint = auth_server.tcp_endpoint if transport == "tcp" else auth_server.ipc_endpoint
     assert endpoint
     with zmq_context() as ctx:
@@ -140,10 +142,21 @@ def test_loader_token_argument_and_environment(
 
 def _serve(store: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "serve", "--store", str(store),
-         "--ready-file", str(tmp / "ready.json"), *args],
-        capture_output=True, text=True, timeout=scaled(60),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "serve",
+            "--store",
+            str(store),
+            "--ready-file",
+            str(tmp / "ready.json"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,9 +182,15 @@ def test_public_bind_without_token_exits_naming_the_fix(
 def test_insecure_allows_a_public_bind(rel_store: Path, tmp_path: Path) -> None:
     """With --insecure the same non-loopback binds start and serve without a token."""
     with run_server(
-        rel_store, "--state-dir", str(tmp_path / "st"), "--http", "0.0.0.0:0",
-        "--data", "tcp://0.0.0.0:0", "--insecure",
-    ) as srv:  # fmt: skip
+        rel_store,
+        "--state-dir",
+        str(tmp_path / "st"),
+        "--http",
+        "0.0.0.0:0",
+        "--data",
+        "tcp://0.0.0.0:0",
+        "--insecure",
+    ) as srv:
         port = srv.http_url.rsplit(":", 1)[1]
         assert httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=scaled(10)).status_code == 200
     with run_server(

@@ -27,8 +27,11 @@ RECLAIM_DEADLINE_S = 20.0
 def _start_client(*args: str) -> tuple[subprocess.Popen[str], dict]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.reliability._dying_client", *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     # The client prints one line once it holds a stream; it gives up by itself after 20 s.
     line = proc.stdout.readline()

@@ -34,16 +34,33 @@ def _ingest_overwrite(store: Path, tmp: Path, n: int, seed: int) -> str:
     labels = np.arange(n, dtype=np.int64) % 10
     np.savez(src, image=cifar_images(0, n, seed), label=labels)
     r = subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-         "--name", "cifar", "--overwrite", "--quiet", "--shard-size", "256KiB"],
-        capture_output=True, text=True, timeout=scaled(120),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "ingest",
+            str(src),
+            "--store",
+            str(store),
+            "--name",
+            "cifar",
+            "--overwrite",
+            "--quiet",
+            "--shard-size",
+            "256KiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
     assert r.returncode == 0, r.stderr
     version = Store(store).version("cifar")
     r = subprocess.run(
         [sys.executable, "-m", "shardserve.server", "inspect", "--store", str(store), "cifar"],
-        capture_output=True, text=True, timeout=scaled(60),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
     assert f"version   {version}" in r.stdout, r.stdout + r.stderr
     return version
 
@@ -74,9 +91,15 @@ class _Server:
 
     def start(self) -> ServerProc:
         self.srv = self.stack.enter_context(
-            run_server(self.store, "--state-dir", str(self.tmp / "state"),
-                       http_port=self.http, data_port=self.data, workdir=self.tmp / "work")
-        )  # fmt: skip
+            run_server(
+                self.store,
+                "--state-dir",
+                str(self.tmp / "state"),
+                http_port=self.http,
+                data_port=self.data,
+                workdir=self.tmp / "work",
+            )
+        )
         return self.srv
 
     def kill(self) -> None:
@@ -106,10 +129,18 @@ def test_overwrite_same_count_while_streaming_never_mixes(store: Path, tmp_path:
     with _Server(store, tmp_path) as s:
         srv = s.start()
         loaders = [
-            Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3, rank=k, world_size=2,
-                   prefetch=2, timeout=scaled(20.0))
+            Loader(
+                srv.http_url,
+                "cifar",
+                batch_size=BATCH,
+                seed=3,
+                rank=k,
+                world_size=2,
+                prefetch=2,
+                timeout=scaled(20.0),
+            )
             for k in range(2)
-        ]  # fmt: skip
+        ]
         try:
             assert loaders[0].job_id == loaders[1].job_id
             its = [iter(ld) for ld in loaders]
@@ -182,8 +213,9 @@ def test_restart_after_overwrite_mid_epoch_raises_dataset_changed(
     old_images = cifar_images(0, N, 0)
     with _Server(store, tmp_path) as s:
         srv = s.start()
-        with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=7, prefetch=1,
-                    timeout=scaled(15.0)) as ld:  # fmt: skip
+        with Loader(
+            srv.http_url, "cifar", batch_size=BATCH, seed=7, prefetch=1, timeout=scaled(15.0)
+        ) as ld:
             seen: list[int] = []
             it = iter(ld)
             for _ in range(3):

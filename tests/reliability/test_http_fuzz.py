@@ -52,11 +52,31 @@ def _schemathesis(http_server: ServerProc, tmp_path: Path) -> None:
     config.write_text(f'[parameters]\n"path.job_id" = "{jid}"\n"path.name" = "cifar"\n')
     st = Path(sys.executable).parent / "st"
     cmd = [
-        str(st), "--config-file", str(config), "run", f"{http_server.http_url}/openapi.json",
-        "--checks", "not_a_server_error", "--max-examples", str(MAX_EXAMPLES), "--seed", "5",
-        "--workers", "1", "--request-timeout", "10", "--max-time", "15", "--no-color",
-        "--generation-database", "none", "--report", "json", "--report-dir", str(tmp_path / "rep"),
-    ]  # fmt: skip
+        str(st),
+        "--config-file",
+        str(config),
+        "run",
+        f"{http_server.http_url}/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--max-examples",
+        str(MAX_EXAMPLES),
+        "--seed",
+        "5",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "10",
+        "--max-time",
+        "15",
+        "--no-color",
+        "--generation-database",
+        "none",
+        "--report",
+        "json",
+        "--report-dir",
+        str(tmp_path / "rep"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(100), cwd=tmp_path)
     reports = list((tmp_path / "rep").glob("*.json"))
     assert reports, (
@@ -64,8 +84,10 @@ def _schemathesis(http_server: ServerProc, tmp_path: Path) -> None:
     )
     report = json.loads(reports[0].read_text())
     cases = report["test_cases"]
-    print(f"\nschemathesis: {cases['generated']} cases over {report['operations']['tested']} operations, "
-          f"{cases['with_failures']} with failures, stop: {report['stop_reason']}, {report['running_time']:.1f} s")  # fmt: skip
+    print(
+        f"\nschemathesis: {cases['generated']} cases over {report['operations']['tested']} operations, "
+        f"{cases['with_failures']} with failures, stop: {report['stop_reason']}, {report['running_time']:.1f} s"
+    )
     assert report["operations"]["tested"] == report["operations"]["total"] >= 10
     assert cases["generated"] >= 200
     assert cases["with_failures"] == 0 and not report["failures"], out.stdout[-5000:]

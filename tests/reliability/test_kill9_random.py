@@ -64,10 +64,18 @@ def test_random_kill9_over_epochs_loses_and_duplicates_nothing(
     with _Restarter(rel_store, tmp_path) as r:
         srv = r.start()
         loaders = [
-            Loader(srv.http_url, "cifar", batch_size=BATCH, seed=SEED, rank=k, world_size=WORLD,
-                   prefetch=2, timeout=scaled(30.0))
+            Loader(
+                srv.http_url,
+                "cifar",
+                batch_size=BATCH,
+                seed=SEED,
+                rank=k,
+                world_size=WORLD,
+                prefetch=2,
+                timeout=scaled(30.0),
+            )
             for k in range(WORLD)
-        ]  # fmt: skip
+        ]
         per_epoch = len(loaders[0])
         total = EPOCHS * per_epoch
         # Not in the last steps: the consumer's 20 ms "compute" per step leaves the kill (up

@@ -78,9 +78,15 @@ def test_job_id_with_newline_is_escaped_in_the_text_log(rel_server: ServerProc) 
     evil = "x\n2099-01-01T00:00:00.000Z\tERROR\tshardserve.fake\tforged"
     with zmq_context() as ctx:
         s = RawStream(ctx, rel_server.tcp_endpoint)
-        s.send_raw([HEAD + b"\x01" + json.dumps(
-            {"job": evil, "rank": 0, "epoch": 0, "credit": 1, "transport": "socket"}
-        ).encode()])  # fmt: skip
+        s.send_raw(
+            [
+                HEAD
+                + b"\x01"
+                + json.dumps(
+                    {"job": evil, "rank": 0, "epoch": 0, "credit": 1, "transport": "socket"}
+                ).encode()
+            ]
+        )
         reply = s.recv(what="the refusal of the evil Hello")
         assert isinstance(reply, Error) and reply.code == ErrorCode.JOB_NOT_FOUND
         s.close()

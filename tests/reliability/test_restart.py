@@ -76,9 +76,14 @@ def test_single_rank_epoch_survives_two_kill9_restarts(
     with _Restarter(rel_store, tmp_path) as r:
         srv = r.start()
         loader = Loader(
-            srv.http_url, "cifar", batch_size=BATCH, seed=4, prefetch=2, timeout=scaled(20.0),
+            srv.http_url,
+            "cifar",
+            batch_size=BATCH,
+            seed=4,
+            prefetch=2,
+            timeout=scaled(20.0),
             transport=transport,
-        )  # fmt: skip
+        )
         with loader:
             n_batches = len(loader)
             cut = {

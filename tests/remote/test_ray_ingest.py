@@ -117,7 +117,7 @@ def test_ray_ingest_into_a_bucket_uploads_from_the_tasks(s3: S3, tmp_path: Path)
     """With an s3:// store each task uploads its own shards and the driver the manifest; the
     dataset equals the local ingest, and --overwrite replaces it whole."""
     from shardserve.server.store.cache import ShardCache
-    from shardserve.server.store.remote import RemoteStore, StoreOptions
+    from shardserve.server.store.remote.stores import RemoteStore, StoreOptions
 
     src = tmp_path / "src"
     make_source(src)
@@ -125,8 +125,20 @@ def test_ray_ingest_into_a_bucket_uploads_from_the_tasks(s3: S3, tmp_path: Path)
     assert ingest(str(src), "--store", str(store), "--name", "local").returncode == 0
     uri = s3.uri("ray")
     for extra in ((), ("--overwrite",)):
-        r = ingest(str(src), "--store", uri, "--name", "viaray", "--engine", "ray",
-                   "--ray-cpus", "2", "--shard-size", "8KiB", *extra)  # fmt: skip
+        r = ingest(
+            str(src),
+            "--store",
+            uri,
+            "--name",
+            "viaray",
+            "--engine",
+            "ray",
+            "--ray-cpus",
+            "2",
+            "--shard-size",
+            "8KiB",
+            *extra,
+        )
         assert r.returncode == 0, r.stderr
     rs = RemoteStore(uri, StoreOptions.from_env(s3.env), cache=ShardCache(tmp_path / "c", 1 << 30))
     a, b = Store(store).open("local"), rs.open("viaray", verify="full")

@@ -17,8 +17,8 @@ from shardserve.client import Loader
 from shardserve.proto.errors import DatasetCorruptError, ShardserveError
 from shardserve.proto.manifest import Manifest
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.remote import RemoteStore, StoreOptions
-from shardserve.server.store.remote_publish import RemotePublisher
+from shardserve.server.store.remote.publish import RemotePublisher
+from shardserve.server.store.remote.stores import RemoteStore, StoreOptions
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from shardserve.client import Loader
-from shardserve.server.store.remote import RemoteStore, StoreOptions
-from shardserve.server.store.remote_publish import RemotePublisher
+from shardserve.server.store.remote.publish import RemotePublisher
+from shardserve.server.store.remote.stores import RemoteStore, StoreOptions
 from tests.support.data import cifar_images, make_cifar_like, sample_id_of
 from tests.support.server import run_server
 from tests.support.slowness import scaled
@@ -39,10 +39,12 @@ def test_overwrite_in_the_bucket_while_streaming_never_mixes(s3: S3, tmp_path: P
     old_images, new_images = cifar_images(0, N, 0), cifar_images(0, N, 1)
     with run_server(
         s3.uri("store"),  # type: ignore[arg-type]
-        "--cache-dir", str(tmp_path / "cache"),
-        "--cache-limit-bytes", str(m.total_bytes // 3),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--cache-limit-bytes",
+        str(m.total_bytes // 3),
         env=s3.env,
-    ) as srv:  # fmt: skip
+    ) as srv:
         ld = Loader(srv.http_url, "cifar", 50, seed=2, prefetch=1, timeout=scaled(30))
         with ld:
             it = iter(ld)

@@ -19,8 +19,8 @@ import pytest
 
 from shardserve.client import Loader
 from shardserve.proto.errors import DataStallError, ShardserveError
-from shardserve.server.store.object_fs import CacheUnwritable, StoreUnavailable
-from shardserve.server.store.remote import RemoteStore, StoreOptions
+from shardserve.server.store.remote.object_fs import CacheUnwritable, StoreUnavailable
+from shardserve.server.store.remote.stores import RemoteStore, StoreOptions
 from tests.support.data import make_cifar_like
 from tests.support.server import run_server
 from tests.support.slowness import scaled
@@ -34,8 +34,9 @@ FLOOR = 64 << 10  # bytes/s: a 256 kB shard may take 3 x 1 s + 4 s
 
 
 def _epoch(url: str, dataset: str, epoch: int, **kw: object) -> list[bytes]:
-    with Loader(url, dataset, 64, seed=5, rank=0, world_size=1, timeout=scaled(30), shuffle="none",
-                **kw) as ld:  # fmt: skip
+    with Loader(
+        url, dataset, 64, seed=5, rank=0, world_size=1, timeout=scaled(30), shuffle="none", **kw
+    ) as ld:
         ld.set_epoch(epoch)
         return [b["image"].numpy().tobytes() for b in ld]
 
@@ -72,15 +73,27 @@ def test_trickling_endpoint_is_store_unavailable_beside_a_cached_dataset(
         ThrottlingProxy((s3.host, s3.port)) as proxy,
         run_server(
             s3.uri("store"),  # type: ignore[arg-type]
-            "--cache-dir", str(tmp_path / "cache"),
-            "--store-timeout-s", str(TIMEOUT_S),
-            "--store-min-bytes-per-s", str(FLOOR),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--store-timeout-s",
+            str(TIMEOUT_S),
+            "--store-min-bytes-per-s",
+            str(FLOOR),
             env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint},
         ) as srv,
-    ):  # fmt: skip
+    ):
         assert _epoch(srv.http_url, "cached", 0) == want["cached0"]  # every shard now cached
-        slow = Loader(srv.http_url, "slow", 64, seed=5, rank=0, world_size=1, timeout=scaled(30),
-                      shuffle="none", prefetch=1)  # fmt: skip
+        slow = Loader(
+            srv.http_url,
+            "slow",
+            64,
+            seed=5,
+            rank=0,
+            world_size=1,
+            timeout=scaled(30),
+            shuffle="none",
+            prefetch=1,
+        )
         proxy.throttle(2048)
         failure: list[BaseException] = []
         took: list[float] = []
@@ -165,16 +178,29 @@ def test_sigterm_abandons_a_trickling_fetch_at_the_shutdown_deadline(
         ThrottlingProxy((s3.host, s3.port)) as proxy,
         run_server(
             s3.uri("store"),  # type: ignore[arg-type]
-            "--cache-dir", str(tmp_path / "cache"),
-            "--store-timeout-s", "60",
-            "--store-min-bytes-per-s", "1",
-            "--shutdown-timeout-s", str(shutdown_s),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--store-timeout-s",
+            "60",
+            "--store-min-bytes-per-s",
+            "1",
+            "--shutdown-timeout-s",
+            str(shutdown_s),
             env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint},
         ) as srv,
-    ):  # fmt: skip
+    ):
         # Only there to start a fetch: it gives up (a stall, the server gone) on its own.
-        slow = Loader(srv.http_url, "slow", 64, seed=5, rank=0, world_size=1,
-                      timeout=scaled(5.0), shuffle="none", prefetch=1)  # fmt: skip
+        slow = Loader(
+            srv.http_url,
+            "slow",
+            64,
+            seed=5,
+            rank=0,
+            world_size=1,
+            timeout=scaled(5.0),
+            shuffle="none",
+            prefetch=1,
+        )
         proxy.throttle(16 << 10)  # a 256 kB shard would take 16 s
         ended = threading.Event()
 
@@ -211,20 +237,44 @@ def test_sigterm_while_the_server_starts_on_a_trickling_store_ends_it_in_time(
     --shutdown-timeout-s, exit status 1, one log line naming the read it abandoned."""
     _two_datasets(s3, local_two)
     shutdown_s = 2.0
-    args = ("--cache-dir", str(tmp_path / "cache"), "--state-dir", str(tmp_path / "state"),
-            "--store-timeout-s", "60", "--store-min-bytes-per-s", "1",
-            "--shutdown-timeout-s", str(shutdown_s))  # fmt: skip
+    args = (
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--store-timeout-s",
+        "60",
+        "--store-min-bytes-per-s",
+        "1",
+        "--shutdown-timeout-s",
+        str(shutdown_s),
+    )
     with ThrottlingProxy((s3.host, s3.port)) as proxy:
         env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": proxy.endpoint}
         with run_server(s3.uri("store"), *args, env=env) as srv:  # type: ignore[arg-type]
-            r = httpx.post(f"{srv.http_url}/v1/jobs", json={"dataset": "slow", "batch_size": 64},
-                           timeout=scaled(30))  # fmt: skip
+            r = httpx.post(
+                f"{srv.http_url}/v1/jobs",
+                json={"dataset": "slow", "batch_size": 64},
+                timeout=scaled(30),
+            )
             assert r.status_code in (200, 201), r.text
         proxy.throttle(256)  # a manifest of a few kB takes seconds
         log_path = tmp_path / "server.log"
-        cmd = [sys.executable, "-m", "shardserve.server", "serve", "--store", s3.uri("store"),
-               "--http", "127.0.0.1:0", "--data", "tcp://127.0.0.1:0",
-               "--ipc", str(tmp_path / "ss.sock"), *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "serve",
+            "--store",
+            s3.uri("store"),
+            "--http",
+            "127.0.0.1:0",
+            "--data",
+            "tcp://127.0.0.1:0",
+            "--ipc",
+            str(tmp_path / "ss.sock"),
+            *args,
+        ]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         try:

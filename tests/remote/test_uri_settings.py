@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from shardserve.server.settings import Settings
-from shardserve.server.store.object_fs import StoreOptions, display_uri, scrub, uri_secrets
+from shardserve.server.store.remote.object_fs import StoreOptions, display_uri, scrub, uri_secrets
 from tests.support.slowness import scaled
 
 

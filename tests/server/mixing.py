@@ -11,7 +11,7 @@ import numpy as np
 
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.planning.mixture import MixSource, source_offsets, split_ids
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import make_cifar_like
 from tests.support.server import ServerProc
 from tests.support.slowness import scaled

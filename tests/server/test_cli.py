@@ -37,9 +37,13 @@ def _run(
     *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, *argv], capture_output=True, text=True, timeout=scaled(120), cwd=cwd,
+        [*CLI, *argv],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        cwd=cwd,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def test_top_level_help_lists_every_command_and_every_ingest_format() -> None:
@@ -131,10 +135,12 @@ def test_serve_on_a_port_in_use_names_the_flag_without_a_traceback(tmp_path: Pat
         held.listen()
         port = held.getsockname()[1]
         for flags, needle in (
-            (["--http", "127.0.0.1:0", "--data", f"tcp://127.0.0.1:{port}"],
-             f"cannot bind the data endpoint tcp://127.0.0.1:{port}"),
+            (
+                ["--http", "127.0.0.1:0", "--data", f"tcp://127.0.0.1:{port}"],
+                f"cannot bind the data endpoint tcp://127.0.0.1:{port}",
+            ),
             (["--http", f"127.0.0.1:{port}", "--data", "tcp://127.0.0.1:0"], "--http (HOST:0"),
-        ):  # fmt: skip
+        ):
             out = _run("serve", "--store", str(tmp_path / "store"), *flags)
             assert out.returncode == 1, out.stderr[-2000:]
             assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -198,10 +204,23 @@ def test_a_map_module_in_the_current_directory_is_found(tmp_path: Path) -> None:
     )
     np.savez(work / "x.npz", x=np.arange(6, dtype=np.float32).reshape(3, 2))
     out = subprocess.run(
-        [str(script), "ingest", "x.npz", "--store", str(tmp_path / "store"), "--name", "d",
-         "--map", "mymod_i33:double", "--quiet"],
-        capture_output=True, text=True, timeout=scaled(120), cwd=work,
-    )  # fmt: skip
+        [
+            str(script),
+            "ingest",
+            "x.npz",
+            "--store",
+            str(tmp_path / "store"),
+            "--name",
+            "d",
+            "--map",
+            "mymod_i33:double",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        cwd=work,
+    )
     assert out.returncode == 0, out.stderr
     assert "3 samples" in out.stdout or "3" in out.stdout, out.stdout
 

@@ -18,8 +18,11 @@ from tests.support.slowness import scaled
 #: Every serve flag before flags were derived from Settings, with a value and the field it set.
 OLD_FLAGS: list[tuple[list[str], str, object]] = [
     (["--http", "127.0.0.1:0"], "http", "127.0.0.1:0"),
-    (["--data", "tcp://127.0.0.1:1", "--data", "ipc:///tmp/x"], "data",
-     ["tcp://127.0.0.1:1", "ipc:///tmp/x"]),
+    (
+        ["--data", "tcp://127.0.0.1:1", "--data", "ipc:///tmp/x"],
+        "data",
+        ["tcp://127.0.0.1:1", "ipc:///tmp/x"],
+    ),
     (["--ipc", "/tmp/ss.sock"], "ipc", Path("/tmp/ss.sock")),
     (["--token", "t0ken"], "token", "t0ken"),
     (["--insecure"], "insecure", True),
@@ -35,8 +38,11 @@ OLD_FLAGS: list[tuple[list[str], str, object]] = [
     (["--shm"], "shm", True),
     (["--shm-limit-bytes", "512MiB"], "shm_limit_bytes", 512 << 20),
     (["--max-batch-bytes", "4096"], "max_batch_bytes", 4096),
-    (["--allowed-host", "a.example", "--allowed-host", "b.example"], "allowed_hosts",
-     ["a.example", "b.example"]),
+    (
+        ["--allowed-host", "a.example", "--allowed-host", "b.example"],
+        "allowed_hosts",
+        ["a.example", "b.example"],
+    ),
     (["--http-idle-timeout-s", "3"], "http_idle_timeout_s", 3.0),
     (["--idle-after-s", "5"], "idle_after_s", 5.0),
     (["--job-ttl-s", "0"], "job_ttl_s", 0.0),
@@ -45,7 +51,7 @@ OLD_FLAGS: list[tuple[list[str], str, object]] = [
     (["--cache-limit-bytes", "1000"], "cache_limit_bytes", 1000),
     (["--store-endpoint", "http://127.0.0.1:9000"], "store_endpoint", "http://127.0.0.1:9000"),
     (["--store-timeout-s", "2"], "store_timeout_s", 2.0),
-]  # fmt: skip
+]
 
 
 def _settings(argv: list[str]) -> Settings:
@@ -100,9 +106,19 @@ def test_store_commands_take_the_store_from_settings(
 def test_a_bad_value_exits_2_naming_the_setting(tmp_path: Path) -> None:
     """serve refuses an out-of-range flag before starting anything, naming the setting."""
     r = subprocess.run(
-        [sys.executable, "-m", "shardserve.server", "serve", "--store", str(tmp_path),
-         "--heartbeat-s", "-1"],
-        capture_output=True, text=True, timeout=scaled(60),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "serve",
+            "--store",
+            str(tmp_path),
+            "--heartbeat-s",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+    )
     assert r.returncode == 2, r.stderr
     assert "heartbeat_s" in r.stderr and "greater than 0" in r.stderr

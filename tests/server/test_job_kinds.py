@@ -6,10 +6,10 @@ from dataclasses import fields
 from typing import get_args
 
 from shardserve.proto.jobs import JobKindName, JobSpec
-from shardserve.server.kinds.base import KindParts
-from shardserve.server.kinds.mixture import MixtureJobs
-from shardserve.server.kinds.plain import PlainJobs
-from shardserve.server.kinds.table import KINDS, JobKinds
+from shardserve.server.jobs.kinds.base import KindParts
+from shardserve.server.jobs.kinds.mixture import MixtureJobs
+from shardserve.server.jobs.kinds.plain import PlainJobs
+from shardserve.server.jobs.kinds.table import KINDS, JobKinds
 
 
 def test_every_kind_a_spec_can_name_has_a_row() -> None:

@@ -200,11 +200,14 @@ def test_a_real_prometheus_stores_job_id_and_keeps_its_own_job_label(
         log = (tmp_path / "prometheus.log").open("wb")
         prom = subprocess.Popen(
             [
-                "prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                 f"--web.listen-address=127.0.0.1:{port}",
             ],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + scaled(60)
             result: list[dict[str, Any]] = []
@@ -239,7 +242,7 @@ def test_a_job_of_many_ranks_exports_one_series_for_all_of_them(server: ServerPr
     """A job of world size above RANK_SERIES_MAX (64) exports each per-rank counter once,
     labelled rank="all" and summed over its ranks, whatever the number of ranks that streamed;
     a small job keeps one series a rank."""
-    from shardserve.server.metrics import RANK_SERIES_MAX
+    from shardserve.server.runtime.metrics import RANK_SERIES_MAX
 
     big = make_job(server, batch_size=10, seed=3, world_size=RANK_SERIES_MAX + 1)
     small = make_job(server, batch_size=10, seed=3, world_size=2)

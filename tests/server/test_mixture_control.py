@@ -13,15 +13,15 @@ import pytest
 
 from shardserve.proto.errors import BadRequest, StepInThePast
 from shardserve.proto.jobs import JobSpec, MixtureSource, WeightChange
-from shardserve.server.jobs import JobRegistry
-from shardserve.server.mixtures import frontier
+from shardserve.server.jobs.mixtures import frontier
 from shardserve.server.planning.mixture import (
     MixSource,
     Segment,
     mixture_order,
     split_ids,
 )
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.registry.jobs import JobRegistry
+from shardserve.server.store.write.writer import ShardWriter
 from tests.server.mixing import (
     BATCH,
     EPOCH_SAMPLES,
@@ -78,12 +78,23 @@ def test_mixture_plan_shares_ranks_and_the_planner(shared_srv: ServerProc) -> No
     assert shares_ok(order, WEIGHTS)
     for name in ("web", "code"):  # fewer draws than samples: each sample at most once
         k = list(SIZES).index(name)
-        per_rank = [set(split_ids(p.reshape(-1), OFFSETS)[1][split_ids(p.reshape(-1), OFFSETS)[0] == k].tolist()) for p in ranks]  # fmt: skip
+        per_rank = [
+            set(
+                split_ids(p.reshape(-1), OFFSETS)[1][
+                    split_ids(p.reshape(-1), OFFSETS)[0] == k
+                ].tolist()
+            )
+            for p in ranks
+        ]
         assert not per_rank[0] & per_rank[1]
     expected = mixture_order(
-        [MixSource(n) for n in SIZES.values()], 11, 0, EPOCH_SAMPLES, [Segment(0, WEIGHTS)],
+        [MixSource(n) for n in SIZES.values()],
+        11,
+        0,
+        EPOCH_SAMPLES,
+        [Segment(0, WEIGHTS)],
         world_size=WORLD,
-    )  # fmt: skip
+    )
     assert np.array_equal(order, expected)
 
 
@@ -117,7 +128,10 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
         ) as restarted:
             r = put_mixture(restarted, job, {"weights": [1, 1, 1]})  # frontier unknown
             assert r.status_code == 409 and "name at_step" in r.text
-            assert put_mixture(restarted, job, {"weights": [1, 1, 1], "at_step": 10**6}).status_code == 200  # fmt: skip
+            assert (
+                put_mixture(restarted, job, {"weights": [1, 1, 1], "at_step": 10**6}).status_code
+                == 200
+            )
             again = [plan(restarted, job, r) for r in range(WORLD)]
             got = httpx.get(
                 f"{restarted.http_url}/v1/jobs/{job}/mixture",
@@ -129,7 +143,9 @@ def test_weight_change_from_step_k_and_restart(mix_store: Path, tmp_path: Path) 
         assert c.tobytes() == d.tobytes()
     with run_server(mix_store, "--state-dir", str(tmp_path / "other")) as second:
         assert post_job(second, SPEC).json()["id"] == job
-        assert put_mixture(second, job, {"weights": [0.1, 0.1, 0.8], "at_step": k}).status_code == 200  # fmt: skip
+        assert (
+            put_mixture(second, job, {"weights": [0.1, 0.1, 0.8], "at_step": k}).status_code == 200
+        )
         for r, c in enumerate(after):
             assert plan(second, job, r).tobytes() == c.tobytes()
 
@@ -166,9 +182,15 @@ def test_the_status_page_shows_weights_for_a_mixture_job_only(shared_srv: Server
 def test_creation_refusals_name_what_to_change(shared_srv: ServerProc) -> None:
     """An unknown source is a 404 naming it; a source whose field differs is a 422 naming the
     source and field; bad weights and unsupported combinations are 422s."""
-    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "nope", "weight": 1}]})  # fmt: skip
+    r = post_job(
+        shared_srv,
+        {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "nope", "weight": 1}]},
+    )
     assert r.status_code == 404 and "nope" in r.text
-    r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}]})  # fmt: skip
+    r = post_job(
+        shared_srv,
+        {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}]},
+    )
     assert r.status_code == 422 and "'other' field 'label' is int32" in r.text
     r = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 0}]})
     assert r.status_code == 422 and "at least one weight" in r.text
@@ -177,7 +199,14 @@ def test_creation_refusals_name_what_to_change(shared_srv: ServerProc) -> None:
     assert r.status_code == 422 and "env_shuffle='split'" in r.text
     r = post_job(shared_srv, {**SPEC, "epoch_samples": 10**9})
     assert r.status_code == 422 and "epoch_samples <= " in r.text
-    ok = post_job(shared_srv, {**SPEC, "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}], "fields": ["image"]})  # fmt: skip
+    ok = post_job(
+        shared_srv,
+        {
+            **SPEC,
+            "mixture": [{"name": "web", "weight": 1}, {"name": "other", "weight": 1}],
+            "fields": ["image"],
+        },
+    )
     assert ok.status_code == 201, ok.text
 
 
@@ -189,8 +218,9 @@ def test_change_in_the_past_is_refused() -> None:
     reg = JobRegistry(None)
     spec = JobSpec(
         mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=1)),
-        batch_size=4, world_size=2,
-    )  # fmt: skip
+        batch_size=4,
+        world_size=2,
+    )
     job, _ = reg.create(spec, 80, (40, 40))  # 10 batches per rank per epoch
     ranks = [
         RankStatus(rank=0, connected=True, epoch=1, next_batch=3, credit=2, num_batches=10),
@@ -216,8 +246,11 @@ def test_client_steers_every_rank_the_same(srv: ServerProc) -> None:
 
     spec = JobSpec(
         mixture=mixture_sources({"web": 0.5, "code": 0.3, "math": 0.2}),
-        batch_size=BATCH, world_size=WORLD, seed=11, epoch_samples=EPOCH_SAMPLES,
-    )  # fmt: skip
+        batch_size=BATCH,
+        world_size=WORLD,
+        seed=11,
+        epoch_samples=EPOCH_SAMPLES,
+    )
     with ControlClient(srv.http_url) as api:
         job = api.create_job(spec)
         assert job.id == post_job(srv, SPEC).json()["id"]  # the same job as the raw spec
@@ -262,20 +295,29 @@ def test_spec_schedule_and_stop_over_http(shared_srv: ServerProc) -> None:
     job = post_job(shared_srv, body).json()["id"]
     order = global_order([plan(shared_srv, job, r) for r in range(WORLD)])
     expected = mixture_order(
-        [MixSource(n) for n in SIZES.values()], 11, 0, EPOCH_SAMPLES,
-        [Segment(0, WEIGHTS), Segment(k * WORLD * BATCH, (0, 1, 1))], world_size=WORLD,
-    )  # fmt: skip
+        [MixSource(n) for n in SIZES.values()],
+        11,
+        0,
+        EPOCH_SAMPLES,
+        [Segment(0, WEIGHTS), Segment(k * WORLD * BATCH, (0, 1, 1))],
+        world_size=WORLD,
+    )
     assert np.array_equal(order, expected)
     src, _ = split_ids(order[k * WORLD * BATCH :], OFFSETS)
     assert not (src == 0).any()  # web has weight 0 from step k on
-    stop = {**SPEC, "mixture": [*SPEC["mixture"][:2], {"name": "math", "weight": 0.2, "on_exhausted": "stop"}]}  # fmt: skip
+    stop = {
+        **SPEC,
+        "mixture": [*SPEC["mixture"][:2], {"name": "math", "weight": 0.2, "on_exhausted": "stop"}],
+    }
     job = post_job(shared_srv, stop).json()["id"]
     lengths = []
     for r in range(WORLD):
         resp = httpx.get(
-            f"{shared_srv.http_url}/v1/jobs/{job}/plan", params={"epoch": 0, "rank": r},
-            headers=shared_srv.headers, timeout=scaled(60),
-        )  # fmt: skip
+            f"{shared_srv.http_url}/v1/jobs/{job}/plan",
+            params={"epoch": 0, "rank": r},
+            headers=shared_srv.headers,
+            timeout=scaled(60),
+        )
         ids = np.frombuffer(resp.content, dtype="<i8")
         lengths.append((len(ids), resp.headers["X-Shardserve-Num-Batches"]))
         math = split_ids(ids, OFFSETS)[1][split_ids(ids, OFFSETS)[0] == 2]
@@ -286,12 +328,13 @@ def test_spec_schedule_and_stop_over_http(shared_srv: ServerProc) -> None:
 def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
     """Weight changes and quarantines come back from the journal in order; a change whose
     weights do not fit the job (a hand edit) is skipped, not turned into a failing plan."""
-    from shardserve.server.journal import EpochJournal
+    from shardserve.server.registry.journal import EpochJournal
 
     spec = JobSpec(
         mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=1)),
-        batch_size=4, world_size=2,
-    )  # fmt: skip
+        batch_size=4,
+        world_size=2,
+    )
     reg = JobRegistry(EpochJournal(tmp_path / "jobs.jsonl"))
     job, _ = reg.create(spec, 80, (40, 40))
     reg.set_mixture(job.id, WeightChange(at_step=5, weights=(1, 3)), 0)
@@ -310,12 +353,12 @@ def test_journal_replays_changes_and_skips_a_bad_one(tmp_path: Path) -> None:
 
 def test_an_empty_source_must_weigh_nothing() -> None:
     """A source without samples may be in a mixture only with weight 0, now and in changes."""
-    from shardserve.server.mixtures import check_empty
+    from shardserve.server.jobs.mixtures import check_empty
 
     spec = JobSpec(
         mixture=(MixtureSource(name="a", weight=1), MixtureSource(name="b", weight=0)),
         batch_size=4,
-    )  # fmt: skip
+    )
     check_empty(spec, (10, 0), (1, 0))
     with pytest.raises(BadRequest, match="'b' has no samples"):
         check_empty(spec, (10, 0), (1, 0.5))
@@ -329,14 +372,16 @@ def test_a_rank_pinning_another_source_version_is_refused(tmp_path: Path) -> Non
         make_cifar_like(tmp_path / "store", name, n=100, seed=seed)
     spec = {
         "mixture": [{"name": "p", "weight": 1}, {"name": "q", "weight": 1}],
-        "batch_size": 10, "world_size": 2,
-    }  # fmt: skip
+        "batch_size": 10,
+        "world_size": 2,
+    }
     with run_server(tmp_path / "store", "--state-dir", str(tmp_path / "state")) as s:
         first = post_job(s, spec)
         assert first.status_code == 201, first.text
         with ShardWriter(tmp_path / "store", "q", fields=CIFAR_FIELDS, overwrite=True) as w:
-            w.add_batch({"image": np.zeros((100, 3, 32, 32), np.uint8),
-                         "label": np.zeros(100, np.int64)})  # fmt: skip
+            w.add_batch(
+                {"image": np.zeros((100, 3, 32, 32), np.uint8), "label": np.zeros(100, np.int64)}
+            )
         again = post_job(s, spec)
         assert again.status_code == 409, again.text
         assert again.json()["code"] == "version_conflict"

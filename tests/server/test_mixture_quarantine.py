@@ -120,7 +120,7 @@ def test_quarantine_is_a_set_a_duplicate_holds_nothing_more(
 
 def test_quarantine_bound_counts_distinct_ids() -> None:
     """The bound on quarantined ids counts each id once, however often it is posted."""
-    from shardserve.server.quarantine import Quarantines
+    from shardserve.server.registry.quarantine import Quarantines
 
     q = Quarantines(max_ids=3)
     for _ in range(5):

@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from shardserve.proto.framing import decode_batch
-from shardserve.server.rings import DEFAULT_DIR, ShmUnavailable
+from shardserve.server.runtime.rings import DEFAULT_DIR, ShmUnavailable
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.dataset import Dataset
+from shardserve.server.store.read.dataset import Dataset
 from shardserve.server.streaming.sinks import IdlePools, RingBook, Route, SlotSink, SocketSink
 from tests.support.data import make_cifar_like, sample_id_of
 

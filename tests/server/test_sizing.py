@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shardserve.server.runtime.sizing import Machine, choose, probe
 from shardserve.server.settings import Settings
-from shardserve.server.sizing import Machine, choose, probe
 from tests.support.server import run_server
 from tests.support.slowness import scaled
 

@@ -46,16 +46,31 @@ def _mixture_job(srv: ServerProc) -> str:
         ({"dataset": "a", "batch_size": True}, "batch_size", "must be a JSON integer"),
         ({"dataset": "a", "batch_size": "8"}, "batch_size", "must be a JSON integer"),
         ({"dataset": "a", "batch_size": 8.0}, "batch_size", "must be a JSON integer"),
-        ({"dataset": "a", "batch_size": 8, "drop_last": "yes"}, "drop_last", "must be true or false"),
+        (
+            {"dataset": "a", "batch_size": 8, "drop_last": "yes"},
+            "drop_last",
+            "must be true or false",
+        ),
         ({"dataset": "a", "batch_size": 8, "fields": ["image", 3]}, "fields.1", "JSON string"),
         ({**MIX, "mixture": [{"name": "a", "weight": "0.5"}]}, "mixture.0.weight", "JSON number"),
         ({**MIX, "mixture": [{"name": "a", "weight": True}]}, "mixture.0.weight", "JSON number"),
-        ({**MIX, "schedule": [{"at_step": 4, "weights": [1, "0"]}]}, "schedule.0.weights.1",
-         "JSON number"),
+        (
+            {**MIX, "schedule": [{"at_step": 4, "weights": [1, "0"]}]},
+            "schedule.0.weights.1",
+            "JSON number",
+        ),
     ],
-    ids=["bool-batch", "str-batch", "float-batch", "str-bool", "int-field", "str-weight",
-         "bool-weight", "str-scheduled-weight"],
-)  # fmt: skip
+    ids=[
+        "bool-batch",
+        "str-batch",
+        "float-batch",
+        "str-bool",
+        "int-field",
+        "str-weight",
+        "bool-weight",
+        "str-scheduled-weight",
+    ],
+)
 def test_job_bodies_of_the_wrong_json_type_are_422(
     srv: ServerProc, body: dict, field: str, send: str
 ) -> None:
@@ -97,8 +112,18 @@ def test_a_bad_share_name_says_what_a_share_name_may_be(srv: ServerProc) -> None
 def test_the_same_values_sent_right_are_taken(srv: ServerProc) -> None:
     """Integers for weights, and every type as its schema says: the strict check refuses
     nothing valid."""
-    r = _send(srv, "POST", "/v1/jobs", {"dataset": "a", "batch_size": 8, "drop_last": True,
-                                         "fields": ["image"], "share": "sweep-3"})  # fmt: skip
+    r = _send(
+        srv,
+        "POST",
+        "/v1/jobs",
+        {
+            "dataset": "a",
+            "batch_size": 8,
+            "drop_last": True,
+            "fields": ["image"],
+            "share": "sweep-3",
+        },
+    )
     assert r.status_code in (200, 201), r.text
     job = _mixture_job(srv)
     r = _send(srv, "PUT", f"/v1/jobs/{job}/mixture", {"weights": [0.5, 1], "at_step": 100})
@@ -108,12 +133,19 @@ def test_the_same_values_sent_right_are_taken(srv: ServerProc) -> None:
 def test_the_client_still_sends_numpy_integers_and_tuples(srv: ServerProc) -> None:
     """The Loader and the control client build the models from Python values: numpy
     integers (a batch size too, as ``range`` takes one), tuples and numpy floats go through."""
-    with Loader(srv.http_url, dataset="a", batch_size=np.int64(8), seed=np.int64(3),
-                fields=("image", "label"), timeout=60) as loader:  # fmt: skip
+    with Loader(
+        srv.http_url,
+        dataset="a",
+        batch_size=np.int64(8),
+        seed=np.int64(3),
+        fields=("image", "label"),
+        timeout=60,
+    ) as loader:
         batch = next(iter(loader))
         assert tuple(batch["label"].shape) == (8,)
-    with Loader(srv.http_url, dataset={"a": np.float32(0.5), "b": 1}, batch_size=8,
-                timeout=60) as mixed:  # fmt: skip
+    with Loader(
+        srv.http_url, dataset={"a": np.float32(0.5), "b": 1}, batch_size=8, timeout=60
+    ) as mixed:
         mixed.set_mixture({"a": np.float64(1.0), "b": np.int64(0)}, at_step=np.int64(40))
     with ControlClient(srv.http_url, token=srv.token) as control:
         listed = control.quarantine("b", np.arange(3, dtype=np.int64), reason="np ids")

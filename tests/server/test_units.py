@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from shardserve.proto.jobs import JobSpec, job_id
-from shardserve.server.jobs import EpochJournal, JobRegistry
+from shardserve.server.registry.jobs import EpochJournal, JobRegistry
 from shardserve.server.settings import Settings
 from shardserve.server.streaming.buffers import BufferPool
 

@@ -17,7 +17,7 @@ import torch
 
 from shardserve.client import Loader
 from shardserve.proto.messages import ShmRing
-from shardserve.server.rings import DEFAULT_DIR, PREFIX, create_ring
+from shardserve.server.runtime.rings import DEFAULT_DIR, PREFIX, create_ring
 from shardserve.server.store.catalog import Store
 from shardserve.server.streaming.shm import ShmSlots
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
@@ -268,7 +268,7 @@ def test_variable_parts_are_made_in_the_slot_not_copied_there(store: Path) -> No
     ``edge_index``, straight into the slot's tail: placing the batch copies none of them,
     and the bytes are those of a take into fresh memory."""
     from shardserve.proto.jobs import GraphOptions
-    from shardserve.server.store.graphs import GraphCollated
+    from shardserve.server.store.read.graphs import GraphCollated
 
     stored = Store(store).open("graphs")
     fields = ("x", "edge_index", "y")

@@ -13,7 +13,7 @@ from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, ShardInfo
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.layout import BLOCK_BYTES
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import EVERY_KIND_FIELDS, every_kind_sample
 
 N = 3000

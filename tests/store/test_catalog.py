@@ -9,7 +9,7 @@ import pytest
 
 from shardserve.proto.errors import DatasetCorruptError, DatasetNotFound, InvalidDataError
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import CIFAR_FIELDS, make_cifar_like, sample_id_of
 
 

@@ -115,10 +115,22 @@ def test_killed_ingest_publishes_nothing_and_is_cleaned(
     del src
     env = {k: v for k, v in os.environ.items() if k != "SHARDSERVE_STORE"}
     proc = subprocess.Popen(
-        [*cli_command(), "ingest", str(tmp_path / "big.npy"), "--store", str(store_root),
-         "--name", "big", "--shard-size", "16KiB", "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
+        [
+            *cli_command(),
+            "ingest",
+            str(tmp_path / "big.npy"),
+            "--store",
+            str(store_root),
+            "--name",
+            "big",
+            "--shard-size",
+            "16KiB",
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     deadline = time.monotonic() + scaled(60)
     try:
         while time.monotonic() < deadline:  # wait until it has written several shards

@@ -19,8 +19,17 @@ def test_file_uri_store_for_every_command(tmp_path: Path, cli: Callable[..., Any
     y = np.arange(20, dtype=np.int64)
     np.savez(tmp_path / "a.npz", x=x, y=y)
     uri = (tmp_path / "store").as_uri()
-    r = cli("ingest", tmp_path / "a.npz", "--store", uri, "--name", "d", "--quiet",
-            "--shard-size", "200B")  # fmt: skip
+    r = cli(
+        "ingest",
+        tmp_path / "a.npz",
+        "--store",
+        uri,
+        "--name",
+        "d",
+        "--quiet",
+        "--shard-size",
+        "200B",
+    )
     assert r.returncode == 0, r.stderr
     assert "ingested d: 20 samples" in r.stdout
     assert not list((tmp_path / "store").rglob("*.partial"))

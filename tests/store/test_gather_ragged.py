@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store import gather
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.dataset import Dataset
-from shardserve.server.store.index import locate
-from shardserve.server.store.shard_set import Chunks
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.read import gather
+from shardserve.server.store.read.dataset import Dataset
+from shardserve.server.store.read.index import locate
+from shardserve.server.store.read.shard_set import Chunks
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import make_graph_like
 
 N = 300
@@ -142,7 +142,7 @@ def test_slices_and_unit_index_gather_the_same(
 @given(edges=st.lists(st.integers(0, 40), min_size=1, max_size=30), k=st.integers(1, 3))
 def test_cat_last_slices_equal_the_index_path(edges: list[int], k: int) -> None:
     """``collate="graph"`` joins ``[k, E_g]`` blocks into ``[k, sum E]`` the same both ways."""
-    from shardserve.server.store import graphs
+    from shardserve.server.store.read import graphs
 
     e = np.array(edges, dtype=np.int64)
     offsets = np.zeros(len(e) + 1, dtype=np.int64)

@@ -126,13 +126,17 @@ def test_npz_arrays_of_different_lengths_are_refused(tmp_path: Path, store_root:
 
 def _table(start: int, n: int) -> pa.Table:
     ids = np.arange(start, start + n)
-    return pa.table({
-        "id": pa.array(ids, pa.int64()),
-        "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 3).astype(np.float32)), 3),
-        "tokens": pa.array([list(range(i % 4)) for i in ids], pa.list_(pa.int32())),
-        "text": pa.array([f"s{i}" for i in ids]),
-        "blob": pa.array([bytes([i % 256]) * (i % 3) for i in ids], pa.binary()),
-    })  # fmt: skip
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "vec": pa.FixedSizeListArray.from_arrays(
+                pa.array(np.repeat(ids, 3).astype(np.float32)), 3
+            ),
+            "tokens": pa.array([list(range(i % 4)) for i in ids], pa.list_(pa.int32())),
+            "text": pa.array([f"s{i}" for i in ids]),
+            "blob": pa.array([bytes([i % 256]) * (i % 3) for i in ids], pa.binary()),
+        }
+    )
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
@@ -148,9 +152,12 @@ def test_parquet_and_arrow_folders(tmp_path: Path, store_root: Path, fmt: str) -
                 w.write_table(_table(k * 20, 20))
     m = ingest(src, store_root, "t", progress=False).manifest
     assert {f.name: (f.kind, f.shape) for f in m.fields} == {
-        "id": ("scalar", ()), "vec": ("tensor", (3,)), "tokens": ("variable", (-1,)),
-        "text": ("binary", ()), "blob": ("binary", ()),
-    }  # fmt: skip
+        "id": ("scalar", ()),
+        "vec": ("tensor", (3,)),
+        "tokens": ("variable", (-1,)),
+        "text": ("binary", ()),
+        "blob": ("binary", ()),
+    }
     parts = Store(store_root).open("t").take([25, 3])
     assert parts["id"].tolist() == [25, 3] and parts["vec"][:, 0].tolist() == [25.0, 3.0]
     assert parts["tokens"].tolist() == [0, 0, 1, 2] and parts["tokens.offsets"].tolist() == [

@@ -16,10 +16,10 @@ from shardserve.proto.parts import SOURCE_PART
 from shardserve.server.planning.mixture import MixSource, Segment, mixture_order, source_offsets
 from shardserve.server.store.cache import ShardCache
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.mixed import mixed_dataset
-from shardserve.server.store.remote import RemoteStore
-from shardserve.server.store.remote_publish import RemotePublisher
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.read.mixed import mixed_dataset
+from shardserve.server.store.remote.publish import RemotePublisher
+from shardserve.server.store.remote.stores import RemoteStore
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from shardserve.client import Loader
-from shardserve.server.store.read_ahead import MAX_SHARDS, ReadAhead
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.read.read_ahead import MAX_SHARDS, ReadAhead
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import CIFAR_FIELDS, cifar_images
 from tests.support.server import run_server
 from tests.support.slowness import scaled
@@ -28,8 +28,11 @@ def _resident(path: Path) -> float:
     """The share of ``path``'s bytes in the page cache (util-linux ``fincore``)."""
     out = subprocess.run(
         ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE", str(path)],
-        check=True, capture_output=True, text=True, timeout=scaled(10),
-    ).stdout.split()  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=scaled(10),
+    ).stdout.split()
     return int(out[0]) / max(int(out[1]), 1)
 
 

@@ -32,8 +32,8 @@ from shardserve.client import Loader, LoaderStats, Masked, Texts, VarTensor
 from shardserve.server.store.cache import cache_key
 from shardserve.server.store.ingest.run import ingest
 from shardserve.server.store.layout import read_manifest
-from shardserve.server.store.remote import RemoteStore
-from shardserve.server.store.remote_publish import RemotePublisher
+from shardserve.server.store.remote.publish import RemotePublisher
+from shardserve.server.store.remote.stores import RemoteStore
 from tests.support.data import make_cifar_like, make_graph_like
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
@@ -46,9 +46,11 @@ EPOCHS = (1, 2)
 CIFAR_CHAIN = [
     {"name": "random_crop", "params": {"size": 32, "padding": 4, "layout": "CHW"}},
     {"name": "hflip", "params": {"layout": "CHW"}},
-    {"name": "normalize", "params": {"layout": "CHW", "scale": 1 / 255, "mean": [0.5] * 3,
-                                     "std": [0.25] * 3}},
-]  # fmt: skip
+    {
+        "name": "normalize",
+        "params": {"layout": "CHW", "scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},
+    },
+]
 #: A built-in sample transform with random draws: 3 random rows of each variable-length seq.
 SUBSET_CHAIN = [{"name": "random_subset", "params": {"field": "seq", "n": 3}}]
 #: Below every dataset's size (and most of their shards'): the cache evicts all the time.
@@ -94,15 +96,20 @@ def _variable(i: int) -> dict[str, Any]:
 
 def _nullable_table(n: int) -> pa.Table:
     """An Arrow table whose struct, fixed-list, string and scalar columns have nulls."""
-    return pa.table({
-        "a": np.arange(n, dtype=np.float32),
-        "p": pa.array(
-            [None if i % 3 == 0 else {"nu": float(i), "re": [float(i), -1.0]} for i in range(n)],
-            type=pa.struct([("nu", pa.float32()), ("re", pa.list_(pa.float32(), 2))]),
-        ),
-        "s": pa.array([None if i % 6 == 0 else f"t{i}" for i in range(n)]),
-        "c": pa.array([None if i % 4 == 1 else i for i in range(n)], type=pa.int64()),
-    })  # fmt: skip
+    return pa.table(
+        {
+            "a": np.arange(n, dtype=np.float32),
+            "p": pa.array(
+                [
+                    None if i % 3 == 0 else {"nu": float(i), "re": [float(i), -1.0]}
+                    for i in range(n)
+                ],
+                type=pa.struct([("nu", pa.float32()), ("re", pa.list_(pa.float32(), 2))]),
+            ),
+            "s": pa.array([None if i % 6 == 0 else f"t{i}" for i in range(n)]),
+            "c": pa.array([None if i % 4 == 1 else i for i in range(n)], type=pa.int64()),
+        }
+    )
 
 
 def _pt_folder(folder: Path, samples: Iterator[Any]) -> Path:
@@ -130,12 +137,27 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Stores:
     make_cifar_like(local, "cifar", n=N, shard_bytes=64 << 10)
     make_graph_like(local, "graphs", n=N, shard_bytes=8 << 10)
     kw: dict[str, Any] = {"progress": False}
-    ingest(_pt_folder(src / "nested", map(_nested, range(N))), local, "nested",
-           shard_bytes=8 << 10, **kw)  # fmt: skip
-    ingest(_pt_folder(src / "nullable", map(_nullable, range(N))), local, "nullable",
-           shard_bytes=1 << 10, **kw)  # fmt: skip
-    ingest(_pt_folder(src / "variable", map(_variable, range(N))), local, "variable",
-           shard_bytes=4 << 10, **kw)  # fmt: skip
+    ingest(
+        _pt_folder(src / "nested", map(_nested, range(N))),
+        local,
+        "nested",
+        shard_bytes=8 << 10,
+        **kw,
+    )
+    ingest(
+        _pt_folder(src / "nullable", map(_nullable, range(N))),
+        local,
+        "nullable",
+        shard_bytes=1 << 10,
+        **kw,
+    )
+    ingest(
+        _pt_folder(src / "variable", map(_variable, range(N))),
+        local,
+        "variable",
+        shard_bytes=4 << 10,
+        **kw,
+    )
     pq.write_table(_nullable_table(N), src / "nullable.parquet")
     ingest(src / "nullable.parquet", local, "nullarrow", shard_bytes=1 << 10, **kw)
     remote = RemoteStore((tmp / "remote").as_uri())
@@ -320,9 +342,15 @@ def _check_exercised(name: str, batches: list[Any], stats: LoaderStats) -> None:
 #: The evicting cache reads one case of each dataset (its shards fetched, evicted, fetched
 #: again); the roomy one every case.
 EVICTING_CASES = (
-    "flat_block_shuffle", "nested", "nullable_pt", "nullable_arrow", "variable", "graph",
-    "transforms_sample", "grouped_variable",
-)  # fmt: skip
+    "flat_block_shuffle",
+    "nested",
+    "nullable_pt",
+    "nullable_arrow",
+    "variable",
+    "graph",
+    "transforms_sample",
+    "grouped_variable",
+)
 MATRIX = [
     *(pytest.param("cached", name, id=f"cached-{name}") for name in CASES),
     *(pytest.param("evicting", name, id=f"evicting-{name}") for name in EVICTING_CASES),

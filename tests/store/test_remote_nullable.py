@@ -34,8 +34,17 @@ def test_a_nullable_field_reads_the_same_from_a_local_and_a_file_store(
     _write_pt_folder(tmp_path / "src", 40)
     local, remote = tmp_path / "local", (tmp_path / "remote").as_uri()
     for store in (str(local), remote):
-        r = cli("ingest", tmp_path / "src", "--store", store, "--name", "pde", "--quiet",
-                "--shard-size", "1KB")  # fmt: skip
+        r = cli(
+            "ingest",
+            tmp_path / "src",
+            "--store",
+            store,
+            "--name",
+            "pde",
+            "--quiet",
+            "--shard-size",
+            "1KB",
+        )
         assert r.returncode == 0, r.stderr
     with run_server(local) as srv:
         want = _batches(srv.http_url)

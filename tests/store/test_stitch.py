@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.dataset import Dataset
-from shardserve.server.store.mixed import mixed_dataset
-from shardserve.server.store.stitch import layout
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.read.dataset import Dataset
+from shardserve.server.store.read.mixed import mixed_dataset
+from shardserve.server.store.read.stitch import layout
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import EVERY_KIND_FIELDS, every_kind_sample
 
 PAGE = 4096

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.dataset import Dataset
-from shardserve.server.store.gather import groups
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.read.dataset import Dataset
+from shardserve.server.store.read.gather import groups
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import (
     cifar_images,
     graph_sample,

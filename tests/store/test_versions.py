@@ -10,7 +10,7 @@ import pytest
 
 from shardserve.proto.errors import DatasetChanged
 from shardserve.proto.jobs import JobSpec
-from shardserve.server.jobs import JobRegistry
+from shardserve.server.registry.jobs import JobRegistry
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.versions import content_id, pin_version
 from tests.support.data import make_cifar_like, sample_id_of
@@ -21,8 +21,9 @@ def test_content_id_follows_content_not_paths_or_times(tmp_path: Path) -> None:
     a = make_cifar_like(tmp_path / "a", n=100, seed=0)
     b = make_cifar_like(tmp_path / "b", n=100, seed=0)
     assert content_id(a) == content_id(b)
-    moved = a.model_copy(update={"shards": tuple(s.model_copy(update={"path": "x/" + s.path})
-                                                 for s in a.shards)})  # fmt: skip
+    moved = a.model_copy(
+        update={"shards": tuple(s.model_copy(update={"path": "x/" + s.path}) for s in a.shards)}
+    )
     assert content_id(moved) == content_id(a)
     assert content_id(make_cifar_like(tmp_path / "c", n=100, seed=1)) != content_id(a)
     assert content_id(make_cifar_like(tmp_path / "d", n=101, seed=0)) != content_id(a)

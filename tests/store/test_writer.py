@@ -10,7 +10,7 @@ import pytest
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import make_cifar_like, make_graph_like, sample_id_of
 
 

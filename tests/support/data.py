@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from shardserve.proto.manifest import FieldSpec, Manifest
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 
 CIFAR_FIELDS = (
     FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),

@@ -119,9 +119,12 @@ class Relay:
                     if k.lower() not in ("host", "content-length", "connection")
                 }
                 r = httpx.request(
-                    self.command, relay.srv.http_url + self.path, content=body,
-                    headers=headers, timeout=scaled(30),
-                )  # fmt: skip
+                    self.command,
+                    relay.srv.http_url + self.path,
+                    content=body,
+                    headers=headers,
+                    timeout=scaled(30),
+                )
                 content = r.content
                 path = self.path.split("?", 1)[0]
                 if path == "/v1/info" and r.status_code == 200:

@@ -174,15 +174,23 @@ def run_server(
     (workdir / "ready.json").unlink(missing_ok=True)
     log_path = workdir / "server.log"
     cmd = [
-        sys.executable, "-m", "shardserve.server", "serve",
-        "--store", str(store),
-        "--http", f"127.0.0.1:{http_port}",
-        "--data", f"tcp://127.0.0.1:{data_port}",
-        "--ipc", str(workdir / "ss.sock"),
-        "--ready-file", str(workdir / "ready.json"),
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "serve",
+        "--store",
+        str(store),
+        "--http",
+        f"127.0.0.1:{http_port}",
+        "--data",
+        f"tcp://127.0.0.1:{data_port}",
+        "--ipc",
+        str(workdir / "ss.sock"),
+        "--ready-file",
+        str(workdir / "ready.json"),
         "--create",
         *extra_args,
-    ]  # fmt: skip
+    ]
     full_env = {**os.environ, **(env or {})}
     token = _token_from(extra_args, env)
     with open(log_path, "ab") as log:

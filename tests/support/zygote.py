@@ -48,9 +48,12 @@ class Zygote:
     def __init__(self, preload: Sequence[str]) -> None:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.zygote", *preload],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
             cwd=ROOT,
-        )  # fmt: skip
+        )
         self._outputs = Path(tempfile.mkdtemp(prefix="zygote-"))
         self._runs = 0
 
@@ -59,12 +62,19 @@ class Zygote:
         with ``env``; wait at most ``timeout`` seconds for it."""
         assert self._proc.stdin is not None and self._proc.stdout is not None
         if self._proc.poll() is not None:
-            raise RuntimeError(f"cannot run python {' '.join(args)}: the zygote has ended "
-                               f"(exit {self._proc.returncode}; an earlier script timed out?)")  # fmt: skip
+            raise RuntimeError(
+                f"cannot run python {' '.join(args)}: the zygote has ended "
+                f"(exit {self._proc.returncode}; an earlier script timed out?)"
+            )
         self._runs += 1
         out, err = (self._outputs / f"{self._runs}.{n}" for n in ("stdout", "stderr"))
-        request = {"args": list(args), "cwd": str(cwd), "env": dict(env),
-                   "stdout": str(out), "stderr": str(err)}  # fmt: skip
+        request = {
+            "args": list(args),
+            "cwd": str(cwd),
+            "env": dict(env),
+            "stdout": str(out),
+            "stderr": str(err),
+        }
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         with selectors.DefaultSelector() as sel:
@@ -72,12 +82,14 @@ class Zygote:
             ready = sel.select(timeout)
         if not ready:
             self.close()
-            raise TimeoutError(f"python {' '.join(args)} did not finish within {timeout:.0f} s "
-                               "(killed)")  # fmt: skip
+            raise TimeoutError(
+                f"python {' '.join(args)} did not finish within {timeout:.0f} s (killed)"
+            )
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the zygote died running python {' '.join(args)} "
-                               f"(exit {self._proc.wait()})")  # fmt: skip
+            raise RuntimeError(
+                f"the zygote died running python {' '.join(args)} (exit {self._proc.wait()})"
+            )
         return Done(json.loads(line)["returncode"], out.read_text(), err.read_text())
 
     def close(self) -> None:
@@ -93,8 +105,9 @@ class Zygote:
     def __enter__(self) -> Zygote:
         return self
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 

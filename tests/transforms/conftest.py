@@ -20,9 +20,11 @@ MODS = ("--transforms", "tests.transforms.mods")
 CIFAR_CHAIN = [
     {"name": "random_crop", "params": {"size": 32, "padding": 4, "layout": "CHW"}},
     {"name": "hflip", "params": {"layout": "CHW"}},
-    {"name": "normalize", "params": {"layout": "CHW", "scale": 1 / 255, "mean": [0.5] * 3,
-                                     "std": [0.25] * 3}},
-]  # fmt: skip
+    {
+        "name": "normalize",
+        "params": {"layout": "CHW", "scale": 1 / 255, "mean": [0.5] * 3, "std": [0.25] * 3},
+    },
+]
 #: The same plus a pure-Python sample transform (runs in worker processes under "auto").
 MIXED_CHAIN = [*CIFAR_CHAIN, {"name": "py_noise", "params": {"scale": 2.0}}]
 
@@ -61,10 +63,13 @@ def pool_status(url: str) -> dict:
 
 def shm_segments(pid: int) -> list[str]:
     """Shared-memory rings a server process made (named after its pid)."""
-    from shardserve.server.rings import DEFAULT_DIR, PREFIX
+    from shardserve.server.runtime.rings import DEFAULT_DIR, PREFIX
 
-    return [p.name for p in Path(DEFAULT_DIR).glob(f"{PREFIX}{pid}-*")] if os.path.isdir(
-        DEFAULT_DIR) else []  # fmt: skip
+    return (
+        [p.name for p in Path(DEFAULT_DIR).glob(f"{PREFIX}{pid}-*")]
+        if os.path.isdir(DEFAULT_DIR)
+        else []
+    )
 
 
 @pytest.fixture

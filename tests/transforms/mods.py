@@ -174,8 +174,9 @@ GOT_OUT: list[bool] = []
 
 
 @batch_transform(outputs={"label": Field("int64", ())}, takes_out=True)
-def double_into(batch: dict[str, Any], p: Any, rng: np.random.Generator,
-                out: dict[str, np.ndarray]) -> dict[str, Any]:  # fmt: skip
+def double_into(
+    batch: dict[str, Any], p: Any, rng: np.random.Generator, out: dict[str, np.ndarray]
+) -> dict[str, Any]:
     """Labels times two, written into ``out`` when it is given (recorded in ``GOT_OUT``)."""
     dest = out.get("label")
     GOT_OUT.append(dest is not None)

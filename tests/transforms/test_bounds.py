@@ -42,8 +42,11 @@ def srv(store: Path) -> Iterator[ServerProc]:
 
 
 def _post(srv: ServerProc, chain: list, batch_size: int = 8) -> httpx.Response:
-    return httpx.post(f"{srv.http_url}/v1/jobs", timeout=scaled(10), json={
-        "dataset": "cifar", "batch_size": batch_size, "transforms": chain})  # fmt: skip
+    return httpx.post(
+        f"{srv.http_url}/v1/jobs",
+        timeout=scaled(10),
+        json={"dataset": "cifar", "batch_size": batch_size, "transforms": chain},
+    )
 
 
 # fmt: off
@@ -91,10 +94,14 @@ NONSENSE = [
 # fmt: on
 
 
-@pytest.mark.parametrize(("chain", "param"), NONSENSE, ids=[f"{c[0]['name']}-{p}-{i}"
-                         for i, (c, p) in enumerate(NONSENSE)])  # fmt: skip
-def test_nonsense_chain_is_a_422_naming_the_parameter(srv: ServerProc, chain: list,
-                                                      param: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("chain", "param"),
+    NONSENSE,
+    ids=[f"{c[0]['name']}-{p}-{i}" for i, (c, p) in enumerate(NONSENSE)],
+)
+def test_nonsense_chain_is_a_422_naming_the_parameter(
+    srv: ServerProc, chain: list, param: str
+) -> None:
     """Every nonsense chain is refused at POST /v1/jobs with 422 naming the parameter."""
     r = _post(srv, chain)
     assert r.status_code == 422, (r.status_code, r.text)
@@ -120,8 +127,9 @@ def test_variable_size_output_stops_at_the_batch_bound(store: Path) -> None:
     """A transform writing 16 MiB per sample, batch 32 (512 MiB) under --max-batch-bytes
     64 MiB fails its job naming the transform and the bound; the server's peak RSS grows by
     less than 200 MiB (it would be over 1 GiB unbounded)."""
-    with run_server(store, *MODS, "--max-batch-bytes", str(64 * MiB),
-                    "--transform-pool", "thread") as s:  # fmt: skip
+    with run_server(
+        store, *MODS, "--max-batch-bytes", str(64 * MiB), "--transform-pool", "thread"
+    ) as s:
         hwm0 = proc_kib(s.proc.pid, "VmHWM")
         grow = [{"name": "grow", "params": {"mib": 16}}]
         with (
@@ -150,8 +158,18 @@ def _bomb_store(tmp: Path) -> Path:
         Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(
             src / "b_ok" / f"{i}.png"
         )
-    cmd = [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-           "--name", "pics", "--quiet"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "ingest",
+        str(src),
+        "--store",
+        str(store),
+        "--name",
+        "pics",
+        "--quiet",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(120))
     assert r.returncode == 0, r.stderr
     return store
@@ -165,8 +183,9 @@ def test_decode_bomb_is_refused_from_its_header_naming_the_sample(tmp_path: Path
     assert (tmp_path / "src" / "a_bomb" / "bomb.png").stat().st_size < 300_000
     chain = [{"name": "decode_image"}, {"name": "resize", "params": {"size": 16}}]
     # On threads: the server's own memory is what the bound must keep (workers decode elsewhere).
-    with run_server(store, "--max-decoded-pixels", str(4_000_000), "--transform-pool",
-                    "thread") as s:  # fmt: skip
+    with run_server(
+        store, "--max-decoded-pixels", str(4_000_000), "--transform-pool", "thread"
+    ) as s:
         hwm0 = proc_kib(s.proc.pid, "VmHWM")
         with (
             pytest.raises(TransformError) as err,
@@ -183,8 +202,16 @@ def test_decode_bomb_is_refused_from_its_header_naming_the_sample(tmp_path: Path
         print(f"decode bomb: peak RSS grew {grown:.0f} MiB (start peak {hwm0 // 1024} MiB)")
         assert grown < 128, grown
         # Images within the bound still decode.
-        with Loader(s.http_url, "pics", batch_size=4, seed=0, timeout=scaled(30), shuffle="none",
-                    transforms=chain, on_error="replace") as ld:  # fmt: skip
+        with Loader(
+            s.http_url,
+            "pics",
+            batch_size=4,
+            seed=0,
+            timeout=scaled(30),
+            shuffle="none",
+            transforms=chain,
+            on_error="replace",
+        ) as ld:
             ld.set_epoch(0)
             assert sum(len(b["image"]) for b in ld) == 8
 

@@ -38,20 +38,31 @@ def _run(chain: list, inputs: dict, parts: dict, n: int) -> dict:
 def _ragged(items: list[np.ndarray]) -> dict:
     offs = np.zeros(len(items) + 1, np.int64)
     np.cumsum([a.size for a in items], out=offs[1:])
-    return {"values": np.concatenate([a.ravel() for a in items]), "offsets": offs,
-            "shapes": np.array([a.shape for a in items], np.int64)}  # fmt: skip
+    return {
+        "values": np.concatenate([a.ravel() for a in items]),
+        "offsets": offs,
+        "shapes": np.array([a.shape for a in items], np.int64),
+    }
 
 
 def test_random_crop_is_a_window_of_the_padded_image() -> None:
     """Each output is some 32x32 window of the zero-padded input, and the offsets vary."""
     x = np.random.default_rng(0).integers(1, 255, (16, 3, 32, 32), dtype=np.uint8)
-    out = _run([{"name": "random_crop", "params": {"size": 32, "padding": 4, "layout": "CHW"}}],
-               {"image": Field("uint8", (3, 32, 32))}, {"image": x}, 16)["image"]  # fmt: skip
+    out = _run(
+        [{"name": "random_crop", "params": {"size": 32, "padding": 4, "layout": "CHW"}}],
+        {"image": Field("uint8", (3, 32, 32))},
+        {"image": x},
+        16,
+    )["image"]
     padded = np.pad(x, ((0, 0), (0, 0), (4, 4), (4, 4)))
     offsets = []
     for b in range(16):
-        hits = [(y, z) for y in range(9) for z in range(9)
-                if (padded[b, :, y:y + 32, z:z + 32] == out[b]).all()]  # fmt: skip
+        hits = [
+            (y, z)
+            for y in range(9)
+            for z in range(9)
+            if (padded[b, :, y : y + 32, z : z + 32] == out[b]).all()
+        ]
         assert hits, f"sample {b} is no window of its padded image"
         offsets.append(hits[0])
     assert len(set(offsets)) > 4
@@ -70,9 +81,17 @@ def test_normalize_and_to_chw() -> None:
     """(x/255 - mean)/std per channel as float32, HWC turned into CHW."""
     x = np.random.default_rng(2).integers(0, 255, (4, 5, 6, 3), dtype=np.uint8)
     mean, std = [0.1, 0.2, 0.3], [0.5, 0.25, 2.0]
-    out = _run([{"name": "normalize", "params": {"scale": 1 / 255, "mean": mean, "std": std,
-                                                 "to_chw": True}}],
-               {"image": Field("uint8", (5, 6, 3))}, {"image": x}, 4)["image"]  # fmt: skip
+    out = _run(
+        [
+            {
+                "name": "normalize",
+                "params": {"scale": 1 / 255, "mean": mean, "std": std, "to_chw": True},
+            }
+        ],
+        {"image": Field("uint8", (5, 6, 3))},
+        {"image": x},
+        4,
+    )["image"]
     want = (x.astype(np.float32) * np.float32(1 / 255) - np.float32(mean)) / np.float32(std)
     assert out.dtype == np.float32 and out.shape == (4, 3, 5, 6)
     np.testing.assert_allclose(out, want.transpose(0, 3, 1, 2), rtol=1e-6)
@@ -90,20 +109,28 @@ def test_resize_and_random_resized_crop_on_variable_images() -> None:
     out = _run([{"name": "random_resized_crop", "params": {"size": [12, 10]}}], inputs, parts, 5)
     assert out["image"].shape == (5, 12, 10, 3) and (out["image"][2] == 77).all()
     one = _ragged(imgs[:1])
-    same = _run([{"name": "resize", "params": {"size": [20, 31]}}], inputs,
-                {"image": one["values"], "image.offsets": one["offsets"],
-                 "image.shapes": one["shapes"]}, 1)["image"]  # fmt: skip
+    same = _run(
+        [{"name": "resize", "params": {"size": [20, 31]}}],
+        inputs,
+        {"image": one["values"], "image.offsets": one["offsets"], "image.shapes": one["shapes"]},
+        1,
+    )["image"]
     assert (same[0] == imgs[0]).all()
 
 
 def test_random_subset_takes_n_distinct_rows() -> None:
     """n rows of each sample's variable-length field, all from that sample, none twice."""
-    items = [np.arange(k * 2, dtype=np.float32).reshape(k, 2) + 1000 * j
-             for j, k in enumerate((9, 12, 30))]  # fmt: skip
+    items = [
+        np.arange(k * 2, dtype=np.float32).reshape(k, 2) + 1000 * j
+        for j, k in enumerate((9, 12, 30))
+    ]
     r = _ragged(items)
-    out = _run([{"name": "random_subset", "params": {"field": "q", "n": 8}}],
-               {"q": Field("float32", (-1, 2))},
-               {"q": r["values"], "q.offsets": r["offsets"], "q.shapes": r["shapes"]}, 3)["q"]  # fmt: skip
+    out = _run(
+        [{"name": "random_subset", "params": {"field": "q", "n": 8}}],
+        {"q": Field("float32", (-1, 2))},
+        {"q": r["values"], "q.offsets": r["offsets"], "q.shapes": r["shapes"]},
+        3,
+    )["q"]
     assert out.shape == (3, 8, 2)
     for j, it in enumerate(items):
         rows = {tuple(v) for v in it.tolist()}
@@ -114,9 +141,17 @@ def test_random_subset_takes_n_distinct_rows() -> None:
 def test_unpack_bits_matches_numpy() -> None:
     """Packed uint8 records become bit planes of the asked shape."""
     x = np.random.default_rng(4).integers(0, 255, (6, 11), dtype=np.uint8)
-    out = _run([{"name": "unpack_bits", "params": {"field": "rec", "shape": [9, 9], "to": "planes",
-                                                   "dtype": "float32"}}],
-               {"rec": Field("uint8", (11,))}, {"rec": x}, 6)  # fmt: skip
+    out = _run(
+        [
+            {
+                "name": "unpack_bits",
+                "params": {"field": "rec", "shape": [9, 9], "to": "planes", "dtype": "float32"},
+            }
+        ],
+        {"rec": Field("uint8", (11,))},
+        {"rec": x},
+        6,
+    )
     want = np.unpackbits(x, axis=1)[:, :81].reshape(6, 9, 9).astype(np.float32)
     assert (out["planes"] == want).all() and (out["rec"] == x).all()
 
@@ -131,8 +166,12 @@ def test_decode_image_matches_pillow() -> None:
         Image.fromarray(a).save(buf, format=fmt)
         blobs.append(np.frombuffer(buf.getvalue(), np.uint8))
     offs = np.array([0, blobs[0].size, blobs[0].size + blobs[1].size], np.int64)
-    out = _run([{"name": "decode_image"}], {"image": Field("uint8", (-1,), binary=True)},
-               {"image": np.concatenate(blobs), "image.offsets": offs}, 2)  # fmt: skip
+    out = _run(
+        [{"name": "decode_image"}],
+        {"image": Field("uint8", (-1,), binary=True)},
+        {"image": np.concatenate(blobs), "image.offsets": offs},
+        2,
+    )
     shapes = out["image.shapes"]
     assert shapes.tolist() == [[9, 7, 3], [9, 7, 3]]
     png, jpg = out["image"][: a.size].reshape(a.shape), out["image"][a.size :].reshape(a.shape)
@@ -144,8 +183,9 @@ def test_chain_errors_name_what_to_change() -> None:
     """A chain that does not fit says which step and which fields exist."""
     inputs = {"image": Field("uint8", (3, 32, 32))}
     with pytest.raises(BadRequest, match=r"transforms\[0\] 'random_crop' does not fit .*larger"):
-        compile_chain([{"name": "random_crop", "params": {"size": 64, "layout": "CHW"}}], REG,
-                      inputs, "d")  # fmt: skip
+        compile_chain(
+            [{"name": "random_crop", "params": {"size": 64, "layout": "CHW"}}], REG, inputs, "d"
+        )
     with pytest.raises(BadRequest, match=r"no field 'img'.*'image': 'uint8\[3, 32, 32\]'"):
         compile_chain([{"name": "hflip", "params": {"field": "img"}}], REG, inputs, "d")
 
@@ -154,11 +194,18 @@ def test_generators_are_pure_functions_of_their_keys() -> None:
     """Same key, same numbers, in another process too; any key part changed, other numbers."""
     a = sample_rng(1, 2, 3, 0).integers(0, 1 << 62, 4).tolist()
     assert a == sample_rng(1, 2, 3, 0).integers(0, 1 << 62, 4).tolist()
-    others = [sample_rng(1, 2, 4, 0), sample_rng(1, 3, 3, 0), sample_rng(2, 2, 3, 0),
-              sample_rng(1, 2, 3, 1), batch_rng(1, 2, 0, 3, 0)]  # fmt: skip
+    others = [
+        sample_rng(1, 2, 4, 0),
+        sample_rng(1, 3, 3, 0),
+        sample_rng(2, 2, 3, 0),
+        sample_rng(1, 2, 3, 1),
+        batch_rng(1, 2, 0, 3, 0),
+    ]
     assert all(g.integers(0, 1 << 62, 4).tolist() != a for g in others)
-    code = ("from shardserve.server.transforms.rng import sample_rng;"
-            "print(sample_rng(1, 2, 3, 0).integers(0, 1 << 62, 4).tolist())")  # fmt: skip
+    code = (
+        "from shardserve.server.transforms.rng import sample_rng;"
+        "print(sample_rng(1, 2, 3, 0).integers(0, 1 << 62, 4).tolist())"
+    )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == str(a)
     picks = {replacement(0, 0, 5, k, 10) for k in range(1, 30)}
@@ -206,16 +253,21 @@ def test_pillow_resize_method_is_pillows_own() -> None:
     """method="pillow" gives exactly Pillow's antialiased bilinear box resize."""
     x = np.random.default_rng(6).integers(0, 255, (40, 50, 3), dtype=np.uint8)
     r = _ragged([x])
-    out = _run([{"name": "resize", "params": {"size": [16, 12], "method": "pillow"}}],
-               {"image": Field("uint8", (-1, -1, 3))},
-               {"image": r["values"], "image.offsets": r["offsets"], "image.shapes": r["shapes"]},
-               1)["image"]  # fmt: skip
+    out = _run(
+        [{"name": "resize", "params": {"size": [16, 12], "method": "pillow"}}],
+        {"image": Field("uint8", (-1, -1, 3))},
+        {"image": r["values"], "image.offsets": r["offsets"], "image.shapes": r["shapes"]},
+        1,
+    )["image"]
     want = np.asarray(Image.fromarray(x).resize((12, 16), Image.BILINEAR))
     assert (out[0] == want).all()
     with pytest.raises(BadRequest, match="uint8 HWC"):
-        compile_chain([{"name": "resize", "params": {"size": 8, "method": "pillow",
-                                                     "layout": "CHW"}}],
-                      REG, {"image": Field("uint8", (3, 32, 32))}, "d")  # fmt: skip
+        compile_chain(
+            [{"name": "resize", "params": {"size": 8, "method": "pillow", "layout": "CHW"}}],
+            REG,
+            {"image": Field("uint8", (3, 32, 32))},
+            "d",
+        )
 
 
 def _jpegs(sizes: list[tuple[int, int]], seed: int) -> dict:

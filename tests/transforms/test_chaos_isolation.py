@@ -55,13 +55,25 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
     each fault is refused or fails typed; SIGTERM exits within --shutdown-timeout-s."""
     make_cifar_like(tmp_path, name="cifar", n=300, shard_bytes=128 << 10)
     make_cifar_like(tmp_path, name="other", n=400, seed=4, shard_bytes=128 << 10)
-    with run_server(tmp_path, *MODS, "--transform-timeout-s", "3", "--shutdown-timeout-s", "8",
-                    "--max-batch-bytes", str(64 * MiB), "--transform-pool", "auto",
-                    "--transform-workers", "2") as s:  # fmt: skip
+    with run_server(
+        tmp_path,
+        *MODS,
+        "--transform-timeout-s",
+        "3",
+        "--shutdown-timeout-s",
+        "8",
+        "--max-batch-bytes",
+        str(64 * MiB),
+        "--transform-pool",
+        "auto",
+        "--transform-workers",
+        "2",
+    ) as s:
         url, pid = s.http_url, s.proc.pid
         healthy = {"flip": ("other", HFLIP), "plain": ("cifar", None)}
-        want = {(k, e): _epoch(url, ds, e, ch) for k, (ds, ch) in healthy.items()
-                for e in range(EPOCHS)}  # fmt: skip
+        want = {
+            (k, e): _epoch(url, ds, e, ch) for k, (ds, ch) in healthy.items() for e in range(EPOCHS)
+        }
         stop = threading.Event()
         done = threading.Event()  # every fault struck and every healthy job streamed ROUNDS times
         problems: list[str] = []
@@ -105,8 +117,11 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
 
         def expect_422(chain: list, batch_size: int = 8) -> Callable[[int], None]:
             def run(i: int) -> None:
-                r = httpx.post(f"{url}/v1/jobs", timeout=scaled(30), json={
-                    "dataset": "cifar", "batch_size": batch_size, "transforms": chain})  # fmt: skip
+                r = httpx.post(
+                    f"{url}/v1/jobs",
+                    timeout=scaled(30),
+                    json={"dataset": "cifar", "batch_size": batch_size, "transforms": chain},
+                )
                 if r.status_code != 422:
                     fail(f"fault {chain} answered {r.status_code}: {r.text}")
 
@@ -115,8 +130,16 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
         def never_read(i: int) -> None:
             loaders = []
             for r in range(4):
-                ld = Loader(url, "cifar", batch_size=25, seed=1000 + i, rank=r, world_size=4,
-                            timeout=scaled(30), prefetch=8)  # fmt: skip
+                ld = Loader(
+                    url,
+                    "cifar",
+                    batch_size=25,
+                    seed=1000 + i,
+                    rank=r,
+                    world_size=4,
+                    timeout=scaled(30),
+                    prefetch=8,
+                )
                 ld.set_epoch(0)
                 next(iter(ld))
                 loaders.append(ld)
@@ -170,11 +193,15 @@ def test_healthy_jobs_stream_exactly_through_a_storm_of_faults(tmp_path: Path) -
             t.join(scaled(120))
         assert not any(t.is_alive() for t in threads), "a chaos thread did not end"
         shown = ", ".join(f"{t:.0f}s {m:.0f}MB" for t, m in rss[:: max(1, len(rss) // 12)])
-        print(f"\nchaos: healthy epochs {epochs_ok}, faults {faults}, readyz polls "
-              f"{len(readyz)}; server RSS {shown}; peak {max(m for _, m in rss):.0f} MB")  # fmt: skip
+        print(
+            f"\nchaos: healthy epochs {epochs_ok}, faults {faults}, readyz polls "
+            f"{len(readyz)}; server RSS {shown}; peak {max(m for _, m in rss):.0f} MB"
+        )
         assert not problems, problems
-        assert finished, (f"the storm did not do {ROUNDS} rounds in {scaled(STORM_MAX_S):.0f} s: "
-                          f"healthy epochs {epochs_ok}, faults {faults}")  # fmt: skip
+        assert finished, (
+            f"the storm did not do {ROUNDS} rounds in {scaled(STORM_MAX_S):.0f} s: "
+            f"healthy epochs {epochs_ok}, faults {faults}"
+        )
         assert min(epochs_ok.values()) >= ROUNDS, epochs_ok
         assert len(faults) == len(kinds) and min(faults.values()) >= ROUNDS, faults
         assert readyz and set(readyz) == {200}, readyz

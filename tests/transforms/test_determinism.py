@@ -19,8 +19,16 @@ BATCH = 50
 
 
 def _epoch(url: str, chain: list, epoch: int = 0, shuffle: bool = True, **kw: object) -> list[str]:
-    with Loader(url, "cifar", batch_size=BATCH, seed=3, shuffle=shuffle, transforms=chain,
-                timeout=scaled(30), **kw) as loader:  # fmt: skip
+    with Loader(
+        url,
+        "cifar",
+        batch_size=BATCH,
+        seed=3,
+        shuffle=shuffle,
+        transforms=chain,
+        timeout=scaled(30),
+        **kw,
+    ) as loader:
         loader.set_epoch(epoch)
         return [digest(b) for b in loader]
 
@@ -49,21 +57,31 @@ def test_same_chain_same_bytes_on_two_servers(store: Path, no_leftovers: list[in
 
 
 @pytest.mark.slow
-def test_same_bytes_across_kill9_restart(store: Path, tmp_path: Path,
-                                         no_leftovers: list[int]) -> None:  # fmt: skip
+def test_same_bytes_across_kill9_restart(
+    store: Path, tmp_path: Path, no_leftovers: list[int]
+) -> None:
     """A Loader reading an epoch across a kill -9 of its server (process pool) gets exactly
     the batches of an uninterrupted run, byte for byte."""
     http, data = free_port(), free_port()
     args = (*MODS, "--transform-pool", "process", "--state-dir", str(tmp_path / "state"))
     with contextlib.ExitStack() as stack:
-        srv = stack.enter_context(run_server(store, *args, http_port=http, data_port=data,
-                                             workdir=tmp_path / "w"))  # fmt: skip
+        srv = stack.enter_context(
+            run_server(store, *args, http_port=http, data_port=data, workdir=tmp_path / "w")
+        )
         ref = _epoch(srv.http_url, MIXED_CHAIN, epoch=2)
         got: list[str] = []
         # ipc, as tests/reliability/test_restart.py: a ring of a killed server is removed by
         # the next server only once no client maps it any more.
-        with Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3, transforms=MIXED_CHAIN,
-                    timeout=scaled(30), prefetch=2, transport="ipc") as loader:  # fmt: skip
+        with Loader(
+            srv.http_url,
+            "cifar",
+            batch_size=BATCH,
+            seed=3,
+            transforms=MIXED_CHAIN,
+            timeout=scaled(30),
+            prefetch=2,
+            transport="ipc",
+        ) as loader:
             loader.set_epoch(2)
             for i, batch in enumerate(loader):
                 got.append(digest(batch))
@@ -71,8 +89,11 @@ def test_same_bytes_across_kill9_restart(store: Path, tmp_path: Path,
                     pids = pool_status(srv.http_url)["pool"]["pids"]
                     no_leftovers += [srv.proc.pid, *pids]
                     srv.kill()
-                    srv = stack.enter_context(run_server(store, *args, http_port=http,
-                                                         data_port=data, workdir=tmp_path / "w"))  # fmt: skip
+                    srv = stack.enter_context(
+                        run_server(
+                            store, *args, http_port=http, data_port=data, workdir=tmp_path / "w"
+                        )
+                    )
             assert loader.stats().reconnects >= 1
         assert got == ref
         no_leftovers += [srv.proc.pid, *pool_status(srv.http_url)["pool"]["pids"]]
@@ -85,8 +106,14 @@ def test_resume_from_state_dict_is_byte_identical(store: Path) -> None:
     with run_server(store, *MODS) as srv:
 
         def make_iter(state: object) -> tuple:
-            loader = Loader(srv.http_url, "cifar", batch_size=BATCH, seed=3,
-                            transforms=MIXED_CHAIN, timeout=scaled(30))  # fmt: skip
+            loader = Loader(
+                srv.http_url,
+                "cifar",
+                batch_size=BATCH,
+                seed=3,
+                transforms=MIXED_CHAIN,
+                timeout=scaled(30),
+            )
             if state is not None:
                 loader.load_state_dict(state)
             else:

@@ -24,7 +24,7 @@ from shardserve.client import Loader
 from shardserve.client.device_steps import MAX_STAGED
 from shardserve.proto.errors import BadRequest, TransformError
 from shardserve.proto.manifest import FieldSpec
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import make_cifar_like
 from tests.support.resume import assert_resumes_exactly
 from tests.support.server import ServerProc, free_port, run_server

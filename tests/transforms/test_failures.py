@@ -32,8 +32,9 @@ TIMEOUT_S = scaled(3.0)
 
 @contextmanager
 def _server(store: Path, timeout_s: float) -> Iterator[ServerProc]:
-    with run_server(store, *MODS, "--transform-timeout-s", str(timeout_s),
-                    "--transform-workers", "2") as s:  # fmt: skip
+    with run_server(
+        store, *MODS, "--transform-timeout-s", str(timeout_s), "--transform-workers", "2"
+    ) as s:
         yield s
         pids = pool_status(s.http_url)["pool"]["pids"]
         s.terminate()
@@ -48,8 +49,9 @@ def srv(store: Path) -> Iterator[ServerProc]:
 
 
 def _run(url: str, chain: list, **kw: object) -> list[dict]:
-    with Loader(url, "cifar", batch_size=50, seed=1, timeout=scaled(20.0), transforms=chain,
-                **kw) as ld:  # fmt: skip
+    with Loader(
+        url, "cifar", batch_size=50, seed=1, timeout=scaled(20.0), transforms=chain, **kw
+    ) as ld:
         ld.set_epoch(0)
         return list(ld)
 
@@ -61,8 +63,14 @@ def _ids(batch: dict) -> list[int]:
 def test_unknown_transform_and_bad_params_are_422_listing_what_exists(srv: ServerProc) -> None:
     """An unknown name lists the installed transforms; bad params name the param and the
     schema; a chain that does not fit the dataset names the fields; the Loader raises BadRequest."""
-    post = lambda chain: httpx.post(f"{srv.http_url}/v1/jobs", timeout=scaled(10), json={  # noqa: E731
-        "dataset": "cifar", "batch_size": 8, "transforms": chain})  # fmt: skip
+
+    def post(chain: object) -> httpx.Response:
+        return httpx.post(
+            f"{srv.http_url}/v1/jobs",
+            timeout=scaled(10),
+            json={"dataset": "cifar", "batch_size": 8, "transforms": chain},
+        )
+
     r = post([{"name": "hflip", "params": {"layout": "CHW"}}, {"name": "sharpen"}])
     assert r.status_code == 422 and "transforms[1]" in r.text and "'sharpen'" in r.text
     assert "random_crop" in r.text and "py_noise" in r.text  # what exists
@@ -78,9 +86,16 @@ def test_unknown_transform_and_bad_params_are_422_listing_what_exists(srv: Serve
         Loader(
             srv.http_url, "cifar", batch_size=8, transforms=[{"name": "nope"}], timeout=scaled(10)
         )
-    r = httpx.post(f"{srv.http_url}/v1/jobs", timeout=scaled(10), json={
-        "dataset": "cifar", "batch_size": 8, "collate": "graph",
-        "transforms": [{"name": "hflip", "params": {"layout": "CHW"}}]})  # fmt: skip
+    r = httpx.post(
+        f"{srv.http_url}/v1/jobs",
+        timeout=scaled(10),
+        json={
+            "dataset": "cifar",
+            "batch_size": 8,
+            "collate": "graph",
+            "transforms": [{"name": "hflip", "params": {"layout": "CHW"}}],
+        },
+    )
     # Graphs are collated after the chain: cifar's outputs have nothing to count nodes with.
     assert 400 <= r.status_code < 500 and "count each graph's nodes" in r.text
     with pytest.raises(BadRequest, match="resident mode"):
@@ -113,8 +128,15 @@ def test_raising_transform_fails_the_job_naming_everything(srv: ServerProc) -> N
     m = re.search(r"transform 'fail_on' failed on dataset 'cifar' sample (\d+) \(epoch 0\)", msg)
     assert m is not None and int(m[1]) % 7 == 0, msg
     assert f"ValueError: sample {m[1]} is cursed" in msg
-    with Loader(srv.http_url, "cifar", batch_size=50, seed=1, shuffle=False, transforms=chain,
-                timeout=scaled(20.0)) as ld:  # fmt: skip
+    with Loader(
+        srv.http_url,
+        "cifar",
+        batch_size=50,
+        seed=1,
+        shuffle=False,
+        transforms=chain,
+        timeout=scaled(20.0),
+    ) as ld:
         status = job_status(srv, ld.job_id)
     assert status["state"] == "failed" and "cursed" in status["error"]
 
@@ -157,8 +179,10 @@ def _hang_and_recover(srv: ServerProc) -> None:
             break
         time.sleep(0.1)
     assert st["pool"]["processes"] == 2 and st["counts"]["workers_hung"] >= 1, st
-    assert "shardserve_transform_worker_restarts_total{reason=\"hung\"}" in httpx.get(
-        f"{srv.http_url}/metrics", timeout=scaled(10)).text  # fmt: skip
+    assert (
+        'shardserve_transform_worker_restarts_total{reason="hung"}'
+        in httpx.get(f"{srv.http_url}/metrics", timeout=scaled(10)).text
+    )
 
 
 def test_worker_that_dies_fails_with_its_exit_code(srv: ServerProc) -> None:
@@ -184,8 +208,15 @@ def test_worker_killed_from_outside_is_replaced_and_nothing_served_twice(srv: Se
     ref = [digest(b) for b in _run(srv.http_url, chain)]
     died = pool_status(srv.http_url)["counts"].get("workers_died", 0)
     got, ids = [], []
-    with Loader(srv.http_url, "cifar", batch_size=50, seed=1, timeout=scaled(20), transforms=chain,
-                prefetch=1) as ld:  # fmt: skip
+    with Loader(
+        srv.http_url,
+        "cifar",
+        batch_size=50,
+        seed=1,
+        timeout=scaled(20),
+        transforms=chain,
+        prefetch=1,
+    ) as ld:
         ld.set_epoch(0)
         for i, b in enumerate(ld):
             got.append(digest(b))
@@ -205,10 +236,14 @@ def test_a_worker_that_cannot_load_the_modules_fails_the_job_naming_them(
     with run_server(store, "--transforms", "tests.transforms.worker_refuses") as s:
         no_leftovers.append(s.proc.pid)
         with (
-            pytest.raises(TransformError, match=r"exited while loading transform modules.*"
-                          r"worker_refuses"),
-            Loader(s.http_url, "cifar", 50, timeout=scaled(60),
-                   transforms=[{"name": "same_label"}]) as ld,
-        ):  # fmt: skip
+            pytest.raises(
+                TransformError,
+                match=r"exited while loading transform modules.*"
+                r"worker_refuses",
+            ),
+            Loader(
+                s.http_url, "cifar", 50, timeout=scaled(60), transforms=[{"name": "same_label"}]
+            ) as ld,
+        ):
             list(ld)
         assert pool_status(s.http_url)["pool"]["processes"] == 0

@@ -35,8 +35,19 @@ def _folder(root: Path) -> list[tuple[str, int]]:
 
 
 def _ingest(src: Path, store: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "shardserve.server", "ingest", str(src), "--store", str(store),
-           "--name", "pets", "--quiet", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "ingest",
+        str(src),
+        "--store",
+        str(store),
+        "--name",
+        "pets",
+        "--quiet",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(120))
 
 
@@ -66,8 +77,14 @@ def test_image_folder_ingest_and_decode_at_serving_time(tmp_path: Path) -> None:
         }
         runs = []
         for _ in range(2):
-            with Loader(srv.http_url, "pets", batch_size=4, shuffle=False, transforms=chain,
-                        timeout=scaled(30)) as ld:  # fmt: skip
+            with Loader(
+                srv.http_url,
+                "pets",
+                batch_size=4,
+                shuffle=False,
+                transforms=chain,
+                timeout=scaled(30),
+            ) as ld:
                 ld.set_epoch(0)
                 runs.append(list(ld))
         labels = [int(x) for b in runs[0] for x in b["label"]]
@@ -89,8 +106,15 @@ def test_one_step_decode_and_crop_is_the_same_on_threads_and_worker_processes(
     chain = [{"name": "decode_random_resized_crop", "params": {"size": 16}}]
 
     def epoch(url: str) -> tuple[list[str], int]:
-        with Loader(url, "pets", batch_size=4, shuffle=False, transforms=chain, timeout=scaled(30),
-                    fields=["image"]) as ld:  # fmt: skip
+        with Loader(
+            url,
+            "pets",
+            batch_size=4,
+            shuffle=False,
+            transforms=chain,
+            timeout=scaled(30),
+            fields=["image"],
+        ) as ld:
             ld.set_epoch(0)
             batches = list(ld)
         assert all(b["image"].shape[1:] == (16, 16, 3) for b in batches)

@@ -33,8 +33,16 @@ REG = TransformRegistry.load(["tests.transforms.mods"])
 W = Where(seed=3, epoch=2, rank=0, batch=7)
 B = 12
 IMAGE = {"image": Field("uint8", (3, 8, 8))}
-NORM = {"name": "normalize", "params": {"field": "image", "layout": "CHW", "scale": 1 / 255,
-                                        "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.3, 0.4]}}  # fmt: skip
+NORM = {
+    "name": "normalize",
+    "params": {
+        "field": "image",
+        "layout": "CHW",
+        "scale": 1 / 255,
+        "mean": [0.5, 0.4, 0.3],
+        "std": [0.2, 0.3, 0.4],
+    },
+}
 FLIP = {"name": "hflip", "params": {"field": "image", "layout": "CHW"}}
 
 
@@ -65,11 +73,14 @@ def test_the_chain_writes_into_the_batch_memory_with_the_same_bytes(steps: list)
 @pytest.mark.parametrize("dtype", ["float32", "bool", "uint8"])
 def test_unpacked_bits_land_in_place(dtype: str) -> None:
     packed = np.random.default_rng(2).integers(0, 256, (B, 11), dtype=np.uint8)
-    step = {"name": "unpack_bits", "params": {"field": "packed", "shape": [2, 5, 8],
-                                              "dtype": dtype, "to": "planes"}}  # fmt: skip
+    step = {
+        "name": "unpack_bits",
+        "params": {"field": "packed", "shape": [2, 5, 8], "dtype": dtype, "to": "planes"},
+    }
     dest = np.zeros((B, 2, 5, 8), dtype)
-    alone, into = _both([step], {"packed": Field("uint8", (11,))}, {"packed": packed},
-                        {"planes": dest})  # fmt: skip
+    alone, into = _both(
+        [step], {"packed": Field("uint8", (11,))}, {"packed": packed}, {"planes": dest}
+    )
     want = np.unpackbits(packed, axis=1, count=80).reshape(B, 2, 5, 8).astype(dtype)
     assert into["planes"] is dest
     np.testing.assert_array_equal(dest, want)
@@ -81,8 +92,11 @@ def test_sample_outputs_are_stacked_into_place() -> None:
     pts = [rng.normal(size=(int(n), 3)).astype(np.float32) for n in rng.integers(20, 40, B)]
     offsets = np.zeros(B + 1, np.int64)
     np.cumsum([p.size for p in pts], out=offsets[1:])
-    parts = {"points": np.concatenate([p.ravel() for p in pts]), "points.offsets": offsets,
-             "points.shapes": np.array([p.shape for p in pts], np.int64)}  # fmt: skip
+    parts = {
+        "points": np.concatenate([p.ravel() for p in pts]),
+        "points.offsets": offsets,
+        "points.shapes": np.array([p.shape for p in pts], np.int64),
+    }
     step = {"name": "random_subset", "params": {"field": "points", "n": 16}}
     dest = np.full((B, 16, 3), np.nan, np.float32)
     alone, into = _both([step], {"points": Field("float32", (-1, 3))}, parts, {"points": dest})
@@ -108,8 +122,11 @@ def test_sample_outputs_need_no_batch_sized_temporary() -> None:
     """Stacked where the batch goes, a sample step's outputs allocate no second batch."""
     rng = np.random.default_rng(4)
     pts = rng.normal(size=64 * 4096 * 3).astype(np.float32)
-    x = {"points": pts, "points.offsets": np.arange(0, 64 * 4096 * 3 + 1, 4096 * 3),
-         "points.shapes": np.full((64, 2), [4096, 3], np.int64)}  # fmt: skip
+    x = {
+        "points": pts,
+        "points.offsets": np.arange(0, 64 * 4096 * 3 + 1, 4096 * 3),
+        "points.shapes": np.full((64, 2), [4096, 3], np.int64),
+    }
     step = {"name": "head_rows", "params": {"n": 2048}}
     chain = compile_chain([step], REG, {"points": Field("float32", (-1, 3))}, "t")
     dest = np.zeros((64, 2048, 3), np.float32)
@@ -136,8 +153,9 @@ def test_memory_of_another_layout_is_left_alone() -> None:
 def test_a_failed_piece_returns_after_the_other_pieces_wrote() -> None:
     """A retry of the batch (failing samples replaced) writes the same memory: the run that
     failed must not return while another of its pieces still writes its rows into it."""
-    pool = TransformPool(2, "thread", ["tests.transforms.mods"], 60.0,
-                         TransformMetrics(CollectorRegistry()))  # fmt: skip
+    pool = TransformPool(
+        2, "thread", ["tests.transforms.mods"], 60.0, TransformMetrics(CollectorRegistry())
+    )
     try:
         step = {"name": "fail_or_wait", "params": {"fail": 1, "wait": 4, "seconds": 0.5}}
         chain = compile_chain([step], REG, {"label": Field("int64", ())}, "t")
@@ -218,9 +236,11 @@ def test_a_worker_writes_only_inside_its_span_and_unmaps_removed_files(tmp_path:
     del view
     data = np.fromfile(ring, dtype=np.float32)
     assert (data[32:48] == 1.5).all() and not data[:32].any() and not data[48:].any()
-    for span, shape in (({"offset": 4032, "nbytes": 128}, (8, 4)),
-                        ({"offset": 0, "nbytes": 60}, (4, 4)),
-                        ({"offset": 2, "nbytes": 64}, (4, 4))):  # fmt: skip
+    for span, shape in (
+        ({"offset": 4032, "nbytes": 128}, (8, 4)),
+        ({"offset": 0, "nbytes": 60}, (4, 4)),
+        ({"offset": 2, "nbytes": 64}, (4, 4)),
+    ):
         with pytest.raises(ValueError, match="does not hold"):
             files.view({"path": str(ring), **span}, dt, shape)
     assert _mapped(ring)
@@ -232,7 +252,7 @@ def test_a_worker_writes_only_inside_its_span_and_unmaps_removed_files(tmp_path:
 
 
 def _input_files(worker: int) -> list[Path]:
-    from shardserve.server.rings import DEFAULT_DIR, PREFIX
+    from shardserve.server.runtime.rings import DEFAULT_DIR, PREFIX
 
     return sorted(DEFAULT_DIR.glob(f"{PREFIX}{os.getpid()}-{worker}-*"))
 
@@ -254,8 +274,11 @@ def test_worker_processes_read_their_inputs_from_a_shared_file(
         n = np.full(4, rows, np.int64)
         offsets = np.concatenate([[0], np.cumsum(n * 3)])
         values = rng.normal(size=int(offsets[-1])).astype(np.float32)
-        return {"points": values, "points.offsets": offsets,
-                "points.shapes": np.stack([n, np.full(4, 3)], 1)}  # fmt: skip
+        return {
+            "points": values,
+            "points.offsets": offsets,
+            "points.shapes": np.stack([n, np.full(4, 3)], 1),
+        }
 
     def describe(what: str) -> TransformError:
         return TransformError(what)

@@ -53,9 +53,18 @@ def expected(two_datasets: Path) -> list[str]:
 
 @pytest.fixture
 def srv(two_datasets: Path) -> Iterator[ServerProc]:
-    with run_server(two_datasets, *MODS, "--transform-timeout-s", str(TIMEOUT_S),
-                    "--transform-workers", "2", "--transform-pool", "thread",
-                    "--shutdown-timeout-s", str(SHUTDOWN_S)) as s:  # fmt: skip
+    with run_server(
+        two_datasets,
+        *MODS,
+        "--transform-timeout-s",
+        str(TIMEOUT_S),
+        "--transform-workers",
+        "2",
+        "--transform-pool",
+        "thread",
+        "--shutdown-timeout-s",
+        str(SHUTDOWN_S),
+    ) as s:
         yield s
 
 
@@ -106,8 +115,16 @@ def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
     a batch of each rank waits that long: as many as the server has assembly threads), the
     hflip job on the other dataset streams every batch exactly (its client would raise
     DataStallError after 20 s); then SIGTERM still exits within --shutdown-timeout-s."""
-    with run_server(two_datasets, *MODS, "--transform-timeout-s", "600",
-                    "--transform-pool", "thread", "--shutdown-timeout-s", "3") as s:  # fmt: skip
+    with run_server(
+        two_datasets,
+        *MODS,
+        "--transform-timeout-s",
+        "600",
+        "--transform-pool",
+        "thread",
+        "--shutdown-timeout-s",
+        "3",
+    ) as s:
 
         def hang(rank: int) -> None:
             with contextlib.suppress(BaseException):
@@ -119,8 +136,9 @@ def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
         while pool_status(s.http_url)["pool"]["running_on_assembly_threads"] < 2:  # hung
             assert time.monotonic() < deadline, s.log_tail()
             time.sleep(0.05)
-        with Loader(s.http_url, "other", batch_size=20, seed=5, timeout=scaled(20),
-                    transforms=HFLIP) as ld:  # fmt: skip
+        with Loader(
+            s.http_url, "other", batch_size=20, seed=5, timeout=scaled(20), transforms=HFLIP
+        ) as ld:
             got = []
             for epoch in range(2):
                 ld.set_epoch(epoch)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardserve.client import Loader
-from shardserve.server.store.writer import ShardWriter
+from shardserve.server.store.write.writer import ShardWriter
 from tests.formats.support import split
 from tests.support.server import ServerProc, run_server
 from tests.support.slowness import scaled
@@ -61,9 +61,14 @@ def test_masked_fields_pass_by_the_chain(server: ServerProc) -> None:
         assert batch["points"].shape == (n, QUERIES, 3)
         assert torch.equal(batch["points"], rerun["points"])
         for row, (i, pts, params, bc) in enumerate(
-            zip(batch["label"].tolist(), batch["points"], split(batch["params"], n),
-                split(batch["bc"], n), strict=True)
-        ):  # fmt: skip
+            zip(
+                batch["label"].tolist(),
+                batch["points"],
+                split(batch["params"], n),
+                split(batch["bc"], n),
+                strict=True,
+            )
+        ):
             want = _sample(i)
             assert i == b * BATCH + row
             stored = torch.from_numpy(want["points"])
@@ -94,9 +99,12 @@ def test_a_step_naming_a_masked_field_is_refused(server: ServerProc) -> None:
     such fields are served as stored."""
     r = httpx.post(
         f"{server.http_url}/v1/jobs",
-        json={"dataset": "upt", "batch_size": BATCH,
-              "transforms": [{"name": "random_subset", "params": {"field": "params", "n": 2}}]},
+        json={
+            "dataset": "upt",
+            "batch_size": BATCH,
+            "transforms": [{"name": "random_subset", "params": {"field": "params", "n": 2}}],
+        },
         timeout=scaled(10),
-    )  # fmt: skip
+    )
     assert 400 <= r.status_code < 500, r.text
     assert "missing in some samples" in r.text and "'params'" in r.text

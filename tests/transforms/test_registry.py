@@ -49,8 +49,14 @@ def test_entry_point_transforms_are_listed_and_run(store: Path, tmp_path: Path) 
             ]
         ]
         assert "plus_one" in names and "random_crop" in names
-        with Loader(srv.http_url, "cifar", batch_size=100, shuffle=False, timeout=scaled(20),
-                    transforms=[{"name": "plus_one"}]) as ld:  # fmt: skip
+        with Loader(
+            srv.http_url,
+            "cifar",
+            batch_size=100,
+            shuffle=False,
+            timeout=scaled(20),
+            transforms=[{"name": "plus_one"}],
+        ) as ld:
             ld.set_epoch(0)
             labels = [int(x) for b in ld for x in b["label"]]
         assert labels == [i % 10 + 1 for i in range(600)]
@@ -58,7 +64,19 @@ def test_entry_point_transforms_are_listed_and_run(store: Path, tmp_path: Path) 
 
 def test_bad_transform_module_stops_the_server_naming_it(store: Path) -> None:
     """--transforms naming a module that does not import: the server exits with its name."""
-    cmd = [sys.executable, "-m", "shardserve.server", "serve", "--store", str(store),
-           "--http", "127.0.0.1:0", "--data", "tcp://127.0.0.1:0", "--transforms", "no.such.mod"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardserve.server",
+        "serve",
+        "--store",
+        str(store),
+        "--http",
+        "127.0.0.1:0",
+        "--data",
+        "tcp://127.0.0.1:0",
+        "--transforms",
+        "no.such.mod",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(60))
     assert r.returncode != 0 and "cannot import transform module 'no.such.mod'" in r.stderr

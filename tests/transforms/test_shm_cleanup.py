@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from shardserve.client import Loader
 from shardserve.proto.errors import TransformError
-from shardserve.server.rings import DEFAULT_DIR, PREFIX, create_ring
+from shardserve.server.runtime.rings import DEFAULT_DIR, PREFIX, create_ring
 from shardserve.server.streaming.shm import SlotTail
 from shardserve.server.transforms import codec
 from shardserve.server.transforms.metrics import TransformMetrics
@@ -49,8 +49,16 @@ def _clean_shm(pid: int) -> list[str]:
 
 
 def _loader(srv: ServerProc) -> Loader:
-    return Loader(srv.http_url, "cifar", batch_size=BATCH, seed=1, shuffle=False, prefetch=2,
-                  timeout=scaled(20.0), transforms=MIXED_CHAIN)  # fmt: skip
+    return Loader(
+        srv.http_url,
+        "cifar",
+        batch_size=BATCH,
+        seed=1,
+        shuffle=False,
+        prefetch=2,
+        timeout=scaled(20.0),
+        transforms=MIXED_CHAIN,
+    )
 
 
 def _epochs(srv: ServerProc, epochs: int = 2) -> list[list[str]]:
@@ -94,8 +102,11 @@ def test_a_live_stream_keeps_streaming_when_shm_is_cleaned_between_batches(
             for i, b in enumerate(ld):
                 got[e].append(digest(b))
                 if e == 1 and i == 0:  # the removed ring was not handed over: a new one
-                    rings = [s for s in shm_segments(srv.proc.pid)
-                             if not any(f"-{w}-" in s for w in workers)]  # fmt: skip
+                    rings = [
+                        s
+                        for s in shm_segments(srv.proc.pid)
+                        if not any(f"-{w}-" in s for w in workers)
+                    ]
                     assert rings, shm_segments(srv.proc.pid)
                 if i in (1, n // 2):
                     assert _clean_shm(srv.proc.pid)
@@ -109,8 +120,16 @@ def test_outputs_whose_ring_file_is_gone_come_back_on_the_pipe() -> None:
     removed (it cannot open it by name; the server still has it mapped) sends them back on
     its pipe, and the server copies them into its own mapping: the batch is whole, no error."""
     reg = TransformRegistry.load(["tests.transforms.mods"])
-    norm = {"name": "normalize", "params": {"field": "image", "layout": "CHW", "scale": 1 / 255,
-                                            "mean": [0.5] * 3, "std": [0.25] * 3}}  # fmt: skip
+    norm = {
+        "name": "normalize",
+        "params": {
+            "field": "image",
+            "layout": "CHW",
+            "scale": 1 / 255,
+            "mean": [0.5] * 3,
+            "std": [0.25] * 3,
+        },
+    }
     chain = compile_chain([norm], reg, {"image": Field("uint8", (3, 8, 8))}, "t")
     images = np.random.default_rng(0).integers(0, 256, (12, 3, 8, 8), dtype=np.uint8)
     where, idx = Where(seed=3, epoch=0, rank=0, batch=0), np.arange(12)
@@ -150,12 +169,25 @@ def test_a_worker_whose_input_file_is_gone_asks_for_its_inputs_on_the_pipe(
         flip = {"name": "hflip", "params": {"field": "image", "layout": "CHW"}}
         images = np.arange(2 * 3 * 4 * 4, dtype=np.uint8).reshape(2, 3, 4, 4)
         arrays = {"image": images, "__indices__": np.arange(2, dtype=np.int64)}
-        meta = {"chain": [flip], "names": ["image"], "limits": {}, "out": {},
-                "inputs": {"image": {"dtype": "uint8", "shape": [3, 4, 4], "binary": False}},
-                "where": {"seed": 0, "epoch": 0, "rank": 0, "batch": 0}}  # fmt: skip
+        meta = {
+            "chain": [flip],
+            "names": ["image"],
+            "limits": {},
+            "out": {},
+            "inputs": {"image": {"dtype": "uint8", "shape": [3, 4, 4], "binary": False}},
+            "where": {"seed": 0, "epoch": 0, "rank": 0, "batch": 0},
+        }
         gone = tmp_path / "removed-input-file"
-        laid = [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape), "offset": 0,
-                 "nbytes": a.nbytes} for n, a in arrays.items()]  # fmt: skip
+        laid = [
+            {
+                "name": n,
+                "dtype": a.dtype.str,
+                "shape": list(a.shape),
+                "offset": 0,
+                "nbytes": a.nbytes,
+            }
+            for n, a in arrays.items()
+        ]
         codec.send(conn, {**meta, "in": {"path": str(gone), "arrays": laid}}, {})
         assert conn.poll(scaled(30.0)), "no answer from the worker"
         reply, parts = codec.recv(conn)

@@ -72,8 +72,10 @@ def _as_json(value: object) -> str | None:
     if arr.nbytes > METADATA_MAX_BYTES:
         return None
     if arr.dtype.kind in ("S", "O", "U"):
-        items = [v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-                 for v in arr.reshape(-1).tolist()]  # fmt: skip
+        items = [
+            v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+            for v in arr.reshape(-1).tolist()
+        ]
         return json.dumps(items if arr.ndim else items[0])
     if arr.dtype.kind in "biuf":
         return json.dumps(arr.tolist())
@@ -116,8 +118,13 @@ def _pieces(files: list[Path], source: IngestSource, limit: int) -> Iterator[Pie
             _metadata(f, sets, n, path, source)
             if not sets:
                 raise InvalidDataError(f"{path}: holds no per-sample datasets")
-            row = max(1, sum(int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize
-                             for d in sets.values()))  # fmt: skip
+            row = max(
+                1,
+                sum(
+                    int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize
+                    for d in sets.values()
+                ),
+            )
             if row > limit:
                 raise InvalidDataError(
                     f"{path}: one sample is {row} bytes, more than --max-sample-bytes {limit}; "
@@ -134,8 +141,12 @@ def _pieces(files: list[Path], source: IngestSource, limit: int) -> Iterator[Pie
                     if isinstance(e, InvalidDataError):
                         raise
                     raise InvalidDataError(f"{where}: unreadable ({e})") from None
-                yield Piece(where=where, columns=cols, nbytes=size * (stop - start) // max(n, 1),
-                            files=1 if stop == n else 0)  # fmt: skip
+                yield Piece(
+                    where=where,
+                    columns=cols,
+                    nbytes=size * (stop - start) // max(n, 1),
+                    files=1 if stop == n else 0,
+                )
             if n == 0:
                 yield Piece(where=str(path), files=1, nbytes=size)
 

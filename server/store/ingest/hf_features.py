@@ -62,9 +62,10 @@ def note_labels(features: Features, source: IngestSource) -> None:
 def fixed_arrays(features: Features) -> set[str]:
     """ArrayND columns of a fixed shape: lists in Arrow, but fixed tensors once read."""
     return {
-        k for k, f in features.items()
+        k
+        for k, f in features.items()
         if isinstance(f, dict) and f.get("_type") in _ARRAYS and (f.get("shape") or [None])[0]
-    }  # fmt: skip
+    }
 
 
 def _storage(arr: pa.Array) -> pa.Array:
@@ -98,8 +99,11 @@ def _array(name: str, arr: pa.Array, feat: Features, where: str) -> pa.Array:
     arr = _storage(arr)
     values = arr
     for _ in shape:
-        if not (pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type)
-                or pa.types.is_large_list(values.type)):  # fmt: skip
+        if not (
+            pa.types.is_list(values.type)
+            or pa.types.is_fixed_size_list(values.type)
+            or pa.types.is_large_list(values.type)
+        ):
             raise InvalidDataError(f"{where}: column {name!r} is not the {feat['_type']} it says")
         values = values.flatten()
     dtype = pa.from_numpy_dtype(np.dtype(feat.get("dtype", "float32")))

@@ -44,8 +44,11 @@ def _layout(src: Path) -> tuple[list[str], list[tuple[Path, int]]]:
                 _inside(Path(e.path), root)
             names.append(e.name)
         items += [(src / cls / n, label) for n in sorted(names)]
-    loose = [e.name for e in os.scandir(src) if e.is_file() and
-             os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES]  # fmt: skip
+    loose = [
+        e.name
+        for e in os.scandir(src)
+        if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES
+    ]
     if loose:
         raise InvalidDataError(
             f"source {src} has images outside class folders (e.g. {sorted(loose)[0]}); "

@@ -43,8 +43,13 @@ class Hash(Protocol):
 
 def hash_for(algo: str) -> Hash | None:
     """A fresh hash of algorithm ``algo`` as MDSWriter names it, or ``None`` when unknown."""
-    xxh = {"xxh32": xxhash.xxh32, "xxh64": xxhash.xxh64, "xxh128": xxhash.xxh128,
-           "xxh3_64": xxhash.xxh3_64, "xxh3_128": xxhash.xxh3_128}  # fmt: skip
+    xxh = {
+        "xxh32": xxhash.xxh32,
+        "xxh64": xxhash.xxh64,
+        "xxh128": xxhash.xxh128,
+        "xxh3_64": xxhash.xxh3_64,
+        "xxh3_128": xxhash.xxh3_128,
+    }
     if algo in xxh:
         return xxh[algo]()
     if algo in hashlib.algorithms_available and not algo.startswith("shake_"):

@@ -132,8 +132,9 @@ def _paths(node: Node, prefix: str) -> Iterator[str]:
         return
     for i, child in enumerate(node.children):
         name = node.keys[i] if node.kind == "dict" else f"[{i}]"
-        yield from _paths(child, f"{prefix}.{name}" if prefix and node.kind == "dict" else
-                          f"{prefix}{name}")  # fmt: skip
+        yield from _paths(
+            child, f"{prefix}.{name}" if prefix and node.kind == "dict" else f"{prefix}{name}"
+        )
 
 
 def _build(node: Node, leaves: Iterator[object]) -> object:
@@ -192,8 +193,12 @@ def _listed(src: Path, entry: dict[str, object], codec: str | None, index: Path)
         file, inflated = name[: -len(".zstd.bin")] + ".bin", True
     path = listed_file(src, file, index)
     try:
-        return Chunk(path, int(str(entry["chunk_size"])), int(str(entry["chunk_bytes"])),
-                     codec == "chunk" and not inflated)  # fmt: skip
+        return Chunk(
+            path,
+            int(str(entry["chunk_size"])),
+            int(str(entry["chunk_bytes"])),
+            codec == "chunk" and not inflated,
+        )
     except (KeyError, ValueError) as e:
         raise InvalidDataError(f"{index}: chunk {name} has no {e} count") from None
 

@@ -43,21 +43,49 @@ from .raw import Buffer, array, header, pil_pixels, utf8
 #: LitData's numpy dtype numbers (``constants._NUMPY_DTYPES_MAPPING``: the order of numpy's
 #: scalar types). ``None`` where the store has no such dtype; the name says what it was.
 NUMPY_DTYPES: tuple[tuple[str, bool], ...] = (
-    ("int8", True), ("int16", True), ("int32", True), ("int64", True),
-    ("uint8", True), ("uint16", True), ("uint32", True), ("uint64", True),
-    ("float16", True), ("float32", True), ("float64", True),
-    ("complex64", False), ("complex128", False), ("bool", True),
-    ("object", False), ("bytes", False), ("str", False), ("void", False),
-)  # fmt: skip
+    ("int8", True),
+    ("int16", True),
+    ("int32", True),
+    ("int64", True),
+    ("uint8", True),
+    ("uint16", True),
+    ("uint32", True),
+    ("uint64", True),
+    ("float16", True),
+    ("float32", True),
+    ("float64", True),
+    ("complex64", False),
+    ("complex128", False),
+    ("bool", True),
+    ("object", False),
+    ("bytes", False),
+    ("str", False),
+    ("void", False),
+)
 #: LitData's torch dtype numbers (``constants._TORCH_DTYPES_MAPPING``: aliases repeat).
 TORCH_DTYPES: tuple[tuple[str, bool], ...] = (
-    ("float32", True), ("float32", True), ("float64", True), ("float64", True),
-    ("complex64", False), ("complex64", False), ("complex128", False), ("complex128", False),
-    ("float16", True), ("float16", True), ("bfloat16", False),
-    ("uint8", True), ("int8", True), ("int16", True), ("int16", True),
-    ("int32", True), ("int32", True), ("int64", True), ("int64", True),
-    ("bool", True), ("uint16", True),
-)  # fmt: skip
+    ("float32", True),
+    ("float32", True),
+    ("float64", True),
+    ("float64", True),
+    ("complex64", False),
+    ("complex64", False),
+    ("complex128", False),
+    ("complex128", False),
+    ("float16", True),
+    ("float16", True),
+    ("bfloat16", False),
+    ("uint8", True),
+    ("int8", True),
+    ("int16", True),
+    ("int16", True),
+    ("int32", True),
+    ("int32", True),
+    ("int64", True),
+    ("int64", True),
+    ("bool", True),
+    ("uint16", True),
+)
 
 #: A leaf decoder: (its bytes, the suffix after ``:`` in its serializer name, where) -> value.
 Decode = Callable[[Buffer, str, str], object]

@@ -50,8 +50,9 @@ def _note(value: bytes) -> tuple[str, str | None]:
 def _pieces(env_dir: Path, total: int, source: IngestSource, fmt: str) -> Iterator[Piece]:
     lmdb = require("lmdb", "LMDB")
     try:
-        env = lmdb.open(str(env_dir), readonly=True, lock=False, readahead=False,
-                        subdir=True, max_readers=4)  # fmt: skip
+        env = lmdb.open(
+            str(env_dir), readonly=True, lock=False, readahead=False, subdir=True, max_readers=4
+        )
     except lmdb.Error as e:
         raise InvalidDataError(f"{env_dir}: not a readable LMDB environment ({e})") from None
     try:

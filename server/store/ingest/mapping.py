@@ -104,8 +104,9 @@ def _inline(pieces: Iterator[Piece], fn: MapFn, name: str) -> Iterator[Piece]:
         yield _result(p, ok, value, name)
 
 
-def _pooled(pool: ProcessPoolExecutor, pieces: Iterator[Piece], fn: MapFn, name: str,
-            workers: int) -> Iterator[Piece]:  # fmt: skip
+def _pooled(
+    pool: ProcessPoolExecutor, pieces: Iterator[Piece], fn: MapFn, name: str, workers: int
+) -> Iterator[Piece]:
     pending: deque[tuple[list[Piece], Future[list[tuple[bool, object]]]]] = deque()
     todo = _samples(pieces)
     window = workers * WINDOW_PER_WORKER // CHUNK

@@ -41,15 +41,35 @@ INDEX = "index.json"
 #: scalar, kept here with its dtype).
 SCALARS: dict[str, np.dtype[Any]] = {
     name: np.dtype(name)
-    for name in ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
-                 "float16", "float32", "float64")
-}  # fmt: skip
+    for name in (
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
 
 #: The ``ndarray`` encoding's dtype codes (one byte, when the index does not fix the dtype).
 NDARRAY_DTYPES: dict[int, str] = {
-    8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32",
-    33: "int32", 34: "float32", 64: "uint64", 65: "int64", 66: "float64",
-}  # fmt: skip
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
+}
 
 #: The compression families (the part of ``zstd:7`` before the level) and pyarrow's codec.
 CODECS = {"zstd": "zstd", "gz": "gzip", "bz2": "bz2", "br": "brotli", "snappy": "snappy"}
@@ -62,9 +82,10 @@ _IMAGE_LISTS = (
 REFUSED = {
     "pkl": "is pickled and is never unpickled; write it with another encoding "
     "(ndarray, json, str, bytes...)",
-    **dict.fromkeys(("list[pil]", "list[jpeg]", "list[png]", "jpeg_array", "jpegarray"),
-                    _IMAGE_LISTS),
-}  # fmt: skip
+    **dict.fromkeys(
+        ("list[pil]", "list[jpeg]", "list[png]", "jpeg_array", "jpegarray"), _IMAGE_LISTS
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -167,8 +188,12 @@ def _count(value: object, where: str, field: str, what: str) -> int:
 
 def _columns(s: dict[str, Any], where: str) -> tuple[Column, ...]:
     names, encodings, sizes = s["column_names"], s["column_encodings"], s["column_sizes"]
-    if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)
-            and len(names) == len(encodings) == len(sizes)):  # fmt: skip
+    if not (
+        isinstance(names, list)
+        and isinstance(encodings, list)
+        and isinstance(sizes, list)
+        and len(names) == len(encodings) == len(sizes)
+    ):
         raise InvalidDataError(
             f"{where}: column_names, column_encodings and column_sizes must be lists of one "
             f"length (got {names!r}, {encodings!r}, {sizes!r})"
@@ -208,8 +233,9 @@ def _shard(index: Path, s: dict[str, Any], where: str) -> Shard:
             raise InvalidDataError(f"{where}: basename {name!r} is not a file name beside {INDEX}")
     raw_bytes = _count(raw["bytes"], where, "raw_data.bytes", "a byte count >= 0")
     samples = _count(s["samples"], where, "samples", "a sample count >= 0")
-    shard = Shard(index, str(raw["basename"]), raw_bytes, raw, s.get("zip_data"), codec,
-                  samples, cols)  # fmt: skip
+    shard = Shard(
+        index, str(raw["basename"]), raw_bytes, raw, s.get("zip_data"), codec, samples, cols
+    )
     # The file read is in the index's folder: a link out of it is refused, not followed.
     listed_file(index.parent, shard.path.name, index)
     return shard

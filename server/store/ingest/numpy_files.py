@@ -202,8 +202,9 @@ def _npy_pieces(files: list[Path], src: Path, limit: int) -> Iterator[Piece]:
         if path.stem in arrays:
             raise InvalidDataError(f"{path}: two .npy files are named {path.stem!r}")
         arrays[path.stem] = arr
-    row_bytes = {k: int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
-                 for k, a in arrays.items()}  # fmt: skip
+    row_bytes = {
+        k: int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize for k, a in arrays.items()
+    }
     _check_rows(row_bytes, str(src), limit)
     yield from _blocks(arrays, str(src), sum(p.stat().st_size for p in files))
 

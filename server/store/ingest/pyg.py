@@ -115,10 +115,13 @@ def _num_nodes(m: Graph, path: Path | str) -> int | None:
     """The graph's node count: stored, else the first dim of ``x`` / ``pos``, else one more
     than the largest node index; a stored count that cannot be right is refused."""
     rows = next(
-        (int(m[k].shape[0]) for k in ("x", "pos")
-         if m.get(k) is not None and getattr(m[k], "ndim", 0) >= 1),
+        (
+            int(m[k].shape[0])
+            for k in ("x", "pos")
+            if m.get(k) is not None and getattr(m[k], "ndim", 0) >= 1
+        ),
         None,
-    )  # fmt: skip
+    )
     ei = m.get("edge_index")
     top = int(ei.max()) + 1 if ei is not None and getattr(ei, "numel", lambda: 0)() else 0
     stored = m.get("num_nodes")

@@ -21,12 +21,25 @@ Buffer = bytes | memoryview
 #: PIL modes: (element dtype, channels) as ``np.asarray(image)`` gives them. Mode ``1``
 #: (one bit per pixel, rows padded to a byte) is unpacked on its own.
 PIL_MODES: dict[str, tuple[str, int]] = {
-    "L": ("u1", 1), "P": ("u1", 1), "LA": ("u1", 2), "La": ("u1", 2), "PA": ("u1", 2),
-    "RGB": ("u1", 3), "YCbCr": ("u1", 3), "LAB": ("u1", 3), "HSV": ("u1", 3),
-    "RGBA": ("u1", 4), "RGBa": ("u1", 4), "RGBX": ("u1", 4), "CMYK": ("u1", 4),
-    "I": ("<i4", 1), "F": ("<f4", 1), "I;16": ("<u2", 1), "I;16L": ("<u2", 1),
+    "L": ("u1", 1),
+    "P": ("u1", 1),
+    "LA": ("u1", 2),
+    "La": ("u1", 2),
+    "PA": ("u1", 2),
+    "RGB": ("u1", 3),
+    "YCbCr": ("u1", 3),
+    "LAB": ("u1", 3),
+    "HSV": ("u1", 3),
+    "RGBA": ("u1", 4),
+    "RGBa": ("u1", 4),
+    "RGBX": ("u1", 4),
+    "CMYK": ("u1", 4),
+    "I": ("<i4", 1),
+    "F": ("<f4", 1),
+    "I;16": ("<u2", 1),
+    "I;16L": ("<u2", 1),
     "I;16B": (">u2", 1),
-}  # fmt: skip
+}
 
 
 def utf8(data: Buffer, where: str) -> str:

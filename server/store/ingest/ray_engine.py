@@ -39,13 +39,13 @@ from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import FieldSpec, Manifest, ShardInfo, validate_dataset_name
 
 from .. import layout
-from ..remote_publish import RemotePublisher, new_shard_prefix
-from ..writer import ShardWriter
+from ..remote.publish import RemotePublisher, new_shard_prefix
+from ..write.writer import ShardWriter
 from .registry import open_ingest_source
 from .run import IngestSummary
 
 if TYPE_CHECKING:
-    from ..remote import RemoteStore
+    from ..remote.stores import RemoteStore
 
 #: One task's row as Ray Data hands it over (built by :func:`ingest_ray`); open because Ray
 #: converts the row on the way (a list may arrive as an array), so no narrower type holds.
@@ -113,8 +113,8 @@ def write_part(row: PartRow) -> PartDone:
         manifest = writer.manifest
         assert manifest is not None
         if remote is not None:
-            from ..object_fs import StoreOptions
-            from ..remote import RemoteStore
+            from ..remote.object_fs import StoreOptions
+            from ..remote.stores import RemoteStore
 
             store = RemoteStore(
                 remote["uri"], StoreOptions(endpoint=remote["endpoint"], region=remote["region"])

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from shardserve.proto.errors import InvalidDataError
 from shardserve.proto.manifest import Manifest, validate_dataset_name
 
-from ..writer import ShardWriter
+from ..write.writer import ShardWriter
 from .mapping import mapped, resolve_map
 from .registry import READERS, SUFFIXES, claimed, open_ingest_source
 from .source import MAX_SAMPLE_BYTES, Piece
@@ -163,9 +163,14 @@ def ingest(
         src_path, only = chosen.path, chosen.files
     started = time.perf_counter()
     source = open_ingest_source(
-        src_path, fmt, threads=threads, stacked=stacked, only=only,
-        max_sample_bytes=max_sample_bytes, value_format=value_format,
-    )  # fmt: skip
+        src_path,
+        fmt,
+        threads=threads,
+        stacked=stacked,
+        only=only,
+        max_sample_bytes=max_sample_bytes,
+        value_format=value_format,
+    )
     if workers < 0:
         raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
     fn = resolve_map(map_fn) if map_fn else None
@@ -213,9 +218,14 @@ def ingest(
     if manifest is None:  # unreachable: a clean exit of the with-block publishes
         raise InvalidDataError(f"ingest of {name!r} finished without a manifest")
     return IngestSummary(
-        manifest, files, read, time.perf_counter() - started, dict(source.metadata), split,
+        manifest,
+        files,
+        read,
+        time.perf_counter() - started,
+        dict(source.metadata),
+        split,
         skipped,
-    )  # fmt: skip
+    )
 
 
 def _splits(src: Path, fmt: str) -> list[Split]:

@@ -29,9 +29,17 @@ from shardserve.proto.errors import InvalidDataError
 from .source import list_files
 
 SPLIT_WORDS = (
-    "train", "training", "test", "testing", "validation", "valid", "val", "dev",
-    "eval", "evaluation",
-)  # fmt: skip
+    "train",
+    "training",
+    "test",
+    "testing",
+    "validation",
+    "valid",
+    "val",
+    "dev",
+    "eval",
+    "evaluation",
+)
 _FILE = re.compile(rf"^({'|'.join(SPLIT_WORDS)})(?=$|[-_.0-9])", re.IGNORECASE)
 
 

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..remote import RemoteStore
-from ..remote_publish import RemotePublisher
+from ..remote.publish import RemotePublisher
+from ..remote.stores import RemoteStore
 from .run import IngestReport, IngestSummary, ingest_all
 
 
@@ -83,8 +83,12 @@ def _ingest_then_upload(
             )
             out.append(
                 IngestSummary(
-                    manifest, s.files, s.source_bytes, time.perf_counter() - started,
-                    s.metadata, s.split,
+                    manifest,
+                    s.files,
+                    s.source_bytes,
+                    time.perf_counter() - started,
+                    s.metadata,
+                    s.split,
                 )
-            )  # fmt: skip
+            )
     return IngestReport(tuple(out), report.splits)

@@ -1,0 +1,1 @@
+"""What the server remembers about jobs: the job registry, its journal, quarantined samples."""

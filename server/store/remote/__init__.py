@@ -1,0 +1,1 @@
+"""Stores on object storage: reaching them, reading and publishing, fetch lanes."""

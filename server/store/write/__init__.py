@@ -1,0 +1,1 @@
+"""Writing a dataset: field specs, per-field buffers, shard files, atomic publishing."""
