@@ -34,12 +34,12 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from _support import run_server
+from bench_cold import cached_fraction, evict, make_store
 
-from bench.bench_cold import cached_fraction, evict, make_store  # noqa: E402
-from shardserve.client import Loader  # noqa: E402
-from tests.support.server import run_server  # noqa: E402
+from shardserve.client import Loader
+
+HERE = Path(__file__).resolve().parent
 
 RESULTS = HERE / "results" / "beyond_ram.json"
 SAMPLE_BYTES = 3 * 32 * 32 + 8 + 2  # the image, the label and Arrow's share, about

@@ -83,7 +83,7 @@ fi
 $PY - <<'EOF'
 import platform, sys
 import numpy, pyarrow, torch
-from shardserve.server.sizing import choose, probe
+from shardserve.server.runtime.sizing import choose, probe
 cuda = torch.version.cuda if torch.cuda.is_available() else "none"
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print(f"python {platform.python_version()} torch {torch.__version__} cuda {cuda} gpu {gpu} "

@@ -20,9 +20,10 @@ from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 
 from ._credit import auto_prefetch, check_prefetch
 from ._deprecation import positional_deprecated
-from ._feed import Feed, store_order
+from ._feed import Feed
 from ._passes import PassContext, PassWatcher, ResidentPass
 from ._position import Start
+from ._resident_load import load_resident
 from .device import resolve_device
 from .device_steps._executor import attach, then
 from .distributed import resolve_world
@@ -30,15 +31,11 @@ from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
 from .job import JobHandle, Shuffle, job_spec
 from .mixture import Mixture, next_epoch_step
-from .resident import Resident, env_devices, field_layout, resident_nbytes, stream_env_devices
+from .resident import Resident, env_devices, stream_env_devices
 from .state import check_resumable, make_state, parse_states, start_for
 from .stream import EpochStream
 from .structure import rebuild_for
 from .types import LoaderStats
-
-#: Resident mode loads the dataset in batches of about this many bytes.
-RESIDENT_CHUNK_BYTES = 16 << 20
-MAX_RESIDENT_CHUNK = 1 << 16
 
 Transport = Literal["auto", "socket", "ipc", "tcp"]
 ResidentMemory = Literal["cuda", "cpu"]
@@ -295,7 +292,9 @@ class Loader:
         atexit.register(self._atexit)
         if envs_on:
             try:
-                self._resident = self._load_resident(envs_on)
+                self._resident = load_resident(
+                    self._job, self.spec, self.world.rank, envs_on, transport, timeout
+                )
             except BaseException:
                 self.close()
                 raise
@@ -396,49 +395,6 @@ class Loader:
         self._origin = (start.epoch, origin) if origin else None
 
     # -- iteration -------------------------------------------------------------------------
-
-    def _load_resident(self, envs_on: list[torch.device]) -> Resident:
-        """Stream the dataset once in store order (a job of its own) into resident tensors."""
-        info = self._job.info()
-        layout = field_layout(info, self.spec.fields)
-        sample = max(1, resident_nbytes(layout, 1))
-        chunk = max(1, min(RESIDENT_CHUNK_BYTES // sample, MAX_RESIDENT_CHUNK, info.num_samples))
-        # Flat stored fields, in store order, on one rank: the resident tensors' layout.
-        spec = job_spec(
-            self.spec.dataset,
-            chunk,
-            seed=0,
-            shuffle="none",
-            drop_last=False,
-            world_size=1,
-            fields=list(layout),
-            collate=None,
-            transforms=None,
-            on_error=None,
-        )
-
-        def one_pass() -> Iterator[Any]:
-            with JobHandle.create(
-                self._job.api.url, self._job.token, spec, timeout=self.batch_timeout
-            ) as job:
-                yield from store_order(
-                    job,
-                    transport=self._transport,
-                    prefetch=auto_prefetch(info, chunk),
-                    timeout=self.batch_timeout,
-                )
-
-        return Resident.load(
-            self._job.api,
-            self.job_id,
-            self.world.rank,
-            self.spec.env_batch,
-            info,
-            layout,
-            envs_on,
-            one_pass,
-            self.batch_timeout,
-        )
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:

@@ -31,6 +31,7 @@ from shardserve.proto.parts import MASK, OFFSETS, SHAPES, PartShape, parts_of
 
 from ...source import FRESH, Planned, Tail
 from ..cache import ShardCache
+from .cached_shards import CachedShards, Fetch
 from .gather import (
     ALL,
     Positions,
@@ -41,15 +42,7 @@ from .gather import (
     take_ragged_across,
 )
 from .index import as_indices, check_bounds, chunk_of, locate
-from .shard_set import (
-    VERIFY_MODES,
-    CachedShards,
-    Chunks,
-    Fetch,
-    MappedShards,
-    ShardSet,
-    shard_starts,
-)
+from .shard_set import VERIFY_MODES, Chunks, MappedShards, ShardSet, shard_starts
 
 __all__ = ["VERIFY_MODES", "Dataset"]
 

@@ -4,7 +4,7 @@ A remote store has the layout of a local one (``<prefix>/<name>/manifest.json`` 
 ``<prefix>/<name>/shards/*.arrow``); publishing (:mod:`.remote_publish`) is "the manifest is
 written last", since object stores have no atomic folder rename. Reads go through a local
 :class:`~.cache.ShardCache`: shards are fetched whole, checksummed and memory-mapped from there
-(:class:`~.dataset.Dataset` over :class:`~.shard_set.CachedShards`).
+(:class:`~..read.dataset.Dataset` over :class:`~..read.cached_shards.CachedShards`).
 
 Credentials (:mod:`.object_fs`) are never part of what this module shows:
 :attr:`RemoteStore.root` is the URI without user info or query, and every error raised from
