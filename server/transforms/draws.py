@@ -227,11 +227,10 @@ def _bounded(
         low = np.uint32(0xFFFF)
         ok = (prod & low) >= (np.uint32(1 << 16) - nn) % nn
         return prod >> np.uint32(16), ok
-    nn = n.astype(np.uint64)[:, None]
-    prod = keys.words(width) * nn
-    low = np.uint64((1 << bits) - 1)
-    ok = (prod & low) >= (np.uint64(1 << bits) - nn) % nn
-    return prod >> np.uint64(bits), ok
+    n64 = n.astype(np.uint64)[:, None]
+    prod64 = keys.words(width) * n64
+    ok = (prod64 & np.uint64((1 << bits) - 1)) >= (np.uint64(1 << bits) - n64) % n64
+    return prod64 >> np.uint64(bits), ok
 
 
 def _distinct_once(
