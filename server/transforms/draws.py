@@ -176,8 +176,14 @@ def subset_indices(
     few = 2 * k <= n
     for sel, fn in ((np.flatnonzero(few), _first_distinct), (np.flatnonzero(~few), _smallest)):
         if sel.size:
-            out[sel] = fn(keys.take(sel), n[sel], k)
+            out[sel] = fn(_rows_of(keys, sel), n[sel], k)
     return out
+
+
+def _rows_of(keys: SampleKeys, rows: np.ndarray) -> SampleKeys:
+    """``keys.take(rows)``, or ``keys`` itself when ``rows`` are all of them in order (the
+    common batch): no new keys, whose Philox key would be derived again."""
+    return keys if rows.size == len(keys) else keys.take(rows)
 
 
 def _legacy_subset(keys: SampleKeys, n: np.ndarray, k: int, replace: bool) -> np.ndarray:
@@ -204,7 +210,7 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     narrow = n <= 1 << 16
     for todo, bits in ((np.flatnonzero(narrow), 16), (np.flatnonzero(~narrow), 32)):
         while todo.size:
-            got, short = _distinct_once(keys.take(todo), n[todo], m[todo], k, bits)
+            got, short = _distinct_once(_rows_of(keys, todo), n[todo], m[todo], k, bits)
             out[todo[~short]] = got
             todo = todo[short]
             m[todo] *= 2
