@@ -176,8 +176,14 @@ def subset_indices(
     few = 2 * k <= n
     for sel, fn in ((np.flatnonzero(few), _first_distinct), (np.flatnonzero(~few), _smallest)):
         if sel.size:
-            out[sel] = fn(keys.take(sel), n[sel], k)
+            out[sel] = fn(_rows_of(keys, sel), n[sel], k)
     return out
+
+
+def _rows_of(keys: SampleKeys, rows: np.ndarray) -> SampleKeys:
+    """``keys.take(rows)``, or ``keys`` itself when ``rows`` are all of them in order (the
+    common batch): no new keys, whose Philox key would be derived again."""
+    return keys if rows.size == len(keys) else keys.take(rows)
 
 
 def _legacy_subset(keys: SampleKeys, n: np.ndarray, k: int, replace: bool) -> np.ndarray:
@@ -204,7 +210,7 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     narrow = n <= 1 << 16
     for todo, bits in ((np.flatnonzero(narrow), 16), (np.flatnonzero(~narrow), 32)):
         while todo.size:
-            got, short = _distinct_once(keys.take(todo), n[todo], m[todo], k, bits)
+            got, short = _distinct_once(_rows_of(keys, todo), n[todo], m[todo], k, bits)
             out[todo[~short]] = got
             todo = todo[short]
             m[todo] *= 2
@@ -217,16 +223,20 @@ def _bounded(
     """``width`` draws per sample below ``n[i]`` from ``bits``-bit pieces of its words
     (Lemire's multiply-shift): ``(values, accepted)``, both ``[B, width]``. A draw whose low
     bits fall below ``2**bits mod n`` is rejected: what is left is exactly uniform."""
-    nn = n.astype(np.uint64)[:, None]
     if bits == 16:
-        w = keys.words(-(-width // 2))
-        pieces = np.stack([w & np.uint64(0xFFFF), w >> np.uint64(16)], axis=-1)
-        prod = pieces.reshape(len(n), -1)[:, :width] * nn
-    else:
-        prod = keys.words(width) * nn
-    low = np.uint64((1 << bits) - 1)
-    ok = (prod & low) >= (np.uint64(1 << bits) - nn) % nn
-    return prod >> np.uint64(bits), ok
+        # A word's low then high half is its little-endian uint16 view; piece * n < 2**32
+        # (n <= 2**16), so uint32 holds the product exactly, at half uint64's memory traffic.
+        w = keys.words(-(-width // 2)).astype("<u4")
+        pieces = w.view("<u2")[:, :width]
+        nn = n.astype(np.uint32)[:, None]
+        prod = pieces * nn
+        low = np.uint32(0xFFFF)
+        ok = (prod & low) >= (np.uint32(1 << 16) - nn) % nn
+        return prod >> np.uint32(16), ok
+    n64 = n.astype(np.uint64)[:, None]
+    prod64 = keys.words(width) * n64
+    ok = (prod64 & np.uint64((1 << bits) - 1)) >= (np.uint64(1 << bits) - n64) % n64
+    return prod64 >> np.uint64(bits), ok
 
 
 def _distinct_once(
@@ -235,16 +245,20 @@ def _distinct_once(
     """``(rows of the samples that found k distinct in m draws, bool short[B])``: the batch
     as one ``[B, max(m)]`` array (a sample's draws past its own ``m`` are not looked at).
 
-    One sort per row of ``value * width + draw`` puts each value's first draw first; the
+    One sort per row of ``value << shift | draw`` puts each value's first draw first; the
     ``k`` values whose first draws come earliest are kept, already in ascending order."""
     b, width = n.size, int(m.max())
     drawn, ok = _bounded(keys, n, width, bits)
     ok &= np.arange(width) < m[:, None]
     big = int(n.max())  # sorts after every value drawn
-    dt = np.int32 if (big + 1) * width < (1 << 31) else np.int64  # int32 sorts 2-3x faster
+    shift = max(width - 1, 1).bit_length()  # draw < 2**shift: a shift and a mask, no divmod
+    dt = np.int32 if (big + 1) << shift < (1 << 31) else np.int64  # int32 sorts 2-3x faster
     value = np.where(ok, drawn.astype(dt), dt(big))
-    order = np.sort(value * dt(width) + np.arange(width, dtype=dt), axis=1)
-    value, first = np.divmod(order, dt(width))
+    value <<= dt(shift)
+    value |= np.arange(width, dtype=dt)
+    value.sort(axis=1)
+    first = value & dt((1 << shift) - 1)
+    value >>= dt(shift)
     new = np.ones((b, width), bool)
     np.not_equal(value[:, 1:], value[:, :-1], out=new[:, 1:])
     new &= value < big

@@ -112,3 +112,31 @@ def test_below_is_in_range_and_refuses_a_bad_high() -> None:
     assert (below(words, np.full((50, 1), 3)) < 3).all()
     with pytest.raises(ValueError, match="high must be"):
         below(words, np.full((50, 1), (1 << 32) + 1))
+
+
+def _first_distinct_reference(keys: SampleKeys, n: int, k: int) -> list[int]:
+    """One sample's rows as the docstring defines them, one draw at a time in Python."""
+    bits = 16 if n <= 1 << 16 else 32
+    words = keys.words(8 * k).ravel().tolist()
+    pieces = [p for w in words for p in (w & 0xFFFF, w >> 16)] if bits == 16 else words
+    seen: list[int] = []
+    for piece in pieces:
+        prod = piece * n
+        if prod & ((1 << bits) - 1) >= ((1 << bits) - n) % n and prod >> bits not in seen:
+            seen.append(prod >> bits)
+        if len(seen) == k:
+            return sorted(seen)
+    raise AssertionError("8k words did not give k distinct rows")
+
+
+@pytest.mark.parametrize("top", [6000, 300_000])
+def test_subset_equals_the_first_distinct_draws_one_at_a_time(top: int) -> None:
+    """The batched subset equals each sample's first k distinct bounded draws, in order."""
+    gen = np.random.default_rng(top)
+    sizes = gen.integers(1024, top, 12)
+    keys = SampleKeys(seed=9, epoch=2, step=1, ids=gen.integers(0, 1 << 40, 12))
+    rows = draws.subset_indices(keys, sizes, 512)
+    for i in range(12):
+        assert rows[i].tolist() == _first_distinct_reference(
+            keys.take(np.array([i])), int(sizes[i]), 512
+        )
