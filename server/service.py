@@ -213,7 +213,10 @@ class Service:
             board=self.board,
             metrics=self.metrics,
         )
-        return StreamHandler(sock, assembler, deps, self.streamer.config)
+        handler = StreamHandler(sock, assembler, deps, self.streamer.config)
+        # A stream skipped while its re-plan ran on the planning lane goes on once it lands.
+        self.plans.on_landed(lambda: self.streamer.call(lambda _h: handler.replanned()))
+        return handler
 
     def create_job(self, spec: JobSpec) -> CreatedJob:
         """Create (or find) the job for ``spec`` (see :meth:`JobAdmin.create_job`)."""

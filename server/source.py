@@ -116,6 +116,13 @@ class StreamPlan(Planned, Protocol):
         the stream assembles them."""
         ...
 
+    def ready(self, i: int, count: int) -> bool:
+        """Whether :meth:`span` of ``i, count`` can be read now without planning (never
+        blocks): ``False`` while a re-plan it needs runs on the planning lane, which wakes
+        the streamer when it lands; raises ``TimeoutError`` naming the re-plan once it was
+        waited for too long."""
+        ...
+
 
 class BatchSource(Protocol):
     """A dataset as streaming reads it (thread-safe: ``take`` runs on assembly workers)."""

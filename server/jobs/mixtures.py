@@ -17,6 +17,7 @@ turns a job's journaled facts (spec, weight changes, quarantines, sizes) into it
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -29,7 +30,7 @@ from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import SOURCE_PART
 
 from ..planning import RankPlan, num_batches
-from ..planning.cache import PlanCache
+from ..planning.cache import ORDER_WAIT_S, PlanCache
 from ..planning.envs import EnvSteps
 from ..planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from ..registry.jobs import Job, JobRegistry
@@ -270,6 +271,20 @@ class MixturePlans:
     def order(self, job: Job, epoch: int, seed: int, env: int = 0) -> np.ndarray:
         """The epoch's canonical mixture order over concatenated ids (see the planner);
         ``env``: the order of that independent environment (:func:`env_seed`)."""
+        return self.orders.steered_order(*self._steered(job, epoch, seed, env))
+
+    def ready(self, job: Job, epoch: int, seed: int) -> bool:
+        """Whether every order :meth:`rank_plan` of ``epoch`` reads is made (never blocks);
+        those that are not are planned on the planning lane."""
+        s = job.spec
+        envs = {0} if s.envs == 1 else {env_deal(s, 0, e)[0] for e in range(s.envs)}
+        ready = [self.orders.steered_ready(*self._steered(job, epoch, seed, e)) for e in envs]
+        return all(ready)
+
+    def _steered(
+        self, job: Job, epoch: int, seed: int, env: int
+    ) -> tuple[tuple[object, ...], Callable[[], np.ndarray]]:
+        """The cache key of an order (everything it depends on) and how it is made."""
         spec = job.spec
         if spec.mixture is None or job.source_sizes is None:
             raise BadRequest(f"job {job.id} is not a mixture job")
@@ -299,7 +314,7 @@ class MixturePlans:
             spec.shuffle,
             spec.block_window,
         )
-        return self.orders.steered_order(key, make)
+        return key, make
 
     def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan | EnvSteps:
         """``rank``'s batches of ``epoch``; a job of several environments: its steps."""
@@ -345,6 +360,8 @@ class SteeredPlan:
         else:
             job, self._made_at = registry.steered(job.id)
         self._plan = plans.rank_plan(job, epoch, seed, rank)
+        #: When :meth:`ready` first found the plan waiting for a re-plan (``None``: not).
+        self._waiting_since: float | None = None
 
     def __len__(self) -> int:
         return len(self._plan)
@@ -366,3 +383,24 @@ class SteeredPlan:
             self._plan = self._plans.rank_plan(job, self._epoch, self._seed, self._rank)
             self._made_at = now
         return self._plan.span(i, count)
+
+    def ready(self, i: int, count: int) -> bool:
+        """Whether the plan serves batches ``i..i+count-1`` without planning on the caller's
+        thread: the steering is the plan's, or the order of the steering now is made;
+        otherwise that order is planned on the planning lane and ``False`` comes back (the
+        stream is skipped until it lands). Raises ``TimeoutError`` after
+        :data:`~..planning.cache.ORDER_WAIT_S` of waiting, naming the re-plan."""
+        job, now = self._registry.steered(self._job_id)
+        if now == self._made_at or self._plans.ready(job, self._epoch, self._seed):
+            self._waiting_since = None
+            return True
+        t = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = t
+        elif t - self._waiting_since > ORDER_WAIT_S:
+            raise TimeoutError(
+                f"waited {ORDER_WAIT_S} s for the re-plan of mixture job {self._job_id} epoch "
+                f"{self._epoch} after a steering change (generation {now}; batch {i} of rank "
+                f"{self._rank}): the planning lane did not finish it"
+            )
+        return False

@@ -133,15 +133,15 @@ class MixtureAdmin:
         return mixtures.SteeredPlan(self.plans, self.jobs, job, epoch, seed, rank)
 
     def _warm(self, job_id: str) -> None:
-        """Plan the epochs the job's ranks stream now with the change, here on the control
-        plane's thread, so that their streams find the new order made (40 M positions take
-        about 2 s) instead of making it between two batches."""
+        """Plan the epochs the job's ranks stream now with the change on the planning lane
+        (40 M positions take about 2 s): a stream that reaches the change before the order
+        lands is skipped until it does, and the other streams go on."""
         job = self.jobs.find(job_id)
         if job is None:
             return
         for epoch, seed in {(r.epoch, job.seed) for r in self.board.ranks(job_id)}:
             if epoch is not None:
-                self.plans.order(job, epoch, seed)
+                self.plans.ready(job, epoch, seed)
 
     def plan(
         self, job: Job, epoch: int, rank: int, env: int | None = None, offset: int = 0

@@ -106,6 +106,10 @@ def _stopped(finishing: Finishing, done: Future[None]) -> None:
         finishing.fail(RuntimeError("the server stopped"))
 
 
+def _nothing() -> None:
+    """No streamer to wake (a cache used without one)."""
+
+
 class PlanCache:
     """LRU of epoch orders keyed by ``(job id, epoch, seed, env)``, or by what a steered
     order depends on (:meth:`steered_order`); thread-safe."""
@@ -122,6 +126,15 @@ class PlanCache:
         # Another for the rest of an order whose first batches are already out: it must not
         # queue behind the next epochs planned ahead.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ss-plan-finish")
+        #: Steered orders submitted to the planning lane and not yet made.
+        self._queued: set[OrderKey] = set()
+        #: Called when a steered order lands (the streamer's wake-up: a stream skipped
+        #: while it was planned is pumped again).
+        self._landed: Callable[[], None] = _nothing
+
+    def on_landed(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from the planning lane) whenever a steered order planned there lands."""
+        self._landed = wake
 
     def plan_ahead(
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None
@@ -175,6 +188,28 @@ class PlanCache:
             return order, iter([len(order)])
 
         return self._get(key, steps, False, replaces=key[:3])[0]
+
+    def steered_ready(self, key: OrderKey, make: Callable[[], np.ndarray]) -> bool:
+        """Whether the order of ``key`` is made (never blocks); if not, it is planned on the
+        planning lane (once), and :meth:`on_landed`'s callback runs when it is kept."""
+        with self._lock:
+            if key in self._orders:
+                return True
+            if key in self._queued or key in self._computing:
+                return False
+            self._queued.add(key)
+        self._ahead.submit(self._steer_ahead, key, make)
+        return False
+
+    def _steer_ahead(self, key: OrderKey, make: Callable[[], np.ndarray]) -> None:
+        try:
+            self.steered_order(key, make)
+        except Exception:  # the stream that reads it plans it again and gets the error
+            log.warning("re-planning %s on the planning lane failed", key[:3], exc_info=True)
+        finally:
+            with self._lock:
+                self._queued.discard(key)
+            self._landed()
 
     @staticmethod
     def _maker(

@@ -96,6 +96,15 @@ class EnvSteps:
         i = operator.index(i)
         return np.concatenate([p.batch(i) for p in self.plans])
 
+    def ready(self, i: int, count: int) -> bool:
+        """Always: the order this plan deals is made (a position still being shuffled is
+        waited for by :meth:`span`, bounded).
+
+        >>> RankPlan.from_order(np.arange(4, dtype=np.uint32), 1, 0, 2, False).ready(0, 1)
+        True
+        """
+        return True
+
     def span(self, i: int, count: int) -> np.ndarray:
         """Steps ``i`` to ``i + count - 1``, one after the other, as one new int64 array.
 

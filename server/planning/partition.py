@@ -168,6 +168,15 @@ class RankPlan:
         """Return batch ``i``'s global sample ids as a new int64 array."""
         return self.span(i, 1)
 
+    def ready(self, i: int, count: int) -> bool:
+        """Always: the order this plan deals is made (a position still being shuffled is
+        waited for by :meth:`span`, bounded).
+
+        >>> RankPlan.from_order(np.arange(4, dtype=np.uint32), 1, 0, 2, False).ready(0, 1)
+        True
+        """
+        return True
+
     def span(self, i: int, count: int) -> np.ndarray:
         """Batches ``i`` to ``i + count - 1``'s ids, in order, as one new int64 array (a
         message of several small batches reads them with one slice).

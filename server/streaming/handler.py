@@ -330,6 +330,16 @@ class StreamHandler(HelloHandling):
 
     # -- moving and ending a stream -----------------------------------------------------
 
+    def replanned(self) -> None:
+        """An order planned on the planning lane landed: pump the streams that were skipped
+        while it was made (a stream with nothing to do returns at once)."""
+        for s in list(self.sessions.values()):
+            if not s.ended:  # ``pump.run`` returns at once for a stream not yet welcomed
+                try:
+                    self._pump(s)
+                except Exception as e:
+                    self._contain(s, e)
+
     def _pump(self, s: Session) -> None:
         """Submit work within credit, send what is ready in order, end the epoch."""
         if self.sessions.get(s.ident) is not s:

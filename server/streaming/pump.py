@@ -54,6 +54,8 @@ class Pump:
         # A source that may wait (a fetch, a transform) is never assembled on the streamer.
         inline = prep.source.inline_ok and flow.inline(prep.batch_bytes * s.group, others_busy)
         while flow.wants_work():
+            if not self._plan_ready(prep, flow.next_submit, s.group):
+                break  # re-planned on the planning lane, which wakes the streamer when done
             ticket = sink.acquire()
             if ticket is None:
                 break  # every slot is being filled or is with the client; a Credit frees one
@@ -62,6 +64,15 @@ class Pump:
             if inline and not self._send_ready(s, prep, sink):
                 return False
         return self._send_ready(s, prep, sink)
+
+    @staticmethod
+    def _plan_ready(prep: Prepared, index: int, most: int) -> bool:
+        """Whether the stream's plan serves its next span now (a mixture re-planned after a
+        steering change is not until its order lands); a wait too long fails the stream."""
+        try:
+            return prep.plan.ready(index, most)
+        except TimeoutError as e:
+            raise AssemblyFailed(str(e)) from e
 
     def _assemble(
         self,
