@@ -334,7 +334,14 @@ class Metrics:
         # Process-wide switch of the library: a ``*_created`` series per counter is noise.
         disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
+        # Registered in this order, which is the exposition's.
+        self._count_sent(self.registry)
+        self._count_held(self.registry)
+        self._count_streams(self.registry)
+        self._gauge_store(self.registry)
+
+    def _count_sent(self, r: CollectorRegistry) -> None:
+        """What the data plane sent and assembled."""
         self.batches_sent = Counter(
             "shardserve_batches_sent",
             "Batches sent on the data plane (batches, not messages: small ones travel several "
@@ -355,6 +362,9 @@ class Metrics:
             "once, however many subscribers are sent it.",
             registry=r,
         )
+
+    def _count_held(self, r: CollectorRegistry) -> None:
+        """What share groups hand out and hold, and what unread streams hold."""
         self.share_bytes = Gauge(
             "shardserve_share_bytes",
             "Bytes every share group's window keeps now (at most --share-bytes).",
@@ -376,6 +386,9 @@ class Metrics:
             "Streams that have not read and wait for room under --unread-bytes.",
             registry=r,
         )
+
+    def _count_streams(self, r: CollectorRegistry) -> None:
+        """Assembly time, open streams and shared-memory fallbacks."""
         self.assembly_seconds = Histogram(
             "shardserve_assembly_seconds",
             "Seconds to gather one batch from the store into its buffers.",
@@ -388,6 +401,9 @@ class Metrics:
             "Streams that asked for shared memory and were served over the socket.",
             registry=r,
         )
+
+    def _gauge_store(self, r: CollectorRegistry) -> None:
+        """The store's bytes, mapped versions and plan cache (computed at scrape time)."""
         self.store_bytes = Gauge(
             "shardserve_store_bytes", "Bytes of every dataset in the store.", registry=r
         )
