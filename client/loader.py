@@ -29,7 +29,7 @@ from .device_steps._executor import attach, then
 from .distributed import resolve_world
 from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
-from .job import JobHandle, Shuffle, job_spec
+from .job import JobArgs, JobHandle, Shuffle
 from .mixture import Mixture, next_epoch_step
 from .resident import Resident, env_devices, stream_env_devices
 from .state import check_resumable, make_state, parse_states, start_for
@@ -213,13 +213,12 @@ class Loader:
         # A job's batch is a step of its envs when streaming; resident envs gather from plans
         # of a one-env job, unless they split one shuffle, which the job must deal.
         job_envs = envs if step_envs or env_shuffle == "split" else 1
-        self.spec = job_spec(
-            dataset,
-            batch_size,
+        self.spec = JobArgs(
+            dataset=dataset,
+            batch_size=batch_size,
             seed=seed,
             shuffle=shuffle,
             drop_last=drop_last,
-            world_size=self.world.world_size,
             fields=fields,
             collate=collate,
             envs=job_envs,
@@ -228,7 +227,7 @@ class Loader:
             on_error=on_error,
             epoch_samples=epoch_samples,
             share=share,
-        )
+        ).spec(self.world.world_size)
         self.spec, lands, self._device_steps = attach(
             self.spec, device_transforms, self.device, resident is not None
         )
