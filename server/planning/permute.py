@@ -81,6 +81,24 @@ def shuffle_steps(
         shuffle_whole(out, rng)
         yield n
         return
+    bucket_start = _deal_into_buckets(out, rng, src, n_buckets, chunk_rows)
+    scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
+    for b0, b1 in zip(bucket_start[:-1].tolist(), bucket_start[1:].tolist(), strict=True):
+        shuffle_whole(out[b0:b1], rng, scratch)
+        yield b1
+
+
+def _deal_into_buckets(
+    out: np.ndarray,
+    rng: np.random.Generator,
+    src: np.ndarray | None,
+    n_buckets: int,
+    chunk_rows: int,
+) -> np.ndarray:
+    """Draw each position's bucket and write the ids into ``out`` grouped by bucket, in source
+    order within one (a counting sort, ``chunk_rows`` at a time); returns where each bucket
+    starts, and ``len(out)`` last."""
+    n = len(out)
     labels = bucket_labels(rng, n, n_buckets)
     # Per chunk, how many of its labels each bucket got: a counting sort's two passes.
     chunk_counts = [
@@ -105,11 +123,7 @@ def shuffle_steps(
         ):
             out[cursor[b] : cursor[b] + r1 - r0] = values[r0:r1]
             cursor[b] += r1 - r0
-    del labels
-    scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
-    for b0, b1 in zip(bucket_start[:-1].tolist(), bucket_start[1:].tolist(), strict=True):
-        shuffle_whole(out[b0:b1], rng, scratch)
-        yield b1
+    return bucket_start
 
 
 def stable_by_label(chunk: np.ndarray) -> np.ndarray:
