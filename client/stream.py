@@ -81,10 +81,14 @@ class EpochStream:
         rows: int = 0,
         num_batches: int | None = None,
         graphs: bool = False,
+        place: Callable[[Hello], str] | None = None,
     ) -> None:
         """``rows``: the job's batch size, ``num_batches``: its batches per epoch (the plan
         every message and the Welcome are checked against; 0 / ``None``: the server's word);
-        ``graphs``: batches are collated graphs (see :func:`._cut.check_message`)."""
+        ``graphs``: batches are collated graphs (see :func:`._cut.check_message`);
+        ``place(hello)``: the data endpoint to say each Hello to, asked of a server with
+        streaming processes (``None``: the connection's endpoint, always)."""
+        self._place = place
         self.conn = conn
         self.rows, self.num_batches, self.graphs = rows, num_batches, graphs
         self.hello = hello
@@ -346,6 +350,10 @@ class EpochStream:
         self._hello_at = time.monotonic()
         self._pending_grant = 0
         self.credit_outstanding = self.hello.credit
+        if self._place is not None:
+            endpoint = self._place(self.hello)
+            if endpoint != self.conn.endpoint:
+                self.conn.retarget(endpoint)
         self.conn.send(self.hello)
 
     def _flush_grant(self) -> None:

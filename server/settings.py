@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shardserve.proto.processes import MAX_STREAM_PROCESSES
+
 from .runtime.sizing import Sizing, choose, probe
 
 # shardserve.proto is imported where a value is checked, not here: importing it loads every
@@ -62,6 +64,15 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="threads assembling batches (unset: a quarter of the CPUs, at least 2)",
+        json_schema_extra={"sized": True},
+    )
+    stream_processes: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_STREAM_PROCESSES,
+        description="processes that serve streams (1: the main process serves them all; N > 1: "
+        "N streaming processes beside it, placed per stream; unset: a quarter of the CPUs, at "
+        "least 1)",
         json_schema_extra={"sized": True},
     )
     heartbeat_s: float = Field(

@@ -1,0 +1,220 @@
+"""Streaming processes (``--stream-processes 2``): the same batches as one process, exactly
+once across a killed process, counters summed, clients that never ask served by the main one."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from shardserve.client import Loader
+from shardserve.proto.messages import EndOfEpoch, Welcome
+from tests.server.rawclient import RawStream, zmq_context
+from tests.support.data import make_cifar_like
+from tests.support.server import ServerProc, make_job, run_server
+from tests.support.slowness import scaled
+
+BATCH = 20
+N = 600
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("procs")
+    make_cifar_like(root, "cifar", n=N)
+    make_cifar_like(root, "cifar2", n=N // 2, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def one(store: Path) -> Iterator[ServerProc]:
+    with run_server(store) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def two(store: Path) -> Iterator[ServerProc]:
+    with run_server(store, "--stream-processes", "2", "--heartbeat-s", "0.5") as srv:
+        yield srv
+
+
+def processes(srv: ServerProc) -> list[dict[str, Any]]:
+    r = httpx.get(f"{srv.http_url}/v1/processes", headers=srv.headers, timeout=scaled(30))
+    assert r.status_code == 200, r.text
+    return list(r.json())
+
+
+def counter(srv: ServerProc, name: str) -> float:
+    text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(30)).text
+    values = re.findall(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    assert len(values) == 1, f"{name} appears {len(values)} times in /metrics"
+    return float(values[0])
+
+
+def await_true(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + scaled(timeout)
+    while not check():
+        assert time.monotonic() < deadline, f"waited {scaled(timeout):.0f} s for {what}"
+        time.sleep(0.05)  # polling a condition with a deadline
+
+
+def batches(
+    srv: ServerProc, world: int, dataset: Any = "cifar", **kw: Any
+) -> dict[int, list[dict[str, np.ndarray]]]:
+    """Every rank's epoch 0, read one rank after another."""
+    out = {}
+    for rank in range(world):
+        with Loader(srv.http_url, dataset, BATCH, rank=rank, world_size=world, seed=7, **kw) as ld:
+            out[rank] = [arrays(b) for b in ld]
+    return out
+
+
+def arrays(batch: Any) -> dict[str, np.ndarray]:
+    """A batch's parts as arrays (a step of several environments: ``env.part``)."""
+    if isinstance(batch, list):
+        return {f"{e}.{k}": v for e, b in enumerate(batch) for k, v in arrays(b).items()}
+    return {k: v.numpy().copy() for k, v in batch.items()}
+
+
+def same(
+    a: dict[int, list[dict[str, np.ndarray]]], b: dict[int, list[dict[str, np.ndarray]]]
+) -> None:
+    assert a.keys() == b.keys()
+    for rank in a:
+        assert len(a[rank]) == len(b[rank]) > 0, rank
+        for x, y in zip(a[rank], b[rank], strict=True):
+            assert x.keys() == y.keys()
+            for k in x:
+                np.testing.assert_array_equal(x[k], y[k], err_msg=f"rank {rank} part {k}")
+
+
+def test_two_ranks_on_two_processes_read_what_one_process_serves(
+    one: ServerProc, two: ServerProc
+) -> None:
+    """Two ranks open at once land on both streaming processes and get one process's bytes."""
+    loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=7) for r in range(2)]
+    its = [iter(ld) for ld in loaders]
+    got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
+    for r, it in enumerate(its):
+        got[r].append(arrays(next(it)))
+    await_true(
+        "both streaming processes to hold one stream",
+        lambda: sorted(p["streams"] for p in processes(two)) == [1, 1],
+    )
+    for r, it in enumerate(its):
+        got[r].extend(arrays(b) for b in it)
+    for ld in loaders:
+        ld.close()
+    same(got, batches(one, 2))
+    ids = np.concatenate([b["label"] for r in got for b in got[r]])
+    assert ids.size == N
+
+
+def test_killed_streaming_process_resumes_every_rank_exactly_once(
+    one: ServerProc, two: ServerProc
+) -> None:
+    """SIGKILL of a streaming process mid-epoch: each rank still gets its batches once, in order."""
+    want = batches(one, 2)
+    loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=7) for r in range(2)]
+    its = [iter(ld) for ld in loaders]
+    got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
+    for _ in range(3):
+        for r, it in enumerate(its):
+            got[r].append(arrays(next(it)))
+    await_true(
+        "both streaming processes to hold one stream",
+        lambda: sorted(p["streams"] for p in processes(two)) == [1, 1],
+    )
+    victim = processes(two)[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    for r, it in enumerate(its):
+        got[r].extend(arrays(b) for b in it)
+    for ld in loaders:
+        ld.close()
+    same(got, want)
+    await_true(
+        f"process {victim['index']} to be replaced",
+        lambda: any(
+            p["index"] == victim["index"] and p["up"] and p["restarts"] == victim["restarts"] + 1
+            for p in processes(two)
+        ),
+    )
+
+
+def test_counters_are_summed_and_never_go_down(two: ServerProc) -> None:
+    """/metrics counts every batch the processes sent, and keeps a killed process's counts."""
+    start = counter(two, "shardserve_batches_sent_total")
+    with Loader(two.http_url, "cifar", BATCH, rank=0, world_size=1, seed=9) as ld:
+        n = sum(1 for _ in ld)
+    await_true(
+        f"batches_sent_total to grow by the {n} batches read",
+        lambda: counter(two, "shardserve_batches_sent_total") >= start + n,
+    )
+    seen = counter(two, "shardserve_batches_sent_total")
+    assert seen == start + n
+    victim = next(p for p in processes(two) if p["up"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + scaled(30)
+    while not any(p["restarts"] > victim["restarts"] and p["up"] for p in processes(two)):
+        assert counter(two, "shardserve_batches_sent_total") >= seen, "a counter went down"
+        assert time.monotonic() < deadline, "the killed process was not replaced"
+    assert counter(two, "shardserve_batches_sent_total") == seen
+
+
+def test_client_that_never_asks_is_served_by_the_main_process(two: ServerProc) -> None:
+    """A protocol-3 client saying Hello to the endpoint it knows reads the epoch from the main process."""
+    job = make_job(two, batch_size=BATCH)
+    with zmq_context() as ctx:
+        raw = RawStream(ctx, two.tcp_endpoint)
+        raw.hello(job)
+        welcome = raw.recv_kind(Welcome)
+        got, end = raw.read_epoch()
+        raw.close()
+    assert isinstance(end, EndOfEpoch)
+    assert len(got) == welcome.num_batches == N // BATCH
+    assert welcome.stream < 1 << 26  # the main process's own stream ids
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"envs": 2},
+        {"transforms": [{"name": "hflip"}]},
+        {"dataset": {"cifar": 0.5, "cifar2": 0.5}},
+    ],
+    ids=["envs", "transforms", "mixture"],
+)
+def test_jobs_of_every_kind_read_alike_over_processes(
+    one: ServerProc, two: ServerProc, kw: dict[str, Any]
+) -> None:
+    """Environments, a transform chain and a mixture give the same batches with streaming processes."""
+    same(batches(two, 2, **kw), batches(one, 2, **kw))
+
+
+def test_share_group_stays_in_one_process(one: ServerProc, two: ServerProc) -> None:
+    """Two subscribers of one shared rank are placed together and both get the unshared bytes."""
+    want = batches(one, 1)
+    subs = [
+        Loader(two.http_url, "cifar", BATCH, rank=0, world_size=1, seed=7, share="procs")
+        for _ in range(2)
+    ]
+    its = [iter(s) for s in subs]
+    got = [[arrays(next(it))] for it in its]
+    await_true(
+        "both subscribers in one process",
+        lambda: sorted(p["streams"] for p in processes(two)) == [0, 2],
+    )
+    for g, it in zip(got, its, strict=True):
+        g.extend(arrays(b) for b in it)
+    for s in subs:
+        s.close()
+    for g in got:
+        same({0: g}, want)
