@@ -305,6 +305,14 @@ class Settings(BaseSettings):
         # Flag > environment > machine: a field set either way is in model_fields_set.
         sized = [n for n, f in type(self).model_fields.items() if _is_sized(f.json_schema_extra)]
         given = {n: int(getattr(self, n)) for n in sized if n in self.model_fields_set}
+        if self.store_is_remote:
+            if given.get("stream_processes", 1) > 1:
+                raise ValueError(
+                    "--stream-processes above 1 needs a local store: a remote store's shard "
+                    "cache is kept by one process; pass --stream-processes 1, or serve a local "
+                    "copy of the store"
+                )
+            given["stream_processes"] = 1  # the one process that keeps the cache
         sizing = choose(probe(), given)
         for name, value in sizing.applied().items():
             if name not in given:
