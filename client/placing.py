@@ -1,9 +1,10 @@
 """Where to say a Hello on a server with streaming processes (``--stream-processes``).
 
-Before each Hello the client asks the control plane which process serves its rank
-(``POST /v1/jobs/{id}/place``); that process expects the Hello's nonce. Should the control
-plane not answer, the Hello goes to the main process, which serves it or sends it back to ask
-again: placement never stops a stream.
+The client asks the control plane which process serves its rank (``POST /v1/jobs/{id}/place``)
+before its first Hello, and again whenever it re-opens a stream to recover (a process that
+died, a Hello sent back); the epochs in between go where the rank was placed. Should the
+control plane not answer, the Hello goes to the main process, which serves it or sends it
+back to ask again: placement never stops a stream.
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ class Placer:
 
     def __init__(self, job: JobHandle, info: ServerInfo, transport: str, main: str) -> None:
         self._job, self._info, self._transport, self._main = job, info, transport, main
+        self._placed: dict[tuple[str, int], str] = {}
 
-    def endpoint_for(self, hello: Hello) -> str:
-        """The data endpoint of the process placed to serve ``hello``."""
-        req = PlaceRequest(rank=hello.rank, nonce=hello.nonce)
+    def endpoint_for(self, hello: Hello, again: bool) -> str:
+        """The data endpoint of the process placed to serve ``hello``'s rank; ``again``: ask
+        anew (the stream is recovering)."""
+        key = (hello.job, hello.rank)
+        if not again and key in self._placed:
+            return self._placed[key]
+        self._placed[key] = where = self._ask(hello)
+        return where
+
+    def _ask(self, hello: Hello) -> str:
+        req = PlaceRequest(rank=hello.rank)
         try:
             placed = self._job.api.place(self._job.id, req, timeout=PLACE_TIMEOUT_S)
         except ShardserveError as e:

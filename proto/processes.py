@@ -2,11 +2,11 @@
 
 A sidecar started with ``--stream-processes N`` (N > 1) runs its streams in N worker processes
 beside the main one (see ``docs/concepts/streaming-processes.md``). A client asks the control
-plane where to open each stream (``POST /v1/jobs/{id}/place``: :class:`PlaceRequest` in,
-:class:`Placement` out) and says its Hello there; the main process has told that streaming
-process, over its link, to expect that Hello (:class:`AdmitStream`, keyed by the Hello's
-nonce: the one-time ticket). The data protocol itself is unchanged: a client that never asks
-is served by the main process, as before.
+plane where to open its rank's streams (``POST /v1/jobs/{id}/place``: :class:`PlaceRequest`
+in, :class:`Placement` out) and says its Hellos there; the main process has told that
+streaming process, over its link, to serve that rank (:class:`AdmitStream`), and tells it
+when the job changes (:class:`UpdateJob`). The data protocol itself is unchanged: a client
+that never asks is served by the main process, as before.
 
 Every message on a link is one JSON frame of :data:`LinkMessage` (never pickled): typed here,
 validated on receipt, the same version on both ends (one server's processes).
@@ -36,11 +36,9 @@ class _Link(BaseModel):
 
 
 class PlaceRequest(_Link):
-    """Where should this client open its stream of ``rank``? (``POST .../place``)"""
+    """Where should this client open the streams of ``rank``? (``POST .../place``)"""
 
     rank: int = Field(ge=0, lt=1 << 16)
-    #: The nonce of the Hello the client will send: the ticket that process accepts.
-    nonce: int = Field(ge=0, lt=1 << 63)
 
 
 class Placement(_Link):
@@ -58,6 +56,8 @@ class ProcessStatus(_Link):
     up: bool
     #: Streams open in it, as its last report said.
     streams: int
+    #: Ranks of jobs placed on it (each rank's streams open there).
+    ranks: int
     #: How many times it was replaced after it died.
     restarts: int
     data_endpoints: list[str]
@@ -78,13 +78,20 @@ class JobWire(_Link):
 
 
 class AdmitStream(_Link):
-    """Expect a Hello for ``job``'s ``rank`` with this nonce; answered by :class:`Ack`."""
+    """Serve the Hellos of ``job``'s ``rank`` (placed here); answered by :class:`Ack`."""
 
     kind: Literal["admit"] = "admit"
     request: int
     job: JobWire
     rank: int
-    nonce: int
+
+
+class UpdateJob(_Link):
+    """The job changed (a new seed set with its epoch); answered by :class:`Ack`."""
+
+    kind: Literal["update"] = "update"
+    request: int
+    job: JobWire
 
 
 class EndJob(_Link):
@@ -228,7 +235,7 @@ class Report(_Link):
 
 
 LinkMessage = Annotated[
-    AdmitStream | EndJob | Stop | Ready | Ack | Report, Field(discriminator="kind")
+    AdmitStream | UpdateJob | EndJob | Stop | Ready | Ack | Report, Field(discriminator="kind")
 ]
 
 

@@ -145,6 +145,7 @@ class Service:
             self.kinds,
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
+            self._job_changed,
         )
         self.metrics.watch_plan_bytes(lambda: self.plans.nbytes)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
@@ -202,6 +203,11 @@ class Service:
             ),
             fatal=False,
         )
+
+    def _job_changed(self, job: Job) -> None:
+        """A job's epoch or seed was set: the streaming processes serving it learn it."""
+        if self.processes is not None:
+            self.processes.update_job(job)
 
     def _job_failed_elsewhere(self, job_id: str, code: ErrorCode, message: str) -> None:
         """A streaming process found the job's bytes or chain failing: every rank stops."""

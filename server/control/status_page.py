@@ -298,12 +298,12 @@ def _processes_section(service: ServiceDep) -> str:
         return ""
     rows = "".join(
         f"<tr><td>{p.index}</td><td>{p.pid}</td><td>{'up' if p.up else 'starting'}</td>"
-        f"<td>{p.streams}</td><td>{p.restarts}</td><td>{_e(' '.join(p.data_endpoints))}</td></tr>"
+        f"<td>{p.streams}</td><td>{p.ranks}</td><td>{p.restarts}</td><td>{_e(' '.join(p.data_endpoints))}</td></tr>"
         for p in service.processes.processes()
     )
     return (
         "<h2 id='processes'>Streaming processes</h2><table><tr><th>process</th><th>pid</th>"
-        "<th>state</th><th>streams</th><th>restarts</th><th>data endpoints</th></tr>"
+        "<th>state</th><th>streams</th><th>ranks placed</th><th>restarts</th><th>data endpoints</th></tr>"
         f"{rows}</table><p>Process 0, the main one, serves clients that do not ask where to "
         "go, and mixtures. A process that died is replaced; counters it reported are kept, "
         "its last quarter-second of counts may be lost.</p>"

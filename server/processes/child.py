@@ -26,6 +26,7 @@ from shardserve.proto.processes import (
     LinkMessage,
     Ready,
     Stop,
+    UpdateJob,
     stream_id_base,
 )
 
@@ -90,7 +91,10 @@ def _handle(link: Link, plane: ChildPlane, msg: LinkMessage) -> bool:
     """Apply one message from the main process; ``False``: stop."""
     match msg:
         case AdmitStream():
-            plane.replica.admit(msg.job, msg.rank, msg.nonce)
+            plane.replica.admit(msg.job, msg.rank)
+            link.send(Ack(request=msg.request))
+        case UpdateJob():
+            plane.replica.update(msg.job)
             link.send(Ack(request=msg.request))
         case EndJob():
             plane.end_job(msg.job, ErrorCode(msg.code), msg.message)

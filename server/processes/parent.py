@@ -48,6 +48,7 @@ from shardserve.proto.processes import (
     Sent,
     Stop,
     StreamNoted,
+    UpdateJob,
 )
 
 from ..registry.jobs import Job, JobRegistry
@@ -65,8 +66,8 @@ from .replica import job_wire
 
 log = logging.getLogger("shardserve.processes")
 
-#: How long an HTTP thread waits for a streaming process to confirm an admitted stream
-#: before the stream is served by the main process instead.
+#: How long an HTTP thread waits for a streaming process to confirm a placed rank (which is
+#: then served by the main process instead) or a changed job.
 ADMIT_TIMEOUT_S = 10.0
 #: How long a new streaming process may take to import and bind before start-up fails.
 START_TIMEOUT_S = 120.0
@@ -187,33 +188,48 @@ class StreamProcesses:
     # -- what the main process asks -------------------------------------------------------
 
     def place(self, job: Job, req: PlaceRequest, *, anywhere: bool, main: list[str]) -> Placement:
-        """Where ``req``'s stream of ``job`` opens; the process is told to expect its Hello.
-        ``main``: the main process's data endpoints."""
+        """Where ``req``'s rank of ``job`` opens its streams; that process is told to serve
+        them. ``main``: the main process's data endpoints."""
         shared = job.spec.share is not None
         k = self.table.place(job.id, req.rank, shared=shared, anywhere=anywhere)
         if k == MAIN:
             return Placement(process=MAIN, data_endpoints=main)
+        # Read again now that the rank is placed: a seed set in between reaches k either way.
+        job = self._jobs.find(job.id) or job
         rid = next(self._ids)
+        if not self._ask(k, rid, AdmitStream(request=rid, job=job_wire(job), rank=req.rank)):
+            self.table.move(job.id, req.rank, MAIN)
+            return Placement(process=MAIN, data_endpoints=main)
+        return Placement(process=k, data_endpoints=self.table.endpoints(k))
+
+    def update_job(self, job: Job) -> None:
+        """``job`` changed (a seed set with its epoch): every process knows before this
+        returns, so the next Hello anywhere reads the new job."""
+        for k in self.table.serving(job.id):
+            rid = next(self._ids)
+            self._ask(k, rid, UpdateJob(request=rid, job=job_wire(job)))
+
+    def _ask(self, k: int, rid: int, message: AdmitStream | UpdateJob) -> bool:
+        """Send ``message`` to process ``k`` and wait for its Ack; ``False`` after
+        :data:`ADMIT_TIMEOUT_S` (logged, naming the process)."""
         done = threading.Event()
         with self._lock:
             self._acks[rid] = done
-        self._send(k, AdmitStream(request=rid, job=job_wire(job), rank=req.rank, nonce=req.nonce))
+        self._send(k, message)
         acked = done.wait(ADMIT_TIMEOUT_S)
         with self._lock:
             self._acks.pop(rid, None)
         if not acked:
             log_event(
                 log,
-                "processes.admit_timeout",
+                "processes.ack_timeout",
                 level=logging.WARNING,
                 process=k,
-                job=job.id,
-                rank=req.rank,
+                job=message.job.id,
                 waited_s=ADMIT_TIMEOUT_S,
+                kind=message.kind,
             )
-            self.table.move(job.id, req.rank, MAIN)
-            return Placement(process=MAIN, data_endpoints=main)
-        return Placement(process=k, data_endpoints=self.table.endpoints(k))
+        return acked
 
     def end_job(self, job_id: str, code: ErrorCode, message: str) -> None:
         """End every stream of ``job_id`` in every streaming process."""
@@ -236,7 +252,8 @@ class StreamProcesses:
                     index=k,
                     pid=c.proc.pid,
                     up=c.ready.is_set(),
-                    streams=loads.get(k, 0),
+                    streams=loads.get(k, (0, 0))[0],
+                    ranks=loads.get(k, (0, 0))[1],
                     restarts=self._restarts[k],
                     data_endpoints=list(c.endpoints),
                 )

@@ -96,10 +96,19 @@ class PlacementTable:
         with self._lock:
             self._ranks[(job, rank)] = k
 
-    def loads(self) -> dict[int, int]:
-        """Streams open in each process as last reported."""
+    def loads(self) -> dict[int, tuple[int, int]]:
+        """Streams open in each process as last reported, and ranks placed on it."""
         with self._lock:
-            return {k: p.streams for k, p in self._procs.items()}
+            ranks = dict.fromkeys(self._procs, 0)
+            for k in self._ranks.values():
+                if k != MAIN:
+                    ranks[k] += 1
+            return {k: (p.streams, ranks[k]) for k, p in self._procs.items()}
+
+    def serving(self, job: str) -> list[int]:
+        """The streaming processes ranks of ``job`` were placed on."""
+        with self._lock:
+            return sorted({k for (j, _), k in self._ranks.items() if j == job and k != MAIN})
 
     def forget_job(self, job: str) -> None:
         """The job ended: its ranks are placed afresh if it comes back."""

@@ -1,6 +1,6 @@
-"""A streaming process's view of the jobs: those the main process admitted streams of, and the
-tickets (Hello nonces) it said to expect. What the streams write to the registry goes back to
-the main process as events (see :class:`~.feed.BoardFeed`).
+"""A streaming process's view of the jobs: those the main process placed ranks of here, and
+those ranks. What the streams write to the registry goes back to the main process as events
+(see :class:`~.feed.BoardFeed`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from shardserve.proto.messages import Error, Hello
 from shardserve.proto.processes import BoardEvent, JobFailed, JobWire, StreamNoted
 
 from ..registry.jobs import Job
-
-#: Tickets a process keeps at most (a client that asked and never came leaves one behind).
-MAX_TICKETS = 4096
 
 
 def job_wire(job: Job) -> JobWire:
@@ -44,7 +41,7 @@ def job_of(wire: JobWire) -> Job:
 
 
 class JobReplica:
-    """Jobs and tickets of one streaming process (any thread).
+    """Jobs and placed ranks of one streaming process (any thread).
 
     >>> r = JobReplica(lambda e: None)
     >>> r.find("j") is None
@@ -55,29 +52,32 @@ class JobReplica:
         self._emit = emit
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
-        self._tickets: dict[int, tuple[str, int]] = {}
+        self._ranks: set[tuple[str, int]] = set()
 
-    def admit(self, wire: JobWire, rank: int, nonce: int) -> None:
-        """Expect a Hello for the job's ``rank`` with ``nonce`` (the job as the main process
-        knows it now)."""
+    def admit(self, wire: JobWire, rank: int) -> None:
+        """Serve the Hellos of the job's ``rank`` (the job as the main process knows it now)."""
         with self._lock:
             self._jobs[wire.id] = job_of(wire)
-            while len(self._tickets) >= MAX_TICKETS:
-                del self._tickets[next(iter(self._tickets))]
-            self._tickets[nonce] = (wire.id, rank)
+            self._ranks.add((wire.id, rank))
+
+    def update(self, wire: JobWire) -> None:
+        """The job changed in the main process (a seed set with its epoch)."""
+        with self._lock:
+            if wire.id in self._jobs:
+                self._jobs[wire.id] = job_of(wire)
 
     def gate(self, hello: Hello) -> Error | None:
-        """Serve only a Hello the main process placed here (its ticket is used up)."""
+        """Serve only the ranks the main process placed here."""
         with self._lock:
-            ticket = self._tickets.pop(hello.nonce, None)
-        if ticket == (hello.job, hello.rank):
+            placed = (hello.job, hello.rank) in self._ranks
+        if placed:
             return None
         return Error(
             code=ErrorCode.UNKNOWN_STREAM,
             message=(
-                f"this streaming process was not told to expect job {hello.job!r} rank "
-                f"{hello.rank} (nonce {hello.nonce}): ask the control plane where to open it "
-                "(POST /v1/jobs/{id}/place) and say Hello there"
+                f"job {hello.job!r} rank {hello.rank} was not placed on this streaming "
+                "process: ask the control plane where to open it (POST /v1/jobs/{id}/place) "
+                "and say Hello there"
             ),
             fatal=False,
         )
@@ -86,7 +86,7 @@ class JobReplica:
         """The job was deleted or failed: no new stream of it opens here."""
         with self._lock:
             self._jobs.pop(job_id, None)
-            self._tickets = {n: t for n, t in self._tickets.items() if t[0] != job_id}
+            self._ranks = {r for r in self._ranks if r[0] != job_id}
 
     # -- StreamJobs -----------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ import pytest
 
 from shardserve.client import Loader
 from shardserve.proto.messages import EndOfEpoch, Welcome
+from shardserve.server.planning import plan
 from tests.server.rawclient import RawStream, zmq_context
-from tests.support.data import make_cifar_like
+from tests.support.data import make_cifar_like, sample_id_of
 from tests.support.server import ServerProc, make_job, run_server
 from tests.support.slowness import scaled
 
@@ -52,6 +53,16 @@ def processes(srv: ServerProc) -> list[dict[str, Any]]:
     return list(r.json())
 
 
+def placed(srv: ServerProc) -> dict[int, int]:
+    """Ranks placed on each streaming process."""
+    return {p["index"]: p["ranks"] for p in processes(srv)}
+
+
+def added(before: dict[int, int], after: dict[int, int]) -> list[int]:
+    """Ranks placed on each process since ``before``, sorted."""
+    return sorted(after[k] - before.get(k, 0) for k in after)
+
+
 def counter(srv: ServerProc, name: str) -> float:
     text = httpx.get(f"{srv.http_url}/metrics", headers=srv.headers, timeout=scaled(30)).text
     values = re.findall(rf"^{name} ([0-9.e+]+)$", text, re.M)
@@ -67,12 +78,14 @@ def await_true(what: str, check: Callable[[], bool], timeout: float = 30.0) -> N
 
 
 def batches(
-    srv: ServerProc, world: int, dataset: Any = "cifar", **kw: Any
+    srv: ServerProc, world: int, dataset: Any = "cifar", seed: int = 7, **kw: Any
 ) -> dict[int, list[dict[str, np.ndarray]]]:
     """Every rank's epoch 0, read one rank after another."""
     out = {}
     for rank in range(world):
-        with Loader(srv.http_url, dataset, BATCH, rank=rank, world_size=world, seed=7, **kw) as ld:
+        with Loader(
+            srv.http_url, dataset, BATCH, rank=rank, world_size=world, seed=seed, **kw
+        ) as ld:
             out[rank] = [arrays(b) for b in ld]
     return out
 
@@ -100,15 +113,13 @@ def test_two_ranks_on_two_processes_read_what_one_process_serves(
     one: ServerProc, two: ServerProc
 ) -> None:
     """Two ranks open at once land on both streaming processes and get one process's bytes."""
+    before = placed(two)
     loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=7) for r in range(2)]
     its = [iter(ld) for ld in loaders]
     got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
     for r, it in enumerate(its):
         got[r].append(arrays(next(it)))
-    await_true(
-        "both streaming processes to hold one stream",
-        lambda: sorted(p["streams"] for p in processes(two)) == [1, 1],
-    )
+    assert added(before, placed(two)) == [1, 1]
     for r, it in enumerate(its):
         got[r].extend(arrays(b) for b in it)
     for ld in loaders:
@@ -122,17 +133,15 @@ def test_killed_streaming_process_resumes_every_rank_exactly_once(
     one: ServerProc, two: ServerProc
 ) -> None:
     """SIGKILL of a streaming process mid-epoch: each rank still gets its batches once, in order."""
-    want = batches(one, 2)
-    loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=7) for r in range(2)]
+    want = batches(one, 2, seed=8)
+    before = placed(two)
+    loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=8) for r in range(2)]
     its = [iter(ld) for ld in loaders]
     got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
     for _ in range(3):
         for r, it in enumerate(its):
             got[r].append(arrays(next(it)))
-    await_true(
-        "both streaming processes to hold one stream",
-        lambda: sorted(p["streams"] for p in processes(two)) == [1, 1],
-    )
+    assert added(before, placed(two)) == [1, 1]
     victim = processes(two)[0]
     os.kill(victim["pid"], signal.SIGKILL)
     for r, it in enumerate(its):
@@ -202,19 +211,43 @@ def test_jobs_of_every_kind_read_alike_over_processes(
 def test_share_group_stays_in_one_process(one: ServerProc, two: ServerProc) -> None:
     """Two subscribers of one shared rank are placed together and both get the unshared bytes."""
     want = batches(one, 1)
+    before = placed(two)
     subs = [
         Loader(two.http_url, "cifar", BATCH, rank=0, world_size=1, seed=7, share="procs")
         for _ in range(2)
     ]
     its = [iter(s) for s in subs]
     got = [[arrays(next(it))] for it in its]
-    await_true(
-        "both subscribers in one process",
-        lambda: sorted(p["streams"] for p in processes(two)) == [0, 2],
-    )
+    assert added(before, placed(two)) == [0, 1]  # one rank, so one process
     for g, it in zip(got, its, strict=True):
         g.extend(arrays(b) for b in it)
     for s in subs:
         s.close()
     for g in got:
         same({0: g}, want)
+
+
+def test_a_seed_set_over_http_reaches_the_streaming_processes(
+    one: ServerProc, two: ServerProc
+) -> None:
+    """An epoch after ``PUT .../epoch`` with a new seed is the one a single process serves."""
+
+    def read(srv: ServerProc) -> list[dict[str, np.ndarray]]:
+        with Loader(srv.http_url, "cifar", BATCH, rank=0, world_size=2, seed=11) as ld:
+            first = [arrays(b) for b in ld]
+            r = httpx.put(
+                f"{srv.http_url}/v1/jobs/{ld.job_id}/epoch",
+                json={"epoch": 1, "seed": 12345},
+                headers=srv.headers,
+                timeout=scaled(30),
+            )
+            assert r.status_code == 200, r.text
+            ld.set_epoch(1)
+            return first + [arrays(b) for b in ld]
+
+    got, want = read(two), read(one)
+    same({0: got}, {0: want})
+    epoch1 = [int(i) for b in got[len(got) // 2 :] for i in sample_id_of(b)]
+    for seed, equal in ((12345, True), (11, False)):
+        dealt = plan(N, seed=seed, epoch=1, world_size=2, rank=0, batch_size=BATCH)
+        assert ([int(i) for b in dealt for i in b] == epoch1) is equal, seed
