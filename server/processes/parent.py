@@ -121,30 +121,46 @@ class StreamProcesses:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Why start-up failed (a process exited before it was ready), once it did.
+        self._failure: str | None = None
+        self._started = False
+        self._stopped = False
+        #: When each dead process is started again.
+        self._respawn: dict[int, float] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start every process and return once each has bound its data endpoints."""
+        """Start every process and return once each has bound its data endpoints; raise
+        why not (a process that exits first, or one slower than :data:`START_TIMEOUT_S`)."""
         for k in range(1, self.n + 1):
-            self._children[k] = self._spawn(k)
+            child = self._spawn(k)
+            with self._lock:
+                self._children[k] = child
         self._thread = threading.Thread(target=self._run, name="ss-processes", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         for k, child in sorted(self._children.items()):
-            if not child.ready.wait(max(0.0, deadline - time.monotonic())):
-                self.stop()
-                raise TimeoutError(
-                    f"streaming process {k} (pid {child.proc.pid}) did not bind its data "
-                    f"endpoints within {START_TIMEOUT_S:.0f} s; see its log lines above"
-                )
+            # Woken by its Ready, or by the thread when a process exits before it.
+            while not child.ready.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+                if self._failure is not None or time.monotonic() >= deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        self._failure
+                        or f"streaming process {k} (pid {child.proc.pid}) did not bind its data "
+                        f"endpoints within {START_TIMEOUT_S:.0f} s; see its log lines above"
+                    )
+        self._started = True
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell every process to close its streams and exit; kill what is left after
-        ``timeout``."""
-        self._stopping.set()
+        ``timeout``. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         for k in list(self._children):
             self._outbox.put((k, Stop()))
+        self._stopping.set()  # after the Stops: the thread's last flush sends them
         self._waker.wake()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -244,21 +260,27 @@ class StreamProcesses:
             return self._totals.render(registry, live)
 
     def processes(self) -> list[ProcessStatus]:
-        """Each streaming process now (``GET /v1/processes``, the status page)."""
+        """Each streaming process now (``GET /v1/processes``, the status page); one that
+        died and waits to be started again shows ``up: false``, pid 0."""
         loads = self.table.loads()
         with self._lock:
-            return [
+            children = dict(self._children)
+        out = []
+        for k in range(1, self.n + 1):
+            c = children.get(k)
+            streams, ranks = loads.get(k, (0, 0))
+            out.append(
                 ProcessStatus(
                     index=k,
-                    pid=c.proc.pid,
-                    up=c.ready.is_set(),
-                    streams=loads.get(k, (0, 0))[0],
-                    ranks=loads.get(k, (0, 0))[1],
+                    pid=c.proc.pid if c is not None else 0,
+                    up=c is not None and c.ready.is_set(),
+                    streams=streams,
+                    ranks=ranks,
                     restarts=self._restarts[k],
-                    data_endpoints=list(c.endpoints),
+                    data_endpoints=list(c.endpoints) if c is not None else [],
                 )
-                for k, c in sorted(self._children.items())
-            ]
+            )
+        return out
 
     def _send(self, k: int, message: LinkMessage) -> None:
         self._outbox.put((k, message))
@@ -267,7 +289,7 @@ class StreamProcesses:
     # -- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping.is_set() or not self._outbox.empty():
+        while True:
             poller = zmq.Poller()
             poller.register(self._waker.fileno(), zmq.POLLIN)
             children = dict(self._children)
@@ -276,15 +298,17 @@ class StreamProcesses:
                 poller.register(c.pidfd, zmq.POLLIN)
             events = dict(poller.poll(250))
             self._waker.drain()
+            stopping = self._stopping.is_set()
             self._flush_outbox()
+            if stopping:
+                return
             for c in children.values():
                 if c.link.sock in events:
                     while (msg := c.link.recv()) is not None:
                         self._on_message(c, msg)
                 if c.pidfd in events or self._silent(c):
                     self._died(c)
-            if self._stopping.is_set():
-                return
+            self._respawn_due()
 
     def _flush_outbox(self) -> None:
         while True:
@@ -375,10 +399,18 @@ class StreamProcesses:
         if self._shm:
             for name in remove_stale(SHM_DIR):
                 log_event(log, "shm.stale_removed", segment=name)
-        if self._stopping.is_set():
-            self._children.pop(c.index, None)
+        self._children.pop(c.index, None)
+        if not self._started:  # at start-up: the server does not start
+            self._failure = (
+                f"streaming process {c.index} (pid {c.proc.pid}) exited with {code} before "
+                "it was ready; see its log lines above"
+            )
             return
         self._restarts[c.index] += 1
+        # A process that dies at once again (a port another program took) is started again
+        # after a wait that doubles, up to 10 s, not in a loop.
+        delay = min(10.0, 0.1 * 2 ** min(self._restarts[c.index], 7))
+        self._respawn[c.index] = time.monotonic() + delay
         log_event(
             log,
             "processes.died",
@@ -387,8 +419,17 @@ class StreamProcesses:
             pid=c.proc.pid,
             exit_code=code,
             restarts=self._restarts[c.index],
+            restart_in_s=round(delay, 2),
         )
-        self._children[c.index] = self._spawn(c.index)
+
+    def _respawn_due(self) -> None:
+        now = time.monotonic()
+        for k, at in list(self._respawn.items()):
+            if at <= now:
+                del self._respawn[k]
+                child = self._spawn(k)
+                with self._lock:
+                    self._children[k] = child
 
     def _close_child(self, c: _Child) -> None:
         c.link.close()

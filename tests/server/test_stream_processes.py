@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -251,3 +255,32 @@ def test_a_seed_set_over_http_reaches_the_streaming_processes(
     for seed, equal in ((12345, True), (11, False)):
         dealt = plan(N, seed=seed, epoch=1, world_size=2, rank=0, batch_size=BATCH)
         assert ([int(i) for b in dealt for i in b] == epoch1) is equal, seed
+
+
+def test_a_streaming_process_that_cannot_bind_stops_the_start(store: Path) -> None:
+    """With process 1's data port taken, the server exits 1 naming that process and the port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1  # process 1 binds the main port + 1
+        with tempfile.TemporaryDirectory(prefix="ss-") as work:
+            cmd = [
+                sys.executable,
+                "-m",
+                "shardserve.server",
+                "serve",
+                "--store",
+                str(store),
+                "--http",
+                "127.0.0.1:0",
+                "--data",
+                f"tcp://127.0.0.1:{port}",
+                "--ipc",
+                f"{work}/ss.sock",
+                "--stream-processes",
+                "2",
+            ]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(120))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert f"tcp://127.0.0.1:{port + 1}" in out and "streaming process 1" in out, out[-3000:]
