@@ -131,6 +131,10 @@ def test_two_ranks_on_two_processes_read_what_one_process_serves(
     same(got, batches(one, 2))
     ids = np.concatenate([b["label"] for r in got for b in got[r]])
     assert ids.size == N
+    page = httpx.get(f"{two.http_url}/", headers=two.headers, timeout=scaled(30)).text
+    section = page.split("id='processes'", 1)[1].split("</table>", 1)[0]
+    for p in processes(two):
+        assert f"<tr><td>{p['index']}</td><td>{p['pid']}</td><td>up</td>" in section
 
 
 def test_killed_streaming_process_resumes_every_rank_exactly_once(
