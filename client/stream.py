@@ -86,11 +86,8 @@ class EpochStream:
         """``rows``: the job's batch size, ``num_batches``: its batches per epoch (the plan
         every message and the Welcome are checked against; 0 / ``None``: the server's word);
         ``graphs``: batches are collated graphs (see :func:`._cut.check_message`);
-        ``place(hello, again)``: the data endpoint to say each Hello to, asked of a server with
-        streaming processes, anew when ``again`` (recovering); ``None``: the connection's
-        endpoint, always."""
-        self._place = place
-        self.conn = conn
+        ``place(hello, again)``: where to say each Hello (:mod:`.placing`)."""
+        self._place, self.conn = place, conn
         self.rows, self.num_batches, self.graphs = rows, num_batches, graphs
         self.hello = hello
         self.epoch = hello.epoch
