@@ -4,7 +4,7 @@ Started by the main process (``python -m shardserve.server.processes.child``, it
 :class:`ChildConfig` as JSON on stdin). It maps the same store, runs its own streamer,
 assembly lanes, plan cache and transform workers, and serves only the streams the main
 process placed here (:class:`~.replica.JobReplica`). Every ``REPORT_S`` it reports what its
-streams did (:class:`~.feed.BoardFeed`) with its metric families; it exits when told to stop,
+streams did (once a second when idle) (:class:`~.feed.BoardFeed`) with its metric families; it exits when told to stop,
 or when the main process is gone.
 """
 
@@ -23,6 +23,7 @@ from shardserve.proto.processes import (
     Ack,
     AdmitStream,
     EndJob,
+    Family,
     LinkMessage,
     Ready,
     Stop,
@@ -41,8 +42,8 @@ log = logging.getLogger("shardserve.processes")
 
 #: Seconds between two reports to the main process.
 REPORT_S = 0.25
-#: Reports between two that carry the metric families.
-FAMILIES_EVERY = 4
+#: Report periods between two reports of an idle process.
+IDLE_EVERY = 4
 
 
 def _stream_ids(k: int) -> tuple[int, int]:
@@ -69,7 +70,8 @@ def serve_child(config: ChildConfig, settings: Settings) -> int:
 def _loop(link: Link, plane: ChildPlane, parent: int) -> None:
     poller = zmq.Poller()
     poller.register(link.sock, zmq.POLLIN)
-    next_report, reports = time.monotonic() + REPORT_S, 0
+    next_report, ticks = time.monotonic() + REPORT_S, 0
+    sent: list[Family] = []
     while os.getppid() == parent:  # an orphan stops: nobody places or reads its streams
         wait = max(0.0, next_report - time.monotonic())
         if poller.poll(int(wait * 1000)):
@@ -77,12 +79,15 @@ def _loop(link: Link, plane: ChildPlane, parent: int) -> None:
                 if not _handle(link, plane, msg):
                     return
         if time.monotonic() >= next_report:
-            reports += 1
-            report = plane.feed.take()
-            families = (
-                families_of(plane.metrics.registry) if reports % FAMILIES_EVERY == 1 else None
-            )
-            link.send(report.model_copy(update={"families": families}))
+            ticks += 1
+            # A busy process reports its events with its totals at once; an idle one says it
+            # lives, with its gauges, once a second.
+            if plane.feed.pending() or ticks % IDLE_EVERY == 0:
+                report = plane.feed.take()
+                families = families_of(plane.metrics.registry)
+                fresh = families if families != sent else None  # unchanged: not sent again
+                link.send(report.model_copy(update={"families": fresh}))
+                sent = families
             next_report = time.monotonic() + REPORT_S
     log_event(log, "processes.orphaned", level=logging.ERROR, parent=parent)
 

@@ -53,12 +53,18 @@ class BoardFeed:
         self._heard: dict[tuple[str, int], Heard] = {}
         self._open: set[int] = set()
         self._shares: tuple[dict[str, list[ShareStatus]], list[ShareSeries]] | None = None
+        self._shares_sent: tuple[dict[str, list[ShareStatus]], list[ShareSeries]] = ({}, [])
 
     def emit(self, event: BoardEvent) -> None:
         """Queue ``event`` after the sends so far (they are flushed first, keeping order)."""
         with self._lock:
             self._flush_sends()
             self._events.append(event)
+
+    def pending(self) -> bool:
+        """Whether anything happened since the last :meth:`take`."""
+        with self._lock:
+            return bool(self._events or self._sends or self._heard or self._shares is not None)
 
     def open_streams(self) -> int:
         """Streams welcomed and not closed yet."""
@@ -96,8 +102,10 @@ class BoardFeed:
     # -- BoardWrites ----------------------------------------------------------------------
 
     def set_shares(self, shares: dict[str, list[ShareStatus]], series: list[ShareSeries]) -> None:
+        # The streamer sets them every tick: only a change is news.
         with self._lock:
-            self._shares = (shares, series)
+            if (shares, series) != self._shares_sent:
+                self._shares = self._shares_sent = (shares, series)
 
     def opened(
         self,
