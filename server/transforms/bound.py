@@ -181,8 +181,7 @@ class TransformedDataset(Wrapped):
         #: The job's own transform lane: a transform of this job that hangs keeps only it.
         self._lane = job_id(spec)
         #: A chain of built-in image passes only (see :func:`~.fused.passes_only`) runs on the
-        #: thread assembling its batch, the streamer's own included: a hand-off to a lane and
-        #: back cost more than such a chain's work (0.4 ms of a batch's CPU, two wake-ups).
+        #: thread assembling its batch, the streamer's own included: no hand-off to a lane.
         self._passes = passes_only([s.transform for s in chain.steps]) and (
             not runtime.pool.uses_processes(chain)
         )
@@ -220,7 +219,9 @@ class TransformedDataset(Wrapped):
         """Only for a chain of built-in image passes (crop, flip, normalize: bounded work
         that cannot hang, see :func:`~.fused.passes_only`); any other transform may take
         long, or hang until its deadline, and runs on its job's lane. The pipeline still
-        sends a batch too big, or after one too slow, to the pool."""
+        sends a batch too big, or after one too slow, to the pool (CIFAR normalized to
+        float32 at batch 256, 3 MiB, runs on the streamer: 0.1 ms of CPU a batch less than
+        on its lane, and no slower on two busy cores)."""
         return self._passes
 
     @property

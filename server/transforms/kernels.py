@@ -42,8 +42,9 @@ def scratch(role: str, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
 
 def pad_batch(x: np.ndarray, ah: int, aw: int, padding: int, fill: float) -> np.ndarray:
     """``x`` ``[B, ...]`` padded by ``padding`` on both sides of batch axes ``ah`` and ``aw``
-    with ``fill``: a filled scratch array (this thread's, reused: read it before the next
-    call) and one copy of the interior.
+    with ``fill``: a read-only view of this thread's scratch array (reused: read it before
+    the next call), whose border is filled only when it does not hold ``fill`` already, and
+    one copy of the interior.
 
     >>> pad_batch(np.ones((1, 2, 2), np.uint8), 1, 2, 1, 0)[0]
     array([[0, 0, 0, 0],
@@ -67,7 +68,9 @@ def pad_batch(x: np.ndarray, ah: int, aw: int, padding: int, fill: float) -> np.
     inner[ah] = slice(padding, padding + x.shape[ah])
     inner[aw] = slice(padding, padding + x.shape[aw])
     buf[tuple(inner)] = x
-    return buf
+    view = buf.view()
+    view.flags.writeable = False  # the border is kept for the next call: never written over
+    return view
 
 
 def _windows(buf: np.ndarray, ah: int, aw: int, h: int, w: int) -> np.ndarray:
