@@ -50,6 +50,10 @@ MAX_REPLACEMENTS = 8
 Quarantine = Callable[[str, Sequence[int], str], None]
 #: Batches of one job assembled at once (each waits on its transform pieces).
 ASSEMBLY_PER_JOB = 2
+#: A chain of built-in passes runs on the thread assembling its batch (the streamer's too)
+#: only if a step of it holds at most this many bytes for a batch (its fields and a padded
+#: copy: CIFAR's normalize at batch 256, 3.9 MB): a few milliseconds of work at most.
+INLINE_HELD_BYTES = 16 << 20
 
 
 class Transforms:
@@ -182,8 +186,10 @@ class TransformedDataset(Wrapped):
         self._lane = job_id(spec)
         #: A chain of built-in image passes only (see :func:`~.fused.passes_only`) runs on the
         #: thread assembling its batch, the streamer's own included: no hand-off to a lane.
-        self._passes = passes_only([s.transform for s in chain.steps]) and (
-            not runtime.pool.uses_processes(chain)
+        self._passes = (
+            passes_only([s.transform for s in chain.steps])
+            and not runtime.pool.uses_processes(chain)
+            and max(s.held for s in chain.steps) * spec.batch_size <= INLINE_HELD_BYTES
         )
         self._epoch, self._seed, self._rank = epoch, seed, rank
         self._manifest = chain_manifest(chain, inner.manifest)
@@ -217,7 +223,8 @@ class TransformedDataset(Wrapped):
     @property
     def inline_ok(self) -> bool:
         """Only for a chain of built-in image passes (crop, flip, normalize: bounded work
-        that cannot hang, see :func:`~.fused.passes_only`); any other transform may take
+        that cannot hang, see :func:`~.fused.passes_only`) over at most
+        :data:`INLINE_HELD_BYTES` a batch; any other transform may take
         long, or hang until its deadline, and runs on its job's lane. The pipeline still
         sends a batch too big, or after one too slow, to the pool (CIFAR normalized to
         float32 at batch 256, 3 MiB, runs on the streamer: 0.1 ms of CPU a batch less than

@@ -66,10 +66,11 @@ def test_builtin_passes_run_on_the_assembling_thread_with_a_worker_process_bytes
         [*CIFAR_CHAIN, {"name": "double_into"}],
         [{"name": "double_into"}],
         [{"name": "resize", "params": {"size": 16, "layout": "CHW"}}],
+        [{"name": "random_crop", "params": {"size": 32, "padding": 1000, "layout": "CHW"}}],
     ],
 )
-def test_a_chain_with_any_other_transform_is_never_run_inline(
+def test_a_chain_that_may_take_long_is_never_run_inline(
     store: Path, runtimes: dict[str, Transforms], chain: list
 ) -> None:
-    """A user's transform or a resampling built-in may take long: its batches go to a lane."""
+    """A user's transform, a resampling built-in or a huge padded copy go to the job's lane."""
     assert not _bind(runtimes["thread"], store, chain).inline_ok
