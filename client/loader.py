@@ -189,11 +189,6 @@ class Loader:
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
-        if not isinstance(dataset, str) and resident is not None:
-            raise BadRequest(
-                "a mixture (dataset={name: weight}) streams batches: it cannot be resident "
-                "(yet); leave resident out"
-            )
         if transforms is not None and resident is not None:
             raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
         if share is not None and resident is not None:
@@ -385,9 +380,8 @@ class Loader:
         ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
         same position), or a list of every rank's, which must agree. ``BadRequest`` if it is
         damaged or another job's; ``ResumeRefused`` (before any batch) if taken mid-epoch on
-        another or an unknown dataset version ([versions](../concepts/versions.md)), or a
-        mixture's of another world size. ``allow_other_version=True``: resume on this version
-        knowingly."""
+        another or an unknown dataset version ([versions](../concepts/versions.md)).
+        ``allow_other_version=True``: resume on this version knowingly."""
         st, pos, job, world = parse_states(state), self._ctx.pos, self._job, self.world.world_size
         check_resumable(st, self.spec, job.pinned, world, "loader", allow_other_version)
         start, origin = start_for(st, world, job.num_samples, pos.per_epoch)
@@ -420,7 +414,8 @@ class Loader:
             or stream.hello.offset != start.offset
             or stream.next_index != start[1]
         ):
-            origin = self._origin[1] if self._origin and self._origin[0] == start.epoch else ""
+            # Every later epoch names it too: a mixture's steps keep the origin's places.
+            origin = self._origin[1] if self._origin and self._origin[0] <= start.epoch else ""
             stream = self._feed.open(start.epoch, start.batch, start.offset, origin)
         return stream
 

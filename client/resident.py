@@ -236,6 +236,12 @@ class Resident:
         data = load_fields(stream_once(), layout, info.num_samples, devices)
         return cls(api, job_id, rank, batch_size, data, env_devices, timeout)
 
+    def add_field(self, name: str, rows: torch.Tensor) -> None:
+        """Hold ``rows`` (one value a resident sample) as field ``name`` on every device: a
+        part the server adds to each batch (a mixture's ``source``), not a stored field."""
+        for fields in self.data.values():
+            fields.tensors[name] = rows.to(fields.device)
+
     @property
     def sample_nbytes(self) -> int:
         """Bytes one sample's fields take."""
@@ -267,7 +273,8 @@ class Resident:
         want_ids, want_batches = rank_plan_size(
             self._job.num_samples - offset, spec.deal_world, self.batch_size, spec.drop_last
         )
-        if self._job.num_samples != rows:
+        # A mixture's epoch is as long as it asks, over rows of every source.
+        if spec.mixture is None and self._job.num_samples != rows:
             raise ProtocolError(
                 f"job {self.job_id} field num_samples={self._job.num_samples}, but the "
                 f"resident data holds {rows} samples"
