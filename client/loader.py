@@ -387,6 +387,8 @@ class Loader:
         start, origin = start_for(st, world, job.num_samples, pos.per_epoch)
         pos.restore(*start)
         self._origin = (start.epoch, origin) if origin else None
+        if self._resident is not None:
+            self._resident.origin = self._origin
 
     # -- iteration -------------------------------------------------------------------------
 

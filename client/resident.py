@@ -215,6 +215,9 @@ class Resident:
         self.api, self.job_id, self.rank, self.batch_size = api, job_id, rank, batch_size
         self.data, self.env_devices, self.timeout = data, list(env_devices), timeout
         self._job: JobStatus | None = None  # the server's word on the job, asked once
+        #: ``(epoch, job id)``: the job of another world size whose state was resumed from
+        #: that epoch on (a mixture's steps keep that job's places), else ``None``.
+        self.origin: tuple[int, str] | None = None
 
     @classmethod
     def load(
@@ -252,9 +255,17 @@ class Resident:
         """Every environment's plan for ``epoch`` (dealt from ``offset``: an elastic resume),
         its ids already on its device."""
         plans = []
+        origin = self.origin[1] if self.origin and self.origin[0] <= epoch else ""
         for env, dev in enumerate(self.env_devices):
             ids, batches = self.api.plan(
-                self.job_id, epoch, self.rank, env, timeout=self.timeout, offset=offset
+                self.job_id,
+                epoch,
+                self.rank,
+                env,
+                timeout=self.timeout,
+                offset=offset,
+                take=True,
+                origin=origin,
             )
             what = f"plan of job {self.job_id} epoch {epoch} env {env}"
             self._check_plan(ids, batches, what, offset)

@@ -159,22 +159,28 @@ class MixtureAdmin:
                 self.plans.ready(job, epoch, seed)
 
     def plan(
-        self, job: Job, epoch: int, rank: int, env: int | None = None, offset: int = 0
+        self,
+        job: Job,
+        epoch: int,
+        rank: int,
+        env: int | None = None,
+        offset: int = 0,
+        take: bool = False,
     ) -> tuple[np.ndarray, int]:
         """``rank``'s concatenated ids of ``epoch`` in batch order, and its batch count;
-        ``env``: that environment's own batches (``None``: whole steps). The epoch is taken
-        whole (a client holding the data gathers all of it): from now on a weight change
-        takes effect at the next epoch's start at the earliest. ``offset``: dealt from that
-        position, for a job linked to the state's job only (a stream's ``Hello.origin``)."""
+        ``env``: that environment's own batches (``None``: whole steps). ``take``: the epoch
+        is taken whole (a client holding the data gathers all of it): from now on a weight
+        change takes effect at the next epoch's start at the earliest. ``offset``: dealt
+        from that position, for a job linked to the state's job only (``origin``)."""
         if offset and job.resumed_from is None:
             raise BadRequest(
                 f"job {job.id} is a mixture: its plan dealt from position {offset} (a state of "
-                "another world size) needs the job that saved the state, which only its stream "
-                "names: resume it streaming (leave resident out, or use a Loader instead of "
-                "plan()), or on the world size that saved the state"
+                "another world size) needs the job that saved the state: pass its id as "
+                "origin=<job id> (GET .../plan?offset=...&origin=...), or resume on the world "
+                "size that saved the state"
             )
-        last = (epoch + 1) * mixtures.steps_per_epoch(job) - 1
-        job, _ = self.jobs.resolving(job.id, last)
+        if take:
+            job, _ = self.jobs.resolving(job.id, (epoch + 1) * mixtures.steps_per_epoch(job) - 1)
         plan = (
             self.plans.rank_plan(job, epoch, job.seed, rank, offset)
             if env is None

@@ -143,3 +143,27 @@ def test_a_change_taken_on_2_ranks_holds_at_its_place_resumed_on_3(srv: ServerPr
     pads = -(-(EPOCH_SAMPLES - 192) // 3) * 3 - (EPOCH_SAMPLES - 192)
     assert Counter(after) == Counter(order[192:] + order[:pads])
     assert {s for s, _ in order[448:864]} == {2} and {s for s, _ in order[864:]} == {0}
+
+
+def test_a_resident_mixture_resumes_a_steered_state_on_another_world_size(
+    srv: ServerProc,
+) -> None:
+    """A state of 2 ranks with math only from step 5 (position 320), resumed resident on 3
+    ranks: each gets the pure planner's deal of the rest with the change at its place."""
+    math_only = (0.0, 0.0, 1.0)
+    saving = [mix_loader(srv, seed=35, rank=r, world_size=2) for r in range(2)]
+    try:
+        saving[0].set_mixture(dict(zip(WEIGHTS, math_only, strict=True)), at_step=5)
+        for ld in saving:
+            ld.set_epoch(0)
+            list(itertools.islice(iter(ld), 2))
+        state = saving[0].state_dict()
+    finally:
+        for ld in saving:
+            ld.close()
+    segs = [Segment(0, W0), Segment(5 * 2 * BATCH, math_only)]
+    for rank in range(3):
+        with mix_loader(srv, seed=35, rank=rank, world_size=3, resident="cpu") as ld:
+            ld.load_state_dict(state)
+            got = [samples(b) for b in ld]
+        assert got == reference(35, 0, segs, 3, rank, offset=state["position"])[0], rank
