@@ -1,7 +1,7 @@
 """Mixtures combined with ``resident`` and with an elastic resume, each against its plain
 form's contract: resident batches are the streamed ones byte for byte and follow the pure
-planner; a change taken on 2 ranks holds at its place in the order when the state resumes
-on 3. Real server, real Loaders (threads of this process)."""
+planner; a weight change or a quarantine taken on 2 ranks holds at its place in the order
+when the state resumes on 3. Real server, real Loaders (threads of this process)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from shardserve.client import Loader
 from shardserve.proto.errors import StepInThePast
 from shardserve.server.planning import RankPlan
-from shardserve.server.planning.mixture import MixSource, Segment, mixture_order
+from shardserve.server.planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from tests.client.test_mixture_combos import SOURCES, WEIGHTS, Sample, as_samples, samples
 from tests.support.data import make_cifar_like
 from tests.support.resume import assert_resumes_exactly
@@ -31,11 +32,16 @@ W0 = tuple(WEIGHTS.values())
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root: Path = tmp_path_factory.mktemp("mixres")
     for name, (n, seed) in SOURCES.items():
         make_cifar_like(root, name, n=n, seed=seed, shard_bytes=128 << 10)
-    with run_server(root, "--state-dir", str(tmp_path_factory.mktemp("state"))) as s:
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    with run_server(store, "--state-dir", str(tmp_path_factory.mktemp("state"))) as s:
         yield s
 
 
@@ -49,9 +55,18 @@ def mix_loader(srv: ServerProc, **kw: Any) -> Loader:
     return Loader(srv.http_url, dict(WEIGHTS), BATCH, **args)
 
 
-def reference(seed: int, epoch: int, segs: list[Segment], world: int, rank: int, offset: int = 0):
-    """The pure planner's batches of ``rank`` of ``world`` as (source, id) samples."""
-    order = mixture_order(MIX, seed, epoch, EPOCH_SAMPLES, segs, world)
+def reference(
+    seed: int,
+    epoch: int,
+    segs: list[Segment],
+    world: int,
+    rank: int,
+    offset: int = 0,
+    quarantine: tuple[Quarantine, ...] = (),
+) -> tuple[list[tuple[Sample, ...]], list[Sample]]:
+    """The pure planner's batches of ``rank`` of ``world`` as (source, id) samples, and the
+    epoch's whole order."""
+    order = mixture_order(MIX, seed, epoch, EPOCH_SAMPLES, segs, world, quarantine)
     plan = RankPlan.from_order(order, world, rank, BATCH, False, offset)
     return [tuple(as_samples(np.asarray(b))) for b in plan], as_samples(order)
 
@@ -167,3 +182,41 @@ def test_a_resident_mixture_resumes_a_steered_state_on_another_world_size(
             ld.load_state_dict(state)
             got = [samples(b) for b in ld]
         assert got == reference(35, 0, segs, 3, rank, offset=state["position"])[0], rank
+
+
+def test_a_quarantine_taken_on_2_ranks_holds_at_its_place_resumed_on_3(
+    store: Path, tmp_path: Path
+) -> None:
+    """Math ids quarantined at the frontier of 2 ranks (step f, position f * 64), a state
+    after 3 batches resumed on 3 ranks: the ids are served before position f * 64 only, each
+    rank the pure planner's deal of the rest with that quarantine."""
+    bad = list(range(0, 200, 4))
+    with run_server(store, "--state-dir", str(tmp_path / "state")) as own:
+        saving = [mix_loader(own, seed=36, rank=r, world_size=2) for r in range(2)]
+        try:
+            for ld in saving:
+                ld.set_epoch(0)
+                list(itertools.islice(iter(ld), 3))
+            url = f"{own.http_url}/v1/datasets/math/quarantine"
+            body = {"ids": bad, "reason": "corrupt"}
+            r = httpx.post(url, json=body, headers=own.headers, timeout=scaled(30))
+            assert r.status_code == 200, r.text
+            [entry] = r.json()["entries"]
+            step = entry["at"][saving[0].job_id]
+            state = saving[0].state_dict()
+        finally:
+            for ld in saving:
+                ld.close()
+        assert 3 <= step < EPOCH_SAMPLES // (2 * BATCH)
+        got = []
+        for rank in range(3):
+            with mix_loader(own, seed=36, rank=rank, world_size=3) as ld:
+                ld.load_state_dict(state)
+                got.append([samples(b) for b in ld])
+    quarantine = (Quarantine(2, step * 2 * BATCH, np.asarray(bad, dtype=np.int64)),)
+    segs = [Segment(0, W0)]
+    for rank in range(3):
+        want, order = reference(36, 0, segs, 3, rank, 192, quarantine)
+        assert got[rank] == want, f"rank {rank} of 3"
+    late = {i for s, i in order[step * 2 * BATCH :] if s == 2}
+    assert late and not late & set(bad)
