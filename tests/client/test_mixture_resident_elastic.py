@@ -18,6 +18,7 @@ import torch
 
 from shardserve.client import Loader
 from shardserve.proto.errors import StepInThePast
+from shardserve.proto.jobs import MixtureSource
 from shardserve.server.planning import RankPlan
 from shardserve.server.planning.mixture import MixSource, Quarantine, Segment, mixture_order
 from tests.client.test_mixture_combos import SOURCES, WEIGHTS, Sample, as_samples, samples
@@ -52,7 +53,8 @@ def mix_loader(srv: ServerProc, **kw: Any) -> Loader:
         "timeout": scaled(45.0),
         "token": srv.token,
     } | kw
-    return Loader(srv.http_url, dict(WEIGHTS), BATCH, **args)
+    dataset = args.pop("dataset", dict(WEIGHTS))
+    return Loader(srv.http_url, dataset, BATCH, **args)
 
 
 def reference(
@@ -89,6 +91,22 @@ def test_resident_mixture_is_the_streamed_mixture_byte_for_byte(srv: ServerProc)
                 assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), k
         ref, _ = reference(31, 2, [Segment(0, W0)], 2, rank)
         assert [samples(b) for b in got] == ref
+
+
+def test_resident_mixture_whose_stop_source_ends_the_epoch(srv: ServerProc) -> None:
+    """With math ``on_exhausted="stop"`` the resident epoch ends where the streamed one does,
+    batch for batch the same bytes."""
+    stop = [
+        MixtureSource(name=name, weight=w, on_exhausted="stop" if name == "math" else "repeat")
+        for name, w in WEIGHTS.items()
+    ]
+    kw: dict[str, Any] = {"seed": 37, "rank": 1, "world_size": 2}
+    got, want = [], []
+    for resident, out in ((None, want), ("cpu", got)):
+        with mix_loader(srv, resident=resident, dataset=stop, **kw) as ld:
+            ld.set_epoch(0)
+            out += [samples(b) for b in ld]
+    assert got == want and 0 < len(want) < EPOCH_SAMPLES // (2 * BATCH)
 
 
 def test_resident_mixture_resumes_exactly(srv: ServerProc) -> None:
