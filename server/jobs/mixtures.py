@@ -6,6 +6,10 @@ turns a job's journaled facts (spec, weight changes, quarantines, sizes) into it
 - a global step is ``epoch * S + batch`` (``S``: the job's batches per epoch), so a schedule
   entry at step ``k`` is, within epoch ``e``, position ``(k - e * S) * world_size * batch_size``
   of the epoch's canonical order (the positions of step ``i`` are ``[i*W*B, (i+1)*W*B)``);
+- a step is counted at the world size of the job that holds it: a job that resumed the state
+  of a job of another world size (its *origin*) keeps every step of the origin's schedule and
+  quarantines at that step's position (:func:`place`), even inside one of its own steps; its
+  own changes count its own steps;
 - the *frontier* is the first step no rank has been sent or has in flight: a change before it
   would rewrite delivered data (409);
 - a rank's stream reads its plan batch by batch (:class:`SteeredPlan`): each batch first tells
