@@ -13,7 +13,6 @@ from shardserve.proto.errors import BadRequest
 from shardserve.proto.jobs import EnvShuffle
 
 from .distributed import World
-from .mixture import Mixture
 from .resident import env_devices, stream_env_devices
 
 ResidentMemory = Literal["cuda", "cpu"]
@@ -21,18 +20,12 @@ ResidentMemory = Literal["cuda", "cpu"]
 
 def check_resident_args(
     resident: ResidentMemory | None,
-    dataset: str | Mixture,
     transforms: Sequence[Mapping[str, Any]] | None,
     share: str | None,
 ) -> None:
-    """Refuse what resident mode cannot do: a mixture, transforms, a share group."""
+    """Refuse what resident mode cannot do: transforms, a share group."""
     if resident is None:
         return
-    if not isinstance(dataset, str):
-        raise BadRequest(
-            "a mixture (dataset={name: weight}) streams batches: it cannot be resident "
-            "(yet); leave resident out"
-        )
     if transforms is not None:
         raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
     if share is not None:

@@ -157,14 +157,24 @@ class ControlClient:
         env: int | None = None,
         timeout: float | None = None,
         offset: int = 0,
+        take: bool = False,
+        origin: str = "",
     ) -> tuple[np.ndarray, int]:
         """``GET /v1/jobs/{id}/plan``: ``rank``'s sample ids of ``epoch`` in batch order (int64)
         and the number of batches they make, exactly as the data plane would stream them
         (``env``: that environment's own ids; ``None``: the job's steps as streamed);
-        ``offset``: the plan dealt from there (an elastic resume, see ``proto.resume``)."""
-        params = {"epoch": epoch, "rank": rank} | ({} if env is None else {"env": env})
+        ``offset``: the plan dealt from there (an elastic resume, see ``proto.resume``);
+        ``origin``: the id of the job that saved the state resumed (as ``Hello.origin``);
+        ``take``: the caller gathers the epoch from this plan itself (resident mode), so a
+        mixture takes no weight change inside it from now on."""
+        params: dict[str, int | str] = {"epoch": epoch, "rank": rank}
+        params |= {} if env is None else {"env": env}
         if offset:
             params["offset"] = offset
+        if take:
+            params["take"] = "true"
+        if origin:
+            params["origin"] = origin
         r = self._request("GET", f"/v1/jobs/{job_id}/plan", params=params, timeout=timeout)
         if offset and r.headers.get(PLAN_OFFSET_HEADER) != str(offset):
             raise ShardserveError(

@@ -189,7 +189,7 @@ class Loader:
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
-        check_resident_args(resident, dataset, transforms, share)
+        check_resident_args(resident, transforms, share)
         self.world = resolve_world(rank, world_size)
         self.device = resolve_device(device, self.world.local_rank)
         places = EnvPlaces.of(resident, envs, devices, env_shuffle, self.device, self.world)
@@ -380,14 +380,15 @@ class Loader:
         ``state``: any one rank's ``state_dict()`` (DDP ranks step together, so each says the
         same position), or a list of every rank's, which must agree. ``BadRequest`` if it is
         damaged or another job's; ``ResumeRefused`` (before any batch) if taken mid-epoch on
-        another or an unknown dataset version ([versions](../concepts/versions.md)), or a
-        mixture's of another world size. ``allow_other_version=True``: resume on this version
-        knowingly."""
+        another or an unknown dataset version ([versions](../concepts/versions.md)).
+        ``allow_other_version=True``: resume on this version knowingly."""
         st, pos, job, world = parse_states(state), self._ctx.pos, self._job, self.world.world_size
         check_resumable(st, self.spec, job.pinned, world, "loader", allow_other_version)
         start, origin = start_for(st, world, job.num_samples, pos.per_epoch)
         pos.restore(*start)
         self._origin = (start.epoch, origin) if origin else None
+        if self._resident is not None:
+            self._resident.origin = self._origin
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -415,7 +416,8 @@ class Loader:
             or stream.hello.offset != start.offset
             or stream.next_index != start[1]
         ):
-            origin = self._origin[1] if self._origin and self._origin[0] == start.epoch else ""
+            # Every later epoch names it too: a mixture's steps keep the origin's places.
+            origin = self._origin[1] if self._origin and self._origin[0] <= start.epoch else ""
             stream = self._feed.open(start.epoch, start.batch, start.offset, origin)
         return stream
 

@@ -215,6 +215,9 @@ class Resident:
         self.api, self.job_id, self.rank, self.batch_size = api, job_id, rank, batch_size
         self.data, self.env_devices, self.timeout = data, list(env_devices), timeout
         self._job: JobStatus | None = None  # the server's word on the job, asked once
+        #: ``(epoch, job id)``: the job of another world size whose state was resumed from
+        #: that epoch on (a mixture's steps keep that job's places), else ``None``.
+        self.origin: tuple[int, str] | None = None
 
     @classmethod
     def load(
@@ -236,6 +239,12 @@ class Resident:
         data = load_fields(stream_once(), layout, info.num_samples, devices)
         return cls(api, job_id, rank, batch_size, data, env_devices, timeout)
 
+    def add_field(self, name: str, rows: torch.Tensor) -> None:
+        """Hold ``rows`` (one value a resident sample) as field ``name`` on every device: a
+        part the server adds to each batch (a mixture's ``source``), not a stored field."""
+        for fields in self.data.values():
+            fields.tensors[name] = rows.to(fields.device)
+
     @property
     def sample_nbytes(self) -> int:
         """Bytes one sample's fields take."""
@@ -246,9 +255,17 @@ class Resident:
         """Every environment's plan for ``epoch`` (dealt from ``offset``: an elastic resume),
         its ids already on its device."""
         plans = []
+        origin = self.origin[1] if self.origin and self.origin[0] <= epoch else ""
         for env, dev in enumerate(self.env_devices):
             ids, batches = self.api.plan(
-                self.job_id, epoch, self.rank, env, timeout=self.timeout, offset=offset
+                self.job_id,
+                epoch,
+                self.rank,
+                env,
+                timeout=self.timeout,
+                offset=offset,
+                take=True,
+                origin=origin,
             )
             what = f"plan of job {self.job_id} epoch {epoch} env {env}"
             self._check_plan(ids, batches, what, offset)
@@ -267,12 +284,15 @@ class Resident:
         want_ids, want_batches = rank_plan_size(
             self._job.num_samples - offset, spec.deal_world, self.batch_size, spec.drop_last
         )
-        if self._job.num_samples != rows:
+        # A mixture's epoch is as long as it asks, over rows of every source.
+        if spec.mixture is None and self._job.num_samples != rows:
             raise ProtocolError(
                 f"job {self.job_id} field num_samples={self._job.num_samples}, but the "
                 f"resident data holds {rows} samples"
             )
-        if batches != want_batches or len(ids) != want_ids:
+        # An epoch that ends when a "stop" source runs out is as long as its weights make it.
+        short = spec.ends_early and batches <= want_batches and len(ids) <= want_ids
+        if not short and (batches != want_batches or len(ids) != want_ids):
             raise ProtocolError(
                 f"{what}: {len(ids)} ids in {batches} batches (header "
                 f"X-Shardserve-Num-Batches), but the job plans {want_ids} ids in "

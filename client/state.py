@@ -19,8 +19,10 @@ Loader's own job has at the state's world size is the state's id exactly when th
 taken on this version. A state matched by neither (version 1 states carry no job id) is
 refused mid-epoch, as is one of another version, unless the caller resumes knowingly
 (``allow_other_version``); at an epoch's start nothing of the epoch was consumed, so it loads.
-A mixture's state resumes on its own world size only: its weight changes are journaled on the
-job of that world size.
+A mixture's state resumes on any world size too: its weight schedule and quarantines count
+global steps of the job that saved it, and the resumed job keeps each at its place in the
+epoch's order (step ``k`` of a job of ``W`` ranks and batch ``B`` starts at position
+``(k - e * S) * W * B`` of epoch ``e``; see the mixtures guide).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ ALLOW = "allow_other_version=True"
 
 
 class ResumeRefused(BadRequest):
-    """A state dict that would not resume exactly here: taken on another dataset version, on
-    a version it cannot be matched to, or (a mixture) on another world size. Raised by
+    """A state dict that would not resume exactly here: taken on another dataset version, or
+    on a version it cannot be matched to. Raised by
     ``load_state_dict`` before any batch; the message says what to do."""
 
 
@@ -198,18 +200,8 @@ def check_resumable(
     """Refuse ``st`` unless it resumes exactly in this ``what`` ("loader" or "plan"), whose
     spec is ``spec``, whose job the server pinned as ``pinned`` and which runs on
     ``world_size`` ranks: ``BadRequest`` for another job's state, :class:`ResumeRefused` for
-    one of another (or an unknown) dataset version, unless ``allow_other_version``, and for a
-    mixture's state of another world size."""
+    one of another (or an unknown) dataset version, unless ``allow_other_version``."""
     check_same_job(st, spec, what)
-    if spec.mixture is not None and st.world_size != world_size:
-        raise ResumeRefused(
-            f"state dict was saved by a mixture job on {st.world_size} ranks, and this {what} "
-            f"runs on {world_size}: a mixture cannot resume on another world size yet (its "
-            f"weight changes are journaled on the job of {st.world_size} ranks, and its plan "
-            f"is not dealt from a position). Resume on world_size={st.world_size}, or start "
-            f"epoch {st.epoch} again on {world_size} ranks (do not load the state: "
-            f"{what}.set_epoch({st.epoch}))"
-        )
     # At an epoch's start nothing of the epoch was consumed: no two versions can meet in it.
     if st.position == 0:
         return

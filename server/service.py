@@ -339,14 +339,25 @@ class Service:
             self.processes.end_job(job_id, code, message)
 
     def plan(
-        self, job_id: str, epoch: int, rank: int, env: int | None = None, offset: int = 0
+        self,
+        job_id: str,
+        epoch: int,
+        rank: int,
+        env: int | None = None,
+        offset: int = 0,
+        take: bool = False,
+        origin: str = "",
     ) -> tuple[np.ndarray, int]:
         """``rank``'s sample ids of ``epoch`` in batch order (int64) and its batch count: what
         the data plane would stream, for clients that hold the data themselves (resident mode).
         ``env``: that environment's own ids and batches (:meth:`PlanCache.env_plan`); ``None``:
         the job's batches as streamed (a job of several environments: whole steps).
-        ``offset``: dealt from that position of the order, as a ``Hello.offset`` streams it.
+        ``offset``: dealt from that position of the order, as a ``Hello.offset`` streams it;
+        ``origin``: the job whose state that resumes, linked as a ``Hello.origin`` links it.
+        ``take``: the client gathers the epoch from the plan itself (see ``JobKind``).
         """
+        if origin:
+            self.jobs.note_stream(job_id, epoch, origin)
         job = self.jobs.get(job_id)
         world = job.spec.world_size
         if not 0 <= rank < world:
@@ -357,7 +368,7 @@ class Service:
                 f"offset {offset} out of range 0 <= offset < {bound} for job {job_id} (one "
                 f"batch of every rank, within its {job.num_samples} samples)"
             )
-        return self.kinds.of(job.spec).resident_plan(job, epoch, rank, env, offset)
+        return self.kinds.of(job.spec).resident_plan(job, epoch, rank, env, offset, take)
 
     def cache_summary(self) -> dict[str, float] | None:
         """The shard cache's counters, or ``None`` for a local store."""

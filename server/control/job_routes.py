@@ -86,6 +86,8 @@ def get_plan(
     rank: Annotated[int, Query(ge=0, lt=1 << 16)] = 0,
     env: Annotated[int | None, Query(ge=0, lt=1 << 16)] = None,
     offset: Annotated[int, Query(ge=0, lt=1 << 53)] = 0,
+    take: bool = False,
+    origin: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
 ) -> Response:
     """One rank's sample ids of one epoch, in batch order: exactly what the data plane streams.
     With ``env``: that environment's own plan (of a job with ``envs`` > 1, the ``env``-th
@@ -93,8 +95,11 @@ def get_plan(
     Batches are ``batch_size`` ids each, the last one possibly short; the header
     ``X-Shardserve-Num-Batches`` gives their number. ``offset`` (elastic resume): the plan
     dealt from that position of the epoch's order, as a ``Hello`` with that offset streams
-    it; echoed in ``X-Shardserve-Offset``."""
-    ids, batches = service.plan(job_id, epoch, rank, env, offset)
+    it; echoed in ``X-Shardserve-Offset``. ``origin``: the job that saved the state resumed
+    (linked as a ``Hello.origin`` links it). ``take=true``: the client gathers the epoch from
+    this plan itself (resident mode): a mixture takes no weight change inside it from now on.
+    """
+    ids, batches = service.plan(job_id, epoch, rank, env, offset, take, origin or "")
     return Response(
         content=ids.tobytes(),
         media_type="application/octet-stream",

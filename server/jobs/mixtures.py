@@ -6,6 +6,10 @@ turns a job's journaled facts (spec, weight changes, quarantines, sizes) into it
 - a global step is ``epoch * S + batch`` (``S``: the job's batches per epoch), so a schedule
   entry at step ``k`` is, within epoch ``e``, position ``(k - e * S) * world_size * batch_size``
   of the epoch's canonical order (the positions of step ``i`` are ``[i*W*B, (i+1)*W*B)``);
+- a step is counted at the world size of the job that holds it: a job that resumed the state
+  of a job of another world size (its *origin*) keeps every step of the origin's schedule and
+  quarantines at that step's position (:func:`place`), even inside one of its own steps; its
+  own changes count its own steps;
 - the *frontier* is the first step no rank has been sent or has in flight: a change before it
   would rewrite delivered data (409);
 - a rank's stream reads its plan batch by batch (:class:`SteeredPlan`): each batch first tells
@@ -213,32 +217,72 @@ def share_figures(
     return n, share.tolist(), target.tolist(), float((np.abs(share - target) / sigma).max())
 
 
-def segments(job: Job, epoch: int) -> list[Segment]:
-    """The schedule within ``epoch`` as epoch positions."""
-    s = job.spec
-    S, per_step = steps_per_epoch(job), step_positions(s)
-    start = epoch * S
-    schedule = job.schedule()
-    out = [Segment(0, weights_at(schedule, start))]
-    out += [
-        Segment((c.at_step - start) * per_step, c.weights)
-        for c in schedule
-        if start < c.at_step < start + S
-    ]
+#: Where a step falls: ``(epoch, position within its epoch)``.
+Place = tuple[int, int]
+
+
+def place(job: Job, step: int) -> Place:
+    """The epoch of global ``step`` of ``job`` and the position its first sample has in that
+    epoch's order: ``step = e * S + i`` is position ``i * world_size * batch_size`` of epoch
+    ``e`` (``S`` and the positions a step takes at ``job``'s own world size).
+
+    A step means a place only together with the job, and so its world size, that counts it:
+    a job resumed on another world size keeps the place of every step its origin counted.
+    """
+    S = max(steps_per_epoch(job), 1)
+    return step // S, step % S * step_positions(job.spec)
+
+
+def segments(job: Job, epoch: int, origin: Job | None = None) -> list[Segment]:
+    """The schedule within ``epoch`` as epoch positions. ``origin``: the job of another
+    world size whose state ``job`` resumed: its whole schedule (the spec's and the changes
+    set on it) holds at the places its own steps name, and the changes set on ``job`` since
+    at the places ``job``'s steps name; at one place the later (``job``'s) wins."""
+    if origin is None:
+        events = [(*place(job, c.at_step), 0, c.weights) for c in job.schedule()]
+    else:
+        events = [(*place(origin, c.at_step), 0, c.weights) for c in origin.schedule()]
+        events += [(*place(job, c.at_step), 1, c.weights) for c in job.changes]
+    events.sort(key=lambda e: e[:3])
+    before = [e for e in events if (e[0], e[1]) <= (epoch, 0)]
+    out = [Segment(0, before[-1][3])]
+    out += [Segment(at, w) for e, at, _, w in events if e == epoch and at > 0]
     return out
 
 
-def quarantines(job: Job, epoch: int, q: Quarantines) -> list[Quarantine]:
-    """The job's quarantines within ``epoch``, as epoch positions (before it: position 0)."""
+def quarantines(
+    job: Job, epoch: int, q: Quarantines, origin: Job | None = None
+) -> list[Quarantine]:
+    """The job's quarantines within ``epoch``, as epoch positions (before it: position 0).
+    ``origin`` (see :func:`segments`): ids quarantined for it and not for ``job`` are
+    skipped from the place of the origin's step."""
     s = job.spec
-    S, per_step = steps_per_epoch(job), step_positions(s)
     out = []
     for k, src in enumerate(s.mixture or ()):
         size = (job.source_sizes or ())[k]
-        for step, ids in q.from_step(src.name, job.id, size):
-            if step < (epoch + 1) * S:
-                at = max(step - epoch * S, 0) * per_step
-                out.append(Quarantine(k, at, np.asarray(ids, dtype=np.int64)))
+        for (e, at), ids in _quarantine_places(job, src.name, size, q, origin):
+            if e <= epoch:
+                out.append(Quarantine(k, at if e == epoch else 0, ids))
+    return out
+
+
+def _quarantine_places(
+    job: Job, dataset: str, size: int, q: Quarantines, origin: Job | None
+) -> list[tuple[Place, np.ndarray]]:
+    """``(place, ids)`` of ``dataset``'s quarantined ids below ``size``, for ``job``."""
+    if origin is None:
+        return [(place(job, t), ids) for t, ids in q.from_step(dataset, job.id, size)]
+    out = []
+    for entry in q.entries(dataset):
+        ids = np.asarray(entry.ids, dtype=np.int64)
+        ids = ids[ids < size] if size else ids
+        if job.id in entry.at:
+            where = place(job, entry.at[job.id])
+        elif origin.id in entry.at:
+            where = place(origin, entry.at[origin.id])
+        else:
+            where = (0, 0)
+        out.append((where, ids))
     return out
 
 
@@ -259,9 +303,17 @@ class MixturePlans:
     """Mixture orders, kept in a :class:`PlanCache` keyed by everything they depend on (the
     schedule and quarantines within the epoch too); thread-safe."""
 
-    def __init__(self, quarantine: Quarantines, orders: PlanCache) -> None:
+    def __init__(
+        self,
+        quarantine: Quarantines,
+        orders: PlanCache,
+        origin_of: Callable[[Job], Job | None] = lambda job: None,
+    ) -> None:
+        """``origin_of(job)``: the job of another world size whose state ``job`` resumed
+        (its steps keep their places, see :func:`segments`), or ``None``."""
         self._quarantine = quarantine
         self.orders = orders
+        self._origin_of = origin_of
 
     @property
     def nbytes(self) -> int:
@@ -288,8 +340,9 @@ class MixturePlans:
         spec = job.spec
         if spec.mixture is None or job.source_sizes is None:
             raise BadRequest(f"job {job.id} is not a mixture job")
-        segs = segments(job, epoch)
-        quar = quarantines(job, epoch, self._quarantine)
+        origin = self._origin_of(job)
+        segs = segments(job, epoch, origin)
+        quar = quarantines(job, epoch, self._quarantine, origin)
         seed = env_seed(seed, env)
         key = (
             job.id,
@@ -316,21 +369,27 @@ class MixturePlans:
         )
         return key, make
 
-    def rank_plan(self, job: Job, epoch: int, seed: int, rank: int) -> RankPlan | EnvSteps:
-        """``rank``'s batches of ``epoch``; a job of several environments: its steps."""
+    def rank_plan(
+        self, job: Job, epoch: int, seed: int, rank: int, offset: int = 0
+    ) -> RankPlan | EnvSteps:
+        """``rank``'s batches of ``epoch``; a job of several environments: its steps.
+        ``offset``: dealt from that position of the order (an elastic resume)."""
         s = job.spec
         if s.envs == 1:
             order = self.order(job, epoch, seed)
-            return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last)
-        return EnvSteps.of([self.env_plan(job, epoch, seed, rank, e) for e in range(s.envs)])
+            return RankPlan.from_order(order, s.world_size, rank, s.batch_size, s.drop_last, offset)
+        envs = range(s.envs)
+        return EnvSteps.of([self.env_plan(job, epoch, seed, rank, e, offset) for e in envs])
 
-    def env_plan(self, job: Job, epoch: int, seed: int, rank: int, env: int) -> RankPlan:
+    def env_plan(
+        self, job: Job, epoch: int, seed: int, rank: int, env: int, offset: int = 0
+    ) -> RankPlan:
         """Environment ``env`` of ``rank``: its batches of ``batch_size // envs``, dealt as
         :func:`~shardserve.proto.jobs.env_deal` deals a one-dataset job's."""
         s = job.spec
         which, world, as_rank = env_deal(s, rank, env)
         order = self.order(job, epoch, seed, which)
-        return RankPlan.from_order(order, world, as_rank, s.env_batch, s.drop_last)
+        return RankPlan.from_order(order, world, as_rank, s.env_batch, s.drop_last, offset)
 
 
 class SteeredPlan:
@@ -347,10 +406,14 @@ class SteeredPlan:
         epoch: int,
         seed: int,
         rank: int,
+        offset: int = 0,
     ) -> None:
+        """``offset``: the plan is dealt from that position (an elastic resume): its batch
+        ``i`` then reaches into step ``i + 1`` of the job, which it resolves too."""
         self._plans, self._registry = plans, registry
         self._job_id, self._epoch, self._seed, self._rank = job.id, epoch, seed, rank
-        self._first_step = epoch * steps_per_epoch(job)
+        self._offset = offset
+        self._first_step = epoch * steps_per_epoch(job) + (1 if offset else 0)
         # The job as it is now, not as the stream's Hello found it: a change may have come
         # between the two, and the generation read with it is the one this plan is of. An
         # epoch whose length depends on the weights is taken whole from here (the Welcome
@@ -359,7 +422,7 @@ class SteeredPlan:
             job, self._made_at = registry.resolving(job.id, self._first_step)
         else:
             job, self._made_at = registry.steered(job.id)
-        self._plan = plans.rank_plan(job, epoch, seed, rank)
+        self._plan = plans.rank_plan(job, epoch, seed, rank, offset)
         #: When :meth:`ready` first found the plan waiting for a re-plan (``None``: not).
         self._waiting_since: float | None = None
 
@@ -380,7 +443,9 @@ class SteeredPlan:
             # A change after the last step read cannot alter batches up to it (the order's
             # prefix stays), and none at or before it is taken any more: the new plan agrees
             # on everything read.
-            self._plan = self._plans.rank_plan(job, self._epoch, self._seed, self._rank)
+            self._plan = self._plans.rank_plan(
+                job, self._epoch, self._seed, self._rank, self._offset
+            )
             self._made_at = now
         return self._plan.span(i, count)
 

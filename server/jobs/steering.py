@@ -40,7 +40,7 @@ class MixtureAdmin:
         ``orders``: the server's one order cache, which keeps mixture orders beside the others."""
         self.jobs = jobs
         self.board = board
-        self.plans = mixtures.MixturePlans(jobs.quarantine, orders)
+        self.plans = mixtures.MixturePlans(jobs.quarantine, orders, self._origin)
         self._manifest = manifest
 
     def _mixture_job(self, job_id: str) -> Job:
@@ -51,6 +51,21 @@ class MixtureAdmin:
                 "create it with mixture=[{name, weight}, ...] to steer its weights"
             )
         return job
+
+    def _origin(self, job: Job) -> Job | None:
+        """The job of another world size whose state ``job`` resumed (its steps keep their
+        places in ``job``'s plans, see :func:`.mixtures.segments`), or ``None``."""
+        if job.resumed_from is None:
+            return None
+        origin = self.jobs.find(job.resumed_from)
+        if origin is None:
+            raise BadRequest(
+                f"mixture job {job.id} resumes a state of job {job.resumed_from}, which this "
+                "server no longer holds: its weight schedule and quarantines (counted in its "
+                "steps) are unknown here. Resume on the server that ran it, or start the "
+                "epoch again (do not load the state: loader.set_epoch(epoch))"
+            )
+        return origin if origin.spec.world_size != job.spec.world_size else None
 
     def frontier(self, job: Job) -> int:
         """The first step no rank has been sent, has in flight, or has had read by its
@@ -128,9 +143,9 @@ class MixtureAdmin:
     def stream_plan(
         self, job: Job, epoch: int, seed: int, rank: int, offset: int = 0
     ) -> mixtures.SteeredPlan:
-        """``rank``'s batches of ``epoch`` as its stream reads them (following the schedule)."""
-        _no_offset(job, offset)
-        return mixtures.SteeredPlan(self.plans, self.jobs, job, epoch, seed, rank)
+        """``rank``'s batches of ``epoch`` as its stream reads them (following the schedule);
+        ``offset``: dealt from that position (an elastic resume)."""
+        return mixtures.SteeredPlan(self.plans, self.jobs, job, epoch, seed, rank, offset)
 
     def _warm(self, job_id: str) -> None:
         """Plan the epochs the job's ranks stream now with the change on the planning lane
@@ -144,15 +159,32 @@ class MixtureAdmin:
                 self.plans.ready(job, epoch, seed)
 
     def plan(
-        self, job: Job, epoch: int, rank: int, env: int | None = None, offset: int = 0
+        self,
+        job: Job,
+        epoch: int,
+        rank: int,
+        env: int | None = None,
+        offset: int = 0,
+        take: bool = False,
     ) -> tuple[np.ndarray, int]:
         """``rank``'s concatenated ids of ``epoch`` in batch order, and its batch count;
-        ``env``: that environment's own batches (``None``: whole steps)."""
-        _no_offset(job, offset)
+        ``env``: that environment's own batches (``None``: whole steps). ``take``: the epoch
+        is taken whole (a client holding the data gathers all of it): from now on a weight
+        change takes effect at the next epoch's start at the earliest. ``offset``: dealt
+        from that position, for a job linked to the state's job only (``origin``)."""
+        if offset and job.resumed_from is None:
+            raise BadRequest(
+                f"job {job.id} is a mixture: its plan dealt from position {offset} (a state of "
+                "another world size) needs the job that saved the state: pass its id as "
+                "origin=<job id> (GET .../plan?offset=...&origin=...), or resume on the world "
+                "size that saved the state"
+            )
+        if take:
+            job, _ = self.jobs.resolving(job.id, (epoch + 1) * mixtures.steps_per_epoch(job) - 1)
         plan = (
-            self.plans.rank_plan(job, epoch, job.seed, rank)
+            self.plans.rank_plan(job, epoch, job.seed, rank, offset)
             if env is None
-            else self.plans.env_plan(job, epoch, job.seed, rank, env)
+            else self.plans.env_plan(job, epoch, job.seed, rank, env, offset)
         )
         ids = np.concatenate(list(plan)) if len(plan) else np.empty(0, dtype=np.int64)
         return ids.astype("<i8", copy=False), len(plan)
@@ -242,14 +274,4 @@ class MixtureAdmin:
             entries=[QuarantineBody(ids=list(e.ids), reason=e.reason, at=e.at) for e in entries],
             total_ids=self.jobs.quarantine.count(dataset),
             held_bytes=self.jobs.quarantine.held_bytes(dataset),
-        )
-
-
-def _no_offset(job: Job, offset: int) -> None:
-    """Refuse a plan dealt from a position of the order (an elastic resume) for a mixture."""
-    if offset:
-        raise BadRequest(
-            f"job {job.id} is a mixture: a resume dealt from position {offset} on (a state of "
-            "another world size) is not supported for mixtures yet; resume it at the world "
-            "size that saved the state"
         )

@@ -78,12 +78,13 @@ class JobKind(StreamKind, Protocol):
         ...
 
     def resident_plan(
-        self, job: Job, epoch: int, rank: int, env: int | None, offset: int
+        self, job: Job, epoch: int, rank: int, env: int | None, offset: int, take: bool = False
     ) -> tuple[np.ndarray, int]:
         """``rank``'s sample ids of ``epoch`` in batch order (little-endian int64) and its
         batch count, for a client that holds the data itself. Called by ``Service.plan``
         (``GET /v1/jobs/{id}/plan``) on an HTTP worker thread, with ``rank`` and ``offset``
-        checked against the job."""
+        checked against the job. ``take``: the client gathers the epoch from this plan (a
+        kind whose plans change while an epoch streams keeps this one from now on)."""
         ...
 
     def steering(self, job_id: str) -> MixtureStatus | None:

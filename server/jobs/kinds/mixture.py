@@ -66,11 +66,12 @@ class MixtureJobs:
         return Stored(mixed_dataset(spec.dataset, stored, read), stored)
 
     def resident_plan(
-        self, job: Job, epoch: int, rank: int, env: int | None, offset: int
+        self, job: Job, epoch: int, rank: int, env: int | None, offset: int, take: bool = False
     ) -> tuple[np.ndarray, int]:
         """Ids over the sources concatenated in order; ``env``: that environment's own ids
-        and batches, ``None``: the job's batches as streamed (whole steps)."""
-        return self._parts.mixtures.plan(job, epoch, rank, env, offset)
+        and batches, ``None``: the job's batches as streamed (whole steps); ``take``: no
+        weight change takes effect inside the epoch from now on."""
+        return self._parts.mixtures.plan(job, epoch, rank, env, offset, take)
 
     def steering(self, job_id: str) -> MixtureStatus | None:
         """The schedule, the weights now and the shares sent (``GET .../mixture``'s)."""

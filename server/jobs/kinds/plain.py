@@ -73,7 +73,7 @@ class PlainJobs:
         return Stored(dataset, [dataset])
 
     def resident_plan(
-        self, job: Job, epoch: int, rank: int, env: int | None, offset: int
+        self, job: Job, epoch: int, rank: int, env: int | None, offset: int, take: bool = False
     ) -> tuple[np.ndarray, int]:
         """``env``: that environment's own ids and batches (:meth:`PlanCache.env_plan`);
         ``None``: the job's batches as streamed (a job of several environments: whole
