@@ -82,6 +82,16 @@ def shuffle_steps(
         yield n
         return
     labels = bucket_labels(rng, n, n_buckets)
+    # Bucket 0 first, before the layout of the others: its ids are the positions labelled 0
+    # in order (what the layout would put there), and its shuffle is the first draw after
+    # the labels either way. The first batches of an epoch then wait for no layout.
+    first = np.concatenate(
+        [np.flatnonzero(labels[lo : lo + chunk_rows] == 0) + lo for lo in range(0, n, chunk_rows)]
+    )
+    out[: len(first)] = first if src is None else src[first]
+    shuffle_whole(out[: len(first)], rng)
+    yield len(first)
+    del first
     # Per chunk, how many of its labels each bucket got: a counting sort's two passes.
     chunk_counts = [
         np.bincount(labels[lo : lo + chunk_rows], minlength=n_buckets)
@@ -99,15 +109,16 @@ def shuffle_steps(
             values = src[lo:][by_label]
         run_start = np.zeros(n_buckets + 1, dtype=np.int64)
         np.cumsum(counts, out=run_start[1:])
-        # A Python loop per bucket per chunk (256 x n / 2**20), never per sample.
+        # A Python loop per bucket per chunk (256 x n / 2**20), never per sample; bucket 0
+        # is in place and shuffled already.
         for b, (r0, r1) in enumerate(
-            zip(run_start[:-1].tolist(), run_start[1:].tolist(), strict=True)
+            zip(run_start[1:-1].tolist(), run_start[2:].tolist(), strict=True), start=1
         ):
             out[cursor[b] : cursor[b] + r1 - r0] = values[r0:r1]
             cursor[b] += r1 - r0
     del labels
     scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
-    for b0, b1 in zip(bucket_start[:-1].tolist(), bucket_start[1:].tolist(), strict=True):
+    for b0, b1 in zip(bucket_start[1:-1].tolist(), bucket_start[2:].tolist(), strict=True):
         shuffle_whole(out[b0:b1], rng, scratch)
         yield b1
 
