@@ -213,9 +213,10 @@ class PlanCache:
 
     def close(self, wait: bool = False) -> None:
         """Stop planning ahead: drop the orders queued (one running finishes on its own), or
-        with ``wait``, plan them all first."""
-        self._ahead.shutdown(wait=wait, cancel_futures=not wait)
+        with ``wait``, plan them all first (the finishing shuffles first: an order planned
+        ahead may wait for one)."""
         self._finisher.shutdown(wait=wait, cancel_futures=not wait)
+        self._ahead.shutdown(wait=wait, cancel_futures=not wait)
 
     def order(
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None, env: int = 0

@@ -99,8 +99,10 @@ class JoinedBehind(JoinedColumns):
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def joined_in_pieces(chunks: Sequence[np.ndarray]) -> np.ndarray | None:
-    """``np.concatenate(chunks)`` copied :data:`PIECE_BYTES` at a time, or ``None`` where
+def joined_in_pieces(
+    chunks: Sequence[np.ndarray], piece_bytes: int = PIECE_BYTES
+) -> np.ndarray | None:
+    """``np.concatenate(chunks)`` copied ``piece_bytes`` at a time, or ``None`` where
     :class:`~.gather.JoinedColumns` joins nothing (rows or total too big, no chunks).
 
     >>> joined_in_pieces([np.arange(3), np.arange(3, 5)]).tolist()
@@ -113,7 +115,7 @@ def joined_in_pieces(chunks: Sequence[np.ndarray]) -> np.ndarray | None:
     if row > JOIN_MAX_ROW_BYTES or sum(c.nbytes for c in chunks) > JOIN_MAX_BYTES:
         return None
     out = np.empty((sum(len(c) for c in chunks), *first.shape[1:]), dtype=first.dtype)
-    step = max(PIECE_BYTES // max(row, 1), 1)
+    step = max(piece_bytes // max(row, 1), 1)
     at = 0
     for c in chunks:
         for lo in range(0, len(c), step):
