@@ -20,10 +20,11 @@ two cores three threads would share them just when a new server sends its first 
 
 An epoch no one planned ahead (the first of a job) is not waited for whole either: a global
 shuffle lays its samples out in buckets, then shuffles each bucket
-(:func:`~.permute.shuffle_steps`). The rank plans of it are handed out once the layout and the
-first bucket are done (the first 131,072 positions: every rank's first batches), and a thread
-of its own shuffles the other buckets while those batches are gathered; a plan's read of a
-later position waits for its bucket (:class:`Finishing`). Same order, same draws, sooner.
+(:func:`~.permute.shuffle_steps`). The rank plans of it are handed out once the first bucket is
+found and shuffled (the first ~131,072 positions: every rank's first batches), and a thread
+of its own lays out and shuffles the other buckets while those batches are gathered; a
+plan's read of a later position waits for its bucket (:class:`Finishing`). Same order, same
+draws, sooner.
 
 A mixture's orders are kept by the same class (:meth:`PlanCache.steered_order`): the same
 waiters and byte bound, keyed by the steering they were made under too.

@@ -7,6 +7,8 @@
 2. lay the positions out bucket by bucket (a stable counting sort, done in chunks
    so the temporaries stay a few MB; see :func:`stable_by_label`);
 3. shuffle each bucket in place; a bucket is sized to fit in L2 (see :func:`shuffle_whole`).
+   Bucket 0 is found (the positions labelled 0) and shuffled before the others are laid
+   out, so the first positions of an order are final after the labels alone.
 
 Independent uniform labels plus a uniform order within each bucket is a uniform
 permutation (Rao 1961; Sandelius 1962): it is sorting by i.i.d. continuous keys,
