@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a big host: the first thing to run when a GPU host is available.
 #
-#   bench/device_run.sh [--cpu] [--smoke] [--full] [--list] [--ranks 1,2,4,8]
+#   bench/device_run.sh [--cpu] [--smoke] [--full] [--list] [--ranks 1,2,4,8] [--processes 1,4]
 #
 # Stages, each under its own `timeout` (seconds) so that the whole run stays under 9 minutes
 # on a 16-core GPU host, each writing bench/results/device-<row>.json (device-cpu-<row>.json
@@ -10,21 +10,22 @@
 #   setup         versions (python, torch, CUDA, GPU), the machine's sizing, install from
 #                 bench/wheelhouse (bench/device_wheels.sh builds it) where shardserve is missing
 #   smoke    45   a real server on a real store: tests/server/test_sizing.py
-#   cuda     75   python -m pytest -m cuda                              (skipped with --cpu)
-#   gpu     110   bench/bench_gpu.py --quick                            (skipped with --cpu)
-#   scaling 140   bench/bench_scaling.py --quick --ranks R (raw and chain)
-#   small    80   bench/bench_small.py --quick
+#   cuda     60   python -m pytest -m cuda                              (skipped with --cpu)
+#   gpu     100   bench/bench_gpu.py --quick                            (skipped with --cpu)
+#   scaling 185   bench/bench_scaling.py --quick --ranks R --processes P (raw and chain, each
+#                 rank count on 1 and on P streaming processes)
+#   small    70   bench/bench_small.py --quick
 #   devtx    50   bench/bench_device_transforms.py --device cuda        (if the file exists;
 #                                                                       skipped with --cpu)
 #
-# --cpu: this machine, no GPU (the cuda rows are skipped; ranks default to 1,2). --smoke: setup
+# --cpu: this machine, no GPU (the cuda rows are skipped; ranks and processes default to 1,2). --smoke: setup
 # and smoke only. --full: the benches without --quick (longer than 9 minutes: budgets x3).
 # DEVICE_RUN_OUT=DIR writes the rows there instead. --list: print the stages that would run, one per line, and exit. The GPU host reaches no
 # package registry: build the wheelhouse here first (bench/device_wheels.sh) and carry
 # bench/wheelhouse with the call; torch is the host's own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE=gpu SMOKE_ONLY=0 FULL=0 LIST=0 RANKS=""
+MODE=gpu SMOKE_ONLY=0 FULL=0 LIST=0 RANKS="" PROCS=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cpu) MODE=cpu; shift ;;
@@ -32,11 +33,13 @@ while [[ $# -gt 0 ]]; do
     --full) FULL=1; shift ;;
     --list) LIST=1; shift ;;
     --ranks) RANKS=${2:?--ranks needs a value such as 1,2,4,8}; shift 2 ;;
-    *) echo "device_run.sh: unknown argument '$1'; known: --cpu --smoke --full --list --ranks R" >&2
+    --processes) PROCS=${2:?--processes needs a value such as 1,4}; shift 2 ;;
+    *) echo "device_run.sh: unknown argument '$1'; known: --cpu --smoke --full --list --ranks R --processes P" >&2
        exit 2 ;;
   esac
 done
 [[ -n $RANKS ]] || { [[ $MODE == cpu ]] && RANKS=1,2 || RANKS=1,2,4,8; }
+[[ -n $PROCS ]] || { [[ $MODE == cpu ]] && PROCS=1,2 || PROCS=1,4; }
 QUICK=--quick SCALE=1
 [[ $FULL == 1 ]] && QUICK="" SCALE=3
 PY=${PYTHON:-python3}
@@ -47,10 +50,10 @@ PREFIX=$OUTDIR/device-$([[ $MODE == cpu ]] && echo cpu-)
 # name budget_s needs_cuda command...
 STAGES=(
   "smoke|45|0|$PY -m pytest tests/server/test_sizing.py -q -p no:cacheprovider"
-  "cuda|75|1|$PY -m pytest -m cuda -q -p no:cacheprovider tests"
-  "gpu|110|1|$PY bench/bench_gpu.py $QUICK --device cuda --out $RESULTS/gpu-device-run.json|gpu-device-run.json"
-  "scaling|140|0|$PY bench/bench_scaling.py $QUICK --ranks $RANKS|scaling.json"
-  "small|80|0|$PY bench/bench_small.py $QUICK|small.json"
+  "cuda|60|1|$PY -m pytest -m cuda -q -p no:cacheprovider tests"
+  "gpu|100|1|$PY bench/bench_gpu.py $QUICK --device cuda --out $RESULTS/gpu-device-run.json|gpu-device-run.json"
+  "scaling|185|0|$PY bench/bench_scaling.py $QUICK --ranks $RANKS --processes $PROCS|scaling.json"
+  "small|70|0|$PY bench/bench_small.py $QUICK|small.json"
   "devtx|50|1|$PY bench/bench_device_transforms.py --device cuda"
 )
 

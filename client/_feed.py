@@ -23,6 +23,7 @@ from ._staging import CopyBlocks
 from .connection import Connection, choose_endpoint, read_boot_id
 from .device import DeviceCopier
 from .job import JobHandle
+from .placing import Placer
 from .shm import RingCache
 from .stats import StatsClock
 from .stream import EpochStream
@@ -49,7 +50,9 @@ class Feed:
     ) -> None:
         self.job, self.rank = job, rank
         self.prefetch, self.timeout, self.pad_variable = prefetch, timeout, pad_variable
-        endpoint = choose_endpoint(job.api.info(), job.api.host, transport)
+        info = job.api.info()
+        endpoint = choose_endpoint(info, job.api.host, transport)
+        self._where = Placer(job, info, transport, endpoint) if info.stream_processes > 1 else None
         self.shm = transport == "auto"
         stats = StatsClock()
         self.copier = DeviceCopier(device)
@@ -102,6 +105,7 @@ class Feed:
             rows=self.job.spec.batch_size,
             num_batches=self._batches(offset),
             graphs=self.job.spec.graph is not None,
+            place=self._where.endpoint_for if self._where is not None else None,
         )
 
     def _batches(self, offset: int) -> int | None:

@@ -12,7 +12,7 @@ from shardserve.proto.jobs import JobSpec
 
 from ._credit import auto_prefetch
 from ._feed import store_order
-from .job import JobHandle, job_spec
+from .job import JobArgs, JobHandle
 from .resident import Resident, field_layout, resident_nbytes
 
 #: Resident mode loads the dataset in batches of about this many bytes.
@@ -35,18 +35,17 @@ def load_resident(
     sample = max(1, resident_nbytes(layout, 1))
     chunk = max(1, min(RESIDENT_CHUNK_BYTES // sample, MAX_RESIDENT_CHUNK, info.num_samples))
     # Flat stored fields, in store order, on one rank: the resident tensors' layout.
-    flat = job_spec(
-        spec.dataset,
-        chunk,
+    flat = JobArgs(
+        dataset=spec.dataset,
+        batch_size=chunk,
         seed=0,
         shuffle="none",
         drop_last=False,
-        world_size=1,
         fields=list(layout),
         collate=None,
         transforms=None,
         on_error=None,
-    )
+    ).spec(1)
 
     def one_pass() -> Iterator[Any]:
         with JobHandle.create(job.api.url, job.token, flat, timeout=timeout) as loading:

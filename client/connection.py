@@ -175,6 +175,19 @@ class Connection:
             self.last_stream = None  # nothing of an old stream can arrive on a new socket
         self._open(self.endpoint, self._heartbeat_s)
 
+    def retarget(self, endpoint: str) -> None:
+        """Connect a fresh socket to ``endpoint`` instead (the streaming process a stream was
+        placed on); nothing of the old socket's streams arrives on it."""
+        with _signals_deferred():
+            if not self.closed:
+                self._sock.close(linger=0)
+                self._ctx.term()
+                self.closed = True
+            self.last_stream = None
+        self.endpoint = endpoint
+        self.transport = endpoint.split("://", 1)[0]
+        self._open(endpoint, self._heartbeat_s)
+
     def close(self) -> None:
         """Say Bye (best effort) and drop the socket and context at once; idempotent.
 

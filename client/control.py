@@ -36,6 +36,7 @@ from shardserve.proto.errors import (
 from shardserve.proto.jobs import (
     JobSpec,
 )
+from shardserve.proto.processes import Placement, PlaceRequest
 
 #: Header of ``GET /v1/jobs/{id}/plan``: how many batches the ids are cut into.
 PLAN_BATCHES_HEADER = "X-Shardserve-Num-Batches"
@@ -204,6 +205,12 @@ class ControlClient:
         ).model_dump(mode="json")
         r = self._request("PUT", f"/v1/jobs/{job_id}/mixture", json=body, timeout=timeout)
         return MixtureStatus.model_validate_json(r.content)
+
+    def place(self, job_id: str, req: PlaceRequest, timeout: float | None = None) -> Placement:
+        """``POST /v1/jobs/{id}/place``: the process to say ``req``'s Hello to."""
+        body = req.model_dump(mode="json")
+        r = self._request("POST", f"/v1/jobs/{job_id}/place", json=body, timeout=timeout)
+        return Placement.model_validate_json(r.content)
 
     def quarantine(
         self, dataset: str, ids: Sequence[int], reason: str, timeout: float | None = None

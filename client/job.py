@@ -1,11 +1,12 @@
 """A job on one server as a Loader (or ``plan``) makes it: the ``JobSpec`` its arguments make
-(:func:`job_spec`) and the :class:`JobHandle` that posts it and keeps what the server pinned. The HTTP calls themselves are :class:`~.control.ControlClient`'s.
+(:class:`JobArgs`) and the :class:`JobHandle` that posts it and keeps what the server pinned. The HTTP calls themselves are :class:`~.control.ControlClient`'s.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -55,63 +56,68 @@ def _positive_int(batch_size: object) -> int:
     return value
 
 
-def job_spec(
-    dataset: str | Mixture,
-    batch_size: int,
-    *,
-    seed: int,
-    shuffle: Shuffle,
-    drop_last: bool,
-    world_size: int,
-    fields: Sequence[str] | None,
-    collate: CollateArg | None,
-    transforms: Sequence[Mapping[str, Any]] | None,
-    on_error: OnError | None,
-    envs: int = 1,
-    env_shuffle: EnvShuffle = "independent",
-    epoch_samples: int | None = None,
-    share: str | None = None,
-) -> JobSpec:
-    """The job these arguments of a ``Loader`` (or ``plan``) make; ``BadRequest`` naming the
-    argument when one cannot be served. With ``envs > 1`` each batch of the job is one step
-    of ``envs`` batches of ``batch_size``, drawn as ``env_shuffle`` says. ``dataset`` as
-    ``{name: weight}`` (or a list of sources): a mixture (see :mod:`.mixture`),
+@dataclass(frozen=True, kw_only=True)
+class JobArgs:
+    """The arguments of a ``Loader`` (or ``plan``) that say which batches its job holds, as
+    given; :meth:`spec` checks them and makes the job. With ``envs > 1`` each batch of the
+    job is one step of ``envs`` batches of ``batch_size``, drawn as ``env_shuffle`` says.
+    ``dataset`` as ``{name: weight}`` (or a list of sources): a mixture (see :mod:`.mixture`),
     ``epoch_samples`` long (``None``: the datasets' sizes summed).
 
-    >>> job_spec("cifar", 64, seed=0, shuffle=False, drop_last=False, world_size=2,
-    ...          fields=None, collate=None, transforms=None, on_error=None).shuffle
+    >>> JobArgs(dataset="cifar", batch_size=64, seed=0, shuffle=False, drop_last=False,
+    ...         fields=None, collate=None, transforms=None, on_error=None).spec(2).shuffle
     'none'
     """
-    if shuffle not in SHUFFLE:
-        raise BadRequest(f"shuffle={shuffle!r}: use True, False, 'global', 'block' or 'none'")
-    if not 1 <= envs <= MAX_ENVS:
-        raise BadRequest(f"envs={envs} is out of range 1 <= envs <= {MAX_ENVS}")
-    batch_size = _positive_int(batch_size)
-    mix = _mixture_of(dataset, epoch_samples)
-    _check_lists(fields, transforms)
-    try:
-        return JobSpec.model_validate(
-            {
-                "dataset": None if mix is not None else dataset,
-                "mixture": mix,
-                "epoch_samples": epoch_samples,
-                "batch_size": batch_size * envs,
-                "seed": seed,
-                "shuffle": SHUFFLE[shuffle],
-                "drop_last": drop_last,
-                "world_size": world_size,
-                "fields": tuple(fields) if fields is not None else None,
-                "collate": collate,
-                "envs": envs,
-                "env_shuffle": env_shuffle,
-                # Transforms installed on the server, named with JSON params (never code).
-                "transforms": tuple(transforms) if transforms is not None else None,
-                "on_error": on_error,
-                "share": share,
-            }
-        )
-    except ValueError as e:  # pydantic's ValidationError: name the argument, not the model
-        raise BadRequest(f"these Loader arguments make no job: {e}") from None
+
+    dataset: str | Mixture
+    batch_size: int
+    seed: int
+    shuffle: Shuffle
+    drop_last: bool
+    fields: Sequence[str] | None
+    collate: CollateArg | None
+    #: Transforms installed on the server, named with JSON params (never code).
+    transforms: Sequence[Mapping[str, Any]] | None
+    on_error: OnError | None
+    envs: int = 1
+    env_shuffle: EnvShuffle = "independent"
+    epoch_samples: int | None = None
+    share: str | None = None
+
+    def spec(self, world_size: int) -> JobSpec:
+        """The job for ``world_size`` ranks; ``BadRequest`` naming the argument when one
+        cannot be served."""
+        if self.shuffle not in SHUFFLE:
+            raise BadRequest(
+                f"shuffle={self.shuffle!r}: use True, False, 'global', 'block' or 'none'"
+            )
+        if not 1 <= self.envs <= MAX_ENVS:
+            raise BadRequest(f"envs={self.envs} is out of range 1 <= envs <= {MAX_ENVS}")
+        batch_size = _positive_int(self.batch_size)
+        mix = _mixture_of(self.dataset, self.epoch_samples)
+        _check_lists(self.fields, self.transforms)
+        try:
+            return JobSpec.model_validate(
+                {
+                    "dataset": None if mix is not None else self.dataset,
+                    "mixture": mix,
+                    "epoch_samples": self.epoch_samples,
+                    "batch_size": batch_size * self.envs,
+                    "seed": self.seed,
+                    "shuffle": SHUFFLE[self.shuffle],
+                    "drop_last": self.drop_last,
+                    "world_size": world_size,
+                    "fields": tuple(self.fields) if self.fields is not None else None,
+                    "collate": self.collate,
+                    "envs": self.envs,
+                    "env_shuffle": self.env_shuffle,
+                    "transforms": tuple(self.transforms) if self.transforms is not None else None,
+                    "on_error": self.on_error,
+                    "share": self.share,
+                }
+            )
+        except ValueError as e:  # pydantic's ValidationError: name the argument, not the model
+            raise BadRequest(f"these Loader arguments make no job: {e}") from None
 
 
 def _mixture_of(dataset: str | Mixture, epoch_samples: int | None) -> list[dict] | None:
@@ -141,8 +147,8 @@ class JobHandle:
     place that reads the URL and token fallbacks, posts the spec and keeps what the server
     pinned; then what the data-plane stream needs of it (re-create it, describe it).
 
-    >>> spec = job_spec("cifar", 64, seed=0, shuffle=True, drop_last=False, world_size=1,
-    ...                 fields=None, collate=None, transforms=None, on_error=None)
+    >>> spec = JobArgs(dataset="cifar", batch_size=64, seed=0, shuffle=True, drop_last=False,
+    ...                fields=None, collate=None, transforms=None, on_error=None).spec(1)
     >>> with JobHandle.create(None, None, spec, timeout=10.0) as job:  # doctest: +SKIP
     ...     job.id, job.version, job.batches_per_epoch
     ('0f3c...', '5e2d...', 782)

@@ -21,6 +21,7 @@ from shardserve.proto.jobs import CollateArg, EnvShuffle, OnError
 from ._credit import auto_prefetch, check_prefetch
 from ._deprecation import positional_deprecated
 from ._feed import Feed
+from ._loader_args import EnvPlaces, ResidentMemory, check_resident_args
 from ._passes import PassContext, PassWatcher, ResidentPass
 from ._position import Start
 from ._resident_load import load_resident
@@ -29,16 +30,15 @@ from .device_steps._executor import attach, then
 from .distributed import resolve_world
 from .envs import check_env_fields
 from .habits import BatchKeys, LoaderDataset, accelerate_watcher, gather_remainder, one_batch
-from .job import JobHandle, Shuffle, job_spec
+from .job import JobArgs, JobHandle, Shuffle
 from .mixture import Mixture, next_epoch_step
-from .resident import Resident, env_devices, stream_env_devices
+from .resident import Resident
 from .state import check_resumable, make_state, parse_states, start_for
 from .stream import EpochStream
 from .structure import rebuild_for
 from .types import LoaderStats
 
 Transport = Literal["auto", "socket", "ipc", "tcp"]
-ResidentMemory = Literal["cuda", "cpu"]
 
 
 class Loader:
@@ -189,46 +189,25 @@ class Loader:
     ) -> None:
         self._closed = True  # until the sockets exist, close() has nothing to do
         check_prefetch(prefetch)
-        if not isinstance(dataset, str) and resident is not None:
-            raise BadRequest(
-                "a mixture (dataset={name: weight}) streams batches: it cannot be resident "
-                "(yet); leave resident out"
-            )
-        if transforms is not None and resident is not None:
-            raise BadRequest("resident mode holds the stored fields; it cannot run transforms")
-        if share is not None and resident is not None:
-            raise BadRequest(
-                "resident mode gathers in this process: there is no server pass to share; "
-                "leave share or resident out"
-            )
+        check_resident_args(resident, dataset, transforms, share)
         self.world = resolve_world(rank, world_size)
         self.device = resolve_device(device, self.world.local_rank)
-        envs_on = env_devices(resident, envs, devices, self.device, self.world.local_rank)
-        # Streaming envs: one job whose batches are steps of `envs` env batches.
-        step_envs = (
-            stream_env_devices(envs, devices, self.device, self.world.local_rank)
-            if resident is None and envs > 1
-            else []
-        )
-        # A job's batch is a step of its envs when streaming; resident envs gather from plans
-        # of a one-env job, unless they split one shuffle, which the job must deal.
-        job_envs = envs if step_envs or env_shuffle == "split" else 1
-        self.spec = job_spec(
-            dataset,
-            batch_size,
+        places = EnvPlaces.of(resident, envs, devices, env_shuffle, self.device, self.world)
+        self.spec = JobArgs(
+            dataset=dataset,
+            batch_size=batch_size,
             seed=seed,
             shuffle=shuffle,
             drop_last=drop_last,
-            world_size=self.world.world_size,
             fields=fields,
             collate=collate,
-            envs=job_envs,
+            envs=places.job_envs,
             env_shuffle=env_shuffle,
             transforms=transforms,
             on_error=on_error,
             epoch_samples=epoch_samples,
             share=share,
-        )
+        ).spec(self.world.world_size)
         self.spec, lands, self._device_steps = attach(
             self.spec, device_transforms, self.device, resident is not None
         )
@@ -242,65 +221,81 @@ class Loader:
         self.shuffle = self.spec.shuffle != "none"
         self._transport: Transport = transport
         self.prefetch = prefetch or 4
+        self._open_job(url, token, places.step, lands, size_prefetch=prefetch is None)
+        self._expose_habits(collate)
+        self._begin(places.resident)
 
-        def check(info: Any) -> None:
-            if step_envs:
-                check_env_fields(info, self.spec.fields)
-
-        need_info = bool(step_envs)
-        self._job = JobHandle.create(
-            url,
-            token,
-            self.spec,
-            timeout=timeout,
-            world=self.world,
-            check=check if need_info else None,
+    def _open_job(
+        self,
+        url: str | None,
+        token: str | None,
+        step_envs: list[torch.device],
+        lands: torch.device,
+        size_prefetch: bool,
+    ) -> None:
+        """Post the job (a streamed step's fields checked first) and set up its feed: the
+        transport, the credit (``size_prefetch``: sized by the samples as served, which a
+        chain may grow) and how a batch becomes tensors; the job is closed on failure."""
+        spec = self.spec
+        check = (lambda info: check_env_fields(info, spec.fields)) if step_envs else None
+        self._job = job = JobHandle.create(
+            url, token, spec, timeout=self.batch_timeout, world=self.world, check=check
         )
         try:
-            if prefetch is None:  # sized by the samples as served (a chain may grow them)
-                job = self._job
-                self.prefetch = auto_prefetch(job.info(), self.spec.batch_size, job.sample_bytes)
-            self._rebuild = then(
-                self._device_steps, rebuild_for(self._job.api, self.spec, pad_variable)
-            )
+            if size_prefetch:
+                self.prefetch = auto_prefetch(job.info(), spec.batch_size, job.sample_bytes)
+            self._rebuild = then(self._device_steps, rebuild_for(job.api, spec, self.pad_variable))
             self._feed = Feed(
-                self._job,
+                job,
                 self.world.rank,
-                transport=transport,
+                transport=self._transport,
                 prefetch=self.prefetch,
-                timeout=timeout,
+                timeout=self.batch_timeout,
                 device=lands,
-                copy=copy,
-                pad_variable=pad_variable,
+                copy=self.copy,
+                pad_variable=self.pad_variable,
                 step_envs=step_envs,
-                batch_size=batch_size,
+                batch_size=self.batch_size,
             )
         except BaseException:
-            self._job.close()
+            job.close()
             raise
+
+    def _expose_habits(self, collate: CollateArg | None) -> None:
+        """What DataLoader habits read: ``dataset``, ``batch_sampler``, Accelerate's watcher.
+        What these hold refers to the Loader weakly or not at all: a dropped Loader is freed
+        (and closed) at once, not at the next garbage collection."""
         self._ctx = ctx = self._feed.ctx
-        # What these hold refers to the Loader weakly or not at all: a dropped Loader is
-        # freed (and closed) at once, not at the next garbage collection.
         if self.spec.envs == 1 and collate is None:
-            ctx.watch = _watcher(self._job, self.world.world_size, batch_size, drop_last, ctx)
+            ctx.watch = _watcher(
+                self._job, self.world.world_size, self.batch_size, self.drop_last, ctx
+            )
         self.dataset = LoaderDataset(self.spec.dataset, self._job.num_samples, weakref.ref(self))
         self.batch_sampler = BatchKeys(lambda: ctx.pos.num_batches, self.dataset.rewind)
+
+    def _begin(self, resident_on: list[torch.device]) -> None:
+        """Open: load the resident tensors on ``resident_on``, or, streaming, the first
+        epoch's stream, so batches are on their way before the loop asks."""
         self._resident: Resident | None = None
         self._stream: EpochStream | None = None
         self._closed = False
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
-        if envs_on:
-            try:
-                self._resident = load_resident(
-                    self._job, self.spec, self.world.rank, envs_on, transport, timeout
-                )
-            except BaseException:
-                self.close()
-                raise
-        else:
-            # Open the first epoch's stream now: batches are on their way before the loop asks.
+        if not resident_on:
             self._stream = self._feed.open(self._ctx.pos.job_epoch, 0)
+            return
+        try:
+            self._resident = load_resident(
+                self._job,
+                self.spec,
+                self.world.rank,
+                resident_on,
+                self._transport,
+                self.batch_timeout,
+            )
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def job_id(self) -> str:

@@ -37,7 +37,7 @@ from ._position import Position, Start
 from .device import resolve_device
 from .device_steps import with_device_steps
 from .distributed import World, resolve_world
-from .job import JobHandle, Shuffle, job_spec
+from .job import JobArgs, JobHandle, Shuffle
 from .mixture import Mixture
 from .state import check_resumable, make_state, parse_states, start_for
 
@@ -229,13 +229,12 @@ def plan(
     ```
     """
     world = resolve_world(rank, world_size)
-    spec = job_spec(
-        dataset,
-        batch_size,
+    spec = JobArgs(
+        dataset=dataset,
+        batch_size=batch_size,
         seed=seed,
         shuffle=shuffle,
         drop_last=drop_last,
-        world_size=world.world_size,
         fields=fields,
         collate=collate,
         envs=envs,
@@ -243,7 +242,7 @@ def plan(
         transforms=transforms,
         on_error=on_error,
         epoch_samples=epoch_samples,
-    )
+    ).spec(world.world_size)
     spec = with_device_steps(spec, device_transforms) if device_transforms is not None else spec
     dev = resolve_device(device, world.local_rank)
     job = JobHandle.create(url, token, spec, timeout=timeout, world=world)

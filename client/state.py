@@ -103,15 +103,7 @@ def parse_state(state: object, version: int = VERSION) -> ResumeState:
     if isinstance(got, bool) or got not in READS or got > version:
         readable = [v for v in READS if v <= version]
         raise BadRequest(f"state version {got!r}; this client reads versions {readable}")
-    if not isinstance(state["spec"], Mapping):
-        raise BadRequest(f"state dict key 'spec' is {state['spec']!r}; expected the job spec dict")
-    try:
-        spec = JobSpec.model_validate(dict(state["spec"]))
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()
-        )
-        raise BadRequest(f"state dict key 'spec' is not a valid job spec: {problems}") from None
+    spec = _spec_of(state)
     world_size = _int(state, "world_size", 1, MAX_REPORTED_COUNT)
     rank = _int(state, "rank")
     if rank >= world_size:
@@ -123,25 +115,46 @@ def parse_state(state: object, version: int = VERSION) -> ResumeState:
         )
     epoch = _int(state, "epoch", 0, MAX_EPOCH)
     next_batch = _int(state, "next_batch")
-    step = spec.env_batch * spec.deal_world
-    if got == 1:
-        position = next_batch * step
-        job = ""
-    else:
-        position = _int(state, "position")
-        if position // step != next_batch:
-            raise BadRequest(
-                f"state dict keys 'position' ({position}) and 'next_batch' ({next_batch}) "
-                f"disagree: position {position} is batch {position // step} of {world_size} "
-                f"ranks of {step // world_size}; pass the dict Loader.state_dict() returned"
-            )
-        job = state.get("job", "")
-        if not isinstance(job, str) or len(job) > 64:
-            raise BadRequest(f"state dict key 'job' is {job!r}; expected a job id string")
+    position, job = _position_and_job(state, got, spec, next_batch)
     versions = state.get("versions", "")
     if not isinstance(versions, str) or len(versions) > MAX_VERSIONS_CHARS:
         raise BadRequest(f"state dict key 'versions' is {versions!r}; expected the version string")
     return ResumeState(spec, epoch, next_batch, rank, world_size, position, job, versions)
+
+
+def _spec_of(state: Mapping[str, Any]) -> JobSpec:
+    """The state's job spec, checked as the server checks one."""
+    if not isinstance(state["spec"], Mapping):
+        raise BadRequest(f"state dict key 'spec' is {state['spec']!r}; expected the job spec dict")
+    try:
+        return JobSpec.model_validate(dict(state["spec"]))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()
+        )
+        raise BadRequest(f"state dict key 'spec' is not a valid job spec: {problems}") from None
+
+
+def _position_and_job(
+    state: Mapping[str, Any], version: int, spec: JobSpec, next_batch: int
+) -> tuple[int, str]:
+    """The state's global position, checked against ``next_batch``, and the id of the job
+    that saved it; a version 1 state has neither: its position is ``next_batch``'s start."""
+    step = spec.env_batch * spec.deal_world
+    if version == 1:
+        return next_batch * step, ""
+    position = _int(state, "position")
+    if position // step != next_batch:
+        world_size = spec.world_size
+        raise BadRequest(
+            f"state dict keys 'position' ({position}) and 'next_batch' ({next_batch}) "
+            f"disagree: position {position} is batch {position // step} of {world_size} "
+            f"ranks of {step // world_size}; pass the dict Loader.state_dict() returned"
+        )
+    job = state.get("job", "")
+    if not isinstance(job, str) or len(job) > 64:
+        raise BadRequest(f"state dict key 'job' is {job!r}; expected a job id string")
+    return position, job
 
 
 def parse_states(states: object, version: int = VERSION) -> ResumeState:

@@ -81,11 +81,13 @@ class EpochStream:
         rows: int = 0,
         num_batches: int | None = None,
         graphs: bool = False,
+        place: Callable[[Hello, bool], str] | None = None,
     ) -> None:
         """``rows``: the job's batch size, ``num_batches``: its batches per epoch (the plan
         every message and the Welcome are checked against; 0 / ``None``: the server's word);
-        ``graphs``: batches are collated graphs (see :func:`._cut.check_message`)."""
-        self.conn = conn
+        ``graphs``: batches are collated graphs (see :func:`._cut.check_message`);
+        ``place(hello, again)``: where to say each Hello (:mod:`.placing`)."""
+        self._place, self.conn = place, conn
         self.rows, self.num_batches, self.graphs = rows, num_batches, graphs
         self.hello = hello
         self.epoch = hello.epoch
@@ -133,7 +135,8 @@ class EpochStream:
             if frames is None:
                 self._flush_grant()
                 if self._recreated() and self.welcome is None and self._job_missing:
-                    self._send_hello(self.next_index)  # the last Hello came before the job
+                    # The last Hello came before the job (a restarted server: place it again).
+                    self._send_hello(self.next_index, again=True)
                 now = time.monotonic()
                 if now >= deadline:
                     raise self._stall(now - started)
@@ -328,7 +331,7 @@ class EpochStream:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def _send_hello(self, start: int) -> None:
+    def _send_hello(self, start: int, again: bool = False) -> None:
         # Slots the consumer still holds must stay lent if the server hands this client's
         # ring to the new stream; the others (those on their way back too) come back free.
         ring = self._rings.ring
@@ -346,6 +349,10 @@ class EpochStream:
         self._hello_at = time.monotonic()
         self._pending_grant = 0
         self.credit_outstanding = self.hello.credit
+        if self._place is not None:
+            endpoint = self._place(self.hello, again)
+            if endpoint != self.conn.endpoint:
+                self.conn.retarget(endpoint)
         self.conn.send(self.hello)
 
     def _flush_grant(self) -> None:
@@ -380,7 +387,7 @@ class EpochStream:
         # is posted again meanwhile, and the Hello repeated once it is (see next()). Still
         # down: the Hello waits in libzmq's queue and goes out on reconnect.
         self._recreate.start()
-        self._send_hello(self.next_index)
+        self._send_hello(self.next_index, again=True)
         self._last_heard = now
         self._next_recover = now + self._backoff
         self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)

@@ -139,6 +139,9 @@ class ServerInfo(BaseModel):
     #: The kernel boot id: a client with the same one shares this host (and its /dev/shm).
     boot_id: str
     auth_required: bool
+    #: Processes serving streams: above 1, a client asks ``POST /v1/jobs/{id}/place`` where
+    #: to open each stream (an older server says nothing: one process).
+    stream_processes: int = 1
 
 
 #: Most sample ids one quarantine request may name, and one dataset may have in all.

@@ -120,6 +120,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "streams, memory and limits": (
         "assembly_threads",
+        "stream_processes",
         "shm",
         "shm_limit_bytes",
         "shm_ring_bytes",

@@ -8,7 +8,6 @@ plane only by queueing a command on the streamer (never by waiting on it). Start
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,13 +23,16 @@ from shardserve.proto.errors import BadRequest, ErrorCode
 from shardserve.proto.host import read_boot_id
 from shardserve.proto.jobs import MIXTURE_PREFIX, JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
-from shardserve.proto.messages import SUPPORTED_PROTOCOLS
+from shardserve.proto.messages import SUPPORTED_PROTOCOLS, Error, Hello
+from shardserve.proto.processes import Placement, PlaceRequest
 
 from .jobs.admin import JobAdmin
 from .jobs.kinds.base import JobKind, KindParts
 from .jobs.kinds.table import JobKinds
 from .jobs.steering import MixtureAdmin
 from .planning.cache import PlanCache
+from .processes.parent import StreamProcesses
+from .processes.placement import MAIN
 from .reading.assembly import Assembler
 from .reading.sources import open_source
 from .registry.jobs import EpochJournal, Job, JobRegistry
@@ -41,16 +43,15 @@ from .runtime.rings import DEFAULT_DIR as SHM_DIR
 from .runtime.rings import PREFIX as SHM_PREFIX
 from .runtime.rings import remove_stale
 from .settings import Settings
-from .store.backend import StoreBackend, open_store
 from .store.read.dataset import Dataset
-from .store.remote.object_fs import StoreOptions
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
 from .streaming.pipeline import Work
-from .streaming.streamer import Streamer, StreamerConfig, Waker
+from .streaming.streamer import Streamer, Waker
 from .transforms.bound import Transforms
 from .transforms.runner import Limits
+from .wiring import open_store_of, streamer_config
 
 log = logging.getLogger("shardserve.service")
 
@@ -97,30 +98,6 @@ def dataset_info(m: Manifest) -> DatasetInfo:
     )
 
 
-def _open_store(settings: Settings, registry: CollectorRegistry) -> StoreBackend:
-    """The store of ``settings``: a folder, or a remote store with its local shard cache."""
-    if not settings.store_is_remote:
-        return open_store(
-            settings.store, verify=settings.verify, read_ahead_bytes=settings.read_ahead_bytes
-        )
-    # The object store's own client reads its credentials from the environment; we read the
-    # same variables only to keep their values out of every message we write.
-    options = dataclasses.replace(
-        StoreOptions.from_env(os.environ, settings.store_endpoint),
-        request_timeout_s=settings.store_timeout_s,
-        connect_timeout_s=min(5.0, settings.store_timeout_s),
-        min_bytes_per_s=settings.store_min_bytes_per_s,
-    )
-    return open_store(
-        settings.store,
-        options=options,
-        cache_dir=settings.cache_dir,
-        cache_limit_bytes=settings.cache_limit_bytes,
-        registry=registry,
-        verify=settings.verify,
-    )
-
-
 class Service:
     """Store + jobs + data plane of one server process."""
 
@@ -131,7 +108,7 @@ class Service:
         self.journal_problem: str | None = None
         self.jobs = JobRegistry(self.journal, max_jobs=settings.max_jobs)
         self.metrics = Metrics(registry)
-        self.store = _open_store(settings, self.metrics.registry)
+        self.store = open_store_of(settings, self.metrics.registry)
         self.board = StreamBoard()
         self.plans = PlanCache(settings.plan_cache_bytes)
         self.metrics.watch_store_bytes(self._store_bytes)
@@ -168,34 +145,25 @@ class Service:
             self.kinds,
             self._end_streams,
             lambda: self.store.release_unpinned(self.jobs.pinned_versions()),
+            self._job_changed,
         )
         self.metrics.watch_plan_bytes(lambda: self.plans.nbytes)
         self.metrics.watch_jobs(lambda: self.mixture_admin.add_to(self.job_admin.snapshot()))
         self.streamer = Streamer(
-            StreamerConfig(
-                endpoints=settings.data_endpoints,
-                token=settings.token,
-                heartbeat_s=settings.heartbeat_s,
-                stream_timeout_s=settings.stream_timeout_s,
-                # Clients map rings from their own /dev/shm, so the server makes them there too.
-                shm_dir=SHM_DIR if settings.shm else None,
-                shm_limit_bytes=settings.shm_limit_bytes,
-                shm_ring_bytes=settings.shm_ring_bytes or None,  # 0: no cap
-                boot_id=read_boot_id(),
-                max_batch_bytes=settings.max_batch_bytes,
-                max_streams=settings.max_streams,
-                max_streams_per_job=settings.max_streams_per_job,
-                share_subscribers=settings.share_subscribers,
-                share_window=settings.share_window,
-                share_window_bytes=settings.share_window_bytes,
-                share_bytes=settings.share_bytes,
-                max_hellos_per_s=settings.max_hellos_per_s,
-                shm_unproven_rings=settings.shm_unproven_rings,
-                unread_stream_bytes=settings.unread_stream_bytes,
-                unread_bytes=settings.unread_bytes,
-            ),
-            self._make_handler,
+            streamer_config(settings, settings.data_endpoints), self._make_handler
         )
+        #: The streaming processes beside this one (``--stream-processes`` > 1), else ``None``.
+        self.processes: StreamProcesses | None = None
+        if settings.stream_processes > 1:
+            self.processes = StreamProcesses(
+                settings.stream_processes,
+                settings.model_dump_json(),
+                settings.data_endpoints,
+                self.board,
+                self.jobs,
+                self._job_failed_elsewhere,
+                settings.shm,
+            )
         self.version = _version()
 
     def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
@@ -212,11 +180,54 @@ class Service:
             kind_of=self._kind_of,
             board=self.board,
             metrics=self.metrics,
+            gate=self._main_gate,
         )
         handler = StreamHandler(sock, assembler, deps, self.streamer.config)
         # A stream skipped while its re-plan ran on the planning lane goes on once it lands.
         self.plans.on_landed(lambda: self.streamer.call(lambda _h: handler.replanned()))
         return handler
+
+    def _main_gate(self, hello: Hello) -> Error | None:
+        """A Hello that reached this process for a rank placed in a streaming process is sent
+        back to ask where to go (the rank's holder and its fencing live there)."""
+        if self.processes is None:
+            return None
+        k = self.processes.table.claim_main(hello.job, hello.rank)
+        if k == MAIN:
+            return None
+        return Error(
+            code=ErrorCode.UNKNOWN_STREAM,
+            message=(
+                f"job {hello.job!r} rank {hello.rank} is served by streaming process {k}: ask "
+                f"the control plane where to open it (POST /v1/jobs/{hello.job}/place)"
+            ),
+            fatal=False,
+        )
+
+    def _job_changed(self, job: Job) -> None:
+        """A job's epoch or seed was set: the streaming processes serving it learn it."""
+        if self.processes is not None:
+            self.processes.update_job(job)
+
+    def _job_failed_elsewhere(self, job_id: str, code: ErrorCode, message: str) -> None:
+        """A streaming process found the job's bytes or chain failing: every rank stops."""
+        self.jobs.fail(job_id, code, message)
+        self._end_streams(job_id, message, code)
+
+    def place(self, job_id: str, req: PlaceRequest) -> Placement:
+        """Where to open ``req``'s stream of ``job_id`` (see :mod:`.processes.placement`): a
+        server of one process answers its own data endpoints."""
+        job = self.jobs.get(job_id)
+        if not 0 <= req.rank < job.spec.world_size:
+            raise BadRequest(
+                f"rank {req.rank} is out of range for job {job_id}: 0 <= rank < "
+                f"{job.spec.world_size}"
+            )
+        main = self.streamer.endpoints
+        if self.processes is None:
+            return Placement(process=MAIN, data_endpoints=main)
+        anywhere = self.kinds.of(job.spec).streams_anywhere
+        return self.processes.place(job, req, anywhere=anywhere, main=main)
 
     def create_job(self, spec: JobSpec) -> CreatedJob:
         """Create (or find) the job for ``spec`` (see :meth:`JobAdmin.create_job`)."""
@@ -266,6 +277,8 @@ class Service:
             for name in remove_stale(SHM_DIR):
                 log_event(log, "shm.stale_removed", segment=name)
         endpoints = self.streamer.start()
+        if self.processes is not None:
+            self.processes.start()
         log_event(
             log,
             "service.started",
@@ -276,6 +289,8 @@ class Service:
         return endpoints
 
     def stop(self) -> None:
+        if self.processes is not None:
+            self.processes.stop()
         self.streamer.stop()
         self.plans.close()
         self.transforms.close()
@@ -307,6 +322,7 @@ class Service:
             host=socket.gethostname(),
             boot_id=read_boot_id(),
             auth_required=self.settings.token is not None,
+            stream_processes=self.settings.stream_processes,
         )
 
     def datasets(self) -> list[DatasetInfo]:
@@ -315,8 +331,12 @@ class Service:
     def dataset(self, name: str) -> DatasetInfo:
         return dataset_info(self.store.manifest(name))
 
-    def _end_streams(self, job_id: str, message: str) -> None:
-        self.streamer.call(lambda h: h.job_gone(job_id, ErrorCode.JOB_FAILED, message))
+    def _end_streams(
+        self, job_id: str, message: str, code: ErrorCode = ErrorCode.JOB_FAILED
+    ) -> None:
+        self.streamer.call(lambda h: h.job_gone(job_id, code, message))
+        if self.processes is not None:
+            self.processes.end_job(job_id, code, message)
 
     def plan(
         self, job_id: str, epoch: int, rank: int, env: int | None = None, offset: int = 0
@@ -348,6 +368,8 @@ class Service:
 
     def metrics_text(self) -> bytes:
         self.job_admin.sweep()
+        if self.processes is not None:
+            return self.processes.render(self.metrics.registry)
         return self.metrics.render()
 
     def _store_bytes(self) -> float:

@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shardserve.proto.processes import MAX_STREAM_PROCESSES
+
 from .runtime.sizing import Sizing, choose, probe
 
 # shardserve.proto is imported where a value is checked, not here: importing it loads every
@@ -62,6 +64,15 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="threads assembling batches (unset: a quarter of the CPUs, at least 2)",
+        json_schema_extra={"sized": True},
+    )
+    stream_processes: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_STREAM_PROCESSES,
+        description="processes that serve streams (1: the main process serves them all; N > 1: "
+        "N streaming processes beside it, placed per stream; unset: a quarter of the CPUs, at "
+        "least 1)",
         json_schema_extra={"sized": True},
     )
     heartbeat_s: float = Field(
@@ -294,6 +305,14 @@ class Settings(BaseSettings):
         # Flag > environment > machine: a field set either way is in model_fields_set.
         sized = [n for n, f in type(self).model_fields.items() if _is_sized(f.json_schema_extra)]
         given = {n: int(getattr(self, n)) for n in sized if n in self.model_fields_set}
+        if self.store_is_remote:
+            if given.get("stream_processes", 1) > 1:
+                raise ValueError(
+                    "--stream-processes above 1 needs a local store: a remote store's shard "
+                    "cache is kept by one process; pass --stream-processes 1, or serve a local "
+                    "copy of the store"
+                )
+            given["stream_processes"] = 1  # the one process that keeps the cache
         sizing = choose(probe(), given)
         for name, value in sizing.applied().items():
             if name not in given:

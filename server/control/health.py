@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from shardserve.proto.api import ServerInfo
+from shardserve.proto.processes import ProcessStatus
 
 from .deps import Authorized, ServiceDep
 
@@ -33,6 +34,12 @@ def readyz(service: ServiceDep) -> JSONResponse:
 def info(service: ServiceDep) -> ServerInfo:
     """How to reach the data plane, and which protocol versions the server speaks."""
     return service.info()
+
+
+@router.get("/v1/processes")
+def processes(service: ServiceDep) -> list[ProcessStatus]:
+    """The streaming processes beside the main one (none with ``--stream-processes 1``)."""
+    return service.processes.processes() if service.processes is not None else []
 
 
 @router.get("/metrics", response_class=Response)

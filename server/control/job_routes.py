@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Path, Query, Response, status
 
 from shardserve.proto.api import CreatedJob, EpochUpdate, ErrorBody, JobStatus
 from shardserve.proto.jobs import JobSpec
+from shardserve.proto.processes import Placement, PlaceRequest
 
 from .deps import Authorized, ServiceDep
 from .strict import StrictJson
@@ -105,3 +106,15 @@ def get_plan(
 def delete_job(job_id: JobId, service: ServiceDep) -> JobStatus:
     """Delete the job; its open streams end with a fatal ``JOB_FAILED`` error."""
     return service.job_admin.delete_job(job_id)
+
+
+@router.post(
+    "/{job_id}/place",
+    responses={**_NOT_FOUND, 400: {"model": ErrorBody}, 422: {"model": ErrorBody}},
+    dependencies=[Depends(StrictJson(PlaceRequest))],
+)
+def place_stream(job_id: JobId, req: PlaceRequest, service: ServiceDep) -> Placement:
+    """Where to open a stream of ``job_id``'s rank: the process that will serve it and its
+    data endpoints. That process expects one Hello whose nonce is ``req.nonce``; a server of
+    one process answers its own endpoints (``--stream-processes``)."""
+    return service.place(job_id, req)

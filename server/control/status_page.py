@@ -292,6 +292,24 @@ def _sizing_line(service: ServiceDep) -> str:
     )
 
 
+def _processes_section(service: ServiceDep) -> str:
+    """The streaming processes, when the server runs some (``--stream-processes``)."""
+    if service.processes is None:
+        return ""
+    rows = "".join(
+        f"<tr><td>{p.index}</td><td>{p.pid}</td><td>{'up' if p.up else 'starting'}</td>"
+        f"<td>{p.streams}</td><td>{p.ranks}</td><td>{p.restarts}</td><td>{_e(' '.join(p.data_endpoints))}</td></tr>"
+        for p in service.processes.processes()
+    )
+    return (
+        "<h2 id='processes'>Streaming processes</h2><table><tr><th>process</th><th>pid</th>"
+        "<th>state</th><th>streams</th><th>ranks placed</th><th>restarts</th><th>data endpoints</th></tr>"
+        f"{rows}</table><p>Process 0, the main one, serves clients that do not ask where to "
+        "go, and mixtures. A process that died is replaced; counters it reported are kept, "
+        "its last quarter-second of counts may be lost.</p>"
+    )
+
+
 @router.get("/", response_class=HTMLResponse)
 def status_page(service: ServiceDep) -> HTMLResponse:
     """The human view of datasets, jobs and ranks."""
@@ -320,7 +338,8 @@ def status_page(service: ServiceDep) -> HTMLResponse:
         ranks_connected=ranks,
         stall_now=_pct(service.board.stall_now()),
         dataset_rows=_dataset_rows(service),
-        job_sections=_jobs_html(jobs, mixtures)
+        job_sections=_processes_section(service)
+        + _jobs_html(jobs, mixtures)
         + _cache_section(service)
         + transforms_section(service),
         warnings=(

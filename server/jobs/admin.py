@@ -43,10 +43,12 @@ class JobAdmin:
         kinds: JobKinds,
         end_streams: Callable[[str, str], None],
         release_versions: Callable[[], None],
+        job_changed: Callable[[Job], None],
     ) -> None:
         """``kinds``: the table a spec's kind is taken from, which admits it;
         ``end_streams(job_id, message)``: tell the job's open streams it is gone;
-        ``release_versions()``: let go of replaced dataset versions no job pins any more."""
+        ``release_versions()``: let go of replaced dataset versions no job pins any more;
+        ``job_changed(job)``: a job's epoch or seed was set (streaming processes learn it)."""
         self.settings = settings
         self.jobs = jobs
         self.board = board
@@ -54,6 +56,7 @@ class JobAdmin:
         self.kinds = kinds
         self._end_streams = end_streams
         self._release_versions = release_versions
+        self._job_changed = job_changed
         # Admission (cap check, eviction, creation) is one step, or two POSTs could both
         # take the last free place.
         self._admit_lock = threading.Lock()
@@ -138,7 +141,9 @@ class JobAdmin:
         return [self.status_of(job, state) for job, state in rows]
 
     def set_epoch(self, job_id: str, update: EpochUpdate) -> JobStatus:
-        return self.status_of(self.jobs.set_epoch(job_id, update.epoch, update.seed))
+        job = self.jobs.set_epoch(job_id, update.epoch, update.seed)
+        self._job_changed(job)
+        return self.status_of(job)
 
     def delete_job(self, job_id: str) -> JobStatus:
         return self._forget(job_id, "deleted over the control plane")

@@ -109,28 +109,20 @@ class RankPlan:
         >>> [b.tolist() for b in RankPlan.from_order(o, 3, 2, 2, False, offset=5)]  # pads with o[0]
         [[7, 0]]
         """
-        world_size, rank, batch_size = map(operator.index, (world_size, rank, batch_size))
-        offset = operator.index(offset)
-        if order.ndim != 1:
-            raise ValueError(f"order must be 1-D, got shape {order.shape}")
+        world_size, rank, batch_size, offset = map(
+            operator.index, (world_size, rank, batch_size, offset)
+        )
         n = len(order)
-        _check(n, world_size, rank, batch_size)
-        if not 0 <= offset <= n:
-            raise ValueError(
-                f"offset {offset} out of range 0 <= offset <= {n} (the order's length)"
-            )
+        _check_order(order, world_size, rank, batch_size, offset)
         rest = n - offset
         per_rank = rank_length(rest, world_size, drop_last)
         batches = num_batches(rest, world_size, batch_size, drop_last)
         num_samples = batches * batch_size if drop_last else per_rank
         ids = order[offset + rank : n : world_size][:num_samples]
-        # Only the last id can be padding: the padded tail is shorter than world_size.
         pad = 0
         if len(ids) < num_samples:
-            at = (offset + rank + (per_rank - 1) * world_size) % n
-            if ready is not None:
-                ready(at)
-            pad = int(order[at])
+            # Only the last id can be padding: the padded tail is shorter than world_size.
+            pad = _padding(order, offset + rank + (per_rank - 1) * world_size, ready)
         return cls(
             world_size,
             rank,
@@ -201,3 +193,26 @@ class RankPlan:
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(self.num_batches):
             yield self.batch(i)
+
+
+def _check_order(
+    order: np.ndarray, world_size: int, rank: int, batch_size: int, offset: int
+) -> None:
+    """Refuse an order that is not 1-D, what :func:`_check` refuses, and an offset outside
+    the order."""
+    if order.ndim != 1:
+        raise ValueError(f"order must be 1-D, got shape {order.shape}")
+    _check(len(order), world_size, rank, batch_size)
+    if not 0 <= offset <= len(order):
+        raise ValueError(
+            f"offset {offset} out of range 0 <= offset <= {len(order)} (the order's length)"
+        )
+
+
+def _padding(order: np.ndarray, position: int, ready: Callable[[int], None] | None) -> int:
+    """The id a short rank is padded with: the order's id at ``position`` (wrapped around),
+    once it is final."""
+    at = position % len(order)
+    if ready is not None:
+        ready(at)
+    return int(order[at])

@@ -61,8 +61,8 @@ def shuffle_steps(
     bucket_rows: int = BUCKET_ROWS,
     chunk_rows: int = CHUNK_ROWS,
 ) -> Iterator[int]:
-    """:func:`shuffle_into` one step at a time: a generator that lays out the buckets, then
-    shuffles them in order, yielding after each bucket how many leading positions of ``out``
+    """:func:`shuffle_into` one step at a time: a generator that draws the labels, shuffles
+    bucket 0, then lays out and shuffles the others in order, yielding after each bucket how many leading positions of ``out``
     are final. The same draws in the same order as :func:`shuffle_into`, whoever drives it:
     a caller can take the first bucket (the first batches of an epoch) and leave the rest to
     another thread.
@@ -94,6 +94,25 @@ def shuffle_steps(
     shuffle_whole(out[: len(first)], rng)
     yield len(first)
     del first
+    bucket_start = _deal_into_buckets(out, labels, src, n_buckets, chunk_rows)
+    del labels
+    scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
+    for b0, b1 in zip(bucket_start[1:-1].tolist(), bucket_start[2:].tolist(), strict=True):
+        shuffle_whole(out[b0:b1], rng, scratch)
+        yield b1
+
+
+def _deal_into_buckets(
+    out: np.ndarray,
+    labels: np.ndarray,
+    src: np.ndarray | None,
+    n_buckets: int,
+    chunk_rows: int,
+) -> np.ndarray:
+    """Write the ids into ``out`` grouped by their bucket ``labels``, in source order within
+    one (a counting sort, ``chunk_rows`` at a time), except bucket 0's, in place already;
+    returns where each bucket starts, and ``len(out)`` last."""
+    n = len(out)
     # Per chunk, how many of its labels each bucket got: a counting sort's two passes.
     chunk_counts = [
         np.bincount(labels[lo : lo + chunk_rows], minlength=n_buckets)
@@ -111,18 +130,13 @@ def shuffle_steps(
             values = src[lo:][by_label]
         run_start = np.zeros(n_buckets + 1, dtype=np.int64)
         np.cumsum(counts, out=run_start[1:])
-        # A Python loop per bucket per chunk (256 x n / 2**20), never per sample; bucket 0
-        # is in place and shuffled already.
+        # A Python loop per bucket per chunk (256 x n / 2**20), never per sample.
         for b, (r0, r1) in enumerate(
             zip(run_start[1:-1].tolist(), run_start[2:].tolist(), strict=True), start=1
         ):
             out[cursor[b] : cursor[b] + r1 - r0] = values[r0:r1]
             cursor[b] += r1 - r0
-    del labels
-    scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
-    for b0, b1 in zip(bucket_start[1:-1].tolist(), bucket_start[2:].tolist(), strict=True):
-        shuffle_whole(out[b0:b1], rng, scratch)
-        yield b1
+    return bucket_start
 
 
 def stable_by_label(chunk: np.ndarray) -> np.ndarray:

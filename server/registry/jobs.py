@@ -91,6 +91,19 @@ class Job:
         return tuple(by_step[k] for k in sorted(by_step))
 
 
+def _with_weight_change(job: Job, rec: MixtureRecord) -> Job:
+    """``job`` with the journaled weight change ``rec`` appended to its schedule; as it was
+    when the weights do not fit its sources (a hand edit), with a log line saying why."""
+    try:
+        check_weights(rec.weights, len(job.spec.mixture or ()), "weights")
+    except ValueError as e:
+        log_event(log, "journal.mixture_skipped", level=logging.WARNING, job=rec.id, reason=str(e))
+        return job
+    return replace(
+        job, changes=(*job.changes, WeightChange(at_step=rec.at_step, weights=rec.weights))
+    )
+
+
 class JobRegistry:
     """Jobs by id. ``journal=None`` keeps them in memory only."""
 
@@ -116,9 +129,21 @@ class JobRegistry:
         """
         if self._journal is None:
             return 0
+        jobs = self._replay(self._journal)
+        self._drop_over_cap(jobs, self._journal)
+        with self._lock:
+            self._jobs = jobs
+        self._journal.rewrite(
+            [r for j in jobs.values() for r in _records_of(j)] + self.quarantine.records()
+        )
+        return len(jobs)
+
+    def _replay(self, journal: EpochJournal) -> dict[str, Job]:
+        """The jobs ``journal``'s records make, least recently written first (quarantines
+        go into :attr:`quarantine` on the way)."""
         now = time.monotonic()
         jobs: dict[str, Job] = {}
-        for rec in self._journal.replay():
+        for rec in journal.replay():
             if isinstance(rec, CreateRecord):
                 jobs.pop(rec.id, None)  # re-inserted last: dict order is recency order
                 jobs[rec.id] = Job(
@@ -135,20 +160,7 @@ class JobRegistry:
             elif isinstance(rec, DeleteRecord):
                 jobs.pop(rec.id, None)
             elif isinstance(rec, MixtureRecord) and rec.id in jobs:
-                job = jobs[rec.id]
-                try:
-                    check_weights(rec.weights, len(job.spec.mixture or ()), "weights")
-                except ValueError as e:  # a hand edit: the job keeps the schedule it had
-                    log_event(
-                        log,
-                        "journal.mixture_skipped",
-                        level=logging.WARNING,
-                        job=rec.id,
-                        reason=str(e),
-                    )
-                    continue
-                change = WeightChange(at_step=rec.at_step, weights=rec.weights)
-                jobs[rec.id] = replace(job, changes=(*job.changes, change))
+                jobs[rec.id] = _with_weight_change(jobs[rec.id], rec)
             elif isinstance(rec, QuarantineRecord):
                 try:
                     self.quarantine.add(rec.dataset, rec.ids, rec.reason, rec.at)
@@ -156,6 +168,10 @@ class JobRegistry:
                     log_event(
                         log, "journal.quarantine_skipped", level=logging.WARNING, reason=str(e)
                     )
+        return jobs
+
+    def _drop_over_cap(self, jobs: dict[str, Job], journal: EpochJournal) -> None:
+        """Drop the least recently written of ``jobs`` past :attr:`max_jobs`, saying so."""
         over = len(jobs) - self.max_jobs
         if over > 0:
             for jid in list(jobs)[:over]:
@@ -164,17 +180,11 @@ class JobRegistry:
                 log,
                 "journal.over_cap",
                 level=logging.WARNING,
-                path=str(self._journal.path),
+                path=str(journal.path),
                 kept=len(jobs),
                 dropped=over,
                 reason=f"more than {self.max_jobs} jobs; the least recently written were dropped",
             )
-        with self._lock:
-            self._jobs = jobs
-        self._journal.rewrite(
-            [r for j in jobs.values() for r in _records_of(j)] + self.quarantine.records()
-        )
-        return len(jobs)
 
     def fail_changed(self, version_of: Callable[[str], str]) -> list[str]:
         """Fail every job whose pinned dataset version is no longer the current one

@@ -185,118 +185,144 @@ class _JobCollector(Collector):
 
     @staticmethod
     def _families(snap: JobsSnapshot) -> Iterator[Metric]:
-        jobs = GaugeMetricFamily(
-            "shardserve_jobs", "Jobs known to the server, by lifecycle state.", labels=["state"]
-        )
-        for state in JOB_STATES:
-            jobs.add_metric([state], snap.states.get(state, 0))
-        yield jobs
-        connected = GaugeMetricFamily(
-            "shardserve_job_ranks_connected",
-            "Ranks of the job with an open data-plane stream.",
-            labels=["job_id"],
-        )
-        for jid, n in sorted(snap.connected.items()):
-            connected.add_metric([jid], n)
-        yield connected
-        per_rank = [
-            (
-                "shardserve_job_batches_sent",
-                "Batches sent to the rank (batches, not messages: small ones travel several "
-                "to a message).",
-                "batches",
-            ),
-            ("shardserve_job_bytes_sent", "Payload bytes sent to the rank.", "bytes"),
-            (
-                "shardserve_client_wait_seconds",
-                "Seconds the rank's loop waited for data (client report).",
-                "wait_s",
-            ),
-            (
-                "shardserve_client_compute_seconds",
-                "Seconds the rank's loop spent between batches (client report).",
-                "compute_s",
-            ),
-        ]
-        for name, doc, attr in per_rank:
-            fam = CounterMetricFamily(name, doc, labels=["job_id", "rank"])
-            for r in snap.ranks:
-                fam.add_metric([r.job_id, _rank_label(r.rank)], float(getattr(r, attr)))
-            yield fam
-        # (job id, source, value) series of mixture jobs.
-        per_source: list[tuple[_SourceFamily, str, str, Sequence[tuple[str, str, float]]]] = [
-            (
-                GaugeMetricFamily,
-                "shardserve_mixture_weight",
-                "A mixture source's share of batch positions (weights normalised) at the job's frontier.",
-                snap.mixture_weights,
-            ),
-            (
-                CounterMetricFamily,
-                "shardserve_mixture_samples_sent",
-                "Samples of a mixture source sent to the job's ranks (since this server started).",
-                snap.mixture_sent,
-            ),
-            (
-                GaugeMetricFamily,
-                "shardserve_mixture_share",
-                "A mixture source's share of the samples sent over the ranks' current streams.",
-                snap.mixture_shares,
-            ),
-        ]
-        for family, name, doc, rows in per_source:
-            series = family(name, doc, labels=["job_id", "source"])
-            for jid, source, value in rows:
-                series.add_metric([jid, source], value)
-            yield series
-        sigmas = GaugeMetricFamily(
-            "shardserve_mixture_deviation_sigmas",
-            "Largest gap between a mixture's shares sent and the schedule's over the same "
-            "steps, in standard deviations of a binomial draw (above ~4: not what was asked).",
-            labels=["job_id"],
-        )
-        for jid, v in sorted(snap.mixture_sigmas.items()):
-            sigmas.add_metric([jid], v)
-        yield sigmas
-        quarantined = GaugeMetricFamily(
-            "shardserve_quarantined_samples",
-            "Sample ids of the dataset in quarantine (skipped by mixture plans).",
-            labels=["dataset"],
-        )
-        for name, n in sorted(snap.quarantined.items()):
-            quarantined.add_metric([name], n)
-        yield quarantined
-        per_share: list[tuple[_SourceFamily, str, str, Callable[[ShareSeries], int]]] = [
-            (
-                GaugeMetricFamily,
-                "shardserve_job_share_subscribers",
-                "Subscribers of the rank's share groups (Loader(share=...)).",
-                lambda sh: sh.subscribers,
-            ),
-            (
-                GaugeMetricFamily,
-                "shardserve_job_share_lag_batches",
-                "The largest lag of a subscriber behind its share group's front, in batches.",
-                lambda sh: sh.lag,
-            ),
-            (
-                CounterMetricFamily,
-                "shardserve_job_share_batches_handed",
-                "Batches the rank's subscribers were handed from their group's pass.",
-                lambda sh: sh.handed,
-            ),
-            (
-                CounterMetricFamily,
-                "shardserve_job_share_detaches",
-                "Times a subscriber of the rank fell behind its share group's window.",
-                lambda sh: sh.detaches,
-            ),
-        ]
-        for kind, name, doc, read in per_share:
-            ranks = kind(name, doc, labels=["job_id", "rank"])
-            for sh in snap.shares:
-                ranks.add_metric([sh.job_id, _rank_label(sh.rank)], float(read(sh)))
-            yield ranks
+        # In the exposition's order: jobs, ranks, mixtures, quarantine, share groups.
+        yield from _job_families(snap)
+        yield from _rank_families(snap)
+        yield from _mixture_families(snap)
+        yield from _quarantine_families(snap)
+        yield from _share_families(snap)
+
+
+def _job_families(snap: JobsSnapshot) -> Iterator[Metric]:
+    """Jobs by lifecycle state, and each job's ranks connected."""
+    jobs = GaugeMetricFamily(
+        "shardserve_jobs", "Jobs known to the server, by lifecycle state.", labels=["state"]
+    )
+    for state in JOB_STATES:
+        jobs.add_metric([state], snap.states.get(state, 0))
+    yield jobs
+    connected = GaugeMetricFamily(
+        "shardserve_job_ranks_connected",
+        "Ranks of the job with an open data-plane stream.",
+        labels=["job_id"],
+    )
+    for jid, n in sorted(snap.connected.items()):
+        connected.add_metric([jid], n)
+    yield connected
+
+
+def _rank_families(snap: JobsSnapshot) -> Iterator[Metric]:
+    """Each rank's counters: batches and bytes sent, the loop's wait and compute seconds."""
+    per_rank = [
+        (
+            "shardserve_job_batches_sent",
+            "Batches sent to the rank (batches, not messages: small ones travel several "
+            "to a message).",
+            "batches",
+        ),
+        ("shardserve_job_bytes_sent", "Payload bytes sent to the rank.", "bytes"),
+        (
+            "shardserve_client_wait_seconds",
+            "Seconds the rank's loop waited for data (client report).",
+            "wait_s",
+        ),
+        (
+            "shardserve_client_compute_seconds",
+            "Seconds the rank's loop spent between batches (client report).",
+            "compute_s",
+        ),
+    ]
+    for name, doc, attr in per_rank:
+        fam = CounterMetricFamily(name, doc, labels=["job_id", "rank"])
+        for r in snap.ranks:
+            fam.add_metric([r.job_id, _rank_label(r.rank)], float(getattr(r, attr)))
+        yield fam
+
+
+def _mixture_families(snap: JobsSnapshot) -> Iterator[Metric]:
+    """Each mixture source's weight, samples sent and share sent; each job's deviation."""
+    # (job id, source, value) series of mixture jobs.
+    per_source: list[tuple[_SourceFamily, str, str, Sequence[tuple[str, str, float]]]] = [
+        (
+            GaugeMetricFamily,
+            "shardserve_mixture_weight",
+            "A mixture source's share of batch positions (weights normalised) at the job's frontier.",
+            snap.mixture_weights,
+        ),
+        (
+            CounterMetricFamily,
+            "shardserve_mixture_samples_sent",
+            "Samples of a mixture source sent to the job's ranks (since this server started).",
+            snap.mixture_sent,
+        ),
+        (
+            GaugeMetricFamily,
+            "shardserve_mixture_share",
+            "A mixture source's share of the samples sent over the ranks' current streams.",
+            snap.mixture_shares,
+        ),
+    ]
+    for family, name, doc, rows in per_source:
+        series = family(name, doc, labels=["job_id", "source"])
+        for jid, source, value in rows:
+            series.add_metric([jid, source], value)
+        yield series
+    sigmas = GaugeMetricFamily(
+        "shardserve_mixture_deviation_sigmas",
+        "Largest gap between a mixture's shares sent and the schedule's over the same "
+        "steps, in standard deviations of a binomial draw (above ~4: not what was asked).",
+        labels=["job_id"],
+    )
+    for jid, v in sorted(snap.mixture_sigmas.items()):
+        sigmas.add_metric([jid], v)
+    yield sigmas
+
+
+def _quarantine_families(snap: JobsSnapshot) -> Iterator[Metric]:
+    """Quarantined sample ids per dataset."""
+    quarantined = GaugeMetricFamily(
+        "shardserve_quarantined_samples",
+        "Sample ids of the dataset in quarantine (skipped by mixture plans).",
+        labels=["dataset"],
+    )
+    for name, n in sorted(snap.quarantined.items()):
+        quarantined.add_metric([name], n)
+    yield quarantined
+
+
+def _share_families(snap: JobsSnapshot) -> Iterator[Metric]:
+    """Each shared rank's subscribers, lag, batches handed and detaches."""
+    per_share: list[tuple[_SourceFamily, str, str, Callable[[ShareSeries], int]]] = [
+        (
+            GaugeMetricFamily,
+            "shardserve_job_share_subscribers",
+            "Subscribers of the rank's share groups (Loader(share=...)).",
+            lambda sh: sh.subscribers,
+        ),
+        (
+            GaugeMetricFamily,
+            "shardserve_job_share_lag_batches",
+            "The largest lag of a subscriber behind its share group's front, in batches.",
+            lambda sh: sh.lag,
+        ),
+        (
+            CounterMetricFamily,
+            "shardserve_job_share_batches_handed",
+            "Batches the rank's subscribers were handed from their group's pass.",
+            lambda sh: sh.handed,
+        ),
+        (
+            CounterMetricFamily,
+            "shardserve_job_share_detaches",
+            "Times a subscriber of the rank fell behind its share group's window.",
+            lambda sh: sh.detaches,
+        ),
+    ]
+    for kind, name, doc, read in per_share:
+        ranks = kind(name, doc, labels=["job_id", "rank"])
+        for sh in snap.shares:
+            ranks.add_metric([sh.job_id, _rank_label(sh.rank)], float(read(sh)))
+        yield ranks
 
 
 class Metrics:
@@ -308,7 +334,14 @@ class Metrics:
         # Process-wide switch of the library: a ``*_created`` series per counter is noise.
         disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
+        # Registered in this order, which is the exposition's.
+        self._count_sent(self.registry)
+        self._count_held(self.registry)
+        self._count_streams(self.registry)
+        self._gauge_store(self.registry)
+
+    def _count_sent(self, r: CollectorRegistry) -> None:
+        """What the data plane sent and assembled."""
         self.batches_sent = Counter(
             "shardserve_batches_sent",
             "Batches sent on the data plane (batches, not messages: small ones travel several "
@@ -329,6 +362,9 @@ class Metrics:
             "once, however many subscribers are sent it.",
             registry=r,
         )
+
+    def _count_held(self, r: CollectorRegistry) -> None:
+        """What share groups hand out and hold, and what unread streams hold."""
         self.share_bytes = Gauge(
             "shardserve_share_bytes",
             "Bytes every share group's window keeps now (at most --share-bytes).",
@@ -350,6 +386,9 @@ class Metrics:
             "Streams that have not read and wait for room under --unread-bytes.",
             registry=r,
         )
+
+    def _count_streams(self, r: CollectorRegistry) -> None:
+        """Assembly time, open streams and shared-memory fallbacks."""
         self.assembly_seconds = Histogram(
             "shardserve_assembly_seconds",
             "Seconds to gather one batch from the store into its buffers.",
@@ -362,6 +401,9 @@ class Metrics:
             "Streams that asked for shared memory and were served over the socket.",
             registry=r,
         )
+
+    def _gauge_store(self, r: CollectorRegistry) -> None:
+        """The store's bytes, mapped versions and plan cache (computed at scrape time)."""
         self.store_bytes = Gauge(
             "shardserve_store_bytes", "Bytes of every dataset in the store.", registry=r
         )

@@ -24,7 +24,7 @@ from pathlib import Path
 #: gathering batches: the page cache and the sockets bound them long before).
 MAX_TRANSFORM_WORKERS = 32
 MAX_ASSEMBLY_THREADS = 8
-#: Streaming processes the machine would get once they exist (one serves today).
+#: Streaming processes sized from the machine at most (more may be given with the flag).
 MAX_STREAM_PROCESSES = 8
 #: Memory one transform worker process may take (a decoded batch, the interpreter, its imports).
 WORKER_BYTES = 512 << 20
@@ -73,8 +73,8 @@ class Sizing:
         return next(c.value for c in self.choices if c.name == name)
 
     def applied(self) -> dict[str, int]:
-        """The settings this sizing sets (``stream_processes`` is stated, not a setting)."""
-        return {c.name: c.value for c in self.choices if c.name != "stream_processes"}
+        """The settings this sizing sets."""
+        return {c.name: c.value for c in self.choices}
 
     def line(self) -> str:
         """One log line: each choice and why."""
@@ -216,12 +216,13 @@ def choose(machine: Machine, given: Mapping[str, int]) -> Sizing:
 
     Transform workers take half the CPUs (the trainers on the node need the rest), at least 2
     and no more than memory holds at :data:`WORKER_BYTES` each; assembly threads a quarter, at
-    least 2; the shared-memory budget a quarter of memory, at most 4 GiB. Streaming
-    processes are stated (a quarter of the CPUs) but one serves until they are built.
+    least 2; the shared-memory budget a quarter of memory, at most 4 GiB; streaming processes
+    a quarter of the CPUs, at least 1 (so a 2-core machine keeps one process: there the
+    trainer and one process already fill both cores).
 
     >>> m = Machine(cpus=2, cpu_reason="", memory_bytes=2 << 30, memory_reason="")
     >>> choose(m, {"transform_workers": 6}).applied()
-    {'transform_workers': 6, 'assembly_threads': 2, 'shm_limit_bytes': 536870912}
+    {'transform_workers': 6, 'assembly_threads': 2, 'shm_limit_bytes': 536870912, 'stream_processes': 1}
     """
     cores = max(1, math.floor(machine.cpus))
     by_memory = max(1, machine.memory_bytes // WORKER_BYTES)
@@ -238,12 +239,6 @@ def choose(machine: Machine, given: Mapping[str, int]) -> Sizing:
             _sized("transform_workers", given, workers, w_reason),
             _sized("assembly_threads", given, threads, f"a quarter of {cores} CPUs, at least 2"),
             _sized("shm_limit_bytes", given, shm, "a quarter of memory, at most 4 GiB"),
-            Choice(
-                "stream_processes",
-                1,
-                f"one process serves every stream; the machine would take {streams} "
-                "once streaming processes are built",
-                False,
-            ),
+            _sized("stream_processes", given, streams, f"a quarter of {cores} CPUs, at least 1"),
         ),
     )

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -147,28 +148,85 @@ class RankCounters:
     connected: bool
 
 
+class BoardWrites(Protocol):
+    """What the streams tell the board: the :class:`StreamBoard` itself in the main process,
+    a feed that reports to it from a streaming process (``server.processes.feed``)."""
+
+    def set_shares(self, shares: dict[str, list[ShareStatus]], series: list[ShareSeries]) -> None:
+        """Every job's share groups now, and their metric series (replaced whole)."""
+
+    def opened(
+        self,
+        job: str,
+        rank: int,
+        stream: int,
+        epoch: int,
+        start: int,
+        num_batches: int,
+        credit: int,
+        transport: Transport = "socket",
+    ) -> None:
+        """A stream of the rank was welcomed."""
+
+    def sent(
+        self,
+        job: str,
+        rank: int,
+        nbytes: int,
+        next_batch: int,
+        credit: int,
+        batches: int = 1,
+        sources: np.ndarray | None = None,
+    ) -> None:
+        """A message of ``batches`` batches left."""
+
+    def heard(
+        self,
+        job: str,
+        rank: int,
+        credit: int | None = None,
+        wait_s: float | None = None,
+        compute_s: float | None = None,
+        batches: int | None = None,
+    ) -> None:
+        """The client said something."""
+
+    def fell_back(self, job: str, rank: int, reason: str) -> None:
+        """The rank's stream asked for shared memory and got the socket."""
+
+    def conflict(self, job: str, rank: int, what: str) -> None:
+        """A second client claimed the rank."""
+
+    def closed(self, job: str, rank: int, stream: int) -> None:
+        """Stream ``stream`` of the rank ended."""
+
+
 class StreamBoard:
     """Lock-protected ``{(job, rank): RankRecord}``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankRecord] = {}
-        self._shares: dict[str, list[ShareStatus]] = {}
-        self._share_series: list[ShareSeries] = []
+        #: By process (0: the main one), each a streamer's snapshot replaced whole.
+        self._shares: dict[int, tuple[dict[str, list[ShareStatus]], list[ShareSeries]]] = {}
 
-    def set_shares(self, shares: dict[str, list[ShareStatus]], series: list[ShareSeries]) -> None:
-        """Every job's share groups now, and their metric series (the streamer's snapshot,
-        replaced whole)."""
+    def set_shares(
+        self,
+        shares: dict[str, list[ShareStatus]],
+        series: list[ShareSeries],
+        origin: int = 0,
+    ) -> None:
+        """Every job's share groups now in process ``origin``, and their metric series."""
         with self._lock:
-            self._shares, self._share_series = shares, series
+            self._shares[origin] = (shares, series)
 
     def shares(self, job: str) -> list[ShareStatus]:
         with self._lock:
-            return list(self._shares.get(job, ()))
+            return [g for by_job, _ in self._shares.values() for g in by_job.get(job, ())]
 
     def share_series(self) -> list[ShareSeries]:
         with self._lock:
-            return list(self._share_series)
+            return [s for _, series in self._shares.values() for s in series]
 
     def opened(
         self,

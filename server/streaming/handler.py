@@ -89,7 +89,7 @@ class StreamHandler(HelloHandling):
         self.rate = HelloRate(config.max_hellos_per_s)
         self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds
         self.unread = UnreadBudget(config.unread_stream_bytes, config.unread_bytes)
-        self._next_stream = 1
+        self._next_stream = deps.stream_ids[0]
 
     # -- events -------------------------------------------------------------------------
 
@@ -432,5 +432,6 @@ class StreamHandler(HelloHandling):
 
     def _new_stream_id(self) -> int:
         sid = self._next_stream
-        self._next_stream = sid % 0xFFFF_FFFF + 1
+        first, last = self.deps.stream_ids
+        self._next_stream = sid + 1 if sid < last else first
         return sid

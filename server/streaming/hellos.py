@@ -86,7 +86,7 @@ class HelloHandling:
     def _admit(self, ident: bytes, hello: Hello, now: float) -> None:
         prev = self.claims.pop(ident, None)  # a new Hello replaces the peer's held one
         job = self.deps.registry.find(hello.job)
-        refusal = check_hello(hello, job, self.config.token)
+        refusal = self.deps.gate(hello) or check_hello(hello, job, self.config.token)
         if (old := self.sessions.get(ident)) is not None:
             # The same client's next stream (an epoch, a resume) may take over its ring, unless
             # a worker may still be writing into one of its slots.

@@ -13,7 +13,7 @@ from shardserve.proto.messages import ClientStats, Error, Hello, Reject
 
 from ..runtime.logs import log_event
 from ..runtime.metrics import Metrics
-from .board import StreamBoard
+from .board import BoardWrites
 from .sessions import LogExtras, Session
 
 log = logging.getLogger("shardserve.streaming")
@@ -26,7 +26,7 @@ def _now() -> str:
 class StreamNotices:
     """Tells the log, the status board and the metrics about streams. Streamer thread only."""
 
-    def __init__(self, board: StreamBoard, metrics: Metrics) -> None:
+    def __init__(self, board: BoardWrites, metrics: Metrics) -> None:
         self.board = board
         self.metrics = metrics
         #: Jobs whose shm fallback was logged at WARNING already.

@@ -15,7 +15,7 @@ import zmq
 from ..reading.assembly import Assembler
 from ..runtime.metrics import Metrics
 from ..source import BatchParts
-from .board import StreamBoard
+from .board import BoardWrites
 from .pipeline import INLINE_MAX_BYTES, Work, WorkKind
 from .sessions import Assembled, Prepared, Session
 from .shares import ShareGroup, Take, Waiter
@@ -37,7 +37,7 @@ class Pump:
     """Submits and sends batches of sessions; see the module docstring."""
 
     def __init__(
-        self, assembler: Assembler[Work], metrics: Metrics, board: StreamBoard, detached: Detached
+        self, assembler: Assembler[Work], metrics: Metrics, board: BoardWrites, detached: Detached
     ) -> None:
         self.assembler = assembler
         self.metrics = metrics

@@ -15,13 +15,15 @@ from typing import Protocol, TypedDict
 import numpy as np
 
 from shardserve.proto.endpoints import Delivery as Transport
+from shardserve.proto.errors import ErrorCode
 from shardserve.proto.jobs import JobSpec
+from shardserve.proto.messages import Error, Hello
 
 from ..reading.sources import OpenSource, Stored
-from ..registry.jobs import Job, JobRegistry
+from ..registry.jobs import Job
 from ..runtime.metrics import Metrics
 from ..source import BatchParts, BatchSource, PartShapes, StreamPlan
-from .board import StreamBoard
+from .board import BoardWrites
 from .limits import StreamCancelled, check_job_batch
 from .pipeline import Pipeline
 from .shares import ShareGroup
@@ -268,14 +270,48 @@ def prepare(s: Session, open_source: OpenSource, kind_of: KindOf, max_batch_byte
     )
 
 
+class StreamJobs(Protocol):
+    """What the streams ask of the jobs: the :class:`JobRegistry` in the main process, its
+    replica in a streaming process (``server.processes.replica``)."""
+
+    def find(self, jid: str) -> Job | None:
+        """The job ``jid``, or ``None`` when this process does not know it."""
+        ...
+
+    def note_stream(self, jid: str, epoch: int, origin: str = "") -> None:
+        """A rank opened a stream of ``epoch``."""
+
+    def fail(self, jid: str, code: ErrorCode, message: str) -> Job | None:
+        """The job's bytes or chain failed: every rank of it must stop."""
+        ...
+
+
+#: ``gate(hello)``: why this process does not serve ``hello`` (a transient refusal the client
+#: answers by asking where to go), or ``None``.
+Gate = Callable[[Hello], Error | None]
+
+
+def open_gate(hello: Hello) -> Error | None:
+    """The gate of a server with one streaming process: every Hello may open here."""
+    return None
+
+
+#: Stream ids of a server with one process: every id that fits the wire.
+ALL_STREAM_IDS = (1, 0xFFFF_FFFF)
+
+
 @dataclass(frozen=True)
 class HandlerDeps:
     """What the handler uses and shares with the control plane (all thread-safe)."""
 
     #: A stream's source chain (see :func:`~..sources.open_source`).
     open_source: OpenSource
-    registry: JobRegistry
+    registry: StreamJobs
     #: A job's kind, which plans its streams (see :class:`StreamKind`).
     kind_of: KindOf
-    board: StreamBoard
+    board: BoardWrites
     metrics: Metrics
+    #: Hellos this process refuses before admission (see :data:`Gate`).
+    gate: Gate = open_gate
+    #: The first and last stream id this process hands out (processes never share one).
+    stream_ids: tuple[int, int] = ALL_STREAM_IDS

@@ -96,6 +96,20 @@ def fusable(steps: Sequence[tuple[Transform, BaseModel]]) -> Plan | None:
     return Plan(len(parts), transform, Fused.model_validate(parts))
 
 
+def passes_only(transforms: Sequence[Transform]) -> bool:
+    """Whether each of a compiled chain's ``transforms`` is one of :data:`ORDER` or a fused
+    run of them: a few passes over the batch's own fixed-size bytes, with no user code, no
+    decoding, no I/O and nothing to wait on. Such a chain's time is bounded by its batch's
+    bytes (capped at job creation), so it may run on whichever thread assembles its batch.
+
+    >>> passes_only([random_crop, hflip]), passes_only([])
+    (True, False)
+    """
+    return bool(transforms) and all(
+        any(t is o for o in ORDER) or t.fn is run_fused for t in transforms
+    )
+
+
 def unfused(name: str, params: Mapping[str, object]) -> list[dict[str, object]] | None:
     """The steps a fused step named ``name`` runs, as a job names them, or ``None`` if
     ``name`` is not a fused run's. A compiled chain is sent to worker processes by its steps'

@@ -9,7 +9,7 @@ from shardserve.client import BadRequest, VarTensor
 from shardserve.client.connection import choose_endpoint
 from shardserve.client.control import server_token
 from shardserve.client.distributed import resolve_world
-from shardserve.client.job import job_spec
+from shardserve.client.job import JobArgs
 from shardserve.proto.api import ServerInfo
 from shardserve.proto.messages import PROTOCOL_VERSION
 
@@ -46,18 +46,17 @@ def test_world_out_of_range_is_refused(rank: int, world: int) -> None:
 def test_fields_as_one_string_is_refused_not_split_into_letters(fields: str) -> None:
     """``fields="xy"`` would otherwise ask for fields ``x`` and ``y``."""
     with pytest.raises(BadRequest, match=rf"fields='{fields}' must be a list of field names"):
-        job_spec(
-            "cifar",
-            8,
+        JobArgs(
+            dataset="cifar",
+            batch_size=8,
             seed=0,
             shuffle=True,
             drop_last=False,
-            world_size=1,
             fields=fields,
             collate=None,
             transforms=None,
             on_error=None,
-        )
+        ).spec(1)
 
 
 def test_a_token_with_a_trailing_newline_is_refused_without_showing_it(monkeypatch) -> None:

@@ -33,11 +33,12 @@ def _stages(*args: str) -> dict[str, tuple[int, str]]:
 
 
 def test_gpu_mode_lists_every_row_within_nine_minutes() -> None:
-    """The GPU run has the cuda, gpu, scaling (ranks 1,2,4,8) and small rows, under 540 s."""
+    """The GPU run has the cuda, gpu, scaling (ranks 1,2,4,8 on 1 and 4 processes) and small rows, under 540 s."""
     stages = _stages()
     assert {"smoke", "cuda", "gpu", "scaling", "small"} <= set(stages)
     assert next(iter(stages)) == "smoke" and stages["smoke"][0] <= 60
-    assert "--ranks 1,2,4,8" in stages["scaling"][1] and "-m cuda" in stages["cuda"][1]
+    assert "--ranks 1,2,4,8 --processes 1,4" in stages["scaling"][1]
+    assert "-m cuda" in stages["cuda"][1]
     assert sum(b for b, _ in stages.values()) <= 540 - 30  # 30 s left for setup
 
 

@@ -74,25 +74,25 @@ def test_affinity_below_quota_wins(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cpus", "memory", "workers", "threads", "shm"),
+    ("cpus", "memory", "workers", "threads", "shm", "procs"),
     [
-        (2, 23 * GIB, 2, 2, 4 * GIB),  # today's defaults on the CI machine
-        (1.5, 8 * GIB, 2, 2, 2 * GIB),
-        (16, 128 * GIB, 8, 4, 4 * GIB),
-        (96, 512 * GIB, 32, 8, 4 * GIB),
-        (16, 2 * GIB, 4, 4, GIB // 2),  # memory caps the worker processes
+        (2, 23 * GIB, 2, 2, 4 * GIB, 1),  # today's defaults on the CI machine
+        (1.5, 8 * GIB, 2, 2, 2 * GIB, 1),
+        (16, 128 * GIB, 8, 4, 4 * GIB, 4),
+        (96, 512 * GIB, 32, 8, 4 * GIB, 8),
+        (16, 2 * GIB, 4, 4, GIB // 2, 4),  # memory caps the worker processes
     ],
 )
-def test_choose(cpus: float, memory: int, workers: int, threads: int, shm: int) -> None:
+def test_choose(cpus: float, memory: int, workers: int, threads: int, shm: int, procs: int) -> None:
     """The machine's CPUs and memory give these defaults; 2 CPUs give the old ones."""
     s = choose(Machine(cpus, "c", memory, "m"), given={})
     assert s.applied() == {
         "transform_workers": workers,
         "assembly_threads": threads,
         "shm_limit_bytes": shm,
+        "stream_processes": procs,
     }
-    assert s.value("stream_processes") == 1
-    assert "transform_workers=" in s.line() and "stream_processes=1" in s.line()
+    assert "transform_workers=" in s.line() and f"stream_processes={procs}" in s.line()
 
 
 def test_flag_and_env_beat_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,3 +122,11 @@ def test_server_states_its_sizing(cifar_store: Path, tmp_path: Path) -> None:
         assert pool.json()["pool"]["size"] == 5
         log = srv.log_tail()
         assert "serve.sizing" in log and "transform_workers=5 (given)" in log
+
+
+def test_remote_store_keeps_one_streaming_process(tmp_path: Path) -> None:
+    """A remote store is served by one process: sized to 1, and refused above 1 naming the flag."""
+    s = Settings(store="s3://bucket/store", cache_dir=tmp_path)
+    assert s.stream_processes == 1
+    with pytest.raises(ValueError, match="--stream-processes above 1 needs a local store"):
+        Settings(store="s3://bucket/store", cache_dir=tmp_path, stream_processes=2)

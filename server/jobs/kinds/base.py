@@ -59,6 +59,12 @@ class JobKind(StreamKind, Protocol):
     (:class:`~..streaming.sessions.StreamKind`: the stored link, stream plans, the source
     part) is called on the planning lane; the rest on the control plane's threads."""
 
+    @property
+    def streams_anywhere(self) -> bool:
+        """Whether its streams may run in a streaming process (``--stream-processes``), or
+        stay in the main process with what they consult on every step."""
+        ...
+
     def admit(self, spec: JobSpec) -> Admitted:
         """Check ``spec`` against the store and pin what it reads (400/404/409 when it does
         not fit). Called by ``JobAdmin.create_job`` on an HTTP worker thread, before the

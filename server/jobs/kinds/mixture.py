@@ -24,6 +24,9 @@ class MixtureJobs:
 
     #: Each batch says which source each sample came from; the board counts them.
     source_part: str | None = SOURCE_PART
+    #: Its streams resolve each step against the steering in the main process's registry
+    #: (a change must never land on a step already read), so they are served there.
+    streams_anywhere: bool = False
 
     def __init__(self, parts: KindParts) -> None:
         self._parts = parts

@@ -26,6 +26,8 @@ class PlainJobs:
 
     #: A dataset's own fields are served as stored: no part says where a sample came from.
     source_part: str | None = None
+    #: Its plan is a pure function of the job: any process deals the same batches.
+    streams_anywhere: bool = True
 
     def __init__(self, parts: KindParts) -> None:
         self._parts = parts

@@ -175,102 +175,25 @@ def ingest_ray(
     src_path, root = Path(src), Path(store)
     started = time.perf_counter()
     source = open_ingest_source(src_path, fmt, threads=1)
-    if remote is not None:
-        RemotePublisher(remote).check_absent(name, overwrite)
-    elif (root / name).exists() and not overwrite:
-        raise InvalidDataError(
-            f"dataset {name!r} already exists in {root}; pass --overwrite to replace it"
-        )
+    _check_absent(root, name, overwrite, remote)
     files, fmt = source.files, source.format
     sizes = [f.stat().st_size for f in files]
     variable = set(variable) | source.variable
-    if not ray.is_initialized():
-        # RAY_ADDRESS (read by Ray) joins a cluster; otherwise a local instance is started.
-        ray.init(
-            num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
-        )
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    ray.data.DataContext.get_current().enable_progress_bars = False  # ours is below
-    # A folder of .npy files is one table (a file per field): it cannot be split by file.
-    split = not (fmt == "npz" and any(f.suffix.lower() == ".npy" for f in files))
-    runs = groups_of(files, sizes, 2 * cpus) if split else [[src_path]]
-    owned: layout.OwnedDir | None = None
-    if remote is None:
-        layout.clean_stale(root)
-        # Locked for the whole write, so another ingest's sweep never takes it for stale.
-        owned = layout.new_temp_dir(root, name)
-        temp = owned.path
-    else:
-        temp = Path(tempfile.mkdtemp(prefix="shardserve-ray-"))  # nothing is written here
+    cpus = _start_ray(ray, num_cpus)
+    runs = _runs(src_path, files, sizes, fmt, 2 * cpus)
+    temp, owned = _temp_dir(root, name, remote)
     parts_root = temp / "parts"
     prefix = new_shard_prefix()
     try:
-        rows = [
-            {
-                "part": i,
-                "name": f"part-{i:05d}",
-                "root": str(parts_root),
-                "files": [str(f) for f in run],
-                "format": fmt,
-                "shard_bytes": shard_bytes,
-                "variable": sorted(variable),
-                "remote": remote.reopen_args() if remote is not None else None,
-                "dataset": name,
-                "prefix": prefix,
-            }
-            for i, run in enumerate(runs)
-        ]
-        ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-        done = []
-        with tqdm(
-            total=len(rows),
-            unit="part",
-            desc=f"ingest {name} (ray, {cpus} CPUs)",
-            disable=not progress,
-            file=sys.stderr,
-        ) as bar:
-            try:
-                for out in ds.map(write_part, num_cpus=1).iter_rows():
-                    done.append(out)
-                    bar.update(1)
-            except Exception as e:  # a task's error arrives wrapped by Ray: keep its message
-                msg = _root_cause(e)
-                if remote is not None:
-                    msg = remote.scrub(msg)
-                raise InvalidDataError(
-                    f"a Ray ingest task failed; nothing published: {msg}"
-                ) from None
-        done.sort(key=lambda d: d["part"])
-        parts = [Manifest.model_validate_json(d["manifest"]) for d in done]
-        fields = _merge_fields(parts)
-        shards: list[ShardInfo] = []
-        for m in parts:
-            for info in m.shards:
-                if remote is not None:  # already uploaded by the task, under its final name
-                    shards.append(info)
-                    continue
-                rel = layout.shard_name(len(shards))
-                os.rename(parts_root / m.name / info.path, temp / rel)
-                shards.append(info.model_copy(update={"path": rel}))
-        shutil.rmtree(parts_root, ignore_errors=True)
-        manifest = Manifest(
-            name=name,
-            num_samples=sum(m.num_samples for m in parts),
-            fields=fields,
-            shards=tuple(shards),
-            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            source={
-                "path": str(src_path.resolve()),
-                "format": fmt,
-                "files": str(len(files)),
-                "engine": "ray",
-            },
+        rows = _part_rows(
+            runs, parts_root, shard_bytes, variable, remote, fmt=fmt, dataset=name, prefix=prefix
         )
-        if remote is not None:
-            RemotePublisher(remote).publish_manifest(manifest, overwrite=overwrite)
-        else:
-            layout.write_manifest(temp, manifest)
-            layout.publish(temp, root, name, overwrite=overwrite)
+        done = _write_parts(ray, rows, f"ingest {name} (ray, {cpus} CPUs)", progress, remote)
+        parts = [Manifest.model_validate_json(d["manifest"]) for d in done]
+        fields = _merge_fields(parts)  # before any shard moves: a mismatch moves nothing
+        shards = _gather_shards(parts, parts_root, temp, remote)
+        manifest = _manifest(name, parts, fields, shards, src_path, fmt, len(files))
+        _publish(manifest, temp, root, overwrite, remote)
     except BaseException:
         if remote is not None:  # shards some tasks uploaded: nothing references them
             RemotePublisher(remote).delete_prefix(f"{name}/{prefix}")
@@ -281,6 +204,157 @@ def ingest_ray(
             owned.release()
     read = sum(d["bytes"] for d in done)
     return IngestSummary(manifest, len(files), read, time.perf_counter() - started)
+
+
+def _check_absent(root: Path, name: str, overwrite: bool, remote: RemoteStore | None) -> None:
+    """Refuse to write over dataset ``name`` without ``overwrite``."""
+    if remote is not None:
+        RemotePublisher(remote).check_absent(name, overwrite)
+    elif (root / name).exists() and not overwrite:
+        raise InvalidDataError(
+            f"dataset {name!r} already exists in {root}; pass --overwrite to replace it"
+        )
+
+
+def _start_ray(ray: ModuleType, num_cpus: int | None) -> int:
+    """Join (or start) Ray; the cluster's CPUs."""
+    if not ray.is_initialized():
+        # RAY_ADDRESS (read by Ray) joins a cluster; otherwise a local instance is started.
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    ray.data.DataContext.get_current().enable_progress_bars = False  # ours is below
+    return cpus
+
+
+def _temp_dir(
+    root: Path, name: str, remote: RemoteStore | None
+) -> tuple[Path, layout.OwnedDir | None]:
+    """Where the tasks write their parts: a temp folder of the store, owned (locked) for the
+    whole write so another ingest's sweep never takes it for stale; for a remote store, a
+    local folder nothing is written to (tasks upload their shards)."""
+    if remote is not None:
+        return Path(tempfile.mkdtemp(prefix="shardserve-ray-")), None
+    layout.clean_stale(root)
+    owned = layout.new_temp_dir(root, name)
+    return owned.path, owned
+
+
+def _runs(src: Path, files: list[Path], sizes: list[int], fmt: str, n: int) -> list[list[Path]]:
+    """``files`` (of ``sizes`` bytes) in at most ``n`` contiguous runs, one task's each;
+    ``[[src]]`` for a folder of .npy files, which is one table (a file per field) and cannot
+    be split by file."""
+    if fmt == "npz" and any(f.suffix.lower() == ".npy" for f in files):
+        return [[src]]
+    return groups_of(files, sizes, n)
+
+
+def _part_rows(
+    runs: list[list[Path]],
+    parts_root: Path,
+    shard_bytes: int,
+    variable: Collection[str],
+    remote: RemoteStore | None,
+    *,
+    fmt: str,
+    dataset: str,
+    prefix: str,
+) -> list[PartRow]:
+    """One row per run: what its task reads and where it writes its part."""
+    return [
+        {
+            "part": i,
+            "name": f"part-{i:05d}",
+            "root": str(parts_root),
+            "files": [str(f) for f in run],
+            "format": fmt,
+            "shard_bytes": shard_bytes,
+            "variable": sorted(variable),
+            "remote": remote.reopen_args() if remote is not None else None,
+            "dataset": dataset,
+            "prefix": prefix,
+        }
+        for i, run in enumerate(runs)
+    ]
+
+
+def _write_parts(
+    ray: ModuleType, rows: list[PartRow], desc: str, progress: bool, remote: RemoteStore | None
+) -> list[PartDone]:
+    """Run :func:`write_part` on every row as a Ray task, ticking a bar; what they returned,
+    in part order. A task's error is raised as its own message (secrets scrubbed)."""
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
+    done: list[PartDone] = []
+    with tqdm(
+        total=len(rows), unit="part", desc=desc, disable=not progress, file=sys.stderr
+    ) as bar:
+        try:
+            for out in ds.map(write_part, num_cpus=1).iter_rows():
+                done.append(out)
+                bar.update(1)
+        except Exception as e:  # a task's error arrives wrapped by Ray: keep its message
+            msg = _root_cause(e)
+            if remote is not None:
+                msg = remote.scrub(msg)
+            raise InvalidDataError(f"a Ray ingest task failed; nothing published: {msg}") from None
+    done.sort(key=lambda d: d["part"])
+    return done
+
+
+def _gather_shards(
+    parts: list[Manifest], parts_root: Path, temp: Path, remote: RemoteStore | None
+) -> list[ShardInfo]:
+    """Every part's shards in part order: for a local store moved from the parts' folders to
+    the dataset's, renumbered (the parts' folders are removed then); a remote store's are
+    already uploaded by their task under their final names."""
+    shards: list[ShardInfo] = []
+    for m in parts:
+        for info in m.shards:
+            if remote is not None:
+                shards.append(info)
+                continue
+            rel = layout.shard_name(len(shards))
+            os.rename(parts_root / m.name / info.path, temp / rel)
+            shards.append(info.model_copy(update={"path": rel}))
+    shutil.rmtree(parts_root, ignore_errors=True)
+    return shards
+
+
+def _manifest(
+    name: str,
+    parts: list[Manifest],
+    fields: tuple[FieldSpec, ...],
+    shards: list[ShardInfo],
+    src: Path,
+    fmt: str,
+    files: int,
+) -> Manifest:
+    """The dataset's manifest: the parts' samples, their ``fields``, ``shards`` in order."""
+    return Manifest(
+        name=name,
+        num_samples=sum(m.num_samples for m in parts),
+        fields=fields,
+        shards=tuple(shards),
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        source={
+            "path": str(src.resolve()),
+            "format": fmt,
+            "files": str(files),
+            "engine": "ray",
+        },
+    )
+
+
+def _publish(
+    manifest: Manifest, temp: Path, root: Path, overwrite: bool, remote: RemoteStore | None
+) -> None:
+    """Publish the dataset: its manifest uploaded last, or the temp folder renamed into place."""
+    if remote is not None:
+        RemotePublisher(remote).publish_manifest(manifest, overwrite=overwrite)
+    else:
+        layout.write_manifest(temp, manifest)
+        layout.publish(temp, root, manifest.name, overwrite=overwrite)
 
 
 def _root_cause(e: BaseException) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -21,7 +21,7 @@ from shardserve.proto.manifest import Manifest, validate_dataset_name
 from ..write.writer import ShardWriter
 from .mapping import mapped, resolve_map
 from .registry import READERS, SUFFIXES, claimed, open_ingest_source
-from .source import MAX_SAMPLE_BYTES, Piece
+from .source import MAX_SAMPLE_BYTES, IngestSource, Piece
 from .splits import Split, find_splits, pick, split_dataset_name
 
 if TYPE_CHECKING:
@@ -147,84 +147,153 @@ def ingest(
 
     >>> ingest("hf_dd", "/data/store", "mnist-train", split="train")  # doctest: +SKIP
     """
-    validate_dataset_name(name)
-    src_path = Path(src)
-    if not src_path.exists():
-        raise InvalidDataError(f"source {src_path} does not exist")
-    splits = _splits(src_path, fmt)
-    only: tuple[Path, ...] | None = None
-    if splits or split is not None:
-        if split is None:
-            raise InvalidDataError(
-                f"source {src_path} has splits {', '.join(s.name for s in splits)}; ingest one "
-                "with --split NAME, or all of them (each its own dataset) without --split"
-            )
-        chosen = pick(splits, split, src_path)
-        src_path, only = chosen.path, chosen.files
-    started = time.perf_counter()
-    source = open_ingest_source(
-        src_path,
-        fmt,
+    return _Ingest(
+        src=Path(src),
+        store=store,
+        name=name,
+        fmt=fmt,
+        shard_bytes=shard_bytes,
+        overwrite=overwrite,
+        variable=variable,
         threads=threads,
+        progress=progress,
         stacked=stacked,
-        only=only,
+        map_fn=map_fn,
+        workers=workers,
+        split=split,
         max_sample_bytes=max_sample_bytes,
         value_format=value_format,
-    )
-    if workers < 0:
-        raise InvalidDataError(f"--workers must be 0 or more, got {workers}")
-    fn = resolve_map(map_fn) if map_fn else None
-    total = source.total_bytes
-    skipped = tuple(p.relative_to(src_path).as_posix() for p in source.left_out)
-    info = {
-        "path": str(src_path.resolve()),
+    ).run()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ingest:
+    """One :func:`ingest`: its arguments (see there), then its steps: choose the folder (a
+    split of the source), open the source, write its samples (through ``map_fn``) into a new
+    dataset and publish it."""
+
+    src: Path
+    store: str | Path
+    name: str
+    fmt: str
+    shard_bytes: int
+    overwrite: bool
+    variable: Collection[str]
+    threads: int
+    progress: bool
+    stacked: bool
+    map_fn: str | None
+    workers: int
+    split: str | None
+    max_sample_bytes: int
+    value_format: str
+
+    def run(self) -> IngestSummary:
+        """Ingest; nothing is published on any error."""
+        validate_dataset_name(self.name)
+        src, only = _chosen_split(self.src, self.fmt, self.split)
+        started = time.perf_counter()
+        source = open_ingest_source(
+            src,
+            self.fmt,
+            threads=self.threads,
+            stacked=self.stacked,
+            only=only,
+            max_sample_bytes=self.max_sample_bytes,
+            value_format=self.value_format,
+        )
+        if self.workers < 0:
+            raise InvalidDataError(f"--workers must be 0 or more, got {self.workers}")
+        fn = resolve_map(self.map_fn) if self.map_fn else None
+        skipped = tuple(p.relative_to(src).as_posix() for p in source.left_out)
+        with (
+            _progress_bar(source.total_bytes, self.name, self.progress) as bar,
+            self._writer(source, src, skipped) as writer,
+            mapped(source.pieces, fn, self.map_fn or "", self.workers) as pieces,
+        ):
+            files, read = self._fill(writer, pieces, source, fn is not None, bar, src)
+        manifest = writer.manifest
+        if manifest is None:  # unreachable: a clean exit of the with-block publishes
+            raise InvalidDataError(f"ingest of {self.name!r} finished without a manifest")
+        took = time.perf_counter() - started
+        meta = dict(source.metadata)
+        return IngestSummary(manifest, files, read, took, meta, self.split, skipped)
+
+    def _writer(self, source: IngestSource, src: Path, skipped: Sequence[str]) -> ShardWriter:
+        """The writer of the new dataset, its manifest saying where its samples came from."""
+        return ShardWriter(
+            self.store,
+            self.name,
+            shard_bytes=self.shard_bytes,
+            overwrite=self.overwrite,
+            source=_source_info(source, src, skipped),
+            variable=set(self.variable) | source.variable,
+            max_sample_bytes=self.max_sample_bytes,
+        )
+
+    def _fill(
+        self,
+        writer: ShardWriter,
+        pieces: Iterable[Piece],
+        source: IngestSource,
+        is_mapped: bool,
+        bar: tqdm,
+        src: Path,
+    ) -> tuple[int, int]:
+        """Write every piece (``is_mapped``: made by a map) and what reading found out about
+        the source; files finished and bytes read. A source of no samples is refused."""
+        # A map returns samples of its own making: their tree is the writer's to find.
+        writer.structure = None if is_mapped else source.structure
+        writer.encodings = {} if is_mapped else source.text  # filled as pieces are read
+        files, read = _write(pieces, writer, bar, len(source.files), self.progress)
+        if writer.num_samples == 0:
+            raise InvalidDataError(f"source {src} holds no samples; nothing to ingest")
+        # Found while reading (metadata keys, class names): kept in the manifest.
+        writer.source.update({str(k): str(v) for k, v in source.info.items()})
+        if self.split is not None:
+            writer.source["split"] = self.split
+        return files, read
+
+
+def _chosen_split(src: Path, fmt: str, split: str | None) -> tuple[Path, tuple[Path, ...] | None]:
+    """The folder to ingest and its files (``None``: all): ``src`` itself, or its split
+    ``split``; a source with splits needs ``split`` named."""
+    if not src.exists():
+        raise InvalidDataError(f"source {src} does not exist")
+    splits = _splits(src, fmt)
+    if not splits and split is None:
+        return src, None
+    if split is None:
+        raise InvalidDataError(
+            f"source {src} has splits {', '.join(s.name for s in splits)}; ingest one "
+            "with --split NAME, or all of them (each its own dataset) without --split"
+        )
+    chosen = pick(splits, split, src)
+    return chosen.path, chosen.files
+
+
+def _source_info(source: IngestSource, src: Path, skipped: Sequence[str]) -> dict[str, str]:
+    """What the manifest records of the source at the start: its path, format, file count,
+    files left out and what it says of itself."""
+    return {
+        "path": str(src.resolve()),
         "format": source.format,
         "files": str(len(source.files)),
         **({"left_out": str(len(skipped))} if skipped else {}),
         **source.info,
     }
-    with (
-        tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc=f"ingest {name}",
-            disable=not progress,
-            file=sys.stderr,
-            mininterval=0.5,
-        ) as bar,
-        ShardWriter(
-            store,
-            name,
-            shard_bytes=shard_bytes,
-            overwrite=overwrite,
-            source=info,
-            variable=set(variable) | source.variable,
-            max_sample_bytes=max_sample_bytes,
-        ) as writer,
-        mapped(source.pieces, fn, map_fn or "", workers) as pieces,
-    ):
-        # A map returns samples of its own making: their tree is the writer's to find.
-        writer.structure = source.structure if fn is None else None
-        writer.encodings = source.text if fn is None else {}  # filled as pieces are read
-        files, read = _write(pieces, writer, bar, len(source.files), progress)
-        if writer.num_samples == 0:
-            raise InvalidDataError(f"source {src_path} holds no samples; nothing to ingest")
-        # Found while reading (metadata keys, class names): kept in the manifest.
-        writer.source.update({str(k): str(v) for k, v in source.info.items()})
-        if split is not None:
-            writer.source["split"] = split
-    manifest = writer.manifest
-    if manifest is None:  # unreachable: a clean exit of the with-block publishes
-        raise InvalidDataError(f"ingest of {name!r} finished without a manifest")
-    return IngestSummary(
-        manifest,
-        files,
-        read,
-        time.perf_counter() - started,
-        dict(source.metadata),
-        split,
-        skipped,
+
+
+def _progress_bar(total: int | None, name: str, progress: bool) -> tqdm:
+    """The bar of the bytes ingested, on stderr (``progress=False``: none shown)."""
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"ingest {name}",
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=0.5,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar, cast
@@ -34,6 +35,7 @@ from ..cache import ShardCache
 from .cached_shards import CachedShards, Fetch
 from .gather import (
     ALL,
+    JoinedColumns,
     Positions,
     groups,
     ragged_unit,
@@ -43,6 +45,7 @@ from .gather import (
 )
 from .index import as_indices, check_bounds, chunk_of, locate
 from .shard_set import VERIFY_MODES, Chunks, MappedShards, ShardSet, shard_starts
+from .stitch import StitchedColumns
 
 __all__ = ["VERIFY_MODES", "Dataset"]
 
@@ -176,67 +179,26 @@ class Dataset:
     ) -> dict[str, np.ndarray]:
         """The one field loop: fields ``names`` of samples ``idx`` (within ``lo..hi``)."""
         b = idx.size
-        first = chunk_of(lo, chunks.starts) if b else 0
-        if b and first == chunk_of(hi, chunks.starts):  # one chunk: no per-id search
-            base = int(chunks.starts[first])
-            rows = idx - base if base else idx
-            g: list[tuple[int, Positions]] = [(first, ALL)]
-        else:
-            chunk, rows = locate(idx, chunks.starts) if b else (idx, idx)
-            g = groups(chunk)
-        joined = chunks.joined if len(g) > 1 else None
-        stitched = chunks.stitched if len(g) > 1 else None
+        at = _Located.find(idx, lo, hi, chunks, tail)
         parts: dict[str, np.ndarray] = {}
-
-        def small(
-            kind: Mapping[str, list[np.ndarray]], key: str, n: str, dest: np.ndarray
-        ) -> np.ndarray:
-            if not b:
-                return dest
-            one = joined.get((key, n), kind[n]) if joined is not None else None
-            if one is not None:
-                return np.take(one, idx, axis=0, out=dest, mode="clip")  # ids are checked
-            if stitched is not None and key == "fixed":
-                view = kind[n][0]
-                across = stitched.get(n, view.dtype, view.shape[1:])
-                if across is not None:
-                    return across.take(chunk, rows, dest)
-            return take_fixed(kind[n], g, rows, dest)
-
-        def ragged(n: str, spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:
-            empty = partial(tail.empty, n)
-            if stitched is not None and spec.dtype != "bool":  # bools are bit-packed
-                binary = spec.kind == "binary"
-                unit = ragged_unit(spec.shape, binary)
-                dtype = np.dtype(np.uint8 if binary else spec.dtype)
-                across = stitched.get(n, dtype, ())
-                got = (
-                    take_ragged_across(across, chunks.arrays[n], chunk, rows, unit, dtype, empty)
-                    if across is not None
-                    else None
-                )
-                if got is not None:
-                    return got
-            return take_ragged(chunks.arrays[n], g, rows, spec.dtype, spec.shape, empty)
-
         for n in names:
             spec = self._specs[n]
             if spec.nullable:
                 mask = out.get(n + MASK) if out is not None else None
                 if mask is None or mask.shape != (b,):
                     mask = np.empty(b, dtype=bool)
-                parts[n + MASK] = small(chunks.valid, "valid", n, mask)
+                parts[n + MASK] = at.small(chunks.valid, "valid", n, mask)
             if spec.kind in ("scalar", "tensor"):
-                parts[n] = small(chunks.fixed, "fixed", n, self._out_array(spec, b, out, tail))
+                parts[n] = at.small(chunks.fixed, "fixed", n, self._out_array(spec, b, out, tail))
                 continue
             if b:
-                parts[n], parts[n + OFFSETS] = ragged(n, spec)
+                parts[n], parts[n + OFFSETS] = at.ragged(n, spec)
             else:
                 parts[n] = np.empty(0, dtype=np.uint8 if spec.kind == "binary" else spec.dtype)
                 parts[n + OFFSETS] = np.zeros(1, dtype=np.int64)
             if spec.kind == "variable":
                 shapes = np.empty((b, len(spec.shape)), dtype=np.int64)
-                parts[n + SHAPES] = small(chunks.shapes, "shapes", n, shapes)
+                parts[n + SHAPES] = at.small(chunks.shapes, "shapes", n, shapes)
         return parts
 
     @staticmethod
@@ -311,3 +273,79 @@ class Dataset:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Samples ``idx`` of one read located in ``chunks``: ``groups`` of positions per chunk,
+    each sample's row in its chunk, and, for a batch that spans chunks, each sample's chunk
+    and the columns joined or stitched across them (a read within one chunk uses neither)."""
+
+    idx: np.ndarray
+    chunks: Chunks
+    tail: Tail
+    groups: list[tuple[int, Positions]]
+    rows: np.ndarray
+    #: Each sample's chunk; ``None`` when the batch is within one chunk.
+    chunk: np.ndarray | None
+    joined: JoinedColumns | None
+    stitched: StitchedColumns | None
+
+    @classmethod
+    def find(cls, idx: np.ndarray, lo: int, hi: int, chunks: Chunks, tail: Tail) -> _Located:
+        """Locate ``idx`` (within ``lo..hi``) in ``chunks``."""
+        b = idx.size
+        first = chunk_of(lo, chunks.starts) if b else 0
+        if b and first == chunk_of(hi, chunks.starts):  # one chunk: no per-id search
+            base = int(chunks.starts[first])
+            rows = idx - base if base else idx
+            return cls(idx, chunks, tail, [(first, ALL)], rows, None, None, None)
+        chunk, rows = locate(idx, chunks.starts) if b else (idx, idx)
+        g = groups(chunk)
+        spans = len(g) > 1
+        return cls(
+            idx,
+            chunks,
+            tail,
+            g,
+            rows,
+            chunk,
+            chunks.joined if spans else None,
+            chunks.stitched if spans else None,
+        )
+
+    def small(
+        self, kind: Mapping[str, list[np.ndarray]], key: str, n: str, dest: np.ndarray
+    ) -> np.ndarray:
+        """Field ``n``'s rows (or masks or shapes: ``kind``, named ``key``) into ``dest``."""
+        if not self.idx.size:
+            return dest
+        joined, stitched = self.joined, self.stitched
+        one = joined.get((key, n), kind[n]) if joined is not None else None
+        if one is not None:
+            return np.take(one, self.idx, axis=0, out=dest, mode="clip")  # ids are checked
+        if stitched is not None and self.chunk is not None and key == "fixed":
+            view = kind[n][0]
+            across = stitched.get(n, view.dtype, view.shape[1:])
+            if across is not None:
+                return across.take(self.chunk, self.rows, dest)
+        return take_fixed(kind[n], self.groups, self.rows, dest)
+
+    def ragged(self, n: str, spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:
+        """Variable field ``n``'s values and offsets."""
+        empty = partial(self.tail.empty, n)
+        arrays, stitched = self.chunks.arrays[n], self.stitched
+        # Bools are bit-packed: never stitched.
+        if stitched is not None and self.chunk is not None and spec.dtype != "bool":
+            binary = spec.kind == "binary"
+            unit = ragged_unit(spec.shape, binary)
+            dtype = np.dtype(np.uint8 if binary else spec.dtype)
+            across = stitched.get(n, dtype, ())
+            got = (
+                take_ragged_across(across, arrays, self.chunk, self.rows, unit, dtype, empty)
+                if across is not None
+                else None
+            )
+            if got is not None:
+                return got
+        return take_ragged(arrays, self.groups, self.rows, spec.dtype, spec.shape, empty)

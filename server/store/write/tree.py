@@ -124,30 +124,51 @@ class TreeBuilder:
             return node
         kind, items = next(iter(node.items()))
         if kind == "dict":
-            if not isinstance(value, Mapping):
-                raise InvalidDataError(
-                    f"{where}: {path} holds a {type(value).__name__}, but earlier samples hold a dict"
+            return self._merge_dict(items, value, prefix, out, where)
+        return self._merge_sequence(kind, items, value, prefix, out, where)
+
+    def _merge_dict(
+        self, items: dict[str, Tree], value: object, prefix: str, out: dict[str, object], where: str
+    ) -> Tree:
+        """Merge ``value`` into a dict node of ``items``: the same keys, each merged."""
+        if not isinstance(value, Mapping):
+            path = prefix or "the sample"
+            raise InvalidDataError(
+                f"{where}: {path} holds a {type(value).__name__}, but earlier samples hold a dict"
+            )
+        keys = [str(k) for k in value]
+        if set(keys) != set(items):
+            missing = [k for k in items if k not in keys]
+            extra = [k for k in keys if k not in items]
+            raise InvalidDataError(
+                f"{where}: fields differ from the first sample's {list(items)}"
+                f"{' under ' + prefix if prefix else ''}: missing {missing}, unexpected {extra}"
+            )
+        return {
+            "dict": {
+                k: self._merge(
+                    items[k],
+                    value[k] if k in value else value[_orig(value, k)],
+                    _child_prefix(items[k], prefix, k),
+                    out,
+                    where,
                 )
-            keys = [str(k) for k in value]
-            if set(keys) != set(items):
-                missing = [k for k in items if k not in keys]
-                extra = [k for k in keys if k not in items]
-                raise InvalidDataError(
-                    f"{where}: fields differ from the first sample's {list(items)}"
-                    f"{' under ' + prefix if prefix else ''}: missing {missing}, unexpected {extra}"
-                )
-            return {
-                "dict": {
-                    k: self._merge(
-                        items[k],
-                        value[k] if k in value else value[_orig(value, k)],
-                        _child_prefix(items[k], prefix, k),
-                        out,
-                        where,
-                    )
-                    for k in items
-                }
+                for k in items
             }
+        }
+
+    def _merge_sequence(
+        self,
+        kind: str,
+        items: list[Tree],
+        value: object,
+        prefix: str,
+        out: dict[str, object],
+        where: str,
+    ) -> Tree:
+        """Merge ``value`` into a ``kind`` (tuple or list) node of ``items``: the same kind
+        and length, each item merged."""
+        path = prefix or "the sample"
         if not isinstance(value, (tuple, list)) or (kind == "tuple") != isinstance(value, tuple):
             raise InvalidDataError(
                 f"{where}: {path} holds a {type(value).__name__}, but earlier samples hold a {kind}"
