@@ -1,6 +1,6 @@
 """The first batch of each epoch: a new server, then later epochs of a large dataset.
 
-``python bench/bench_epochs.py [--quick] [--n N] [--epochs E] [--workdir DIR]``
+``python bench/bench_epochs.py [--quick] [--n N] [--epochs E] [--new-servers K] [--workdir DIR]``
 
 A dataset of ``n`` samples (5,000,000; ``--quick`` 2,000,000) of one ``int64`` each (so
 the store is small and the plan is the work), global shuffle, batch 256, one Loader over
@@ -8,7 +8,10 @@ shared memory. Each epoch reads 200 batches, then the loop "trains" for 0.5 s (s
 before the next ``set_epoch``, as a real epoch lasts far longer than planning the next
 one. Per epoch: seconds from ``iter()`` to the first batch. The baseline in the same run is
 what that wait was before the next epoch's order was planned while the current one streams:
-``epoch_order`` of ``n`` samples in this process (median of 3).
+``epoch_order`` of ``n`` samples in this process (median of 3). A new server's first batch
+is also timed on ``--new-servers`` more new servers (default 5; median), as one is noisy on
+a busy machine; with ``PYTHONPATH`` naming another checkout's packages, the servers run
+that code (a baseline in the same run of the bench).
 
 Then whole epochs of 50,000 CIFAR-like samples (``uint8[3,32,32]`` + label, batch 256,
 shared memory, every batch's tensors touched): seconds per epoch, and the spread of epochs
@@ -82,6 +85,18 @@ def first_batches(url: str, epochs: int) -> list[float]:
     return out
 
 
+def new_server_firsts(store: Path, k: int) -> list[float]:
+    """Seconds from ``iter()`` to the first batch of epoch 0 on each of ``k`` new servers."""
+    out = []
+    for _ in range(k):
+        with run_server(store) as srv, Loader(srv.http_url, "ints", BATCH, seed=0) as loader:
+            loader.set_epoch(0)
+            t0 = time.perf_counter()
+            next(iter(loader))
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def cifar_epochs(url: str, epochs: int) -> list[float]:
     """Seconds of each whole CIFAR epoch (epoch 0 included: it opens the stream)."""
     out = []
@@ -100,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2M samples, 4 epochs")
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--new-servers", type=int, default=5, help="more new servers' first batch")
     p.add_argument("--workdir", type=Path, default=None, help="keep the data here")
     args = p.parse_args(argv)
     n = args.n or (2_000_000 if args.quick else 5_000_000)
@@ -117,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         with run_server(store) as srv:
             firsts = first_batches(srv.http_url, epochs)
             cifar = cifar_epochs(srv.http_url, 6)
+        news = [firsts[0], *new_server_firsts(store, args.new_servers)]
     later = statistics.median(firsts[1:])
     plan_s = statistics.median(plans)
     load_after = os.getloadavg()
@@ -131,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         f"  later epochs, median: {later * 1000:.1f} ms = {later / plan_s:.3f}x the plan "
         f"(target <= {TARGET_S * 1000:.0f} ms: {verdict})"
     )
-    verdict = "met" if firsts[0] <= FIRST_TARGET_S else "MISSED"
+    new = statistics.median(news)
+    verdict = "met" if new <= FIRST_TARGET_S else "MISSED"
     print(
-        f"  a new server's first epoch: {firsts[0] * 1000:.0f} ms = {firsts[0] / plan_s:.2f}x "
-        f"the plan (target <= {FIRST_TARGET_S * 1000:.0f} ms: {verdict})"
+        f"  a new server's first batch, median of {len(news)} servers: {new * 1000:.0f} ms = "
+        f"{new / plan_s:.2f}x the plan (target <= {FIRST_TARGET_S * 1000:.0f} ms: {verdict}); "
+        "each: " + " ".join(f"{s * 1000:.0f}" for s in news)
     )
     spread = max(cifar[1:]) / min(cifar[1:])
     verdict = "met" if spread <= SPREAD_TARGET else "MISSED"
@@ -157,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                 "later_median_s": later,
                 "plan_s": plan_s,
                 "later_vs_plan": later / plan_s,
+                "new_server_first_batch_s": news,
+                "new_server_median_s": new,
                 "target": {
                     "later_first_batch_s": TARGET_S,
                     "met": later <= TARGET_S,
                     "new_server_first_batch_s": FIRST_TARGET_S,
-                    "new_server_met": firsts[0] <= FIRST_TARGET_S,
+                    "new_server_met": new <= FIRST_TARGET_S,
                     "cifar_spread": SPREAD_TARGET,
                     "cifar_spread_met": spread <= SPREAD_TARGET,
                 },

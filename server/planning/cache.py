@@ -14,14 +14,17 @@ order), shown as ``shardserve_plan_cache_bytes``.
 
 The next epoch's order is computed while the current one streams (:meth:`PlanCache.plan_ahead`,
 on a thread of its own): a 5M-sample global shuffle takes ~0.3 s, which would otherwise be the
-wait for the first batch of every epoch.
+wait for the first batch of every epoch. It starts once the current epoch's order is whole
+(:meth:`Finishing.then`), not beside the shuffle of its last buckets and its first batches: on
+two cores three threads would share them just when a new server sends its first batch.
 
 An epoch no one planned ahead (the first of a job) is not waited for whole either: a global
 shuffle lays its samples out in buckets, then shuffles each bucket
-(:func:`~.permute.shuffle_steps`). The rank plans of it are handed out once the layout and the
-first bucket are done (the first 131,072 positions: every rank's first batches), and a thread
-of its own shuffles the other buckets while those batches are gathered; a plan's read of a
-later position waits for its bucket (:class:`Finishing`). Same order, same draws, sooner.
+(:func:`~.permute.shuffle_steps`). The rank plans of it are handed out once the first bucket is
+found and shuffled (the first ~131,072 positions: every rank's first batches), and a thread
+of its own lays out and shuffles the other buckets while those batches are gathered; a
+plan's read of a later position waits for its bucket (:class:`Finishing`). Same order, same
+draws, sooner.
 
 A mixture's orders are kept by the same class (:meth:`PlanCache.steered_order`): the same
 waiters and byte bound, keyed by the steering they were made under too.
@@ -71,16 +74,35 @@ class Finishing:
         self.upto = upto
         self.error: BaseException | None = None
         self._cond = threading.Condition()
+        self._then: list[Callable[[], None]] = []
 
     def advance(self, upto: int) -> None:
         with self._cond:
             self.upto = upto
             self._cond.notify_all()
+        if upto >= self.n:
+            self._ended()
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self.error = error
             self._cond.notify_all()
+        self._ended()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every position is final or the shuffle failed: now if it is so
+        already, else on the thread that ends it."""
+        with self._cond:
+            if self.upto < self.n and self.error is None:
+                self._then.append(fn)
+                return
+        fn()
+
+    def _ended(self) -> None:
+        with self._cond:
+            todo, self._then = self._then, []
+        for fn in todo:
+            fn()
 
     def wait(self, position: int) -> None:
         """Return once ``position`` is final; raise if its shuffle failed or took too long."""
@@ -126,6 +148,8 @@ class PlanCache:
         # Another for the rest of an order whose first batches are already out: it must not
         # queue behind the next epochs planned ahead.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ss-plan-finish")
+        #: Orders planned ahead (or waiting to be, see :meth:`plan_ahead`), not yet made.
+        self._ahead_keys: set[OrderKey] = set()
         #: Steered orders submitted to the planning lane and not yet made.
         self._queued: set[OrderKey] = set()
         #: Called when a steered order lands (the streamer's wake-up: a stream skipped
@@ -141,27 +165,59 @@ class PlanCache:
     ) -> None:
         """Compute ``epoch``'s orders in the background, if they are not cached or being
         computed: the first batch of that epoch then waits for no plan. Same orders as
-        :meth:`order` computes (the same function of the same arguments)."""
+        :meth:`order` computes (the same function of the same arguments). Starts once the
+        order of ``epoch - 1`` is whole, if its last buckets are still being shuffled."""
         for env in range(job.spec.env_orders):
+            key = (job.id, epoch, seed, env)
             with self._lock:
-                key = (job.id, epoch, seed, env)
-                if key in self._orders or key in self._computing:
+                if key in self._orders or key in self._computing or key in self._ahead_keys:
                     continue
-            self._ahead.submit(self._order_quietly, job, epoch, seed, shard_rows, env)
+                self._ahead_keys.add(key)
+                current = self._finishing.get((job.id, epoch - 1, seed, env))
+            submit = partial(self._submit_ahead, key, job, epoch, seed, shard_rows, env)
+            if current is None:
+                submit()
+            else:
+                current.then(submit)
+
+    def _submit_ahead(
+        self,
+        key: OrderKey,
+        job: Job,
+        epoch: int,
+        seed: int,
+        shard_rows: np.ndarray | None,
+        env: int,
+    ) -> None:
+        try:
+            self._ahead.submit(self._order_quietly, key, job, epoch, seed, shard_rows, env)
+        except RuntimeError:  # closed: the server is stopping
+            with self._lock:
+                self._ahead_keys.discard(key)
 
     def _order_quietly(
-        self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None, env: int
+        self,
+        key: OrderKey,
+        job: Job,
+        epoch: int,
+        seed: int,
+        shard_rows: np.ndarray | None,
+        env: int,
     ) -> None:
         try:
             self.order(job, epoch, seed, shard_rows, env)
         except Exception:  # a stream asking for it later gets the error, typed, in time
             log.warning("planning epoch %d of job %s ahead failed", epoch, job.id, exc_info=True)
+        finally:
+            with self._lock:
+                self._ahead_keys.discard(key)
 
     def close(self, wait: bool = False) -> None:
         """Stop planning ahead: drop the orders queued (one running finishes on its own), or
-        with ``wait``, plan them all first."""
-        self._ahead.shutdown(wait=wait, cancel_futures=not wait)
+        with ``wait``, plan them all first (the finishing shuffles first: an order planned
+        ahead may wait for one)."""
         self._finisher.shutdown(wait=wait, cancel_futures=not wait)
+        self._ahead.shutdown(wait=wait, cancel_futures=not wait)
 
     def order(
         self, job: Job, epoch: int, seed: int, shard_rows: np.ndarray | None = None, env: int = 0

@@ -7,6 +7,8 @@
 2. lay the positions out bucket by bucket (a stable counting sort, done in chunks
    so the temporaries stay a few MB; see :func:`stable_by_label`);
 3. shuffle each bucket in place; a bucket is sized to fit in L2 (see :func:`shuffle_whole`).
+   Bucket 0 is found (the positions labelled 0) and shuffled before the others are laid
+   out, so the first positions of an order are final after the labels alone.
 
 Independent uniform labels plus a uniform order within each bucket is a uniform
 permutation (Rao 1961; Sandelius 1962): it is sorting by i.i.d. continuous keys,
@@ -59,8 +61,8 @@ def shuffle_steps(
     bucket_rows: int = BUCKET_ROWS,
     chunk_rows: int = CHUNK_ROWS,
 ) -> Iterator[int]:
-    """:func:`shuffle_into` one step at a time: a generator that lays out the buckets, then
-    shuffles them in order, yielding after each bucket how many leading positions of ``out``
+    """:func:`shuffle_into` one step at a time: a generator that draws the labels, shuffles
+    bucket 0, then lays out and shuffles the others in order, yielding after each bucket how many leading positions of ``out``
     are final. The same draws in the same order as :func:`shuffle_into`, whoever drives it:
     a caller can take the first bucket (the first batches of an epoch) and leave the rest to
     another thread.
@@ -81,25 +83,36 @@ def shuffle_steps(
         shuffle_whole(out, rng)
         yield n
         return
-    bucket_start = _deal_into_buckets(out, rng, src, n_buckets, chunk_rows)
+    labels = bucket_labels(rng, n, n_buckets)
+    # Bucket 0 first, before the layout of the others: its ids are the positions labelled 0
+    # in order (what the layout would put there), and its shuffle is the first draw after
+    # the labels either way. The first batches of an epoch then wait for no layout.
+    first = np.concatenate(
+        [np.flatnonzero(labels[lo : lo + chunk_rows] == 0) + lo for lo in range(0, n, chunk_rows)]
+    )
+    out[: len(first)] = first if src is None else src[first]
+    shuffle_whole(out[: len(first)], rng)
+    yield len(first)
+    del first
+    bucket_start = _deal_into_buckets(out, labels, src, n_buckets, chunk_rows)
+    del labels
     scratch = np.empty(int(np.max(np.diff(bucket_start))), dtype=np.int64)
-    for b0, b1 in zip(bucket_start[:-1].tolist(), bucket_start[1:].tolist(), strict=True):
+    for b0, b1 in zip(bucket_start[1:-1].tolist(), bucket_start[2:].tolist(), strict=True):
         shuffle_whole(out[b0:b1], rng, scratch)
         yield b1
 
 
 def _deal_into_buckets(
     out: np.ndarray,
-    rng: np.random.Generator,
+    labels: np.ndarray,
     src: np.ndarray | None,
     n_buckets: int,
     chunk_rows: int,
 ) -> np.ndarray:
-    """Draw each position's bucket and write the ids into ``out`` grouped by bucket, in source
-    order within one (a counting sort, ``chunk_rows`` at a time); returns where each bucket
-    starts, and ``len(out)`` last."""
+    """Write the ids into ``out`` grouped by their bucket ``labels``, in source order within
+    one (a counting sort, ``chunk_rows`` at a time), except bucket 0's, in place already;
+    returns where each bucket starts, and ``len(out)`` last."""
     n = len(out)
-    labels = bucket_labels(rng, n, n_buckets)
     # Per chunk, how many of its labels each bucket got: a counting sort's two passes.
     chunk_counts = [
         np.bincount(labels[lo : lo + chunk_rows], minlength=n_buckets)
@@ -119,7 +132,7 @@ def _deal_into_buckets(
         np.cumsum(counts, out=run_start[1:])
         # A Python loop per bucket per chunk (256 x n / 2**20), never per sample.
         for b, (r0, r1) in enumerate(
-            zip(run_start[:-1].tolist(), run_start[1:].tolist(), strict=True)
+            zip(run_start[1:-1].tolist(), run_start[2:].tolist(), strict=True), start=1
         ):
             out[cursor[b] : cursor[b] + r1 - r0] = values[r0:r1]
             cursor[b] += r1 - r0

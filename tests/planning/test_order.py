@@ -224,3 +224,42 @@ def test_finishing_waits_for_its_bucket_and_names_a_failed_shuffle() -> None:
     f.fail(ValueError("boom"))
     with pytest.raises(RuntimeError, match=r"shuffling the rest of job j epoch 3 failed: boom"):
         f.wait(80)
+
+
+def test_finishing_runs_what_waits_for_the_whole_order_once_it_is_whole() -> None:
+    """A callback given to an order still being shuffled runs when its last bucket is done
+    (or its shuffle failed), and at once when it is whole already."""
+    from shardserve.server.planning.cache import Finishing
+
+    f = Finishing("job j epoch 3", 100, 10)
+    ran: list[str] = []
+    f.then(lambda: ran.append("a"))
+    f.advance(60)
+    assert ran == []
+    f.advance(100)
+    assert ran == ["a"]
+    f.then(lambda: ran.append("b"))
+    assert ran == ["a", "b"]
+    failing = Finishing("job j epoch 4", 100, 10)
+    failing.then(lambda: ran.append("c"))
+    failing.fail(ValueError("boom"))
+    assert ran == ["a", "b", "c"]
+
+
+def test_the_next_epoch_is_planned_ahead_once_the_current_order_is_whole() -> None:
+    """Asked for while the current epoch's last buckets are shuffled, the next epoch's order
+    is planned after them: it is the order of that epoch, made once."""
+    n = 1_000_003  # 8 buckets of ~2**17: handed out before the last ones are shuffled
+    spec = JobSpec(dataset="d", batch_size=64)
+    job = Job(job_id(spec), spec, num_samples=n)
+    cache = PlanCache()
+    try:
+        cache.rank_plan(job, 2, 5, 0)
+        cache.plan_ahead(job, 3, 5)
+        cache.plan_ahead(job, 3, 5)  # asked twice (two ranks): planned once
+        current = cache.order(job, 2, 5)  # waits for its last bucket
+    finally:
+        cache.close(wait=True)
+    assert cache.nbytes == 2 * n * 4  # closing waited for the order planned ahead
+    assert np.array_equal(current, epoch_order(n, 5, 2, "global"))
+    assert np.array_equal(cache.order(job, 3, 5), epoch_order(n, 5, 3, "global"))

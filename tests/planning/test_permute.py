@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardserve.server.planning.permute import shuffle_inplace, shuffle_into
+from shardserve.server.planning.permute import shuffle_inplace, shuffle_into, shuffle_steps
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -69,3 +69,19 @@ def test_inplace_large_array_is_a_permutation() -> None:
     shuffle_inplace(a, np.random.default_rng(3))
     assert np.array_equal(np.sort(a), np.arange(300_000))
     assert not np.array_equal(a, np.arange(300_000)[::-1])
+
+
+def test_the_first_step_hands_out_bucket_0_before_laying_out_the_others() -> None:
+    """The first step of the bucket shuffle writes bucket 0 only (the positions labelled 0,
+    shuffled); the others are laid out in later steps, and the whole is the same order."""
+    n, sentinel = 5_000, np.uint32(2**32 - 1)
+    out = np.full(n, sentinel, dtype=np.uint32)
+    steps = shuffle_steps(out, np.random.default_rng(3), bucket_rows=100, chunk_rows=700)
+    first = next(steps)
+    assert 0 < first < n
+    assert (out[first:] == sentinel).all()  # no layout of the other buckets yet
+    head = out[:first].copy()
+    ups = list(steps)
+    assert ups[-1] == n and ups == sorted(ups)
+    whole = shuffle_into(np.empty(n, np.uint32), np.random.default_rng(3), bucket_rows=100)
+    assert np.array_equal(out, whole) and np.array_equal(head, whole[:first])

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from shardserve.server.store.catalog import Store
 from shardserve.server.store.read.dataset import Dataset
-from shardserve.server.store.read.gather import groups
+from shardserve.server.store.read.gather import JOIN_MAX_ROW_BYTES, JoinedColumns, groups
+from shardserve.server.store.read.joined_behind import JoinedBehind, joined_in_pieces
 from shardserve.server.store.write.writer import ShardWriter
 from tests.support.data import (
     cifar_images,
@@ -198,3 +199,48 @@ def test_big_rows_across_shards_match_reference(
     assert parts["x"] is out["x"]
     np.testing.assert_array_equal(parts["x"], rows[idx])
     assert parts["i"].tolist() == ids
+
+
+def test_a_small_column_is_joined_behind_the_first_reads(tmp_path: Path) -> None:
+    """A new dataset's first read of a small column across shards starts no copy of it; later
+    reads ask for it on a thread of its own, and every read gives the same rows."""
+    make_cifar_like(tmp_path, n=N_CIFAR, shard_bytes=200 << 10)
+    ds = Store(tmp_path).open("cifar")
+    try:
+        idx = np.random.default_rng(0).permutation(N_CIFAR)[:64]
+        joining = [t for t in threading.enumerate() if t.name.startswith("ss-join")]
+        _check_cifar(ds, idx)
+        started = [t for t in threading.enumerate() if t.name.startswith("ss-join")]
+        assert started == joining  # the first read waited for no join
+        for _ in range(3):  # while the copies are made, and (some) after
+            _check_cifar(ds, idx[::-1].copy())
+        started = [t for t in threading.enumerate() if t.name.startswith("ss-join")]
+        assert len(started) > len(joining)
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("rows", [(0,), (5,), (3, 0, 7), (1000, 1, 999)])
+@pytest.mark.parametrize("shape", [(), (3,), (2, 4)])
+def test_a_column_joined_in_pieces_is_the_joined_column(
+    rows: tuple[int, ...], shape: tuple[int, ...]
+) -> None:
+    """A column copied a piece at a time behind the reads is the one joined at once, and
+    one too big to join is joined by neither."""
+    rng = np.random.default_rng(len(rows))
+    chunks = [rng.integers(0, 100, (r, *shape)).astype(np.int16) for r in rows]
+    behind = JoinedBehind()
+    try:
+        assert behind.get("c", chunks) is None and behind.get("c", chunks) is None
+        behind.wait(scaled(30.0))
+        want = JoinedColumns().get("c", chunks)
+        got = behind.get("c", chunks)
+        assert want is not None and got is not None
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        for piece_bytes in (1, 7, 64):
+            with_pieces = joined_in_pieces(chunks, piece_bytes)
+            assert with_pieces is not None and np.array_equal(with_pieces, want)
+    finally:
+        behind.close()
+    wide = [np.zeros((2, JOIN_MAX_ROW_BYTES + 1), np.uint8)]
+    assert joined_in_pieces(wide) is None and JoinedColumns().get("w", wide) is None

@@ -6,7 +6,7 @@ shards and takes them back after the read:
 
 * :class:`MappedShards` (a local store): every shard mapped at open; its chunks are one set
   for the whole dataset, so small columns can be joined across chunks once
-  (:class:`~.gather.JoinedColumns`) and fixed fields and variable fields' values mapped as
+  (:class:`~.gather.JoinedColumns`, behind the reads: :mod:`.joined_behind`) and fixed fields and variable fields' values mapped as
   one array across them (:mod:`.stitch`); a shard is checksummed before its first read
   (``lazy``), at open (``full``) or never (``off``).
 * :class:`~.cached_shards.CachedShards` (a remote store): a shard is fetched whole into the local
@@ -33,6 +33,7 @@ from ...source import Planned
 from .blocks import DatasetBlocks, RowSpan
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
+from .joined_behind import JoinedBehind
 from .read_ahead import ReadAhead
 from .shards import MappedShard, read_ends_ahead
 from .stitch import Piece, StitchedColumns
@@ -151,6 +152,8 @@ class MappedShards:
         self._shards: list[MappedShard] = []
         self._rows = DatasetBlocks([], np.zeros(1, dtype=np.int64), {})  # until all are mapped
         self._ahead = ReadAhead([])
+        # Small columns joined behind the reads: a new server's first batch waits for no copy.
+        self._joined = JoinedBehind()
         read_ends_ahead(Path(folder) / info.path for info in manifest.shards)
         try:
             for info in manifest.shards:
@@ -173,7 +176,7 @@ class MappedShards:
             self._shards,
             shard_starts(manifest)[:-1].tolist(),
             manifest.fields,
-            JoinedColumns(),
+            self._joined,
             StitchedColumns(self._pieces),
         )
         #: Shards whose framing and blocks outside row data are verified (:mod:`.blocks`).
@@ -298,6 +301,7 @@ class MappedShards:
         # The joined copies are this dataset's own memory; dropping the chunks drops them.
         # A stitched array unmaps itself when the last read over it is done.
         self._ahead.close()
+        self._joined.close()  # a copy under way reads the mappings closed below
         self._chunks = Chunks.of([], [], (), None, None)
         self._rows.close()  # its views of the mappings too, or they would stay mapped
         for s in self._shards:
