@@ -35,6 +35,7 @@ from .device_plan import device_manifest
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
+from .pushdown import pushdown_of
 from .registry import TransformRegistry
 from .rng import job_scheme, replacement
 from .runner import Limits, Where
@@ -189,6 +190,8 @@ class TransformedDataset(Wrapped):
         self._through = [
             n for n, f in chain.inputs.items() if n not in written and chain.outputs[n] == f
         ]
+        #: A chain that only chooses rows of a variable field reads only those (.pushdown).
+        self._pushdown = pushdown_of(chain)
 
     @property
     def manifest(self) -> Manifest:
@@ -273,24 +276,10 @@ class TransformedDataset(Wrapped):
         idx = np.array(indices, dtype=np.int64).reshape(-1)
         where = Where(self._seed, self._epoch, self._rank, batch, self.chain.scheme)
         name = self.manifest.name
-        chain_names = self.chain.names
         attempts: dict[int, int] = {}
         while True:
-            stored = self.inner.take(
-                idx, list(self.chain.inputs), out=self._into(out, idx.size), batch=batch
-            )
             try:
-                return idx, self._rt.pool.run(
-                    self.chain,
-                    stored,
-                    idx,
-                    where,
-                    names,
-                    partial(pool_error, name, self._epoch, chain_names, idx),
-                    out,
-                    tail,
-                    lane=self._lane,
-                )
+                return idx, self._chained(idx, where, names, out, tail)
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()
                 self._rt.metrics.count("errors")
@@ -324,3 +313,24 @@ class TransformedDataset(Wrapped):
                 self._rt.metrics.errors.labels(CHAIN_FAILED).inc()
                 self._rt.metrics.count("errors")
                 raise
+
+    def _chained(
+        self,
+        idx: np.ndarray,
+        where: Where,
+        names: list[str],
+        out: Mapping[str, np.ndarray] | None,
+        tail: Tail,
+    ) -> BatchParts:
+        """The chain's outputs ``names`` of samples ``idx``: read, then run on the pool (or,
+        pushed down, read as the chain chooses)."""
+        into = self._into(out, idx.size)
+        if self._pushdown is not None:
+            return self._pushdown.run(
+                self.inner, idx, where, names, out, into, tail, self._rt.metrics
+            )
+        stored = self.inner.take(idx, list(self.chain.inputs), out=into, batch=where.batch)
+        describe = partial(pool_error, self.manifest.name, self._epoch, self.chain.names, idx)
+        return self._rt.pool.run(
+            self.chain, stored, idx, where, names, describe, out, tail, lane=self._lane
+        )
