@@ -67,11 +67,22 @@ def take_subrows(
     if b and k and (picked.min() < 0 or (picked.max(axis=1) >= n).any()):
         raise ValueError(f"a picked row is outside its sample's 0..{n.tolist()} rows")
     dest = out.reshape(b, k * unit).view(item)  # [B, k] rows as opaque items
+    at = (starts // unit)[:, None] + picked  # each picked row's unit in its chunk
+    if len(chunk_groups) == 1:  # the batch in one chunk, in order: one take into place
+        np.take(arrays.units(chunk_groups[0][0], item), at, out=dest, mode="clip")
+        return out
+    # Each chunk's samples into consecutive rows of a scratch array (contiguous writes),
+    # then one take of whole samples puts them in batch order: a fancy-index scatter of
+    # single rows per chunk cost 4x more (16 clouds over 3 chunks: ~100 us against ~25).
+    by_chunk = np.empty((b, k), item)
+    a = 0
     for c, pos in chunk_groups:
-        src = arrays.units(c, item)
-        at = (starts[pos] // unit)[:, None] + picked[pos]
-        if len(chunk_groups) == 1:  # then pos is ALL: the batch in order
-            np.take(src, at, out=dest, mode="clip")  # rows checked above
-        else:
-            dest[pos] = np.take(src, at, mode="clip")
+        rows_c = at[pos]
+        z = a + len(rows_c)
+        np.take(arrays.units(c, item), rows_c, out=by_chunk[a:z], mode="clip")
+        a = z
+    order = np.concatenate([np.arange(b)[pos] for _, pos in chunk_groups])
+    back = np.empty_like(order)
+    back[order] = np.arange(b)
+    np.take(by_chunk, back, axis=0, out=dest)
     return out
