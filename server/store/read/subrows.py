@@ -39,35 +39,13 @@ def take_subrows(
     <BLANKLINE>
            [[2, 3]]])
     """
-    b = rows.size
-    starts = np.empty(b, np.int64)
-    lens = np.empty(b, np.int64)
-    for c, pos in chunk_groups:
-        off = arrays.views(c)[0]
-        r = rows[pos]
-        starts[pos] = off[r]
-        lens[pos] = off[r + 1] - starts[pos]
-    if (starts % unit).any() or (lens % unit).any():
-        raise ValueError(
-            f"a sample's values do not start or end on a row of {unit} values: the shard was "
-            "not written by shardserve's writer; ingest it again"
-        )
-    n = lens // unit
+    starts, n = _lengths(arrays, chunk_groups, rows, unit)
     picked = np.asarray(pick(n))
-    k = picked.shape[1] if picked.ndim == 2 else -1
+    _check(picked, n, unit, out, arrays.value_dtype)
+    b, k = picked.shape
     item = np.dtype((np.void, unit * out.dtype.itemsize))
-    fits = out.shape[:2] == (b, k) and math.prod(out.shape[2:]) == unit
-    if picked.shape != (b, k) or not fits or not out.flags.c_contiguous:
-        raise ValueError(
-            f"rows {list(picked.shape)} for {b} samples of {unit} values a row do not fit "
-            f"out {list(out.shape)} (contiguous={out.flags.c_contiguous})"
-        )
-    if out.dtype != np.dtype(arrays.value_dtype):
-        raise ValueError(f"out is {out.dtype}; the stored values are {arrays.value_dtype}")
-    if b and k and (picked.min() < 0 or (picked.max(axis=1) >= n).any()):
-        raise ValueError(f"a picked row is outside its sample's 0..{n.tolist()} rows")
     dest = out.reshape(b, k * unit).view(item)  # [B, k] rows as opaque items
-    at = (starts // unit)[:, None] + picked  # each picked row's unit in its chunk
+    at = starts[:, None] + picked  # each picked row's unit in its chunk
     if len(chunk_groups) == 1:  # the batch in one chunk, in order: one take into place
         np.take(arrays.units(chunk_groups[0][0], item), at, out=dest, mode="clip")
         return out
@@ -86,3 +64,41 @@ def take_subrows(
     back[order] = np.arange(b)
     np.take(by_chunk, back, axis=0, out=dest)
     return out
+
+
+def _lengths(
+    arrays: RaggedChunks, chunk_groups: list[tuple[int, Positions]], rows: np.ndarray, unit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(first row, rows)`` of each sample in its chunk, in rows of ``unit`` values, read
+    from the chunks' offsets alone."""
+    b = rows.size
+    starts = np.empty(b, np.int64)
+    lens = np.empty(b, np.int64)
+    for c, pos in chunk_groups:
+        off = arrays.views(c)[0]
+        r = rows[pos]
+        starts[pos] = off[r]
+        lens[pos] = off[r + 1] - starts[pos]
+    if (starts % unit).any() or (lens % unit).any():
+        raise ValueError(
+            f"a sample's values do not start or end on a row of {unit} values: the shard was "
+            "not written by shardserve's writer; ingest it again"
+        )
+    return starts // unit, lens // unit
+
+
+def _check(picked: np.ndarray, n: np.ndarray, unit: int, out: np.ndarray, stored: str) -> None:
+    """``ValueError`` unless ``picked`` is ``[B, k]`` rows each below its sample's ``n`` and
+    ``out`` a C-contiguous ``[B, k, fixed...]`` of the stored dtype: a take never clips."""
+    b = n.size
+    k = picked.shape[1] if picked.ndim == 2 else -1
+    fits = out.shape[:2] == (b, k) and math.prod(out.shape[2:]) == unit
+    if picked.shape != (b, k) or not fits or not out.flags.c_contiguous:
+        raise ValueError(
+            f"rows {list(picked.shape)} for {b} samples of {unit} values a row do not fit "
+            f"out {list(out.shape)} (contiguous={out.flags.c_contiguous})"
+        )
+    if out.dtype != np.dtype(stored):
+        raise ValueError(f"out is {out.dtype}; the stored values are {stored}")
+    if b and k and (picked.min() < 0 or (picked.max(axis=1) >= n).any()):
+        raise ValueError(f"a picked row is outside its sample's 0..{n.tolist()} rows")
