@@ -30,7 +30,7 @@ from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
-from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
+from ..source import FRESH, BatchParts, BatchSource, PartShapes, RowPick, Tail, Wrapped
 from .device_plan import device_manifest
 from .errors import StepFailed, pool_error, transform_error
 from .metrics import CHAIN_FAILED, TransformMetrics
@@ -250,6 +250,15 @@ class TransformedDataset(Wrapped):
             parts.update(self.inner.take(kept, passed, out=out, batch=batch, tail=tail))
             return {p: parts[p] for p in self.part_shapes(names)}  # in the layout's order
         return self._run(names, indices, out, batch, tail)[1]
+
+    def take_rows(
+        self, indices: np.ndarray, field: str, pick: RowPick, out: np.ndarray
+    ) -> np.ndarray:
+        """Refused: this source serves the chain's outputs, whose rows are not stored."""
+        raise ValueError(
+            f"rows of field {field!r} are read from a stored dataset; dataset "
+            f"{self.manifest.name!r} is served through transforms {self.chain.names}"
+        )
 
     def _into(self, out: Mapping[str, np.ndarray] | None, b: int) -> dict[str, np.ndarray]:
         """The arrays of ``out`` that inputs served as stored are gathered into: those with
