@@ -17,7 +17,7 @@ which passes every question on to the source it wraps, and overrides what it cha
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +29,9 @@ from shardserve.proto.manifest import Manifest
 BatchParts = dict[str, np.ndarray]
 #: Part name -> ``(dtype, per-sample shape)`` for fixed-size parts, ``None`` for variable ones.
 PartShapes = Mapping[str, "tuple[str, tuple[int, ...]] | None"]
+#: ``pick(lengths) -> rows``: given each sample's first-dimension length (int64 ``[B]``),
+#: which of its rows to read (int64 ``[B, k]``, each below its sample's length).
+RowPick = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +196,15 @@ class BatchSource(Protocol):
         stream (transforms draw from it)."""
         ...
 
+    def take_rows(
+        self, indices: np.ndarray, field: str, pick: RowPick, out: np.ndarray
+    ) -> np.ndarray:
+        """Rows ``pick(lengths)`` of the stored variable field ``field`` (shape ``[-1,
+        fixed...]``) of samples ``indices``, gathered into ``out`` (``[B, k, fixed...]``)
+        straight from the store: the samples' other rows are never read. Returns ``out``;
+        ``ValueError`` for a field whose rows cannot be read so (bit-packed bools)."""
+        ...
+
 
 class Wrapped:
     """A decorator of a source: every question goes on to ``inner``, stated one by one so
@@ -246,3 +258,8 @@ class Wrapped:
         tail: Tail = FRESH,
     ) -> BatchParts:
         return self.inner.take(indices, fields, out, batch, tail)
+
+    def take_rows(
+        self, indices: np.ndarray, field: str, pick: RowPick, out: np.ndarray
+    ) -> np.ndarray:
+        return self.inner.take_rows(indices, field, pick, out)

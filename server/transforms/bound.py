@@ -31,13 +31,14 @@ from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
-from ..source import FRESH, BatchParts, BatchSource, PartShapes, Tail, Wrapped
+from ..source import FRESH, BatchParts, BatchSource, PartShapes, RowPick, Tail, Wrapped
 from .chunks import concat_parts
 from .device_plan import device_manifest
 from .errors import StepFailed, pool_error, transform_error
 from .fused import passes_only
 from .metrics import CHAIN_FAILED, TransformMetrics
 from .pool import PoolSetting, TransformPool
+from .pushdown import pushdown_of
 from .registry import TransformRegistry
 from .rng import job_scheme, replacement
 from .runner import Limits, Where, run_chain
@@ -203,6 +204,8 @@ class TransformedDataset(Wrapped):
         self._through = [
             n for n, f in chain.inputs.items() if n not in written and chain.outputs[n] == f
         ]
+        #: A chain that only chooses rows of a variable field reads only those (.pushdown).
+        self._pushdown = pushdown_of(chain)
 
     @property
     def manifest(self) -> Manifest:
@@ -268,6 +271,15 @@ class TransformedDataset(Wrapped):
             return {p: parts[p] for p in self.part_shapes(names)}  # in the layout's order
         return self._run(names, indices, out, batch, tail)[1]
 
+    def take_rows(
+        self, indices: np.ndarray, field: str, pick: RowPick, out: np.ndarray
+    ) -> np.ndarray:
+        """Refused: this source serves the chain's outputs, whose rows are not stored."""
+        raise ValueError(
+            f"rows of field {field!r} are read from a stored dataset; dataset "
+            f"{self.manifest.name!r} is served through transforms {self.chain.names}"
+        )
+
     def _into(self, out: Mapping[str, np.ndarray] | None, b: int) -> dict[str, np.ndarray]:
         """The arrays of ``out`` that inputs served as stored are gathered into: those with
         exactly the field's ``[b, *shape]``, dtype and a contiguous layout."""
@@ -293,19 +305,10 @@ class TransformedDataset(Wrapped):
         idx = np.array(indices, dtype=np.int64).reshape(-1)
         where = Where(self._seed, self._epoch, self._rank, batch, self.chain.scheme)
         name = self.manifest.name
-        chain_names = self.chain.names
         attempts: dict[int, int] = {}
         while True:
-            stored = self.inner.take(
-                idx, list(self.chain.inputs), out=self._into(out, idx.size), batch=batch
-            )
-            describe = partial(pool_error, name, self._epoch, chain_names, idx)
             try:
-                if self._passes:
-                    return idx, self._run_here(stored, idx, where, names, describe, out)
-                return idx, self._rt.pool.run(
-                    self.chain, stored, idx, where, names, describe, out, tail, lane=self._lane
-                )
+                return idx, self._chained(idx, where, names, out, tail)
             except StepFailed as e:
                 self._rt.metrics.errors.labels(e.transform).inc()
                 self._rt.metrics.count("errors")
@@ -339,6 +342,29 @@ class TransformedDataset(Wrapped):
                 self._rt.metrics.errors.labels(CHAIN_FAILED).inc()
                 self._rt.metrics.count("errors")
                 raise
+
+    def _chained(
+        self,
+        idx: np.ndarray,
+        where: Where,
+        names: list[str],
+        out: Mapping[str, np.ndarray] | None,
+        tail: Tail,
+    ) -> BatchParts:
+        """The chain's outputs ``names`` of samples ``idx``: read, then run on the pool (or,
+        pushed down, read as the chain chooses; built-in passes on this thread)."""
+        into = self._into(out, idx.size)
+        if self._pushdown is not None:
+            return self._pushdown.run(
+                self.inner, idx, where, names, out, into, tail, self._rt.metrics
+            )
+        stored = self.inner.take(idx, list(self.chain.inputs), out=into, batch=where.batch)
+        describe = partial(pool_error, self.manifest.name, self._epoch, self.chain.names, idx)
+        if self._passes:
+            return self._run_here(stored, idx, where, names, describe, out)
+        return self._rt.pool.run(
+            self.chain, stored, idx, where, names, describe, out, tail, lane=self._lane
+        )
 
     def _run_here(
         self,

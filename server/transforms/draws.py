@@ -172,8 +172,10 @@ def subset_indices(
         return keys.integers(n, k)
     if (n < k).any():
         raise ValueError(f"a sample has {int(n.min())} rows, fewer than k={k}")
-    out = np.empty((n.size, k), np.int64)
     few = 2 * k <= n
+    if few.all():  # the common batch: no copy of its rows into place
+        return _first_distinct(keys, n, k)
+    out = np.empty((n.size, k), np.int64)
     for sel, fn in ((np.flatnonzero(few), _first_distinct), (np.flatnonzero(~few), _smallest)):
         if sel.size:
             out[sel] = fn(_rows_of(keys, sel), n[sel], k)
@@ -206,9 +208,20 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     at most 2**16 rows draws 16-bit values, two a word: half the words to make."""
     expect = n * (np.log(n) - np.log(n - k))  # expected draws for k distinct of n
     m = (expect * 1.1 + 16).astype(np.int64)
-    out = np.empty((n.size, k), np.int64)
     narrow = n <= 1 << 16
-    for todo, bits in ((np.flatnonzero(narrow), 16), (np.flatnonzero(~narrow), 32)):
+    out = np.empty((n.size, k), np.int64)
+    plan: list[tuple[np.ndarray, int]] = [
+        (np.flatnonzero(narrow), 16),
+        (np.flatnonzero(~narrow), 32),
+    ]
+    if narrow.all():  # the common batch: all of it at once, then the short ones again
+        got, short = _distinct_once(keys, n, m, k, 16)
+        if not short.any():  # every sample found k in its first draws: no copy into place
+            return got
+        out[~short] = got
+        plan = [(np.flatnonzero(short), 16)]
+        m[short] *= 2
+    for todo, bits in plan:
         while todo.size:
             got, short = _distinct_once(_rows_of(keys, todo), n[todo], m[todo], k, bits)
             out[todo[~short]] = got

@@ -49,6 +49,25 @@ def random_subset(
     into the batch's memory."""
     xs = batch[p.field]
     sizes = np.fromiter((x.shape[0] for x in xs), np.int64, count=len(xs))
+    rows = subset_rows(p, keys, sizes)
+    dest = out.get(p.field)
+    if dest is None:
+        first = np.asarray(xs[0]) if len(xs) else np.empty((0,), np.float32)
+        dest = np.empty((len(xs), p.n, *first.shape[1:]), first.dtype)
+    for i, x in enumerate(xs):
+        np.take(x, rows[i], axis=0, out=dest[i])  # 2-3x faster than x[rows] on rows of floats
+    return {p.field: dest}
+
+
+def subset_rows(p: RandomSubset, keys: SampleKeys, sizes: np.ndarray) -> np.ndarray:
+    """``int64[B, n]``: the rows :func:`random_subset` takes of samples with ``sizes[i]``
+    rows, from their keys alone. A reader that knows the sizes before reading the values (a
+    variable field's offsets) gathers only these rows (:mod:`.pushdown`): the same bytes.
+
+    >>> k = SampleKeys(seed=0, epoch=0, step=0, ids=np.arange(2))
+    >>> subset_rows(RandomSubset(field="x", n=2), k, np.array([5, 9])).shape
+    (2, 2)
+    """
     if not p.replace:
         refuse_samples(
             "random_subset",
@@ -57,11 +76,4 @@ def random_subset(
             f"field {p.field!r} has fewer rows than n={p.n}; pass replace=true to draw with "
             "replacement",
         )
-    rows = subset_indices(keys, sizes, p.n, p.replace)
-    dest = out.get(p.field)
-    if dest is None:
-        first = np.asarray(xs[0]) if len(xs) else np.empty((0,), np.float32)
-        dest = np.empty((len(xs), p.n, *first.shape[1:]), first.dtype)
-    for i, x in enumerate(xs):
-        np.take(x, rows[i], axis=0, out=dest[i])  # 2-3x faster than x[rows] on rows of floats
-    return {p.field: dest}
+    return subset_indices(keys, sizes, p.n, p.replace)

@@ -234,6 +234,12 @@ def _keys(where: Where, step: int, indices: np.ndarray, legacy: bool) -> SampleK
     return SampleKeys(where.seed, where.epoch, step, indices, legacy=old)
 
 
+def step_keys(where: Where, step: int, indices: np.ndarray) -> SampleKeys:
+    """The keys chain step ``step`` draws from for samples ``indices`` of batch ``where``
+    (in the job's scheme): what its kernel is given, wherever it runs."""
+    return _keys(where, step, indices, where.scheme == LEGACY_SCHEME)
+
+
 def _apply_batch(
     step: Step,
     at: tuple[int, ...],

@@ -30,7 +30,7 @@ import numpy as np
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import MASK, OFFSETS, SHAPES, PartShape, parts_of
 
-from ...source import FRESH, Planned, Tail
+from ...source import FRESH, Planned, RowPick, Tail
 from ..cache import ShardCache
 from .cached_shards import CachedShards, Fetch
 from .gather import (
@@ -46,6 +46,7 @@ from .gather import (
 from .index import as_indices, check_bounds, chunk_of, locate
 from .shard_set import VERIFY_MODES, Chunks, MappedShards, ShardSet, shard_starts
 from .stitch import StitchedColumns
+from .subrows import take_subrows
 
 __all__ = ["VERIFY_MODES", "Dataset"]
 
@@ -147,25 +148,65 @@ class Dataset:
         idx = as_indices(indices)
         names = self.field_names(fields)
         lo, hi = check_bounds(idx, self.num_samples)
-        b = idx.size
-        # Ids map to shards monotonically: a batch inside one shard (the common case) is found
-        # from its min and max alone.
-        if not b:
-            touched: list[int] = []
-        else:
-            first, last = chunk_of(lo, self._starts), chunk_of(hi, self._starts)
-            if first == last:
-                touched = [first]
-            else:
-                # The shards touched, in order: a count per shard, not a sort of the batch.
-                shard = np.searchsorted(self._starts, idx, "right") - 1
-                touched = np.flatnonzero(np.bincount(shard)).tolist()
+        touched = self._touched(idx, lo, hi)
         chunks = self.shards.acquire(touched)
         try:
             self.shards.check_reads(idx, names)
             return self._read(names, idx, lo, hi, chunks, out, tail)
         finally:
             self.shards.release(touched)
+
+    def take_rows(
+        self, indices: np.ndarray, field: str, pick: RowPick, out: np.ndarray
+    ) -> np.ndarray:
+        """Rows ``pick(lengths)`` of variable field ``field`` (``[-1, fixed...]``, not
+        nullable) of samples ``indices`` into ``out`` (``[B, k, fixed...]``), the other rows
+        never read (:mod:`.subrows`). Returns ``out``."""
+        if self._closed:
+            raise ValueError(f"dataset {self.manifest.name!r} is closed")
+        spec = self._specs[self.field_names([field])[0]]
+        if spec.kind != "variable" or spec.nullable or spec.dtype == "bool" or -1 in spec.shape[1:]:
+            raise ValueError(
+                f"field {field!r} of dataset {self.manifest.name!r} is a {spec.kind} "
+                f"{spec.dtype}{list(spec.shape)} (nullable={spec.nullable}); rows are read "
+                "from a variable field [-1, fixed...] of numbers present in every sample"
+            )
+        idx = as_indices(indices)
+        lo, hi = check_bounds(idx, self.num_samples)
+        touched = self._touched(idx, lo, hi)
+        chunks = self.shards.acquire(touched)
+        try:
+            self.shards.check_reads(idx, [field])
+            g, rows = self._groups(idx, lo, hi, chunks)
+            unit = ragged_unit(spec.shape, False)
+            return take_subrows(chunks.arrays[field], g, rows, unit, pick, out)
+        finally:
+            self.shards.release(touched)
+
+    def _touched(self, idx: np.ndarray, lo: int, hi: int) -> list[int]:
+        """The shards samples ``idx`` (within ``lo..hi``) lie in, in order."""
+        if not idx.size:
+            return []
+        # Ids map to shards monotonically: a batch inside one shard (the common case) is found
+        # from its min and max alone.
+        first, last = chunk_of(lo, self._starts), chunk_of(hi, self._starts)
+        if first == last:
+            return [first]
+        # The shards touched, in order: a count per shard, not a sort of the batch.
+        shard = np.searchsorted(self._starts, idx, "right") - 1
+        return np.flatnonzero(np.bincount(shard)).tolist()
+
+    @staticmethod
+    def _groups(
+        idx: np.ndarray, lo: int, hi: int, chunks: Chunks
+    ) -> tuple[list[tuple[int, Positions]], np.ndarray]:
+        """``(chunk groups, row in its chunk)`` of samples ``idx`` (see :func:`.groups`)."""
+        first = chunk_of(lo, chunks.starts) if idx.size else 0
+        if idx.size and first == chunk_of(hi, chunks.starts):  # one chunk: no per-id search
+            base = int(chunks.starts[first])
+            return [(first, ALL)], idx - base if base else idx
+        chunk, rows = locate(idx, chunks.starts) if idx.size else (idx, idx)
+        return groups(chunk), rows
 
     def _read(
         self,
