@@ -4,7 +4,7 @@ Started by the main process (``python -m shardserve.server.processes.child``, it
 :class:`ChildConfig` as JSON on stdin). It maps the same store, runs its own streamer,
 assembly lanes, plan cache and transform workers, and serves only the streams the main
 process placed here (:class:`~.replica.JobReplica`). Every ``REPORT_S`` it reports what its
-streams did (once a second when idle) (:class:`~.feed.BoardFeed`) with its metric families; it exits when told to stop,
+streams did, and once a second its metric families (:class:`~.feed.BoardFeed`) with its metric families; it exits when told to stop,
 or when the main process is gone.
 """
 
@@ -42,8 +42,8 @@ log = logging.getLogger("shardserve.processes")
 
 #: Seconds between two reports to the main process.
 REPORT_S = 0.25
-#: Report periods between two reports of an idle process.
-IDLE_EVERY = 4
+#: Report periods between two reports of the totals (and of an idle process).
+TOTALS_EVERY = 4
 
 
 def _stream_ids(k: int) -> tuple[int, int]:
@@ -80,12 +80,14 @@ def _loop(link: Link, plane: ChildPlane, parent: int) -> None:
                     return
         if time.monotonic() >= next_report:
             ticks += 1
-            # A busy process reports its events with its totals at once; an idle one says it
-            # lives, with its gauges, once a second.
-            if plane.feed.pending() or ticks % IDLE_EVERY == 0:
+            # Events go every period they happen in (placement reads the streams open);
+            # the totals, which cost a collection of every family, once a second and only
+            # when they changed; an idle process still says it lives once a second.
+            second = ticks % TOTALS_EVERY == 0
+            if plane.feed.pending() or second:
                 report = plane.feed.take()
-                families = families_of(plane.metrics.registry)
-                fresh = families if families != sent else None  # unchanged: not sent again
+                families = families_of(plane.metrics.registry) if second else sent
+                fresh = families if families != sent else None
                 link.send(report.model_copy(update={"families": fresh}))
                 sent = families
             next_report = time.monotonic() + REPORT_S
