@@ -128,7 +128,7 @@ def _stubbed(tree: ast.AST) -> list[str]:
 
 
 def test_no_methods_stubbed_under_type_checking_in_the_server() -> None:
-    """A part that calls its host does so through a typed Protocol it is given, not as a base class."""
+    """A part calls its host through a typed Protocol it is given, not as its base class."""
     offenders = {
         str(p.relative_to(ROOT)): names
         for p in sorted((ROOT / "server").rglob("*.py"))
