@@ -115,6 +115,33 @@ def test_no_getattr_forwarding_in_the_server() -> None:
     assert offenders == []
 
 
+def _stubbed(tree: ast.AST) -> list[str]:
+    """Functions defined under ``if TYPE_CHECKING:`` (a mixin's stubs of its host's methods)."""
+    return [
+        f.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for f in ast.walk(stmt)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+
+
+def test_no_methods_stubbed_under_type_checking_in_the_server() -> None:
+    """A part calls its host through a typed Protocol it is given, not as its base class."""
+    offenders = {
+        str(p.relative_to(ROOT)): names
+        for p in sorted((ROOT / "server").rglob("*.py"))
+        if (names := _stubbed(ast.parse(p.read_text())))
+    }
+    assert offenders == {}
+
+
+def test_the_stub_finder_finds_one() -> None:
+    src = "if TYPE_CHECKING:\n    def _close(self) -> None: ...\nelse:\n    def ok(): pass\n"
+    assert _stubbed(ast.parse(src)) == ["_close"]
+
+
 #: A spec's job kind asked outside the one place that chooses it (``server/jobs/kinds/table.py``
 #: by ``JobSpec.kind``).
 ASKS_THE_KIND = re.compile(r"spec\.mixture\b|\.mixture\s+is\b")

@@ -1,40 +1,17 @@
-"""Who may open a stream now: one live stream per (job, rank), and the stream limits.
+"""Who may open a stream now: :class:`Admission` decides each Hello, under the stream limits
+and the Hello rate, and the rank claims of :mod:`.claims`.
 
-Decisions only (no socket); the handler acts on them. Checked after :func:`.handshake.check_hello`
-(version, token, job, bounds) passed.
+Checked in this order: the peer's Hello rate (:class:`HelloRate`: an excess Hello waits for
+the peer's next token), the Hello itself (:func:`.handshake.check_hello`: version, token, job,
+bounds), this process's gate (``HandlerDeps.gate``), the stream limits
+(:func:`limit_refusal`), and who holds the rank (:mod:`.claims`: a claim on a live holder's
+rank is held while the holder is probed). What passes is opened by the host.
 
-**One stream per (job, rank)**, or one per subscriber of a shared job's rank
-(``spec.share``, see :mod:`.shares`): those are many Loaders on purpose. A Hello for a rank that another client's stream holds is
-either a second process that resolved the same ``RANK`` (a launch bug: both would get the same
-half of the data and the other half would never be served) or a trainer that was killed and
-restarted faster than the server noticed. The two look the same at the Hello; they differ in
-whether the holder is still alive. So the claim is *held* (no Welcome yet) while the server
-probes the holder. Alive means its process is, not that its loop reads: a trainer may compute
-for minutes (validation, a checkpoint save) without calling ``next()``. Liveness therefore comes
-from libzmq's ZMTP heartbeats, which the holder's libzmq I/O thread answers on its own, not from
-the protocol's Heartbeat messages, which only a loop waiting for data sends:
-
-* the claimant is the holder's own process (same kernel boot id and pid in the Hello: a new
-  Loader, or a reconnect on a new socket) -> it replaces its stream at once, and the holder
-  gets a notice (a reconnect has closed that socket; another Loader logs it, and takes the
-  rank back when it next reads);
-* the holder speaks (a Credit or Heartbeat after the claim), or its connection is still up
-  :attr:`Limits.alive_after_s` after the claim (libzmq would have dropped it had the process
-  stopped answering PINGs, see :func:`.streamer.liveness_s`) -> it is alive: the claimant is
-  refused with ``RankInUse`` (fatal), naming the rank, the world size and when the holder's
-  stream opened; the server logs ``stream.rank_conflict`` and the status page shows it;
-* the holder's connection is gone (killed: at once; frozen or partitioned: within
-  ``alive_after_s``, when ZMTP drops it and a probe send fails with ``EHOSTUNREACH``) -> its
-  stream is closed and the claimant gets the rank.
-
-A restarted trainer therefore waits at most ``alive_after_s`` for its rank; a duplicate
-process is refused within about a heartbeat while the holder waits for data, and within
-``alive_after_s`` while it computes. Either way exactly one stream per rank receives batches,
-and only a dead or partitioned process loses its rank.
-
-A socket monitor (``EVENT_DISCONNECTED``) was the other way to learn of a dropped peer; it
-names a file descriptor, not a routing id, so the stream it belongs to would have to be
-guessed. A send with ``ROUTER_MANDATORY`` names the peer exactly.
+The object reaches the streams only through :class:`AdmissionHost` (the session table,
+sending a reply, probing, closing and opening a stream). :class:`~.handler.StreamHandler` is
+that host today; admission that moves to the main process (see
+``docs/concepts/streaming-processes.md``) keeps this object and gets a host whose table the
+streaming processes keep current and whose close, probe and open go over their links.
 
 **Limits** (each a setting; a refusal names it): open streams in total, streams per job
 (never more than its world size), Hellos per peer per second. Memory: a stream holds at most
@@ -45,15 +22,20 @@ buffer pools (``sinks.IDLE_POOL_BYTES``).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 from shardserve.proto.errors import ErrorCode
-from shardserve.proto.messages import Error, Hello
+from shardserve.proto.messages import ControlMessage, Error, Hello
 
 from ..registry.jobs import Job
-from .sessions import Session
+from .claims import Claim, fenced, holder_of, rank_in_use, same_client, taken_over
+from .handshake import check_hello
+from .notices import StreamNotices
+from .sessions import Gate, Session, StreamJobs
 
 #: Peers whose Hello rate is remembered at most (oldest forgotten first).
 RATE_PEERS = 4096
@@ -71,81 +53,6 @@ class Limits:
     alive_after_s: float = 12.0
     #: Streams one rank of a shared job may have (its share group's subscribers).
     share_subscribers: int = 16
-
-
-@dataclass
-class Claim:
-    """A Hello held until the rank's current holder is known alive or gone."""
-
-    ident: bytes
-    hello: Hello
-    job: Job
-    holder: Session
-    at: float = field(default_factory=time.monotonic)
-
-
-def wall(t_monotonic: float) -> str:
-    """A monotonic time as UTC wall-clock text, for messages."""
-    t = time.time() - (time.monotonic() - t_monotonic)
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-def rank_in_use(claim: Claim, now: float) -> Error:
-    h = claim.holder
-    ws = claim.job.spec.world_size
-    return Error(
-        code=ErrorCode.RANK_IN_USE,
-        fatal=True,
-        message=f"rank {h.rank} of job {h.job_id} (world size {ws}) is already streaming to "
-        f"another live client, whose stream opened at {wall(h.opened)} "
-        f"({now - h.opened:.0f} s ago): two processes claim this rank; give each process "
-        f"its own RANK in 0..{ws - 1}",
-    )
-
-
-def fenced(s: Session, now: float) -> Error:
-    """What is recorded (and would be told to the holder, were it reachable) when a claimant
-    takes a rank whose holder's connection libzmq dropped."""
-    return Error(
-        code=ErrorCode.RANK_IN_USE,
-        fatal=True,
-        stream=s.stream,
-        message=f"rank {s.rank} of job {s.job_id} was claimed by another client after this "
-        f"stream's connection was dropped ({now - s.last_recv:.1f} s after it last spoke: "
-        "its process died, froze or was cut off); this stream is closed",
-    )
-
-
-def taken_over(s: Session, hello: Hello) -> Error:
-    """What the holder hears when a new stream of its own process takes its rank. A Loader's
-    reconnect has closed the socket this goes to, so only another Loader of that process for
-    the same (job, rank) receives it: a notice, not an error, since two Loaders used one
-    after the other (an evaluation beside training, a check that a seed repeats) are fine;
-    the client logs it, so that two used at once, each taking the rank back after a silence
-    before its every batch, are not slow without a word."""
-    return Error(
-        code=ErrorCode.RANK_IN_USE,
-        fatal=False,
-        stream=s.stream,
-        message=f"rank {s.rank} of job {s.job_id} was taken over by another Loader of this "
-        f"process (pid {hello.pid}) for the same job and rank; the two take turns at it, each "
-        "turn after a silence: to read one rank from two Loaders at once, give both the same "
-        "share= name",
-    )
-
-
-def same_client(holder: Session, hello: Hello) -> bool:
-    """Whether ``hello`` comes from the process that opened ``holder`` (a new Loader of the
-    same process, or its reconnect on a new socket): it replaces its own stream at once."""
-    return bool(hello.boot_id) and hello.pid > 0 and holder.client == (hello.boot_id, hello.pid)
-
-
-def holder_of(sessions: Iterable[Session], job_id: str, rank: int, ident: bytes) -> Session | None:
-    """Another peer's open stream of (job, rank), if any."""
-    for s in sessions:
-        if s.job_id == job_id and s.rank == rank and s.ident != ident and not s.closed:
-            return s
-    return None
 
 
 def limit_refusal(
@@ -238,3 +145,160 @@ class HelloRate:
             message=f"more than {self.per_s:g} Hellos a second from this peer "
             "(--max-hellos-per-s): this one was superseded by a newer Hello before its turn",
         )
+
+
+class AdmissionHost(Protocol):
+    """What admission asks of the streams it admits: the handler's session table and four
+    acts on it. Streamer thread only."""
+
+    @property
+    def sessions(self) -> Mapping[bytes, Session]:
+        """The open streams by routing id (read only: opening and closing go through here)."""
+        ...
+
+    def send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """Answer peer ``ident``; ``False`` when it is gone (its stream is then closed) or its
+        queue is full."""
+        ...
+
+    def probe(self, s: Session, now: float) -> None:
+        """Ask whether ``s``'s peer is still there: once libzmq has dropped its connection
+        the probe fails and ``s`` is closed (gone from :attr:`sessions`)."""
+
+    def close(
+        self, s: Session, reason: str, level: int = logging.INFO, handover: bool = False
+    ) -> None:
+        """End ``s`` for ``reason``; ``handover``: its client's next stream may take over
+        its slot ring."""
+
+    def open(self, ident: bytes, job: Job, hello: Hello) -> None:
+        """Open the stream ``hello`` asks for (it passed every check), replacing none."""
+
+    def drop_ring(self, ident: bytes) -> None:
+        """No stream opens for ``ident`` now: the ring its last stream left for a handover
+        goes."""
+
+
+class Admission:
+    """What to do with each Hello: defer it past its peer's rate, refuse it, hold it while a
+    rank's holder is probed, or have the host open its stream. Streamer thread only.
+
+    It keeps the Hellos it has not decided yet (deferred by the rate, held on a holder); the
+    streams are the host's::
+
+        admission = Admission(handler, registry, gate, token, notices, Limits(), HelloRate(20))
+        admission.hello(ident, hello)  # answered, deferred, held, or opened by the host
+        admission.tick(time.monotonic())  # deferred Hellos due, held claims decidable
+    """
+
+    def __init__(
+        self,
+        host: AdmissionHost,
+        jobs: StreamJobs,
+        gate: Gate,
+        token: str | None,
+        notices: StreamNotices,
+        limits: Limits,
+        rate: HelloRate,
+    ) -> None:
+        self.host = host
+        self.jobs = jobs
+        self.gate = gate
+        self.token = token
+        self.notices = notices
+        self.limits = limits
+        self.rate = rate
+        #: Hellos for a rank another client holds, until it is known alive or gone.
+        self.claims: dict[bytes, Claim] = {}
+
+    def hello(self, ident: bytes, hello: Hello) -> None:
+        """A Hello from peer ``ident``: decide it now, or keep it for the peer's next token."""
+        now = time.monotonic()
+        if not self.rate.allow(ident, now):
+            if self.rate.defer(ident, hello) is not None:
+                self._superseded(ident)
+            return
+        if self.rate.deferred.pop(ident, None) is not None:
+            # The older Hello still waiting would otherwise be admitted after this one and
+            # replace its stream; it is answered now, before this one, in the order they came.
+            self._superseded(ident)
+        self._admit(ident, hello, now)
+
+    def tick(self, now: float) -> None:
+        """Deferred Hellos whose peer may say Hello again, and held claims now decidable."""
+        for ident, hello in self.rate.due(now):
+            self._admit(ident, hello, now)
+        for claim in list(self.claims.values()):
+            if self.claims.get(claim.ident) is claim and self._settle(claim, now):
+                del self.claims[claim.ident]
+
+    def holds(self, ident: bytes) -> bool:
+        """Whether ``ident``'s Hello waits on a rank's holder (slow, not an unknown stream)."""
+        return ident in self.claims
+
+    def forget(self, ident: bytes) -> None:
+        """Peer ``ident`` said goodbye: its Hellos not yet decided are dropped unanswered."""
+        self.claims.pop(ident, None)
+        self.rate.deferred.pop(ident, None)
+
+    def _superseded(self, ident: bytes) -> None:
+        self.host.send(ident, refusal := self.rate.refusal())
+        self.notices.hello_limited(ident, refusal)
+
+    def _admit(self, ident: bytes, hello: Hello, now: float) -> None:
+        host = self.host
+        prev = self.claims.pop(ident, None)  # a new Hello replaces the peer's held one
+        job = self.jobs.find(hello.job)
+        refusal = self.gate(hello) or check_hello(hello, job, self.token)
+        if (old := host.sessions.get(ident)) is not None:
+            # The same client's next stream (an epoch, a resume) may take over its ring, unless
+            # a worker may still be writing into one of its slots.
+            host.close(old, "replaced by a new Hello", handover=refusal is None)
+        if refusal is None and job is not None:
+            held = len(self.claims)
+            refusal = limit_refusal(
+                self.limits, host.sessions.values(), job, hello.rank, ident, held
+            )
+        if refusal is not None or job is None:
+            host.drop_ring(ident)
+            if refusal is not None:
+                host.send(ident, refusal)
+                self.notices.refused(hello, refusal)
+            return
+        # A shared job's rank is many subscribers' on purpose: no holder to probe.
+        shared = job.spec.share is not None
+        holder = None if shared else holder_of(host.sessions.values(), job.id, hello.rank, ident)
+        if holder is None:
+            host.open(ident, job, hello)
+            return
+        # Another client holds the rank: alive (refuse this one) or gone (fence it)?
+        since = prev.at if prev is not None and prev.holder is holder else now
+        claim = Claim(ident, hello, job, holder, since)
+        if not self._settle(claim, now):  # its first probe of the holder
+            self.claims[ident] = claim
+
+    def _settle(self, claim: Claim, now: float) -> bool:
+        """Decide a held claim if its holder is known alive or gone; ``False``: not yet."""
+        host, h = self.host, claim.holder
+        if host.sessions.get(h.ident) is h:
+            if same_client(h, claim.hello):
+                host.send(h.ident, taken_over(h, claim.hello))
+                host.close(h, "replaced by a new stream of its process")
+            else:
+                spoke = h.last_recv > claim.at
+                # A probe fails (and closes the holder's stream) once libzmq has dropped the
+                # connection of a dead, frozen or partitioned process.
+                if not spoke:
+                    host.probe(h, now)
+                if host.sessions.get(h.ident) is not h:
+                    self.notices.fenced(h, claim.ident, fenced(h, now))
+                elif spoke or now - claim.at >= self.limits.alive_after_s:
+                    # It spoke since the claim, or its libzmq kept answering ZMTP PINGs for
+                    # longer than a silent peer's connection survives: alive (perhaps computing).
+                    host.send(claim.ident, refusal := rank_in_use(claim, now))
+                    self.notices.rank_conflict(h, claim.ident, refusal)
+                    return True
+                else:
+                    return False
+        host.open(claim.ident, claim.job, claim.hello)
+        return True

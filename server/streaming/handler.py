@@ -37,20 +37,16 @@ from shardserve.proto.messages import (
 from shardserve.proto.version import foreign_hello, peek_version
 
 from ..reading.assembly import Assembler, Done
+from ..registry.jobs import Job
 from ..runtime.logs import log_event
 from . import replies
-from .admission import (
-    Claim,
-    HelloRate,
-    Limits,
-)
+from .admission import Admission, HelloRate, Limits
 from .handshake import version_reject
-from .hellos import HelloHandling
 from .notices import StreamNotices
 from .opening import Opener
 from .pipeline import CreditOverflow, Work, WorkKind
 from .pump import AssemblyFailed, PeerGone, Pump
-from .sessions import Assembled, HandlerDeps, Prepared, Session
+from .sessions import Assembled, HandlerDeps, Prepared, Session, prepare
 from .shares import ShareBook
 from .streamer import StreamerConfig, liveness_s, shutdown_error
 from .unread import UnreadBudget
@@ -58,8 +54,12 @@ from .unread import UnreadBudget
 log = logging.getLogger("shardserve.streaming")
 
 
-class StreamHandler(HelloHandling):
-    """Sessions by routing id, and what to do with each event. Streamer thread only."""
+class StreamHandler:
+    """Sessions by routing id, and what to do with each event. Streamer thread only.
+
+    The host of its :class:`~.admission.Admission` (see :class:`~.admission.AdmissionHost`):
+    admission decides each Hello, the handler opens, probes and closes the streams.
+    """
 
     def __init__(
         self,
@@ -80,14 +80,16 @@ class StreamHandler(HelloHandling):
         )
         self.notices = StreamNotices(deps.board, deps.metrics)
         self.opener = Opener(sock, self.notices, config)
-        self.limits = Limits(
+        limits = Limits(
             config.max_streams,
             config.max_streams_per_job,
             liveness_s(config.heartbeat_s, config.stream_timeout_s),
             config.share_subscribers,
         )
-        self.rate = HelloRate(config.max_hellos_per_s)
-        self.claims: dict[bytes, Claim] = {}  # Hellos for a rank another client holds
+        rate = HelloRate(config.max_hellos_per_s)
+        self.admission = Admission(
+            self, deps.registry, deps.gate, config.token, self.notices, limits, rate
+        )
         self.unread = UnreadBudget(config.unread_stream_bytes, config.unread_bytes)
         self._next_stream = deps.stream_ids[0]
 
@@ -98,16 +100,15 @@ class StreamHandler(HelloHandling):
         try:
             match self._decode(frames):
                 case Hello() as hello:
-                    self._on_hello(ident, hello)
+                    self.admission.hello(ident, hello)
                 case Credit() as credit:
                     self._on_credit(ident, credit)
                 case Heartbeat() as hb:
                     self._on_heartbeat(ident, hb)
                 case Bye():
-                    self.claims.pop(ident, None)
-                    self.rate.deferred.pop(ident, None)
+                    self.admission.forget(ident)
                     if (s := self.sessions.get(ident)) is not None:
-                        self._close(s, "bye")
+                        self.close(s, "bye")
                 case BatchHeader():
                     self.out.send(ident, replies.not_accepted("BATCH"))
                 case other:
@@ -230,7 +231,7 @@ class StreamHandler(HelloHandling):
         """Heartbeats, liveness probes, idle cleanup, retries of sends that hit the HWM, held
         claims of a rank."""
         try:
-            self._admission_tick(now)
+            self.admission.tick(now)
         except Exception:  # a bug here must not stop the streams' timers below
             log_event(log, "stream.admission_failed", level=logging.ERROR, exc_info=True)
         self.shares.expire(now)
@@ -252,7 +253,7 @@ class StreamHandler(HelloHandling):
         c = self.config
         if s.ended:
             if now - s.last_recv > c.stream_timeout_s:
-                self._close(s, "idle after end of epoch")
+                self.close(s, "idle after end of epoch")
             return
         if now - s.last_send >= c.heartbeat_s:
             if self.out.send(s.ident, Heartbeat()) is False:
@@ -270,7 +271,7 @@ class StreamHandler(HelloHandling):
                 log_event(log, "stream.shutdown_send_failed", **s.describe(), reason=str(e))
             if self.sessions.get(s.ident) is s:
                 try:
-                    self._close(s, "server shutdown")
+                    self.close(s, "server shutdown")
                 except Exception:  # one session's trouble must not keep the others' rings
                     log_event(log, "stream.close_failed", level=logging.ERROR, exc_info=True)
                     self.sessions.pop(s.ident, None)
@@ -289,7 +290,42 @@ class StreamHandler(HelloHandling):
                 s.ident, Error(code=code, message=message, fatal=True, stream=s.stream)
             )
             if self.sessions.get(s.ident) is s:
-                self._close(s, message, level=logging.WARNING)
+                self.close(s, message, level=logging.WARNING)
+
+    # -- admission's host (see .admission.AdmissionHost) -----------------------------------
+
+    def send(self, ident: bytes, msg: ControlMessage) -> bool:
+        """Answer peer ``ident``; ``False`` when it is gone (its stream is closed) or its
+        queue is full."""
+        return self.out.send(ident, msg)
+
+    def probe(self, s: Session, now: float) -> None:
+        """A Heartbeat to ``s``'s peer: the send fails (and closes ``s``) once libzmq has
+        dropped the connection of a dead, frozen or partitioned process."""
+        if self.out.send(s.ident, Heartbeat()):
+            s.sent(now)
+
+    def drop_ring(self, ident: bytes) -> None:
+        """No stream opens for ``ident`` now: the ring its last stream left goes."""
+        self.opener.rings.discard(ident)
+
+    def open(self, ident: bytes, job: Job, hello: Hello) -> None:
+        """Open the stream an admitted Hello asks for; its Welcome waits for its plan."""
+        s = self.opener.session(ident, self._new_stream_id(), job, hello)
+        if not s.want_shm:
+            self.opener.rings.discard(ident)
+        self.sessions[ident] = s
+        self.deps.registry.note_stream(job.id, s.epoch, hello.origin)
+        # Welcome waits for the prepared plan (and the slot ring, sized from the dataset).
+        # Planning has its own lane, so a flood of Hellos cannot starve other jobs' batches;
+        # a Hello replaced (or a peer gone) before its turn costs nothing (see prepare).
+        work = Work(WorkKind.PREPARE, ident, s.stream)
+        d = self.deps
+        self.assembler.plan(work, prepare, s, d.open_source, d.kind_of, self.config.max_batch_bytes)
+
+    def _welcome(self, s: Session) -> None:
+        self.out.send(s.ident, self.opener.welcome(s))
+        self.notices.opened(s, len(self.sessions))
 
     # -- messages of an open stream -----------------------------------------------------
 
@@ -307,13 +343,13 @@ class StreamHandler(HelloHandling):
             s.flow.grant(credit.grant)
         except CreditOverflow as e:
             self.out.send(ident, replies.credit_refused(str(e), s.stream))
-            self._close(s, "credit over the limit", level=logging.WARNING)
+            self.close(s, "credit over the limit", level=logging.WARNING)
             return
         self.notices.heard(s, credit.stats)
         self._pump(s)
 
     def _on_heartbeat(self, ident: bytes, hb: Heartbeat) -> None:
-        if ident in self.claims:  # held: "slow, not dead", not "unknown stream"
+        if self.admission.holds(ident):  # held: "slow, not dead", not "unknown stream"
             self.out.send(ident, Heartbeat())
             return
         s = self._session_or_unknown(ident)
@@ -348,7 +384,7 @@ class StreamHandler(HelloHandling):
         try:
             unblocked = self.pump.run(s, others_busy)
         except PeerGone:
-            self._close(s, "peer gone", level=logging.WARNING)
+            self.close(s, "peer gone", level=logging.WARNING)
             return
         except AssemblyFailed as e:
             self._stream_failed(s, e.__cause__ or e)
@@ -368,7 +404,7 @@ class StreamHandler(HelloHandling):
         reply = replies.stream_failure(exc, s.stream)
         self.out.try_send(s.ident, reply)
         self.notices.failed(s, reply, exc, bug=not isinstance(exc, ShardserveError))
-        self._close(s, "failed")
+        self.close(s, "failed")
 
     def _contain(self, s: Session, exc: BaseException) -> None:
         """Whatever went wrong serving ``s`` ends ``s`` alone (never the streamer thread)."""
@@ -377,13 +413,15 @@ class StreamHandler(HelloHandling):
         except Exception:
             log_event(log, "stream.fail_failed", level=logging.ERROR, exc_info=True)
             with contextlib.suppress(Exception):
-                self._close(s, "failed", level=logging.ERROR)
+                self.close(s, "failed", level=logging.ERROR)
             if self.sessions.get(s.ident) is s:
                 del self.sessions[s.ident]
 
-    def _close(
+    def close(
         self, s: Session, reason: str, level: int = logging.INFO, handover: bool = False
     ) -> None:
+        """End ``s`` for ``reason``; ``handover``: its client's next stream may take over its
+        slot ring (unless a worker may still be writing into one of its slots)."""
         s.mark_closed()
         if self.sessions.get(s.ident) is s:
             del self.sessions[s.ident]
@@ -428,7 +466,7 @@ class StreamHandler(HelloHandling):
 
     def _peer_gone(self, ident: bytes) -> None:
         if (s := self.sessions.get(ident)) is not None:
-            self._close(s, "peer gone", level=logging.WARNING)
+            self.close(s, "peer gone", level=logging.WARNING)
 
     def _new_stream_id(self) -> int:
         sid = self._next_stream
