@@ -61,12 +61,10 @@ def load_resident(
 
     def one_pass() -> Iterator[Any]:
         for spec_of in loads or [flat]:
+            prefetch = auto_prefetch(info, chunk)
             with JobHandle.create(job.api.url, job.token, spec_of, timeout=timeout) as loading:
                 yield from store_order(
-                    loading,
-                    transport=transport,
-                    prefetch=auto_prefetch(info, chunk),
-                    timeout=timeout,
+                    loading, transport=transport, prefetch=prefetch, timeout=timeout
                 )
 
     resident = Resident.load(

@@ -24,8 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from .api import ShareStatus
 from .endpoints import Delivery
 
-#: Most streaming processes one sidecar runs.
-MAX_STREAM_PROCESSES = 64
 #: Stream ids of streaming process ``k`` start at ``k << STREAM_ID_BITS`` (ids stay < 2**32
 #: and never collide between processes, so the board keys them as one server's).
 STREAM_ID_BITS = 26
@@ -44,7 +42,7 @@ class PlaceRequest(_Link):
 class Placement(_Link):
     """The process that serves the stream (0: the main process) and its data endpoints."""
 
-    process: int = Field(ge=0, le=MAX_STREAM_PROCESSES)
+    process: int = Field(ge=0, lt=1 << (32 - STREAM_ID_BITS))
     data_endpoints: list[str]
 
 

@@ -16,9 +16,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shardserve.proto.processes import MAX_STREAM_PROCESSES
-
-from .runtime.sizing import Sizing, choose, probe
+from .runtime.sizing import STREAM_PROCESSES_FLAG_MAX, Sizing, choose, one_process, probe
 
 # shardserve.proto is imported where a value is checked, not here: importing it loads every
 # contract (numpy, the wire and job models), and `shardserve serve --help` needs none of them.
@@ -69,10 +67,9 @@ class Settings(BaseSettings):
     stream_processes: int = Field(
         default=1,
         ge=1,
-        le=MAX_STREAM_PROCESSES,
-        description="processes that serve streams (1: the main process serves them all; N > 1: "
-        "N streaming processes beside it, placed per stream; unset: a quarter of the CPUs, at "
-        "least 1)",
+        le=STREAM_PROCESSES_FLAG_MAX,
+        description="processes serving streams (1: the main one; N > 1: N streaming processes "
+        "beside it; unset: a quarter of the CPUs, at least 1)",
         json_schema_extra={"sized": True},
     )
     heartbeat_s: float = Field(
@@ -306,13 +303,7 @@ class Settings(BaseSettings):
         sized = [n for n, f in type(self).model_fields.items() if _is_sized(f.json_schema_extra)]
         given = {n: int(getattr(self, n)) for n in sized if n in self.model_fields_set}
         if self.store_is_remote:
-            if given.get("stream_processes", 1) > 1:
-                raise ValueError(
-                    "--stream-processes above 1 needs a local store: a remote store's shard "
-                    "cache is kept by one process; pass --stream-processes 1, or serve a local "
-                    "copy of the store"
-                )
-            given["stream_processes"] = 1  # the one process that keeps the cache
+            given = one_process(given)
         sizing = choose(probe(), given)
         for name, value in sizing.applied().items():
             if name not in given:

@@ -9,7 +9,7 @@ same defaults as before sizing existed (tests and the 2-core measurements rely o
 >>> m = Machine(cpus=16, cpu_reason="16 cores", memory_bytes=64 << 30, memory_reason="64 GiB")
 >>> s = choose(m, given={})
 >>> s.value("transform_workers"), s.value("assembly_threads"), s.value("stream_processes")
-(8, 4, 1)
+(8, 4, 4)
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ MAX_TRANSFORM_WORKERS = 32
 MAX_ASSEMBLY_THREADS = 8
 #: Streaming processes sized from the machine at most (more may be given with the flag).
 MAX_STREAM_PROCESSES = 8
+#: Most streaming processes the flag may ask for (stream ids give each process 2**26 of them:
+#: see ``proto.processes.STREAM_ID_BITS``).
+STREAM_PROCESSES_FLAG_MAX = 63
 #: Memory one transform worker process may take (a decoded batch, the interpreter, its imports).
 WORKER_BYTES = 512 << 20
 #: The shared-memory budget of every slot ring together takes at most this share of memory.
@@ -209,6 +212,21 @@ def _sized(name: str, given: Mapping[str, int], value: int, reason: str) -> Choi
     if name in given:
         return Choice(name, given[name], "given", True)
     return Choice(name, value, reason, False)
+
+
+def one_process(given: Mapping[str, int]) -> dict[str, int]:
+    """``given`` for a server of a remote store: one streaming process, the one that keeps
+    the store's shard cache; more given is refused, naming the flag.
+
+    >>> one_process({})
+    {'stream_processes': 1}
+    """
+    if given.get("stream_processes", 1) > 1:
+        raise ValueError(
+            "--stream-processes above 1 needs a local store: a remote store's shard cache is "
+            "kept by one process; pass --stream-processes 1, or serve a local copy of the store"
+        )
+    return {**given, "stream_processes": 1}
 
 
 def choose(machine: Machine, given: Mapping[str, int]) -> Sizing:
