@@ -50,6 +50,7 @@ from .order import SHUFFLES, shard_sizes
 from .partition import RankPlan
 from .permute import stable_by_label
 from .rng import order_dtype
+from .shuffle_global import global_order_steps
 
 #: Positions per counter block of the source draws. Part of the plan's definition: changing
 #: it changes every mixture plan.
@@ -214,16 +215,25 @@ class _Stream:
         self.segment_len = n * self._passes
         self._g = -1
         self._segment = np.empty(0, dtype=np.uint32)
+        # A global pass is shuffled a bucket at a time, as far as the plan reads it: the
+        # buckets past the last position drawn are never shuffled (same bytes, less work).
+        self._steps: Iterator[int] = iter(())
+        self._final = 0
 
-    def segment(self, g: int) -> np.ndarray:
-        """Segment ``g`` of the stream: passes ``g * k .. g * k + k - 1`` one after another."""
+    def segment(self, g: int, upto: int) -> np.ndarray:
+        """Segment ``g`` of the stream (passes ``g * k .. g * k + k - 1`` one after another),
+        final at least in its first ``upto`` elements."""
         if g != self._g:
             n = self.source.size
             ss = np.random.SeedSequence(
                 [self._seed, self._epoch], spawn_key=(SOURCE_KEY, self.index, g)
             )
             rng = np.random.Generator(np.random.PCG64(ss))
-            if self._passes == 1:
+            self._final = self.segment_len
+            if self._passes == 1 and self._shuffle == "global":
+                self._segment, self._steps = global_order_steps(n, rng, dtype=order_dtype(n))
+                self._final = 0
+            elif self._passes == 1:
                 rows = shard_sizes(n, self.source.shard_rows)
                 self._segment = SHUFFLES[self._shuffle](
                     n, rng, dtype=order_dtype(n), shard_rows=rows, block_window=self._window
@@ -234,6 +244,8 @@ class _Stream:
                 keys = rng.random((self._passes, n))
                 self._segment = np.argsort(keys, axis=1).astype(np.uint32).reshape(-1)
             self._g = g
+        while self._final < upto:
+            self._final = next(self._steps)
         return self._segment
 
     def peek(self, count: int) -> np.ndarray:
@@ -247,7 +259,7 @@ class _Stream:
         while i < stop:  # one step per segment spanned
             g, j = divmod(i, seg)
             k = min(seg - j, stop - i)
-            out[i - self.cursor : i - self.cursor + k] = self.segment(g)[j : j + k]
+            out[i - self.cursor : i - self.cursor + k] = self.segment(g, j + k)[j : j + k]
             i += k
         return out
 
