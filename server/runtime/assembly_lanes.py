@@ -30,26 +30,49 @@ ASSEMBLY_PER_JOB = 2
 
 
 @dataclass(frozen=True, slots=True)
-class Batch:
+class AssemblingBatch:
     """A batch being assembled on its job's lane (:meth:`AssemblyLanes.submit`): what a
-    chain run on that same thread fails through when it misses its deadline."""
+    chain run on that same thread fails the batch through when it misses its deadline."""
 
-    lane: Lane
+    _lane: Lane
     #: What the batch's consumer waits on.
-    fut: Future[object]
+    _fut: Future[object]
     #: The lane thread assembling it.
-    thread: int
+    _thread: int
+
+    @property
+    def job(self) -> str:
+        """The job whose lane assembles the batch."""
+        return self._lane.name
+
+    @property
+    def generation(self) -> int:
+        """The lane's generation: it moves on when a batch of the job is given up on (runs
+        begun before then fail, their job has failed)."""
+        return self._lane.generation
+
+    def give_up(self) -> None:
+        """The batch missed its deadline: its thread, which cannot be stopped, is left to
+        finish apart (the lane starts another for the job's next batches) and the job's
+        batches under way fail (the generation moves on)."""
+        self._lane.generation += 1
+        self._lane.abandon(self._thread)
+
+    def fail(self, err: BaseException) -> None:
+        """Fail the batch now with ``err`` (a no-op if it has ended meanwhile)."""
+        with contextlib.suppress(InvalidStateError):
+            self._fut.set_exception(err)
 
 
 class _Assembling(threading.local):
     #: The batch this thread is assembling, if any.
-    batch: Batch | None = None
+    batch: AssemblingBatch | None = None
 
 
 _assembling = _Assembling()
 
 
-def assembling_batch() -> Batch | None:
+def assembling_batch() -> AssemblingBatch | None:
     """The batch the calling thread is assembling on its job's lane, if any."""
     return _assembling.batch
 
@@ -89,7 +112,7 @@ class AssemblyLanes:
     ) -> None:
         if not fut.set_running_or_notify_cancel():
             return
-        _assembling.batch = Batch(lane, fut, threading.get_ident())
+        _assembling.batch = AssemblingBatch(lane, fut, threading.get_ident())
         try:
             _settle(fut, fn, args)
         finally:

@@ -17,11 +17,10 @@ and moves the transform that hung to worker processes for every later run
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, NoReturn
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
-from ..runtime.assembly_lanes import Batch
+from ..runtime.assembly_lanes import AssemblingBatch
 from ..runtime.deadlines import Deadlines
 from ..runtime.lanes import Lane
 from ..source import Tail
@@ -66,7 +65,7 @@ class ThreadRuns:
 
     def run_here(
         self,
-        batch: Batch,
+        batch: AssemblingBatch,
         chain: Chain,
         parts: Mapping[str, np.ndarray],
         indices: np.ndarray,
@@ -80,7 +79,7 @@ class ThreadRuns:
         """A chain in one piece on threads, run on the thread assembling its batch: a
         hand-off to another thread and back costs two wake-ups per batch. At the deadline
         :meth:`_late` fails the batch, as a run on another thread would fail there."""
-        generation = batch.lane.generation
+        generation = batch.generation
         progress = Progress()
         try:
             watch = self._deadlines.watch(
@@ -100,7 +99,7 @@ class ThreadRuns:
                 self.running_here -= 1
         if not in_time:  # its batch has failed already: nothing of this run is used
             raise describe(f"finished after its deadline of {self.timeout_s} s")
-        if batch.lane.generation != generation:
+        if batch.generation != generation:
             raise describe(
                 "another batch of this job hung on its transform threads; the job fails with it"
             )
@@ -109,7 +108,7 @@ class ThreadRuns:
 
     def _late(
         self,
-        batch: Batch,
+        batch: AssemblingBatch,
         chain: Chain,
         progress: Progress,
         describe: Callable[[str], TransformError],
@@ -122,14 +121,12 @@ class ThreadRuns:
             err = describe("the server is stopping")
         else:
             culprits = [progress.step] if progress.step else chain.names
-            batch.lane.generation += 1
-            batch.lane.abandon(batch.thread)
+            batch.give_up()
             self._metrics.count("hung")
             self._metrics.errors.labels(",".join(chain.names)).inc()
-            self._move_to_processes(culprits, batch.lane.name)
+            self._move_to_processes(culprits, batch.job)
             err = describe(hung_message(self.timeout_s, culprits, ""))
-        with contextlib.suppress(InvalidStateError):  # it finished meanwhile, failing
-            batch.fut.set_exception(err)
+        batch.fail(err)  # a no-op if it finished meanwhile, failing
 
     def _move_to_processes(self, culprits: Sequence[str], lane: str) -> None:
         with self._lock:
