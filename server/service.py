@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 from functools import partial
+from typing import Any
 
 import numpy as np
 import zmq
@@ -165,11 +166,14 @@ class Service:
                 settings.shm,
             )
         self.version = _version()
+        #: The data plane's assembler (it owns the jobs' assembly lanes), once made.
+        self._assembler: Assembler[Work] | None = None
 
     def _make_handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
         assembler: Assembler[Work] = Assembler(
-            self.settings.assembly_threads, waker.wake, self.metrics, self.transforms.on_job_lane
+            self.settings.assembly_threads, waker.wake, self.metrics
         )
+        self._assembler = assembler
         deps = HandlerDeps(
             open_source=partial(
                 open_source,
@@ -313,6 +317,14 @@ class Service:
         return (False, why) if why is not None else (True, "ready")
 
     # -- what HTTP asks -----------------------------------------------------------------
+
+    def describe_transforms(self) -> dict[str, Any]:
+        """The transforms' runtime (``GET /v1/transforms``), its ``pool`` with the threads
+        assembling jobs' batches on their own lanes (the assembler's) as ``assembly_threads``."""
+        d = self.transforms.describe()
+        asm = self._assembler
+        d["pool"]["assembly_threads"] = 0 if asm is None else asm.lane_threads()
+        return d
 
     def info(self) -> ServerInfo:
         return ServerInfo(

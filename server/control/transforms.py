@@ -17,13 +17,13 @@ router = APIRouter(prefix="/v1/transforms", tags=["transforms"], dependencies=Au
 @router.get("")
 def list_transforms(service: ServiceDep) -> dict[str, Any]:
     """Installed transforms (``transforms``), the pool (``pool``) and counts since start."""
-    return service.transforms.describe()
+    return service.describe_transforms()
 
 
 def status_section(service: Service) -> str:
     """The status page's transform section: pool, throughput, time per transform, errors and
     replacements since start (nothing until a job ran a transform)."""
-    d = service.transforms.describe()
+    d = service.describe_transforms()
     c, pool = d["counts"], d["pool"]
     if not c.get("batches") and not c.get("errors"):
         return ""

@@ -117,9 +117,7 @@ class ChildPlane:
 
     def _handler(self, sock: zmq.Socket, waker: Waker) -> StreamHandler:
         s = self.settings
-        assembler: Assembler[Work] = Assembler(
-            s.assembly_threads, waker.wake, self.metrics, self.transforms.on_job_lane
-        )
+        assembler: Assembler[Work] = Assembler(s.assembly_threads, waker.wake, self.metrics)
         deps = HandlerDeps(
             open_source=partial(open_source, transforms=self.transforms, quarantine=None),
             registry=self.replica,

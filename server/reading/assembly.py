@@ -5,6 +5,10 @@ here; a worker runs the store's vectorised ``take`` (numpy and pyarrow release t
 workers really run in parallel) writing into the stream's reusable buffers, then puts the
 result on a queue and wakes the streamer. The streamer alone touches sockets.
 
+A batch whose source names a ``lane`` (a job with transforms, which may wait on one until its
+deadline) is assembled instead on that job's own threads, on lanes this assembler owns
+(:class:`~..runtime.assembly_lanes.AssemblyLanes`): a batch that hangs holds only its job's.
+
 Work items carry an opaque ``tag`` (the stream and batch index) so that results of a stream
 that was replaced or closed meanwhile are recognised and dropped by the streamer — there is
 no cancellation of a running ``take``, and none is needed: it is bounded by one batch.
@@ -22,13 +26,12 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from ..runtime.assembly_lanes import ASSEMBLY_PER_JOB, AssemblyLanes
 from ..runtime.metrics import Metrics
 from ..source import FRESH, BatchParts, BatchSource, Placer, Tail
 
 log = logging.getLogger("shardserve.assembly")
 
-#: ``on_lane(lane, fn, *args)``: run ``fn(*args)`` on the threads of job ``lane``.
-JobLanes = Callable[..., "Future[object]"]
 #: What the consumer tags its work with, to recognise each result.
 Tag = TypeVar("Tag")
 
@@ -67,8 +70,13 @@ class Assembler(Generic[Tag]):
 
     ``notify`` is called (from a worker thread) after each result is queued; it must be
     cheap and thread-safe — the streamer passes its :class:`~.streaming.streamer.Waker`.
-    ``job_lanes`` runs the batches of a source with a ``lane`` (a job's transforms) on that
-    job's own threads; without it they share the pool.
+    The batches of a source with a ``lane`` (a job's transforms) run on that job's own
+    threads, at most ``per_job`` of them, on lanes this assembler makes and closes.
+
+    >>> asm = Assembler(1, lambda: None)
+    >>> asm.lane_threads()
+    0
+    >>> asm.close()
     """
 
     def __init__(
@@ -76,7 +84,7 @@ class Assembler(Generic[Tag]):
         threads: int,
         notify: Callable[[], None],
         metrics: Metrics | None = None,
-        job_lanes: JobLanes | None = None,
+        per_job: int = ASSEMBLY_PER_JOB,
     ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ss-assembly")
         # Planning (seconds for tens of millions of samples) gets its own lane: a flood of
@@ -85,7 +93,7 @@ class Assembler(Generic[Tag]):
         self._results: queue.SimpleQueue[Done[Tag]] = queue.SimpleQueue()
         self._notify = notify
         self._metrics = metrics
-        self._job_lanes = job_lanes
+        self._lanes = AssemblyLanes(per_job)
 
     def submit(self, tag: Tag, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` on the pool; its :class:`Done` arrives through :meth:`results`."""
@@ -112,8 +120,8 @@ class Assembler(Generic[Tag]):
         and ``place`` moves the rest in, still on the worker. A batch
         with transforms is assembled on its job's own lane: one that waits on a hung transform
         until its deadline never holds a thread another job's batches need."""
-        if ds.lane is not None and self._job_lanes is not None:
-            fut = self._job_lanes(
+        if ds.lane is not None:
+            fut = self._lanes.submit(
                 ds.lane, self.assemble_now, ds, indices, fields, out, place, batch
             )
             fut.add_done_callback(lambda f: self._finish(tag, f))
@@ -155,7 +163,13 @@ class Assembler(Generic[Tag]):
             except queue.Empty:
                 return out
 
+    def lane_threads(self) -> int:
+        """Threads on the jobs' own lanes now (assembling, or idle until they end)."""
+        return self._lanes.threads()
+
     def close(self) -> None:
-        """Drop queued work; running items finish on their own (each is one bounded take)."""
+        """Drop queued work; running items finish on their own (each is one bounded take,
+        or a transform's until its deadline)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._plan_pool.shutdown(wait=False, cancel_futures=True)
+        self._lanes.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -31,6 +30,7 @@ from shardserve.proto.jobs import JobSpec, job_id
 from shardserve.proto.manifest import Manifest
 from shardserve.proto.parts import parts_of
 
+from ..runtime.assembly_lanes import ASSEMBLY_PER_JOB
 from ..source import FRESH, BatchParts, BatchSource, PartShapes, RowPick, Tail, Wrapped
 from .chunks import concat_parts
 from .device_plan import device_manifest
@@ -49,8 +49,6 @@ MAX_REPLACEMENTS = 8
 #: ``quarantine(job id, sample ids, reason)``: samples whose transform failed, skipped by
 #: the job's later plans; ``BadRequest`` when they cannot be (the job then fails).
 Quarantine = Callable[[str, Sequence[int], str], None]
-#: Batches of one job assembled at once (each waits on its transform pieces).
-ASSEMBLY_PER_JOB = 2
 #: A chain of built-in passes runs on the thread assembling its batch (the streamer's too)
 #: only if a step of it holds at most this many bytes for a batch (its fields and a padded
 #: copy: CIFAR's normalize at batch 256, 3.9 MB): a few milliseconds of work at most.
@@ -75,11 +73,6 @@ class Transforms:
         self.pool = TransformPool(
             workers, pool, modules, timeout_s, self.metrics, self.limits, ASSEMBLY_PER_JOB
         )
-
-    def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
-        """Run ``fn(*args)`` on job ``lane``'s assembly threads (see
-        :meth:`~.pool.TransformPool.on_job_lane`)."""
-        return self.pool.on_job_lane(lane, fn, *args)
 
     def served(self, spec: JobSpec, manifest: Manifest) -> Manifest:
         """What job ``spec`` serves of the stored dataset ``manifest``: the chain's outputs

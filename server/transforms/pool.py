@@ -7,8 +7,9 @@ with ``spawn``: never a fork of the threaded server) suit pure-Python ones. A ch
 transforms only is cut into row ranges: one per worker process, so one batch uses the whole
 pool; on threads, as many as leave no thread idle while a job assembles its batches at once.
 
-Each job's batches are assembled on a :class:`~.lanes.Lane` of threads of its own
-(:meth:`TransformPool.on_job_lane`), and its pieces run on another lane of its own (a thread
+Each job's batches are assembled on a :class:`~.lanes.Lane` of threads of its own (owned by
+the :class:`~..reading.assembly.Assembler`, see :mod:`~..runtime.assembly_lanes`), and its
+pieces run on another lane of its own, owned here (a thread
 in a process run only waits on its worker). A chain cut into one piece on threads (the
 default: two workers, two batches of a job at a time) runs on the thread assembling its
 batch instead: a hand-off to another thread and back cost 60-90 us a batch on a quiet
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,13 +42,14 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
+from ..runtime.assembly_lanes import assembling_batch
 from ..runtime.lanes import Lane, Lanes
 from ..source import FRESH, Tail
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed
 from .metrics import TransformMetrics
 from .pool_processes import Describe, PieceResult, ProcessRuns
-from .pool_threads import ThreadRuns, assembling_batch
+from .pool_threads import ThreadRuns
 from .runner import Limits, Progress, Where, run_chain
 from .spec import Chain
 
@@ -116,16 +118,12 @@ class TransformPool:
         #: Each job's pieces run on a lane of its own (a thread in a process run only waits
         #: on its worker).
         self._lanes = Lanes(workers)
-        self._threads = ThreadRuns(metrics, timeout_s, self.limits, batches_at_once)
+        self._threads = ThreadRuns(metrics, timeout_s, self.limits)
         self._processes = ProcessRuns(workers, modules, timeout_s, metrics)
         #: Completed with an exception by :meth:`close`: wakes every run waiting on its pieces.
         self._closing: Future[Any] = Future()
 
     # -- public ---------------------------------------------------------------------------------
-    def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
-        """Run ``fn(*args)`` (the assembly of a batch) on job ``lane``'s own assembly threads."""
-        return self._threads.on_job_lane(lane, fn, *args)
-
     def uses_processes(self, chain: Chain) -> bool:
         if self.kind == "process" or any(n in self._threads.hung for n in chain.names):
             return True
@@ -301,7 +299,6 @@ class TransformPool:
             "timeout_s": self.timeout_s,
             "lanes": len(self._lanes),
             "lane_threads": self._lanes.threads(),
-            "assembly_threads": self._threads.assembly.threads(),
             "running_on_assembly_threads": self._threads.running_here,
             "moved_to_processes": sorted(self._threads.hung),
             "input_file_bytes": self._processes.input_file_bytes(),

@@ -1,5 +1,5 @@
-"""Transforms on threads: each job's assembly lane, a chain run on the thread assembling its
-batch, and what happens when a run on threads misses its deadline.
+"""Transforms on threads: a chain run on the thread assembling its batch, and what happens
+when a run on threads misses its deadline.
 
 A chain cut into one piece on threads runs on the thread assembling its batch (a hand-off to
 another thread and back cost 60-90 us a batch on a quiet 2-core machine, more under load),
@@ -9,20 +9,18 @@ and moves the transform that hung to worker processes for every later run
 (:attr:`ThreadRuns.hung`). See :mod:`.pool` for the whole picture.
 
 >>> from prometheus_client import CollectorRegistry
->>> runs = ThreadRuns(TransformMetrics(CollectorRegistry()), 5.0, Limits(), 1)
->>> runs.on_job_lane("job", sum, [1, 2]).result(timeout=5)
-3
+>>> runs = ThreadRuns(TransformMetrics(CollectorRegistry()), 5.0, Limits())
+>>> sorted(runs.hung)
+[]
 >>> runs.close()
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, NoReturn
 
@@ -30,8 +28,9 @@ import numpy as np
 
 from shardserve.proto.errors import TransformError
 
+from ..runtime.assembly_lanes import AssemblingBatch
 from ..runtime.deadlines import Deadlines
-from ..runtime.lanes import Lane, Lanes
+from ..runtime.lanes import Lane
 from ..source import Tail
 from .chunks import concat_parts
 from .metrics import TransformMetrics
@@ -39,31 +38,6 @@ from .runner import Limits, Progress, Where, run_chain
 from .spec import Chain
 
 log = logging.getLogger("shardserve.transforms")
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """A batch being assembled on its job's lane (:meth:`ThreadRuns.on_job_lane`): what a
-    chain run on that same thread fails through when it misses its deadline."""
-
-    lane: Lane
-    #: What the batch's consumer waits on.
-    fut: Future[object]
-    #: The lane thread assembling it.
-    thread: int
-
-
-class _Assembling(threading.local):
-    #: The batch this thread is assembling, if any.
-    batch: Batch | None = None
-
-
-_assembling = _Assembling()
-
-
-def assembling_batch() -> Batch | None:
-    """The batch the calling thread is assembling on its job's lane, if any."""
-    return _assembling.batch
 
 
 def hung_message(timeout_s: float, culprits: Sequence[str], cancelled: str) -> str:
@@ -74,60 +48,24 @@ def hung_message(timeout_s: float, culprits: Sequence[str], cancelled: str) -> s
     )
 
 
-def _settle(fut: Future[object], fn: Callable[..., object], args: tuple[object, ...]) -> None:
-    try:
-        result = fn(*args)
-    except BaseException as e:
-        with contextlib.suppress(InvalidStateError):  # failed at its deadline already
-            fut.set_exception(e)
-    else:
-        with contextlib.suppress(InvalidStateError):
-            fut.set_result(result)
-
-
 class ThreadRuns:
-    """Each job's assembly threads, chains run on them, and the transforms that hung on a
-    thread (run in worker processes from then on)."""
+    """Chains run on the threads assembling their batches (the assembler's job lanes), and
+    the transforms that hung on a thread (run in worker processes from then on)."""
 
-    def __init__(
-        self, metrics: TransformMetrics, timeout_s: float, limits: Limits, batches_at_once: int
-    ) -> None:
+    def __init__(self, metrics: TransformMetrics, timeout_s: float, limits: Limits) -> None:
         self.timeout_s, self.limits = timeout_s, limits
         self._metrics = metrics
-        #: Each job's batches with transforms are assembled on threads of its own here; a
-        #: chain run on threads in one piece runs on that same thread (no hand-off), under
-        #: a deadline kept by ``_deadlines``.
-        self.assembly = Lanes(max(1, batches_at_once))
+        # A chain run on threads in one piece runs on the thread assembling its batch (no
+        # hand-off), under a deadline kept by ``_deadlines``.
         self._deadlines = Deadlines("transforms")
         self.running_here = 0
         #: Transforms that hung on a thread: they run in worker processes from then on.
         self.hung: set[str] = set()
         self._lock = threading.Lock()
 
-    def on_job_lane(self, lane: str, fn: Callable[..., object], *args: object) -> Future[object]:
-        """Run ``fn(*args)`` (the assembly of a batch) on job ``lane``'s own assembly threads."""
-        fut: Future[object] = Future()
-        try:
-            job = self.assembly.get(lane)
-            job.submit(self._assemble, job, fut, fn, args)
-        except RuntimeError as e:  # closed: the server is stopping
-            fut.set_exception(TransformError(f"transforms are not run any more: {e}"))
-        return fut
-
-    def _assemble(
-        self, lane: Lane, fut: Future[object], fn: Callable[..., object], args: tuple[object, ...]
-    ) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        _assembling.batch = Batch(lane, fut, threading.get_ident())
-        try:
-            _settle(fut, fn, args)
-        finally:
-            _assembling.batch = None
-
     def run_here(
         self,
-        batch: Batch,
+        batch: AssemblingBatch,
         chain: Chain,
         parts: Mapping[str, np.ndarray],
         indices: np.ndarray,
@@ -141,7 +79,7 @@ class ThreadRuns:
         """A chain in one piece on threads, run on the thread assembling its batch: a
         hand-off to another thread and back costs two wake-ups per batch. At the deadline
         :meth:`_late` fails the batch, as a run on another thread would fail there."""
-        generation = batch.lane.generation
+        generation = batch.generation
         progress = Progress()
         try:
             watch = self._deadlines.watch(
@@ -161,7 +99,7 @@ class ThreadRuns:
                 self.running_here -= 1
         if not in_time:  # its batch has failed already: nothing of this run is used
             raise describe(f"finished after its deadline of {self.timeout_s} s")
-        if batch.lane.generation != generation:
+        if batch.generation != generation:
             raise describe(
                 "another batch of this job hung on its transform threads; the job fails with it"
             )
@@ -170,7 +108,7 @@ class ThreadRuns:
 
     def _late(
         self,
-        batch: Batch,
+        batch: AssemblingBatch,
         chain: Chain,
         progress: Progress,
         describe: Callable[[str], TransformError],
@@ -183,14 +121,12 @@ class ThreadRuns:
             err = describe("the server is stopping")
         else:
             culprits = [progress.step] if progress.step else chain.names
-            batch.lane.generation += 1
-            batch.lane.abandon(batch.thread)
+            batch.give_up()
             self._metrics.count("hung")
             self._metrics.errors.labels(",".join(chain.names)).inc()
-            self._move_to_processes(culprits, batch.lane.name)
+            self._move_to_processes(culprits, batch.job)
             err = describe(hung_message(self.timeout_s, culprits, ""))
-        with contextlib.suppress(InvalidStateError):  # it finished meanwhile, failing
-            batch.fut.set_exception(err)
+        batch.fail(err)  # a no-op if it finished meanwhile, failing
 
     def _move_to_processes(self, culprits: Sequence[str], lane: str) -> None:
         with self._lock:
@@ -230,6 +166,5 @@ class ThreadRuns:
         )
 
     def close(self) -> None:
-        """Stop the deadline watcher and the assembly lanes."""
+        """Stop the deadline watcher: chains running on assembling threads fail now."""
         self._deadlines.close()
-        self.assembly.close()

@@ -136,6 +136,8 @@ def test_a_hang_far_from_its_deadline_holds_no_thread_of_another_job(
         while pool_status(s.http_url)["pool"]["running_on_assembly_threads"] < 2:  # hung
             assert time.monotonic() < deadline, s.log_tail()
             time.sleep(0.05)
+        pool = pool_status(s.http_url)["pool"]
+        assert pool["assembly_threads"] == 2, pool  # the hung job's lane, full; nobody else's
         with Loader(
             s.http_url, "other", batch_size=20, seed=5, timeout=scaled(20), transforms=HFLIP
         ) as ld:
