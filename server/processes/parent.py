@@ -378,7 +378,8 @@ class StreamProcesses:
         if r.families is not None:
             with self._lock:
                 c.families = r.families
-        self.table.reported(c.index, r.streams)
+        opened = sum(e.kind == "opened" for e in r.events)
+        self.table.reported(c.index, r.streams, opened)
 
     def _died(self, c: _Child) -> None:
         """Its streams are gone (its clients re-open them elsewhere, exactly once), its

@@ -6,7 +6,9 @@ In this order (see ``docs/concepts/streaming-processes.md``):
    epochs and resumes with their ring and its faulted-in pages, stay in one process;
 2. a mixture's streams stay in the main process, where the registry resolves its steps;
 3. a shared job's subscribers join the process that runs its share group;
-4. else the least loaded live process (open streams, and streams placed since its last report).
+4. else the least loaded live process: its open streams, and the ranks placed on it whose
+   first stream it has not reported open yet (a report can come between a placement and
+   its Hello, and must not make the placement look free).
 
 The design placed a client's new job by its last process too; one trainer process often holds
 several Loaders (ranks in one test, a train and a validation job), which that rule piled into
@@ -63,26 +65,28 @@ class PlacementTable:
             self._ranks = {key: v for key, v in self._ranks.items() if v != k}
             self._shares = {key: v for key, v in self._shares.items() if v != k}
 
-    def reported(self, k: int, streams: int) -> None:
-        """Process ``k`` has ``streams`` open (placements before this are counted in it)."""
+    def reported(self, k: int, streams: int, opened: int) -> None:
+        """Process ``k`` has ``streams`` open, ``opened`` of them since its last report
+        (placements they answer are counted in ``streams`` from now on)."""
         with self._lock:
             p = self._procs[k]
-            p.streams, p.placed = streams, 0
+            p.streams, p.placed = streams, max(0, p.placed - opened)
 
     def endpoints(self, k: int) -> list[str]:
         with self._lock:
             return list(self._procs[k].endpoints) if k != MAIN else []
 
     def place(self, job: str, rank: int, *, shared: bool, anywhere: bool) -> int:
-        """The process for ``job``'s ``rank``; recorded. ``shared``: the job is shared (subscribers join one group); ``anywhere``: its streams
-        may leave the main process (a mixture's may not)."""
+        """The process for ``job``'s ``rank``; recorded. ``shared``: the job is shared
+        (subscribers join one group); ``anywhere``: its streams may leave the main process (a
+        mixture's may not)."""
         with self._lock:
             k = self._choose(job, rank, shared, anywhere)
             self._ranks[(job, rank)] = k
             if shared:
                 self._shares[job] = k
             if k != MAIN:
-                self._procs[k].placed += 1
+                self._procs[k].placed += 1  # until its stream is reported open
             return k
 
     def claim_main(self, job: str, rank: int) -> int:

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,16 @@ def processes(srv: ServerProc) -> list[dict[str, Any]]:
     r = httpx.get(f"{srv.http_url}/v1/processes", headers=srv.headers, timeout=scaled(30))
     assert r.status_code == 200, r.text
     return list(r.json())
+
+
+@contextmanager
+def all_closed(loaders: list[Loader]) -> Iterator[list[Loader]]:
+    """``loaders``, each closed when the block ends, passed or failed."""
+    try:
+        yield loaders
+    finally:
+        for ld in loaders:
+            ld.close()
 
 
 def placed(srv: ServerProc) -> dict[int, int]:
@@ -118,16 +129,16 @@ def test_two_ranks_on_two_processes_read_what_one_process_serves(
 ) -> None:
     """Two ranks open at once land on both streaming processes and get one process's bytes."""
     before = placed(two)
-    loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=7) for r in range(2)]
-    its = [iter(ld) for ld in loaders]
-    got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
-    for r, it in enumerate(its):
-        got[r].append(arrays(next(it)))
-    assert added(before, placed(two)) == [1, 1]
-    for r, it in enumerate(its):
-        got[r].extend(arrays(b) for b in it)
-    for ld in loaders:
-        ld.close()
+    with all_closed(
+        [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=7) for r in range(2)]
+    ) as loaders:
+        its = [iter(ld) for ld in loaders]
+        got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
+        for r, it in enumerate(its):
+            got[r].append(arrays(next(it)))
+        assert added(before, placed(two)) == [1, 1]
+        for r, it in enumerate(its):
+            got[r].extend(arrays(b) for b in it)
     same(got, batches(one, 2))
     ids = np.concatenate([b["label"] for r in got for b in got[r]])
     assert ids.size == N
@@ -143,19 +154,19 @@ def test_killed_streaming_process_resumes_every_rank_exactly_once(
     """SIGKILL of a streaming process mid-epoch: each rank still gets its batches once, in order."""
     want = batches(one, 2, seed=8)
     before = placed(two)
-    loaders = [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=8) for r in range(2)]
-    its = [iter(ld) for ld in loaders]
-    got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
-    for _ in range(3):
+    with all_closed(
+        [Loader(two.http_url, "cifar", BATCH, rank=r, world_size=2, seed=8) for r in range(2)]
+    ) as loaders:
+        its = [iter(ld) for ld in loaders]
+        got: dict[int, list[dict[str, np.ndarray]]] = {0: [], 1: []}
+        for _ in range(3):
+            for r, it in enumerate(its):
+                got[r].append(arrays(next(it)))
+        assert added(before, placed(two)) == [1, 1]
+        victim = processes(two)[0]
+        os.kill(victim["pid"], signal.SIGKILL)
         for r, it in enumerate(its):
-            got[r].append(arrays(next(it)))
-    assert added(before, placed(two)) == [1, 1]
-    victim = processes(two)[0]
-    os.kill(victim["pid"], signal.SIGKILL)
-    for r, it in enumerate(its):
-        got[r].extend(arrays(b) for b in it)
-    for ld in loaders:
-        ld.close()
+            got[r].extend(arrays(b) for b in it)
     same(got, want)
     await_true(
         f"process {victim['index']} to be replaced",
@@ -220,17 +231,17 @@ def test_share_group_stays_in_one_process(one: ServerProc, two: ServerProc) -> N
     """Two subscribers of one shared rank are placed together and both get the unshared bytes."""
     want = batches(one, 1)
     before = placed(two)
-    subs = [
-        Loader(two.http_url, "cifar", BATCH, rank=0, world_size=1, seed=7, share="procs")
-        for _ in range(2)
-    ]
-    its = [iter(s) for s in subs]
-    got = [[arrays(next(it))] for it in its]
-    assert added(before, placed(two)) == [0, 1]  # one rank, so one process
-    for g, it in zip(got, its, strict=True):
-        g.extend(arrays(b) for b in it)
-    for s in subs:
-        s.close()
+    with all_closed(
+        [
+            Loader(two.http_url, "cifar", BATCH, rank=0, world_size=1, seed=7, share="procs")
+            for _ in range(2)
+        ]
+    ) as subs:
+        its = [iter(s) for s in subs]
+        got = [[arrays(next(it))] for it in its]
+        assert added(before, placed(two)) == [0, 1]  # one rank, so one process
+        for g, it in zip(got, its, strict=True):
+            g.extend(arrays(b) for b in it)
     for g in got:
         same({0: g}, want)
 
