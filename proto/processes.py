@@ -218,7 +218,8 @@ class Family(_Link):
 
 
 class Report(_Link):
-    """What happened since the last report, in order, with the process's totals now."""
+    """What happened since the last report, in order (the streams open follow from its
+    ``Opened`` and ``Closed`` events), with the process's totals now."""
 
     kind: Literal["report"] = "report"
     events: list[BoardEvent] = []
@@ -228,8 +229,6 @@ class Report(_Link):
     #: ``(job, rank, subscribers, lag, handed, detaches)`` (``None``: unchanged).
     shares: dict[str, list[ShareStatus]] | None = None
     share_series: list[tuple[str, int | None, int, int, int, int]] | None = None
-    #: Streams open in the process now.
-    streams: int = 0
 
 
 LinkMessage = Annotated[

@@ -51,7 +51,6 @@ class BoardFeed:
         self._events: list[BoardEvent] = []
         self._sends: dict[tuple[str, int], _Sends] = {}
         self._heard: dict[tuple[str, int], Heard] = {}
-        self._open: set[int] = set()
         self._shares: tuple[dict[str, list[ShareStatus]], list[ShareSeries]] | None = None
         self._shares_sent: tuple[dict[str, list[ShareStatus]], list[ShareSeries]] = ({}, [])
 
@@ -66,22 +65,16 @@ class BoardFeed:
         with self._lock:
             return bool(self._events or self._sends or self._heard or self._shares is not None)
 
-    def open_streams(self) -> int:
-        """Streams welcomed and not closed yet."""
-        with self._lock:
-            return len(self._open)
-
     def take(self) -> Report:
         """Everything queued since the last call, as a report without totals."""
         with self._lock:
             self._flush_sends()
             events, self._events = self._events, []
             shares, self._shares = self._shares, None
-            streams = len(self._open)
         if shares is None:
-            return Report(events=events, streams=streams)
+            return Report(events=events)
         series = [(s.job_id, s.rank, s.subscribers, s.lag, s.handed, s.detaches) for s in shares[1]]
-        return Report(events=events, shares=shares[0], share_series=series, streams=streams)
+        return Report(events=events, shares=shares[0], share_series=series)
 
     def _flush_sends(self) -> None:
         for (job, rank), s in self._sends.items():
@@ -118,8 +111,6 @@ class BoardFeed:
         credit: int,
         transport: Delivery = "socket",
     ) -> None:
-        with self._lock:
-            self._open.add(stream)
         self.emit(
             Opened(
                 job=job,
@@ -182,6 +173,4 @@ class BoardFeed:
         self.emit(Conflict(job=job, rank=rank, what=what))
 
     def closed(self, job: str, rank: int, stream: int) -> None:
-        with self._lock:
-            self._open.discard(stream)
         self.emit(Closed(job=job, rank=rank, stream=stream))

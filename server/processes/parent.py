@@ -379,7 +379,7 @@ class StreamProcesses:
             with self._lock:
                 c.families = r.families
         opened = sum(e.kind == "opened" for e in r.events)
-        self.table.reported(c.index, r.streams, opened)
+        self.table.reported(c.index, len(c.open), opened)
 
     def _died(self, c: _Child) -> None:
         """Its streams are gone (its clients re-open them elsewhere, exactly once), its
