@@ -2,8 +2,9 @@
 
 Each ``bench/bench_*.py`` runs as a script (``python bench/bench_x.py``), so this folder is on
 its import path and ``from _support import run_server`` needs no ``sys.path`` edit. The
-benchmarks import nothing from ``tests/``: the suite's helpers stretch their waits for a busy
-machine and assert; a benchmark measures with fixed timeouts and reports.
+benchmarks import nothing from ``tests/``; the test suite imports this harness instead
+(``tests/support``), passing ``slowness`` so that its waits stretch on a busy machine, where a
+benchmark keeps the fixed ones.
 
 ::
 
@@ -70,6 +71,9 @@ class ServerProc:
     log_path: Path
     token: str | None = None
     ready: dict[str, object] = field(default_factory=dict)
+    #: What every wait of this harness is multiplied by: 1 for a benchmark, the measured
+    #: slowness of a busy machine for the test suite (``tests/support``).
+    slowness: float = 1.0
 
     @property
     def tcp_endpoint(self) -> str:
@@ -96,19 +100,19 @@ class ServerProc:
         """SIGKILL the server (a crash, for restart tests) and reap it."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=_TERM_GRACE_S)
+        self.proc.wait(timeout=_TERM_GRACE_S * self.slowness)
 
     def terminate(self, timeout: float | None = None) -> int:
         """SIGTERM the server and return its exit code; SIGKILL if it outlives ``timeout``
-        (default 5 s)."""
-        timeout = _TERM_GRACE_S if timeout is None else timeout
+        (default 5 s times ``slowness``)."""
+        timeout = _TERM_GRACE_S * self.slowness if timeout is None else timeout
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=_TERM_GRACE_S)
+            self.proc.wait(timeout=_TERM_GRACE_S * self.slowness)
             raise AssertionError(
                 f"server pid {self.proc.pid} did not exit within {timeout} s of SIGTERM; "
                 f"log tail:\n{self.log_tail()}"
@@ -125,7 +129,12 @@ def _token_from(args: tuple[str, ...], env: Mapping[str, str] | None) -> str | N
 
 
 def _wait_ready(
-    srv_dir: Path, proc: subprocess.Popen[bytes], log: Path, token: str | None, timeout: float
+    srv_dir: Path,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    token: str | None,
+    timeout: float,
+    slowness: float,
 ) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     ready_file = srv_dir / "ready.json"
@@ -141,7 +150,7 @@ def _wait_ready(
             waited_for = f"GET {info['http']}/readyz == 200"
         if info:
             try:
-                r = httpx.get(f"{info['http']}/readyz", headers=headers, timeout=1.0)
+                r = httpx.get(f"{info['http']}/readyz", headers=headers, timeout=slowness)
                 if r.status_code == 200:
                     return info
             except httpx.TransportError:
@@ -165,6 +174,7 @@ def run_server(
     http_port: int = 0,
     data_port: int = 0,
     workdir: Path | None = None,
+    slowness: float = 1.0,
 ) -> Iterator[ServerProc]:
     """Run ``shardserve serve`` on ``store`` until the block exits.
 
@@ -172,11 +182,12 @@ def run_server(
     start a second server on the same ports after the first died. ``workdir`` holds the ready
     file, the log and the ipc socket (a fresh temporary folder by default; pass the same one
     to keep the ipc path across a restart). ``env`` is added to the current environment.
-    ``timeout`` (default 20 s) bounds the wait for
-    readiness. The store folder is created if missing (``--create``). On exit the server gets
-    SIGTERM (then SIGKILL after 5 s) and must be gone.
+    ``timeout`` (default 20 s) bounds the wait for readiness. The store folder is created if
+    missing (``--create``). On exit the server gets SIGTERM (then SIGKILL after 5 s) and must
+    be gone. ``slowness`` multiplies every one of these waits (the test suite passes its
+    measure of a busy machine).
     """
-    timeout = 20.0 if timeout is None else timeout
+    timeout = 20.0 * slowness if timeout is None else timeout
     own_tmp = None
     if workdir is None:
         # /tmp, not pytest's tmp_path: an ipc:// path must stay under the ~100-byte sun_path limit.
@@ -207,9 +218,9 @@ def run_server(
     token = _token_from(extra_args, env)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    srv = ServerProc("", [], proc, log_path, token)
+    srv = ServerProc("", [], proc, log_path, token, slowness=slowness)
     try:
-        info = _wait_ready(workdir, proc, log_path, token, timeout)
+        info = _wait_ready(workdir, proc, log_path, token, timeout, slowness)
         srv.http_url = str(info["http"])
         srv.data_endpoints = [str(e) for e in info["data_endpoints"]]  # type: ignore[attr-defined]
         srv.ready = info
@@ -225,7 +236,9 @@ def run_server(
 def make_job(srv: ServerProc, batch_size: int = 64, **spec: object) -> str:
     """POST a job for ``srv``'s cifar-like dataset (override with ``dataset=``); its id."""
     body = {"dataset": "cifar", "batch_size": batch_size, **spec}
-    r = httpx.post(f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=10)
+    r = httpx.post(
+        f"{srv.http_url}/v1/jobs", json=body, headers=srv.headers, timeout=10 * srv.slowness
+    )
     assert r.status_code in (200, 201), r.text
     return str(r.json()["id"])
 
@@ -358,7 +371,9 @@ def create_jobs(srv: ServerProc, specs: list[dict]) -> list[str]:
     """POST each job spec; their ids, in order."""
     out = []
     for spec in specs:
-        r = httpx.post(f"{srv.http_url}/v1/jobs", json=spec, headers=srv.headers, timeout=10)
+        r = httpx.post(
+            f"{srv.http_url}/v1/jobs", json=spec, headers=srv.headers, timeout=10 * srv.slowness
+        )
         r.raise_for_status()
         out.append(str(r.json()["id"]))
     return out

@@ -19,42 +19,28 @@ from pathlib import Path
 
 import numpy as np
 
+from bench._support import CIFAR_FIELDS, cifar_images, make_cifar_like
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.server.store.write.writer import ShardWriter
 
-CIFAR_FIELDS = (
-    FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
-    FieldSpec(name="label", dtype="int64", shape=()),
-)
+__all__ = [
+    "CIFAR_FIELDS",
+    "EVERY_KIND_FIELDS",
+    "GRAPH_FIELDS",
+    "cifar_images",
+    "every_kind_sample",
+    "graph_sample",
+    "make_cifar_like",
+    "make_graph_like",
+    "sample_id_of",
+]
+
 GRAPH_FIELDS = (
     FieldSpec(name="x", dtype="float32", shape=(-1, 8)),
     FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
     FieldSpec(name="y", dtype="float32", shape=()),
     FieldSpec(name="smiles", dtype="binary", shape=()),
 )
-
-
-def cifar_images(start: int, stop: int, seed: int = 0) -> np.ndarray:
-    """Images of samples ``start..stop-1`` as ``uint8[stop-start, 3, 32, 32]`` (see module doc)."""
-    n = stop - start
-    flat = np.empty((n, 3 * 32 * 32), dtype=np.uint8)
-    for j, i in enumerate(range(start, stop)):
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, i])))
-        flat[j] = rng.integers(0, 256, size=flat.shape[1], dtype=np.uint8)
-    flat[:, :4] = np.arange(start, stop, dtype="<u4").view(np.uint8).reshape(n, 4)
-    return flat.reshape(n, 3, 32, 32)
-
-
-def make_cifar_like(
-    root: str | Path, name: str = "cifar", n: int = 1000, seed: int = 0, shard_bytes: int = 1 << 20
-) -> Manifest:
-    """Write a cifar-like dataset of ``n`` samples (about 3 KiB each; 1 MiB shards by default)."""
-    with ShardWriter(root, name, fields=CIFAR_FIELDS, shard_bytes=shard_bytes) as w:
-        for start in range(0, n, 1024):
-            stop = min(n, start + 1024)
-            labels = np.arange(start, stop, dtype=np.int64) % 10
-            w.add_batch({"image": cifar_images(start, stop, seed), "label": labels})
-    return w.manifest
 
 
 def graph_sample(i: int, seed: int = 0) -> dict[str, object]:
