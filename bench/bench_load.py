@@ -6,7 +6,7 @@ Writes three cifar-like datasets (``uint8[3,32,32]`` + int64 label, ~3 KiB a sam
 the real ``ShardWriter``, starts a real ``shardserve serve`` subprocess, creates ``jobs`` jobs
 of ``ranks`` ranks over the datasets (default 8 x 4 = 32 streams, batch 64) and streams them
 all at once from one thread with a ``zmq.Poller`` over raw DEALER sockets (the generator in
-``tests/reliability/loadgen.py``; consumer infinitely fast, next epoch at each EndOfEpoch).
+``bench/_support.py``, which the tests use too; consumer infinitely fast, next epoch at each EndOfEpoch).
 Prints streams, total batches/s, the slowest stream's rate over the mean, and the server's
 RSS idle / after warm-up / at the end; writes JSON to ``bench/results/load.json``.
 """
