@@ -55,6 +55,28 @@ def test_two_ranks_get_disjoint_batches_covering_the_dataset(server, tmp_path) -
     assert sorted(s0 + s1) == list(range(N_CIFAR))
 
 
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_train_ddp(url: str) -> subprocess.CompletedProcess[str]:
+    """``examples/train_ddp.py`` for 4 epochs on 2 gloo ranks under torchrun."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "examples/train_ddp.py"),
+        "--url",
+        url,
+        "--epochs",
+        "4",
+    ]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=scaled(100))
+
+
 def test_train_ddp_example_reaches_good_accuracy(tmp_path) -> None:
     """examples/train_ddp.py trains with 2 CPU ranks via torchrun and ends with accuracy > 0.8."""
     store = tmp_path / "store"
@@ -84,21 +106,12 @@ def test_train_ddp_example_reaches_good_accuracy(tmp_path) -> None:
             capture_output=True,
         )
     with run_server(store) as srv:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            str(ROOT / "examples/train_ddp.py"),
-            "--url",
-            srv.http_url,
-            "--epochs",
-            "4",
-        ]
-        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=scaled(100))
+        r = _torchrun_train_ddp(srv.http_url)
+        if r.returncode != 0 and _TEARDOWN_ABORT in r.stdout + r.stderr and "accuracy" in r.stdout:
+            # A gloo rank once aborted in torch's own teardown after its work was done (seen
+            # once in CI, not in 30 runs here); training and its result line are what this
+            # test is about, so that case alone runs once more.
+            r = _torchrun_train_ddp(srv.http_url)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
     m = re.search(r"test accuracy ([0-9.]+), loader stall fraction ([0-9.]+)", last)
