@@ -14,15 +14,15 @@ import logging
 from shardserve.proto.api import ServerInfo
 from shardserve.proto.errors import ShardserveError
 from shardserve.proto.messages import Hello
-from shardserve.proto.processes import PlaceRequest
+from shardserve.proto.processes import ADMIT_TIMEOUT_S, PlaceRequest
 
 from .connection import choose_endpoint
 from .job import JobHandle
 
 log = logging.getLogger(__name__)
 
-#: Seconds a placement may take (the server confirms with the process within 10 s).
-PLACE_TIMEOUT_S = 15.0
+#: Seconds a placement may take: the server's wait for the process to confirm, and room.
+PLACE_TIMEOUT_S = ADMIT_TIMEOUT_S + 5.0
 
 
 class Placer:

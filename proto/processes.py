@@ -24,6 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from .api import ShareStatus
 from .endpoints import Delivery
 
+#: How long the main process waits for a streaming process to confirm a placed rank or a
+#: changed job (then the rank is served by the main process instead).
+ADMIT_TIMEOUT_S = 10.0
+
 #: Stream ids of streaming process ``k`` start at ``k << STREAM_ID_BITS`` (ids stay < 2**32
 #: and never collide between processes, so the board keys them as one server's).
 STREAM_ID_BITS = 26
@@ -119,11 +123,15 @@ class Ready(_Link):
 
 
 class Ack(_Link):
+    """A streaming process took an :class:`AdmitStream` or :class:`UpdateJob` (its ``request``)."""
+
     kind: Literal["ack"] = "ack"
     request: int
 
 
 class Opened(_Link):
+    """A stream of a rank was welcomed in the reporting process."""
+
     kind: Literal["opened"] = "opened"
     job: str
     rank: int
@@ -148,6 +156,8 @@ class Sent(_Link):
 
 
 class Heard(_Link):
+    """A rank's client reported its credit and timings."""
+
     kind: Literal["heard"] = "heard"
     job: str
     rank: int
@@ -158,6 +168,8 @@ class Heard(_Link):
 
 
 class FellBack(_Link):
+    """A rank's stream asked for shared memory and got the socket."""
+
     kind: Literal["fell_back"] = "fell_back"
     job: str
     rank: int
@@ -165,6 +177,8 @@ class FellBack(_Link):
 
 
 class Conflict(_Link):
+    """A second client claimed a rank."""
+
     kind: Literal["conflict"] = "conflict"
     job: str
     rank: int
@@ -172,6 +186,8 @@ class Conflict(_Link):
 
 
 class Closed(_Link):
+    """A stream of a rank ended."""
+
     kind: Literal["closed"] = "closed"
     job: str
     rank: int
@@ -203,6 +219,8 @@ BoardEvent = Annotated[
 
 
 class Sample(_Link):
+    """One sample of a metric family: its name, labels and value."""
+
     name: str
     labels: dict[str, str]
     value: float
@@ -249,3 +267,14 @@ def stream_id_base(process: int) -> int:
     (0, 134217728)
     """
     return process << STREAM_ID_BITS
+
+
+def stream_ids_of(process: int) -> tuple[int, int]:
+    """The first and last stream id process ``process`` hands out (0: the main process;
+    id 0 is never one).
+
+    >>> stream_ids_of(0), stream_ids_of(1)
+    ((1, 67108863), (67108865, 134217727))
+    """
+    base = stream_id_base(process)
+    return base + 1, base + (1 << STREAM_ID_BITS) - 1

@@ -25,7 +25,7 @@ from shardserve.proto.host import read_boot_id
 from shardserve.proto.jobs import MIXTURE_PREFIX, JobSpec
 from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.messages import SUPPORTED_PROTOCOLS, Error, Hello
-from shardserve.proto.processes import Placement, PlaceRequest
+from shardserve.proto.processes import Placement, PlaceRequest, stream_ids_of
 
 from .jobs.admin import JobAdmin
 from .jobs.kinds.base import JobKind, KindParts
@@ -49,6 +49,7 @@ from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
 from .streaming.pipeline import Work
+from .streaming.sessions import ALL_STREAM_IDS
 from .streaming.streamer import Streamer, Waker
 from .transforms.bound import Transforms
 from .transforms.runner import Limits
@@ -185,6 +186,9 @@ class Service:
             board=self.board,
             metrics=self.metrics,
             gate=self._main_gate,
+            # Beside streaming processes, ids of its own range (they never collide).
+            stream_ids=ALL_STREAM_IDS if self.processes is None else stream_ids_of(MAIN),
+            spread_failure=self._end_in_processes,
         )
         handler = StreamHandler(sock, assembler, deps, self.streamer.config)
         # A stream skipped while its re-plan ran on the planning lane goes on once it lands.
@@ -217,6 +221,11 @@ class Service:
         """A streaming process found the job's bytes or chain failing: every rank stops."""
         self.jobs.fail(job_id, code, message)
         self._end_streams(job_id, message, code)
+
+    def _end_in_processes(self, job_id: str, code: ErrorCode, message: str) -> None:
+        """This process found the job failing: its ranks in streaming processes stop too."""
+        if self.processes is not None:
+            self.processes.end_job(job_id, code, message)
 
     def place(self, job_id: str, req: PlaceRequest) -> Placement:
         """Where to open ``req``'s stream of ``job_id`` (see :mod:`.processes.placement`): a
@@ -347,8 +356,7 @@ class Service:
         self, job_id: str, message: str, code: ErrorCode = ErrorCode.JOB_FAILED
     ) -> None:
         self.streamer.call(lambda h: h.job_gone(job_id, code, message))
-        if self.processes is not None:
-            self.processes.end_job(job_id, code, message)
+        self._end_in_processes(job_id, code, message)
 
     def plan(
         self,

@@ -120,6 +120,7 @@ def delete_job(job_id: JobId, service: ServiceDep) -> JobStatus:
 )
 def place_stream(job_id: JobId, req: PlaceRequest, service: ServiceDep) -> Placement:
     """Where to open a stream of ``job_id``'s rank: the process that will serve it and its
-    data endpoints. That process expects one Hello whose nonce is ``req.nonce``; a server of
-    one process answers its own endpoints (``--stream-processes``)."""
+    data endpoints (the rank stays there until it closes or that process dies). A failed
+    job is answered the main process, whose Hello reply names its error; a server of one
+    process answers its own endpoints (``--stream-processes``)."""
     return service.place(job_id, req)

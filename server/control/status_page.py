@@ -306,7 +306,7 @@ def _processes_section(service: ServiceDep) -> str:
         "<th>state</th><th>streams</th><th>ranks placed</th><th>restarts</th><th>data endpoints</th></tr>"
         f"{rows}</table><p>Process 0, the main one, serves clients that do not ask where to "
         "go, and mixtures. A process that died is replaced; counters it reported are kept, "
-        "its last quarter-second of counts may be lost.</p>"
+        "its last second of counts may be lost.</p>"
     )
 
 

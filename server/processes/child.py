@@ -4,8 +4,8 @@ Started by the main process (``python -m shardserve.server.processes.child``, it
 :class:`ChildConfig` as JSON on stdin). It maps the same store, runs its own streamer,
 assembly lanes, plan cache and transform workers, and serves only the streams the main
 process placed here (:class:`~.replica.JobReplica`). Every ``REPORT_S`` it reports what its
-streams did, and once a second its metric families (:class:`~.feed.BoardFeed`) with its metric families; it exits when told to stop,
-or when the main process is gone.
+streams did (:class:`~.feed.BoardFeed`), and once a second its metric families too; it exits
+when told to stop, or when the main process is gone.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import zmq
 
 from shardserve.proto.errors import ErrorCode
 from shardserve.proto.processes import (
-    STREAM_ID_BITS,
     Ack,
     AdmitStream,
     EndJob,
@@ -28,7 +27,7 @@ from shardserve.proto.processes import (
     Ready,
     Stop,
     UpdateJob,
-    stream_id_base,
+    stream_ids_of,
 )
 
 from ..runtime.logs import configure_logging, log_event
@@ -46,14 +45,9 @@ REPORT_S = 0.25
 TOTALS_EVERY = 4
 
 
-def _stream_ids(k: int) -> tuple[int, int]:
-    base = stream_id_base(k)
-    return base + 1, base + (1 << STREAM_ID_BITS) - 1
-
-
 def serve_child(config: ChildConfig, settings: Settings) -> int:
     """Run one streaming process of ``settings`` until told to stop; the exit status."""
-    plane = ChildPlane(settings, config.index, config.processes, _stream_ids(config.index))
+    plane = ChildPlane(settings, config.index, config.processes, stream_ids_of(config.index))
     ctx = zmq.Context()
     link = Link(ctx, config.link, bind=False)
     try:

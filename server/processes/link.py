@@ -31,9 +31,17 @@ class Link:
         else:
             self.sock.connect(endpoint)
 
-    def send(self, message: LinkMessage) -> None:
-        """Queue ``message`` (the peer reads its link at least every few milliseconds)."""
-        self.sock.send(Envelope(message=message).model_dump_json().encode(), copy=True)
+    def send(self, message: LinkMessage, *, block: bool = True) -> bool:
+        """Queue ``message``; with ``block=False``, False when it cannot be now (no peer
+        connected yet, or its queue full) instead of waiting. A streaming process blocks:
+        the main process reads its links at least every few milliseconds, and a report
+        dropped would make its counters lie."""
+        frame = Envelope(message=message).model_dump_json().encode()
+        try:
+            self.sock.send(frame, 0 if block else zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return False
+        return True
 
     def recv(self) -> LinkMessage | None:
         """The next message, or ``None`` when none is waiting."""

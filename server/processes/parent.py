@@ -11,30 +11,25 @@ nothing crosses between the processes pickled.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import os
 import queue
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 from prometheus_client import CollectorRegistry
 
-from shardserve.proto.errors import ErrorCode
+from shardserve.proto.errors import ErrorCode, JobNotFound
 from shardserve.proto.processes import (
     Ack,
     AdmitStream,
     Closed,
     Conflict,
     EndJob,
-    Family,
     FellBack,
     Heard,
     JobFailed,
@@ -58,17 +53,15 @@ from ..runtime.rings import DEFAULT_DIR as SHM_DIR
 from ..runtime.rings import remove_stale
 from ..streaming.board import StreamBoard
 from ..streaming.streamer import Waker
+from .asks import Asks
 from .config import ChildConfig, child_endpoints
 from .counters import Totals
-from .link import Link
 from .placement import MAIN, PlacementTable
 from .replica import job_wire
+from .spawn import Child, close_child, reap, spawn
 
 log = logging.getLogger("shardserve.processes")
 
-#: How long an HTTP thread waits for a streaming process to confirm a placed rank (which is
-#: then served by the main process instead) or a changed job.
-ADMIT_TIMEOUT_S = 10.0
 #: How long a new streaming process may take to import and bind before start-up fails.
 START_TIMEOUT_S = 120.0
 #: A process whose reports stop for this long, with its pipe still open, is replaced.
@@ -76,19 +69,6 @@ SILENT_AFTER_S = 30.0
 
 #: ``on_failed(job, code, message)``: a job failed in a streaming process.
 OnFailed = Callable[[str, ErrorCode, str], None]
-
-
-@dataclass(eq=False)
-class _Child:
-    index: int
-    proc: subprocess.Popen[bytes]
-    link: Link
-    pidfd: int
-    ready: threading.Event = field(default_factory=threading.Event)
-    families: list[Family] = field(default_factory=list)
-    open: set[tuple[str, int, int]] = field(default_factory=set)
-    last_report: float = field(default_factory=time.monotonic)
-    endpoints: list[str] = field(default_factory=list)
 
 
 class StreamProcesses:
@@ -111,12 +91,15 @@ class StreamProcesses:
         self._board, self._jobs, self._on_failed, self._shm = board, jobs, on_failed, shm
         self._ctx = zmq.Context()
         self._dir = Path(tempfile.mkdtemp(prefix="shardserve-links-"))
-        self._children: dict[int, _Child] = {}
+        self._children: dict[int, Child] = {}
         self._restarts = dict.fromkeys(range(1, n + 1), 0)
         self._outbox: queue.SimpleQueue[tuple[int, LinkMessage]] = queue.SimpleQueue()
         self._waker = Waker()
-        self._acks: dict[int, threading.Event] = {}
-        self._ids = itertools.count(1)
+        self._asks = Asks(self._send)
+        #: Held from reading a job to queueing it for a process, so that what a process is
+        #: sent of a job arrives in the order the registry changed it (never older after
+        #: newer).
+        self._job_order = threading.Lock()
         self._totals = Totals()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -165,87 +148,79 @@ class StreamProcesses:
         if self._thread is not None:
             self._thread.join(timeout)
         deadline = time.monotonic() + timeout
+        killed = False
         for child in list(self._children.values()):
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.proc.kill()
-                child.proc.wait()
-            self._close_child(child)
+                killed = True
+                reap(child.proc)
+            close_child(child)
         self._children.clear()
-        self._ctx.term()
+        if killed and self._shm:  # a killed process left its rings behind
+            self._remove_stale_rings()
+        # The thread may still hold its sockets (it outlived its join): nothing lingers.
+        self._ctx.destroy(linger=0)
         self._waker.close()
         with contextlib.suppress(OSError):
             for p in self._dir.iterdir():
                 p.unlink()
             self._dir.rmdir()
 
-    def _spawn(self, k: int) -> _Child:
-        endpoint = f"ipc://{self._dir}/link-{k}.sock"
-        link = Link(self._ctx, endpoint, bind=True)
+    def _spawn(self, k: int) -> Child:
         config = ChildConfig(
             index=k,
             processes=self.n,
-            link=endpoint,
+            link=f"ipc://{self._dir}/link-{k}.sock",
             data_endpoints=child_endpoints(self._data_endpoints, k),
             settings=self._settings_json,
         )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shardserve.server.processes.child"],
-            stdin=subprocess.PIPE,
-            close_fds=True,
-        )
-        assert proc.stdin is not None
-        proc.stdin.write(config.model_dump_json().encode())
-        proc.stdin.close()
-        log_event(log, "processes.started", process=k, pid=proc.pid)
-        return _Child(k, proc, link, os.pidfd_open(proc.pid))
+        return spawn(self._ctx, config)
 
     # -- what the main process asks -------------------------------------------------------
 
     def place(self, job: Job, req: PlaceRequest, *, anywhere: bool, main: list[str]) -> Placement:
         """Where ``req``'s rank of ``job`` opens its streams; that process is told to serve
         them. ``main``: the main process's data endpoints."""
+        here = Placement(process=MAIN, data_endpoints=main)
+        if job.state == "failed":  # its Hello gets the job's error here, typed
+            return here
         shared = job.spec.share is not None
-        k = self.table.place(job.id, req.rank, shared=shared, anywhere=anywhere)
-        if k == MAIN:
-            return Placement(process=MAIN, data_endpoints=main)
-        # Read again now that the rank is placed: a seed set in between reaches k either way.
-        job = self._jobs.find(job.id) or job
-        rid = next(self._ids)
-        if not self._ask(k, rid, AdmitStream(request=rid, job=job_wire(job), rank=req.rank)):
+        with self._job_order:
+            k = self.table.place(job.id, req.rank, shared=shared, anywhere=anywhere)
+            if k == MAIN:
+                return here
+            # Read again now that the rank is placed: a seed set in between reaches k, and a
+            # job deleted or failed in between is not served there.
+            now = self._jobs.find(job.id)
+            if now is None or now.state == "failed":
+                self.table.move(job.id, req.rank, MAIN)
+                if now is None:
+                    raise JobNotFound(f"job {job.id} was deleted while its rank was placed")
+                return here
+            ask = self._asks.post(
+                k, lambda rid: AdmitStream(request=rid, job=job_wire(now), rank=req.rank)
+            )
+        endpoints = self.table.endpoints(k) if self._asks.acked([ask]) else []
+        if not endpoints:  # not confirmed, or the process died since: served here instead
             self.table.move(job.id, req.rank, MAIN)
-            return Placement(process=MAIN, data_endpoints=main)
-        return Placement(process=k, data_endpoints=self.table.endpoints(k))
+            return here
+        return Placement(process=k, data_endpoints=endpoints)
 
     def update_job(self, job: Job) -> None:
-        """``job`` changed (a seed set with its epoch): every process knows before this
-        returns, so the next Hello anywhere reads the new job."""
-        for k in self.table.serving(job.id):
-            rid = next(self._ids)
-            self._ask(k, rid, UpdateJob(request=rid, job=job_wire(job)))
-
-    def _ask(self, k: int, rid: int, message: AdmitStream | UpdateJob) -> bool:
-        """Send ``message`` to process ``k`` and wait for its Ack; ``False`` after
-        :data:`ADMIT_TIMEOUT_S` (logged, naming the process)."""
-        done = threading.Event()
-        with self._lock:
-            self._acks[rid] = done
-        self._send(k, message)
-        acked = done.wait(ADMIT_TIMEOUT_S)
-        with self._lock:
-            self._acks.pop(rid, None)
-        if not acked:
-            log_event(
-                log,
-                "processes.ack_timeout",
-                level=logging.WARNING,
-                process=k,
-                job=message.job.id,
-                waited_s=ADMIT_TIMEOUT_S,
-                kind=message.kind,
-            )
-        return acked
+        """``job`` changed (a seed set with its epoch): every process serving it knows before
+        this returns, so the next Hello anywhere reads the new job (each waited for at most
+        :data:`ADMIT_TIMEOUT_S`, together; one that did not confirm is logged by name)."""
+        with self._job_order:
+            now = self._jobs.find(job.id)
+            if now is None:
+                return
+            asks = [
+                self._asks.post(k, lambda rid: UpdateJob(request=rid, job=job_wire(now)))
+                for k in self.table.serving(job.id)
+            ]
+        self._asks.acked(asks)
 
     def end_job(self, job_id: str, code: ErrorCode, message: str) -> None:
         """End every stream of ``job_id`` in every streaming process."""
@@ -257,7 +232,7 @@ class StreamProcesses:
         """``/metrics``: the main process's families plus every process's, summed."""
         with self._lock:
             live = [c.families for c in self._children.values() if c.ready.is_set()]
-            return self._totals.render(registry, live)
+        return self._totals.render(registry, live)
 
     def processes(self) -> list[ProcessStatus]:
         """Each streaming process now (``GET /v1/processes``, the status page); one that
@@ -290,25 +265,40 @@ class StreamProcesses:
 
     def _run(self) -> None:
         while True:
-            poller = zmq.Poller()
-            poller.register(self._waker.fileno(), zmq.POLLIN)
-            children = dict(self._children)
-            for c in children.values():
-                poller.register(c.link.sock, zmq.POLLIN)
-                poller.register(c.pidfd, zmq.POLLIN)
-            events = dict(poller.poll(250))
-            self._waker.drain()
-            stopping = self._stopping.is_set()
-            self._flush_outbox()
-            if stopping:
-                return
-            for c in children.values():
-                if c.link.sock in events:
-                    while (msg := c.link.recv()) is not None:
-                        self._on_message(c, msg)
-                if c.pidfd in events or self._silent(c):
-                    self._died(c)
-            self._respawn_due()
+            try:
+                if self._turn():
+                    return
+            except Exception as e:  # one bad message or spawn must not end the supervision
+                log_event(
+                    log,
+                    "processes.supervisor_error",
+                    level=logging.ERROR,
+                    error=f"{type(e).__name__}: {e}",
+                )
+                time.sleep(0.25)  # a repeating failure: at most four log lines a second
+
+    def _turn(self) -> bool:
+        """One round of the thread: deliver, read, watch; True once it is to end."""
+        poller = zmq.Poller()
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        children = dict(self._children)
+        for c in children.values():
+            poller.register(c.link.sock, zmq.POLLIN)
+            poller.register(c.pidfd, zmq.POLLIN)
+        events = dict(poller.poll(250))
+        self._waker.drain()
+        stopping = self._stopping.is_set()
+        self._flush_outbox()
+        if stopping:
+            return True
+        for c in children.values():
+            if c.link.sock in events:
+                while (msg := c.link.recv()) is not None:
+                    self._on_message(c, msg)
+            if c.pidfd in events or self._silent(c):
+                self._died(c)
+        self._respawn_due()
+        return False
 
     def _flush_outbox(self) -> None:
         while True:
@@ -317,13 +307,22 @@ class StreamProcesses:
             except queue.Empty:
                 return
             child = self._children.get(k)
-            if child is not None:
-                child.link.send(msg)
+            # Only a ready process reads its link: a send to one starting would block this
+            # thread until it connects (a new process holds nothing an EndJob would end).
+            if child is not None and child.ready.is_set() and child.link.send(msg, block=False):
+                continue
+            match msg:
+                case AdmitStream() | UpdateJob():
+                    self._asks.undelivered(msg)
 
-    def _silent(self, c: _Child) -> bool:
-        return c.ready.is_set() and time.monotonic() - c.last_report > SILENT_AFTER_S
+    def _silent(self, c: Child) -> bool:
+        """Its reports stopped, or (a replacement) it never became ready."""
+        now = time.monotonic()
+        if c.ready.is_set():
+            return now - c.last_report > SILENT_AFTER_S
+        return self._started and now - c.spawned > START_TIMEOUT_S
 
-    def _on_message(self, c: _Child, msg: LinkMessage) -> None:
+    def _on_message(self, c: Child, msg: LinkMessage) -> None:
         match msg:
             case Ready():
                 c.endpoints = list(msg.data_endpoints)
@@ -332,21 +331,20 @@ class StreamProcesses:
                 c.ready.set()
                 log_event(log, "processes.ready", process=c.index, endpoints=",".join(c.endpoints))
             case Ack():
-                with self._lock:
-                    done = self._acks.get(msg.request)
-                if done is not None:
-                    done.set()
+                self._asks.ack(msg.request)
             case Report():
                 self._on_report(c, msg)
             case _:
                 log_event(log, "processes.unexpected", level=logging.ERROR, kind=msg.kind)
 
-    def _on_report(self, c: _Child, r: Report) -> None:
+    def _on_report(self, c: Child, r: Report) -> None:
         c.last_report = time.monotonic()
         b = self._board
         for e in r.events:
             match e:
                 case Opened():
+                    if self._jobs.find(e.job) is None:  # deleted since: no record to keep
+                        continue
                     c.open.add((e.job, e.rank, e.stream))
                     b.opened(
                         e.job,
@@ -381,14 +379,14 @@ class StreamProcesses:
         opened = sum(e.kind == "opened" for e in r.events)
         self.table.reported(c.index, len(c.open), opened)
 
-    def _died(self, c: _Child) -> None:
+    def _died(self, c: Child) -> None:
         """Its streams are gone (its clients re-open them elsewhere, exactly once), its
         counters kept, its rings removed, and another process takes its place."""
         code = c.proc.poll()
         if code is None:  # silent with its pipe open: its loop stopped
             log_event(log, "processes.silent", level=logging.ERROR, process=c.index)
             c.proc.kill()
-            code = c.proc.wait()
+            code = reap(c.proc)
         self.table.down(c.index)
         with self._lock:
             self._totals.fold(c.families)
@@ -396,10 +394,9 @@ class StreamProcesses:
         for job, rank, stream in c.open:
             self._board.closed(job, rank, stream)
         self._board.set_shares({}, [], origin=c.index)
-        self._close_child(c)
+        close_child(c)
         if self._shm:
-            for name in remove_stale(SHM_DIR):
-                log_event(log, "shm.stale_removed", segment=name)
+            self._remove_stale_rings()
         self._children.pop(c.index, None)
         if not self._started:  # at start-up: the server does not start
             self._failure = (
@@ -432,7 +429,6 @@ class StreamProcesses:
                 with self._lock:
                     self._children[k] = child
 
-    def _close_child(self, c: _Child) -> None:
-        c.link.close()
-        with contextlib.suppress(OSError):
-            os.close(c.pidfd)
+    def _remove_stale_rings(self) -> None:
+        for name in remove_stale(SHM_DIR):
+            log_event(log, "shm.stale_removed", segment=name)

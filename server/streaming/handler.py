@@ -400,6 +400,7 @@ class StreamHandler:
             # every rank of it must stop.
             self.deps.registry.fail(s.job_id, exc.code, str(exc))
             self.job_gone(s.job_id, exc.code, str(exc))
+            self.deps.spread_failure(s.job_id, exc.code, str(exc))
             return
         reply = replies.stream_failure(exc, s.stream)
         self.out.try_send(s.ident, reply)

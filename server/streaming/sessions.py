@@ -299,6 +299,13 @@ def open_gate(hello: Hello) -> Error | None:
 #: Stream ids of a server with one process: every id that fits the wire.
 ALL_STREAM_IDS = (1, 0xFFFF_FFFF)
 
+#: ``spread_failure(job, code, message)``: see :attr:`HandlerDeps.spread_failure`.
+SpreadFailure = Callable[[str, ErrorCode, str], None]
+
+
+def no_spread(job: str, code: ErrorCode, message: str) -> None:
+    """A server of one process: nobody else serves the job."""
+
 
 @dataclass(frozen=True)
 class HandlerDeps:
@@ -315,3 +322,7 @@ class HandlerDeps:
     gate: Gate = open_gate
     #: The first and last stream id this process hands out (processes never share one).
     stream_ids: tuple[int, int] = ALL_STREAM_IDS
+    #: How a job that failed here stops in the server's other processes: the main process
+    #: tells its streaming processes; a streaming process's ``registry`` reports the failure
+    #: to the main process already, which tells the rest.
+    spread_failure: SpreadFailure = no_spread

@@ -21,15 +21,18 @@ import numpy as np
 import pytest
 
 from shardserve.client import Loader
-from shardserve.proto.messages import EndOfEpoch, Welcome
+from shardserve.proto.errors import ShardserveError
+from shardserve.proto.messages import EndOfEpoch, Error, Welcome
 from shardserve.server.planning import plan
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.data import make_cifar_like, sample_id_of
-from tests.support.server import ServerProc, make_job, run_server
+from tests.support.server import ServerProc, job_status, make_job, run_server
 from tests.support.slowness import scaled
 
 BATCH = 20
 N = 600
+#: The test transforms (``fail_on``), loaded by the main process and every streaming one.
+TEST_TRANSFORMS = ("--transforms", "tests.transforms.mods")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,9 @@ def one(store: Path) -> Iterator[ServerProc]:
 
 @pytest.fixture(scope="module")
 def two(store: Path) -> Iterator[ServerProc]:
-    with run_server(store, "--stream-processes", "2", "--heartbeat-s", "0.5") as srv:
+    with run_server(
+        store, "--stream-processes", "2", "--heartbeat-s", "0.5", *TEST_TRANSFORMS
+    ) as srv:
         yield srv
 
 
@@ -308,3 +313,36 @@ def test_a_streaming_process_that_cannot_bind_stops_the_start(store: Path) -> No
             break
     assert r.returncode == 1, out[-3000:]
     assert f"tcp://127.0.0.1:{port + 1}" in out and "streaming process 1" in out, out[-3000:]
+
+
+def test_a_job_failing_in_the_main_process_stops_its_ranks_in_streaming_processes(
+    two: ServerProc,
+) -> None:
+    """Rank 0 fails the job in the main process: rank 1, in a streaming process, gets the error."""
+    chain = [{"name": "fail_on", "params": {"every": N}}]  # sample 0 alone fails: rank 0's
+    kw: dict[str, Any] = {"rank": 1, "world_size": 2, "shuffle": False, "transforms": chain}
+    before = placed(two)
+    # Batches of 2: 150 a rank, far more than the credit rank 1 can hold before the end.
+    with Loader(two.http_url, "cifar", 2, timeout=scaled(20), **kw) as rank1:
+        it = iter(rank1)
+        next(it)
+        assert added(before, placed(two)) == [0, 1]  # rank 1 streams from a streaming process
+        with zmq_context() as ctx:
+            raw = RawStream(ctx, two.tcp_endpoint)  # rank 0 never asks: the main process
+            raw.hello(rank1.job_id, rank=0)
+            raw.recv_kind(Welcome)
+            while not isinstance(msg := raw.recv(what="rank 0's failure"), Error):
+                raw.grant(1)
+            raw.close()
+        assert "fail_on" in msg.message and msg.fatal
+        assert job_status(two, rank1.job_id)["state"] == "failed"
+        with pytest.raises(ShardserveError, match="fail_on"):
+            for _ in it:  # at most the credit already sent, then the job's error
+                pass
+        r = httpx.post(
+            f"{two.http_url}/v1/jobs/{rank1.job_id}/place",
+            json={"rank": 1},
+            headers=two.headers,
+            timeout=scaled(30),
+        )
+        assert r.status_code == 200 and r.json()["process"] == 0, r.text  # its error is there
