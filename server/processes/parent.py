@@ -376,7 +376,7 @@ class StreamProcesses:
         if r.families is not None:
             with self._lock:
                 c.families = r.families
-        opened = sum(e.kind == "opened" for e in r.events)
+        opened = [(e.job, e.rank) for e in r.events if e.kind == "opened"]
         self.table.reported(c.index, len(c.open), opened)
 
     def _died(self, c: Child) -> None:

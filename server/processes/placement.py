@@ -41,7 +41,8 @@ class _Process:
     endpoints: list[str] = field(default_factory=list)
     up: bool = False
     streams: int = 0
-    placed: int = 0
+    #: Ranks placed here whose stream it has not reported open yet.
+    pending: set[tuple[str, int]] = field(default_factory=set)
 
 
 class PlacementTable:
@@ -65,12 +66,13 @@ class PlacementTable:
             self._ranks = {key: v for key, v in self._ranks.items() if v != k}
             self._shares = {key: v for key, v in self._shares.items() if v != k}
 
-    def reported(self, k: int, streams: int, opened: int) -> None:
-        """Process ``k`` has ``streams`` open, ``opened`` of them since its last report
-        (placements they answer are counted in ``streams`` from now on)."""
+    def reported(self, k: int, streams: int, opened: list[tuple[str, int]]) -> None:
+        """Process ``k`` has ``streams`` open; ``opened``: the ``(job, rank)`` of those opened
+        since its last report (their placements are counted in ``streams`` from now on)."""
         with self._lock:
             p = self._procs[k]
-            p.streams, p.placed = streams, max(0, p.placed - opened)
+            p.streams = streams
+            p.pending.difference_update(opened)
 
     def endpoints(self, k: int) -> list[str]:
         with self._lock:
@@ -86,7 +88,7 @@ class PlacementTable:
             if shared:
                 self._shares[job] = k
             if k != MAIN:
-                self._procs[k].placed += 1  # until its stream is reported open
+                self._procs[k].pending.add((job, rank))  # until its stream is reported open
             return k
 
     def claim_main(self, job: str, rank: int) -> int:
@@ -98,6 +100,9 @@ class PlacementTable:
     def move(self, job: str, rank: int, k: int) -> None:
         """The rank is served by process ``k`` after all (its placement was not confirmed)."""
         with self._lock:
+            was = self._ranks.get((job, rank))
+            if was is not None and was != MAIN:
+                self._procs[was].pending.discard((job, rank))
             self._ranks[(job, rank)] = k
 
     def loads(self) -> dict[int, tuple[int, int]]:
@@ -119,6 +124,8 @@ class PlacementTable:
         with self._lock:
             for key in [key for key in self._ranks if key[0] == job]:
                 del self._ranks[key]
+            for p in self._procs.values():
+                p.pending = {key for key in p.pending if key[0] != job}
             self._shares.pop(job, None)
 
     def _choose(self, job: str, rank: int, shared: bool, anywhere: bool) -> int:
@@ -130,4 +137,4 @@ class PlacementTable:
             return MAIN
         if shared and self._shares.get(job) in up:
             return self._shares[job]
-        return min(up, key=lambda k: (self._procs[k].streams + self._procs[k].placed, k))
+        return min(up, key=lambda k: (self._procs[k].streams + len(self._procs[k].pending), k))
