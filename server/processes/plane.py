@@ -65,6 +65,8 @@ class ChildPlane:
         self.metrics = Metrics()
         self.store = open_store_of(settings, self.metrics.registry)
         self.plans = PlanCache(settings.plan_cache_bytes)
+        # Its plans count in the server's plan cache gauge (summed over the processes).
+        self.metrics.watch_plan_bytes(lambda: self.plans.nbytes)
         self.feed = BoardFeed()
         self.replica = JobReplica(self.feed.emit)
         self.transforms = Transforms(
