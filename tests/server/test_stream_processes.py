@@ -346,3 +346,22 @@ def test_a_job_failing_in_the_main_process_stops_its_ranks_in_streaming_processe
             timeout=scaled(30),
         )
         assert r.status_code == 200 and r.json()["process"] == 0, r.text  # its error is there
+
+
+def test_a_job_deleted_while_placed_ends_its_streams_and_is_placed_no_more(
+    two: ServerProc,
+) -> None:
+    """DELETE ends a rank's stream in its streaming process with an error, and place then 404s."""
+    before = placed(two)
+    with Loader(two.http_url, "cifar", 2, rank=0, world_size=1, seed=3, timeout=scaled(20)) as ld:
+        it = iter(ld)
+        next(it)
+        assert added(before, placed(two)) == [0, 1]
+        url = f"{two.http_url}/v1/jobs/{ld.job_id}"
+        assert httpx.delete(url, headers=two.headers, timeout=scaled(30)).status_code == 200
+        with pytest.raises(ShardserveError, match="deleted"):
+            for _ in it:  # 300 batches: the credit already sent, then the end
+                pass
+        r = httpx.post(f"{url}/place", json={"rank": 0}, headers=two.headers, timeout=scaled(30))
+        assert r.status_code == 404, r.text
+    assert placed(two) == before  # its rank no longer counts on the process
