@@ -244,7 +244,8 @@ def _bounded(
         pieces = keys.words(-(-width // 2)).astype("<u4").view("<u2")[:, :width]
         nn = n.astype(np.uint32)[:, None]
         prod = pieces * nn
-        halves = prod.view("<u2").reshape(*prod.shape, 2)  # (low, high) of each product
+        # (low, high) half of each product, read in place (no shift, no mask)
+        halves = prod.astype("<u4", copy=False).view("<u2").reshape(*prod.shape, 2)
         return halves[..., 1], halves[..., 0] < ((1 << 16) - nn) % nn
     n64 = n.astype(np.uint64)[:, None]
     prod64 = keys.words(width) * n64
