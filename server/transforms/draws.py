@@ -203,9 +203,10 @@ def _legacy_subset(keys: SampleKeys, n: np.ndarray, k: int, replace: bool) -> np
 
 def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` distinct values of each sample's stream of uniform ints below
-    ``n[i]``, ascending. Draws ~10% more than expected; a sample still short draws again
-    with twice as many (its first draws are the same, so the answer is too). A sample of
-    at most 2**16 rows draws 16-bit values, two a word: half the words to make."""
+    ``n[i]``, ascending. The batch draws ~10% more than its smallest sample expects to need
+    (every sample looks at all of them: its answer is the same however many it draws); a
+    sample still short draws again with twice as many. A sample of at most 2**16 rows draws
+    16-bit values, two a word: half the words to make."""
     expect = n * (np.log(n) - np.log(n - k))  # expected draws for k distinct of n
     m = (expect * 1.1 + 16).astype(np.int64)
     narrow = n <= 1 << 16
@@ -215,7 +216,7 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
         (np.flatnonzero(~narrow), 32),
     ]
     if narrow.all():  # the common batch: all of it at once, then the short ones again
-        got, short = _distinct_once(keys, n, m, k, 16)
+        got, short = _distinct_once(keys, n, int(m.max()), k, 16)
         if not short.any():  # every sample found k in its first draws: no copy into place
             return got
         out[~short] = got
@@ -223,10 +224,11 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
         m[short] *= 2
     for todo, bits in plan:
         while todo.size:
-            got, short = _distinct_once(_rows_of(keys, todo), n[todo], m[todo], k, bits)
+            width = int(m[todo].max())
+            got, short = _distinct_once(_rows_of(keys, todo), n[todo], width, k, bits)
             out[todo[~short]] = got
             todo = todo[short]
-            m[todo] *= 2
+            m[todo] = 2 * width
     return out
 
 
@@ -234,52 +236,55 @@ def _bounded(
     keys: SampleKeys, n: np.ndarray, width: int, bits: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``width`` draws per sample below ``n[i]`` from ``bits``-bit pieces of its words
-    (Lemire's multiply-shift): ``(values, accepted)``, both ``[B, width]``. A draw whose low
+    (Lemire's multiply-shift): ``(values, rejected)``, both ``[B, width]``. A draw whose low
     bits fall below ``2**bits mod n`` is rejected: what is left is exactly uniform."""
     if bits == 16:
         # A word's low then high half is its little-endian uint16 view; piece * n < 2**32
         # (n <= 2**16), so uint32 holds the product exactly, at half uint64's memory traffic.
-        w = keys.words(-(-width // 2)).astype("<u4")
-        pieces = w.view("<u2")[:, :width]
+        pieces = keys.words(-(-width // 2)).astype("<u4").view("<u2")[:, :width]
         nn = n.astype(np.uint32)[:, None]
         prod = pieces * nn
-        low = np.uint32(0xFFFF)
-        ok = (prod & low) >= (np.uint32(1 << 16) - nn) % nn
-        return prod >> np.uint32(16), ok
+        # (low, high) half of each product, read in place (no shift, no mask)
+        halves = prod.astype("<u4", copy=False).view("<u2").reshape(*prod.shape, 2)
+        return halves[..., 1], halves[..., 0] < ((1 << 16) - nn) % nn
     n64 = n.astype(np.uint64)[:, None]
     prod64 = keys.words(width) * n64
-    ok = (prod64 & np.uint64((1 << bits) - 1)) >= (np.uint64(1 << bits) - n64) % n64
-    return prod64 >> np.uint64(bits), ok
+    bad = (prod64 & np.uint64((1 << bits) - 1)) < (np.uint64(1 << bits) - n64) % n64
+    return prod64 >> np.uint64(bits), bad
 
 
 def _distinct_once(
-    keys: SampleKeys, n: np.ndarray, m: np.ndarray, k: int, bits: int
+    keys: SampleKeys, n: np.ndarray, width: int, k: int, bits: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows of the samples that found k distinct in m draws, bool short[B])``: the batch
-    as one ``[B, max(m)]`` array (a sample's draws past its own ``m`` are not looked at).
+    """``(rows of the samples that found k distinct in width draws, bool short[B])``: the
+    batch as one ``[B, width]`` array.
 
     One sort per row of ``value << shift | draw`` puts each value's first draw first; the
     ``k`` values whose first draws come earliest are kept, already in ascending order."""
-    b, width = n.size, int(m.max())
-    drawn, ok = _bounded(keys, n, width, bits)
-    ok &= np.arange(width) < m[:, None]
+    drawn, bad = _bounded(keys, n, width, bits)
     big = int(n.max())  # sorts after every value drawn
     shift = max(width - 1, 1).bit_length()  # draw < 2**shift: a shift and a mask, no divmod
-    dt = np.int32 if (big + 1) << shift < (1 << 31) else np.int64  # int32 sorts 2-3x faster
-    value = np.where(ok, drawn.astype(dt), dt(big))
+    # uint32 sorts 2-3x faster than 64-bit words
+    dt = np.uint32 if (big + 1) << shift < (1 << 32) else np.uint64
+    value = drawn.astype(dt)
     value <<= dt(shift)
     value |= np.arange(width, dtype=dt)
+    np.copyto(value, dt(big << shift), where=bad)
     value.sort(axis=1)
     first = value & dt((1 << shift) - 1)
     value >>= dt(shift)
-    new = np.ones((b, width), bool)
+    new = np.empty(value.shape, bool)
+    new[:, 0] = True
     np.not_equal(value[:, 1:], value[:, :-1], out=new[:, 1:])
     new &= value < big
-    # The k-th earliest first draw of each row: values first drawn by then are the subset.
+    # The k-th earliest first draw of each row: values first drawn by then are the subset
+    # (``when`` is ``width`` for a repeat, past every first draw of a row not short).
     when = np.where(new, first, dt(width))
     kth = np.partition(when, k - 1, axis=1)[:, k - 1 : k]
     short = kth[:, 0] >= width
-    keep = new & (when <= kth) & ~short[:, None]
+    keep = when <= kth
+    if short.any():
+        keep &= ~short[:, None]
     return value[keep].astype(np.int64).reshape(-1, k), short
 
 

@@ -3,6 +3,8 @@ sample's numbers the same in any batch."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -43,6 +45,20 @@ def test_pinned_values() -> None:
     assert draws.crop_offsets(k, 8, 8)[0].tolist() == PINNED_OY
 
 
+def test_pinned_subsets() -> None:
+    """random_subset's rows of a batch that takes every way of drawing are pinned bytes."""
+    keys = SampleKeys(seed=11, epoch=3, step=1, ids=np.array([0, 5, 1 << 33, 77, 4099, 12]))
+    # 16-bit first distinct values, 32-bit ones (300,000 rows), smallest sort keys (n < 2k)
+    sizes = np.array([1000, 5000, 300_000, 700, 2048, 513])
+    for replace, want in PINNED_SUBSETS.items():
+        rows = draws.subset_indices(keys, sizes, 512, replace=replace)
+        assert hashlib.sha256(rows.astype("<i8").tobytes()).hexdigest() == want, replace
+
+
+PINNED_SUBSETS = {
+    False: "22791630a27adc06847adc5e00faad9d5dc92093507dd2ae86026753e4685b79",
+    True: "9c633d04ee46fd0e32ab962944e3dedb6862da440f45a8d2e6333d0d159b06de",
+}
 PINNED_WORDS = [[2426033021, 3071568952], [2930669187, 3520203820], [1637496381, 3046953726]]
 PINNED_OY = [5, 6, 3]
 
