@@ -20,6 +20,7 @@ a prefix code: a sample's first ``m`` words are the same whether ``m`` or more a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -80,6 +81,7 @@ def _split64(v: int) -> tuple[int, int]:
     return v & _M32, (v >> 32) & _M32
 
 
+@functools.lru_cache(maxsize=1024)
 def derive_key(seed: int, epoch: int, step: int, stream: int) -> tuple[int, int]:
     """The Philox key of one step's draws: one block of ``(epoch, step, stream)`` under
     the key ``seed`` (the first two words), in Python ints (one block: no arrays)."""
