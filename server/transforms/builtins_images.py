@@ -131,12 +131,31 @@ def crop_batch(
 ) -> np.ndarray:
     """The crops of ``x`` (then mirrored where ``flip``), offsets drawn from ``keys``
     (:func:`~.draws.crop_offsets`); in ``out`` if given."""
+    oy, ox = crop_offsets(keys, *crop_room(x, p))
+    return crop_at(x, p, oy, ox, flip, out)
+
+
+def crop_room(x: np.ndarray, p: RandomCrop) -> tuple[int, int]:
+    """How far a crop's corner may move down and right in the padded batch ``x``."""
     ah, aw = crop_axes(x, p.layout)
-    size = size2(p.size)
+    h, w = size2(p.size)
+    return x.shape[ah] + 2 * p.padding - h, x.shape[aw] + 2 * p.padding - w
+
+
+def crop_at(
+    x: np.ndarray,
+    p: RandomCrop,
+    oy: np.ndarray,
+    ox: np.ndarray,
+    flip: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The crops of ``x`` at corners ``(oy, ox)`` of its padded samples (then mirrored where
+    ``flip``); in ``out`` if given."""
+    ah, aw = crop_axes(x, p.layout)
     if p.padding:
         x = pad_batch(x, ah, aw, p.padding, p.fill)
-    oy, ox = crop_offsets(keys, x.shape[ah] - size[0], x.shape[aw] - size[1])
-    return crop_flip(x, ah, aw, size, oy, ox, flip, out)
+    return crop_flip(x, ah, aw, size2(p.size), oy, ox, flip, out)
 
 
 @batch_transform(params=RandomCrop, outputs=_crop_outputs, peak=_crop_peak, takes_keys=True)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .keys import SampleKeys, below, to_unit
+from .keys import SampleKeys, below, to_unit, words_together
 from .rng import sample_rngs
 
 #: Tries of torchvision's RandomResizedCrop before its centre-crop fallback.
@@ -36,7 +36,11 @@ def crop_offsets(keys: SampleKeys, room_y: int, room_x: int) -> tuple[np.ndarray
             keys.legacy.integers(0, room_y + 1, size=b),
             keys.legacy.integers(0, room_x + 1, size=b),
         )
-    w = keys.words(4)
+    return _offsets(keys.words(4), room_y, room_x)
+
+
+def _offsets(w: np.ndarray, room_y: int, room_x: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`crop_offsets` from a sample's first four words."""
     oy = below(w[:, 0:2], np.int64(room_y + 1))[:, 0]
     return oy, below(w[:, 2:4], np.int64(room_x + 1))[:, 0]
 
@@ -50,6 +54,23 @@ def flips(keys: SampleKeys, p: float) -> np.ndarray:
     if keys.legacy is not None:
         return keys.legacy.random(len(keys)) < p
     return to_unit(keys.words(2))[:, 0] < p
+
+
+def crop_flips(
+    crop: SampleKeys, flip: SampleKeys, room_y: int, room_x: int, p: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(*crop_offsets(crop, room_y, room_x), flips(flip, p))``, the same numbers, drawn
+    in one pass for both steps' keys (a fused crop and flip).
+
+    >>> c, f = (SampleKeys(seed=0, epoch=0, step=s, ids=np.arange(4)) for s in (0, 1))
+    >>> oy, ox, fl = crop_flips(c, f, 8, 8, 0.5)
+    >>> bool((fl == flips(f, 0.5)).all() and (oy == crop_offsets(c, 8, 8)[0]).all())
+    True
+    """
+    if crop.legacy is not None or flip.legacy is not None:
+        return (*crop_offsets(crop, room_y, room_x), flips(flip, p))
+    wc, wf = words_together([crop, flip], 4)
+    return (*_offsets(wc, room_y, room_x), to_unit(wf[:, :2])[:, 0] < p)
 
 
 def resized_crop_boxes(

@@ -29,8 +29,10 @@ from .builtins_images import (
     ImageParams,
     Normalize,
     RandomCrop,
+    crop_at,
     crop_axes,
     crop_batch,
+    crop_room,
     flip_batch,
     hflip,
     normalize,
@@ -38,7 +40,7 @@ from .builtins_images import (
     random_crop,
     size2,
 )
-from .draws import flips
+from .draws import crop_flips, flips
 from .kernels import scratch
 from .keys import SampleKeys
 from .registry import Columns, Transform, batch_transform
@@ -145,14 +147,19 @@ def run_fused(
     x = batch[p.field]
     each = iter(keys)
     crop_keys = next(each) if p.crop is not None else None
-    flip = flips(next(each), p.flip.p) if p.flip is not None else None
+    flip_keys = next(each) if p.flip is not None else None
     dest = out.get(p.field)
     # The crops go straight to the slot if nothing follows, else to this thread's scratch.
     last = dest if p.norm is None else scratch("crops", _crop_shape(x, p), x.dtype)
     if p.crop is not None and crop_keys is not None:
-        x = crop_batch(x, p.crop, crop_keys, flip, last)
-    elif p.flip is not None and flip is not None:
-        x = flip_batch(x, p.flip.layout, flip, last)
+        if p.flip is not None and flip_keys is not None:
+            # Both steps' draws in one pass: a fifth of the chain's time was drawing.
+            oy, ox, flip = crop_flips(crop_keys, flip_keys, *crop_room(x, p.crop), p.flip.p)
+            x = crop_at(x, p.crop, oy, ox, flip, last)
+        else:
+            x = crop_batch(x, p.crop, crop_keys, None, last)
+    elif p.flip is not None and flip_keys is not None:
+        x = flip_batch(x, p.flip.layout, flips(flip_keys, p.flip.p), last)
     if p.norm is None:
         return {p.field: x}
     if dest is None:
