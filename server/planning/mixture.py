@@ -95,8 +95,10 @@ MAX_SOURCES = 64
 SCAN_SOURCES = 8
 #: Positions assembled at once (whole chunks): fewer, larger numpy steps, a few MB each.
 PIECE = 16 * MIX_CHUNK
-#: Pieces drawn ahead of the one being placed: what the prefetch thread is told to shuffle.
+#: Pieces drawn ahead of the one being placed, and positions past them (at each source's
+#: share so far): what the prefetch thread is told to shuffle.
 AHEAD_PIECES = 2
+AHEAD_POSITIONS = 8 * PIECE
 #: From this many positions on, the sources are shuffled on a second thread meanwhile.
 PREFETCH_MIN = 4 * PIECE
 
@@ -232,15 +234,19 @@ Drawn = tuple[int, np.ndarray]
 
 
 def _told(pieces: Iterator[Drawn], prefetch: Prefetcher, n_sources: int) -> Iterator[Drawn]:
-    """``pieces``, drawn ``AHEAD_PIECES`` ahead so that ``prefetch`` shuffles what they read."""
+    """``pieces``, drawn ``AHEAD_PIECES`` ahead so that ``prefetch`` shuffles what they (and
+    about ``AHEAD_POSITIONS`` more positions) read."""
     queue: collections.deque[Drawn] = collections.deque()
-    wants = np.zeros(n_sources, dtype=np.int64)
-    for piece in pieces:
-        queue.append(piece)
-        counts = _counts(piece[1], n_sources)
-        wants += counts
+    drawn = np.zeros(n_sources, dtype=np.int64)
+    for lo, labels in pieces:
+        queue.append((lo, labels))
+        counts = _counts(labels, n_sources)
+        drawn += counts
+        # Past the pieces drawn, each source at the share it has had so far: the thread
+        # keeps that far ahead of the reader, which then seldom waits for a bucket.
+        ahead = drawn * AHEAD_POSITIONS // (lo + len(labels))
         for k in np.flatnonzero(counts).tolist():
-            prefetch.want(k, int(wants[k]))
+            prefetch.want(k, int(drawn[k] + ahead[k]))
         if len(queue) > AHEAD_PIECES:
             yield queue.popleft()
     yield from queue
@@ -283,8 +289,8 @@ class _Placer:
                 continue
             stream = self.streams[k]
             ids, ran_out = stream.take(len(where), self.skipped.at(k, a), self.meanwhile)
-            if self.offsets[k]:
-                ids += dest.dtype.type(self.offsets[k])  # fits: the dtype holds every id
+            if self.offsets[k]:  # fits: the dtype holds every id
+                ids = ids + dest.dtype.type(self.offsets[k])
             dest[where[: len(ids)]] = ids
             if ran_out:
                 end = min(end, a + int(where[len(ids)]))  # the first position left without

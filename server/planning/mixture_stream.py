@@ -166,12 +166,20 @@ class SourceStream:
             self._lock.release()
 
     def peek(self, count: int, meanwhile: Meanwhile | None = None) -> np.ndarray:
-        """The next ``count`` elements (fewer if a ``stop`` source runs out), not consumed."""
+        """The next ``count`` elements (fewer if a ``stop`` source runs out), not consumed:
+        a read-only view of the stream when they lie in one segment of the order's dtype."""
         stop = self.cursor + count
         if self.source.on_exhausted == "stop":
             stop = min(stop, self.source.size)
-        out = np.empty(max(stop - self.cursor, 0), dtype=self.dtype)
         i, seg = self.cursor, self.segment_len
+        g, j = divmod(i, seg) if seg else (0, 0)
+        if i < stop and j + stop - i <= seg:
+            part = self.segment(g, j + stop - i, meanwhile)[j : j + stop - i]
+            if part.dtype == self.dtype:  # no copy: the reader adds the offset as it scatters
+                part = part.view()
+                part.flags.writeable = False
+                return part
+        out = np.empty(max(stop - self.cursor, 0), dtype=self.dtype)
         while i < stop:  # one step per segment spanned
             g, j = divmod(i, seg)
             k = min(seg - j, stop - i)
@@ -185,7 +193,7 @@ class SourceStream:
         self, count: int, skipped: SkippedAt | None, meanwhile: Meanwhile | None = None
     ) -> tuple[np.ndarray, bool]:
         """The next ``count`` ids not in ``skipped``; ``(ids, ran_out)``: fewer ids and
-        ``ran_out`` when a ``stop`` source has no more."""
+        ``ran_out`` when a ``stop`` source has no more. ``ids`` may be a read-only view."""
         if self.source.size == 0:
             return np.empty(0, dtype=self.dtype), True
         if skipped is None or not len(skipped):
