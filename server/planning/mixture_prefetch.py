@@ -67,7 +67,9 @@ class Prefetcher:
                 f"the mixture prefetch thread did not finish its shuffle step within "
                 f"{JOIN_TIMEOUT_S:.0f} s of the plan's end"
             )
-        if self._error is not None and kind is None:
+        if self._error is not None:
+            # Raised even over the planner's own error, which a failed step may have caused
+            # (a stream whose step raised has no more steps); that error is its context.
             raise self._error
 
     def want(self, index: int, upto: int) -> None:
