@@ -41,7 +41,6 @@ temporaries.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import operator
@@ -52,7 +51,7 @@ import numpy as np
 
 from shardserve.proto.jobs import ShuffleMode
 
-from .mixture_prefetch import Prefetcher
+from .mixture_prefetch import Drawn, PieceQueue, Prefetcher
 from .mixture_quarantine import Quarantine, QuarantineSets
 from .mixture_stream import (
     SMALL_BLOCK,
@@ -102,10 +101,6 @@ MAX_SOURCES = 64
 SCAN_SOURCES = 8
 #: Positions assembled at once (whole chunks): fewer, larger numpy steps, a few MB each.
 PIECE = 16 * MIX_CHUNK
-#: Pieces drawn ahead of the one being placed, and positions past them (at each source's
-#: share so far): what the prefetch thread is told to shuffle.
-AHEAD_PIECES = 2
-AHEAD_POSITIONS = 8 * PIECE
 #: From this many positions on, the sources are shuffled on a second thread meanwhile.
 PREFETCH_MIN = 4 * PIECE
 
@@ -236,29 +231,6 @@ def _draws(key: np.ndarray, length: int, segments: Sequence[Segment]) -> Iterato
         yield lo, labels
 
 
-#: A piece of an epoch: its first position and the source label of each of its positions.
-Drawn = tuple[int, np.ndarray]
-
-
-def _told(pieces: Iterator[Drawn], prefetch: Prefetcher, n_sources: int) -> Iterator[Drawn]:
-    """``pieces``, drawn ``AHEAD_PIECES`` ahead so that ``prefetch`` shuffles what they (and
-    about ``AHEAD_POSITIONS`` more positions) read."""
-    queue: collections.deque[Drawn] = collections.deque()
-    drawn = np.zeros(n_sources, dtype=np.int64)
-    for lo, labels in pieces:
-        queue.append((lo, labels))
-        counts = _counts(labels, n_sources)
-        drawn += counts
-        # Past the pieces drawn, each source at the share it has had so far: the thread
-        # keeps that far ahead of the reader, which then seldom waits for a bucket.
-        ahead = drawn * AHEAD_POSITIONS // (lo + len(labels))
-        for k in np.flatnonzero(counts).tolist():
-            prefetch.want(k, int(drawn[k] + ahead[k]))
-        if len(queue) > AHEAD_PIECES:
-            yield queue.popleft()
-    yield from queue
-
-
 @dataclass
 class _Placer:
     """Writes the ids of an epoch's positions into ``out``, piece after piece."""
@@ -302,14 +274,6 @@ class _Placer:
             if ran_out:
                 end = min(end, a + int(where[len(ids)]))  # the first position left without
         return end
-
-
-def _counts(piece: np.ndarray, n_sources: int) -> np.ndarray:
-    """How many positions of ``piece`` drew each source (no int64 copy of the labels, as
-    ``bincount`` makes, while there are few sources)."""
-    if n_sources > SCAN_SOURCES:
-        return np.bincount(piece, minlength=n_sources)
-    return np.array([np.count_nonzero(piece == k) for k in range(n_sources)], dtype=np.int64)
 
 
 def _groups(piece: np.ndarray, n_sources: int) -> Iterator[np.ndarray]:
@@ -359,9 +323,10 @@ def mixture_order(
     if length < PREFETCH_MIN:
         end = placer.run(pieces)
     else:
-        with Prefetcher(streams) as prefetch:
+        queue = PieceQueue(pieces, len(streams))
+        with Prefetcher(streams, queue) as prefetch:
             placer.meanwhile = prefetch.help
-            end = placer.run(_told(pieces, prefetch, len(streams)))
+            end = placer.run(queue.read(prefetch.want))
     if end < length:
         return placer.out[: end - end % world_size].copy()
     return placer.out
