@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-#: Raw 64-bit outputs turned into labels at once: temporaries of a few MB.
-BLOCK_WORDS = 1 << 19
+#: Raw 64-bit outputs turned into labels at once: temporaries of a few MB (~5 MB at 2**17,
+#: which a mixture's planner may need twice at once, one a thread).
+BLOCK_WORDS = 1 << 17
 
 
 def bucket_labels(
@@ -60,9 +61,25 @@ def bucket_labels(
         out[got : got + take] = labels[:take]
         got += take
         if got == n:
-            used = first_byte + int(np.flatnonzero(keep)[take - 1]) + 1
+            used = first_byte + _nth_true(keep, take) + 1
     _rewind(bitgen, start, held, used, last, words)
     return out
+
+
+def _nth_true(mask: np.ndarray, nth: int) -> int:
+    """Index of the ``nth`` (from 1) ``True`` of ``mask``, which has at least that many:
+    counted span by span, never a list of every index. Each span is as long as the Trues
+    still missing, so it never passes the answer, and the few rejected bytes left over take
+    a few more spans.
+
+    >>> _nth_true(np.array([True, False, False, True, True]), 2)
+    3
+    """
+    end = seen = 0
+    while seen < nth:
+        start, end = end, end + nth - seen
+        seen += int(np.count_nonzero(mask[start:end]))
+    return end - 1
 
 
 def _rewind(
