@@ -10,7 +10,9 @@ server's ``/proc/PID/status`` every 20 ms:
 * ``RssAnon``  private anonymous memory: what the server itself allocated (the bug: a copy of
   every shard made at open). Target: what the dataset adds to it (peak minus the idle
   server's, ~55 MiB of interpreter and libraries) under 10 % of the dataset; the idle
-  server's itself <= 60 MiB (the libraries' code pages are file pages, counted in RssFile);
+  server's itself <= 60 MiB (the libraries' code pages are file pages, counted in RssFile;
+  this bench maps pyarrow too, so its pages count as shared here: ``bench_idle.py`` measures
+  a server no other process shares its libraries with);
 * ``RssFile``  mapped file pages, i.e. the page cache shared with every other process (one copy
   of the dataset, the design; counted once per mapping, and the fixed fields of a dataset of
   several shards are mapped twice, once stitched across shards: up to twice the dataset);

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -44,7 +44,6 @@ from .runtime.rings import DEFAULT_DIR as SHM_DIR
 from .runtime.rings import PREFIX as SHM_PREFIX
 from .runtime.rings import remove_stale
 from .settings import Settings
-from .store.read.dataset import Dataset
 from .streaming.board import StreamBoard
 from .streaming.handler import HandlerDeps, StreamHandler
 from .streaming.handshake import offset_bound
@@ -54,6 +53,11 @@ from .streaming.streamer import Streamer, Waker
 from .transforms.bound import Transforms
 from .transforms.runner import Limits
 from .wiring import open_store_of, streamer_config
+
+if TYPE_CHECKING:
+    # pyarrow (under the dataset) is imported when the first dataset is opened, not by an
+    # idle server.
+    from .store.read.dataset import Dataset
 
 log = logging.getLogger("shardserve.service")
 

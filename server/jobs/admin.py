@@ -25,7 +25,6 @@ from ..registry.jobs import Job, JobRegistry
 from ..runtime.metrics import JobsSnapshot, RankSeries, fold_ranks
 from ..settings import Settings
 from ..streaming.board import JobActivity, StreamBoard
-from ..transforms.rng import pin_scheme
 from .kinds.base import Admitted
 from .kinds.table import JobKinds
 from .lifecycle import ENDED, LIVE, expired, job_state, last_active
@@ -65,6 +64,10 @@ class JobAdmin:
         """Create (or find) the job for ``spec``, admitted by its kind (which pins the
         version(s) it reads: the job's id covers them); a new job's kind then takes what
         the job needs from the store."""
+        # numpy.random (under the transforms' generators) loads with the first job, not in
+        # an idle server.
+        from ..transforms.rng import pin_scheme
+
         kind = self.kinds.of(spec)
         admitted = kind.admit(pin_scheme(spec))
         # A job made before randomness schemes were recorded (journaled across an upgrade)

@@ -9,6 +9,7 @@ processes never hold ``N`` times a limit (``--transform-workers``, ``--shm-limit
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -23,7 +24,6 @@ from ..reading.sources import open_source
 from ..registry.jobs import JobRegistry
 from ..runtime.metrics import Metrics
 from ..settings import Settings
-from ..store.read.dataset import Dataset
 from ..streaming.board import StreamBoard
 from ..streaming.handler import HandlerDeps, StreamHandler
 from ..streaming.pipeline import Work
@@ -33,6 +33,10 @@ from ..transforms.runner import Limits
 from ..wiring import open_store_of, streamer_config
 from .feed import BoardFeed
 from .replica import JobReplica
+
+if TYPE_CHECKING:
+    # pyarrow (under the dataset) loads with the first dataset a stream opens.
+    from ..store.read.dataset import Dataset
 
 
 def share_of(settings: Settings, n: int) -> Settings:

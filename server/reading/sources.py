@@ -10,20 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardserve.proto.jobs import JobSpec
 
 from ..source import BatchSource
-from ..store.read.dataset import Dataset
-from ..store.read.graph_shapes import item_fields_of
-from ..store.read.graphs import GraphCollated
 from ..transforms.bound import Quarantine, Transforms
 from ..transforms.device_plan import plan_device
 from ..transforms.runner import Limits
 
+if TYPE_CHECKING:
+    # The store's read path (and pyarrow under it) is imported when the first dataset is
+    # opened, so that an idle server does not hold it.
+    from ..store.read.dataset import Dataset
+
 #: ``open_dataset(name, version)``: the shared, cached dataset of the version a job pinned,
 #: or ``DatasetChanged`` (see ``Service.open_dataset``).
-OpenDataset = Callable[[str, str | None], Dataset]
+OpenDataset = Callable[[str, "str | None"], "Dataset"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ def open_source(
             source, spec, epoch, seed, transforms.limits if transforms else Limits()
         )
     if spec.graph is not None:
+        from ..store.read.graph_shapes import item_fields_of
+        from ..store.read.graphs import GraphCollated
+
         # Graphs collated for message passing, each batch on its own terms; a chain has
         # already run on each graph. Nodes are counted as the job's admission chose.
         source = GraphCollated(source, spec.batch_size, spec.graph, item_fields_of(stored.datasets))

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Protocol
 from shardserve.proto.manifest import Manifest
 
 from .cache import ShardCache
-from .read.dataset import Dataset
 from .read.read_ahead import READ_AHEAD_BYTES
 from .remote.object_fs import StoreOptions, is_uri
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+
+    from .read.dataset import Dataset
 
 
 class StoreBackend(Protocol):

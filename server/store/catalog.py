@@ -13,16 +13,20 @@ import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardserve.proto.errors import DatasetNotFound, InvalidDataError, ShardserveError
 from shardserve.proto.manifest import Manifest, validate_dataset_name
 
 from . import layout
 from .cache import ShardCache
-from .read.dataset import VERIFY_MODES, Dataset
-from .read.shards import check_file
-from .verify import verify_dataset
+from .verify import VERIFY_MODES, verify_dataset
 from .versions import VersionShelf, changed_error, content_id
+
+if TYPE_CHECKING:
+    # The read path (and pyarrow under it) loads when a dataset is first opened or checked:
+    # an idle server does not hold it.
+    from .read.dataset import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,8 @@ class Store:
         this process still holds (see :mod:`.versions`); otherwise ``DatasetChanged`` names
         both.
         """
+        from .read.dataset import Dataset
+
         folder = self._folder(name)
         try:
             inode = folder.stat().st_ino
@@ -176,6 +182,8 @@ class Store:
 
     def check_shards(self, manifest: Manifest) -> None:
         """A stat per shard file (see :class:`.StoreBackend`)."""
+        from .read.shards import check_file
+
         folder = self._folder(manifest.name)
         for info in manifest.shards:
             check_file(folder / info.path, info)

@@ -11,12 +11,16 @@ from pathlib import Path
 
 from shardserve.proto.manifest import Manifest
 
-from .read.shards import verify_shard
+#: How a dataset is checked when it is mapped (see :mod:`.read.dataset`); here, not beside the
+#: read path, so that the store can check a mode without importing pyarrow.
+VERIFY_MODES = ("lazy", "full", "off")
 
 
 def verify_dataset(folder: Path, manifest: Manifest, progress: bool = False) -> None:
     """Raise ``DatasetCorruptError`` naming the first bad shard of ``folder``."""
     from tqdm import tqdm  # the progress bar's library only where a dataset is verified
+
+    from .read.shards import verify_shard  # pyarrow only where a dataset is read
 
     with tqdm(
         total=manifest.total_bytes,

@@ -9,10 +9,10 @@ and replacement keys apart even when their integers coincide.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import numpy as np
-from numpy.random.bit_generator import ISpawnableSeedSequence
 
 from shardserve.proto.jobs import JobSpec
 
@@ -72,6 +72,7 @@ def sample_rngs(seed: int, epoch: int, indices: np.ndarray, step: int) -> list[n
     idx = np.asarray(indices, dtype=np.uint64).reshape(-1)
     if idx.size < VECTOR_MIN:
         return [sample_rng(seed, epoch, i, step) for i in idx.tolist()]
+    _register_seeded()
     out: list[np.random.Generator | None] = [None] * idx.size
     head, tail = _words([_SAMPLE, seed, epoch]), _words([step])
     # An index of 2**32 or more is two words: each length is hashed as its own matrix.
@@ -152,7 +153,7 @@ def _state_words(entropy: list[np.ndarray]) -> np.ndarray:
     return np.stack([words[2 * k] | (words[2 * k + 1] << np.uint64(32)) for k in range(_POOL)], 1)
 
 
-class _Seeded(ISpawnableSeedSequence):
+class _Seeded:
     """``SeedSequence(key)`` whose state words for ``PCG64`` are already known; anything else
     asked of it (``spawn``, other words) goes to the real one, made then: a transform that
     spawns child generators gets the same children from either path."""
@@ -175,6 +176,16 @@ class _Seeded(ISpawnableSeedSequence):
 
     def spawn(self, n_children: int) -> Any:
         return self.seq.spawn(n_children)
+
+
+@functools.cache
+def _register_seeded() -> None:
+    """Make :class:`_Seeded` an ``ISpawnableSeedSequence`` (an ABC), as ``PCG64`` asks, when
+    the first batch of generators is made: importing ``numpy.random`` at module level would
+    load it (~3.5 MiB) into every idle server, as the transforms are imported at start."""
+    from numpy.random.bit_generator import ISpawnableSeedSequence
+
+    ISpawnableSeedSequence.register(_Seeded)
 
 
 def batch_rng(seed: int, epoch: int, rank: int, batch: int, step: int) -> np.random.Generator:

@@ -174,13 +174,15 @@ def test_a_misspelled_variable_is_warned_with_the_closest_name(tmp_path: Path) -
 
 
 def test_a_missing_server_extra_is_one_line_naming_the_install(tmp_path: Path) -> None:
-    """Where pyarrow is not installed (a client-only install), store commands say what to
-    install instead of printing a traceback."""
+    """Where pyarrow is not installed (a client-only install), a store command that writes
+    shards says what to install instead of printing a traceback."""
+    np.savez(tmp_path / "d.npz", x=np.arange(4))
+    args = ["ingest", str(tmp_path / "d.npz"), "--store", str(tmp_path / "store"), "--name", "d"]
     code = (
         "import sys\n"
         "sys.modules['pyarrow'] = None  # what a client-only install lacks\n"
         "from shardserve.server.cli import main\n"
-        f"sys.exit(main(['ls', '--store', {str(tmp_path)!r}]))\n"
+        f"sys.exit(main({args!r}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60)

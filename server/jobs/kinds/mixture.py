@@ -14,7 +14,6 @@ from ...registry.jobs import Job
 from ...source import StreamPlan
 from ...store.read.graph_shapes import item_fields
 from ...store.read.graphs import check_graph_job
-from ...store.read.mixed import mixed_dataset, mixture_manifest
 from .. import mixtures
 from .base import Admitted, KindParts, check_fields
 
@@ -35,6 +34,9 @@ class MixtureJobs:
         """Every source must exist and serve the same fields (see :func:`.mixtures.admit`),
         a transform chain fit the mixture's fields, and every source's shard files be
         whole; each source's current version is pinned."""
+        # The read path (pyarrow under it) loads with the first job, not in an idle server.
+        from ...store.read.mixed import mixture_manifest
+
         p = self._parts
         spec, length, sizes = mixtures.admit(spec, p.manifest, p.max_batch_bytes)
         sources = [p.manifest(s.name) for s in spec.mixture or ()]
@@ -61,6 +63,8 @@ class MixtureJobs:
         version pinned when the job was created."""
         # Only the stored fields the job reads (a chain may read any): the sources were
         # checked to agree on those.
+        from ...store.read.mixed import mixed_dataset
+
         read = None if spec.fields is None or spec.transforms else spec.fields
         stored = [self._parts.open_dataset(m.name, m.version) for m in spec.mixture or ()]
         return Stored(mixed_dataset(spec.dataset, stored, read), stored)

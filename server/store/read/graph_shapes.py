@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shardserve.proto.graphs import is_index_field
 from shardserve.proto.manifest import FieldSpec
 
-from .dataset import Dataset
+if TYPE_CHECKING:
+    from .dataset import Dataset
 
 #: Samples whose stored shapes are read at most, from the first.
 SCAN_SAMPLES = 1 << 20

@@ -34,6 +34,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,8 +45,10 @@ from shardserve.proto.manifest import FieldSpec, Manifest
 from shardserve.proto.parts import OFFSETS, SHAPES, SPLITS
 
 from ...source import FRESH, BatchParts, BatchSource, FileSpan, PartShapes, Tail, Wrapped
-from .gather import Empty
 from .graph_shapes import ItemFields
+
+if TYPE_CHECKING:
+    from .gather import Empty
 
 #: Parts a graph batch adds; no field may have these names.
 ADDED = ("batch", "ptr")

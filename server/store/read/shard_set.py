@@ -30,6 +30,7 @@ from shardserve.proto.errors import DatasetCorruptError
 from shardserve.proto.manifest import FieldSpec, Manifest
 
 from ...source import Planned
+from ..verify import VERIFY_MODES
 from .blocks import DatasetBlocks, RowSpan
 from .gather import JoinedColumns, RaggedChunks
 from .index import chunk_starts
@@ -40,8 +41,6 @@ from .stitch import Piece, StitchedColumns
 
 if TYPE_CHECKING:
     from tqdm import tqdm
-
-VERIFY_MODES = ("lazy", "full", "off")
 
 
 @dataclass(frozen=True)
