@@ -424,8 +424,10 @@ class StreamProcesses:
         now = time.monotonic()
         for k, at in list(self._respawn.items()):
             if at <= now:
-                del self._respawn[k]
+                # Rescheduled first: a start that fails (no memory, no pids) is tried again.
+                self._respawn[k] = now + 10.0
                 child = self._spawn(k)
+                del self._respawn[k]
                 with self._lock:
                     self._children[k] = child
 
