@@ -152,12 +152,16 @@ class PlanCache:
         self._ahead_keys: set[OrderKey] = set()
         #: Steered orders submitted to the planning lane and not yet made.
         self._queued: set[OrderKey] = set()
+        #: Steered orders a stream was told are not ready while another thread made them
+        #: (a rank's Hello, an HTTP plan): that thread wakes the streamer when it is done.
+        self._awaited: set[OrderKey] = set()
         #: Called when a steered order lands (the streamer's wake-up: a stream skipped
         #: while it was planned is pumped again).
         self._landed: Callable[[], None] = _nothing
 
     def on_landed(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` (from the planning lane) whenever a steered order planned there lands."""
+        """Call ``wake`` whenever a steered order :meth:`steered_ready` said was not ready is
+        kept (or failed): from the planning lane, or from the thread that was making it."""
         self._landed = wake
 
     def plan_ahead(
@@ -247,11 +251,17 @@ class PlanCache:
 
     def steered_ready(self, key: OrderKey, make: Callable[[], np.ndarray]) -> bool:
         """Whether the order of ``key`` is made (never blocks); if not, it is planned on the
-        planning lane (once), and :meth:`on_landed`'s callback runs when it is kept."""
+        planning lane (once) unless another thread is making it, and :meth:`on_landed`'s
+        callback runs when it is kept either way."""
         with self._lock:
             if key in self._orders:
                 return True
-            if key in self._queued or key in self._computing:
+            if key in self._queued:
+                return False
+            if key in self._computing:
+                # Made by another thread, which does not wake the streamer on its own: a
+                # stream skipped now would wait for a batch no event pumps any more.
+                self._awaited.add(key)
                 return False
             self._queued.add(key)
         self._ahead.submit(self._steer_ahead, key, make)
@@ -332,7 +342,11 @@ class PlanCache:
         finally:
             with self._lock:
                 self._computing.pop(key, None)
+                awaited = key in self._awaited
+                self._awaited.discard(key)
             event.set()
+            if awaited:
+                self._landed()
 
     def _finish(
         self, key: OrderKey, order: np.ndarray, steps: Iterator[int], finishing: Finishing

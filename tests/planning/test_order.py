@@ -205,6 +205,36 @@ def test_a_steered_order_replaces_the_one_made_under_older_steering() -> None:
     assert made == [3, 4, 5]
 
 
+def test_a_steered_order_made_off_the_planning_lane_wakes_the_streams_it_held() -> None:
+    """An order found being made by another thread (a rank's Hello, an HTTP plan) is not
+    ready, and the streamer is woken once it is kept, as for one made on the planning lane."""
+    import threading
+
+    cache = PlanCache()
+    woken = threading.Event()
+    cache.on_landed(woken.set)
+    making, release = threading.Event(), threading.Event()
+
+    def make() -> np.ndarray:
+        making.set()
+        release.wait(scaled(60))
+        return np.arange(5, dtype=np.uint32)
+
+    key = ("j", 0, 1, "weights b")
+    maker = threading.Thread(target=cache.steered_order, args=(key, make))
+    maker.start()
+    try:
+        assert making.wait(scaled(60))
+        assert not cache.steered_ready(key, make)  # a stream is skipped until it lands
+        assert not woken.is_set()
+    finally:
+        release.set()
+        maker.join(scaled(60))
+        cache.close()
+    assert woken.is_set()
+    assert cache.steered_ready(key, make)
+
+
 def test_finishing_waits_for_its_bucket_and_names_a_failed_shuffle() -> None:
     """A read past the shuffled positions waits until they are; a failed shuffle is an error
     naming the order, not a wait to the deadline."""

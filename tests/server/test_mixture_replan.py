@@ -114,3 +114,61 @@ def test_plain_job_streams_while_a_mixture_replans(srv: ServerProc) -> None:
     planned = np.frombuffer(r.content, dtype="<i8").reshape(-1, MIX_BATCH)
     assert np.concatenate(got).tobytes() == planned[: len(got)].tobytes()
     assert len(got) > at
+
+
+def mixture_rank(srv: ServerProc, rank: int) -> Loader:
+    """A Loader of rank ``rank`` of 2 of a mixture of ``a`` and ``b`` (its Hello goes out now)."""
+    return Loader(
+        srv.http_url,
+        {"a": 0.5, "b": 0.5},
+        MIX_BATCH,
+        seed=6,
+        epoch_samples=EPOCH,
+        rank=rank,
+        world_size=2,
+        prefetch=2,
+        token=srv.token,
+        timeout=scaled(60),
+    )
+
+
+@pytest.mark.parametrize("maker", ["rank 1's Hello", "a plan request"])
+def test_a_rank_welcomed_while_another_thread_makes_its_new_order_gets_its_batches(
+    srv: ServerProc, maker: str
+) -> None:
+    """A rank whose stream was planned before a steering change, while another thread makes
+    the new order (the next Hello's planning, a plan request), gets the plan's batches."""
+
+    def plan(job: str, rank: int) -> bytes:
+        r = httpx.get(
+            f"{srv.http_url}/v1/jobs/{job}/plan",
+            params={"epoch": 0, "rank": rank},
+            headers=srv.headers,
+            timeout=scaled(300),
+        )
+        assert r.status_code == 200, r.text
+        return r.content
+
+    mix = mixture_rank(srv, 0)
+    # Planned after rank 0's Hello (seconds of planning each), so under the change below.
+    other = mixture_rank(srv, 1) if maker == "rank 1's Hello" else None
+    with mix:
+        # Rank 0's order is being made: the change comes before the rank is welcomed.
+        r = httpx.put(
+            f"{srv.http_url}/v1/jobs/{mix.job_id}/mixture",
+            json={"weights": [0.1, 0.9], "at_step": 1},
+            headers=srv.headers,
+            timeout=scaled(60),
+        )
+        assert r.status_code == 200, r.text
+        request = threading.Thread(target=plan, args=(mix.job_id, 1))
+        if other is None:  # the new order, made on the control plane's thread
+            request.start()
+        got = [b["gid"].numpy().copy() for _, b in zip(range(3), mix, strict=False)]
+        if other is None:
+            request.join(scaled(300))
+            assert not request.is_alive()
+        else:
+            other.close()
+    want = np.frombuffer(plan(mix.job_id, 0), dtype="<i8").reshape(-1, MIX_BATCH)
+    assert np.concatenate(got).tobytes() == want[:3].tobytes()
