@@ -32,6 +32,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from _proc import smaps_rollup_kib
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "idle.json"
 TARGET_MIB = 60.0
@@ -48,12 +50,7 @@ sys.exit(p.wait())
 
 def rollup_mib(pid: int) -> tuple[float, float]:
     """``(Private_Clean + Private_Dirty, Anonymous)`` of ``pid`` in MiB."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if rest.strip().endswith("kB"):
-                fields[key] = int(rest.split()[0])
+    fields = smaps_rollup_kib(pid)
     return (fields["Private_Clean"] + fields["Private_Dirty"]) / 1024, fields["Anonymous"] / 1024
 
 

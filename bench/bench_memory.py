@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from _proc import smaps_rollup_kib
 from _support import run_server
 
 from shardserve.proto.manifest import FieldSpec
@@ -97,12 +98,7 @@ def status_kib(pid: int) -> dict[str, int]:
 def private_kib(pid: int) -> int:
     """Pages only ``pid`` maps (``Private_Clean + Private_Dirty`` of smaps_rollup): its anonymous
     memory and the library pages no other process shares with it."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if rest.strip().endswith("kB"):
-                fields[key] = int(rest.split()[0])
+    fields = smaps_rollup_kib(pid)
     return fields["Private_Clean"] + fields["Private_Dirty"]
 
 
