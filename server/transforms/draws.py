@@ -224,7 +224,7 @@ def _legacy_subset(keys: SampleKeys, n: np.ndarray, k: int, replace: bool) -> np
 
 def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` distinct values of each sample's stream of uniform ints below
-    ``n[i]``, ascending. The batch draws ~10% more than its smallest sample expects to need
+    ``n[i]``, ascending. The batch draws ~10% more than its largest sample expects to need
     (every sample looks at all of them: its answer is the same however many it draws); a
     sample still short draws again with twice as many. A sample of at most 2**16 rows draws
     16-bit values, two a word: half the words to make."""

@@ -144,11 +144,7 @@ class SampleKeys:
 
     def _blocks(self, block: np.ndarray, row: np.ndarray | slice) -> np.ndarray:
         """Words of block ``block[i]`` of sample row ``row[i]``: ``uint64[len, 4]``."""
-        ids = self.ids[row]
-        zero = np.zeros(ids.shape, np.uint64)
-        k0, k1 = self.key
-        words = philox4x32_10(block, zero, ids & _MASK, ids >> _SHIFT, k0, k1)
-        return np.stack(words, axis=-1)
+        return _block_words(block, self.ids[row], *self.key)
 
     def words(self, n: int) -> np.ndarray:
         """``n`` uint32 words per sample, as ``uint64[B, n]``."""
@@ -203,9 +199,17 @@ def words_together(keys: Sequence[SampleKeys], n: int) -> list[np.ndarray]:
     sizes = [len(k) for k in keys]
     ids = np.concatenate([k.ids for k in keys])
     k0, k1 = (np.repeat(np.array([k.key[i] for k in keys], np.uint64), sizes) for i in (0, 1))
-    zero = np.zeros(ids.shape, np.uint64)
-    words = np.stack(philox4x32_10(zero, zero, ids & _MASK, ids >> _SHIFT, k0, k1), axis=-1)
+    words = _block_words(np.zeros(ids.shape, np.uint64), ids, k0, k1)
     return np.split(words[:, :n], np.cumsum(sizes)[:-1])
+
+
+def _block_words(
+    block: np.ndarray, ids: np.ndarray, k0: int | np.ndarray, k1: int | np.ndarray
+) -> np.ndarray:
+    """Words of block ``block[i]`` of sample ``ids[i]`` under key ``(k0, k1)`` (one, or one
+    per sample): ``uint64[len, 4]``. The counter is ``(block, 0, id low, id high)``."""
+    zero = np.zeros(ids.shape, np.uint64)
+    return np.stack(philox4x32_10(block, zero, ids & _MASK, ids >> _SHIFT, k0, k1), axis=-1)
 
 
 def to_unit(words: np.ndarray) -> np.ndarray:
