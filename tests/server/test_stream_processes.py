@@ -26,7 +26,7 @@ from shardserve.proto.messages import EndOfEpoch, Error, Welcome
 from shardserve.server.planning import plan
 from tests.server.rawclient import RawStream, zmq_context
 from tests.support.data import make_cifar_like, sample_id_of
-from tests.support.server import ServerProc, job_status, make_job, run_server
+from tests.support.server import ServerProc, free_port, job_status, make_job, run_server
 from tests.support.slowness import scaled
 
 BATCH = 20
@@ -279,10 +279,10 @@ def test_a_seed_set_over_http_reaches_the_streaming_processes(
 
 def _serve_with_next_port_taken(store: Path) -> tuple[int, subprocess.CompletedProcess[str]]:
     """Start a 2-process server on a free port P while P + 1 is held; its port and result."""
+    port = free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", port + 1))  # process 1 binds the main port + 1
         taken.listen()
-        port = taken.getsockname()[1] - 1  # process 1 binds the main port + 1
         with tempfile.TemporaryDirectory(prefix="ss-") as work:
             cmd = [
                 sys.executable,
@@ -305,12 +305,8 @@ def _serve_with_next_port_taken(store: Path) -> tuple[int, subprocess.CompletedP
 
 def test_a_streaming_process_that_cannot_bind_stops_the_start(store: Path) -> None:
     """With process 1's data port taken, the server exits 1 naming that process and the port."""
-    for _ in range(5):
-        port, r = _serve_with_next_port_taken(store)
-        out = r.stdout + r.stderr
-        # Another test's socket may hold port P itself; that is not the case under test.
-        if f"cannot bind the data endpoint tcp://127.0.0.1:{port}:" not in out:
-            break
+    port, r = _serve_with_next_port_taken(store)
+    out = r.stdout + r.stderr
     assert r.returncode == 1, out[-3000:]
     assert f"tcp://127.0.0.1:{port + 1}" in out and "streaming process 1" in out, out[-3000:]
 
