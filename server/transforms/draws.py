@@ -232,10 +232,7 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     m = (expect * 1.1 + 16).astype(np.int64)
     narrow = n <= 1 << 16
     out = np.empty((n.size, k), np.int64)
-    plan: list[tuple[np.ndarray, int]] = [
-        (np.flatnonzero(narrow), 16),
-        (np.flatnonzero(~narrow), 32),
-    ]
+    plan: list[tuple[np.ndarray, int]]
     if narrow.all():  # the common batch: all of it at once, then the short ones again
         got, short = _distinct_once(keys, n, int(m.max()), k, 16)
         if not short.any():  # every sample found k in its first draws: no copy into place
@@ -243,6 +240,8 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
         out[~short] = got
         plan = [(np.flatnonzero(short), 16)]
         m[short] *= 2
+    else:
+        plan = [(np.flatnonzero(narrow), 16), (np.flatnonzero(~narrow), 32)]
     for todo, bits in plan:
         while todo.size:
             width = int(m[todo].max())
