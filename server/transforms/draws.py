@@ -232,10 +232,7 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
     m = (expect * 1.1 + 16).astype(np.int64)
     narrow = n <= 1 << 16
     out = np.empty((n.size, k), np.int64)
-    plan: list[tuple[np.ndarray, int]] = [
-        (np.flatnonzero(narrow), 16),
-        (np.flatnonzero(~narrow), 32),
-    ]
+    plan: list[tuple[np.ndarray, int]]
     if narrow.all():  # the common batch: all of it at once, then the short ones again
         got, short = _distinct_once(keys, n, int(m.max()), k, 16)
         if not short.any():  # every sample found k in its first draws: no copy into place
@@ -243,6 +240,8 @@ def _first_distinct(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
         out[~short] = got
         plan = [(np.flatnonzero(short), 16)]
         m[short] *= 2
+    else:
+        plan = [(np.flatnonzero(narrow), 16), (np.flatnonzero(~narrow), 32)]
     for todo, bits in plan:
         while todo.size:
             width = int(m[todo].max())
@@ -265,9 +264,9 @@ def _bounded(
         pieces = keys.words(-(-width // 2)).astype("<u4").view("<u2")[:, :width]
         nn = n.astype(np.uint32)[:, None]
         prod = pieces * nn
-        # (low, high) half of each product, read in place (no shift, no mask)
-        halves = prod.astype("<u4", copy=False).view("<u2").reshape(*prod.shape, 2)
-        return halves[..., 1], halves[..., 0] < ((1 << 16) - nn) % nn
+        # The high half as a contiguous uint32 (what the caller sorts in): a shift costs less
+        # than a strided uint16 view and its cast, as does the low half by a mask.
+        return prod >> np.uint32(16), (prod & np.uint32(0xFFFF)) < ((1 << 16) - nn) % nn
     n64 = n.astype(np.uint64)[:, None]
     prod64 = keys.words(width) * n64
     bad = (prod64 & np.uint64((1 << bits) - 1)) < (np.uint64(1 << bits) - n64) % n64
@@ -287,7 +286,7 @@ def _distinct_once(
     shift = max(width - 1, 1).bit_length()  # draw < 2**shift: a shift and a mask, no divmod
     # uint32 sorts 2-3x faster than 64-bit words
     dt = np.uint32 if (big + 1) << shift < (1 << 32) else np.uint64
-    value = drawn.astype(dt)
+    value = drawn.astype(dt, copy=False)  # drawn is fresh: shifted in place
     value <<= dt(shift)
     value |= np.arange(width, dtype=dt)
     np.copyto(value, dt(big << shift), where=bad)
@@ -306,7 +305,10 @@ def _distinct_once(
     keep = when <= kth
     if short.any():
         keep &= ~short[:, None]
-    return value[keep].astype(np.int64).reshape(-1, k), short
+    # compress of the flat rows: the same values in the same order as value[keep], ~3x
+    # faster (numpy's 2-D boolean index takes a slow path: ~40 us of a 16 x 800 batch)
+    kept = np.compress(keep.reshape(-1), value.reshape(-1))
+    return kept.astype(np.int64).reshape(-1, k), short
 
 
 def _smallest(keys: SampleKeys, n: np.ndarray, k: int) -> np.ndarray:
