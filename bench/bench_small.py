@@ -42,7 +42,8 @@ One run, ratios within it (the machine is shared and noisy: compare rows of one 
 
 Loader rows run with the default ``prefetch`` (credit for about 8 MiB of small batches, which
 the server sends several to a message; each row notes the batches per message). Each
-row is the best of 3 epochs after a warm-up one. Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
+row is the best of 3 epochs after a warm-up one (``upt``: of 7, its rows' epochs taken in turn,
+so that a change in load lands on the trainer and the Loaders alike). Every row reports the trainer's CPU per batch (``time.process_time`` of this process over
 the batches; the server runs in its own process) and, for shardserve rows, the server's CPU
 per batch (with a process pool: the server's and its workers'). Writes
 ``bench/results/small.json``.
@@ -51,6 +52,7 @@ per batch (with a process pool: the server's and its workers'). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,6 +60,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -112,6 +115,7 @@ SHOGI_FEATURIZE = [
     }
 ]
 UPT_QUERIES, UPT_BATCH = 512, 16
+UPT_REPEATS = 7
 UPT_SUBSET = [{"name": "random_subset", "params": {"field": "points", "n": UPT_QUERIES}}]
 #: CHGNet's fields do not say which counts the nodes (atom_fea and bond_fea look alike).
 CRYSTAL_COLLATE = {"graph": {"node_field": "atom_fea"}}
@@ -239,6 +243,52 @@ def cpu_of(pid: int | None) -> float:
     return float("nan") if pid is None else tree_cpu(pid)
 
 
+@dataclass
+class Contender:
+    """One row of a measurement: its epochs and whose CPU it costs."""
+
+    epoch: Callable[[int], Iterable[Step]]
+    per_step: int
+    server: int | None = None
+    loader: Loader | None = None
+
+    def run(self, e: int) -> dict[str, float]:
+        """Epoch ``e``, measured: samples/s, trainer and server CPU per batch, steps a message."""
+        s0, c0, w0 = cpu_of(self.server), time.process_time(), time.perf_counter()
+        m0 = self.loader.stats().messages if self.loader is not None else 0
+        steps = 0
+        for b in self.epoch(e):
+            touch(b)
+            steps += 1
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        srv = cpu_of(self.server) - s0
+        batches = steps * (len(b) if isinstance(b, list) else 1)
+        messages = self.loader.stats().messages - m0 if self.loader is not None else 0
+        return {
+            "samples_s": steps * self.per_step / wall,
+            "steps_s": steps / wall,
+            "client_cpu_us_per_batch": cpu / batches * 1e6,
+            "server_cpu_us_per_batch": srv / batches * 1e6,
+            "steps_per_message": steps / messages if messages else float("nan"),
+        }
+
+
+def measure_together(rows: dict[str, Contender], repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Each row's best of ``repeats`` epochs after a warm-up one, the rows' epochs taken in
+    turn (row A's epoch 1, row B's epoch 1, A's epoch 2, ...), so that a change in the
+    machine's load lands on every row alike instead of on whichever ran last."""
+    for c in rows.values():
+        for b in c.epoch(0):
+            touch(b)
+    best: dict[str, dict[str, float]] = {name: {} for name in rows}
+    for e in range(1, repeats + 1):
+        for name, c in rows.items():
+            row = c.run(e)
+            if row["samples_s"] > best[name].get("samples_s", 0.0):
+                best[name] = row
+    return best
+
+
 def measure(
     epoch: Callable[[int], Iterable[Step]],
     per_step: int,
@@ -249,29 +299,7 @@ def measure(
     """Samples/s, trainer CPU and server CPU per batch (and a Loader's steps per message):
     the best of ``repeats`` epochs after a warm-up epoch (the machine is shared: the best
     epoch is the least disturbed one)."""
-    for b in epoch(0):
-        touch(b)
-    best: dict[str, float] = {}
-    for e in range(1, repeats + 1):
-        s0, c0, w0 = cpu_of(server), time.process_time(), time.perf_counter()
-        m0 = loader.stats().messages if loader is not None else 0
-        steps = 0
-        for b in epoch(e):
-            touch(b)
-            steps += 1
-        wall, cpu, srv = time.perf_counter() - w0, time.process_time() - c0, cpu_of(server) - s0
-        batches = steps * (len(b) if isinstance(b, list) else 1)
-        messages = loader.stats().messages - m0 if loader is not None else 0
-        row = {
-            "samples_s": steps * per_step / wall,
-            "steps_s": steps / wall,
-            "client_cpu_us_per_batch": cpu / batches * 1e6,
-            "server_cpu_us_per_batch": srv / batches * 1e6,
-            "steps_per_message": steps / messages if messages else float("nan"),
-        }
-        if row["samples_s"] > best.get("samples_s", 0.0):
-            best = row
-    return best
+    return measure_together({"": Contender(epoch, per_step, server, loader)}, repeats)[""]
 
 
 def storages(step: list[dict[str, torch.Tensor]]) -> list[int]:
@@ -512,18 +540,21 @@ def bench_upt(url: str, purl: str, store: Path, n: int) -> dict[str, dict[str, f
                 "bc": torch.cat(bcs),
             }
 
-    rows = {"trainer samples its queries (RAM)": measure(trainer, UPT_BATCH)}
-    for where, label in ((url, ""), (purl, ", process pool")):
-        with Loader(
-            where,
-            "upt",
-            UPT_BATCH,
-            transforms=UPT_SUBSET,
-            seed=0,
-            rank=0,
-            world_size=1,
-            drop_last=True,
-        ) as ld:
+    contenders = {"trainer samples its queries (RAM)": Contender(trainer, UPT_BATCH)}
+    with contextlib.ExitStack() as open_loaders:
+        for where, label in ((url, ""), (purl, ", process pool")):
+            ld = open_loaders.enter_context(
+                Loader(
+                    where,
+                    "upt",
+                    UPT_BATCH,
+                    transforms=UPT_SUBSET,
+                    seed=0,
+                    rank=0,
+                    world_size=1,
+                    drop_last=True,
+                )
+            )
 
             def epoch(e: int, ld: Loader = ld) -> Iterable[Step]:
                 ld.set_epoch(e)
@@ -533,10 +564,11 @@ def bench_upt(url: str, purl: str, store: Path, n: int) -> dict[str, dict[str, f
                     for b in ld
                 )
 
-            rows[f"shardserve Loader(transforms=[random_subset]){label}"] = measure(
-                epoch, UPT_BATCH, server_pid(store, where == purl), loader=ld
+            contenders[f"shardserve Loader(transforms=[random_subset]){label}"] = Contender(
+                epoch, UPT_BATCH, server_pid(store, where == purl), ld
             )
-    return rows
+        # Short epochs (about a quarter second): more of them, taken in turn.
+        return measure_together(contenders, repeats=UPT_REPEATS)
 
 
 def bench_shogi(
