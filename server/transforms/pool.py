@@ -32,11 +32,12 @@ deadline on threads:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -48,10 +49,14 @@ from ..source import FRESH, Tail
 from .chunks import bounds, concat_parts, slice_parts
 from .errors import StepFailed
 from .metrics import TransformMetrics
-from .pool_processes import Describe, PieceResult, ProcessRuns
 from .pool_threads import ThreadRuns
 from .runner import Limits, Progress, Where, run_chain
 from .spec import Chain
+
+if TYPE_CHECKING:
+    # Imported where the first run on worker processes makes them: an idle server (and one
+    # whose chains all run on threads) never loads ``multiprocessing`` or the worker's code.
+    from .pool_processes import Describe, PieceResult, ProcessRuns
 
 PoolSetting = Literal["auto", "thread", "process"]
 #: The lane of runs that name no job.
@@ -119,7 +124,10 @@ class TransformPool:
         #: on its worker).
         self._lanes = Lanes(workers)
         self._threads = ThreadRuns(metrics, timeout_s, self.limits)
-        self._processes = ProcessRuns(workers, modules, timeout_s, metrics)
+        self._modules = list(modules)
+        #: The worker processes, made by :meth:`_remote` at the first run that needs them.
+        self._processes: ProcessRuns | None = None
+        self._processes_lock = threading.Lock()
         #: Completed with an exception by :meth:`close`: wakes every run waiting on its pieces.
         self._closing: Future[Any] = Future()
 
@@ -155,7 +163,7 @@ class TransformPool:
                 batch, chain, parts, indices, where, names, describe, out, tail, deadline
             )
         if remote:
-            self._processes.start()
+            self._remote(describe).start()
         try:
             job_lane = self._lanes.get(lane)
         except RuntimeError as closed:
@@ -199,7 +207,7 @@ class TransformPool:
             if run.remote:
                 run.futs.append(
                     run.lane.submit(
-                        self._processes.piece,
+                        self._remote(run.describe).piece,
                         chain,
                         sub,
                         indices[lo:hi],
@@ -289,29 +297,48 @@ class TransformPool:
                 break
         return pending
 
+    def _remote(self, describe: Describe) -> ProcessRuns:
+        """The worker processes, made (not started) at the first call; ``describe``'s error
+        once the pool is closed."""
+        with self._processes_lock:
+            if self._closing.done():
+                raise describe("the server is stopping")
+            if self._processes is None:
+                from .pool_processes import ProcessRuns
+
+                self._processes = ProcessRuns(
+                    self.size, self._modules, self.timeout_s, self._metrics
+                )
+            return self._processes
+
     def status(self) -> dict[str, Any]:
+        procs = self._processes
         return {
             "size": self.size,
             "kind": self.kind,
-            "processes": self._processes.alive(),
+            "processes": procs.alive() if procs is not None else 0,
             "pids": self.pids(),
-            "waiting": self._processes.waiting,
+            "waiting": procs.waiting if procs is not None else 0,
             "timeout_s": self.timeout_s,
             "lanes": len(self._lanes),
             "lane_threads": self._lanes.threads(),
             "running_on_assembly_threads": self._threads.running_here,
             "moved_to_processes": sorted(self._threads.hung),
-            "input_file_bytes": self._processes.input_file_bytes(),
+            "input_file_bytes": procs.input_file_bytes() if procs is not None else 0,
         }
 
     def pids(self) -> list[int]:
-        return self._processes.pids()
+        procs = self._processes
+        return procs.pids() if procs is not None else []
 
     def close(self) -> None:
         """Stop every worker process (killed if it does not exit at once) and the lanes; runs
         waiting on their pieces fail at once."""
         if not self._closing.done():
             self._closing.set_exception(TransformError("the transform pool is closed"))
-        self._processes.close()
+        with self._processes_lock:
+            procs = self._processes
+        if procs is not None:
+            procs.close()
         self._threads.close()
         self._lanes.close()

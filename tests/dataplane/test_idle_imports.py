@@ -1,6 +1,6 @@
 """An idle server keeps the libraries it needs only for work out of memory: it has not imported
-pyarrow (the read path loads it with the first job), numpy.random, the ingest readers, Pillow
-or tqdm."""
+pyarrow (the read path loads it with the first job), numpy.random, the ingest readers, Pillow,
+tqdm, or the transform worker processes' code."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ from tests.support.server import run_server
 from tests.support.slowness import scaled
 
 #: Modules (and their submodules) an idle server must not have imported: each is loaded where it
-#: is first used (the first job's read, ingest, decoding, the first generator).
+#: is first used (the first job's read, ingest, decoding, the first generator, the first chain
+#: run on worker processes).
 NOT_IDLE = (
     "pyarrow",
     "numpy.random",
     "shardserve.server.store.ingest",
     "PIL",
     "tqdm",
+    "shardserve.server.transforms.pool_processes",
+    "shardserve.server.transforms.worker",
+    "shardserve.server.transforms.codec",
 )
 
 
