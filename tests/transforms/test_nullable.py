@@ -108,3 +108,27 @@ def test_a_step_naming_a_masked_field_is_refused(server: ServerProc) -> None:
     )
     assert 400 <= r.status_code < 500, r.text
     assert "missing in some samples" in r.text and "'params'" in r.text
+
+
+def test_a_chain_that_cuts_big_clouds_sends_its_batches_several_to_a_message(
+    tmp_path: Path,
+) -> None:
+    """Clouds of ~50 KB cut to 64 points: a stream sizes its messages by the served ~1 KB a sample, not the stored average."""
+    rng = np.random.default_rng(0)
+    with ShardWriter(tmp_path, "clouds", variable=["bc"]) as w:
+        for i in range(256):
+            w.add(
+                {
+                    "points": rng.standard_normal((int(rng.integers(3000, 5000)), 3), np.float32),
+                    "bc": None if i % 5 == 0 else np.arange(i % 7, dtype=np.int32),
+                }
+            )
+    chain = [{"name": "random_subset", "params": {"field": "points", "n": 64}}]
+    with (
+        run_server(tmp_path) as srv,
+        Loader(srv.http_url, "clouds", 16, transforms=chain, prefetch=32, timeout=scaled(30)) as ld,
+    ):
+        batches = sum(1 for _ in ld)
+        messages = ld.stats().messages
+    # Sized at the stored ~50 KB a sample, a batch is ~800 KB and two go to a 2 MiB message.
+    assert batches == 16 and messages <= 4, messages
