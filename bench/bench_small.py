@@ -252,6 +252,13 @@ class Contender:
     server: int | None = None
     loader: Loader | None = None
 
+    def warm(self) -> None:
+        """Epoch 0, unmeasured; its last batch is let go on return. A batch held on keeps
+        its shared-memory slot, and the Loader copies further batches out while the loop
+        holds half the ring: a held warm-up batch made every shogi batch a copy."""
+        for b in self.epoch(0):
+            touch(b)
+
     def run(self, e: int) -> dict[str, float]:
         """Epoch ``e``, measured: samples/s, trainer and server CPU per batch, steps a message."""
         s0, c0, w0 = cpu_of(self.server), time.process_time(), time.perf_counter()
@@ -278,8 +285,7 @@ def measure_together(rows: dict[str, Contender], repeats: int = 3) -> dict[str, 
     turn (row A's epoch 1, row B's epoch 1, A's epoch 2, ...), so that a change in the
     machine's load lands on every row alike instead of on whichever ran last."""
     for c in rows.values():
-        for b in c.epoch(0):
-            touch(b)
+        c.warm()
     best: dict[str, dict[str, float]] = {name: {} for name in rows}
     for e in range(1, repeats + 1):
         for name, c in rows.items():
