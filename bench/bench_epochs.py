@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _loops import touch
+from _small_data import make_cifar
 from _support import run_server
-from bench_small import make_cifar, touch
 
 from shardserve.client import Loader
 from shardserve.proto.manifest import FieldSpec

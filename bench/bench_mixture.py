@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_small import cpu_of, server_pid  # this folder is on the path of a script here
+from _loops import cpu_of, server_pid  # this folder is on the path of a script here
 
 from shardserve.client import Loader, serve_local
 from shardserve.proto.manifest import FieldSpec

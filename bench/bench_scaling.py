@@ -36,8 +36,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from _loops import server_pid
+from _small_data import make_cifar
 from bench_memory import private_kib
-from bench_small import make_cifar, server_pid
 from bench_transforms import CIFAR_CHAIN, tree_cpu
 
 from shardserve.client import serve_local

@@ -57,10 +57,8 @@ import json
 import os
 import platform
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -68,41 +66,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_transforms import tree_cpu
+from _loops import PROCESS_POOL, Contender, Step, measure, measure_together, server_pid
+from _small_data import (
+    SHOGI_PLANES,
+    crystals,
+    graphs,
+    make_cifar,
+    make_crystals,
+    make_graphs,
+    make_shogi,
+    make_upt,
+    upt,
+)
 from torch.utils.data import DataLoader
 
 from shardserve.client import Loader, plan, serve_local
-from shardserve.proto.manifest import FieldSpec
 from shardserve.server.store.catalog import Store
-from shardserve.server.store.write.writer import ShardWriter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "small.json"
-#: The second server's options: transforms in worker processes.
-PROCESS_POOL = ("--transform-pool", "process")
-ENVS, ENV_BATCH, GRAPH_BATCH = 4, 32, 64
-CIFAR = (
-    FieldSpec(name="image", dtype="uint8", shape=(3, 32, 32)),
-    FieldSpec(name="label", dtype="int64", shape=()),
-)
-GRAPH = (
-    FieldSpec(name="x", dtype="float32", shape=(-1, 16)),
-    FieldSpec(name="pos", dtype="float32", shape=(-1, 3)),
-    FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
-    FieldSpec(name="y", dtype="float32", shape=()),
-)
-CRYSTAL = (
-    FieldSpec(name="atom_fea", dtype="float32", shape=(-1, 16)),
-    FieldSpec(name="edge_index", dtype="int64", shape=(2, -1)),
-    FieldSpec(name="bond_fea", dtype="float32", shape=(-1, 8)),
-    FieldSpec(name="energy", dtype="float32", shape=()),
-)
-SHOGI_PLANES, SHOGI_BATCH = (104, 9, 9), 256
-SHOGI_BYTES = -(-104 * 81 // 8)
-SHOGI = (
-    FieldSpec(name="packed", dtype="uint8", shape=(SHOGI_BYTES,)),
-    FieldSpec(name="move", dtype="int64", shape=()),
-    FieldSpec(name="result", dtype="float32", shape=()),
-)
+ENVS, ENV_BATCH, GRAPH_BATCH, SHOGI_BATCH = 4, 32, 64, 256
 SHOGI_FEATURIZE = [
     {
         "name": "unpack_bits",
@@ -119,193 +101,6 @@ UPT_REPEATS = 7
 UPT_SUBSET = [{"name": "random_subset", "params": {"field": "points", "n": UPT_QUERIES}}]
 #: CHGNet's fields do not say which counts the nodes (atom_fea and bond_fea look alike).
 CRYSTAL_COLLATE = {"graph": {"node_field": "atom_fea"}}
-Step = Any  # a batch (dict of tensors) or a list of them
-
-
-# -- data ----------------------------------------------------------------------------------
-def make_cifar(root: Path, n: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    arrays = {
-        "image": rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8),
-        "label": np.arange(n) % 10,
-    }
-    with ShardWriter(root, "cifar", fields=CIFAR, shard_bytes=64 << 20) as w:
-        w.add_batch(arrays)
-    return arrays
-
-
-def graphs(n: int) -> Iterator[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        a = int(rng.integers(2, 201))
-        yield {
-            "x": rng.standard_normal((a, 16), dtype=np.float32),
-            "pos": rng.standard_normal((a, 3), dtype=np.float32),
-            "edge_index": rng.integers(0, a, (2, 2 * a)).astype(np.int64),
-            "y": np.float32(i),
-        }
-
-
-def make_graphs(root: Path, n: int, shards: int) -> str:
-    name = f"graphs{shards}"
-    approx = n * 101 * (16 * 4 + 3 * 4 + 2 * 2 * 8)  # mean atoms x bytes per atom
-    with ShardWriter(root, name, fields=GRAPH, shard_bytes=approx // shards + 1) as w:
-        for g in graphs(n):
-            w.add(g)
-    got = len(w.manifest.shards) if w.manifest else 0
-    print(f"  {name}: {got} shards")
-    return name
-
-
-def crystals(n: int) -> Iterator[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(1)
-    for i in range(n):
-        a = int(rng.integers(2, 201))
-        e = 4 * a
-        yield {
-            "atom_fea": rng.standard_normal((a, 16), dtype=np.float32),
-            "edge_index": rng.integers(0, a, (2, e)).astype(np.int64),
-            "bond_fea": rng.standard_normal((e, 8), dtype=np.float32),
-            "energy": np.float32(i),
-        }
-
-
-def upt(n: int) -> Iterator[dict[str, Any]]:
-    rng = np.random.default_rng(2)
-    for i in range(n):
-        yield {
-            "points": rng.standard_normal((int(rng.integers(1000, 5001)), 3), dtype=np.float32),
-            "params": None if i % 3 == 0 else rng.standard_normal(4, dtype=np.float32),
-            "bc": None if i % 5 == 0 else np.arange(i % 7, dtype=np.int32),
-        }
-
-
-def make_upt(root: Path, n: int) -> str:
-    with ShardWriter(root, "upt", shard_bytes=64 << 20, variable=["bc"]) as w:
-        for s in upt(n):
-            w.add(s)
-    return "upt"
-
-
-def make_shogi(root: Path, n: int) -> dict[str, np.ndarray]:
-    """Shogi-like positions as the seed keeps them: 104 planes of 9x9 bits packed into 1,053
-    bytes a position, a move label and a game result."""
-    rng = np.random.default_rng(3)
-    arrays = {
-        "packed": rng.integers(0, 256, (n, SHOGI_BYTES), dtype=np.uint8),
-        "move": rng.integers(0, 2187, n, dtype=np.int64),
-        "result": rng.random(n, dtype=np.float32),
-    }
-    with ShardWriter(root, "shogi", fields=SHOGI, shard_bytes=64 << 20) as w:
-        w.add_batch(arrays)
-    return arrays
-
-
-def make_crystals(root: Path, files: Path, n: int) -> str:
-    """The crystals in the store (3 shards) and as one ``.pt`` dict per graph in ``files``."""
-    files.mkdir(parents=True)
-    approx = n * 101 * (16 * 4 + 4 * (2 * 8 + 8 * 4))
-    with ShardWriter(root, "crystals", fields=CRYSTAL, shard_bytes=approx // 3 + 1) as w:
-        for i, g in enumerate(crystals(n)):
-            w.add(g)
-            torch.save(
-                {k: torch.from_numpy(np.asarray(v)) for k, v in g.items()}, files / f"{i:06d}.pt"
-            )
-    return "crystals"
-
-
-# -- measuring -----------------------------------------------------------------------------
-def touch(step: Step) -> None:
-    # Reads one element of every tensor: the batch must exist, the loop adds no real work.
-    for b in step if isinstance(step, list) else [step]:
-        for t in b.values():
-            if isinstance(t, torch.Tensor):  # a PyG Batch also holds counts
-                float(t.reshape(-1)[-1])
-
-
-def server_pid(store: Path, processes: bool = False) -> int | None:
-    """The pid of the server of ``store`` (``processes``: the one started with
-    ``PROCESS_POOL``)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            pooled = PROCESS_POOL[0].encode() in cmd
-            if b"serve" in cmd and str(store).encode() in cmd and pooled == processes:
-                return int(proc.name)
-    return None
-
-
-def cpu_of(pid: int | None) -> float:
-    """CPU seconds of server ``pid`` and of its transform worker processes."""
-    return float("nan") if pid is None else tree_cpu(pid)
-
-
-@dataclass
-class Contender:
-    """One row of a measurement: its epochs and whose CPU it costs."""
-
-    epoch: Callable[[int], Iterable[Step]]
-    per_step: int
-    server: int | None = None
-    loader: Loader | None = None
-
-    def warm(self) -> None:
-        """Epoch 0, unmeasured; its last batch is let go on return. A batch held on keeps
-        its shared-memory slot, and the Loader copies further batches out while the loop
-        holds half the ring: a held warm-up batch made every shogi batch a copy."""
-        for b in self.epoch(0):
-            touch(b)
-
-    def run(self, e: int) -> dict[str, float]:
-        """Epoch ``e``, measured: samples/s, trainer and server CPU per batch, steps a message."""
-        s0, c0, w0 = cpu_of(self.server), time.process_time(), time.perf_counter()
-        m0 = self.loader.stats().messages if self.loader is not None else 0
-        steps = 0
-        for b in self.epoch(e):
-            touch(b)
-            steps += 1
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-        srv = cpu_of(self.server) - s0
-        batches = steps * (len(b) if isinstance(b, list) else 1)
-        messages = self.loader.stats().messages - m0 if self.loader is not None else 0
-        return {
-            "samples_s": steps * self.per_step / wall,
-            "steps_s": steps / wall,
-            "client_cpu_us_per_batch": cpu / batches * 1e6,
-            "server_cpu_us_per_batch": srv / batches * 1e6,
-            "steps_per_message": steps / messages if messages else float("nan"),
-        }
-
-
-def measure_together(rows: dict[str, Contender], repeats: int = 3) -> dict[str, dict[str, float]]:
-    """Each row's best of ``repeats`` epochs after a warm-up one, the rows' epochs taken in
-    turn (row A's epoch 1, row B's epoch 1, A's epoch 2, ...), so that a change in the
-    machine's load lands on every row alike instead of on whichever ran last."""
-    for c in rows.values():
-        c.warm()
-    best: dict[str, dict[str, float]] = {name: {} for name in rows}
-    for e in range(1, repeats + 1):
-        for name, c in rows.items():
-            row = c.run(e)
-            if row["samples_s"] > best[name].get("samples_s", 0.0):
-                best[name] = row
-    return best
-
-
-def measure(
-    epoch: Callable[[int], Iterable[Step]],
-    per_step: int,
-    server: int | None = None,
-    repeats: int = 3,
-    loader: Loader | None = None,
-) -> dict[str, float]:
-    """Samples/s, trainer CPU and server CPU per batch (and a Loader's steps per message):
-    the best of ``repeats`` epochs after a warm-up epoch (the machine is shared: the best
-    epoch is the least disturbed one)."""
-    return measure_together({"": Contender(epoch, per_step, server, loader)}, repeats)[""]
 
 
 def storages(step: list[dict[str, torch.Tensor]]) -> list[int]:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from bench._support import ServerProc, free_port, make_job
+from bench._ports import free_port
+from bench._support import ServerProc, make_job
 from bench._support import run_server as _run_server
 from tests.support.slowness import scaled, slowness
 
