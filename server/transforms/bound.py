@@ -157,21 +157,25 @@ def chain_sample_bytes(chain: Chain, stored_sample_bytes: float) -> float:
 
 
 #: Samples read to size the fields a chain passes by: the first ones, so one block of the
-#: store is read (and verified) and nothing is fetched from anywhere.
+#: store is read (and verified) and nothing is fetched from anywhere; never more than a
+#: batch, whose memory the job's admission bounded.
 SIZING_ROWS = 64
 
 
-def served_sample_bytes(chain: Chain, inner: BatchSource, passed: Sequence[str]) -> float:
+def served_sample_bytes(
+    chain: Chain, inner: BatchSource, passed: Sequence[str], batch_size: int
+) -> float:
     """A stream's estimate of a sample's bytes after ``chain``: its fixed-size outputs plus the
-    average of the ``passed`` fields over the first :data:`SIZING_ROWS` samples, when every
-    output is fixed and ``inner`` reads without waiting; else :func:`chain_sample_bytes`.
+    average of the ``passed`` fields over the first :data:`SIZING_ROWS` samples (at most
+    ``batch_size``), when every output is fixed and ``inner`` reads without waiting; else
+    :func:`chain_sample_bytes`.
 
     A chain that cuts a big variable field to a fixed size (``random_subset`` of a point
     cloud) serves a fraction of the stored average, and batches go several to a message by
     this figure. A batch bigger than it still goes, over the socket (see ``..streaming.shm``).
     """
     outputs = chain.outputs.values()
-    rows = min(SIZING_ROWS, inner.manifest.num_samples)
+    rows = min(SIZING_ROWS, batch_size, inner.manifest.num_samples)
     if not inner.inline_ok or not rows or not all(f.fixed for f in outputs):
         return chain_sample_bytes(chain, inner.sample_bytes)
     fixed = sum(math.prod(f.shape) * np.dtype(f.dtype).itemsize for f in outputs)
@@ -218,7 +222,9 @@ class TransformedDataset(Wrapped):
         self.fields = self._manifest.fields
         #: Fields missing in some samples: read after the chain, for the samples it kept.
         self._passed = {f.name for f in self.fields if f.nullable}
-        self._sample_bytes = served_sample_bytes(chain, inner, sorted(self._passed))
+        self._sample_bytes = served_sample_bytes(
+            chain, inner, sorted(self._passed), spec.batch_size
+        )
         written = {k for step in chain.steps for k in step.writes}
         #: Inputs no step writes, served as stored: gathered straight into the stream's slot
         #: (a copy there after the chain, 8% of a CIFAR batch's server CPU, is then none).
