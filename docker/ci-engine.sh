@@ -92,7 +92,7 @@ build=(podman build --quiet --pull=never --format docker --network host
 # The sources' hash: the server image's last stage installs from a bind mount, which podman's
 # layer cache does not look into (see docker/Dockerfile, SOURCE_ID).
 source_id=$(tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --exclude=__pycache__ \
-  -cf - pyproject.toml README.md proto server client | sha256sum | cut -c1-16)
+  --exclude='*.so' -cf - pyproject.toml setup.py README.md proto server client | sha256sum | cut -c1-16)
 # The images these builds replace: each is a GB or so, and one left behind per run fills a disk.
 replaced=()
 for image in "$SERVER_IMAGE" "$TRAINER_IMAGE"; do

@@ -210,6 +210,11 @@ def _serve(settings: Settings, early: list[int], watchdog: _Watchdog) -> int:
 
     configure_logging(settings.log_format, settings.log_level)
     log_event(log, "serve.sizing", choices=settings.sizing.line())
+    # The image built-ins run compiled when the install had a C compiler, else on numpy
+    # (the same bytes, a few times the CPU): a slow CIFAR chain should be told apart here.
+    from .transforms.onepass import BUILT
+
+    log_event(log, "serve.image_kernel", compiled=BUILT)
     try:
         service = Service(settings)
     except ValueError as e:  # e.g. a --transforms module that does not import

@@ -19,8 +19,9 @@ import numpy as np
 from pydantic import Field
 
 from .draws import crop_offsets, flips
-from .kernels import crop_flip, normalize_into, pad_batch
+from .kernels import crop_flip, norm_table, normalize_into, pad_batch
 from .keys import SampleKeys
+from .onepass import channels, gather
 from .params import FieldParams
 from .registry import Columns, batch_transform
 from .schema import Field as F
@@ -242,6 +243,19 @@ def _norm_shape(x: np.ndarray, p: Normalize) -> tuple[int, ...]:
 
 def normalize_batch(x: np.ndarray, p: Normalize, y: np.ndarray) -> np.ndarray:
     """``normalize`` of the batch ``x`` written into ``y`` (the step's shape and dtype)."""
+    chw_in = p.layout == "CHW" and not p.to_chw
+    if x.dtype == np.uint8 and gather(
+        x, y, norm_table_of(p, channels(x, chw_in)), chw_in=chw_in, chw_out=p.to_chw or chw_in
+    ):
+        return y
     if p.to_chw:
         x = np.transpose(x, (0, 3, 1, 2))
     return normalize_into(x, y, p.to_chw or p.layout == "CHW", p.scale, p.mean, p.std)
+
+
+def norm_table_of(p: Normalize, channels: int) -> np.ndarray:
+    """``p``'s results for each ``uint8`` value on each of ``channels`` (see
+    :func:`~.kernels.norm_table`)."""
+    mean = tuple(p.mean) if p.mean is not None else None
+    std = tuple(p.std) if p.std is not None else None
+    return norm_table(p.scale, mean, std, channels, p.dtype)

@@ -2,12 +2,14 @@
 ``normalize`` (any two or all three, in this order, on one field and one layout).
 
 Alone, each step makes a full-size array the next one reads: a padded copy, the crops, a
-flipped copy, a cast, then the normalize's passes. Fused, the crop and the flip are one
-gather (flipped samples through a mirrored view) into an array of the input's dtype, and
-the normalize writes the final dtype straight into the stream's slot (``out``). The draws
-are those of the steps alone, each from its own step's keys (the runner passes one
-:class:`~.keys.SampleKeys` per fused step, in order), and the kernels are theirs: the bytes
-are the same as unfused.
+flipped copy, a cast, then the normalize's passes. Fused on a ``uint8`` batch, the steps are
+one pass of compiled code (:mod:`.onepass`: each input byte read once, each output element
+written once, straight into the stream's slot). Elsewhere (another dtype, or the extension
+not built) the crop and the flip are one numpy gather (flipped samples through a mirrored
+view) into an array of the input's dtype, and the normalize writes the final dtype into the
+slot (``out``). The draws are those of the steps alone, each from its own step's keys (the
+runner passes one :class:`~.keys.SampleKeys` per fused step, in order), and the values are
+theirs: the bytes are the same as unfused, either way.
 
 >>> from .builtins_images import HFlip, RandomCrop, hflip, random_crop
 >>> plan = fusable([(random_crop, RandomCrop(field="x", size=4)), (hflip, HFlip(field="x"))])
@@ -31,18 +33,19 @@ from .builtins_images import (
     RandomCrop,
     crop_at,
     crop_axes,
-    crop_batch,
     crop_room,
     flip_batch,
     hflip,
+    norm_table_of,
     normalize,
     normalize_batch,
     random_crop,
     size2,
 )
-from .draws import crop_flips, flips
+from .draws import crop_flips, crop_offsets, flips
 from .kernels import scratch
 from .keys import SampleKeys
+from .onepass import channels, gather, identity
 from .registry import Columns, Transform, batch_transform
 from .schema import Field, Schema
 
@@ -63,6 +66,10 @@ class Fused(BaseModel):
     @property
     def field(self) -> str:
         return next(p.field for p in (self.crop, self.flip, self.norm) if p is not None)
+
+    @property
+    def layout(self) -> str:
+        return next(p.layout for p in (self.crop, self.flip, self.norm) if p is not None)
 
 
 @dataclass(frozen=True)
@@ -145,27 +152,72 @@ def run_fused(
 ) -> Columns:
     """The fused steps on ``batch``; ``keys``: each fused step's keys, in order."""
     x = batch[p.field]
+    oy, ox, flip = _draws(x, p, keys)
+    dest = out.get(p.field)
+    if dest is None:
+        dtype = np.dtype(p.norm.dtype) if p.norm is not None else x.dtype
+        dest = np.empty(_fused_shape(x, p), dtype)
+    if _one_pass(x, p, oy, ox, flip, dest):
+        return {p.field: dest}
+    # The crops go straight to the slot if nothing follows, else to this thread's scratch.
+    last = dest if p.norm is None else scratch("crops", _crop_shape(x, p), x.dtype)
+    if p.crop is not None and oy is not None and ox is not None:
+        x = crop_at(x, p.crop, oy, ox, flip, last)
+    elif p.flip is not None and flip is not None:
+        x = flip_batch(x, p.flip.layout, flip, last)
+    if p.norm is None:
+        return {p.field: x}
+    return {p.field: normalize_batch(x, p.norm, dest)}
+
+
+Draws = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]
+
+
+def _draws(x: np.ndarray, p: Fused, keys: Sequence[SampleKeys]) -> Draws:
+    """``(oy, ox, flip)`` of the fused crop and flip (``None`` where a step is not fused),
+    each from its own step's keys: the numbers the steps alone draw."""
     each = iter(keys)
     crop_keys = next(each) if p.crop is not None else None
     flip_keys = next(each) if p.flip is not None else None
-    dest = out.get(p.field)
-    # The crops go straight to the slot if nothing follows, else to this thread's scratch.
-    last = dest if p.norm is None else scratch("crops", _crop_shape(x, p), x.dtype)
     if p.crop is not None and crop_keys is not None:
+        room = crop_room(x, p.crop)
         if p.flip is not None and flip_keys is not None:
             # Both steps' draws in one pass: a fifth of the chain's time was drawing.
-            oy, ox, flip = crop_flips(crop_keys, flip_keys, *crop_room(x, p.crop), p.flip.p)
-            x = crop_at(x, p.crop, oy, ox, flip, last)
-        else:
-            x = crop_batch(x, p.crop, crop_keys, None, last)
-    elif p.flip is not None and flip_keys is not None:
-        x = flip_batch(x, p.flip.layout, flips(flip_keys, p.flip.p), last)
-    if p.norm is None:
-        return {p.field: x}
-    if dest is None:
-        shape = (x.shape[0], x.shape[3], x.shape[1], x.shape[2]) if p.norm.to_chw else x.shape
-        dest = np.empty(shape, np.dtype(p.norm.dtype))
-    return {p.field: normalize_batch(x, p.norm, dest)}
+            return crop_flips(crop_keys, flip_keys, *room, p.flip.p)
+        return (*crop_offsets(crop_keys, *room), None)
+    if p.flip is not None and flip_keys is not None:
+        return None, None, flips(flip_keys, p.flip.p)
+    return None, None, None
+
+
+def _one_pass(
+    x: np.ndarray,
+    p: Fused,
+    oy: np.ndarray | None,
+    ox: np.ndarray | None,
+    flip: np.ndarray | None,
+    dest: np.ndarray,
+) -> bool:
+    """The fused steps by the compiled kernel (:mod:`.onepass`), if it applies."""
+    if x.dtype != np.uint8:
+        return False
+    layout = p.layout
+    chw_in = layout == "CHW"
+    chw_out = chw_in or (p.norm is not None and p.norm.to_chw)
+    c = channels(x, chw_in)
+    table = norm_table_of(p.norm, c) if p.norm is not None else identity(c)
+    pad, fill = (p.crop.padding, int(p.crop.fill)) if p.crop is not None else (0, 0)
+    return gather(
+        x, dest, table, chw_in=chw_in, chw_out=chw_out, oy=oy, ox=ox, flip=flip, pad=pad, fill=fill
+    )
+
+
+def _fused_shape(x: np.ndarray, p: Fused) -> tuple[int, ...]:
+    """The shape of the batch ``x`` after all the fused steps."""
+    shape = _crop_shape(x, p)
+    if p.norm is not None and p.norm.to_chw:
+        return (shape[0], shape[3], shape[1], shape[2])
+    return shape
 
 
 def _crop_shape(x: np.ndarray, p: Fused) -> tuple[int, ...]:

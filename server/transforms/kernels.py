@@ -147,11 +147,12 @@ def normalize_into(
     as arrays of one sample's shape (a broadcast of a ``[C, 1, 1]`` array costs a third more
     per pass); neither changes a value, only the order elements are visited in.
 
-    Measured and kept out (one core, CIFAR batch 256: 0.55 ms here): a per-channel table of
-    the 256 results of a ``uint8`` input (the same bytes in one pass) costs 0.85-1.2 ms
-    through ``np.take`` (about 1.1 ns an element for the index cast and the gather, in
-    blocks of 4 to 64 samples; a table of pairs over a ``uint16`` view is no better) and
-    1.8 ms by fancy indexing; a multiply by ``1 / std`` changes 39-48 of a channel's 256
+    On a ``uint8`` batch the built-ins look the results up instead, in compiled code
+    (:func:`norm_table`, :mod:`.onepass`); this is the fallback and the table's maker.
+    Measured and kept out here (one core, CIFAR batch 256: 0.55 ms): that table looked up
+    through numpy costs 0.85-1.2 ms with ``np.take`` (about 1.1 ns an element for the index
+    cast and the gather, in blocks of 4 to 64 samples; a table of pairs over a ``uint16``
+    view is no better) and 1.8 ms by fancy indexing; a multiply by ``1 / std`` changes 39-48 of a channel's 256
     results (CIFAR's mean and std), so the divide stays.
 
     >>> y = np.empty((1, 2), np.float32)
@@ -173,6 +174,28 @@ def normalize_into(
         if s is not None:
             np.divide(yb, s, out=yb)
     return y
+
+
+@functools.lru_cache(maxsize=16)
+def norm_table(
+    scale: float,
+    mean: tuple[float, ...] | None,
+    std: tuple[float, ...] | None,
+    channels: int,
+    dtype: str,
+) -> np.ndarray:
+    """``[channels, 256]``: what :func:`normalize_into` makes of each ``uint8`` value on each
+    channel, by that very function, so a lookup in it gives a batch the same bytes.
+
+    >>> norm_table(1 / 255, (0.5,), (0.5,), 1, "float32")[0, [0, 255]]
+    array([-1.,  1.], dtype=float32)
+    """
+    x = np.ascontiguousarray(np.broadcast_to(np.arange(256, dtype=np.uint8), (1, channels, 1, 256)))
+    y = np.empty(x.shape, np.dtype(dtype))
+    normalize_into(x, y, True, scale, mean, std)
+    table = y.reshape(channels, 256)
+    table.flags.writeable = False
+    return table
 
 
 #: Bytes of ``y`` normalized at a time: its three passes stay in a core's L2 cache.

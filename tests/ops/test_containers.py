@@ -218,6 +218,17 @@ def test_server_image_has_no_torch_and_stays_small(stack: Stack) -> None:
     assert size < SERVER_IMAGE_MAX_BYTES, f"server image is {size / 1e6:.0f} MB"
 
 
+def test_server_image_has_the_compiled_image_kernel(stack: Stack) -> None:
+    """The wheel stage compiles server/transforms/_windows.c: the image built-ins run in one
+    pass there, not on their numpy fallback."""
+    code = "from shardserve.server.transforms.onepass import BUILT; print(BUILT)"
+    built = _check(
+        stack.podman("run", "--rm", "--entrypoint", "python", stack.image, "-c", code),
+        "python in the server image",
+    )
+    assert built.strip() == "True", built
+
+
 def test_trainer_image_has_a_cpu_torch(stack: Stack) -> None:
     """The trainer's torch is the CPU build (no CUDA wheels pulled) and the image stays under TRAINER_IMAGE_MAX_BYTES."""
     code = (
