@@ -92,8 +92,8 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 print(f"python {platform.python_version()} torch {torch.__version__} cuda {cuda} gpu {gpu} "
       f"numpy {numpy.__version__} pyarrow {pyarrow.__version__}")
 print("sizing:", choose(probe(), {}).line())
-from shardserve.server.transforms.onepass import BUILT
-print("image kernel:", "compiled" if BUILT else "numpy (the wheel's C extension did not load)")
+from shardserve.server.transforms.compiled import KERNELS
+print("kernels:", {k: "compiled" if v else "numpy (the wheel's C extension did not load)" for k, v in KERNELS.items()})
 EOF
 [[ $MODE == gpu ]] && command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 

@@ -210,11 +210,12 @@ def _serve(settings: Settings, early: list[int], watchdog: _Watchdog) -> int:
 
     configure_logging(settings.log_format, settings.log_level)
     log_event(log, "serve.sizing", choices=settings.sizing.line())
-    # The image built-ins run compiled when the install had a C compiler, else on numpy
+    # The transforms' kernels run compiled when the install had a C compiler, else on numpy
     # (the same bytes, a few times the CPU): a slow CIFAR chain should be told apart here.
-    from .transforms.onepass import BUILT
+    from .transforms.compiled import KERNELS, MISSING
 
-    log_event(log, "serve.image_kernel", compiled=BUILT)
+    compiled = ",".join(k for k, built in KERNELS.items() if built)
+    log_event(log, "serve.kernels", compiled=compiled or "none", numpy=",".join(MISSING) or "none")
     try:
         service = Service(settings)
     except ValueError as e:  # e.g. a --transforms module that does not import

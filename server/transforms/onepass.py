@@ -9,8 +9,8 @@ against 1.3 ms). The values are numpy's: the table is numpy's normalize of every
 value, and the window and the flip only move bytes, so the bytes are the same either way
 (``tests/transforms/test_onepass.py`` checks that on random inputs).
 
-The extension is optional (``setup.py``): where it was not built, :data:`BUILT` is ``False``,
-:func:`gather` declines and the built-ins run their numpy kernels.
+The extension is optional (:mod:`.compiled`): where it was not built, :data:`BUILT` is
+``False``, :func:`gather` declines and the built-ins run their numpy kernels.
 
 >>> x = np.arange(4, dtype=np.uint8).reshape(1, 2, 2)
 >>> y = np.empty((1, 2, 2), np.uint8)
@@ -23,18 +23,13 @@ True
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 import numpy as np
 
-_windows: ModuleType | None
-try:
-    from . import _windows  # type: ignore[attr-defined,no-redef]  # built by setup.py
-except ImportError:  # no C compiler at install: the numpy kernels run instead
-    _windows = None
+from .compiled import windows
 
 #: Whether the compiled kernel is here (``shardserve serve`` logs it at start).
-BUILT = _windows is not None
+BUILT = windows is not None
 
 
 def channels(x: np.ndarray, chw: bool) -> int:
@@ -73,7 +68,7 @@ def gather(
     (``chw_out``) and the table's dtype. ``False``, with nothing written, where the kernel does
     not apply (not built, not ``uint8``, ``y`` not contiguous): the caller runs numpy."""
     if (
-        _windows is None
+        windows is None
         or x.dtype != np.uint8
         or x.ndim not in (3, 4)
         or y.ndim != x.ndim
@@ -92,7 +87,7 @@ def gather(
         oy = ox = np.zeros(n, np.int64)
     flips = np.ascontiguousarray(flip, np.bool_).view(np.uint8) if flip is not None else b""
     geometry = (n, c, h_in, w_in, sc, sh, sw, h, w, dc, dh, dw, pad, fill, y.itemsize)
-    _windows.gather(
+    windows.gather(
         np.ascontiguousarray(x),
         y,
         np.ascontiguousarray(oy, np.int64),

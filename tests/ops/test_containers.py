@@ -218,15 +218,15 @@ def test_server_image_has_no_torch_and_stays_small(stack: Stack) -> None:
     assert size < SERVER_IMAGE_MAX_BYTES, f"server image is {size / 1e6:.0f} MB"
 
 
-def test_server_image_has_the_compiled_image_kernel(stack: Stack) -> None:
-    """The wheel stage compiles server/transforms/_windows.c: the image built-ins run in one
-    pass there, not on their numpy fallback."""
-    code = "from shardserve.server.transforms.onepass import BUILT; print(BUILT)"
-    built = _check(
+def test_server_image_has_the_compiled_kernels(stack: Stack) -> None:
+    """The wheel stage compiles the transforms' C kernels: the server image runs them, not
+    their numpy fallback."""
+    code = "from shardserve.server.transforms.compiled import MISSING; print(MISSING)"
+    missing = _check(
         stack.podman("run", "--rm", "--entrypoint", "python", stack.image, "-c", code),
         "python in the server image",
     )
-    assert built.strip() == "True", built
+    assert missing.strip() == "[]", missing
 
 
 def test_trainer_image_has_a_cpu_torch(stack: Stack) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardserve.server.transforms import draws
+from shardserve.server.transforms import compiled, draws
 from shardserve.server.transforms.keys import SampleKeys, below, derive_key, philox4x32_10
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, output).
@@ -156,3 +156,32 @@ def test_subset_equals_the_first_distinct_draws_one_at_a_time(top: int) -> None:
         assert rows[i].tolist() == _first_distinct_reference(
             keys.take(np.array([i])), int(sizes[i]), 512
         )
+
+
+@pytest.mark.skipif(compiled.philox is None, reason="the C extension was not built")
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 40), st.booleans(), st.integers(0, 2**32 - 1))
+def test_the_compiled_blocks_are_numpys_words(n: int, per_sample: bool, seed: int) -> None:
+    """The compiled Philox gives numpy's words for any counters (past 2**32 too) and keys."""
+    rng = np.random.default_rng(seed)
+    block, ids = (rng.integers(0, 2**64, n, dtype=np.uint64) for _ in range(2))
+    k0, k1 = (rng.integers(0, 2**32, n if per_sample else 1, dtype=np.uint64) for _ in range(2))
+    got = np.empty((n, 4), np.uint64)
+    compiled.philox.blocks(block, ids, k0, k1, got)  # type: ignore[union-attr]
+    keys = (k0, k1) if per_sample else (int(k0[0]), int(k1[0]))
+    zero = np.zeros(n, np.uint64)
+    want = np.stack(philox4x32_10(block, zero, ids & 0xFFFFFFFF, ids >> np.uint64(32), *keys), -1)
+    assert got.tobytes() == want.reshape(n, 4).tobytes()
+
+
+@pytest.mark.skipif(compiled.philox is None, reason="the C extension was not built")
+def test_the_compiled_blocks_refuse_sizes_that_do_not_fit() -> None:
+    """Arrays of the wrong sizes are refused before anything is written."""
+    a, one = np.zeros(4, np.uint64), np.zeros(1, np.uint64)
+    blocks = compiled.philox.blocks  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="one size"):
+        blocks(a, a[:3], one, one, np.empty((4, 4), np.uint64))
+    with pytest.raises(ValueError, match="keys"):
+        blocks(a, a, a[:2], a[:2], np.empty((4, 4), np.uint64))
+    with pytest.raises(ValueError, match="four uint64 words"):
+        blocks(a, a, one, one, np.empty((3, 4), np.uint64))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardserve.server.transforms import onepass
+from shardserve.server.transforms import compiled, onepass
 from shardserve.server.transforms.builtins_images import (
     Normalize,
     RandomCrop,
@@ -109,7 +109,7 @@ def _call(
 ) -> None:
     x = np.zeros((1, 2, 2), np.uint8)
     geometry = (1, 1, 2, 2, 4, 2, sw, 2, 2, 4, 2, 1, pad, 0, 4)
-    onepass._windows.gather(  # type: ignore[union-attr]
+    compiled.windows.gather(  # type: ignore[union-attr]
         x,
         bytearray(dst_bytes),
         np.array([oy], np.int64),
