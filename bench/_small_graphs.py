@@ -56,12 +56,7 @@ def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, d
         num_workers=0,
         collate_fn=partial(collate_like_pyg, node_field="x"),
     )  # type: ignore[arg-type]
-
-    def dataloader(e: int) -> Iterable[Step]:
-        torch.manual_seed(e)
-        return dl
-
-    rows = {"DataLoader(list in RAM, workers 0)": measure(dataloader, GRAPH_BATCH)}
+    rows = {"DataLoader(list in RAM, workers 0)": measure(shuffled(dl), GRAPH_BATCH)}
     pid = server_pid(store)
     for name in names:
         with Loader(url, name, GRAPH_BATCH, collate="graph", seed=0, rank=0, world_size=1) as ld:
@@ -69,6 +64,17 @@ def bench_graphs(url: str, store: Path, names: list[str], n: int) -> dict[str, d
                 loader_epochs(ld), GRAPH_BATCH, pid, loader=ld
             )
     return rows
+
+
+def shuffled(dl: DataLoader) -> Callable[[int], Iterable[Step]]:  # type: ignore[type-arg]
+    """A shuffling DataLoader's epochs: epoch ``e`` draws its order from torch seeded with
+    ``e``."""
+
+    def epoch(e: int) -> Iterable[Step]:
+        torch.manual_seed(e)
+        return dl
+
+    return epoch
 
 
 class CrystalFiles(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -87,13 +93,6 @@ class CrystalFiles(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 def bench_crystals(url: str, store: Path, files: Path, n: int) -> dict[str, dict[str, float]]:
     held = [{k: torch.from_numpy(np.asarray(v)) for k, v in g.items()} for g in crystals(n)]
-
-    def shuffled(dl: DataLoader) -> Callable[[int], Iterable[Step]]:  # type: ignore[type-arg]
-        def epoch(e: int) -> Iterable[Step]:
-            torch.manual_seed(e)
-            return dl
-
-        return epoch
 
     def loader(
         data: Any, workers: int, collate: Callable[..., Any]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,37 +38,37 @@ UPT_REPEATS = 7
 UPT_SUBSET = [{"name": "random_subset", "params": {"field": "points", "n": UPT_QUERIES}}]
 
 
+def upt_batch(items: list[dict[str, Any]], rng: np.random.Generator) -> Step:
+    """What the trainer does without the sidecar: sample each cloud's queries itself, stack
+    them, and collate the masked fields by hand."""
+    pts = [s["points"][rng.choice(len(s["points"]), UPT_QUERIES, replace=False)] for s in items]
+    mask = torch.tensor([s["params"] is not None for s in items])
+    params = torch.stack(
+        [
+            torch.from_numpy(s["params"]) if s["params"] is not None else torch.zeros(4)
+            for s in items
+        ]
+    )
+    bcs = [
+        torch.from_numpy(s["bc"]) if s["bc"] is not None else torch.zeros(0, dtype=torch.int32)
+        for s in items
+    ]
+    return {
+        "points": torch.from_numpy(np.stack(pts)),
+        "params": params,
+        "mask": mask,
+        "bc": torch.cat(bcs),
+    }
+
+
 def bench_upt(url: str, purl: str, store: Path, n: int) -> dict[str, dict[str, float]]:
     held = list(upt(n))
 
     def trainer(e: int) -> Iterator[Step]:
-        """What the trainer does without the sidecar: sample each cloud's queries itself."""
         rng = np.random.default_rng(e)
         order = rng.permutation(n)
         for i in range(0, n - UPT_BATCH + 1, UPT_BATCH):
-            items = [held[j] for j in order[i : i + UPT_BATCH]]
-            pts = [
-                s["points"][rng.choice(len(s["points"]), UPT_QUERIES, replace=False)] for s in items
-            ]
-            mask = torch.tensor([s["params"] is not None for s in items])
-            params = torch.stack(
-                [
-                    torch.from_numpy(s["params"]) if s["params"] is not None else torch.zeros(4)
-                    for s in items
-                ]
-            )
-            bcs = [
-                torch.from_numpy(s["bc"])
-                if s["bc"] is not None
-                else torch.zeros(0, dtype=torch.int32)
-                for s in items
-            ]
-            yield {
-                "points": torch.from_numpy(np.stack(pts)),
-                "params": params,
-                "mask": mask,
-                "bc": torch.cat(bcs),
-            }
+            yield upt_batch([held[j] for j in order[i : i + UPT_BATCH]], rng)
 
     contenders = {"trainer samples its queries (RAM)": Contender(trainer, UPT_BATCH)}
     with contextlib.ExitStack() as open_loaders:

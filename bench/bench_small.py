@@ -181,29 +181,28 @@ def assert_no_aliasing(epoch: Iterable[Step]) -> int:
 
 
 # -- rows ----------------------------------------------------------------------------------
-def bench_envs(
-    url: str, arrays: dict[str, np.ndarray], store: Path, split: bool
-) -> dict[str, dict[str, float]]:
+def env_step_ids(n: int, split: bool, e: int) -> Iterator[list[torch.Tensor]]:
+    """Epoch ``e``'s sample ids, a tensor per env a step: one shuffle dealt across the envs
+    (``split``) or a shuffle per env."""
+    per_step = ENVS * ENV_BATCH
+    if split:
+        p = torch.from_numpy(np.random.default_rng(e).permutation(n))
+        for s in range(0, n - per_step + 1, per_step):
+            yield list(p[s : s + per_step].split(ENV_BATCH))
+        return
+    ps = [torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)]
+    for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
+        yield [p[s : s + ENV_BATCH] for p in ps]
+
+
+def bench_envs(url: str, arrays: dict[str, np.ndarray], store: Path, split: bool) -> Rows:
     """``split``: the seed's semantics, one shuffle dealt across the 4 envs (an epoch of
     ``n / 128`` steps); else a shuffle per env (``n / 32`` steps)."""
     n = len(arrays["label"])
     images, labels = torch.from_numpy(arrays["image"]), torch.from_numpy(arrays["label"])
-    per_step = ENVS * ENV_BATCH
-
-    def step_ids(e: int) -> Iterator[list[torch.Tensor]]:
-        if split:
-            p = torch.from_numpy(np.random.default_rng(e).permutation(n))
-            for s in range(0, n - per_step + 1, per_step):
-                yield list(p[s : s + per_step].split(ENV_BATCH))
-            return
-        ps = [
-            torch.from_numpy(np.random.default_rng([e, env]).permutation(n)) for env in range(ENVS)
-        ]
-        for s in range(0, n - ENV_BATCH + 1, ENV_BATCH):
-            yield [p[s : s + ENV_BATCH] for p in ps]
 
     def select_stack(e: int) -> Iterator[Step]:
-        for idx in step_ids(e):
+        for idx in env_step_ids(n, split, e):
             yield [
                 {
                     "image": torch.stack([images[i] for i in p.tolist()]),
@@ -213,17 +212,24 @@ def bench_envs(
             ]
 
     def index_select(e: int) -> Iterator[Step]:
-        for idx in step_ids(e):
+        for idx in env_step_ids(n, split, e):
             yield [
                 {"image": images.index_select(0, i), "label": labels.index_select(0, i)}
                 for i in idx
             ]
 
     rows = {
-        "select/stack loop (RAM)": measure(select_stack, per_step),
-        "index_select in process (RAM)": measure(index_select, per_step),
+        "select/stack loop (RAM)": measure(select_stack, ENVS * ENV_BATCH),
+        "index_select in process (RAM)": measure(index_select, ENVS * ENV_BATCH),
     }
-    pid = server_pid(store)
+    return rows | envs_shardserve_rows(url, images, labels, store, split)
+
+
+def envs_shardserve_rows(
+    url: str, images: torch.Tensor, labels: torch.Tensor, store: Path, split: bool
+) -> Rows:
+    """``Loader(envs=4)`` streaming and resident, and ``plan(envs=4)`` + ``index_select``."""
+    per_step, pid, rows = ENVS * ENV_BATCH, server_pid(store), {}
     mode = "split" if split else "independent"
     kw = dict(seed=0, rank=0, world_size=1, drop_last=True, envs=ENVS, env_shuffle=mode)
     with Loader(url, "cifar", ENV_BATCH, **kw) as ld:  # type: ignore[arg-type]
@@ -254,7 +260,7 @@ def bench_envs(
     return rows
 
 
-def bench_cifar(url: str, store: Path, n: int, batch: int) -> dict[str, dict[str, float]]:
+def bench_cifar(url: str, store: Path, n: int, batch: int) -> Rows:
     ds = Store(store).open("cifar")
     out = {k: np.empty((batch, *s[1]), dtype=s[0]) for k, s in ds.part_shapes(None).items()}  # type: ignore[index]
 
