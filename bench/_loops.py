@@ -90,6 +90,16 @@ class Contender:
         }
 
 
+def loader_epochs(loader: Loader) -> Callable[[int], Iterable[Step]]:
+    """A Loader's epochs for ``measure``: epoch ``e`` is the Loader after ``set_epoch(e)``."""
+
+    def epoch(e: int) -> Iterable[Step]:
+        loader.set_epoch(e)
+        return loader
+
+    return epoch
+
+
 def measure_together(rows: dict[str, Contender], repeats: int = 3) -> dict[str, dict[str, float]]:
     """Each row's best of ``repeats`` epochs after a warm-up one, the rows' epochs taken in
     turn (row A's epoch 1, row B's epoch 1, A's epoch 2, ...), so that a change in the
