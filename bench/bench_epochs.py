@@ -17,7 +17,7 @@ Then whole epochs of 50,000 CIFAR-like samples (``uint8[3,32,32]`` + label, batc
 shared memory, every batch's tensors touched): seconds per epoch, and the spread of epochs
 1 to 5 (max / min).
 
-Targets (issue 34): first batch of each later epoch <= 20 ms at 5M samples; of a new
+Targets: first batch of each later epoch <= 20 ms at 5M samples; of a new
 server's first epoch <= 0.3 s (its order is planned then, handed out after its first
 bucket, see ``server/planning/cache.py``); CIFAR epochs spread <= 1.3. Writes
 ``bench/results/epochs.json``.

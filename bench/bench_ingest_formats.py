@@ -1,4 +1,4 @@
-"""Ingest throughput per source format (issue 14), and graph batches collated on the server
+"""Ingest throughput per source format, and graph batches collated on the server
 vs. torch_geometric's DataLoader.
 
     python bench/bench_ingest_formats.py [--quick] [--workdir DIR]

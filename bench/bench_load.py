@@ -1,4 +1,4 @@
-"""Load benchmark (issue 5, item 7): many concurrent streams from one client process.
+"""Load benchmark: many concurrent streams from one client process.
 
     python bench/bench_load.py [--quick] [--seconds S] [--jobs N] [--ranks R] [--workdir DIR]
 

@@ -1,4 +1,4 @@
-"""Small batches, many environments and graphs (issue 22): shardserve against in-process loops.
+"""Small batches, many environments and graphs: shardserve against in-process loops.
 
     python bench/bench_small.py [--quick] [--workdir DIR]
 

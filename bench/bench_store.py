@@ -7,7 +7,7 @@ graph-like one (variable ``x[-1,8]``, ``edge_index[2,-1]``, scalar ``y``), then 
 one run on the same (page-cache warm) files:
 
 * ingest files/s and MB/s vs. the raw ``torch.load`` rate of the same files with 2 threads
-  (issue 8 target: ratio >= 0.8);
+  (target: ratio >= 0.8);
 * random 256-sample ``take`` from the store (mapped once, reused ``out`` buffers) vs.
   ``torch.load`` of 256 individual files + stack (the per-sample-file DataLoader's work);
 * the same ``take`` vs. an in-memory numpy fancy-index gather (the floor).

@@ -1,4 +1,4 @@
-"""Server-side transforms (issue 15): shardserve with transforms vs. DataLoader workers.
+"""Server-side transforms: shardserve with transforms vs. DataLoader workers.
 
     python bench/bench_transforms.py [--quick] [--workdir DIR] [--images N] [--cifar-only]
 

@@ -1,4 +1,4 @@
-"""Cutting a message of several batches into those batches (issue 22).
+"""Cutting a message of several batches into those batches.
 
 Small batches travel several to a message: ``count`` consecutive batches of ``rows`` samples
 each (the last of an epoch may be short), one after the other in every field. Each batch

@@ -1,4 +1,4 @@
-"""Several environments' batches per step from one streaming ``Loader`` (issue 22).
+"""Several environments' batches per step from one streaming ``Loader``.
 
 ``Loader(..., envs=n)`` without ``resident`` asks for a job with ``envs=n`` and
 ``batch_size = n * b``: the server plans each environment on its own

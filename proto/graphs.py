@@ -2,7 +2,7 @@
 
 Following ``torch_geometric``, a field whose last name segment contains ``index``
 (``edge_index``) or is ``face`` holds node numbers and is concatenated along its **last**
-dimension; every other part along its first. A message of several graph batches (issue 22)
+dimension; every other part along its first. A message of several graph batches
 carries a :data:`SPLITS` part: row ``f`` holds where each batch begins in the ``f``-th other
 part, along that part's :func:`concat_dim`.
 

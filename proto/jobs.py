@@ -138,7 +138,7 @@ class JobSpec(BaseModel):
     #: covers it and a Loader created after ``ingest --overwrite`` gets a job of its own.
     #: Left out of the job id when ``None`` (ids of journals from before it stay the same).
     version: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
-    #: Server-side transforms applied to every batch, in order (issue 15); like ``collate``,
+    #: Server-side transforms applied to every batch, in order; like ``collate``,
     #: left out of the job id when ``None``.
     transforms: tuple[TransformStep, ...] | None = Field(default=None, max_length=64)
     #: Steps the trainer's device runs after the chain, on parameters the server draws.
@@ -153,7 +153,7 @@ class JobSpec(BaseModel):
     #: Left out of the job id when ``None``.
     transform_rng: Literal[1, 2] | None = None
 
-    #: Environments per step (issue 22): each batch carries ``envs`` environment batches of
+    #: Environments per step: each batch carries ``envs`` environment batches of
     #: ``batch_size // envs`` samples, environment ``e`` from the plan of
     #: ``SeedSequence([seed, epoch, e])`` (environment 0: the job's own plan); env ``e``'s rows
     #: are the ``e``-th of ``envs`` equal parts. Left out of the job id when 1.
@@ -165,7 +165,7 @@ class JobSpec(BaseModel):
     #: when ``"independent"``.
     env_shuffle: EnvShuffle = "independent"
 
-    #: Several datasets with weights (issue 30): each batch position draws its source with
+    #: Several datasets with weights: each batch position draws its source with
     #: probability ``weight / sum(weights)``; see ``docs`` "Mixtures and curriculum". Left out
     #: of the job id when ``None``, like ``schedule`` and ``epoch_samples``.
     mixture: tuple[MixtureSource, ...] | None = Field(

@@ -17,7 +17,7 @@ variable      a dim of -1, e.g. (-1, 64)  ``list<dtype>`` of the flattened value
 bytes         dtype "binary", shape ()    ``binary`` column ``name``
 ============  ==========================  ===========================================
 
-Nested samples (issue 14): a field name may be a dotted path (``params.nu``); the
+Nested samples: a field name may be a dotted path (``params.nu``); the
 optional ``structure`` records the tree the sample was saved as (see :data:`Tree`), so a
 client can rebuild ``batch["params"]["nu"]`` or a tuple. A field with ``nullable: true`` may
 be missing (``None``) in some samples: its column carries Arrow's validity bitmap. Both keys

@@ -21,7 +21,7 @@ client tells old from new by ``Welcome.nonce`` and ``Batch.stream``. The server 
 a batch the client has not granted credit for, so a slow consumer bounds the memory that
 its stream may hold on both sides.
 
-Small batches travel several to a message (issue 22): a ``Batch`` carries ``count``
+Small batches travel several to a message: a ``Batch`` carries ``count``
 consecutive batches of the plan, ``rows`` samples each (the last of an epoch may be short),
 one after the other in every part, and the client cuts them apart. Credit still counts
 batches. The server picks how many per message (``Welcome.group``), at most what the Hello

@@ -387,7 +387,7 @@ class PlanCache:
         """One rank's batches of the epoch (a strided view of the shared order); ``offset``:
         dealt from that position of the order on (elastic resume)."""
         spec = job.spec
-        if spec.envs > 1:  # steps of several environments (issue 22)
+        if spec.envs > 1:  # steps of several environments
             plans = [
                 self.env_plan(job, epoch, seed, rank, e, shard_rows, offset)
                 for e in range(spec.envs)

@@ -1,4 +1,4 @@
-"""Steps of several environments: one batch carries ``envs`` environment batches (issue 22).
+"""Steps of several environments: one batch carries ``envs`` environment batches.
 
 A PPO-style trainer wants ``n`` batches a step, each from its own deterministic plan, and
 wants them in one round trip. A job with ``envs=n`` (``JobSpec.envs``) streams steps: step

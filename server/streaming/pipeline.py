@@ -12,7 +12,7 @@ Work is taken only while ``credit > 0``, so ``owed`` never exceeds what the clie
 a consumer that stops reading holds at most its credit in memory on both sides. Batches are
 released strictly in index order; results that finish out of order wait in ``ready``.
 
-Small batches go several to a message (issue 22): :meth:`Pipeline.take` hands out a *span*
+Small batches go several to a message: :meth:`Pipeline.take` hands out a *span*
 of up to ``most`` consecutive batches, assembled, sent and released as one; every counter
 still counts batches.
 """

@@ -281,7 +281,7 @@ class IdlePools:
         never dropped."""
         pool = self._pools.pop(key, None)
         self._idle_since.pop(key, None)
-        # Remade when the shapes changed, or the rows (batches per message, issue 22).
+        # Remade when the shapes changed, or the rows (batches per message).
         if pool is None or pool.part_shapes != dict(part_shapes) or pool.batch_size != batch_size:
             pool = BufferPool(part_shapes, batch_size)
         self._pools[key] = pool

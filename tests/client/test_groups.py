@@ -1,4 +1,4 @@
-"""Several small batches per message (issue 22), against a real server: the loop sees exactly
+"""Several small batches per message, against a real server: the loop sees exactly
 the batches of one batch per message, each with storages of its own, over every transport,
 resumable in the middle of a message; and the cutting itself, property-tested."""
 

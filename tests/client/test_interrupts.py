@@ -1,4 +1,4 @@
-"""Ctrl-C anywhere in the client (issue 20): it is raised as ``KeyboardInterrupt``, and the
+"""Ctrl-C anywhere in the client: it is raised as ``KeyboardInterrupt``, and the
 ``state_dict()`` taken after it resumes exactly, so over any number of interrupts every sample
 of every (epoch, rank) reaches the loop once: none lost, none repeated."""
 

@@ -1,5 +1,5 @@
 """Every way preparing a stream can fail on the server reaches the client as its typed error,
-with the server's reason, well within the deadline (issue 20): before the Welcome too, where
+with the server's reason, well within the deadline: before the Welcome too, where
 the client does not know its stream id yet.
 
 Each deadline here is shorter than the client's silence detection (3 heartbeats, 3 s), so an

@@ -1,4 +1,4 @@
-"""Issue 21, bounded chaos: while two jobs stream, peers are killed before and after their
+"""Bounded chaos: while two jobs stream, peers are killed before and after their
 Welcome, oversized specs are posted, Hellos flood in, and clients close under signals. The
 two jobs still get every sample exactly once per epoch; the server stays ready and flat."""
 

@@ -1,4 +1,4 @@
-"""Issue 21, data plane: one peer's trouble stays that peer's; a dead data plane says so."""
+"""Data plane: one peer's trouble stays that peer's; a dead data plane says so."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 21, the edges: Host allow-list, idle HTTP connections, client close under signals,
+"""The edges: Host allow-list, idle HTTP connections, client close under signals,
 damaged state dicts, a server that is restarting."""
 
 from __future__ import annotations

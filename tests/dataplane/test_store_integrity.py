@@ -1,4 +1,4 @@
-"""Issue 21, store side: zero-copy mapping, shard identity, distinct shards, safe sweeps."""
+"""Store side: zero-copy mapping, shard identity, distinct shards, safe sweeps."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 20, streams: one live stream per (job, rank), stream limits, Hello rate, and shm rings
+"""Streams: one live stream per (job, rank), stream limits, Hello rate, and shm rings
 that count only once their client proved it mapped them. Real servers, raw DEALER peers."""
 
 from __future__ import annotations

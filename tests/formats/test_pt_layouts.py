@@ -1,4 +1,4 @@
-"""The .pt and numpy layouts users actually have (issue 14's table), ingested and read back
+"""The .pt and numpy layouts users actually have, ingested and read back
 through a real server and Loader, equal to the source, in the shape they were saved in."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``docker-compose config`` (Debian's 1.29, what CI runs) accepts the real file and rejects
-broken copies of it, and the resolved file has the sidecar's shape (issue 6).
+broken copies of it, and the resolved file has the sidecar's shape.
 
 No engine runs here: ``config`` validates schema, interpolation and references between
 services, which is as far as a machine without Docker can go.
@@ -75,7 +75,7 @@ def test_broken_copy_is_rejected(tmp_path: Path, what: str, old: str, new: str, 
     assert named in out.stderr, out.stderr
 
 
-# --- the shape issue 6 asks for ------------------------------------------------------------
+# --- the sidecar's shape ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The images and the compose stack, run for real with podman (issue 17).
+"""The images and the compose stack, run for real with podman.
 
 ``bash docker/ci-engine.sh`` builds ``shardserve`` and ``shardserve-trainer`` and leaves
 ``docker/.engine-ready``; without it (no root, no apt, or the script not run) every test here

@@ -1,4 +1,4 @@
-"""docker/podman-stack.sh and docker-compose.yml describe the same containers (issue 17).
+"""docker/podman-stack.sh and docker-compose.yml describe the same containers.
 
 The script runs the compose file's services with plain ``podman run`` because Debian's
 podman-compose cannot (health-gated ``depends_on``, ``ipc: "service:..."``). Here each service's

@@ -1,4 +1,4 @@
-"""Authentication (issue 5, item 6), extending tests/server/test_lifecycle.py's token test.
+"""Authentication, extending tests/server/test_lifecycle.py's token test.
 
 Here: every OpenAPI operation (plus the docs routes) needs the token, the token from the
 environment, a Hello with no token on both transports, the Loader with ``token=`` and with

@@ -1,4 +1,4 @@
-"""Client death (issue 5, item 2): a SIGKILLed client's stream is reclaimed; others keep streaming."""
+"""Client death: a SIGKILLed client's stream is reclaimed; others keep streaming."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Corrupt data (issue 5, item 3): truncated and deleted shards fail the job by name, never the server.
+"""Corrupt data: truncated and deleted shards fail the job by name, never the server.
 
 The flipped-byte case under the default ``--verify lazy`` is in tests/server/test_lifecycle.py;
 here: truncated and deleted shards under lazy and full verification, a flipped byte refused at

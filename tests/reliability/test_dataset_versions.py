@@ -1,4 +1,4 @@
-"""Datasets have versions (issue 20): ``ingest --overwrite`` while jobs stream never mixes two
+"""Datasets have versions: ``ingest --overwrite`` while jobs stream never mixes two
 versions into one epoch, never leaves a stale job, and a restart after it fails the old job with
 ``DatasetChanged`` naming both ids. Real servers, real ``shardserve ingest`` subprocesses."""
 

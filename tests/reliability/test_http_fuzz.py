@@ -1,4 +1,4 @@
-"""Hostile HTTP input (issue 5, item 5): schemathesis over the live OpenAPI schema, body limits, path traversal."""
+"""Hostile HTTP input: schemathesis over the live OpenAPI schema, body limits, path traversal."""
 
 from __future__ import annotations
 

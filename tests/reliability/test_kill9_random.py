@@ -1,4 +1,4 @@
-"""Random ``kill -9`` over several epochs (issue 20): a real server is SIGKILLed at random
+"""Random ``kill -9`` over several epochs: a real server is SIGKILLed at random
 points while two ranks stream, restarted on the same ports and state dir, and the Loaders
 resume by themselves; every (epoch, rank) still gets exactly its plan: 0 lost, 0 duplicated.
 

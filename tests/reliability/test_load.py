@@ -1,4 +1,4 @@
-"""Load (issue 5, item 7), CI size: 32 streams (8 jobs x 4 ranks, 2 datasets) from one client process."""
+"""Load, CI size: 32 streams (8 jobs x 4 ranks, 2 datasets) from one client process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a peer reports is checked and what a peer names is escaped (issue 20, "smaller").
+"""What a peer reports is checked and what a peer names is escaped.
 
 Client telemetry (``Credit``/``Heartbeat`` stats) with ``Infinity``, ``NaN``, absurd seconds or
 counts is refused with a typed error and never reaches the status page or metrics; a job id

@@ -1,4 +1,4 @@
-"""Server restart mid-epoch (issue 5, item 1): kill -9 twice, the epoch still arrives exactly once."""
+"""Server restart mid-epoch: kill -9 twice, the epoch still arrives exactly once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile or malformed data-plane input (issue 5, item 4), against a live server with raw DEALERs.
+"""Hostile or malformed data-plane input, against a live server with raw DEALERs.
 
 Already covered in tests/server/test_data_plane.py and not repeated: bad magic, an unknown kind
 with a good prefix, bad JSON, credit without a stream, a server-only message kind, absurd credit,

@@ -1,4 +1,4 @@
-"""Dataset versions on an S3 store (issue 20): an overwrite in the bucket while a job streams
+"""Dataset versions on an S3 store: an overwrite in the bucket while a job streams
 through a small shard cache never mixes versions; a Loader created after gets the new one."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_pt_folder_recursive_sorted(tmp_path: Path, store_root: Path) -> None:
 
 
 def test_pt_varying_dimension_is_found_without_the_flag(tmp_path: Path, store_root: Path) -> None:
-    """A dimension that varies between samples makes the field variable by itself (issue 14);
+    """A dimension that varies between samples makes the field variable by itself;
     the summary says so."""
     _write_pt_folder(tmp_path / "src", 4)
     s = ingest(tmp_path / "src", store_root, "pts", progress=False)

@@ -1,4 +1,4 @@
-"""Dataset versions in the store (issue 20): content ids, and a ``Store`` that keeps a
+"""Dataset versions in the store: content ids, and a ``Store`` that keeps a
 replaced version mapped for the jobs that pin it."""
 
 from __future__ import annotations

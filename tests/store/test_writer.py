@@ -71,7 +71,7 @@ def test_graph_like_manifest(store_root: Path) -> None:
     ("second", "needle"),
     [
         ({"a": np.zeros(3, np.float64), "b": 1}, "dtype float64"),
-        # A differing dim is now found variable (issue 14); a differing rank is refused.
+        # A differing dim is now found variable; a differing rank is refused.
         ({"a": np.zeros((3, 1), np.float32), "b": 1}, "has shape (3, 1)"),
         ({"a": np.zeros(3, np.float32)}, "missing ['b']"),
         ({"a": np.zeros(3, np.float32), "b": 1, "c": 2}, "unexpected ['c']"),

@@ -7,7 +7,7 @@
         sock.connect(srv.data_endpoints[0])         # tcp://127.0.0.1:PORT
         srv.ipc_endpoint                            # ipc:///tmp/.../ss.sock
 
-    # restart on the same ports (issue 5): pin them, kill -9, start again
+    # restart on the same ports: pin them, kill -9, start again
     http, data = free_port(), free_port()
     with run_server(store, http_port=http, data_port=data) as srv:
         srv.kill()

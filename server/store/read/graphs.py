@@ -227,7 +227,7 @@ class GraphCollated(Wrapped):
     """A dataset whose ``take`` returns graph batches (see module docstring); everything
     else is the wrapped dataset's.
 
-    A take of more than ``batch_size`` graphs is a message of several batches (issue 22):
+    A take of more than ``batch_size`` graphs is a message of several batches:
     each batch of ``batch_size`` consecutive graphs is collated on its own terms (``batch``,
     ``ptr`` and index fields count from that batch's first graph and node), the batches lie
     one after the other in every part, and a ``.splits`` part (int64 ``[parts, batches + 1]``)

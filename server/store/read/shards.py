@@ -1,7 +1,7 @@
 """One shard file: memory-map it, check it against the manifest, expose per-chunk views.
 
 A :class:`MappedShard` keeps its ``pyarrow.memory_map`` open for its whole life (re-mapping
-each epoch costs page faults again: issue 8). For each record batch ("chunk") it holds
+each epoch costs page faults again). For each record batch ("chunk") it holds
 
 * fixed and scalar fields: a read-only zero-copy numpy view ``[rows, *shape]``;
 * variable and binary fields: the Arrow array itself (taken with ``pyarrow.compute.take``),

@@ -1,6 +1,6 @@
 """``ShardWriter``: stream samples into Arrow IPC shards and publish a dataset atomically.
 
-Layout choices (why, see issue 8's measurements):
+Layout choices (why: the store benchmarks' measurements):
 
 * One Arrow record batch ("chunk") per shard, unless a shard is larger than
   :data:`CHUNK_MAX_BYTES`; then a shard holds several chunks of that size. A random batch then
