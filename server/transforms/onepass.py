@@ -9,14 +9,14 @@ against 1.3 ms). The values are numpy's: the table is numpy's normalize of every
 value, and the window and the flip only move bytes, so the bytes are the same either way
 (``tests/transforms/test_onepass.py`` checks that on random inputs).
 
-The extension is optional (:mod:`.compiled`): where it was not built, :data:`BUILT` is
-``False``, :func:`gather` declines and the built-ins run their numpy kernels.
+The extension is optional (:mod:`.compiled`): where it was not built, :func:`gather` declines
+and the built-ins run their numpy kernels.
 
 >>> x = np.arange(4, dtype=np.uint8).reshape(1, 2, 2)
 >>> y = np.empty((1, 2, 2), np.uint8)
->>> gather(x, y, identity(1), chw_in=True, chw_out=True, flip=np.array([True])) or not BUILT
+>>> gather(x, y, identity(1), chw_in=True, chw_out=True, flip=np.array([True])) or not windows
 True
->>> bool((y == x[:, :, ::-1]).all()) or not BUILT
+>>> bool((y == x[:, :, ::-1]).all()) or not windows
 True
 """
 
@@ -27,9 +27,6 @@ import functools
 import numpy as np
 
 from .compiled import windows
-
-#: Whether the compiled kernel is here (``shardserve serve`` logs it at start).
-BUILT = windows is not None
 
 
 def channels(x: np.ndarray, chw: bool) -> int:
