@@ -51,7 +51,8 @@ static PyObject *blocks(PyObject *self, PyObject *args)
     (void)self;
     if (!PyArg_ParseTuple(args, "y*y*y*y*w*:blocks", &block, &ids, &k0, &k1, &out)) return NULL;
     n = ids.len / 8;
-    if (ids.len % 8 || block.len != ids.len) bad = "block and ids must be uint64 arrays of one size";
+    if (ids.len % 8 || block.len != ids.len)
+        bad = "block and ids must be uint64 arrays of one size";
     else if (k0.len != k1.len || (k0.len != 8 && k0.len != ids.len))
         bad = "the keys must be one uint64 each, or one per sample";
     else if (out.len < 32 * n) bad = "out must hold four uint64 words a sample";

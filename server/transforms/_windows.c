@@ -72,8 +72,10 @@ typedef struct {
                 for (y = 0; y < g->h; y++) {                                                   \
                     const Py_ssize_t sy = y0 + y;                                              \
                     const int inside = sy >= 0 && sy < g->h_in;                                \
-                    const uint8_t *row = src + b * in_sample + c * g->sc + (inside ? sy : 0) * g->sh; \
-                    ROW(row, dst + b * out_sample + c * g->dc + y * g->dh, table, g, x0, f, inside); \
+                    const uint8_t *row =                                                       \
+                        src + b * in_sample + c * g->sc + (inside ? sy : 0) * g->sh;           \
+                    T *out = dst + b * out_sample + c * g->dc + y * g->dh;                     \
+                    ROW(row, out, table, g, x0, f, inside);                                    \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -109,7 +111,8 @@ static const char *check(const Geometry *g, Py_buffer *src, Py_buffer *dst, Py_b
     if (g->h > g->h_in + 2 * g->pad || g->w > g->w_in + 2 * g->pad)
         return "the window is larger than the padded image";
     if (src->len < g->n * g->c * g->h_in * g->w_in) return "the input is smaller than its shape";
-    if (dst->len < g->n * g->c * g->h * g->w * g->item) return "the output is smaller than its shape";
+    if (dst->len < g->n * g->c * g->h * g->w * g->item)
+        return "the output is smaller than its shape";
     if (oy->len < g->n * 8 || ox->len < g->n * 8) return "fewer offsets than samples";
     if (flip->len != 0 && flip->len < g->n) return "fewer flips than samples";
     if (lut->len < g->c * 256 * g->item) return "the table holds fewer than 256 entries a channel";

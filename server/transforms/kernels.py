@@ -152,8 +152,8 @@ def normalize_into(
     Measured and kept out here (one core, CIFAR batch 256: 0.55 ms): that table looked up
     through numpy costs 0.85-1.2 ms with ``np.take`` (about 1.1 ns an element for the index
     cast and the gather, in blocks of 4 to 64 samples; a table of pairs over a ``uint16``
-    view is no better) and 1.8 ms by fancy indexing; a multiply by ``1 / std`` changes 39-48 of a channel's 256
-    results (CIFAR's mean and std), so the divide stays.
+    view is no better) and 1.8 ms by fancy indexing; a multiply by ``1 / std`` changes
+    39-48 of a channel's 256 results (CIFAR's mean and std), so the divide stays.
 
     >>> y = np.empty((1, 2), np.float32)
     >>> normalize_into(np.array([[0, 255]], np.uint8), y, False, 1 / 255, [0.5], [0.5])
