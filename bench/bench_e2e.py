@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _loops import server_pid  # this folder is on the path of a script here
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, get_worker_info
 
 from shardserve.client import Loader, serve_local
@@ -205,19 +206,6 @@ def memcpy(
             yield {k: torch.from_numpy(d[:m]) for k, d in dst.items()}
 
     return epoch
-
-
-def server_pid(store: Path) -> int | None:
-    """The serve_local server's pid (for its CPU time and RSS), found by its command line."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"serve" in cmd and str(store).encode() in cmd:
-                return int(proc.name)
-    return None
 
 
 def cpu_s(pid: int) -> float:

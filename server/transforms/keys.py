@@ -215,20 +215,14 @@ def _block_words(
     batch of 256 in 10 us against 67 us of numpy calls), else :func:`philox4x32_10`."""
     if philox is not None:
         out = np.empty((ids.size, 4), np.uint64)
-        philox.blocks(
-            _u64(np.broadcast_to(block, ids.shape)),
-            _u64(ids),
-            _u64(np.asarray(k0).reshape(-1)),
-            _u64(np.asarray(k1).reshape(-1)),
-            out,
-        )
+        philox.blocks(_u64(block), _u64(ids), _u64(k0), _u64(k1), out)
         return out.reshape(*ids.shape, 4)
     zero = np.zeros(ids.shape, np.uint64)
     return np.stack(philox4x32_10(block, zero, ids & _MASK, ids >> _SHIFT, k0, k1), axis=-1)
 
 
-def _u64(a: np.ndarray) -> np.ndarray:
-    """``a`` as a contiguous ``uint64`` array (no copy when it is one already)."""
+def _u64(a: int | np.ndarray) -> np.ndarray:
+    """``a`` as a flat contiguous ``uint64`` array (no copy when it is one already)."""
     return np.ascontiguousarray(a, dtype=np.uint64).reshape(-1)
 
 
