@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from _ingest_sources import MDS_PYTHON
 from _small_data import make_cifar
-from bench_ingest_formats import MDS_PYTHON
 from torch.utils.data import DataLoader
 
 from shardserve.client import Loader, serve_local
