@@ -21,7 +21,7 @@ from pydantic import Field
 from .draws import crop_offsets, flips
 from .kernels import crop_flip, norm_table, normalize_into, pad_batch
 from .keys import SampleKeys
-from .onepass import channels, gather
+from .onepass import gather, table_channels
 from .params import FieldParams
 from .registry import Columns, batch_transform
 from .schema import Field as F
@@ -244,8 +244,9 @@ def _norm_shape(x: np.ndarray, p: Normalize) -> tuple[int, ...]:
 def normalize_batch(x: np.ndarray, p: Normalize, y: np.ndarray) -> np.ndarray:
     """``normalize`` of the batch ``x`` written into ``y`` (the step's shape and dtype)."""
     chw_in = p.layout == "CHW" and not p.to_chw
-    if x.dtype == np.uint8 and gather(
-        x, y, norm_table_of(p, channels(x, chw_in)), chw_in=chw_in, chw_out=p.to_chw or chw_in
+    c = table_channels(x, chw_in)
+    if c is not None and gather(
+        x, y, norm_table_of(p, c), chw_in=chw_in, chw_out=p.to_chw or chw_in
     ):
         return y
     if p.to_chw:

@@ -45,7 +45,7 @@ from .builtins_images import (
 from .draws import crop_flips, crop_offsets, flips
 from .kernels import scratch
 from .keys import SampleKeys
-from .onepass import channels, gather, identity
+from .onepass import gather, identity, table_channels
 from .registry import Columns, Transform, batch_transform
 from .schema import Field, Schema
 
@@ -199,12 +199,11 @@ def _one_pass(
     dest: np.ndarray,
 ) -> bool:
     """The fused steps by the compiled kernel (:mod:`.onepass`), if it applies."""
-    if x.dtype != np.uint8:
+    chw_in = p.layout == "CHW"
+    c = table_channels(x, chw_in)
+    if c is None:
         return False
-    layout = p.layout
-    chw_in = layout == "CHW"
     chw_out = chw_in or (p.norm is not None and p.norm.to_chw)
-    c = channels(x, chw_in)
     table = norm_table_of(p.norm, c) if p.norm is not None else identity(c)
     pad, fill = (p.crop.padding, int(p.crop.fill)) if p.crop is not None else (0, 0)
     return gather(

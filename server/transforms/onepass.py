@@ -28,6 +28,11 @@ import numpy as np
 
 from .compiled import windows
 
+#: Images of more channels than this run on numpy: a job's image shape must not decide how
+#: much the table cache holds (a table is 256 entries a channel of up to 8 bytes, and
+#: ``kernels.norm_table`` keeps 16: at most 2 MiB in all).
+MAX_CHANNELS = 64
+
 
 def channels(x: np.ndarray, chw: bool) -> int:
     """Channels of a batch ``x`` of images: ``[B, H, W]`` has one, ``[B, C, H, W]`` (``chw``)
@@ -35,6 +40,13 @@ def channels(x: np.ndarray, chw: bool) -> int:
     if x.ndim == 3:
         return 1
     return int(x.shape[1] if chw else x.shape[3])
+
+
+def table_channels(x: np.ndarray, chw: bool) -> int | None:
+    """:func:`channels` of a ``uint8`` batch the compiled pass takes; ``None`` (numpy runs, no
+    table is made) for another dtype or past :data:`MAX_CHANNELS`."""
+    c = channels(x, chw)
+    return c if x.dtype == np.uint8 and c <= MAX_CHANNELS else None
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,6 +19,7 @@ from shardserve.server.transforms.builtins_images import (
     crop_at,
     flip_batch,
     norm_table_of,
+    normalize_batch,
 )
 from shardserve.server.transforms.kernels import normalize_into
 
@@ -135,6 +136,18 @@ def _call(
 def test_a_geometry_out_of_bounds_is_refused(kwargs: dict[str, int], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         _call(**kwargs)
+
+
+def test_images_of_many_channels_run_on_numpy_with_the_same_bytes() -> None:
+    """Past MAX_CHANNELS no table is made, and normalize gives the numpy kernels' bytes."""
+    c = onepass.MAX_CHANNELS + 1
+    x = np.random.default_rng(0).integers(0, 256, (2, c, 3, 3), dtype=np.uint8)
+    assert onepass.table_channels(x, True) is None
+    assert onepass.table_channels(x[:, : c - 1], True) == c - 1
+    norm = Normalize(field="x", layout="CHW", scale=1 / 255, mean=[0.5], std=[0.25])
+    case = {"x": x, "layout": "CHW", "crop": None, "flip": None, "norm": norm}
+    y = np.empty(x.shape, np.float32)
+    assert normalize_batch(x, norm, y).tobytes() == numpy_kernels(case).tobytes()
 
 
 def test_the_kernel_declines_what_it_does_not_handle() -> None:
